@@ -1,0 +1,154 @@
+"""The ``bt-hub`` command: a table from subcommand to (config dataclass, library function).
+
+Each subcommand's flags are the fields of its config dataclass (kebab-case), their help
+text is the field's ``metadata["help"]``, and a ``PRESETS`` class attribute adds
+``--preset``. The module behind a subcommand is imported only when that subcommand
+runs, so ``--help`` and the other subcommands work without its optional extras.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import sys
+import types
+import typing
+from typing import Any, NamedTuple, Sequence
+
+
+class Command(NamedTuple):
+    """Where a subcommand lives: module, config dataclass name, function name, one-line help."""
+
+    module: str
+    config: str
+    function: str
+    help: str
+
+
+COMMANDS: dict[str, Command | dict[str, Command]] = {
+    "demo": Command("eval.demo", "DemoConfig", "run_demo", "pretrain on the embedded digits set and score it (the README's first command)"),
+    "pretrain": Command("bt_hub.pretrain", "PretrainConfig", "pretrain", "pretrain a backbone with the Barlow Twins loss"),
+    "export": Command("bt_hub.checkpoint", "ExportConfig", "export", "convert weights to torchvision, safetensors, detectron2 or a Hugging Face folder"),
+    "push": Command("bt_hub.hub", "PushConfig", "push", "upload weights to the Hugging Face Hub with a model card"),
+    "eval": {
+        "linear": Command("eval.linear", "LinearConfig", "run", "linear probe on a frozen backbone (ImageNet protocol)"),
+        "semi": Command("eval.semi_supervised", "SemiSupervisedConfig", "run", "fine-tune on 1% or 10% of the labels"),
+        "knn": Command("eval.knn", "KnnConfig", "run", "weighted kNN on L2-normalised features (faiss)"),
+        "voc07-svm": Command("eval.voc07_svm", "Voc07SvmConfig", "run", "per-class linear SVMs on VOC2007 (VISSL protocol)"),
+        "transfer": Command("eval.linear", "TransferConfig", "run_transfer", "linear transfer to Places-205 / iNat18 (PIRL settings)"),
+        "all": Command("eval.suite", "SuiteConfig", "run", "every classification protocol on one checkpoint"),
+    },
+    "detect": Command("eval.detection.train_net", "DetectConfig", "main", "Faster/Mask R-CNN C4 transfer through detectron2"),
+}
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    """``Optional[X]`` -> ``X``; other types unchanged."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -> None:
+    """Add one flag per dataclass field (``field_name`` -> ``--field-name``)."""
+    hints = typing.get_type_hints(config_cls)
+    for f in dataclasses.fields(config_cls):
+        if not f.init:
+            continue
+        meta = dict(f.metadata)
+        tp = _unwrap_optional(hints[f.name])
+        origin = typing.get_origin(tp)
+        kwargs: dict[str, Any] = {"help": meta.get("help", ""), "default": argparse.SUPPRESS}
+        if origin is typing.Literal:
+            kwargs["choices"] = list(typing.get_args(tp))
+            kwargs["type"] = type(kwargs["choices"][0])
+        elif tp is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif origin in (list, tuple):
+            kwargs["nargs"] = meta.get("nargs", "+")
+            kwargs["type"] = typing.get_args(tp)[0]
+        else:
+            kwargs["type"] = tp
+        if "choices" in meta:
+            kwargs["choices"] = meta["choices"]
+        if meta.get("positional"):
+            kwargs["nargs"] = meta.get("nargs", "*")
+            parser.add_argument(f.name, **kwargs)
+            continue
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            kwargs["required"] = True
+        elif f.default is not dataclasses.MISSING and f.default is not None and "action" not in kwargs:
+            kwargs["help"] = f"{kwargs['help']} (default: {f.default})".strip()
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
+    presets = getattr(config_cls, "PRESETS", None)
+    if presets:
+        parser.add_argument("--preset", choices=sorted(presets), default=argparse.SUPPRESS, help="a named set of defaults; flags given override it")
+
+
+def build_config(config_cls: type, namespace: argparse.Namespace) -> Any:
+    """The config dataclass from parsed flags, with ``--preset`` values under the explicit flags."""
+    given = vars(namespace).copy()
+    preset = given.pop("preset", None)
+    values = dict(config_cls.PRESETS[preset]) if preset else {}
+    values.update(given)
+    if preset and any(f.name == "preset" for f in dataclasses.fields(config_cls)):
+        values["preset"] = preset
+    return config_cls(**values)
+
+
+def _resolve(argv: Sequence[str]) -> tuple[list[str], Command | None, list[str]]:
+    """Split argv into the command path, the Command found (or None) and the rest."""
+    table: Any = COMMANDS
+    path: list[str] = []
+    rest = list(argv)
+    while rest and isinstance(table, dict) and rest[0] in table:
+        path.append(rest.pop(0))
+        table = table[path[-1]]
+    return path, table if isinstance(table, Command) else None, rest
+
+
+def _overview(path: list[str], table: dict[str, Any]) -> str:
+    width = max(len(k) for k in table) + 2
+    lines = [f"usage: bt-hub {' '.join(path + ['<command>'])} [flags]", "", "commands:"]
+    for name, entry in table.items():
+        text = entry.help if isinstance(entry, Command) else "subcommands: " + ", ".join(entry)
+        lines.append(f"  {name:<{width}}{text}")
+    lines += ["", "Run 'bt-hub " + " ".join(path + ["<command>"]) + " --help' for its flags."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``bt-hub`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path, command, rest = _resolve(argv)
+    if command is None:
+        table: Any = COMMANDS
+        for p in path:
+            table = table[p]
+        if rest and rest[0] not in ("-h", "--help"):
+            print(f"bt-hub: error: unknown command {' '.join(path + rest[:1])!r}\n\n{_overview(path, table)}", file=sys.stderr)
+            return 2
+        print(_overview(path, table))
+        return 0 if rest else 2
+    module = importlib.import_module(command.module)
+    config_cls = getattr(module, command.config)
+    parser = argparse.ArgumentParser(prog="bt-hub " + " ".join(path), description=command.help)
+    add_dataclass_arguments(parser, config_cls)
+    namespace = parser.parse_args(rest)
+    try:
+        config = build_config(config_cls, namespace)
+        getattr(module, command.function)(config)
+    except (ValueError, OSError, ImportError, RuntimeError) as err:
+        if os.environ.get("BT_HUB_DEBUG"):
+            raise
+        print(f"bt-hub {' '.join(path)}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

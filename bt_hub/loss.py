@@ -1,0 +1,127 @@
+"""The Barlow Twins loss (Zbontar et al., ICML 2021, eq. 1 and 2), dense and Gram forms.
+
+With each embedding dimension standardised over the batch (mean 0, biased variance 1,
+eps 1e-5, as the reference's ``BatchNorm1d(affine=False)``), the cross-correlation is
+
+    C = z_aᵀ z_b / N                                     (D x D)
+    loss = Σ_i (1 − C_ii)²  +  λ Σ_{i≠j} C_ij²            (invariance + λ · redundancy)
+
+The redundancy term equals ‖C‖_F² − Σ_i C_ii², and ‖z_aᵀ z_b‖_F² = Σ_{n,m} (z_a z_aᵀ)_{nm}
+(z_b z_bᵀ)_{nm}, so the same loss costs O(N²D) time and O(N²) memory in the Gram form
+instead of O(ND²) and O(D²). Both forms give the same value and gradient.
+
+Under ``torch.distributed`` the statistics, C and the Gram matrices are those of the
+global batch, through autograd-aware collectives, so that the loss and (after DDP's
+gradient averaging) the gradients equal those of one process on the concatenated batch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from bt_hub.distributed import all_gather_cat, all_reduce_sum, get_world_size
+
+EPS = 1e-5
+METHODS = ("auto", "dense", "gram")
+
+
+class LossTerms(NamedTuple):
+    """The loss and its two parts (unweighted), all float32 scalars."""
+
+    loss: torch.Tensor
+    invariance_term: torch.Tensor
+    redundancy_term: torch.Tensor
+
+
+def standardize(z: torch.Tensor, eps: float = EPS) -> tuple[torch.Tensor, int]:
+    """Per-dimension (z − mean) / sqrt(biased var + eps) over the global batch.
+
+    Returns the standardised local rows and the global batch size N.
+    """
+    n_local = torch.tensor([float(z.shape[0])], device=z.device)
+    n = int(all_reduce_sum(n_local).item()) if get_world_size() > 1 else z.shape[0]
+    mean = all_reduce_sum(z.sum(dim=0)) / n
+    centred = z - mean
+    var = all_reduce_sum(centred.pow(2).sum(dim=0)) / n
+    return centred / torch.sqrt(var + eps), n
+
+
+def choose_method(n: int, d: int) -> str:
+    """'gram' when the N x N Gram form is cheaper than the D x D matrix (2N < D), else 'dense'."""
+    return "gram" if 2 * n < d else "dense"
+
+
+def dense_terms(a: torch.Tensor, b: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Invariance and redundancy terms from the D x D cross-correlation C = aᵀb / N.
+
+    ``a`` and ``b`` are this rank's standardised rows; C is summed over ranks.
+    """
+    c = all_reduce_sum(a.T @ b) / n
+    diag = torch.diagonal(c)
+    invariance = (1 - diag).pow(2).sum()
+    redundancy = c.pow(2).sum() - diag.pow(2).sum()
+    return invariance, redundancy
+
+
+def gram_terms(a: torch.Tensor, b: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same terms without forming C: ‖C‖_F² = Σ_{n,m} (A Aᵀ)_{nm} (B Bᵀ)_{nm} / N².
+
+    Each rank computes the rows of the global Gram matrices that belong to its local
+    samples (local x global), so nothing D x D and nothing N x N beyond N_local x N.
+    """
+    diag = all_reduce_sum((a * b).sum(dim=0)) / n
+    a_all, b_all = all_gather_cat(a), all_gather_cat(b)
+    gram_a = a @ a_all.T
+    gram_b = b @ b_all.T
+    # float64 accumulation: ‖C‖² − Σ C_ii² subtracts two numbers of size ~D.
+    frob = all_reduce_sum((gram_a.double() * gram_b.double()).sum()) / (n * n)
+    invariance = (1 - diag).pow(2).sum()
+    redundancy = (frob - diag.double().pow(2).sum()).float()
+    return invariance, redundancy
+
+
+def _scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """Same value as ``x``; gradient multiplied by ``factor``."""
+    return x * factor + x.detach() * (1.0 - factor)
+
+
+def barlow_twins_loss(
+    z_a: torch.Tensor,
+    z_b: torch.Tensor,
+    lambd: float = 0.0051,
+    method: str = "auto",
+    *,
+    reference_grad_scale: bool = False,
+) -> LossTerms:
+    """Barlow Twins loss of two embedding batches (N x D each), in float32.
+
+    Args:
+        z_a: embeddings of the first views (this rank's rows under DDP).
+        z_b: embeddings of the second views, same shape.
+        lambd: weight λ of the redundancy term (paper 5e-3, reference code 0.0051).
+        method: "dense" (D x D), "gram" (N x N) or "auto" (the cheaper of the two).
+        reference_grad_scale: scale the gradient by 1/world_size, as the reference code's
+            plain all_reduce + DDP averaging does, to match the released recipe on a given
+            GPU count; off by default (exact global-batch gradients).
+
+    Returns:
+        LossTerms(loss, invariance_term, redundancy_term) with
+        loss = invariance_term + lambd * redundancy_term.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method {method!r} is unknown; expected one of {METHODS}")
+    if z_a.shape != z_b.shape or z_a.dim() != 2:
+        raise ValueError(f"z_a and z_b must both be N x D; got {tuple(z_a.shape)} and {tuple(z_b.shape)}")
+    with torch.autocast(device_type=z_a.device.type, enabled=False):
+        a, n = standardize(z_a.float())
+        b, _ = standardize(z_b.float())
+        if method == "auto":
+            method = choose_method(n, a.shape[1])
+        terms = dense_terms if method == "dense" else gram_terms
+        invariance, redundancy = terms(a, b, n)
+        loss = invariance + lambd * redundancy
+        if reference_grad_scale and get_world_size() > 1:
+            loss = _scale_gradient(loss, 1.0 / get_world_size())
+    return LossTerms(loss, invariance.detach(), redundancy.detach())

@@ -1,0 +1,115 @@
+"""Backbones, projector and the Barlow Twins model (PROTOCOLS.md §1).
+
+The backbone is a plain torchvision ResNet with ``zero_init_residual=True`` and
+``fc = Identity``, so its state dict loads into ``torchvision.models.resnet50()``
+(strict apart from ``fc.*``). The projector is the reference ``Sequential``
+(indices 0..6): Linear(bias=False) -> BN -> ReLU twice, then Linear(bias=False).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torchvision.models import resnet
+
+from bt_hub.loss import LossTerms, barlow_twins_loss
+
+BACKBONES: dict[str, Callable[..., resnet.ResNet]] = {
+    "resnet18": resnet.resnet18,
+    "resnet34": resnet.resnet34,
+    "resnet50": resnet.resnet50,
+    "resnet101": resnet.resnet101,
+}
+
+
+def build_backbone(name: str = "resnet50", *, small_image_stem: bool = False) -> resnet.ResNet:
+    """A torchvision ResNet with zero-initialised residual BNs and ``fc = Identity``.
+
+    Args:
+        name: one of ``BACKBONES`` (resnet18, resnet34, resnet50, resnet101).
+        small_image_stem: replace the 7x7/2 conv and max-pool by a 3x3/1 conv, for 32-px data.
+    """
+    if name not in BACKBONES:
+        raise ValueError(f"backbone {name!r} is unknown; expected one of {sorted(BACKBONES)}")
+    net = BACKBONES[name](weights=None, zero_init_residual=True)
+    if small_image_stem:
+        net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        net.maxpool = nn.Identity()
+    net.feature_dim = net.fc.in_features
+    net.fc = nn.Identity()
+    return net
+
+
+def parse_projector(spec: str) -> list[int]:
+    """Parse a projector spec such as ``"8192-8192-8192"`` into layer widths."""
+    try:
+        sizes = [int(s) for s in spec.split("-")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(s <= 0 for s in sizes):
+        raise ValueError(f"projector {spec!r} is malformed; expected positive widths joined by '-', e.g. '8192-8192-8192'")
+    return sizes
+
+
+def build_projector(in_dim: int, spec: str = "8192-8192-8192") -> nn.Sequential:
+    """The reference projector: (Linear(bias=False), BN, ReLU) x (n-1), then Linear(bias=False)."""
+    sizes = [in_dim] + parse_projector(spec)
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 2):
+        layers += [nn.Linear(sizes[i], sizes[i + 1], bias=False), nn.BatchNorm1d(sizes[i + 1]), nn.ReLU(inplace=True)]
+    layers.append(nn.Linear(sizes[-2], sizes[-1], bias=False))
+    return nn.Sequential(*layers)
+
+
+class BarlowTwins(nn.Module):
+    """Backbone + projector trained with the Barlow Twins loss (Zbontar et al., ICML 2021).
+
+    Args:
+        backbone: torchvision ResNet name (resnet18/34/50/101).
+        projector: widths of the projector layers, e.g. ``"8192-8192-8192"``.
+        lambd: weight of the redundancy-reduction term (0.0051 in the reference code).
+        small_image_stem: 3x3 stem without max-pool, for 32-px inputs.
+        loss_method: ``"auto"``, ``"dense"`` (D x D) or ``"gram"`` (N x N); same value.
+        reference_grad_scale: reproduce the reference code's gradients, 1/world_size of
+            the global loss's (PROTOCOLS.md §1); off by default (exact gradients).
+    """
+
+    def __init__(
+        self,
+        backbone: str = "resnet50",
+        projector: str = "8192-8192-8192",
+        lambd: float = 0.0051,
+        *,
+        small_image_stem: bool = False,
+        loss_method: str = "auto",
+        reference_grad_scale: bool = False,
+    ) -> None:
+        super().__init__()
+        self.backbone = build_backbone(backbone, small_image_stem=small_image_stem)
+        self.projector = build_projector(self.backbone.feature_dim, projector)
+        self.lambd = lambd
+        self.loss_method = loss_method
+        self.reference_grad_scale = reference_grad_scale
+        self.config = {
+            "backbone": backbone,
+            "projector": projector,
+            "lambd": lambd,
+            "small_image_stem": small_image_stem,
+        }
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Projector output z for a batch of images."""
+        return self.projector(self.backbone(x))
+
+    def forward(self, y_a: torch.Tensor, y_b: torch.Tensor) -> LossTerms:
+        """Loss terms for two batches of views of the same images."""
+        z_a, z_b = self.embed(y_a), self.embed(y_b)
+        return barlow_twins_loss(
+            z_a,
+            z_b,
+            lambd=self.lambd,
+            method=self.loss_method,
+            reference_grad_scale=self.reference_grad_scale,
+        )

@@ -1,0 +1,1 @@
+"""Downstream protocols of the Barlow Twins paper, one module each, sharing eval.features."""

@@ -1,0 +1,27 @@
+"""Shared fixtures: offline, CPU-only, small data made at test time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_process_group():
+    """Destroy any process group a test left behind."""
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """../shared/data beside the repository (reference data, never copied in)."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"{SHARED_DATA} is not present beside the repository")
+    return SHARED_DATA
