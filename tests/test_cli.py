@@ -1,0 +1,85 @@
+"""The CLI surface is a contract: the command table, every subcommand's --help, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from typing import ClassVar, Literal, Optional
+
+import pytest
+
+import eval as eval_pkg
+from bt_hub import cli
+
+
+def _all_commands():
+    for name, entry in cli.COMMANDS.items():
+        if isinstance(entry, dict):
+            for sub, command in entry.items():
+                yield [name, sub], command
+        else:
+            yield [name], entry
+
+
+def test_top_level_help_lists_every_command(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in cli.COMMANDS:
+        assert f"  {name} " in out
+
+
+def test_no_arguments_prints_usage_and_fails(capsys):
+    assert cli.main([]) == 2
+    assert "usage: bt-hub" in capsys.readouterr().out
+
+
+def test_unknown_command_is_one_clear_error(capsys):
+    assert cli.main(["pretrian"]) == 2
+    assert "unknown command 'pretrian'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path,command", list(_all_commands()), ids=lambda x: " ".join(x) if isinstance(x, list) else "")
+def test_every_subcommand_has_help_from_its_config_dataclass(path, command, capsys):
+    module = importlib.import_module(command.module)
+    config_cls = getattr(module, command.config)
+    assert dataclasses.is_dataclass(config_cls)
+    assert callable(getattr(module, command.function))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(path + ["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for field in dataclasses.fields(config_cls):
+        if field.init and not field.metadata.get("positional"):
+            assert "--" + field.name.replace("_", "-") in out
+            assert field.metadata.get("help"), f"{command.config}.{field.name} has no help text"
+
+
+def test_every_protocol_module_in_eval_has_a_subcommand():
+    routed = {command.module for _, command in _all_commands()}
+    protocols = {"eval." + m.name for m in pkgutil.iter_modules(eval_pkg.__path__) if not m.ispkg}
+    protocols -= {"eval.config", "eval.features", "eval.report"}
+    assert protocols <= routed, f"eval modules without a bt-hub subcommand: {sorted(protocols - routed)}"
+
+
+def test_add_dataclass_arguments_maps_types_presets_and_required():
+    @dataclasses.dataclass
+    class Demo:
+        PRESETS: ClassVar[dict] = {"fast": {"epochs": 1}}
+        data: str = dataclasses.field(metadata={"help": "dataset"})
+        epochs: int = dataclasses.field(default=100, metadata={"help": "epochs"})
+        lr: Optional[float] = dataclasses.field(default=None, metadata={"help": "lr"})
+        mode: Literal["a", "b"] = dataclasses.field(default="a", metadata={"help": "mode"})
+        amp: bool = dataclasses.field(default=False, metadata={"help": "amp"})
+        ks: list[int] = dataclasses.field(default_factory=lambda: [20, 200], metadata={"help": "ks"})
+
+    parser = cli.argparse.ArgumentParser()
+    cli.add_dataclass_arguments(parser, Demo)
+    config = cli.build_config(Demo, parser.parse_args(["--data", "x", "--preset", "fast", "--amp", "--ks", "1", "2", "--mode", "b"]))
+    assert config == Demo(data="x", epochs=1, lr=None, mode="b", amp=True, ks=[1, 2])
+    config = cli.build_config(Demo, parser.parse_args(["--data", "x", "--preset", "fast", "--epochs", "7", "--lr", "0.5"]))
+    assert (config.epochs, config.lr) == (7, 0.5)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--epochs", "3"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--data", "x", "--mode", "c"])
