@@ -1,0 +1,214 @@
+"""Datasets: the embedded ``digits`` default, ImageFolder / ImageNet trees by path, synthetic.
+
+Every dataset returns ``(image, label)`` with ``image`` an RGB PIL image, so the same
+objects feed the PIL view pipeline, the batched tensor views (through ``to_uint8_tensor``)
+and the evaluation transforms. ``WithIndex`` adds the sample index, for features
+gathered in dataset order and for seeding per-sample augmentation.
+
+``build_dataset(name_or_path, split, image_size=32, seed=0, test_fraction=0.2)`` is the
+one entry used by pretraining and the evaluation protocols:
+
+- ``"digits"``: scikit-learn's 1797 handwritten digits (8x8, 10 classes), upsampled to
+  ``image_size`` as 3-channel images; ``split`` "train"/"test" is a seeded stratified split.
+- ``"synthetic"`` or ``"synthetic:N"``: N (default 512) seeded class-structured images.
+- a directory: an ImageFolder tree (``class/image.png``), or an ImageNet layout whose
+  ``train/`` and ``val/`` subdirectories are chosen by ``split``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import Dataset
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+SPLITS = ("train", "val", "test")
+
+
+def to_uint8_tensor(image: Image.Image) -> torch.Tensor:
+    """An RGB PIL image as a C x H x W uint8 tensor."""
+    array = np.asarray(image.convert("RGB"), dtype=np.uint8)
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+
+
+class ArrayImageDataset(Dataset):
+    """Images held in memory as an N x H x W x 3 uint8 array with integer labels."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, classes: Sequence[str]) -> None:
+        self.images = images
+        self.targets = [int(t) for t in labels]
+        self.classes = list(classes)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[Image.Image, int]:
+        return Image.fromarray(self.images[index]), self.targets[index]
+
+
+def _upsample_gray(images: np.ndarray, image_size: int) -> np.ndarray:
+    """N x h x w floats in [0, 1] -> N x S x S x 3 uint8, bilinear."""
+    t = torch.from_numpy(images).float().unsqueeze(1)
+    t = torch.nn.functional.interpolate(t, size=(image_size, image_size), mode="bilinear", align_corners=False)
+    t = (t.clamp(0, 1) * 255).round().to(torch.uint8)
+    return t.expand(-1, 3, -1, -1).permute(0, 2, 3, 1).contiguous().numpy()
+
+
+def load_digits_split(seed: int = 0, test_fraction: float = 0.2, image_size: int = 32) -> tuple[ArrayImageDataset, ArrayImageDataset]:
+    """scikit-learn's handwritten digits, upsampled, as a seeded stratified (train, test) split.
+
+    Args:
+        seed: seed of the split (the same seed always gives the same split).
+        test_fraction: share of each class held out for testing.
+        image_size: side of the upsampled square images.
+    """
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    if not 0 < test_fraction < 1:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    digits = load_digits()
+    images = _upsample_gray(digits.images / 16.0, image_size)
+    idx = np.arange(len(digits.target))
+    train_idx, test_idx = train_test_split(idx, test_size=test_fraction, random_state=seed, stratify=digits.target)
+    classes = [str(c) for c in range(10)]
+    train_idx, test_idx = np.sort(train_idx), np.sort(test_idx)
+    return (
+        ArrayImageDataset(images[train_idx], digits.target[train_idx], classes),
+        ArrayImageDataset(images[test_idx], digits.target[test_idx], classes),
+    )
+
+
+def synthetic_dataset(num_samples: int = 512, image_size: int = 32, num_classes: int = 10, seed: int = 0) -> ArrayImageDataset:
+    """Seeded class-structured images: each class is a coloured oriented stripe pattern plus noise."""
+    if num_samples <= 0 or image_size <= 0 or num_classes <= 0:
+        raise ValueError(f"synthetic data needs positive num_samples, image_size and num_classes; got {num_samples}, {image_size}, {num_classes}")
+    rng = np.random.default_rng(seed)
+    labels = np.arange(num_samples) % num_classes
+    rng.shuffle(labels)
+    yy, xx = np.mgrid[0:image_size, 0:image_size] / image_size
+    palette = rng.uniform(0.2, 1.0, size=(num_classes, 3))
+    images = np.empty((num_samples, image_size, image_size, 3), dtype=np.uint8)
+    for i, c in enumerate(labels):
+        angle = np.pi * c / num_classes
+        freq = 2 + c % 4
+        phase = rng.uniform(0, 2 * np.pi)
+        pattern = 0.5 + 0.5 * np.sin(2 * np.pi * freq * (np.cos(angle) * xx + np.sin(angle) * yy) + phase)
+        img = pattern[..., None] * palette[c] + rng.normal(0, 0.08, size=(image_size, image_size, 3))
+        images[i] = (np.clip(img, 0, 1) * 255).round().astype(np.uint8)
+    return ArrayImageDataset(images, labels, [str(c) for c in range(num_classes)])
+
+
+class ImageFolderDataset(Dataset):
+    """``root/<class>/<image>`` with classes sorted by name; unreadable files fail naming the file.
+
+    Args:
+        root: the directory holding one subdirectory per class.
+        image_size: if given, every image is resized to a square of this side (bicubic);
+            leave it None to keep the originals (the evaluation transforms resize).
+    """
+
+    def __init__(self, root: str | os.PathLike, image_size: int | None = None) -> None:
+        self.root = Path(root)
+        if not self.root.exists():
+            raise FileNotFoundError(f"data directory {self.root} does not exist")
+        if not self.root.is_dir():
+            raise NotADirectoryError(f"data path {self.root} is not a directory; expected an ImageFolder tree (class/image.png)")
+        self.classes = sorted(d.name for d in self.root.iterdir() if d.is_dir() and not d.name.startswith("."))
+        if not self.classes:
+            raise ValueError(f"data directory {self.root} has no class subdirectories; expected an ImageFolder tree (class/image.png)")
+        self.samples: list[tuple[Path, int]] = []
+        for label, name in enumerate(self.classes):
+            for dirpath, _, filenames in sorted(os.walk(self.root / name, followlinks=True)):
+                for fname in sorted(filenames):
+                    if fname.lower().endswith(IMAGE_EXTENSIONS):
+                        self.samples.append((Path(dirpath) / fname, label))
+        if not self.samples:
+            raise ValueError(f"data directory {self.root} contains no images (looked for {', '.join(IMAGE_EXTENSIONS)}) in its class subdirectories")
+        self.targets = [label for _, label in self.samples]
+        self.image_size = image_size
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[Image.Image, int]:
+        path, label = self.samples[index]
+        try:
+            with Image.open(path) as img:
+                image = img.convert("RGB")
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+            raise OSError(f"image {path} is corrupt or unreadable ({type(err).__name__}: {err})") from err
+        if self.image_size is not None and image.size != (self.image_size, self.image_size):
+            image = image.resize((self.image_size, self.image_size), Image.Resampling.BICUBIC)
+        return image, label
+
+
+class WithIndex(Dataset):
+    """Wrap a dataset so that items are ``(image, label, index)``."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[Any, int, int]:
+        image, label = self.dataset[index]
+        return image, label, index
+
+
+def _folder_for_split(root: Path, split: str) -> Path:
+    """``root/train`` (or ``val``/``test``) when present, else the root itself."""
+    if split == "test" and not (root / "test").is_dir() and (root / "val").is_dir():
+        return root / "val"
+    if (root / split).is_dir():
+        return root / split
+    if split != "train" and (root / "train").is_dir():
+        raise FileNotFoundError(f"data directory {root} has train/ but no {split}/ subdirectory")
+    return root
+
+
+def build_dataset(
+    name_or_path: str | os.PathLike,
+    split: str = "train",
+    *,
+    image_size: int | None = 32,
+    seed: int = 0,
+    test_fraction: float = 0.2,
+) -> Dataset:
+    """The dataset behind a ``--data`` value; items are ``(PIL RGB image, label)``.
+
+    Args:
+        name_or_path: ``"digits"``, ``"synthetic"`` / ``"synthetic:N"``, or a directory
+            (ImageFolder, or ImageNet layout with ``train/`` and ``val/``).
+        split: "train", "val" or "test" ("val" and "test" are the same held-out part for
+            digits and synthetic data).
+        image_size: side of the square images; for directories None keeps original sizes.
+        seed: seed of the digits split and of the synthetic images.
+        test_fraction: held-out share for digits and synthetic data.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} is unknown; expected one of {SPLITS}")
+    spec = str(name_or_path)
+    if spec == "digits":
+        train, test = load_digits_split(seed=seed, test_fraction=test_fraction, image_size=image_size or 32)
+        return train if split == "train" else test
+    if spec == "synthetic" or spec.startswith("synthetic:"):
+        try:
+            n = int(spec.split(":", 1)[1]) if ":" in spec else 512
+        except ValueError:
+            raise ValueError(f"data {spec!r} is malformed; expected 'synthetic' or 'synthetic:N' with N an integer") from None
+        full = synthetic_dataset(n, image_size or 32, seed=seed)
+        n_test = int(round(n * test_fraction))
+        if split == "train":
+            return ArrayImageDataset(full.images[n_test:], np.array(full.targets[n_test:]), full.classes)
+        return ArrayImageDataset(full.images[:n_test], np.array(full.targets[:n_test]), full.classes)
+    root = Path(spec).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(f"data directory {root} does not exist (expected 'digits', 'synthetic[:N]' or a path to an ImageFolder tree)")
+    return ImageFolderDataset(_folder_for_split(root, split), image_size=image_size)

@@ -1,0 +1,120 @@
+"""LARS, its two parameter groups and the per-step learning-rate schedule (PROTOCOLS.md §1).
+
+As in the reference code: momentum 0.9, trust coefficient η = 0.001, no Nesterov;
+parameters with ``ndim == 1`` (biases, BatchNorm) get neither weight decay nor the
+LARS adaptation; the update of every other parameter is scaled by the trust ratio
+η‖p‖ / ‖g + wd·p‖ (1 when either norm is 0). The learning rate is a function of the
+global step only, so a resumed run recovers it from the step counter.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+
+def excluded_from_adaptation(p: torch.Tensor) -> bool:
+    """True for biases and BatchNorm parameters (``ndim == 1``): no weight decay, no LARS."""
+    return p.ndim == 1
+
+
+def trust_ratio(param_norm: torch.Tensor, update_norm: torch.Tensor, eta: float) -> torch.Tensor:
+    """η‖p‖ / ‖g + wd·p‖, or 1 when either norm is 0."""
+    one = torch.ones_like(param_norm)
+    ratio = torch.where(update_norm > 0, eta * param_norm / update_norm.clamp_min(torch.finfo(update_norm.dtype).tiny), one)
+    return torch.where(param_norm > 0, ratio, one)
+
+
+class LARS(torch.optim.Optimizer):
+    """Layer-wise Adaptive Rate Scaling (You et al., 2017) as in the Barlow Twins reference code.
+
+    Args:
+        params: parameters or parameter groups (see ``param_groups``).
+        lr: learning rate (overwritten per step by the schedule).
+        weight_decay: L2 coefficient added to the gradient of multi-dimensional parameters.
+        momentum: heavy-ball momentum (no Nesterov).
+        eta: LARS trust coefficient.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.0,
+        weight_decay: float = 1e-6,
+        momentum: float = 0.9,
+        eta: float = 0.001,
+    ) -> None:
+        if lr < 0 or weight_decay < 0 or not 0 <= momentum < 1 or eta <= 0:
+            raise ValueError(f"LARS needs lr >= 0, weight_decay >= 0, 0 <= momentum < 1 and eta > 0; got {lr}, {weight_decay}, {momentum}, {eta}")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, eta=eta))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One update: p ← p − lr · μ, μ ← momentum · μ + trust · (g + wd · p)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                update = p.grad
+                if not excluded_from_adaptation(p):
+                    update = update.add(p, alpha=group["weight_decay"])
+                    update = update.mul(trust_ratio(torch.norm(p), torch.norm(update), group["eta"]))
+                state = self.state[p]
+                if "mu" not in state:
+                    state["mu"] = torch.zeros_like(p)
+                mu = state["mu"]
+                mu.mul_(group["momentum"]).add_(update)
+                p.add_(mu, alpha=-group["lr"])
+        return loss
+
+
+def param_groups(model: nn.Module, lr_weights: float, lr_biases: float, weight_decay: float = 1e-6) -> list[dict[str, Any]]:
+    """Two groups split by ``ndim``: weights (index 0) and biases/BN (index 1, weight decay 0).
+
+    ``lr_weights`` / ``lr_biases`` are the base rates (× batch/256 is applied by the schedule).
+    """
+    weights = [p for p in model.parameters() if p.requires_grad and not excluded_from_adaptation(p)]
+    biases = [p for p in model.parameters() if p.requires_grad and excluded_from_adaptation(p)]
+    return [
+        {"params": weights, "base_lr": lr_weights, "weight_decay": weight_decay, "name": "weights"},
+        {"params": biases, "base_lr": lr_biases, "weight_decay": 0.0, "name": "biases"},
+    ]
+
+
+def lr_at_step(step: int, total_steps: int, warmup_steps: int, base_lr: float, final_factor: float = 0.001) -> float:
+    """Linear warm-up from 0 over ``warmup_steps``, then cosine from ``base_lr`` to ``base_lr × final_factor``.
+
+    Args:
+        step: global optimisation step (0-based).
+        total_steps: epochs × steps per epoch.
+        warmup_steps: 10 epochs' worth of steps in the recipe.
+        base_lr: the group's rate, already scaled by batch/256.
+        final_factor: the end of the cosine as a fraction of ``base_lr``.
+    """
+    if step < warmup_steps:
+        return base_lr * step / warmup_steps
+    decay_steps = max(total_steps - warmup_steps, 1)
+    q = 0.5 * (1 + math.cos(math.pi * min(step - warmup_steps, decay_steps) / decay_steps))
+    end_lr = base_lr * final_factor
+    return base_lr * q + end_lr * (1 - q)
+
+
+def scaled_lr(base_lr: float, batch_size: int) -> float:
+    """The linear scaling rule of the recipe: ``base_lr × batch_size / 256``."""
+    return base_lr * batch_size / 256
+
+
+def set_learning_rates(optimizer: torch.optim.Optimizer, step: int, total_steps: int, warmup_steps: int, batch_size: int) -> list[float]:
+    """Set every group's ``lr`` from its ``base_lr`` for this step; return the rates set."""
+    rates = []
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at_step(step, total_steps, warmup_steps, scaled_lr(group["base_lr"], batch_size))
+        rates.append(group["lr"])
+    return rates

@@ -1,0 +1,107 @@
+"""Datasets: digits shape and labels, ImageFolder from real PNG files, and every error sentence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from bt_hub.data import WithIndex, build_dataset, load_digits_split, synthetic_dataset, to_uint8_tensor
+
+
+def _png_tree(root: Path, classes=("cat", "dog"), per_class=3, size=10) -> Path:
+    rng = np.random.default_rng(0)
+    for c in classes:
+        (root / c).mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 255, (size, size + 2, 3), dtype=np.uint8)).save(root / c / f"{i}.png")
+    return root
+
+
+def test_digits_are_upsampled_rgb_images_with_ten_stratified_classes():
+    train, test = load_digits_split(seed=0, test_fraction=0.2, image_size=32)
+    assert len(train) + len(test) == 1797
+    assert len(test) == 360
+    image, label = train[0]
+    assert image.size == (32, 32) and image.mode == "RGB"
+    t = to_uint8_tensor(image)
+    assert t.shape == (3, 32, 32) and t.dtype.is_floating_point is False
+    assert sorted(set(train.targets)) == list(range(10)) and sorted(set(test.targets)) == list(range(10))
+    assert int(t.max()) > 200 and int(t.min()) == 0  # strokes kept, background black
+    again, _ = load_digits_split(seed=0, test_fraction=0.2, image_size=32)
+    assert again.targets == train.targets
+    other, _ = load_digits_split(seed=1, test_fraction=0.2, image_size=32)
+    assert other.targets != train.targets
+
+
+def test_build_dataset_digits_and_synthetic_splits():
+    assert len(build_dataset("digits", "train", image_size=16)) == 1437
+    assert len(build_dataset("digits", "test", image_size=16)) == 360
+    syn = build_dataset("synthetic:50", "train", image_size=8)
+    assert len(syn) == 40 and syn[0][0].size == (8, 8)
+    assert len(build_dataset("synthetic:50", "val", image_size=8)) == 10
+
+
+def test_synthetic_images_are_seeded_and_class_structured():
+    a, b = synthetic_dataset(40, 16, seed=3), synthetic_dataset(40, 16, seed=3)
+    np.testing.assert_array_equal(a.images, b.images)
+    x = a.images.reshape(40, -1, 3).astype(float).mean(1)  # mean colour carries the class
+    labels = np.array(a.targets)
+    centroids = np.stack([x[labels == c].mean(0) for c in range(10)])
+    nearest = ((x[:, None] - centroids[None]) ** 2).sum(-1).argmin(1)
+    assert (nearest == labels).mean() > 0.9
+
+
+def test_image_folder_reads_a_tree_of_png_files(tmp_path):
+    root = _png_tree(tmp_path / "data")
+    ds = build_dataset(root, "train", image_size=None)
+    assert ds.classes == ["cat", "dog"] and len(ds) == 6 and ds.targets == [0, 0, 0, 1, 1, 1]
+    image, label = ds[4]
+    assert image.size == (12, 10) and image.mode == "RGB" and label == 1
+    resized = build_dataset(root, "train", image_size=8)
+    assert resized[0][0].size == (8, 8)
+    image, label, index = WithIndex(ds)[5]
+    assert (label, index) == (1, 5)
+
+
+def test_imagenet_layout_picks_the_split_subdirectory(tmp_path):
+    _png_tree(tmp_path / "train", per_class=2)
+    _png_tree(tmp_path / "val", classes=("cat", "dog", "eel"), per_class=1)
+    assert len(build_dataset(tmp_path, "train", image_size=None)) == 4
+    assert len(build_dataset(tmp_path, "val", image_size=None)) == 3
+    assert len(build_dataset(tmp_path, "test", image_size=None)) == 3
+
+
+def test_missing_directory_is_one_sentence_naming_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"data directory {tmp_path / 'nope'} does not exist"):
+        build_dataset(tmp_path / "nope")
+
+
+def test_empty_directory_is_one_sentence_naming_the_path(tmp_path):
+    with pytest.raises(ValueError, match=f"data directory {tmp_path} has no class subdirectories"):
+        build_dataset(tmp_path)
+
+
+def test_directory_without_images_is_one_sentence_naming_the_path(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match=f"data directory {tmp_path} contains no images"):
+        build_dataset(tmp_path)
+
+
+def test_corrupt_image_names_the_file(tmp_path):
+    root = _png_tree(tmp_path, per_class=1)
+    bad = root / "cat" / "0.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    ds = build_dataset(root, image_size=None)
+    with pytest.raises(OSError, match=f"image {bad} is corrupt or unreadable"):
+        ds[0]
+
+
+def test_bad_names_and_splits_are_rejected():
+    with pytest.raises(ValueError, match="'synthetic:x' is malformed"):
+        build_dataset("synthetic:x")
+    with pytest.raises(ValueError, match="split 'dev' is unknown"):
+        build_dataset("digits", "dev")
