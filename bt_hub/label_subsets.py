@@ -1,0 +1,157 @@
+"""Label subsets for semi-supervised evaluation (PROTOCOLS.md §2).
+
+Two sources:
+
+- a SimCLR-format list file given by path (``1percent.txt`` / ``10percent.txt``): one
+  training file name per line, e.g. ``n04235860_14959.JPEG``; the class is the text before
+  the first ``_``. The sha256 of the two published lists is pinned here; a file with one
+  of their names but another hash is read with a warning (the lists themselves are never
+  copied into the package);
+- a seeded class-balanced subset of any labelled dataset.
+
+Both return indices into the dataset, sorted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+# The lists google-research/simclr publishes under imagenet_subsets/ (Apache 2.0).
+PUBLISHED_SUBSETS: dict[str, str] = {
+    "1percent.txt": "71e82a48ba78252683ae334c4d019ebd5c6e855b9599c1389fbe83eb9549cf17",
+    "10percent.txt": "6d09de11e7bdaf5b1f3b1f249b6183695f97310cdd20f0c03e7235b6b9392091",
+}
+PUBLISHED_URL = "https://raw.githubusercontent.com/google-research/simclr/master/imagenet_subsets/{name}"
+SHOWN_MISSING = 5
+
+
+@dataclass(frozen=True)
+class SubsetList:
+    """A label-subset list read from a file.
+
+    Attributes:
+        path: the file read.
+        names: training file names, in file order.
+        sha256: hash of the file's bytes.
+        published: ``"1percent.txt"`` / ``"10percent.txt"`` when the hash is a published
+            list's, else None.
+    """
+
+    path: Path
+    names: tuple[str, ...]
+    sha256: str
+    published: str | None
+
+    @property
+    def classes(self) -> list[str]:
+        """The sorted distinct classes (text before the first ``_`` of each name)."""
+        return sorted({class_of(n) for n in self.names})
+
+
+def class_of(name: str) -> str:
+    """The class of a SimCLR-list file name: the text before the first ``_``."""
+    base = os.path.basename(name)
+    if "_" not in base:
+        raise ValueError(f"subset file name {name!r} has no '_'; expected '<class>_<id>.<ext>' as in n04235860_14959.JPEG")
+    return base.split("_", 1)[0]
+
+
+def sha256_of(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_subset_file(path: str | os.PathLike) -> SubsetList:
+    """Read a SimCLR-format subset list; warn when a published list's name has another hash.
+
+    Args:
+        path: the list file (one training file name per line; blank lines ignored).
+
+    Returns:
+        The names, the file's hash and which published list it is (if any).
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"subset file {path} does not exist; expected a SimCLR-format list such as 1percent.txt ({PUBLISHED_URL.format(name='1percent.txt')})")
+    sha = sha256_of(path)
+    names = tuple(line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    if not names:
+        raise ValueError(f"subset file {path} is empty; expected one training file name per line")
+    for n in names:
+        class_of(n)
+    published = next((name for name, digest in PUBLISHED_SUBSETS.items() if digest == sha), None)
+    if published is None and path.name in PUBLISHED_SUBSETS:
+        warnings.warn(
+            f"subset file {path} has sha256 {sha}, not the published {path.name}'s {PUBLISHED_SUBSETS[path.name]}; "
+            "results will not be comparable with the paper's",
+            stacklevel=2,
+        )
+    return SubsetList(path=path, names=names, sha256=sha, published=published)
+
+
+def dataset_file_names(dataset: object) -> list[str]:
+    """The base file name of every sample of an ImageFolder-like dataset (``.samples``)."""
+    samples = getattr(dataset, "samples", None)
+    if samples is None:
+        raise ValueError(
+            f"a subset file needs a dataset of image files (ImageFolder / ImageNet layout), got {type(dataset).__name__}; "
+            "use --fraction for a seeded class-balanced subset instead"
+        )
+    return [os.path.basename(str(s[0])) for s in samples]
+
+
+def indices_from_list(dataset: object, subset: SubsetList) -> list[int]:
+    """Indices of the samples a subset list names (matched by base file name).
+
+    Raises:
+        ValueError: some listed names are not in the dataset (says how many, shows a few).
+    """
+    position = {name: i for i, name in enumerate(dataset_file_names(dataset))}
+    missing = [n for n in subset.names if os.path.basename(n) not in position]
+    if missing:
+        shown = ", ".join(missing[:SHOWN_MISSING])
+        more = f" and {len(missing) - SHOWN_MISSING} more" if len(missing) > SHOWN_MISSING else ""
+        raise ValueError(
+            f"subset file {subset.path} names {len(missing)} of its {len(subset.names)} files that are not in the dataset: {shown}{more}"
+        )
+    return sorted({position[os.path.basename(n)] for n in subset.names})
+
+
+def balanced_subset_indices(targets: Sequence[int], percent: float, seed: int = 0) -> list[int]:
+    """A seeded class-balanced subset: ``percent`` % of each class, at least one sample per class.
+
+    Args:
+        targets: the label of every sample.
+        percent: share of each class to keep, in percent (1 or 10 in the paper).
+        seed: the same seed always picks the same samples.
+    """
+    if not 0 < percent <= 100:
+        raise ValueError(f"--fraction must be a percentage in (0, 100], got {percent}")
+    targets = np.asarray(targets)
+    rng = np.random.default_rng(seed)
+    chosen: list[int] = []
+    for c in np.unique(targets):
+        members = np.flatnonzero(targets == c)
+        k = max(1, int(round(len(members) * percent / 100)))
+        chosen.extend(rng.choice(members, size=k, replace=False).tolist())
+    return sorted(chosen)
+
+
+def subset_indices(dataset: object, *, percent: float | None = None, subset_file: str | os.PathLike | None = None, seed: int = 0) -> list[int]:
+    """The labelled training indices: from ``subset_file`` when given, else class-balanced ``percent``."""
+    if subset_file is not None:
+        return indices_from_list(dataset, read_subset_file(subset_file))
+    if percent is None:
+        raise ValueError("a label subset needs --fraction or --subset-file")
+    return balanced_subset_indices(getattr(dataset, "targets"), percent, seed)
