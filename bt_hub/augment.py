@@ -1,0 +1,327 @@
+"""The two asymmetric Barlow Twins views (BYOL's parameters, PROTOCOLS.md §1).
+
+Every random choice is drawn per image by :func:`sample_view_params`, which both paths
+share: :class:`TwoViewTransform` (PIL, for data-loader workers, the reference pipeline's
+operations) and :class:`BatchedTwoViews` (tensors on the training device, whole-batch
+operations, no Python loop over samples). Both take an optional ``torch.Generator`` so a
+data loader can seed each sample from ``(seed, epoch, index)`` and resume exactly.
+
+Order of operations, as in the reference ``Transform``: RandomResizedCrop, horizontal
+flip, ColorJitter (brightness, contrast, saturation, hue in a random order per image),
+grayscale, Gaussian blur, solarise, ImageNet normalisation.
+
+Differences of the tensor path from the PIL one: the crop is resampled by ``roi_align``
+(bilinear, averaging ``ceil(crop / size)²`` samples per output pixel when shrinking)
+instead of PIL's bicubic filter, and intermediate values are not rounded to uint8.
+The blur kernel is odd and about a tenth of the output size (23 px at 224, as BYOL),
+at least 3 px; σ ~ U(0.1, 2.0) in output pixels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as nnf
+import torchvision.transforms.v2.functional as F
+from PIL import Image
+from torchvision.ops import roi_align
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+GRAY_WEIGHTS = (0.2989, 0.587, 0.114)
+CROP_ATTEMPTS = 10
+
+
+@dataclass(frozen=True)
+class ViewParams:
+    """Probabilities and ranges of one view's augmentations."""
+
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    flip_p: float = 0.5
+    jitter_p: float = 0.8
+    brightness: float = 0.4
+    contrast: float = 0.4
+    saturation: float = 0.2
+    hue: float = 0.1
+    grayscale_p: float = 0.2
+    blur_p: float = 1.0
+    blur_sigma: tuple[float, float] = (0.1, 2.0)
+    solarize_p: float = 0.0
+    solarize_threshold: float = 0.5  # 128 on the uint8 scale
+
+
+#                 flip  jitter  gray  blur  solarise   (side by side: the asymmetry)
+VIEW_A = ViewParams(flip_p=0.5, jitter_p=0.8, grayscale_p=0.2, blur_p=1.0, solarize_p=0.0)
+VIEW_B = ViewParams(flip_p=0.5, jitter_p=0.8, grayscale_p=0.2, blur_p=0.1, solarize_p=0.2)
+
+
+def normalize(x: torch.Tensor) -> torch.Tensor:
+    """ImageNet normalisation of float RGB images in [0, 1] (C x H x W or B x C x H x W)."""
+    mean = torch.tensor(IMAGENET_MEAN, device=x.device, dtype=x.dtype).view(3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=x.device, dtype=x.dtype).view(3, 1, 1)
+    return (x - mean) / std
+
+
+def blur_kernel_size(size: int) -> int:
+    """Odd Gaussian kernel of about a tenth of the output size (23 at 224), at least 3."""
+    return max(3, int(0.1 * size) // 2 * 2 + 1)
+
+
+def _crop_boxes(batch_size: int, height: int, width: int, view: ViewParams, generator, device) -> dict:
+    """RandomResizedCrop boxes, torchvision's algorithm vectorised: first of 10 valid tries, else centre."""
+    shape = (batch_size, CROP_ATTEMPTS)
+    u_area, u_ratio, u_top, u_left = torch.rand((4, *shape), generator=generator, device=device, dtype=torch.float64)
+    lo, hi = view.crop_scale
+    area = height * width * (lo + (hi - lo) * u_area)
+    log_lo, log_hi = math.log(view.crop_ratio[0]), math.log(view.crop_ratio[1])
+    aspect = torch.exp(log_lo + (log_hi - log_lo) * u_ratio)
+    w = torch.round(torch.sqrt(area * aspect))
+    h = torch.round(torch.sqrt(area / aspect))
+    valid = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+    top = torch.floor(u_top * (height - h + 1))
+    left = torch.floor(u_left * (width - w + 1))
+    first = valid.to(torch.uint8).argmax(dim=1, keepdim=True)
+    pick = [t.gather(1, first).squeeze(1) for t in (top, left, h, w)]
+
+    in_ratio = width / height
+    if in_ratio < view.crop_ratio[0]:
+        fw, fh = width, round(width / view.crop_ratio[0])
+    elif in_ratio > view.crop_ratio[1]:
+        fw, fh = round(height * view.crop_ratio[1]), height
+    else:
+        fw, fh = width, height
+    fallback = ((height - fh) // 2, (width - fw) // 2, fh, fw)
+    found = valid.any(dim=1)
+    top, left, h, w = (torch.where(found, p, torch.full_like(p, f)).long() for p, f in zip(pick, fallback))
+    return {"top": top, "left": left, "height": h, "width": w}
+
+
+def sample_view_params(
+    batch_size: int,
+    view: ViewParams,
+    generator: torch.Generator | None = None,
+    height: int = 224,
+    width: int = 224,
+) -> dict[str, torch.Tensor]:
+    """Draw every random choice of one view for ``batch_size`` images of height x width.
+
+    The number and order of draws is fixed (it does not depend on earlier outcomes), so a
+    generator state determines the result exactly. Tensors live on the generator's
+    device (CPU without a generator).
+
+    Returns:
+        dict of (batch_size,) tensors: crop ``top``, ``left``, ``height``, ``width`` (int64);
+        ``flip``, ``jitter``, ``grayscale``, ``blur``, ``solarize`` (bool); jitter factors
+        ``brightness``, ``contrast``, ``saturation`` (multiplicative) and ``hue`` (shift in
+        turns); ``sigma`` of the blur; and ``jitter_order`` (batch_size x 4, a permutation of
+        0=brightness, 1=contrast, 2=saturation, 3=hue per image).
+    """
+    device = generator.device if generator is not None else torch.device("cpu")
+    params = _crop_boxes(batch_size, height, width, view, generator, device)
+
+    def uniform(*shape: int) -> torch.Tensor:
+        return torch.rand(shape, generator=generator, device=device)
+
+    params["flip"] = uniform(batch_size) < view.flip_p
+    params["jitter"] = uniform(batch_size) < view.jitter_p
+    u = uniform(batch_size, 4)
+    params["brightness"] = 1 - view.brightness + 2 * view.brightness * u[:, 0]
+    params["contrast"] = 1 - view.contrast + 2 * view.contrast * u[:, 1]
+    params["saturation"] = 1 - view.saturation + 2 * view.saturation * u[:, 2]
+    params["hue"] = -view.hue + 2 * view.hue * u[:, 3]
+    params["jitter_order"] = torch.argsort(uniform(batch_size, 4), dim=1)
+    params["grayscale"] = uniform(batch_size) < view.grayscale_p
+    params["blur"] = uniform(batch_size) < view.blur_p
+    lo, hi = view.blur_sigma
+    params["sigma"] = lo + (hi - lo) * uniform(batch_size)
+    params["solarize"] = uniform(batch_size) < view.solarize_p
+    return params
+
+
+# ---------------------------------------------------------------- PIL path (data loaders)
+
+
+def apply_view_pil(img: Image.Image, p: dict[str, torch.Tensor], size: int, view: ViewParams = VIEW_A) -> torch.Tensor:
+    """One view (3 x size x size, normalised) of one RGB PIL image from parameters drawn for a batch of 1."""
+    box = [int(p[k][0]) for k in ("top", "left", "height", "width")]
+    out = F.resized_crop(img, *box, [size, size], interpolation=F.InterpolationMode.BICUBIC, antialias=True)
+    if p["flip"][0]:
+        out = F.horizontal_flip(out)
+    if p["jitter"][0]:
+        ops = (F.adjust_brightness, F.adjust_contrast, F.adjust_saturation, F.adjust_hue)
+        keys = ("brightness", "contrast", "saturation", "hue")
+        for op_index in p["jitter_order"][0].tolist():
+            out = ops[op_index](out, float(p[keys[op_index]][0]))
+    if p["grayscale"][0]:
+        out = F.rgb_to_grayscale(out, num_output_channels=3)
+    if p["blur"][0]:
+        k, sigma = blur_kernel_size(size), float(p["sigma"][0])
+        out = F.gaussian_blur(out, [k, k], [sigma, sigma])
+    if p["solarize"][0]:
+        out = F.solarize(out, threshold=round(255 * view.solarize_threshold))
+    return normalize(F.pil_to_tensor(out).float().div_(255))
+
+
+class TwoViewTransform:
+    """PIL image -> (view A, view B), float 3 x size x size, normalised.
+
+    Args:
+        size: output resolution (224 for ImageNet, 32 for CIFAR-sized data).
+        views: the two views' parameters, ``(VIEW_A, VIEW_B)`` by default.
+    """
+
+    def __init__(self, size: int = 224, views: tuple[ViewParams, ViewParams] = (VIEW_A, VIEW_B)) -> None:
+        if size <= 0:
+            raise ValueError(f"size must be positive, got {size}")
+        self.size = size
+        self.views = views
+
+    def sample(self, height: int, width: int, generator: torch.Generator | None = None) -> tuple[dict, dict]:
+        """Both views' parameters for one image of height x width (what ``__call__`` draws)."""
+        return tuple(sample_view_params(1, v, generator, height, width) for v in self.views)
+
+    def __call__(self, img: Image.Image, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two views of ``img`` (any PIL mode; grayscale is replicated to RGB)."""
+        if not isinstance(img, Image.Image):
+            raise TypeError(f"TwoViewTransform expects a PIL image, got {type(img).__name__}")
+        if img.mode != "RGB":
+            img = img.convert("RGB")
+        params = self.sample(img.height, img.width, generator)
+        return tuple(apply_view_pil(img, p, self.size, v) for p, v in zip(params, self.views))
+
+
+# ---------------------------------------------------------------- tensor path (training device)
+
+
+def _gray(x: torch.Tensor) -> torch.Tensor:
+    """Luma of B x 3 x H x W images, B x 1 x H x W (torchvision's weights)."""
+    w = torch.tensor(GRAY_WEIGHTS, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
+    return (x * w).sum(dim=1, keepdim=True)
+
+
+def _blend(x: torch.Tensor, other: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    f = factor.view(-1, 1, 1, 1)
+    return (f * x + (1 - f) * other).clamp_(0, 1)
+
+
+def _rgb_to_hsv(x: torch.Tensor) -> torch.Tensor:
+    r, g, b = x.unbind(dim=1)
+    maxc, minc = x.amax(dim=1), x.amin(dim=1)
+    delta = maxc - minc
+    s = delta / torch.where(maxc == 0, torch.ones_like(maxc), maxc)
+    safe = torch.where(delta == 0, torch.ones_like(delta), delta)
+    rc, gc, bc = (maxc - r) / safe, (maxc - g) / safe, (maxc - b) / safe
+    h = torch.where(maxc == r, bc - gc, torch.where(maxc == g, 2 + rc - bc, 4 + gc - rc))
+    h = torch.where(delta == 0, torch.zeros_like(h), (h / 6) % 1)
+    return torch.stack((h, s, maxc), dim=1)
+
+
+def _hsv_to_rgb(x: torch.Tensor) -> torch.Tensor:
+    h, s, v = x.unbind(dim=1)
+    i = torch.floor(h * 6)
+    f = h * 6 - i
+    i = i.long() % 6
+    p, q, t = v * (1 - s), v * (1 - s * f), v * (1 - s * (1 - f))
+    table = torch.stack(
+        (
+            torch.stack((v, q, p, p, t, v), dim=1),
+            torch.stack((t, v, v, q, p, p), dim=1),
+            torch.stack((p, p, t, v, v, q), dim=1),
+        ),
+        dim=1,
+    )  # B x 3 (rgb) x 6 (sector) x H x W
+    return table.gather(2, i[:, None, None].expand(-1, 3, 1, -1, -1)).squeeze(2)
+
+
+def _adjust(x: torch.Tensor, op: int, factor: torch.Tensor) -> torch.Tensor:
+    """ColorJitter's op ``op`` (0 brightness, 1 contrast, 2 saturation, 3 hue) with per-image factors."""
+    if op == 0:
+        return _blend(x, torch.zeros_like(x), factor)
+    if op == 1:
+        return _blend(x, _gray(x).mean(dim=(1, 2, 3), keepdim=True), factor)
+    if op == 2:
+        return _blend(x, _gray(x), factor)
+    hsv = _rgb_to_hsv(x)
+    hsv[:, 0] = (hsv[:, 0] + factor.view(-1, 1, 1)) % 1
+    return _hsv_to_rgb(hsv)
+
+
+def _color_jitter(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each jittered image gets its four ops in its own order; one subset call per (position, op)."""
+    factors = torch.stack((p["brightness"], p["contrast"], p["saturation"], p["hue"]), dim=1)
+    x = x.clone()
+    for position in range(4):
+        for op in range(4):
+            idx = torch.nonzero(p["jitter"] & (p["jitter_order"][:, position] == op)).squeeze(1)
+            if idx.numel():
+                x[idx] = _adjust(x[idx], op, factors[idx, op])
+    return x
+
+
+def _gaussian_blur(x: torch.Tensor, sigma: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """Separable Gaussian blur with a per-image σ (reflect padding, as torchvision)."""
+    b, c, h, w = x.shape
+    half = (kernel_size - 1) / 2
+    t = torch.linspace(-half, half, kernel_size, device=x.device, dtype=x.dtype)
+    k = torch.exp(-0.5 * (t[None] / sigma[:, None]) ** 2)
+    k = (k / k.sum(dim=1, keepdim=True)).repeat_interleave(c, dim=0)  # (b*c) x k
+    pad = kernel_size // 2
+    y = nnf.pad(x.reshape(1, b * c, h, w), (pad, pad, pad, pad), mode="reflect")
+    y = nnf.conv2d(y, k[:, None, None, :], groups=b * c)
+    y = nnf.conv2d(y, k[:, None, :, None], groups=b * c)
+    return y.reshape(b, c, h, w)
+
+
+def apply_view(images: torch.Tensor, p: dict[str, torch.Tensor], size: int, view: ViewParams = VIEW_A) -> torch.Tensor:
+    """One view of a batch (float B x 3 x H x W in [0, 1]) from drawn parameters; normalised."""
+    p = {k: v.to(images.device) for k, v in p.items()}
+    top, left = p["top"].to(images.dtype), p["left"].to(images.dtype)
+    boxes = torch.stack(
+        (torch.arange(len(top), device=images.device, dtype=images.dtype), left, top, left + p["width"], top + p["height"]),
+        dim=1,
+    )
+    x = roi_align(images, boxes, output_size=(size, size), spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+    x = torch.where(p["flip"].view(-1, 1, 1, 1), x.flip(-1), x)
+    x = _color_jitter(x, p)
+    x = torch.where(p["grayscale"].view(-1, 1, 1, 1), _gray(x).expand_as(x), x)
+    idx = torch.nonzero(p["blur"]).squeeze(1)
+    if idx.numel():
+        x[idx] = _gaussian_blur(x[idx], p["sigma"][idx].to(x.dtype), blur_kernel_size(size))
+    x = torch.where(p["solarize"].view(-1, 1, 1, 1) & (x >= view.solarize_threshold), 1 - x, x)
+    return normalize(x)
+
+
+def to_float_rgb(images: torch.Tensor) -> torch.Tensor:
+    """B x C x H x W uint8 (0..255) or float (0..1), C = 1 or 3 -> float32 RGB in [0, 1]."""
+    if images.dim() != 4 or images.shape[1] not in (1, 3):
+        raise ValueError(f"images must be B x C x H x W with C = 1 or 3, got shape {tuple(images.shape)}")
+    x = images.float().div(255) if images.dtype == torch.uint8 else images.float()
+    return x.expand(-1, 3, -1, -1).contiguous() if x.shape[1] == 1 else x.contiguous()
+
+
+class BatchedTwoViews:
+    """Batch of images on any device -> (views A, views B), per-image random parameters.
+
+    Args:
+        size: output resolution.
+        views: the two views' parameters, ``(VIEW_A, VIEW_B)`` by default.
+    """
+
+    def __init__(self, size: int = 224, views: tuple[ViewParams, ViewParams] = (VIEW_A, VIEW_B)) -> None:
+        if size <= 0:
+            raise ValueError(f"size must be positive, got {size}")
+        self.size = size
+        self.views = views
+
+    def sample(self, batch_size: int, height: int, width: int, generator: torch.Generator | None = None) -> tuple[dict, dict]:
+        """Both views' parameters for a batch (what ``__call__`` draws)."""
+        return tuple(sample_view_params(batch_size, v, generator, height, width) for v in self.views)
+
+    def __call__(self, images: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two normalised float32 views, B x 3 x size x size, on the images' device."""
+        x = to_float_rgb(images)
+        params = self.sample(x.shape[0], x.shape[2], x.shape[3], generator)
+        return tuple(apply_view(x, p, self.size, v) for p, v in zip(params, self.views))
