@@ -116,6 +116,8 @@ def barlow_twins_loss(
         raise ValueError(f"z_a and z_b must both be N x D; got {tuple(z_a.shape)} and {tuple(z_b.shape)}")
     with torch.autocast(device_type=z_a.device.type, enabled=False):
         a, n = standardize(z_a.float())
+        if n < 2:
+            raise ValueError(f"the global batch must hold at least 2 samples to standardise over it, got {n}")
         b, _ = standardize(z_b.float())
         if method == "auto":
             method = choose_method(n, a.shape[1])
