@@ -1,0 +1,350 @@
+"""``bt-hub pretrain``: the Barlow Twins training loop (single process or torchrun/DDP).
+
+images -> two views -> backbone -> projector -> loss -> LARS step, with the recipe of
+PROTOCOLS.md §1 (LRs × batch/256, 10-epoch warm-up then cosine to ×0.001, per step).
+The run directory gets ``run.json``, ``metrics.jsonl`` (one line per logged step),
+``checkpoint.pth`` (every ``--checkpoint-every`` steps and at each epoch end, atomic),
+and at the end ``<backbone>.pth`` (torchvision state dict, no ``fc``),
+``backbone.safetensors`` and ``config.json``; with a projector of at most
+``--probe-max-dim`` dimensions also ``cross_correlation_{start,end}.npy`` of a fixed
+probe batch. ``--resume`` continues bit for bit on CPU (see bt_hub/resume.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as nnf
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from bt_hub.augment import BatchedTwoViews, TwoViewTransform
+from bt_hub.data import build_dataset, to_uint8_tensor
+from bt_hub.distributed import barrier, cleanup_distributed, get_rank, get_world_size, init_distributed, is_main_process
+from bt_hub.loss import EPS, LossTerms, barlow_twins_loss
+from bt_hub.model import BACKBONES, BarlowTwins, parse_projector
+from bt_hub.optim import LARS, param_groups, set_learning_rates
+from bt_hub.resume import CHECKPOINT_NAME, EpochBatchSampler, derive_seed, load_checkpoint, save_checkpoint, seeded_generator, set_rng_state
+from bt_hub.runs import RunDir, atomic_torch_save, atomic_write, atomic_write_json, atomic_write_text
+
+# Settings a resumed run must share with its checkpoint (the rest may change, e.g. --max-steps).
+RESUME_INVARIANTS = (
+    "data", "backbone", "projector", "lambd", "small_image_stem", "image_size", "epochs", "batch_size",
+    "lr_weights", "lr_biases", "weight_decay", "warmup_epochs", "loss_method", "reference_grad_scale",
+    "precision", "views", "seed",
+)
+PROBE_SIZE = 256
+
+
+@dataclass
+class PretrainConfig:
+    """Flags of ``bt-hub pretrain``; defaults are the paper's recipe (PROTOCOLS.md §1)."""
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+        "reference": {},
+        "digits": {
+            "data": "digits", "backbone": "resnet18", "small_image_stem": True, "projector": "512-512-512",
+            "image_size": 32, "epochs": 20, "batch_size": 128, "warmup_epochs": 2, "views": "batched",
+        },
+    }
+
+    data: str = field(default="digits", metadata={"help": "'digits' (embedded), 'synthetic[:N]', or an ImageFolder / ImageNet directory"})
+    out: str = field(default="runs/pretrain", metadata={"help": "run directory (checkpoint, metrics, final weights)"})
+    backbone: Literal["resnet18", "resnet34", "resnet50", "resnet101"] = field(default="resnet50", metadata={"help": "torchvision ResNet"})
+    projector: str = field(default="8192-8192-8192", metadata={"help": "projector widths joined by '-'"})
+    lambd: float = field(default=0.0051, metadata={"help": "weight of the redundancy-reduction term"})
+    small_image_stem: bool = field(default=False, metadata={"help": "3x3 stem without max-pool, for 32-px images"})
+    image_size: int = field(default=224, metadata={"help": "side of the views in pixels"})
+    epochs: int = field(default=1000, metadata={"help": "epochs of the schedule"})
+    batch_size: int = field(default=2048, metadata={"help": "global batch size (all processes together)"})
+    lr_weights: float = field(default=0.2, metadata={"help": "base LR of weights, × batch/256"})
+    lr_biases: float = field(default=0.0048, metadata={"help": "base LR of biases and BN parameters, × batch/256"})
+    weight_decay: float = field(default=1e-6, metadata={"help": "LARS weight decay (not on biases/BN)"})
+    warmup_epochs: int = field(default=10, metadata={"help": "linear warm-up epochs before the cosine decay"})
+    loss_method: Literal["auto", "dense", "gram"] = field(default="auto", metadata={"help": "loss form: D x D, N x N, or the cheaper"})
+    reference_grad_scale: bool = field(default=False, metadata={"help": "reproduce the reference code's 1/world_size gradients"})
+    precision: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={"help": "autocast dtype (fp16 only on CUDA, with a GradScaler)"})
+    channels_last: bool = field(default=False, metadata={"help": "channels-last memory format for the backbone"})
+    views: Literal["pil", "batched"] = field(default="pil", metadata={"help": "augment per image in loader workers (pil) or per batch on the device (batched)"})
+    num_workers: int = field(default=0, metadata={"help": "data-loader worker processes per rank"})
+    checkpoint_every: int = field(default=500, metadata={"help": "steps between checkpoints (one is also written at each epoch end); 0: epoch ends only"})
+    resume: Optional[str] = field(default=None, metadata={"help": "'auto': continue OUT/checkpoint.pth if present; or a checkpoint path"})
+    seed: int = field(default=0, metadata={"help": "seed of initialisation, data order and views"})
+    device: str = field(default="cpu", metadata={"help": "'cpu' or 'cuda' (torchrun: each rank takes its LOCAL_RANK GPU)"})
+    max_steps: int = field(default=0, metadata={"help": "stop after this many steps in all (0: the whole schedule); the schedule is unchanged"})
+    log_every: int = field(default=10, metadata={"help": "steps between metrics lines"})
+    probe_max_dim: int = field(default=2048, metadata={"help": "record the probe batch's cross-correlation when the projector output is at most this wide"})
+
+    def __post_init__(self) -> None:
+        positive = ("image_size", "epochs", "batch_size", "log_every")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("lambd", "lr_weights", "lr_biases", "weight_decay", "warmup_epochs", "num_workers", "checkpoint_every", "max_steps", "probe_max_dim"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be non-negative, got {getattr(self, name)}")
+        try:
+            parse_projector(self.projector)
+        except ValueError as err:
+            raise ValueError(f"--projector: {err}") from None
+        if self.backbone not in BACKBONES:
+            raise ValueError(f"--backbone {self.backbone!r} is unknown; expected one of {sorted(BACKBONES)}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"--device {self.device!r} is unknown; expected 'cpu' or 'cuda'")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device} was asked for but CUDA is not available")
+        if self.precision == "fp16" and not self.device.startswith("cuda"):
+            raise ValueError("--precision fp16 needs --device cuda; use bf16 on CPU")
+
+
+class _TrainStep(nn.Module):
+    """What DDP wraps: both views through the model, the loss, and the embedding spread."""
+
+    def __init__(self, model: BarlowTwins) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, y_a: torch.Tensor, y_b: torch.Tensor) -> tuple[LossTerms, torch.Tensor]:
+        z_a, z_b = self.model.embed(y_a), self.model.embed(y_b)
+        terms = barlow_twins_loss(z_a, z_b, self.model.lambd, self.model.loss_method, reference_grad_scale=self.model.reference_grad_scale)
+        # std over the batch of L2-normalised embeddings: ~1/sqrt(D) when healthy, 0 on collapse
+        spread = nnf.normalize(z_a.detach().float(), dim=1).std(dim=0).mean()
+        return terms, spread
+
+
+class _ViewDataset(Dataset):
+    """Items keyed by (epoch, index): two seeded PIL views, or the raw uint8 image for batched views."""
+
+    def __init__(self, dataset: Dataset, image_size: int, seed: int, batched: bool) -> None:
+        self.dataset, self.seed, self.batched = dataset, seed, batched
+        self.transform = TwoViewTransform(image_size)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        image, _ = self.dataset[index]
+        if self.batched:
+            return to_uint8_tensor(image)
+        return self.transform(image, generator=seeded_generator(self.seed, epoch, index))
+
+
+def _views(batch: Any, step: int, config: PretrainConfig, device: torch.device, batched: BatchedTwoViews | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two view batches on the device (batched views are drawn per (seed, step, rank))."""
+    if batched is not None:
+        images = batch.to(device, non_blocking=True)
+        y_a, y_b = batched(images, generator=seeded_generator(config.seed, step, get_rank(), device=device))
+    else:
+        y_a, y_b = (v.to(device, non_blocking=True) for v in batch)
+    if config.channels_last:
+        y_a, y_b = y_a.contiguous(memory_format=torch.channels_last), y_b.contiguous(memory_format=torch.channels_last)
+    return y_a, y_b
+
+
+@torch.no_grad()
+def cross_correlation(model: BarlowTwins, y_a: torch.Tensor, y_b: torch.Tensor) -> np.ndarray:
+    """The D x D cross-correlation of standardised embeddings (model in eval mode, this process only)."""
+    was_training = model.training
+    model.eval()
+    try:
+        z_a, z_b = model.embed(y_a).float(), model.embed(y_b).float()
+    finally:
+        model.train(was_training)
+    a = (z_a - z_a.mean(0)) / torch.sqrt(z_a.var(0, unbiased=False) + EPS)
+    b = (z_b - z_b.mean(0)) / torch.sqrt(z_b.var(0, unbiased=False) + EPS)
+    return (a.T @ b / a.shape[0]).cpu().numpy()
+
+
+def _save_probe(path: Path, model: BarlowTwins, probe: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    if probe is not None:
+        c = cross_correlation(model, *probe)
+        atomic_write(path, lambda f: np.save(f, c))
+
+
+def _probe_views(views: _ViewDataset, config: PretrainConfig, device: torch.device, batched: BatchedTwoViews | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Views of the first images of the dataset, seeded apart from training (epoch key -1)."""
+    if parse_projector(config.projector)[-1] > config.probe_max_dim:
+        return None
+    keys = [(-1, i) for i in range(min(PROBE_SIZE, len(views)))]
+    if batched is not None:
+        images = torch.stack([views[k] for k in keys]).to(device)
+        return batched(images, generator=seeded_generator(config.seed, -1, device=device))
+    pairs = [views[k] for k in keys]
+    return torch.stack([p[0] for p in pairs]).to(device), torch.stack([p[1] for p in pairs]).to(device)
+
+
+def _resume_state(config: PretrainConfig, out: Path) -> dict[str, Any] | None:
+    """The checkpoint to continue from, or None for a fresh run (refusing to overwrite one)."""
+    own = out / CHECKPOINT_NAME
+    if config.resume is None:
+        if own.exists():
+            raise ValueError(f"--out {out} already holds {CHECKPOINT_NAME}; pass --resume auto to continue it or choose another --out")
+        return None
+    if config.resume == "auto":
+        if not own.exists():
+            return None
+        path = own
+    else:
+        path = Path(config.resume)
+    state = load_checkpoint(path)
+    for key in RESUME_INVARIANTS:
+        saved, now = state["config"].get(key), getattr(config, key)
+        if saved != now:
+            raise ValueError(f"--{key.replace('_', '-')} is {now!r} but checkpoint {path} was trained with {saved!r}")
+    return state
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metrics lines logged after the checkpoint being resumed (they will be logged again)."""
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    atomic_write_text(path, "".join(line + "\n" for line in kept))
+
+
+def write_backbone(out: Path, model: BarlowTwins, config: PretrainConfig, step: int, num_samples: int) -> None:
+    """``<backbone>.pth`` (torchvision keys, no fc), ``backbone.safetensors`` and ``config.json``."""
+    from safetensors.torch import save as safetensors_bytes
+
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in model.backbone.state_dict().items() if not k.startswith("fc.")}
+    atomic_torch_save(state, out / f"{config.backbone}.pth")
+    meta = {"architecture": config.backbone, "small_image_stem": str(config.small_image_stem)}
+    atomic_write(out / "backbone.safetensors", lambda f: f.write(safetensors_bytes(state, metadata=meta)))
+    atomic_write_json(out / "config.json", {
+        "architecture": config.backbone,
+        "feature_dim": model.backbone.feature_dim,
+        "small_image_stem": config.small_image_stem,
+        "projector": config.projector,
+        "lambd": config.lambd,
+        "image_size": config.image_size,
+        "dataset": config.data,
+        "num_samples": num_samples,
+        "epochs": config.epochs,
+        "steps": step,
+        "recipe": {
+            "optimizer": "LARS", "batch_size": config.batch_size, "lr_weights": config.lr_weights, "lr_biases": config.lr_biases,
+            "weight_decay": config.weight_decay, "warmup_epochs": config.warmup_epochs, "loss_method": config.loss_method,
+            "precision": config.precision, "views": config.views, "seed": config.seed,
+            "reference_grad_scale": config.reference_grad_scale,
+        },
+        "format": "torchvision",
+    })
+
+
+def pretrain(config: PretrainConfig) -> Path:
+    """Train per ``config`` (joining torchrun's process group if launched by it); return the run directory."""
+    device = init_distributed(config.device)
+    try:
+        return _train(config, device)
+    finally:
+        cleanup_distributed()
+
+
+def _train(config: PretrainConfig, device: torch.device) -> Path:
+    rank, world = get_rank(), get_world_size()
+    out = Path(config.out)
+    if config.batch_size % world:
+        raise ValueError(f"--batch-size {config.batch_size} is not a multiple of the {world} processes")
+    state = _resume_state(config, out)
+    is_dir = not (config.data == "digits" or config.data.startswith("synthetic"))
+    dataset = build_dataset(config.data, "train", image_size=None if is_dir and config.views == "pil" else config.image_size, seed=config.seed)
+    steps_per_epoch = len(dataset) // config.batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(f"--batch-size {config.batch_size} is larger than the {len(dataset)} training images of --data {config.data}")
+    total_steps = config.epochs * steps_per_epoch
+    warmup_steps = config.warmup_epochs * steps_per_epoch
+    last_step = min(total_steps, config.max_steps) if config.max_steps else total_steps
+
+    torch.manual_seed(config.seed)
+    np.random.seed(config.seed % 2**32)
+    random.seed(config.seed)
+    model = BarlowTwins(config.backbone, config.projector, config.lambd, small_image_stem=config.small_image_stem,
+                        loss_method=config.loss_method, reference_grad_scale=config.reference_grad_scale).to(device)
+    if config.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = LARS(param_groups(model, config.lr_weights, config.lr_biases, config.weight_decay), weight_decay=config.weight_decay)
+    scaler = torch.amp.GradScaler("cuda", enabled=config.precision == "fp16")
+    step = 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if "scaler" in state:
+            scaler.load_state_dict(state["scaler"])
+        step = int(state["step"])
+        set_rng_state(state["rng"])
+
+    step_module: nn.Module = _TrainStep(model)
+    if world > 1:
+        if device.type == "cuda":
+            step_module = nn.SyncBatchNorm.convert_sync_batchnorm(step_module)
+        # SyncBatchNorm has no CPU kernel: on gloo, BN statistics stay per rank (buffers follow rank 0).
+        step_module = nn.parallel.DistributedDataParallel(step_module, device_ids=[device.index] if device.type == "cuda" else None)
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
+
+    run = RunDir(out, config, write=is_main_process())
+    if is_main_process() and state is not None:
+        _truncate_metrics(out / "metrics.jsonl", step)
+    batched = BatchedTwoViews(config.image_size) if config.views == "batched" else None
+    views = _ViewDataset(dataset, config.image_size, config.seed, batched is not None)
+    probe = _probe_views(views, config, device, batched) if is_main_process() else None
+    if step == 0 and is_main_process():
+        _save_probe(out / "cross_correlation_start.npy", model, probe)
+
+    checkpoint_path = out / CHECKPOINT_NAME
+    bar = tqdm(total=last_step, initial=step, desc="pretrain", unit="step", disable=not is_main_process() or None, dynamic_ncols=True)
+    model.train()
+    while step < last_step:
+        epoch = step // steps_per_epoch
+        sampler = EpochBatchSampler(len(dataset), config.batch_size, config.seed, epoch, step % steps_per_epoch, rank, world)
+        loader = DataLoader(views, batch_sampler=sampler, num_workers=config.num_workers, pin_memory=device.type == "cuda",
+                            generator=torch.Generator().manual_seed(derive_seed(config.seed, epoch, rank)))
+        tick = time.perf_counter()
+        for batch in loader:
+            y_a, y_b = _views(batch, step, config, device, batched)
+            rates = set_learning_rates(optimizer, step, total_steps, warmup_steps, config.batch_size)
+            with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+                terms, spread = step_module(y_a, y_b)
+            loss = float(terms.loss.detach())
+            if not math.isfinite(loss):
+                kept = f"{checkpoint_path} is kept" if checkpoint_path.exists() else "no checkpoint was written yet"
+                raise RuntimeError(f"the loss became {loss} at step {step} (epoch {epoch}); training stopped and {kept}")
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(terms.loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            step += 1
+            now = time.perf_counter()
+            if step % config.log_every == 0 or step == last_step:
+                run.log({
+                    "step": step, "epoch": epoch, "lr_weights": rates[0], "lr_biases": rates[1], "loss": loss,
+                    "invariance": float(terms.invariance_term), "redundancy": float(terms.redundancy_term),
+                    "embedding_std": float(spread), "pairs_per_s": config.batch_size / max(now - tick, 1e-9),
+                })
+            tick = now
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4g}", epoch=epoch)
+            if step % steps_per_epoch == 0 or step == last_step or (config.checkpoint_every and step % config.checkpoint_every == 0):
+                if is_main_process():
+                    save_checkpoint(checkpoint_path, model=model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+                                    step=step, epoch=step // steps_per_epoch, config=dataclasses.asdict(config))
+                barrier()
+            if step >= last_step:
+                break
+    bar.close()
+    if is_main_process():
+        _save_probe(out / "cross_correlation_end.npy", model, probe)
+        write_backbone(out, model, config, step, len(dataset))
+    barrier()
+    return out

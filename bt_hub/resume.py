@@ -1,0 +1,118 @@
+"""What makes a resumed run equal an uninterrupted one: seeded data order, seeded views, full checkpoints.
+
+Nothing in the training loop depends on hidden state: the sample order of an epoch is a
+permutation drawn from a generator seeded by (seed, epoch); each sample's PIL views
+are drawn from a generator seeded by (seed, epoch, index), and the batched views from
+one seeded by (seed, step, rank). The position inside an epoch is therefore the step
+counter, and a checkpoint (model, optimiser, scaler, step, RNG states, config) is
+enough to continue bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from bt_hub.runs import atomic_torch_save
+
+CHECKPOINT_NAME = "checkpoint.pth"
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed mixed from integers (same parts, same seed, on every machine)."""
+    words = np.random.SeedSequence([int(p) % (2**63) for p in parts]).generate_state(2, dtype=np.uint32)
+    return int(words[0]) << 31 ^ int(words[1])
+
+
+def seeded_generator(*parts: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """A fresh ``torch.Generator`` on ``device`` seeded by ``derive_seed(*parts)``."""
+    return torch.Generator(device=device).manual_seed(derive_seed(*parts))
+
+
+def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The sample order of one epoch: a permutation seeded by (seed, epoch)."""
+    return torch.randperm(num_samples, generator=seeded_generator(seed, epoch))
+
+
+class EpochBatchSampler:
+    """This rank's share of the global batches of one epoch, from step ``start`` on.
+
+    Yields lists of ``(epoch, index)`` keys; the dataset seeds each sample's views from
+    them. Global batch k holds positions [kB, (k+1)B) of the epoch permutation; rank r
+    takes the r-th contiguous slice of B / world_size. The last partial batch is dropped.
+
+    Args:
+        num_samples: dataset length.
+        batch_size: the global batch size (a multiple of ``world_size``).
+        seed: run seed.
+        epoch: epoch number (0-based).
+        start: first step within the epoch (0 for a fresh epoch).
+        rank: this process's rank.
+        world_size: number of processes.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, seed: int, epoch: int, start: int = 0, rank: int = 0, world_size: int = 1) -> None:
+        if batch_size % world_size:
+            raise ValueError(f"--batch-size {batch_size} is not a multiple of the {world_size} processes")
+        self.order = epoch_permutation(num_samples, seed, epoch).tolist()
+        self.steps = num_samples // batch_size
+        self.batch_size, self.epoch, self.start = batch_size, epoch, start
+        self.local = batch_size // world_size
+        self.offset = rank * self.local
+
+    def __len__(self) -> int:
+        return max(self.steps - self.start, 0)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        for k in range(self.start, self.steps):
+            first = k * self.batch_size + self.offset
+            yield [(self.epoch, i) for i in self.order[first : first + self.local]]
+
+
+def rng_state() -> dict[str, Any]:
+    """The torch, numpy and python RNG states, in types ``torch.load(weights_only=True)`` accepts."""
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the states saved by ``rng_state``."""
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(path: str | os.PathLike, **state: Any) -> Path:
+    """Write a full training checkpoint atomically (a crash leaves the previous one intact)."""
+    return atomic_torch_save({**state, "rng": rng_state()}, path)
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a checkpoint written by ``save_checkpoint`` (``weights_only=True``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises several unrelated types for a damaged file
+        raise RuntimeError(f"checkpoint {path} is unreadable ({type(err).__name__}: {err})") from err
+    missing = [k for k in ("model", "optimizer", "step", "config", "rng") if k not in state]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks the keys {missing}; expected one written by bt-hub pretrain")
+    return state

@@ -1,0 +1,164 @@
+"""The pretraining loop: exact resume after SIGKILL (1 process and torchrun x2), the CLI, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bt_hub.cli import main as cli_main
+from bt_hub.model import build_backbone
+from bt_hub.pretrain import PretrainConfig, pretrain
+
+# 32 synthetic training images, batch 8: 4 steps per epoch, 8 in all; checkpoints at 3 (mid-epoch), 4, 6 (mid-epoch), 8.
+TINY = [
+    "--data", "synthetic:40", "--backbone", "resnet18", "--small-image-stem", "--image-size", "8",
+    "--projector", "64-64", "--batch-size", "8", "--epochs", "2", "--warmup-epochs", "1",
+    "--checkpoint-every", "3", "--log-every", "1", "--seed", "7", "--probe-max-dim", "0",
+]
+STEPS_PER_EPOCH, TOTAL_STEPS = 4, 8
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _pretrain_cmd(out: Path, *extra: str, launcher: list[str] | None = None) -> list[str]:
+    prefix = launcher + ["-m", "bt_hub.cli"] if launcher else [sys.executable, "-m", "bt_hub.cli"]
+    return prefix + ["pretrain", *TINY, "--out", str(out), *extra]
+
+
+def _run(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _checkpoint_step(path: Path) -> int:
+    return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
+
+
+def _kill_after_mid_epoch_checkpoint(cmd: list[str], out: Path) -> int:
+    """Run ``cmd`` in its own process group; after each logged step freeze it (SIGSTOP) and
+    SIGKILL the whole group as soon as the checkpoint on disk is inside an epoch."""
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    metrics, ckpt, seen = out / "metrics.jsonl", out / "checkpoint.pth", 0
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()[-2000:]}"
+            lines = metrics.read_text().count("\n") if metrics.exists() else 0
+            if lines > seen and ckpt.exists():
+                seen = lines
+                os.killpg(proc.pid, signal.SIGSTOP)
+                step = _checkpoint_step(ckpt)
+                if step % STEPS_PER_EPOCH and step < TOTAL_STEPS:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=30)
+                    return step
+                os.killpg(proc.pid, signal.SIGCONT)
+            time.sleep(0.02)
+        pytest.fail("no mid-epoch checkpoint appeared within 240 s")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def _assert_same_final_state(a: Path, b: Path) -> None:
+    sa = torch.load(a / "checkpoint.pth", map_location="cpu", weights_only=True)
+    sb = torch.load(b / "checkpoint.pth", map_location="cpu", weights_only=True)
+    assert sa["step"] == sb["step"] == TOTAL_STEPS
+    assert sa["model"].keys() == sb["model"].keys()
+    different = [k for k in sa["model"] if not torch.equal(sa["model"][k], sb["model"][k])]
+    assert not different, f"tensors differ after resume: {different[:5]}"
+    for (ka, ma), (kb, mb) in zip(sa["optimizer"]["state"].items(), sb["optimizer"]["state"].items()):
+        assert ka == kb and torch.equal(ma["mu"], mb["mu"])
+    backbone_a = torch.load(a / "resnet18.pth", weights_only=True)
+    backbone_b = torch.load(b / "resnet18.pth", weights_only=True)
+    assert all(torch.equal(backbone_a[k], backbone_b[k]) for k in backbone_a)
+    losses = [[json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (a, b)]
+    assert losses[0] == losses[1] and len(losses[0]) == TOTAL_STEPS
+
+
+@pytest.mark.ddp
+@pytest.mark.parametrize("launcher", [None, TORCHRUN], ids=["single-process", "torchrun-2-gloo"])
+def test_run_killed_mid_epoch_and_resumed_is_bit_identical(tmp_path, launcher):
+    _run(_pretrain_cmd(tmp_path / "straight", launcher=launcher))
+    interrupted = tmp_path / "interrupted"
+    step = _kill_after_mid_epoch_checkpoint(_pretrain_cmd(interrupted, launcher=launcher), interrupted)
+    assert 0 < step < TOTAL_STEPS and step % STEPS_PER_EPOCH
+    assert not (interrupted / "resnet18.pth").exists()
+    _run(_pretrain_cmd(interrupted, "--resume", "auto", launcher=launcher))
+    _assert_same_final_state(tmp_path / "straight", interrupted)
+
+
+def test_pretrain_on_digits_writes_torchvision_and_safetensors_backbones(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    code = cli_main([
+        "pretrain", "--data", "digits", "--out", str(out), "--backbone", "resnet18", "--small-image-stem",
+        "--image-size", "8", "--projector", "32-32", "--batch-size", "32", "--epochs", "1", "--max-steps", "2", "--probe-max-dim", "64",
+        "--views", "batched", "--log-every", "1",
+    ])
+    assert code == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["lr_weights"] == 0.0 and rows[1]["lr_weights"] > 0  # warm-up starts at 0
+    assert all(np.isfinite(r["loss"]) and r["embedding_std"] > 0 for r in rows)
+    state = torch.load(out / "resnet18.pth", weights_only=True)
+    assert "conv1.weight" in state and "layer1.0.bn1.running_mean" in state and not any(k.startswith("fc.") for k in state)
+    net = build_backbone("resnet18", small_image_stem=True)
+    net.load_state_dict(state, strict=True)
+    tensors = load_file(out / "backbone.safetensors")
+    assert tensors.keys() == state.keys() and all(torch.equal(tensors[k], state[k]) for k in state)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architecture"], config["small_image_stem"], config["projector"], config["dataset"]) == ("resnet18", True, "32-32", "digits")
+    assert config["steps"] == 2 and config["recipe"]["batch_size"] == 32
+    start, end = np.load(out / "cross_correlation_start.npy"), np.load(out / "cross_correlation_end.npy")
+    assert start.shape == end.shape == (32, 32) and not np.array_equal(start, end)
+
+
+def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(tmp_path):
+    config = PretrainConfig(data="synthetic:40", out=str(tmp_path), backbone="resnet18", small_image_stem=True, image_size=8,
+                            projector="16-16", batch_size=8, epochs=2, warmup_epochs=0, lr_biases=1e36, checkpoint_every=1, probe_max_dim=0)
+    with pytest.raises(RuntimeError, match=r"the loss became nan at step (\d+) .*checkpoint.pth is kept"):
+        pretrain(config)
+    state = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
+    assert state["step"] >= 1 and all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+    assert not (tmp_path / "resnet18.pth").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--data", "/no/such/dir"], "data directory /no/such/dir does not exist"),
+        (["--batch-size", "0"], "--batch-size must be positive, got 0"),
+        (["--projector", "64-x"], "--projector: projector '64-x' is malformed"),
+        (["--precision", "fp16"], "--precision fp16 needs --device cuda"),
+        (["--batch-size", "4096"], "--batch-size 4096 is larger than the 32 training images of --data synthetic:40"),
+        (["--resume", "/no/such/checkpoint.pth"], "checkpoint /no/such/checkpoint.pth does not exist"),
+    ],
+)
+def test_bad_paths_and_flags_are_one_sentence_errors_naming_them(tmp_path, capsys, flags, message):
+    code = cli_main(["pretrain", *TINY, "--out", str(tmp_path / "run"), *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and err.count("\n") == 0
+
+
+def test_existing_run_is_not_overwritten_and_resume_checks_the_recipe(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli_main(["pretrain", *TINY, "--projector", "16-16", "--out", str(out), "--max-steps", "1"]) == 0
+    assert cli_main(["pretrain", *TINY, "--projector", "16-16", "--out", str(out)]) == 2
+    assert f"--out {out} already holds checkpoint.pth; pass --resume auto" in capsys.readouterr().err
+    assert cli_main(["pretrain", *TINY, "--projector", "16-16", "--out", str(out), "--resume", "auto", "--seed", "8"]) == 2
+    assert "--seed is 8 but checkpoint" in capsys.readouterr().err
