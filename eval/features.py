@@ -1,0 +1,367 @@
+"""One frozen-backbone feature extractor shared by every protocol, with an on-disk cache.
+
+``extract_features`` runs the backbone in eval mode without gradients (autocast on
+CUDA) over a dataset in its own order and returns ``(features, labels)``. Pools:
+
+- ``"avg"``: the backbone's output (global average pool of res5; 2048-d for ResNet-50).
+- ``"voc_res5"``: VISSL's VOC07 feature: the res5 map (7x7 at 224 px) through
+  ``AvgPool2d(6, stride=1)`` then flattened channel-major, 2x2x2048 = 8192-d. Other
+  input sizes go through the same op, giving (H-5)x(W-5)xC features; the res5 map must
+  be at least 6x6 (>= 161 px input with the standard stem).
+
+Under torchrun each rank embeds its share of every global batch and the shares are
+gathered back in dataset order, so every rank ends with the full, ordered features.
+
+With a ``FeatureCache`` the features are streamed into ``<key>.features.npy`` (float32 or
+float16) and returned as a read-only memmap; the key hashes the weights fingerprint, the
+dataset fingerprint, the transform, the pool and the dtype, so a second protocol that asks
+for the same features loads them instead of running the model. Either way,
+``np.asarray(features[a:b], dtype=np.float32)`` reads rows ``a:b``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from torchvision import transforms
+from tqdm import tqdm
+
+from bt_hub.augment import IMAGENET_MEAN, IMAGENET_STD
+from bt_hub.distributed import all_gather_cat, barrier, get_rank, get_world_size, is_distributed, is_main_process
+from bt_hub.runs import atomic_write, atomic_write_json
+
+if TYPE_CHECKING:
+    from eval.config import EvalConfig
+
+Pool = Literal["avg", "voc_res5"]
+
+
+# ----------------------------------------------------------------------------- transforms
+
+
+def eval_transform(image_size: int = 224) -> transforms.Compose:
+    """The test transform of the linear protocol: Resize(size*256/224) + CenterCrop(size), normalised."""
+    return transforms.Compose([
+        transforms.Resize(round(image_size * 256 / 224)),
+        transforms.CenterCrop(image_size),
+        transforms.ToTensor(),
+        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ])
+
+
+def train_transform(image_size: int = 224) -> transforms.Compose:
+    """The training transform of the linear and semi-supervised protocols: RandomResizedCrop + flip."""
+    return transforms.Compose([
+        transforms.RandomResizedCrop(image_size),
+        transforms.RandomHorizontalFlip(),
+        transforms.ToTensor(),
+        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ])
+
+
+class _Transformed(Dataset):
+    """``(transform(image), label)`` for every item of a dataset of ``(image, label)``."""
+
+    def __init__(self, dataset: Dataset, transform: Callable[[Any], torch.Tensor]) -> None:
+        self.dataset = dataset
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, Any]:
+        image, label = self.dataset[index][:2]
+        return self.transform(image), label
+
+
+# ----------------------------------------------------------------------------- fingerprints
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def module_fingerprint(module: nn.Module) -> str:
+    """sha256 of a module's state dict (names, shapes, dtypes and bytes), for in-memory weights."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def dataset_fingerprint(dataset_or_path: Dataset | str | os.PathLike) -> str:
+    """A sha256 that changes when the images, their order or their labels change.
+
+    Directories and file-backed datasets (a ``samples`` list of ``(path, label)``) hash
+    relative paths, sizes and labels, not pixels, so fingerprinting ImageNet takes
+    seconds. In-memory datasets (an ``images`` array) hash the array and labels; any other
+    dataset hashes every item's pixels and label.
+    """
+    h = hashlib.sha256()
+    if isinstance(dataset_or_path, (str, os.PathLike)):
+        spec = str(dataset_or_path)
+        root = Path(spec).expanduser()
+        if not root.is_dir():
+            h.update(spec.encode())
+            return h.hexdigest()
+        for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+            dirnames.sort()
+            for name in sorted(filenames):
+                p = Path(dirpath) / name
+                h.update(f"{p.relative_to(root).as_posix()}:{p.stat().st_size};".encode())
+        return h.hexdigest()
+    dataset = dataset_or_path
+    samples = getattr(dataset, "samples", None)
+    images = getattr(dataset, "images", None)
+    if samples is not None:
+        root = Path(getattr(dataset, "root", "/"))
+        for path, label in samples:
+            p = Path(path)
+            rel = p.relative_to(root).as_posix() if p.is_relative_to(root) else p.as_posix()
+            h.update(f"{rel}:{p.stat().st_size}:{label!r};".encode())
+    elif isinstance(images, np.ndarray):
+        h.update(f"{images.shape}:{images.dtype};".encode())
+        h.update(np.ascontiguousarray(images).tobytes())
+        h.update(repr(list(getattr(dataset, "targets", []))).encode())
+    else:
+        for i in range(len(dataset)):
+            image, label = dataset[i][:2]
+            h.update(np.asarray(image).tobytes())
+            h.update(f":{label!r};".encode())
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+@dataclass(frozen=True)
+class FeatureCache:
+    """Where cached features live and what they were computed from.
+
+    Args:
+        directory: the cache directory (created on first write).
+        weights: the weights fingerprint (``bt_hub.checkpoint.weights_fingerprint`` or
+            ``module_fingerprint``).
+        dataset: the dataset fingerprint (``dataset_fingerprint``).
+    """
+
+    directory: str | os.PathLike
+    weights: str
+    dataset: str
+
+    def key(self, transform: str, pool: str, dtype: str) -> str:
+        """The file stem for features of this weights/dataset under a transform, pool and dtype."""
+        record = {"weights": self.weights, "dataset": self.dataset, "transform": transform, "pool": pool, "dtype": dtype}
+        return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:24]
+
+    def paths(self, key: str) -> tuple[Path, Path, Path]:
+        """(features .npy, labels .npy, meta .json) for a key; the meta file is written last."""
+        d = Path(self.directory)
+        return d / f"{key}.features.npy", d / f"{key}.labels.npy", d / f"{key}.meta.json"
+
+
+# ----------------------------------------------------------------------------- extraction
+
+
+def _res5_pool(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """VISSL's VOC07 res5 feature: res5 map -> AvgPool2d(6, stride 1) -> flatten (8192-d at 224 px)."""
+    if not all(hasattr(backbone, n) for n in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer4")):
+        raise ValueError(f"pool 'voc_res5' needs a torchvision-style ResNet (conv1 ... layer4), got {type(backbone).__name__}")
+    x = backbone.maxpool(backbone.relu(backbone.bn1(backbone.conv1(x))))
+    x = backbone.layer4(backbone.layer3(backbone.layer2(backbone.layer1(x))))
+    if min(x.shape[-2:]) < 6:
+        raise ValueError(f"pool 'voc_res5' needs a res5 map of at least 6x6, got {tuple(x.shape[-2:])}; use a larger --image-size (224 gives 7x7)")
+    return torch.flatten(nn.functional.avg_pool2d(x, kernel_size=6, stride=1), 1)
+
+
+def _global_batches(n: int, batch_size: int, world_size: int, rank: int) -> list[list[int]]:
+    """This rank's index lists: global step s covers [s*B*W, (s+1)*B*W), rank r the r-th B of it.
+
+    Under several ranks every list has B entries (padded by repeating the last index) so
+    the per-step gather has equal shapes; the padding is trimmed after the gather.
+    """
+    step = batch_size * world_size
+    batches = []
+    for start in range(0, n, step):
+        lo = start + rank * batch_size
+        idx = [min(i, n - 1) for i in range(lo, lo + batch_size)] if world_size > 1 else list(range(lo, min(lo + batch_size, n)))
+        batches.append(idx)
+    return batches
+
+
+def iter_feature_batches(
+    backbone: nn.Module,
+    dataset: Dataset,
+    *,
+    transform: Callable[[Any], torch.Tensor],
+    pool: Pool = "avg",
+    batch_size: int = 256,
+    device: str | torch.device = "cpu",
+    num_workers: int = 0,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield ``(features float32 [b, F], labels [b, ...])`` on CPU, consecutive chunks in dataset order."""
+    if pool not in ("avg", "voc_res5"):
+        raise ValueError(f"pool {pool!r} is unknown; expected 'avg' or 'voc_res5'")
+    device = torch.device(device)
+    n, world = len(dataset), get_world_size()
+    loader = DataLoader(
+        _Transformed(dataset, transform),
+        batch_sampler=_global_batches(n, batch_size, world, get_rank()),
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+    )
+    was_training = backbone.training
+    backbone.eval().to(device)
+    done = 0
+    try:
+        with torch.no_grad(), torch.autocast(device.type, enabled=device.type == "cuda"):
+            for images, labels in tqdm(loader, desc=f"features ({pool})", disable=None if is_main_process() else True):
+                images = images.to(device, non_blocking=True)
+                feats = _res5_pool(backbone, images) if pool == "voc_res5" else backbone(images)
+                feats = torch.flatten(feats, 1).float()
+                labels = torch.as_tensor(labels).to(device)
+                if is_distributed():
+                    feats, labels = all_gather_cat(feats), all_gather_cat(labels)
+                take = min(len(feats), n - done)
+                done += take
+                yield feats[:take].cpu(), labels[:take].cpu()
+    finally:
+        backbone.train(was_training)
+
+
+def _npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape})
+    return buf.getvalue()
+
+
+def extract_features(
+    backbone: nn.Module,
+    dataset: Dataset,
+    *,
+    transform: Optional[Callable[[Any], torch.Tensor]] = None,
+    pool: Pool = "avg",
+    batch_size: int = 256,
+    device: str | torch.device = "cpu",
+    num_workers: int = 0,
+    cache: Optional[FeatureCache] = None,
+    dtype: Literal["float32", "float16"] = "float32",
+) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
+    """Features of a frozen backbone over a dataset of ``(image, label)``, in dataset order.
+
+    Args:
+        backbone: the network (``fc = Identity``); put in eval mode for the pass, restored after.
+        dataset: items ``(image, label)``; ``transform`` turns the image into a tensor.
+        transform: default ``eval_transform(224)``; its ``repr`` is part of the cache key.
+        pool: ``"avg"`` (backbone output) or ``"voc_res5"`` (see the module docstring).
+        batch_size: images per forward pass (per rank under torchrun).
+        device: where the backbone runs; autocast is used on CUDA.
+        num_workers: DataLoader workers.
+        cache: where to store / find the features; None computes them in memory.
+        dtype: dtype of the cached features (float16 halves the disk use).
+
+    Returns:
+        ``(features [N, F], labels [N, ...])``: a float32 tensor without a cache, a
+        read-only numpy memmap with one; labels as a tensor.
+    """
+    if dtype not in ("float32", "float16"):
+        raise ValueError(f"cache dtype {dtype!r} is unknown; expected 'float32' or 'float16'")
+    transform = transform or eval_transform(224)
+    batches = lambda: iter_feature_batches(  # noqa: E731
+        backbone, dataset, transform=transform, pool=pool, batch_size=batch_size, device=device, num_workers=num_workers
+    )
+    if cache is None:
+        chunks = list(batches())
+        if not chunks:
+            raise ValueError("cannot extract features from an empty dataset")
+        return torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks])
+    key = cache.key(repr(transform), pool, dtype)
+    features_path, labels_path, meta_path = cache.paths(key)
+    if not meta_path.exists() and is_main_process():
+        _write_cache(batches(), len(dataset), np.dtype(dtype), features_path, labels_path)
+        atomic_write_json(meta_path, {"key": key, "weights": cache.weights, "dataset": cache.dataset, "transform": repr(transform), "pool": pool, "dtype": dtype, "num_samples": len(dataset)})
+    elif not meta_path.exists():
+        for _ in batches():  # the other ranks take part in every gather, then read rank 0's file
+            pass
+    barrier()
+    return np.load(features_path, mmap_mode="r"), torch.from_numpy(np.load(labels_path))
+
+
+def _write_cache(chunks: Iterator[tuple[torch.Tensor, torch.Tensor]], n: int, dtype: np.dtype, features_path: Path, labels_path: Path) -> None:
+    """Stream feature chunks into an .npy file (header first, rows in order), atomically."""
+    try:
+        first_features, first_labels = next(chunks)
+    except StopIteration:
+        raise ValueError("cannot extract features from an empty dataset") from None
+    labels = [first_labels]
+
+    def write(f: io.BufferedWriter) -> None:
+        f.write(_npy_header((n, first_features.shape[1]), dtype))
+        f.write(first_features.numpy().astype(dtype).tobytes())
+        for feats, labs in chunks:
+            f.write(feats.numpy().astype(dtype).tobytes())
+            labels.append(labs)
+
+    atomic_write(features_path, write)
+    atomic_write(labels_path, lambda f: np.save(f, torch.cat(labels).numpy()))
+
+
+def as_float32(features: torch.Tensor | np.ndarray, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+    """Rows ``start:stop`` of a feature tensor or memmap as a float32 tensor."""
+    return torch.from_numpy(np.array(features[start:stop], dtype=np.float32))
+
+
+# ----------------------------------------------------------------------------- protocol helpers
+
+
+def load_eval_backbone(config: "EvalConfig") -> tuple[nn.Module, str]:
+    """The backbone named by ``--weights`` (``bt_hub.checkpoint.load_backbone``) and its fingerprint."""
+    from bt_hub.checkpoint import load_backbone, weights_fingerprint
+
+    backbone = load_backbone(config.weights, arch=config.arch, small_image_stem=config.small_image_stem)
+    return backbone, weights_fingerprint(config.weights)
+
+
+def features_for(
+    config: "EvalConfig",
+    backbone: nn.Module,
+    dataset: Dataset,
+    *,
+    weights_id: str,
+    dataset_id: str,
+    transform: Optional[Callable[[Any], torch.Tensor]] = None,
+    pool: Pool = "avg",
+) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
+    """``extract_features`` with a protocol config's device, batch size, workers and cache settings.
+
+    ``transform`` defaults to ``eval_transform(config.image_size)``; the cache is used when
+    ``config.cache_dir`` is set, keyed by ``weights_id`` and ``dataset_id``.
+    """
+    cache = FeatureCache(config.cache_dir, weights_id, dataset_id) if config.cache_dir else None
+    return extract_features(
+        backbone,
+        dataset,
+        transform=transform or eval_transform(config.image_size),
+        pool=pool,
+        batch_size=config.batch_size,
+        device=config.device,
+        num_workers=config.num_workers,
+        cache=cache,
+        dtype=config.cache_dtype,
+    )

@@ -1,0 +1,145 @@
+"""eval.features: order, pools, transforms, fingerprints and the on-disk cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from bt_hub.data import ArrayImageDataset
+from bt_hub.model import build_backbone
+from eval.features import (
+    FeatureCache,
+    as_float32,
+    dataset_fingerprint,
+    eval_transform,
+    extract_features,
+    module_fingerprint,
+    train_transform,
+)
+
+torch.set_num_threads(2)
+
+
+def _dataset(n: int = 10, size: int = 8, seed: int = 0) -> ArrayImageDataset:
+    rng = np.random.default_rng(seed)
+    return ArrayImageDataset(rng.integers(0, 256, (n, size, size, 3), dtype=np.uint8), np.arange(n) % 3, ["a", "b", "c"])
+
+
+class MeanColour(nn.Module):
+    """A 'backbone' whose feature is the per-channel mean: easy to check by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x.mean(dim=(2, 3)) * self.scale
+
+
+def _to_tensor(image) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1)
+
+
+def test_features_come_back_in_dataset_order_with_labels():
+    data = _dataset(10)
+    feats, labels = extract_features(MeanColour(), data, transform=_to_tensor, batch_size=3)
+    expected = torch.from_numpy(data.images.astype(np.float32).mean(axis=(1, 2)))
+    assert feats.dtype == torch.float32 and feats.shape == (10, 3)
+    torch.testing.assert_close(feats, expected)
+    assert labels.tolist() == data.targets
+
+
+def test_voc_res5_pool_is_8192_dimensional_at_224_and_avg_is_2048():
+    backbone = build_backbone("resnet50")
+    x = torch.randn(1, 3, 224, 224)
+    data = [(x[0], 0)]
+    identity = lambda t: t  # noqa: E731
+    res5, _ = extract_features(backbone, data, transform=identity, pool="voc_res5")
+    avg, _ = extract_features(backbone, data, transform=identity, pool="avg")
+    assert res5.shape == (1, 8192) and avg.shape == (1, 2048)
+    # the 2x2 res5 pool averages to the global pool over the central 6x6 windows; check the op itself
+    with torch.no_grad():
+        backbone.eval()
+        m = backbone.layer4(backbone.layer3(backbone.layer2(backbone.layer1(backbone.maxpool(backbone.relu(backbone.bn1(backbone.conv1(x))))))))
+        torch.testing.assert_close(res5[0].view(2048, 2, 2)[:, 0, 0], m[0, :, :6, :6].mean(dim=(1, 2)))
+        torch.testing.assert_close(avg[0], m[0].mean(dim=(1, 2)))
+
+
+def test_voc_res5_pool_rejects_a_res5_map_smaller_than_6x6():
+    with pytest.raises(ValueError, match="at least 6x6"):
+        extract_features(build_backbone("resnet18"), [(torch.randn(3, 64, 64), 0)], transform=lambda t: t, pool="voc_res5")
+
+
+def test_extraction_restores_training_mode_and_uses_eval_mode_inside():
+    class ModeProbe(MeanColour):
+        def forward(self, x):
+            assert not self.training
+            return super().forward(x)
+
+    net = ModeProbe().train()
+    extract_features(net, _dataset(4), transform=_to_tensor, batch_size=2)
+    assert net.training
+
+
+def test_second_call_with_the_same_cache_key_does_not_run_the_model(tmp_path):
+    data = _dataset(7)
+    net = MeanColour()
+    cache = FeatureCache(tmp_path / "cache", module_fingerprint(net), dataset_fingerprint(data))
+    first, labels1 = extract_features(net, data, transform=_to_tensor, batch_size=3, cache=cache)
+    calls = net.calls
+    assert calls == 3
+    second, labels2 = extract_features(net, data, transform=_to_tensor, batch_size=3, cache=cache)
+    assert net.calls == calls
+    assert isinstance(second, np.memmap)
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
+    assert labels1.tolist() == labels2.tolist() == data.targets
+    # another pool or dtype is another key: the model runs again
+    extract_features(net, data, transform=_to_tensor, batch_size=3, cache=cache, dtype="float16")
+    assert net.calls == calls + 3
+
+
+def test_float16_cache_holds_half_precision_rows_readable_as_float32(tmp_path):
+    data = _dataset(5)
+    net = MeanColour()
+    full, _ = extract_features(net, data, transform=_to_tensor)
+    cache = FeatureCache(tmp_path, "w", dataset_fingerprint(data))
+    half, _ = extract_features(net, data, transform=_to_tensor, cache=cache, dtype="float16")
+    assert half.dtype == np.float16
+    torch.testing.assert_close(as_float32(half, 1, 4), full[1:4], atol=0.2, rtol=1e-3)
+    assert len(list(tmp_path.glob("*.npy"))) == 2 and len(list(tmp_path.glob("*.meta.json"))) == 1
+
+
+def test_dataset_fingerprint_changes_with_pixels_labels_and_files(tmp_path):
+    a, b = _dataset(6, seed=0), _dataset(6, seed=0)
+    assert dataset_fingerprint(a) == dataset_fingerprint(b)
+    b.targets[0] = 2
+    assert dataset_fingerprint(a) != dataset_fingerprint(b)
+    assert dataset_fingerprint(a) != dataset_fingerprint(_dataset(6, seed=1))
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "1.png").write_bytes(b"12")
+    before = dataset_fingerprint(tmp_path)
+    (tmp_path / "x" / "2.png").write_bytes(b"3")
+    assert dataset_fingerprint(tmp_path) != before
+
+
+def test_module_fingerprint_follows_the_weights():
+    net = MeanColour()
+    before = module_fingerprint(net)
+    with torch.no_grad():
+        net.scale.add_(1)
+    assert module_fingerprint(net) != before
+
+
+def test_eval_transform_is_resize_256_center_crop_224_and_train_transform_crops_at_size():
+    from PIL import Image
+
+    image = Image.fromarray(np.zeros((300, 400, 3), dtype=np.uint8))
+    t = eval_transform(224)
+    assert t.transforms[0].size == 256 and t.transforms[1].size == (224, 224)
+    assert t(image).shape == (3, 224, 224)
+    assert eval_transform(32).transforms[0].size == round(32 * 256 / 224)
+    assert train_transform(64)(image).shape == (3, 64, 64)
