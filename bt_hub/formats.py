@@ -1,0 +1,329 @@
+"""Key layouts of ResNet checkpoints in the wild (PROTOCOLS.md §1, §3), and how to read them safely.
+
+Reading never executes code: ``.pth`` / ``.torch`` / ``.ckpt`` files go through
+``torch.load(weights_only=True)``, ``.safetensors`` through safetensors, and detectron2
+``.pkl`` files through an unpickler that admits numpy arrays and plain containers only.
+Every nested tensor is flattened to a dotted key (``state_dict.model.backbone.conv1.weight``);
+the backbone is then the one prefix under which a torchvision ResNet's keys sit, after
+undoing the detectron2 and VISSL renames.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import zipfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+# Block counts per stage and block type of the architectures build_backbone knows.
+ARCHITECTURES: dict[str, tuple[tuple[int, ...], str]] = {
+    "resnet18": ((2, 2, 2, 2), "basic"),
+    "resnet34": ((3, 4, 6, 3), "basic"),
+    "resnet50": ((3, 4, 6, 3), "bottleneck"),
+    "resnet101": ((3, 4, 23, 3), "bottleneck"),
+}
+
+# Prefix segments that mark "the backbone" when one file holds several ResNets.
+_BACKBONE_MARKERS = ("backbone", "trunk", "encoder", "encoder_q", "student", "bottom_up", "res5")
+# Prefix segments of networks that are not the one to evaluate (momentum/teacher copies).
+_SECONDARY_MARKERS = ("momentum", "teacher", "encoder_k", "target", "ema")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint could not be read as a ResNet backbone; the message names the file."""
+
+
+# --------------------------------------------------------------------------- reading files
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Admits numpy arrays and plain containers only (the detectron2 ``.pkl`` payload)."""
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "tuple"),
+        ("builtins", "list"),
+        ("builtins", "dict"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is forbidden")
+
+
+def _looks_like_safetensors(head: bytes) -> bool:
+    return len(head) >= 10 and head[8:10] in (b'{"', b"{ ")
+
+
+def read_file(path: Path) -> Any:
+    """The object stored in a weights file, read without executing any code.
+
+    Raises:
+        CheckpointError: the file is missing, truncated, of an unknown kind, or holds
+            pickled objects other than tensors, arrays and plain containers.
+    """
+    if not path.is_file():
+        raise CheckpointError(f"weights file {path} does not exist")
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if not head:
+        raise CheckpointError(f"weights file {path} is empty")
+    if path.suffix == ".safetensors" or _looks_like_safetensors(head):
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise CheckpointError(f"weights file {path} is not a readable safetensors file, perhaps truncated ({err})") from err
+    if path.suffix == ".pkl" and not zipfile.is_zipfile(path):
+        return _read_pickle(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "GLOBAL" in str(err) or "Weights only load failed" in str(err):
+            found = re.search(r"GLOBAL ([\w.]+)", str(err))
+            what = f"'{found.group(1)}'" if found else "objects other than tensors"
+            raise CheckpointError(f"weights file {path} holds pickled code ({what}), which bt_hub refuses to load") from err
+        raise CheckpointError(f"weights file {path} is not a readable torch file, perhaps truncated ({_first_line(err)})") from err
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as err:
+        raise CheckpointError(f"weights file {path} is not a readable torch file, perhaps truncated ({_first_line(err)})") from err
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0].split(". ")[0].rstrip(".") if text else type(err).__name__
+
+
+def _read_pickle(path: Path) -> Any:
+    try:
+        with open(path, "rb") as f:
+            return _RestrictedUnpickler(f, encoding="latin1").load()
+    except pickle.UnpicklingError as err:
+        if "forbidden" in str(err):
+            raise CheckpointError(f"weights file {path} holds pickled code ({err}), which bt_hub refuses to load") from err
+        raise CheckpointError(f"weights file {path} is not a readable pickle, perhaps truncated ({err})") from err
+    except (EOFError, ValueError, TypeError, AttributeError, IndexError) as err:
+        raise CheckpointError(f"weights file {path} is not a readable pickle, perhaps truncated ({_first_line(err)})") from err
+
+
+# --------------------------------------------------------------------------- flattening
+
+def _as_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if type(value).__module__ == "numpy" and hasattr(value, "dtype") and hasattr(value, "shape"):
+        import numpy as np
+
+        return torch.from_numpy(value if value.flags.c_contiguous and value.flags.writeable else np.array(value))
+    return None
+
+
+def flatten_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor (or numpy array) nested in dicts, keyed by its dotted path."""
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            if not isinstance(key, str):
+                continue
+            tensor = _as_tensor(value)
+            name = f"{prefix}{key}"
+            if tensor is not None:
+                out[name] = tensor
+            elif isinstance(value, Mapping):
+                out.update(flatten_tensors(value, name + "."))
+    return out
+
+
+# --------------------------------------------------------------------------- detectron2 names
+
+def torchvision_to_detectron2_key(key: str) -> str:
+    """``layer1.0.bn1.weight`` -> ``res2.0.conv1.norm.weight`` (detectron2's convert-torchvision-to-d2)."""
+    if not key.startswith("layer"):
+        key = "stem." + key
+    for t in (1, 2, 3, 4):
+        key = key.replace(f"layer{t}", f"res{t + 1}")
+    for t in (1, 2, 3):
+        key = key.replace(f"bn{t}", f"conv{t}.norm")
+    key = key.replace("downsample.0", "shortcut")
+    return key.replace("downsample.1", "shortcut.norm")
+
+
+def detectron2_to_torchvision_key(key: str) -> str:
+    """The inverse of ``torchvision_to_detectron2_key``."""
+    key = key.replace("shortcut.norm", "downsample.1").replace("shortcut", "downsample.0")
+    for t in (1, 2, 3):
+        key = key.replace(f"conv{t}.norm", f"bn{t}")
+    for t in (1, 2, 3, 4):
+        key = key.replace(f"res{t + 1}.", f"layer{t}.")
+    return key[len("stem."):] if key.startswith("stem.") else key
+
+
+# --------------------------------------------------------------------------- finding the backbone
+
+def _candidates(flat: Mapping[str, torch.Tensor]) -> list[tuple[str, str]]:
+    """(prefix, layout) pairs under which a ResNet stem and first stage sit."""
+    found = []
+    for key in flat:
+        for suffix, layout in (
+            ("conv1.weight", "torchvision"),
+            ("_feature_blocks.conv1.weight", "vissl"),
+            ("stem.conv1.weight", "detectron2"),
+        ):
+            if key.endswith(suffix):
+                prefix = key[: -len(suffix)]
+                probe = {"torchvision": "layer1.0.conv1.weight", "vissl": "_feature_blocks.layer1.0.conv1.weight",
+                         "detectron2": "res2.0.conv1.weight"}[layout]
+                if prefix + probe in flat and (prefix, layout) not in found:
+                    found.append((prefix, layout))
+    return found
+
+
+def _rank(prefix: str) -> tuple[int, int, int]:
+    segments = prefix.rstrip(".").split(".") if prefix else []
+    secondary = any(m in s for s in segments for m in _SECONDARY_MARKERS)
+    marked = any(s in _BACKBONE_MARKERS for s in segments)
+    return (int(secondary), int(not marked), len(prefix))
+
+
+def extract_backbone(obj: Any, source: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The torchvision-named backbone state dict (no ``fc``) inside a loaded checkpoint object.
+
+    Args:
+        obj: what ``read_file`` returned.
+        source: the file name, for error messages.
+
+    Returns:
+        ``(state_dict, info)``; ``info`` has ``format``, ``prefix`` and ``dropped`` (the
+        keys of the file that are not backbone weights).
+    """
+    flat = flatten_tensors(obj)
+    candidates = sorted(_candidates(flat), key=lambda c: _rank(c[0]))
+    if not candidates:
+        examples = list(flat)[:4] if flat else list(obj)[:4] if isinstance(obj, Mapping) else [type(obj).__name__]
+        raise CheckpointError(
+            f"weights file {source} has no ResNet backbone in a known key layout "
+            f"(torchvision, detectron2, VISSL, or these under a prefix); it holds keys such as {examples}"
+        )
+    prefix, layout = candidates[0]
+    state: dict[str, torch.Tensor] = {}
+    for key, tensor in flat.items():
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix):]
+        if layout == "vissl":
+            if not name.startswith("_feature_blocks."):
+                continue
+            name = name[len("_feature_blocks."):]
+        elif layout == "detectron2":
+            if not (name.startswith("stem.") or re.match(r"res[2-5]\.", name)):
+                continue
+            name = detectron2_to_torchvision_key(name)
+        if name.startswith(("conv1.", "bn1.")) or re.match(r"layer[1-4]\.\d+\.", name):
+            state[name] = tensor
+    if layout == "detectron2" and not any(k.startswith("layer4.") for k in state):
+        # A detectron2 C4 model keeps res5 in its RoI head.
+        for key, tensor in flat.items():
+            if key.startswith("roi_heads.res5.") or key.startswith("model.roi_heads.res5."):
+                name = key.split("roi_heads.", 1)[1]
+                state[detectron2_to_torchvision_key(name)] = tensor
+    names = {
+        "torchvision": "torchvision state dict", "vissl": "VISSL trunk", "detectron2": "detectron2 weights",
+    }
+    described = names[layout] + (f" under '{prefix}'" if prefix else "")
+    used = {prefix + k for k in state}
+    dropped = [k for k in flat if k not in used and not _is_backbone_copy(k, prefix, layout)]
+    info = {"format": described, "layout": layout, "prefix": prefix, "dropped": dropped}
+    return state, info
+
+
+def _is_backbone_copy(key: str, prefix: str, layout: str) -> bool:
+    """Keys already taken under another spelling (VISSL / detectron2 renames)."""
+    if layout == "vissl":
+        return key.startswith(prefix + "_feature_blocks.") and not key.endswith(("fc.weight", "fc.bias"))
+    if layout == "detectron2":
+        name = key[len(prefix):] if key.startswith(prefix) else key
+        return name.startswith("stem.") or bool(re.match(r"res[2-5]\.", name)) or ".res5." in key
+    return False
+
+
+def extract_projector(obj: Any) -> dict[str, torch.Tensor]:
+    """The projector ``Sequential`` weights (keys ``0.weight``, ``1.running_mean``, ...) or ``{}``."""
+    flat = flatten_tensors(obj)
+    prefixes = sorted({k.split("projector.")[0] + "projector." for k in flat if "projector." in k}, key=_rank)
+    if not prefixes:
+        return {}
+    prefix = prefixes[0]
+    return {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix) and re.match(r"\d+\.", k[len(prefix):])}
+
+
+def projector_spec(projector: Mapping[str, torch.Tensor]) -> str:
+    """The ``"8192-8192-8192"`` spec of projector weights (the widths of its Linear layers)."""
+    linears = sorted((int(k.split(".")[0]), v.shape[0]) for k, v in projector.items() if k.endswith(".weight") and v.ndim == 2)
+    return "-".join(str(width) for _, width in linears)
+
+
+# --------------------------------------------------------------------------- architecture
+
+def infer_architecture(state: Mapping[str, torch.Tensor], source: str) -> tuple[str, bool]:
+    """``(arch, small_image_stem)`` from a torchvision-named state dict's keys and shapes."""
+    blocks = []
+    for stage in (1, 2, 3, 4):
+        indices = {int(m.group(1)) for k in state if (m := re.match(rf"layer{stage}\.(\d+)\.", k))}
+        blocks.append(max(indices) + 1 if indices else 0)
+    kind = "bottleneck" if "layer1.0.conv3.weight" in state else "basic"
+    for arch, (layers, block) in ARCHITECTURES.items():
+        if tuple(blocks) == layers and block == kind:
+            conv1 = state.get("conv1.weight")
+            small = conv1 is not None and tuple(conv1.shape[-2:]) == (3, 3)
+            return arch, small
+    raise CheckpointError(
+        f"weights file {source} holds a ResNet with {blocks} {kind} blocks per stage, "
+        f"which matches none of {sorted(ARCHITECTURES)}; pass the architecture explicitly"
+    )
+
+
+def check_fits(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], arch: str, source: str) -> None:
+    """Raise one sentence when ``state`` misses keys of, or has shapes unlike, ``expected``.
+
+    ``num_batches_tracked`` may be absent (detectron2 and some exporters drop it).
+    """
+    missing = [k for k in expected if k not in state and not k.endswith("num_batches_tracked")]
+    unexpected = [k for k in state if k not in expected]
+    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    if not (missing or unexpected or wrong):
+        return
+    problems = []
+    if wrong:
+        problems.append(f"{len(wrong)} shapes differ (file vs model), first {wrong[:3]}")
+    if missing:
+        problems.append(f"{len(missing)} keys are missing, first {missing[:5]}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} keys are unexpected, first {unexpected[:5]}")
+    try:
+        looks = infer_architecture(state, source)[0]
+        hint = f" (they look like {looks})" if looks != arch else ""
+    except CheckpointError:
+        hint = ""
+    raise CheckpointError(f"weights file {source} do not fit {arch}{hint}: " + "; ".join(problems))
+
+
+def state_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
+    """A torch.save of ``state`` as bytes (for hashing and atomic writes)."""
+    buffer = io.BytesIO()
+    torch.save(dict(state), buffer)
+    return buffer.getvalue()
