@@ -85,7 +85,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -
             kwargs["help"] = f"{kwargs['help']} (default: {f.default})".strip()
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
     presets = getattr(config_cls, "PRESETS", None)
-    if presets:
+    if presets and not any(f.name == "preset" for f in dataclasses.fields(config_cls)):
         parser.add_argument("--preset", choices=sorted(presets), default=argparse.SUPPRESS, help="a named set of defaults; flags given override it")
 
 
