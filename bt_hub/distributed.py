@@ -2,7 +2,9 @@
 
 Rank helpers work without a process group (rank 0 of 1), the backend follows the
 device (gloo on CPU, nccl on CUDA), and the collectives used inside the loss are
-autograd-aware so that gradients are those of the global batch.
+autograd-aware so that gradients are those of the global batch. ``torch.nn.SyncBatchNorm``
+has no CPU kernel, so :func:`convert_sync_batchnorm` swaps in :class:`GlobalBatchNorm`
+(built on the same differentiable collectives) off CUDA.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 
 def is_distributed() -> bool:
@@ -95,3 +99,74 @@ def barrier() -> None:
     """Wait for every rank (no-op without a process group)."""
     if is_distributed():
         dist.barrier()
+
+
+class GlobalBatchNorm(_BatchNorm):
+    """BatchNorm whose training statistics are those of the global batch, on any device.
+
+    Inside a process group the per-channel mean and biased variance are summed over ranks
+    with differentiable all-reduces (two passes, in float32), so the output and gradients
+    equal those of one process on the concatenated batch; running statistics are updated
+    as ``nn.BatchNorm`` does (unbiased variance). Without a process group, or in eval
+    mode, it is a plain BatchNorm. Works for 2-D to 5-D inputs (BatchNorm1d/2d/3d).
+    """
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"GlobalBatchNorm expects an input of 2 to 5 dimensions, got {input.dim()}")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Normalise ``input`` (N x C x ...) over N and the spatial dimensions of every rank."""
+        self._check_input_dim(input)
+        if not (self.training and is_distributed()):
+            return super().forward(input)
+        x = input.float()
+        dims = [0, *range(2, x.dim())]
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        local_count = torch.tensor([x.numel() / x.shape[1]], device=x.device)
+        sums = all_reduce_sum(torch.cat([x.sum(dim=dims), local_count]))
+        count = sums[-1].detach()
+        if count < 2:
+            raise ValueError(f"GlobalBatchNorm needs more than one value per channel over all ranks, got {int(count)}")
+        mean = sums[:-1] / count
+        centred = x - mean.view(shape)
+        var = all_reduce_sum(centred.pow(2).sum(dim=dims)) / count
+        if self.track_running_stats:
+            self._update_running_stats(mean.detach(), var.detach() * count / (count - 1))
+        out = centred * torch.rsqrt(var + self.eps).view(shape)
+        if self.affine:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        return out.to(input.dtype)
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean: torch.Tensor, unbiased_var: torch.Tensor) -> None:
+        self.num_batches_tracked.add_(1)
+        momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
+        self.running_var.lerp_(unbiased_var.to(self.running_var.dtype), momentum)
+
+
+def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """Make every BatchNorm of ``module`` use global-batch statistics under DDP.
+
+    CUDA models get ``torch.nn.SyncBatchNorm`` (fused kernels); others get
+    :class:`GlobalBatchNorm`, which shares parameters and buffers with the layer it
+    replaces, so the state dict keeps its keys.
+    """
+    if any(p.is_cuda for p in module.parameters()):
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    return _to_global_batchnorm(module)
+
+
+def _to_global_batchnorm(module: nn.Module) -> nn.Module:
+    if isinstance(module, _BatchNorm) and not isinstance(module, (GlobalBatchNorm, nn.SyncBatchNorm)):
+        out = GlobalBatchNorm(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+        if module.affine:
+            out.weight, out.bias = module.weight, module.bias
+        if module.track_running_stats:
+            out.running_mean, out.running_var = module.running_mean, module.running_var
+            out.num_batches_tracked = module.num_batches_tracked
+        return out.train(module.training)
+    for name, child in module.named_children():
+        module.add_module(name, _to_global_batchnorm(child))
+    return module
