@@ -324,6 +324,8 @@ def _write_cache(chunks: Iterator[tuple[torch.Tensor, torch.Tensor]], n: int, dt
 
 def as_float32(features: torch.Tensor | np.ndarray, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
     """Rows ``start:stop`` of a feature tensor or memmap as a float32 tensor."""
+    if isinstance(features, torch.Tensor):
+        return features[start:stop].float()
     return torch.from_numpy(np.array(features[start:stop], dtype=np.float32))
 
 

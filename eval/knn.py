@@ -1,0 +1,193 @@
+"""Weighted k-nearest-neighbour classification on frozen features (``bt-hub eval knn``).
+
+The community protocol of DINO's eval_knn.py (PROTOCOLS.md §2; not in the paper):
+L2-normalised features, cosine similarity, the k most similar training images vote for
+their class with weight exp(sim / T), T = 0.07; top-1 / top-5 for k = 20 and 200.
+
+The search runs in faiss (``IndexFlatIP``, exact) over chunks of the training set, the
+running top-k of each query merged after every chunk, and queries go in batches: a
+memory-mapped 1.28M x 2048 feature file is never loaded whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from bt_hub.data import build_dataset
+from bt_hub.distributed import cleanup_distributed, init_distributed, is_distributed, is_main_process
+from bt_hub.optional import require
+from eval.config import EvalConfig
+from eval.features import as_float32, dataset_fingerprint, features_for, load_eval_backbone
+from eval.report import write_results
+
+# ----------------------------------------------------------------------------- search and vote
+
+
+def knn_search(
+    train_features: torch.Tensor | np.ndarray,
+    test_features: torch.Tensor | np.ndarray,
+    k: int,
+    *,
+    query_batch: int = 4096,
+    train_chunk: int = 262_144,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosine similarities and indices of each query's ``k`` nearest training rows, most similar first.
+
+    Args:
+        train_features: [N, F] tensor or (memmapped) array; L2-normalised here, chunk by chunk.
+        test_features: [Q, F] queries, normalised likewise.
+        k: neighbours per query (at most N).
+        query_batch: queries per faiss search call.
+        train_chunk: training rows per faiss index; bounds memory to train_chunk x F floats.
+
+    Returns:
+        ``(similarities [Q, k] float32, indices [Q, k] int64)``.
+    """
+    faiss = require("faiss", "the kNN evaluation")
+    n, q = len(train_features), len(test_features)
+    if not 0 < k <= n:
+        raise ValueError(f"k must be in [1, {n}] (the number of training samples), got {k}")
+    if query_batch <= 0 or train_chunk <= 0:
+        raise ValueError(f"query_batch and train_chunk must be positive, got {query_batch} and {train_chunk}")
+    best_sim = torch.full((q, k), -float("inf"))
+    best_idx = torch.zeros((q, k), dtype=torch.int64)
+    for start in range(0, n, train_chunk):
+        chunk = F.normalize(as_float32(train_features, start, start + train_chunk), dim=1)
+        index = faiss.IndexFlatIP(chunk.shape[1])
+        index.add(chunk.numpy())
+        kk = min(k, len(chunk))
+        for qs in range(0, q, query_batch):
+            queries = F.normalize(as_float32(test_features, qs, qs + query_batch), dim=1)
+            sim, idx = index.search(queries.numpy(), kk)
+            sims = torch.cat([best_sim[qs : qs + query_batch], torch.from_numpy(sim)], dim=1)
+            idxs = torch.cat([best_idx[qs : qs + query_batch], torch.from_numpy(idx).long() + start], dim=1)
+            top, order = sims.topk(k, dim=1)
+            best_sim[qs : qs + query_batch] = top
+            best_idx[qs : qs + query_batch] = idxs.gather(1, order)
+        index.reset()
+    return best_sim, best_idx
+
+
+def knn_vote(
+    similarities: torch.Tensor,
+    indices: torch.Tensor,
+    train_labels: torch.Tensor,
+    test_labels: torch.Tensor,
+    k: int,
+    temperature: float,
+    num_classes: int,
+) -> dict[str, float]:
+    """Top-1 / top-5 (percent) of the exp(sim / T)-weighted vote of the first ``k`` neighbours (DINO)."""
+    if k > similarities.shape[1]:
+        raise ValueError(f"k={k} exceeds the {similarities.shape[1]} neighbours searched")
+    train_labels = torch.as_tensor(train_labels).long()
+    test_labels = torch.as_tensor(test_labels).long()
+    neighbours = train_labels[indices[:, :k]]
+    weights = (similarities[:, :k] / temperature).exp()
+    votes = torch.zeros(len(neighbours), num_classes, dtype=torch.float32).scatter_add_(1, neighbours, weights)
+    predictions = votes.argsort(dim=1, descending=True, stable=True)
+    correct = predictions.eq(test_labels.view(-1, 1))
+    top1 = correct[:, :1].sum().item()
+    top5 = correct[:, : min(5, k, num_classes)].sum().item()
+    total = len(test_labels)
+    return {"top1": 100.0 * top1 / total, "top5": 100.0 * top5 / total}
+
+
+def knn_classify(
+    train_features: torch.Tensor | np.ndarray,
+    train_labels: torch.Tensor,
+    test_features: torch.Tensor | np.ndarray,
+    test_labels: torch.Tensor,
+    k: int = 20,
+    temperature: float = 0.07,
+    num_classes: Optional[int] = None,
+    query_batch: int = 4096,
+    train_chunk: int = 262_144,
+) -> dict[str, float]:
+    """Weighted kNN accuracy: ``{"top1": .., "top5": ..}`` in percent.
+
+    ``num_classes`` defaults to ``max(label) + 1`` over both label sets.
+    """
+    if num_classes is None:
+        num_classes = int(max(torch.as_tensor(train_labels).max(), torch.as_tensor(test_labels).max())) + 1
+    sims, idx = knn_search(train_features, test_features, k, query_batch=query_batch, train_chunk=train_chunk)
+    return knn_vote(sims, idx, train_labels, test_labels, k, temperature, num_classes)
+
+
+# ----------------------------------------------------------------------------- bt-hub eval knn
+
+
+@dataclass
+class KnnConfig(EvalConfig):
+    """``bt-hub eval knn``: weighted kNN on the frozen backbone's pooled features."""
+
+    k: list[int] = field(default_factory=lambda: [20, 200], metadata={"help": "numbers of neighbours; 'top1'/'top5' in results are those of the first"})
+    temperature: float = field(default=0.07, metadata={"help": "T of the vote weights exp(sim / T)"})
+    query_batch: int = field(default=4096, metadata={"help": "queries per faiss search; lower it if memory is short"})
+    train_chunk: int = field(default=262_144, metadata={"help": "training rows per faiss index (memory = train_chunk x feature dim x 4 bytes)"})
+    train_split: str = field(default="train", metadata={"help": "split that forms the neighbour bank"})
+    test_split: str = field(default="test", metadata={"help": "split that is classified ('test' falls back to val/ in ImageNet layout)"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.k or any(k <= 0 for k in self.k):
+            raise ValueError(f"--k must list positive integers, got {self.k}")
+        if self.temperature <= 0:
+            raise ValueError(f"--temperature must be positive, got {self.temperature}")
+        for flag, value in (("--query-batch", self.query_batch), ("--train-chunk", self.train_chunk)):
+            if value <= 0:
+                raise ValueError(f"{flag} must be positive, got {value}")
+
+
+def run(config: KnnConfig) -> dict[str, Any]:
+    """Extract (or load cached) features of both splits, classify the test split, write results."""
+    start = time.time()
+    joined = not is_distributed()
+    device = init_distributed(config.device)
+    joined = joined and is_distributed()
+    try:
+        backbone, weights_id = load_eval_backbone(config)
+        local = replace(config, device=str(device))
+        splits = {}
+        for split in (config.train_split, config.test_split):
+            dataset = build_dataset(config.data, split, image_size=None, seed=config.seed)
+            fingerprint = dataset_fingerprint(dataset)
+            features, labels = features_for(local, backbone, dataset, weights_id=weights_id, dataset_id=fingerprint)
+            splits[split] = (features, labels, fingerprint, len(getattr(dataset, "classes", [])))
+        train_x, train_y, train_fp, n_classes = splits[config.train_split]
+        test_x, test_y, test_fp, _ = splits[config.test_split]
+        num_classes = max(n_classes, int(max(train_y.max(), test_y.max())) + 1)
+        k_max = min(max(config.k), len(train_y))
+        sims, idx = knn_search(train_x, test_x, k_max, query_batch=config.query_batch, train_chunk=config.train_chunk)
+        metrics: dict[str, float] = {}
+        for k in tqdm(config.k, desc="kNN vote", disable=None if is_main_process() else True):
+            result = knn_vote(sims, idx, train_y, test_y, min(k, k_max), config.temperature, num_classes)
+            metrics.update({f"top1_k{k}": result["top1"], f"top5_k{k}": result["top5"]})
+        metrics = {"top1": metrics[f"top1_k{config.k[0]}"], "top5": metrics[f"top5_k{config.k[0]}"], **metrics}
+        record = {"metrics": metrics}
+        if is_main_process():
+            record = write_results(
+                config.out,
+                protocol="knn",
+                preset=None,
+                config=config,
+                metrics=metrics,
+                weights=config.weights,
+                weights_sha256=weights_id,
+                dataset=config.data,
+                dataset_fingerprint=hashlib.sha256(f"{train_fp}:{test_fp}".encode()).hexdigest(),
+                seed=config.seed,
+                wall_time_s=time.time() - start,
+            )
+        return record
+    finally:
+        if joined:
+            cleanup_distributed()
