@@ -59,26 +59,22 @@ def cached_download(url: str, *, file_name: str | None = None, progress: bool = 
     return cached
 
 
-def _hf_folder(spec: str) -> Path:
-    """``org/name[@revision]`` -> a local snapshot folder with the weights and config (Hub cache)."""
+def hf_download(spec: str, filename: str, *, required: bool = True) -> Path | None:
+    """``filename`` of the Hub repo ``org/name[@revision]``, through huggingface_hub's cache.
+
+    Honours ``HF_ENDPOINT``, ``HF_HOME`` and ``HF_HUB_OFFLINE=1`` (then only the cache is read).
+    Returns None for a missing optional file.
+    """
     from bt_hub.optional import require
 
     hf = require("huggingface_hub", "loading weights from the Hugging Face Hub")
     repo_id, _, revision = spec.partition("@")
-    folder = None
-    for name in ("config.json", "model.safetensors"):
-        try:
-            folder = Path(hf.hf_hub_download(repo_id, name, revision=revision or None)).parent
-        except hf.errors.EntryNotFoundError:
-            if name == "model.safetensors":
-                raise
-    for optional in ("projector.safetensors",):
-        try:
-            hf.hf_hub_download(repo_id, optional, revision=revision or None)
-        except (hf.errors.EntryNotFoundError, hf.errors.LocalEntryNotFoundError):
-            pass
-    assert folder is not None
-    return folder
+    try:
+        return Path(hf.hf_hub_download(repo_id, filename, revision=revision or None))
+    except hf.errors.EntryNotFoundError:
+        if required:
+            raise
+        return None
 
 
 def resolve_source(source: str | os.PathLike, *, progress: bool = True) -> tuple[Path, dict[str, Any] | None]:
@@ -91,7 +87,8 @@ def resolve_source(source: str | os.PathLike, *, progress: bool = True) -> tuple
     """
     text = os.fspath(source)
     if text.startswith("hf://"):
-        return resolve_source(_hf_folder(text[len("hf://"):]), progress=progress)
+        hf_download(text[len("hf://"):], "config.json", required=False)
+        return resolve_source(hf_download(text[len("hf://"):], "model.safetensors").parent, progress=progress)
     if text.startswith(("http://", "https://")):
         return cached_download(text, progress=progress), None
     path = Path(text).expanduser()
@@ -194,12 +191,25 @@ def load_backbone(
 
 
 def read_projector_state_dict(source: str | os.PathLike, *, progress: bool = True) -> dict[str, torch.Tensor]:
-    """The projector weights of ``source`` (``Sequential`` keys ``0.weight`` ...), or ``{}`` when it has none."""
+    """The projector weights of ``source`` (``Sequential`` keys ``0.weight`` ...), or ``{}`` when it has none.
+
+    Beside a ``.safetensors`` backbone, ``projector.safetensors`` (Hugging Face folder) and
+    ``checkpoint.pth`` (run directory) are looked at too.
+    """
+    text = os.fspath(source)
+    if text.startswith("hf://"):
+        hf_download(text[len("hf://"):], "projector.safetensors", required=False)
     path, _ = resolve_source(source, progress=progress)
-    sibling = path.parent / "projector.safetensors"
-    if path.suffix == ".safetensors" and sibling.is_file():
-        return extract_projector({"projector": read_file(sibling)})
-    return extract_projector(read_file(path))
+    candidates = [path]
+    if path.suffix == ".safetensors":
+        candidates += [path.parent / "projector.safetensors", path.parent / "checkpoint.pth"]
+    for candidate in candidates:
+        if candidate.is_file():
+            obj = read_file(candidate)
+            projector = extract_projector({"projector": obj} if candidate.name == "projector.safetensors" else obj)
+            if projector:
+                return projector
+    return {}
 
 
 # --------------------------------------------------------------------------- writing
@@ -265,6 +275,9 @@ class ExportConfig:
             raise ValueError("--weights must name weights to convert")
         if not self.out:
             raise ValueError("--out must name a file or folder")
+        suffix = {"safetensors": ".safetensors", "detectron2": ".pkl"}.get(self.format)
+        if suffix and not self.out.endswith(suffix):
+            raise ValueError(f"--out for --format {self.format} must end in {suffix}, got {self.out!r}")
 
 
 def export(config: ExportConfig) -> Path:
