@@ -35,6 +35,32 @@ class LossTerms(NamedTuple):
     redundancy_term: torch.Tensor
 
 
+class _Standardize(torch.autograd.Function):
+    """Affine-free batch norm over the global batch with the fused batch-norm backward.
+
+    Forward: a = (z − mean) · rsqrt(var + eps). Backward: dz = rsqrt(var + eps) ·
+    (g − mean(g) − a · mean(g ⊙ a)), the means over the global batch (the sums are
+    all-reduced, as autograd through the forward's all-reduces would do). About half the
+    full-size element-wise passes of the autograd graph of the same formula.
+    """
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, n: int, eps: float) -> torch.Tensor:
+        centred = z - all_reduce_sum(z.sum(dim=0)) / n
+        var = all_reduce_sum(torch.linalg.vector_norm(centred, dim=0).square()) / n
+        inv_std = torch.rsqrt(var + eps)
+        out = centred.mul_(inv_std)
+        ctx.save_for_backward(out, inv_std)
+        ctx.n = n
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        out, inv_std = ctx.saved_tensors
+        sums = all_reduce_sum(torch.stack((g.sum(dim=0), (g * out).sum(dim=0)))) / ctx.n
+        return (g - sums[0]).addcmul_(out, sums[1], value=-1).mul_(inv_std), None, None
+
+
 def standardize(z: torch.Tensor, eps: float = EPS) -> tuple[torch.Tensor, int]:
     """Per-dimension (z − mean) / sqrt(biased var + eps) over the global batch.
 
@@ -42,10 +68,7 @@ def standardize(z: torch.Tensor, eps: float = EPS) -> tuple[torch.Tensor, int]:
     """
     n_local = torch.tensor([float(z.shape[0])], device=z.device)
     n = int(all_reduce_sum(n_local).item()) if get_world_size() > 1 else z.shape[0]
-    mean = all_reduce_sum(z.sum(dim=0)) / n
-    centred = z - mean
-    var = all_reduce_sum(centred.pow(2).sum(dim=0)) / n
-    return centred / torch.sqrt(var + eps), n
+    return _Standardize.apply(z, n, eps), n
 
 
 def choose_method(n: int, d: int) -> str:
@@ -65,6 +88,29 @@ def dense_terms(a: torch.Tensor, b: torch.Tensor, n: int) -> tuple[torch.Tensor,
     return invariance, redundancy
 
 
+class _GramFrobenius(torch.autograd.Function):
+    """Σ_{n,m} (A Aᵀ)_{nm} (B Bᵀ)_{nm} over the global batch (= N² ‖C‖_F²), in float64.
+
+    Each rank forms only its rows of the Gram matrices (local x global). As both Gram
+    matrices are symmetric the gradient is 2 (B Bᵀ) A for A (and 2 (A Aᵀ) B for B), one
+    matrix product per view instead of autograd's two; the upstream gradient is summed
+    over ranks, as the backward of a differentiable all-reduce of the result would be.
+    """
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a_all, b_all = all_gather_cat(a), all_gather_cat(b)
+        gram_a, gram_b = a @ a_all.T, b @ b_all.T
+        ctx.save_for_backward(a_all, b_all, gram_a, gram_b)
+        return all_reduce_sum((gram_a.double() * gram_b.double()).sum())
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a_all, b_all, gram_a, gram_b = ctx.saved_tensors
+        scale = (2 * all_reduce_sum(g)).to(a_all.dtype)
+        return (gram_b @ a_all).mul_(scale), (gram_a @ b_all).mul_(scale)
+
+
 def gram_terms(a: torch.Tensor, b: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same terms without forming C: ‖C‖_F² = Σ_{n,m} (A Aᵀ)_{nm} (B Bᵀ)_{nm} / N².
 
@@ -72,11 +118,8 @@ def gram_terms(a: torch.Tensor, b: torch.Tensor, n: int) -> tuple[torch.Tensor, 
     samples (local x global), so nothing D x D and nothing N x N beyond N_local x N.
     """
     diag = all_reduce_sum((a * b).sum(dim=0)) / n
-    a_all, b_all = all_gather_cat(a), all_gather_cat(b)
-    gram_a = a @ a_all.T
-    gram_b = b @ b_all.T
     # float64 accumulation: ‖C‖² − Σ C_ii² subtracts two numbers of size ~D.
-    frob = all_reduce_sum((gram_a.double() * gram_b.double()).sum()) / (n * n)
+    frob = _GramFrobenius.apply(a, b) / (n * n)
     invariance = (1 - diag).pow(2).sum()
     redundancy = (frob - diag.double().pow(2).sum()).float()
     return invariance, redundancy
