@@ -183,9 +183,12 @@ def load_backbone(
     """
     state, info = read_backbone_state_dict(source, progress=progress)
     arch, small = _architecture(state, info, arch, small_image_stem)
-    model = build_backbone(arch, small_image_stem=small)
-    check_fits(state, model.state_dict(), arch, info["file"])
-    model.load_state_dict(state, strict=False)
+    with torch.device("meta"):  # no random initialisation: every tensor comes from the file
+        model = build_backbone(arch, small_image_stem=small)
+    expected = model.state_dict()
+    check_fits(state, expected, arch, info["file"])
+    state = {k: state[k].to(v.dtype) if k in state else torch.zeros((), dtype=v.dtype) for k, v in expected.items()}
+    model.load_state_dict(state, strict=True, assign=True)
     model.weights_info = {**info, "architecture": arch, "small_image_stem": small}
     return model.to(map_location)
 
