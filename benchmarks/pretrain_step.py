@@ -1,0 +1,205 @@
+"""Pairs per second of one full pretraining step: ours vs a reference-style step, same process.
+
+    python benchmarks/pretrain_step.py                      # ResNet-18 small stem, 32 px, 128 pairs
+    python benchmarks/pretrain_step.py --curve-steps 50     # plus both loss curves over 50 steps
+
+A step is views + forward + loss + backward + LARS. The reference-style step follows
+facebookresearch/barlowtwins main.py: per-image PIL views through a torchvision
+``transforms.Compose`` pipeline (re-written here), fp32, NCHW, and the dense loss through
+``BatchNorm1d(D, affine=False)`` and the D x D cross-correlation with its off-diagonal
+view. Ours: bt_hub's batched tensor views on the device, channels-last (optional),
+bt_hub's loss (``auto`` picks the Gram form when 2N < D), autocast when asked. Both start
+from the same weights, see the same images in the same order, use bt_hub's LARS and the
+same warm-up + cosine schedule, and are timed step by step in alternation so that load
+from other processes hits both alike. The loss curves differ only through the random
+views, so they should agree within noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torchvision.transforms as T
+from PIL import Image, ImageFilter, ImageOps
+from torch import nn
+
+from bt_hub.augment import BatchedTwoViews
+from bt_hub.data import build_dataset, to_uint8_tensor
+from bt_hub.model import BarlowTwins
+from bt_hub.optim import LARS, param_groups, set_learning_rates
+
+
+class _PilBlur:
+    """Gaussian blur with σ ~ U(0.1, 2.0) applied with probability p (the reference's PIL op)."""
+
+    def __init__(self, p: float) -> None:
+        self.p = p
+
+    def __call__(self, img: Image.Image) -> Image.Image:
+        if torch.rand(()) < self.p:
+            return img.filter(ImageFilter.GaussianBlur(radius=float(torch.empty(()).uniform_(0.1, 2.0))))
+        return img
+
+
+class _PilSolarize:
+    """Solarise at 128 with probability p."""
+
+    def __init__(self, p: float) -> None:
+        self.p = p
+
+    def __call__(self, img: Image.Image) -> Image.Image:
+        return ImageOps.solarize(img) if torch.rand(()) < self.p else img
+
+
+def reference_transforms(size: int) -> tuple[T.Compose, T.Compose]:
+    """The two asymmetric reference pipelines (blur 1.0 / 0.1, solarise 0.0 / 0.2)."""
+
+    def pipeline(blur: float, solarize: float) -> T.Compose:
+        return T.Compose([
+            T.RandomResizedCrop(size, interpolation=T.InterpolationMode.BICUBIC),
+            T.RandomHorizontalFlip(p=0.5),
+            T.RandomApply([T.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.2, hue=0.1)], p=0.8),
+            T.RandomGrayscale(p=0.2),
+            _PilBlur(blur),
+            _PilSolarize(solarize),
+            T.ToTensor(),
+            T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]),
+        ])
+
+    return pipeline(1.0, 0.0), pipeline(0.1, 0.2)
+
+
+def off_diagonal(c: torch.Tensor) -> torch.Tensor:
+    """The off-diagonal entries of a square matrix as a flat view."""
+    n = c.shape[0]
+    return c.flatten()[:-1].view(n - 1, n + 1)[:, 1:].flatten()
+
+
+class ReferenceLoss(nn.Module):
+    """The reference loss: BatchNorm1d without affine per view, C = aᵀb / N, dense terms."""
+
+    def __init__(self, dim: int, lambd: float) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(dim, affine=False)
+        self.lambd = lambd
+
+    def forward(self, z_a: torch.Tensor, z_b: torch.Tensor) -> torch.Tensor:
+        c = self.bn(z_a).T @ self.bn(z_b) / z_a.shape[0]
+        on_diag = torch.diagonal(c).add_(-1).pow_(2).sum()
+        return on_diag + self.lambd * off_diagonal(c).pow_(2).sum()
+
+
+class Pipeline:
+    """One training setup: model, optimiser, how views are made and how the loss is computed."""
+
+    def __init__(self, name: str, model: BarlowTwins, args: argparse.Namespace, *, ours: bool) -> None:
+        self.name, self.model, self.args, self.ours = name, model, args, ours
+        self.device = torch.device(args.device)
+        self.channels_last = ours and args.channels_last
+        if self.channels_last:
+            model.to(memory_format=torch.channels_last)
+        self.optimizer = LARS(param_groups(model, 0.2, 0.0048, 1e-6), weight_decay=1e-6)
+        self.batched = BatchedTwoViews(args.image_size)
+        self.ref_views = reference_transforms(args.image_size)
+        self.ref_loss = ReferenceLoss(int(args.projector.split("-")[-1]), model.lambd).to(self.device)
+        self.amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision) if ours else None
+
+    def views(self, images: list[Image.Image], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ours:
+            batch = torch.stack([to_uint8_tensor(im) for im in images]).to(self.device)
+            gen = torch.Generator(device=self.device).manual_seed(1000 + step)
+            y_a, y_b = self.batched(batch, generator=gen)
+        else:
+            t_a, t_b = self.ref_views
+            y_a = torch.stack([t_a(im) for im in images]).to(self.device)
+            y_b = torch.stack([t_b(im) for im in images]).to(self.device)
+        if self.channels_last:
+            y_a, y_b = y_a.contiguous(memory_format=torch.channels_last), y_b.contiguous(memory_format=torch.channels_last)
+        return y_a, y_b
+
+    def step(self, images: list[Image.Image], step: int, total: int) -> tuple[float, float]:
+        """One full step; returns (loss, seconds)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        set_learning_rates(self.optimizer, step, total, max(total // 5, 1), self.args.pairs)
+        y_a, y_b = self.views(images, step)
+        if self.ours:
+            with torch.autocast(self.device.type, dtype=self.amp or torch.float32, enabled=self.amp is not None):
+                loss = self.model(y_a, y_b).loss
+        else:
+            loss = self.ref_loss(self.model.embed(y_a), self.model.embed(y_b))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        value = float(loss.detach())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return value, time.perf_counter() - start
+
+
+def build_pipelines(args: argparse.Namespace) -> list[Pipeline]:
+    torch.manual_seed(args.seed)
+    ours = BarlowTwins("resnet18", args.projector, small_image_stem=True, loss_method=args.loss_method).to(args.device)
+    reference = BarlowTwins("resnet18", args.projector, small_image_stem=True).to(args.device)
+    reference.load_state_dict(ours.state_dict())
+    return [Pipeline("reference-style", reference, args, ours=False), Pipeline("bt_hub", ours, args, ours=True)]
+
+
+def batches(args: argparse.Namespace) -> list[list[Image.Image]]:
+    data = build_dataset("digits", "train", image_size=args.image_size)
+    images = [data[i][0] for i in range(len(data))]
+    per = args.pairs
+    return [images[(k * per) % (len(images) - per):][:per] for k in range(max(args.warmup + args.timed_steps, args.curve_steps))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pairs", type=int, default=128, help="images per step (each gives two views)")
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--projector", default="8192-8192-8192")
+    parser.add_argument("--loss-method", default="auto", choices=["auto", "dense", "gram"])
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="ours only; bf16 is much slower on CPUs without AVX-512 BF16/AMX")
+    parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per pipeline")
+    parser.add_argument("--timed-steps", type=int, default=3)
+    parser.add_argument("--curve-steps", type=int, default=0, help="also train each pipeline this many steps and print the losses")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data = batches(args)
+    pipes = build_pipelines(args)
+    times: dict[str, list[float]] = {p.name: [] for p in pipes}
+    total = args.warmup + args.timed_steps
+    for k in range(total):
+        for p in pipes:
+            _, seconds = p.step(data[k], k, total)
+            if k >= args.warmup:
+                times[p.name].append(seconds)
+    print(f"ResNet-18 small stem, {args.image_size} px, {args.pairs} pairs, projector {args.projector}, device {args.device}, "
+          f"threads {torch.get_num_threads()}, median of {args.timed_steps} steps after {args.warmup} warm-up")
+    print(f"{'step':<56}{'s/step':>10}{'pairs/s':>10}{'speed-up':>10}")
+    ref = statistics.median(times["reference-style"])
+    for p in pipes:
+        med = statistics.median(times[p.name])
+        label = p.name if not p.ours else f"bt_hub ({args.precision}, {'channels-last' if args.channels_last else 'NCHW'}, loss {args.loss_method})"
+        print(f"{label:<56}{med:>10.3f}{args.pairs / med:>10.1f}{ref / med:>9.2f}x")
+    if args.curve_steps:
+        curves = {}
+        for p in build_pipelines(args):
+            curves[p.name] = [p.step(data[k], k, args.curve_steps)[0] for k in range(args.curve_steps)]
+        marks = sorted({0, *range(9, args.curve_steps, 10), args.curve_steps - 1})
+        print(f"\nloss over {args.curve_steps} steps (same init, same images, independent random views)")
+        print(f"{'step':<8}" + "".join(f"{name:>18}" for name in curves))
+        for k in marks:
+            print(f"{k + 1:<8}" + "".join(f"{curves[name][k]:>18.2f}" for name in curves))
+
+
+if __name__ == "__main__":
+    main()
