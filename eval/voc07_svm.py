@@ -1,0 +1,364 @@
+"""Per-class linear SVMs on frozen features of PASCAL VOC2007 (``bt-hub eval voc07-svm``).
+
+VISSL's protocol (PROTOCOLS.md §2): images Resize 256 then Resize (224, 224); res5
+features pooled to 2x2x2048 = 8192-d (``--pool avg`` for the 2048-d variant); every
+sample scaled to x / (||x|| + 1e-5); for each class and each cost C a
+``LinearSVC(C, class_weight={1: 2, -1: 1}, squared hinge, l2, dual, tol 1e-4,
+max_iter 2000)`` scored by 3-fold cross-validation on average precision (scikit-learn's,
+as VISSL); the best cost per class (the smallest on ties) is refitted on all of
+trainval. Training treats difficult-only images as negatives; testing leaves them out.
+Mean AP x 100 is reported as VISSL's all-point AP (``mAP``) and as the VOC07 11-point
+AP (``mAP_11point``).
+
+Targets use VISSL's coding per image and class: 1 present, 0 absent, -1 only difficult
+instances. The (class, cost) cross-validations and the per-class refits run in parallel
+worker processes (joblib; liblinear's random generator is process-global, so threads
+would race); its coordinate descent is seeded, so the result equals a sequential run.
+The module imports torch only inside the functions that need it, so that the workers,
+which import this module to find the SVM jobs, start in a second.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Optional, Sequence
+
+import numpy as np
+from PIL import Image
+
+from eval.config import EvalConfig
+
+if TYPE_CHECKING:
+    import torch
+    from torchvision import transforms
+
+VOC_CLASSES = (
+    "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
+    "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa", "train", "tvmonitor",
+)
+COSTS = (0.01, 0.1, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 50.0, 100.0, 1000.0)
+
+# ----------------------------------------------------------------------------- the devkit
+
+
+def voc_root(path: str | os.PathLike) -> Path:
+    """The ``VOC2007`` directory of a devkit given as VOCdevkit/, VOCdevkit/VOC2007/ or their parent."""
+    path = Path(path).expanduser()
+    for candidate in (path, path / "VOC2007", path / "VOCdevkit" / "VOC2007"):
+        if (candidate / "ImageSets" / "Main").is_dir() and (candidate / "Annotations").is_dir():
+            return candidate
+    raise FileNotFoundError(f"{path} is not a VOC devkit; expected VOC2007/ImageSets/Main/*.txt and VOC2007/Annotations/*.xml under it")
+
+
+def read_annotation(path: Path) -> list[tuple[str, bool]]:
+    """``(class name, difficult)`` for every object of a VOC annotation file."""
+    try:
+        root = ET.parse(path).getroot()
+    except (ET.ParseError, OSError) as err:
+        raise OSError(f"annotation {path} cannot be read as VOC XML ({err})") from err
+    objects = []
+    for obj in root.iter("object"):
+        name = obj.findtext("name")
+        if not name:
+            raise ValueError(f"annotation {path} has an <object> without a <name>")
+        objects.append((name.strip(), (obj.findtext("difficult") or "0").strip() == "1"))
+    return objects
+
+
+class VocClassification:
+    """VOC2007 images of one split with VISSL-coded multi-label targets (1 present, 0 absent, -1 difficult only).
+
+    Args:
+        path: the devkit (see ``voc_root``).
+        split: an ``ImageSets/Main/<split>.txt`` list, e.g. "trainval" or "test".
+        classes: class order; default: the VOC classes found in this split, then any others sorted.
+    """
+
+    def __init__(self, path: str | os.PathLike, split: str, classes: Optional[Sequence[str]] = None) -> None:
+        self.root = voc_root(path)
+        list_file = self.root / "ImageSets" / "Main" / f"{split}.txt"
+        if not list_file.is_file():
+            raise FileNotFoundError(f"split list {list_file} does not exist; expected one image id per line")
+        ids = [line.split()[0] for line in list_file.read_text().splitlines() if line.strip()]
+        if not ids:
+            raise ValueError(f"split list {list_file} is empty")
+        objects = {i: read_annotation(self.root / "Annotations" / f"{i}.xml") for i in ids}
+        if classes is None:
+            found = {name for objs in objects.values() for name, _ in objs}
+            classes = [c for c in VOC_CLASSES if c in found] + sorted(found - set(VOC_CLASSES))
+        self.classes = list(classes)
+        index = {c: j for j, c in enumerate(self.classes)}
+        self.samples: list[tuple[Path, tuple[int, ...]]] = []
+        for i in ids:
+            target = [0] * len(self.classes)
+            for name, difficult in objects[i]:
+                if name in index and target[index[name]] != 1:
+                    target[index[name]] = -1 if difficult else 1
+            image = self.root / "JPEGImages" / f"{i}.jpg"
+            if not image.is_file():
+                raise FileNotFoundError(f"image {image} listed in {list_file} does not exist")
+            self.samples.append((image, tuple(target)))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[Image.Image, "torch.Tensor"]:
+        import torch
+
+        path, target = self.samples[index]
+        with Image.open(path) as img:
+            return img.convert("RGB"), torch.tensor(target, dtype=torch.int8)
+
+
+def voc07_transform(image_size: int = 224) -> "transforms.Compose":
+    """VISSL's VOC07 SVM transform: Resize(256) then Resize((224, 224)) (scaled with ``image_size``), normalised."""
+    from torchvision import transforms
+
+    from bt_hub.augment import IMAGENET_MEAN, IMAGENET_STD
+
+    return transforms.Compose([
+        transforms.Resize(round(image_size * 256 / 224)),
+        transforms.Resize((image_size, image_size)),
+        transforms.ToTensor(),
+        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ])
+
+
+def write_synthetic_devkit(root: str | os.PathLike, classes: Sequence[str] = ("cat", "dog", "car"), *, trainval: int = 24, test: int = 24, image_size: int = 32, seed: int = 0) -> Path:
+    """A tiny VOC2007-format devkit: each image shows one colour block per class it contains; some objects are difficult.
+
+    Returns the ``VOC2007`` directory. For tests and benchmarks; nothing is downloaded.
+    """
+    rng = np.random.default_rng(seed)
+    voc = Path(root) / "VOC2007"
+    for sub in ("ImageSets/Main", "Annotations", "JPEGImages"):
+        (voc / sub).mkdir(parents=True, exist_ok=True)
+    colours = rng.uniform(0, 255, size=(len(classes), 3))
+    for split, count, offset in (("trainval", trainval, 0), ("test", test, trainval)):
+        ids = [f"{offset + i:06d}" for i in range(count)]
+        for n, image_id in enumerate(ids):
+            present = [j for j in range(len(classes)) if rng.random() < 0.4] or [n % len(classes)]
+            image = rng.normal(128, 20, size=(image_size, image_size, 3))
+            objects = []
+            for j in present:
+                y, x = rng.integers(0, image_size // 2, size=2)
+                image[y : y + image_size // 2, x : x + image_size // 2] = colours[j]
+                objects.append(f"<object><name>{classes[j]}</name><difficult>{int(rng.random() < 0.15)}</difficult></object>")
+            Image.fromarray(np.clip(image, 0, 255).astype(np.uint8)).save(voc / "JPEGImages" / f"{image_id}.jpg")
+            (voc / "Annotations" / f"{image_id}.xml").write_text(f"<annotation><filename>{image_id}.jpg</filename>{''.join(objects)}</annotation>")
+        (voc / "ImageSets" / "Main" / f"{split}.txt").write_text("\n".join(ids) + "\n")
+    return voc
+
+
+# ----------------------------------------------------------------------------- average precision
+
+
+def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
+    """All-point interpolated AP (VISSL's ``calculate_ap``): sum over recall steps of the max precision to the right.
+
+    Args:
+        scores: one score per sample, higher = more confident.
+        labels: > 0 positive, <= 0 negative (leave difficult samples out beforehand).
+    """
+    recall, precision = _precision_recall(scores, labels)
+    mrec = np.concatenate([[0.0], recall, [1.0]])
+    mpre = np.concatenate([[0.0], precision, [0.0]])
+    mpre = np.maximum.accumulate(mpre[::-1])[::-1]
+    steps = np.where(mrec[1:] != mrec[:-1])[0] + 1
+    return float(np.sum((mrec[steps] - mrec[steps - 1]) * mpre[steps]))
+
+
+def voc07_11point_ap(scores: np.ndarray, labels: np.ndarray) -> float:
+    """The VOC2007 11-point AP: mean over recall thresholds 0, 0.1, ..., 1 of the max precision at recall >= t."""
+    recall, precision = _precision_recall(scores, labels)
+    return float(np.mean([precision[recall >= t].max() if np.any(recall >= t) else 0.0 for t in np.linspace(0, 1, 11)]))
+
+
+def _precision_recall(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    scores, positive = np.asarray(scores, dtype=np.float64), np.asarray(labels) > 0
+    if positive.sum() == 0:
+        raise ValueError("average precision needs at least one positive sample")
+    order = np.argsort(-scores, kind="stable")
+    tp = np.cumsum(positive[order])
+    fp = np.cumsum(~positive[order])
+    return tp / positive.sum(), tp / (tp + fp)
+
+
+# ----------------------------------------------------------------------------- the SVM grid
+
+
+def l2_normalize(features: np.ndarray) -> np.ndarray:
+    """VISSL's per-sample normalisation x / (||x|| + 1e-5), in float32."""
+    features = np.asarray(features, dtype=np.float32)
+    return features / (np.linalg.norm(features, axis=1, keepdims=True) + 1e-5)
+
+
+def _svm(cost: float, max_iter: int, seed: int) -> Any:
+    from sklearn.svm import LinearSVC
+
+    return LinearSVC(C=cost, class_weight={1: 2, -1: 1}, loss="squared_hinge", penalty="l2", dual=True, tol=1e-4, max_iter=max_iter, random_state=seed)
+
+
+def _train_targets(targets: np.ndarray, cls: int) -> np.ndarray:
+    """SVM targets for training: present -> 1, absent and difficult-only -> -1."""
+    return np.where(targets[:, cls] == 1, 1, -1)
+
+
+def _cv_ap(features: np.ndarray, targets: np.ndarray, cls: int, cost: float, folds: int, max_iter: int, seed: int) -> float:
+    import warnings
+
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.model_selection import cross_val_score
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        return float(cross_val_score(_svm(cost, max_iter, seed), features, _train_targets(targets, cls), cv=folds, scoring="average_precision").mean())
+
+
+def _fit(features: np.ndarray, targets: np.ndarray, cls: int, cost: float, max_iter: int, seed: int) -> tuple[np.ndarray, float]:
+    import warnings
+
+    from sklearn.exceptions import ConvergenceWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        svm = _svm(cost, max_iter, seed).fit(features, _train_targets(targets, cls))
+    return svm.coef_[0].copy(), float(svm.intercept_[0])
+
+
+def svm_grid(
+    features: np.ndarray,
+    targets: np.ndarray,
+    costs: Sequence[float] = COSTS,
+    *,
+    folds: int = 3,
+    max_iter: int = 2000,
+    n_jobs: int = -1,
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[float]]:
+    """Cross-validate every (class, cost), refit each class at its best cost on all samples.
+
+    Args:
+        features: [N, F] L2-normalised training features.
+        targets: [N, C] VISSL-coded targets (1 present, 0 absent, -1 difficult only).
+        costs: the C values tried.
+        folds: cross-validation folds (stratified, unshuffled, as scikit-learn's ``cv=int``).
+        max_iter: liblinear iterations.
+        n_jobs: parallel jobs (joblib; -1 = all cores, 1 = sequential); results do not depend on it.
+        seed: liblinear's random state.
+
+    Returns:
+        ``(cv_ap [C, len(costs)], weights [C, F], biases [C], best cost per class)``.
+    """
+    from joblib import Parallel, delayed
+
+    num_classes = targets.shape[1]
+    for cls in range(num_classes):
+        positives = int((targets[:, cls] == 1).sum())
+        if positives < folds:
+            raise ValueError(f"class {cls} has {positives} positive training images; {folds}-fold cross-validation needs at least {folds}")
+    grid = [(cls, cost) for cls in range(num_classes) for cost in costs]
+    parallel = Parallel(n_jobs=n_jobs)
+    scores = parallel(delayed(_cv_ap)(features, targets, cls, cost, folds, max_iter, seed) for cls, cost in grid)
+    cv_ap = np.array(scores, dtype=np.float64).reshape(num_classes, len(costs))
+    best = [float(costs[int(np.argmax(row))]) for row in cv_ap]  # argmax: the smallest cost on ties
+    fits = parallel(delayed(_fit)(features, targets, cls, best[cls], max_iter, seed) for cls in range(num_classes))
+    weights = np.stack([w for w, _ in fits])
+    biases = np.array([b for _, b in fits])
+    return cv_ap, weights, biases, best
+
+
+def evaluate_svms(weights: np.ndarray, biases: np.ndarray, features: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-class (all-point AP, 11-point AP) on test features; difficult-only images are left out per class."""
+    scores = features @ weights.T + biases
+    ap, ap11 = [], []
+    for cls in range(targets.shape[1]):
+        keep = targets[:, cls] != -1
+        labels = targets[keep, cls]
+        if not np.any(labels == 1):
+            ap.append(np.nan)
+            ap11.append(np.nan)
+            continue
+        ap.append(average_precision(scores[keep, cls], labels))
+        ap11.append(voc07_11point_ap(scores[keep, cls], labels))
+    return np.array(ap), np.array(ap11)
+
+
+# ----------------------------------------------------------------------------- bt-hub eval voc07-svm
+
+
+@dataclass
+class Voc07SvmConfig(EvalConfig):
+    """``bt-hub eval voc07-svm``: VISSL's VOC07 linear-SVM protocol on frozen features."""
+
+    data: str = field(default="", metadata={"help": "the VOC devkit: VOCdevkit/, VOCdevkit/VOC2007/ or their parent"})
+    pool: Literal["voc_res5", "avg"] = field(default="voc_res5", metadata={"help": "'voc_res5' (2x2 pooled res5, 8192-d, VISSL) or 'avg' (2048-d)"})
+    costs: list[float] = field(default_factory=lambda: list(COSTS), metadata={"help": "SVM costs C tried per class"})
+    cv_folds: int = field(default=3, metadata={"help": "cross-validation folds that choose each class's cost (on AP)"})
+    max_iter: int = field(default=2000, metadata={"help": "liblinear iterations per SVM fit"})
+    n_jobs: int = field(default=-1, metadata={"help": "parallel (class, cost) fits: -1 = all cores, 1 = sequential (same result)"})
+    train_split: str = field(default="trainval", metadata={"help": "ImageSets/Main list the SVMs are trained on"})
+    test_split: str = field(default="test", metadata={"help": "ImageSets/Main list the SVMs are scored on"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.data or self.data == "digits":
+            raise ValueError(f"--data must point to a VOC devkit (VOCdevkit/VOC2007 with ImageSets/Main, Annotations, JPEGImages), got {self.data!r}")
+        if not self.costs or any(c <= 0 for c in self.costs):
+            raise ValueError(f"--costs must list positive numbers, got {self.costs}")
+        if self.cv_folds < 2:
+            raise ValueError(f"--cv-folds must be at least 2, got {self.cv_folds}")
+        if self.max_iter <= 0:
+            raise ValueError(f"--max-iter must be positive, got {self.max_iter}")
+        if self.n_jobs == 0:
+            raise ValueError("--n-jobs must be -1 (all cores) or a positive number of jobs, got 0")
+
+
+def run(config: Voc07SvmConfig) -> dict[str, Any]:
+    """Features of trainval and test, the SVM grid on trainval, mean AP on test; writes results."""
+    from bt_hub.distributed import cleanup_distributed, init_distributed, is_distributed, is_main_process
+    from eval.features import as_float32, dataset_fingerprint, features_for, load_eval_backbone
+    from eval.report import write_results
+
+    start = time.time()
+    joined = not is_distributed()
+    device = init_distributed(config.device)
+    joined = joined and is_distributed()
+    try:
+        backbone, weights_id = load_eval_backbone(config)
+        local = replace(config, device=str(device))
+        train = VocClassification(config.data, config.train_split)
+        test = VocClassification(config.data, config.test_split, classes=train.classes)
+        fingerprint = dataset_fingerprint(voc_root(config.data))
+        transform = voc07_transform(config.image_size)
+        data = {}
+        for name, dataset in (("train", train), ("test", test)):
+            features, targets = features_for(local, backbone, dataset, weights_id=weights_id, dataset_id=dataset_fingerprint(dataset), transform=transform, pool=config.pool)
+            data[name] = (l2_normalize(as_float32(features).numpy()), targets.numpy().astype(np.int8))
+        record: dict[str, Any] = {}
+        if is_main_process():
+            _, weights, biases, best = svm_grid(*data["train"], config.costs, folds=config.cv_folds, max_iter=config.max_iter, n_jobs=config.n_jobs, seed=config.seed)
+            ap, ap11 = evaluate_svms(weights, biases, *data["test"])
+            scored = ~np.isnan(ap)
+            metrics = {"mAP": 100.0 * float(ap[scored].mean()), "mAP_11point": 100.0 * float(ap11[scored].mean())}
+            notes = {
+                "classes": train.classes,
+                "per_class_ap": {c: 100.0 * float(a) for c, a in zip(train.classes, ap) if not np.isnan(a)},
+                "per_class_ap_11point": {c: 100.0 * float(a) for c, a in zip(train.classes, ap11) if not np.isnan(a)},
+                "best_cost": dict(zip(train.classes, best)),
+                "classes_without_test_positives": [c for c, s in zip(train.classes, scored) if not s],
+                "feature_dim": int(data["train"][0].shape[1]),
+            }
+            record = write_results(
+                config.out, protocol="voc07-svm", preset=None, config=config, metrics=metrics, weights=config.weights,
+                weights_sha256=weights_id, dataset=config.data, dataset_fingerprint=fingerprint, seed=config.seed,
+                wall_time_s=time.time() - start, notes=notes,
+            )
+        return record
+    finally:
+        if joined:
+            cleanup_distributed()

@@ -1,0 +1,136 @@
+"""eval.voc07_svm: AP against hand computation, the devkit reader, parallel == sequential, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from bt_hub import cli
+from bt_hub.model import build_backbone
+from eval.voc07_svm import (
+    VocClassification,
+    average_precision,
+    evaluate_svms,
+    l2_normalize,
+    svm_grid,
+    voc07_11point_ap,
+    write_synthetic_devkit,
+)
+
+torch.set_num_threads(2)
+
+# ranking: + - + - +  (scores 0.9 .. 0.5)
+# precision at each positive: 1/1, 2/3, 3/5 at recall 1/3, 2/3, 1
+# all-point AP  = 1/3 * (1 + 2/3 + 3/5) = 0.755555...
+# 11-point AP   = (4 * 1 + 3 * 2/3 + 4 * 3/5) / 11 = 8.4 / 11 = 0.763636...
+SCORES = np.array([0.9, 0.8, 0.7, 0.6, 0.5])
+LABELS = np.array([1, -1, 1, -1, 1])
+
+
+def test_all_point_ap_equals_hand_computation():
+    assert average_precision(SCORES, LABELS) == pytest.approx((1 + 2 / 3 + 3 / 5) / 3)
+
+
+def test_11_point_ap_equals_hand_computation():
+    assert voc07_11point_ap(SCORES, LABELS) == pytest.approx(8.4 / 11)
+
+
+def test_ap_ignores_input_order_and_interpolates_precision():
+    perm = np.array([4, 2, 0, 3, 1])
+    assert average_precision(SCORES[perm], LABELS[perm]) == pytest.approx(average_precision(SCORES, LABELS))
+    # - + + : precisions 1/2, 2/3 -> interpolated 2/3 at both recall steps
+    assert average_precision(np.array([3.0, 2.0, 1.0]), np.array([-1, 1, 1])) == pytest.approx(2 / 3)
+
+
+def test_ap_needs_a_positive():
+    with pytest.raises(ValueError, match="at least one positive"):
+        average_precision(np.array([1.0, 2.0]), np.array([-1, 0]))
+
+
+def _handmade_devkit(root):
+    """Four test images for class 'cat': present, difficult-only, absent, present (in that order)."""
+    voc = root / "VOC2007"
+    write_synthetic_devkit(root, ("cat", "dog"), trainval=6, test=4, image_size=8, seed=0)
+    objects = {"000006": [("cat", 0)], "000007": [("cat", 1), ("dog", 0)], "000008": [("dog", 0)], "000009": [("dog", 1), ("cat", 0), ("cat", 1)]}
+    for image_id, objs in objects.items():
+        body = "".join(f"<object><name>{n}</name><difficult>{d}</difficult></object>" for n, d in objs)
+        (voc / "Annotations" / f"{image_id}.xml").write_text(f"<annotation>{body}</annotation>")
+    return voc
+
+
+def test_devkit_targets_code_difficult_only_images_and_test_ap_leaves_them_out(tmp_path):
+    voc = _handmade_devkit(tmp_path)
+    test = VocClassification(voc, "test", classes=["cat", "dog"])
+    targets = np.array([t for _, t in test.samples])
+    assert targets.tolist() == [[1, 0], [-1, 1], [0, 1], [1, -1]]
+    # one 'SVM' whose score for cat is a fixed ranking: img7 (difficult) > img8 (absent) > img6 > img9
+    features = np.eye(4)
+    weights = np.array([[2.0, 4.0, 3.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    ap, ap11 = evaluate_svms(weights, np.zeros(2), features, targets)
+    # without the difficult image the cat ranking is: img8 (-), img6 (+), img9 (+) -> precisions 1/2, 2/3
+    assert ap[0] == pytest.approx(0.5 * 2 / 3 + 0.5 * 2 / 3)
+    assert ap11[0] == pytest.approx(2 / 3)
+    # dog: img9 is difficult-only, so the two positives img7, img8 score equally with img6 (negative)
+    assert ap[1] == pytest.approx(average_precision(np.array([1.0, 1.0, 1.0]), np.array([-1, 1, 1])))
+
+
+def test_reader_rejects_a_folder_that_is_not_a_devkit(tmp_path):
+    with pytest.raises(FileNotFoundError, match="is not a VOC devkit"):
+        VocClassification(tmp_path, "trainval")
+
+
+def _grid_problem(n=90, dim=12, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    targets = rng.choice([1, 0, 0, -1], size=(n, classes)).astype(np.int8)
+    features = rng.normal(size=(n, dim)) + 0.8 * (targets == 1) @ rng.normal(size=(classes, dim))
+    return l2_normalize(features), targets
+
+
+def test_parallel_grid_equals_sequential_grid():
+    features, targets = _grid_problem()
+    costs = [0.1, 1.0, 10.0]
+    sequential = svm_grid(features, targets, costs, n_jobs=1)
+    parallel = svm_grid(features, targets, costs, n_jobs=2)
+    for a, b in zip(sequential, parallel):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert sequential[0].shape == (3, 3) and 0.3 < sequential[0].mean() < 1.0
+
+
+def test_grid_picks_each_class_best_cross_validated_cost_and_difficult_trains_as_negative():
+    features, targets = _grid_problem()
+    costs = [0.01, 1.0, 100.0]
+    cv_ap, weights, biases, best = svm_grid(features, targets, costs, n_jobs=1)
+    assert best == [costs[int(np.argmax(row))] for row in cv_ap]
+    from sklearn.svm import LinearSVC
+
+    labels = np.where(targets[:, 0] == 1, 1, -1)  # difficult (-1) and absent (0) are both negatives
+    ref = LinearSVC(C=best[0], class_weight={1: 2, -1: 1}, dual=True, tol=1e-4, max_iter=2000, random_state=0).fit(features, labels)
+    np.testing.assert_allclose(weights[0], ref.coef_[0])
+    assert biases[0] == pytest.approx(ref.intercept_[0])
+
+
+def test_cli_voc07_svm_end_to_end_writes_results_json(tmp_path):
+    devkit = tmp_path / "VOCdevkit"
+    write_synthetic_devkit(devkit, ("cat", "dog", "car"), trainval=21, test=15, image_size=32, seed=1)
+    weights = tmp_path / "r18.pth"
+    torch.manual_seed(0)
+    torch.save(build_backbone("resnet18").state_dict(), weights)
+    out = tmp_path / "out"
+    argv = ["eval", "voc07-svm", "--weights", str(weights), "--data", str(devkit), "--out", str(out),
+            "--image-size", "176", "--batch-size", "18", "--costs", "0.1", "1", "10", "--n-jobs", "1"]
+    assert cli.main(argv) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert result["protocol"] == "voc07-svm"
+    assert set(result["metrics"]) == {"mAP", "mAP_11point"}
+    assert result["notes"]["feature_dim"] == 512  # resnet18 res5 at 176 px: 6x6 map -> 1x1x512
+    assert set(result["notes"]["per_class_ap"]) == {"cat", "dog", "car"}
+    assert 40.0 < result["metrics"]["mAP"] <= 100.0  # colour blocks are easy: well above chance
+    assert "VOC07 SVM mAP" in (out / "results.md").read_text()
+
+
+def test_cli_voc07_svm_needs_a_devkit(tmp_path, capsys):
+    assert cli.main(["eval", "voc07-svm", "--weights", "w.pth"]) == 2
+    assert "--data must point to a VOC devkit" in capsys.readouterr().err
