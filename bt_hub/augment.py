@@ -70,7 +70,9 @@ def blur_kernel_size(size: int) -> int:
     return max(3, int(0.1 * size) // 2 * 2 + 1)
 
 
-def _crop_boxes(batch_size: int, height: int, width: int, view: ViewParams, generator, device) -> dict:
+def _crop_boxes(
+    batch_size: int, height: int, width: int, view: ViewParams, generator: torch.Generator | None, device: torch.device
+) -> dict[str, torch.Tensor]:
     """RandomResizedCrop boxes, torchvision's algorithm vectorised: first of 10 valid tries, else centre."""
     shape = (batch_size, CROP_ATTEMPTS)
     u_area, u_ratio, u_top, u_left = torch.rand((4, *shape), generator=generator, device=device, dtype=torch.float64)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from bt_hub.distributed import all_gather_cat, all_reduce_sum, get_world_size
 
@@ -55,6 +56,7 @@ class _Standardize(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         out, inv_std = ctx.saved_tensors
         sums = all_reduce_sum(torch.stack((g.sum(dim=0), (g * out).sum(dim=0)))) / ctx.n
@@ -105,6 +107,7 @@ class _GramFrobenius(torch.autograd.Function):
         return all_reduce_sum((gram_a.double() * gram_b.double()).sum())
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a_all, b_all, gram_a, gram_b = ctx.saved_tensors
         scale = (2 * all_reduce_sum(g)).to(a_all.dtype)
