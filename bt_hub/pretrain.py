@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from bt_hub.augment import BatchedTwoViews, TwoViewTransform
 from bt_hub.data import build_dataset, to_uint8_tensor
-from bt_hub.distributed import barrier, cleanup_distributed, get_rank, get_world_size, init_distributed, is_main_process
+from bt_hub.distributed import barrier, cleanup_distributed, convert_sync_batchnorm, get_rank, get_world_size, init_distributed, is_main_process
 from bt_hub.loss import EPS, LossTerms, barlow_twins_loss
 from bt_hub.model import BACKBONES, BarlowTwins, parse_projector
 from bt_hub.optim import LARS, param_groups, set_learning_rates
@@ -287,9 +287,7 @@ def _train(config: PretrainConfig, device: torch.device) -> Path:
 
     step_module: nn.Module = _TrainStep(model)
     if world > 1:
-        if device.type == "cuda":
-            step_module = nn.SyncBatchNorm.convert_sync_batchnorm(step_module)
-        # SyncBatchNorm has no CPU kernel: on gloo, BN statistics stay per rank (buffers follow rank 0).
+        step_module = convert_sync_batchnorm(step_module)  # SyncBatchNorm on CUDA, GlobalBatchNorm on CPU/gloo
         step_module = nn.parallel.DistributedDataParallel(step_module, device_ids=[device.index] if device.type == "cuda" else None)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
 
