@@ -178,6 +178,10 @@ def load_backbone(
         map_location: device of the returned network.
         progress: show a progress bar while downloading.
 
+    Returns:
+        The network in train mode, with ``weights_info``: file, format, prefix, dropped keys,
+        config.json (or None), architecture and small_image_stem.
+
     Raises:
         CheckpointError: unreadable file, unknown layout, missing keys or wrong shapes (one sentence naming the file).
     """

@@ -10,7 +10,6 @@ undoing the detectron2 and VISSL renames.
 
 from __future__ import annotations
 
-import io
 import pickle
 import re
 import zipfile
@@ -316,14 +315,7 @@ def check_fits(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.T
         problems.append(f"{len(unexpected)} keys are unexpected, first {unexpected[:5]}")
     try:
         looks = infer_architecture(state, source)[0]
-        hint = f" (they look like {looks})" if looks != arch else ""
+        hint = f" (it looks like {looks})" if looks != arch else ""
     except CheckpointError:
         hint = ""
-    raise CheckpointError(f"weights file {source} do not fit {arch}{hint}: " + "; ".join(problems))
-
-
-def state_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
-    """A torch.save of ``state`` as bytes (for hashing and atomic writes)."""
-    buffer = io.BytesIO()
-    torch.save(dict(state), buffer)
-    return buffer.getvalue()
+    raise CheckpointError(f"weights file {source} does not fit {arch}{hint}: " + "; ".join(problems))

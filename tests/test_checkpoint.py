@@ -188,7 +188,7 @@ def test_resnet18_weights_into_resnet50_is_one_sentence(tmp_path):
     with pytest.raises(CheckpointError) as err:
         load_backbone(tmp_path / "r18.pth", arch="resnet50")
     text = _one_sentence_naming(err, "r18.pth")
-    assert "do not fit resnet50 (they look like resnet18)" in text
+    assert "does not fit resnet50 (it looks like resnet18)" in text
     assert "layer1.0.conv1.weight (64, 64, 3, 3) vs (64, 64, 1, 1)" in text
     assert "keys are missing, first ['layer1.0.conv3.weight'" in text
 

@@ -206,7 +206,7 @@ def test_from_pretrained_is_strict_and_round_trips_backbone_and_projector(tmp_pa
     state = load_file(folder / "model.safetensors")
     del state["layer4.1.bn2.weight"]
     save_file(state, folder / "model.safetensors")
-    with pytest.raises(ValueError, match=r"model.safetensors do not fit resnet18: 1 keys are missing, first \['layer4.1.bn2.weight'\]"):
+    with pytest.raises(ValueError, match=r"model.safetensors does not fit resnet18: 1 keys are missing, first \['layer4.1.bn2.weight'\]"):
         from_pretrained(folder)
 
 

@@ -115,7 +115,7 @@ def test_barlow_twins_entry_loads_backbone_and_projector_from_a_reference_checkp
 
 def test_kwargs_contradicting_the_weights_raise_naming_both(tmp_path):
     torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "r18.pth")
-    with pytest.raises(CheckpointError, match="r18.pth do not fit resnet50 \\(they look like resnet18\\)"):
+    with pytest.raises(CheckpointError, match="r18.pth does not fit resnet50 \\(it looks like resnet18\\)"):
         torch.hub.load(str(REPO_ROOT), "resnet50", source="local", weights=str(tmp_path / "r18.pth"))
     with torch.device("meta"):
         state = torchvision.models.resnet50().state_dict()
