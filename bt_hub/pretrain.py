@@ -54,7 +54,7 @@ class PretrainConfig:
         "reference": {},
         "digits": {
             "data": "digits", "backbone": "resnet18", "small_image_stem": True, "projector": "512-512-512",
-            "image_size": 32, "epochs": 20, "batch_size": 128, "warmup_epochs": 2, "views": "batched",
+            "image_size": 16, "epochs": 10, "batch_size": 128, "warmup_epochs": 1, "views": "batched",
         },
     }
 
