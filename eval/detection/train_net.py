@@ -1,0 +1,142 @@
+"""``bt-hub detect``: Faster/Mask R-CNN R50-C4 transfer through detectron2 (PROTOCOLS.md §3).
+
+Reads top to bottom: the flags (``DetectConfig``), the weights (converted to a detectron2
+``.pkl`` with ``bt_hub.checkpoint`` unless already one), the detectron2 config (a shipped
+YAML or a file, then ``opts``), one trial per seed through detectron2's own ``launch`` (one
+process per GPU, several machines), and ``results.json`` with the mean and standard
+deviation over the trials. The training loop itself is detectron2's (``eval.detection.trainer``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Optional
+
+from bt_hub.optional import require
+
+__all__ = ["DetectConfig", "aggregate_trials", "main", "prepare_weights"]
+
+INSTALL_PURPOSE = "bt-hub detect (detection transfer)"
+
+
+@dataclass
+class DetectConfig:
+    """Flags of ``bt-hub detect``; defaults are the paper's runs (PROTOCOLS.md §3)."""
+
+    weights: str = field(metadata={"help": "backbone weights: a detectron2 .pkl, or anything load_backbone reads (converted to .pkl in --out)"})
+    data: str = field(metadata={"help": "data root: VOC2007/ and VOC2012/ devkits (voc), or annotations/instances_{train,val}2017.json + train2017/ + val2017/ (coco)"})
+    config: str = field(default="voc", metadata={"help": "'voc' (Faster R-CNN, VOC07+12, 24k), 'coco' (Mask R-CNN, COCO 1x) or a detectron2 YAML path"})
+    out: str = field(default="runs/detect", metadata={"help": "output directory: results.json, weights.pkl, trial<k>/ (config.yaml, metrics.jsonl, checkpoints, log)"})
+    num_gpus: int = field(default=1, metadata={"help": "processes per machine (one per GPU); batch, lr and iterations rescale linearly from the configs' 8 (SOLVER.REFERENCE_WORLD_SIZE)"})
+    num_machines: int = field(default=1, metadata={"help": "machines in the job"})
+    machine_rank: int = field(default=0, metadata={"help": "this machine's rank (0 writes results.json)"})
+    dist_url: str = field(default="auto", metadata={"help": "rendezvous URL, e.g. tcp://HOST:PORT; 'auto' picks a free local port (one machine only)"})
+    trials: int = field(default=1, metadata={"help": "independent runs with seeds seed..seed+K-1; results are mean and std (MoCo averages 5 on VOC)"})
+    seed: int = field(default=0, metadata={"help": "seed of the first trial"})
+    device: str = field(default="cpu", metadata={"help": "'cpu' or 'cuda' (MODEL.DEVICE)"})
+    resume: bool = field(default=False, metadata={"help": "continue each trial from the last checkpoint in its folder"})
+    opts: list[str] = field(default_factory=list, metadata={"help": "detectron2 overrides KEY VALUE ..., e.g. SOLVER.IMS_PER_BATCH 8", "positional": True})
+
+    ALIASES: ClassVar[tuple[str, ...]] = ("voc", "coco")
+
+    def __post_init__(self) -> None:
+        for flag, value, low in (("--num-gpus", self.num_gpus, 1), ("--num-machines", self.num_machines, 1), ("--trials", self.trials, 1)):
+            if value < low:
+                raise ValueError(f"{flag} must be >= {low}, got {value}")
+        if not 0 <= self.machine_rank < self.num_machines:
+            raise ValueError(f"--machine-rank must be in [0, {self.num_machines}), got {self.machine_rank}")
+        if self.num_machines > 1 and not self.dist_url.startswith("tcp://"):
+            raise ValueError(f"--dist-url must be tcp://HOST:PORT of machine 0 when --num-machines > 1, got {self.dist_url!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"--device must be 'cpu' or 'cuda', got {self.device!r}")
+        if not str(self.weights).strip():
+            raise ValueError("--weights must name a checkpoint, got an empty string")
+        self.opts = list(self.opts)
+
+
+def prepare_weights(source: str, out_dir: Path) -> tuple[str, dict[str, Any]]:
+    """``MODEL.WEIGHTS`` for ``source`` and the backbone's detectron2 tensors (to check the load).
+
+    A ``.pkl`` is used as it is; anything else is read with ``bt_hub.checkpoint`` and written
+    as ``out_dir/weights.pkl`` (detectron2 names, ``matching_heuristics``).
+    """
+    from bt_hub.checkpoint import read_backbone_state_dict, save_detectron2, to_detectron2
+
+    state, _ = read_backbone_state_dict(source)
+    if str(source).endswith(".pkl") and Path(source).is_file():
+        return str(Path(source).resolve()), to_detectron2(state)["model"]
+    path = save_detectron2(state, out_dir / "weights.pkl")
+    return str(path), to_detectron2(state)["model"]
+
+
+def aggregate_trials(trials: list[dict[str, float]]) -> dict[str, float]:
+    """Mean of each metric over the trials, plus ``<metric>_std`` (sample std) when K > 1."""
+    names = list(dict.fromkeys(k for t in trials for k in t))
+    out: dict[str, float] = {}
+    for name in names:
+        values = [t[name] for t in trials if name in t]
+        out[name] = statistics.fmean(values)
+        if len(trials) > 1:
+            out[f"{name}_std"] = statistics.stdev(values) if len(values) > 1 else float("nan")
+    return out
+
+
+def main(config: DetectConfig) -> Optional[dict[str, Any]]:
+    """Run ``config.trials`` detection transfers and write ``results.json`` (machine 0).
+
+    Returns:
+        The results record on machine 0, None on the other machines.
+    """
+    require("detectron2", INSTALL_PURPOSE)
+    from detectron2.engine import launch
+
+    from eval.detection.config import build_cfg, resolve_config
+    from eval.detection.trainer import TRIAL_METRICS, run_trial
+
+    start = time.time()
+    out = Path(config.out).expanduser().resolve()
+    yaml_path = resolve_config(config.config)
+    weights, expected = prepare_weights(config.weights, out)
+    seeds = [config.seed + k for k in range(config.trials)]
+    trial_dirs = [out / f"trial{k}" for k in range(config.trials)]
+    cfgs = [build_cfg(yaml_path, config.opts, weights=weights, device=config.device, seed=s, output_dir=d) for s, d in zip(seeds, trial_dirs)]
+    for cfg in cfgs:
+        launch(
+            run_trial,
+            config.num_gpus,
+            num_machines=config.num_machines,
+            machine_rank=config.machine_rank,
+            dist_url=config.dist_url,
+            args=(cfg, str(Path(config.data).expanduser().resolve()), None if config.resume else expected, config.resume),
+        )
+    if config.machine_rank != 0:
+        return None
+    trials = [json.loads((d / TRIAL_METRICS).read_text()) for d in trial_dirs]
+    return _write(config, yaml_path, trials, start)
+
+
+def _write(config: DetectConfig, yaml_path: Path, trials: list[dict[str, Any]], start: float) -> dict[str, Any]:
+    from bt_hub.checkpoint import weights_fingerprint
+    from eval.features import dataset_fingerprint
+    from eval.report import write_results
+
+    preset = config.config if config.config in DetectConfig.ALIASES else yaml_path.stem
+    return write_results(
+        config.out,
+        protocol="detect",
+        preset=preset,
+        config={**dataclasses.asdict(config), "config_file": str(yaml_path), "detectron2": trials[0]["config"]},
+        metrics=aggregate_trials([t["metrics"] for t in trials]),
+        weights=config.weights,
+        weights_sha256=weights_fingerprint(config.weights),
+        dataset=config.data,
+        dataset_fingerprint=dataset_fingerprint(config.data),
+        seed=config.seed,
+        wall_time_s=time.time() - start,
+        notes={"trials": [{"seed": t["seed"], "metrics": t["metrics"]} for t in trials]},
+    )

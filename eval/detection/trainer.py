@@ -1,0 +1,174 @@
+"""The detectron2 trainer of the transfer runs, the weights check and one trial end to end.
+
+Everything here needs detectron2; ``eval.detection.train_net`` imports this module only
+after checking that detectron2 is installed (and inside each launched process).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from detectron2.config import CfgNode
+from detectron2.engine import DefaultTrainer, HookBase, hooks
+from detectron2.evaluation import COCOEvaluator, DatasetEvaluator, PascalVOCDetectionEvaluator
+from detectron2.data import MetadataCatalog
+from detectron2.utils import comm
+from detectron2.utils.logger import setup_logger
+from detectron2.utils.env import seed_all_rng
+
+from bt_hub.runs import RunDir, atomic_write_json, atomic_write_text
+from eval.detection import roi_heads  # noqa: F401  (registers Res5ROIHeadsExtraNorm)
+from eval.detection.datasets import num_classes, register_datasets
+
+__all__ = ["LossLog", "Trainer", "flatten_metrics", "run_trial", "unloaded_parameters"]
+
+TRIAL_METRICS = "trial_metrics.json"
+
+
+class LossLog(HookBase):
+    """Append each iteration's losses, lr and seconds to ``metrics.jsonl`` (main process)."""
+
+    def __init__(self, run_dir: RunDir) -> None:
+        self.run_dir = run_dir
+
+    def after_step(self) -> None:
+        it = self.trainer.iter
+        latest = self.trainer.storage.latest()
+        row = {"iter": it}
+        row.update({k: float(v) for k, (v, i) in latest.items() if i == it and (k.startswith("loss") or k in ("total_loss", "lr", "time"))})
+        self.run_dir.log(row)
+
+
+class Trainer(DefaultTrainer):
+    """DefaultTrainer with VOC/COCO evaluators, a per-iteration loss log and one final evaluation.
+
+    The periodic EvalHook is dropped: the protocol's number is the evaluation after the last
+    iteration (and after precise BN), which :func:`run_trial` runs explicitly.
+    """
+
+    def __init__(self, cfg: CfgNode, run_dir: RunDir) -> None:
+        self._run_dir = run_dir
+        super().__init__(cfg)
+
+    @classmethod
+    def build_evaluator(cls, cfg: CfgNode, dataset_name: str) -> DatasetEvaluator:
+        """VOC AP/AP50/AP75 (11-point on VOC2007) or COCO box (and mask) AP."""
+        kind = MetadataCatalog.get(dataset_name).get("evaluator_type")
+        if kind == "pascal_voc":
+            return PascalVOCDetectionEvaluator(dataset_name)
+        if kind == "coco":
+            return COCOEvaluator(dataset_name, output_dir=str(Path(cfg.OUTPUT_DIR) / "inference"))
+        raise ValueError(f"dataset {dataset_name!r} has no VOC or COCO evaluator (metadata evaluator_type {kind!r})")
+
+    def build_hooks(self) -> list[HookBase]:
+        kept = [h for h in super().build_hooks() if not isinstance(h, hooks.EvalHook)]
+        if comm.is_main_process():
+            kept.append(LossLog(self._run_dir))
+        return kept
+
+
+def _bare(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)
+
+
+def unloaded_parameters(model: torch.nn.Module, expected: Mapping[str, Any]) -> list[str]:
+    """Backbone and res5 tensors of a detectron2 R50-C4 model that differ from ``expected``.
+
+    ``expected`` is the ``"model"`` dict of a detectron2 ``.pkl`` (``stem.*``, ``res2``..``res5``
+    names); ``res5.*`` lives in the model at ``roi_heads.res5.*``. The extra norm after res5 is
+    new (not in any backbone) and ``num_batches_tracked`` is bookkeeping: both are skipped.
+
+    Returns:
+        The model's names whose tensor is missing from ``expected`` or not equal to it.
+    """
+    bad = []
+    for name, tensor in _bare(model).state_dict().items():
+        if name.endswith("num_batches_tracked") or name.startswith("roi_heads.res5.norm."):
+            continue
+        if name.startswith("backbone."):
+            key = name[len("backbone.") :]
+        elif name.startswith("roi_heads.res5."):
+            key = name[len("roi_heads.") :]
+        else:
+            continue
+        value = expected.get(key)
+        if value is None or not torch.equal(tensor.detach().cpu(), torch.as_tensor(np.asarray(value)).to(tensor.dtype)):
+            bad.append(name)
+    return bad
+
+
+def flatten_metrics(results: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """``{"bbox": {"AP": 1.0}}`` -> ``{"bbox_AP": 1.0}`` (nested dataset keys are joined too)."""
+    flat: dict[str, float] = {}
+    for key, value in results.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten_metrics(value, name + "_"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            flat[name] = float(value)
+    return flat
+
+
+_REPORTED = ("AP", "AP50", "AP75")
+
+
+def run_trial(cfg: CfgNode, data_root: str, expected: Mapping[str, Any] | None, resume: bool) -> None:
+    """Train and evaluate one seed; the main process writes ``OUTPUT_DIR/trial_metrics.json``.
+
+    Runs inside each process that ``detectron2.engine.launch`` starts (or in the caller's
+    process on one device).
+
+    Args:
+        cfg: the frozen config of this trial (its ``SEED`` and ``OUTPUT_DIR`` included).
+        data_root: ``--data``; the config's dataset names are registered on it.
+        expected: the backbone's detectron2 tensors, checked after loading ``MODEL.WEIGHTS``
+            (None skips the check, e.g. when resuming).
+        resume: continue from the last checkpoint in ``OUTPUT_DIR`` when there is one.
+
+    Raises:
+        ValueError: the weights leave backbone/res5 tensors unloaded, or the model's class
+            count does not match the data.
+    """
+    out = Path(cfg.OUTPUT_DIR)
+    rank = comm.get_rank()
+    setup_logger(str(out.parent), distributed_rank=rank, name="detectron2", abbrev_name="d2")
+    seed_all_rng(cfg.SEED + rank)
+    register_datasets(list(cfg.DATASETS.TRAIN) + list(cfg.DATASETS.TEST), data_root)
+    for name in cfg.DATASETS.TEST:
+        if num_classes(name) != cfg.MODEL.ROI_HEADS.NUM_CLASSES:
+            raise ValueError(
+                f"MODEL.ROI_HEADS.NUM_CLASSES is {cfg.MODEL.ROI_HEADS.NUM_CLASSES} but dataset {name} has "
+                f"{num_classes(name)} classes; pass `MODEL.ROI_HEADS.NUM_CLASSES {num_classes(name)}` as opts"
+            )
+    run_dir = RunDir(out, config=_as_dict(cfg), write=comm.is_main_process())
+    trainer = Trainer(cfg, run_dir)
+    if comm.is_main_process():  # after detectron2's rescaling to the number of processes
+        atomic_write_text(out / "config.yaml", trainer.cfg.dump())
+    trainer.resume_or_load(resume=resume)
+    if expected is not None and trainer.start_iter == 0:
+        bad = unloaded_parameters(trainer.model, expected)
+        if bad:
+            raise ValueError(
+                f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS} left {len(bad)} backbone/res5 tensors unloaded "
+                f"(first: {', '.join(bad[:3])}); expected a ResNet-50 in detectron2 layout"
+            )
+    trainer.train()
+    results = trainer.test(trainer.cfg, trainer.model)
+    if comm.is_main_process():
+        metrics = {k: v for k, v in flatten_metrics(results).items() if k.rsplit("_", 1)[-1] in _REPORTED}
+        logging.getLogger("detectron2").info("trial seed %d: %s", cfg.SEED, metrics)
+        atomic_write_json(
+            out / TRIAL_METRICS,
+            {"seed": cfg.SEED, "metrics": metrics, "config": _as_dict(trainer.cfg)},
+        )
+    comm.synchronize()
+
+
+def _as_dict(cfg: CfgNode) -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load(cfg.dump())

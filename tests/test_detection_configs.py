@@ -1,0 +1,142 @@
+"""The detection YAMLs carry PROTOCOLS.md §3, and `bt-hub detect` without detectron2 says how to install it.
+
+None of these tests needs detectron2: the YAMLs are read with PyYAML and their ``_BASE_``
+chain is merged by hand. The expected values are written out below from PROTOCOLS.md §3,
+not read back from the files.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from bt_hub.cli import main as cli_main
+from eval.detection.config import CONFIGS, configs_dir, resolve_config
+
+PIXEL_MEAN = [123.675, 116.280, 103.530]
+PIXEL_STD = [58.395, 57.120, 57.375]
+
+# PROTOCOLS.md §3: the shared C4 base (MoCo's Base-RCNN-C4-BN + torchvision weights).
+BASE = {
+    "MODEL.META_ARCHITECTURE": "GeneralizedRCNN",
+    "MODEL.BACKBONE.FREEZE_AT": 0,
+    "MODEL.RESNETS.DEPTH": 50,
+    "MODEL.RESNETS.NORM": "SyncBN",
+    "MODEL.RESNETS.STRIDE_IN_1X1": False,
+    "MODEL.ROI_HEADS.NAME": "Res5ROIHeadsExtraNorm",
+    "MODEL.PIXEL_MEAN": PIXEL_MEAN,
+    "MODEL.PIXEL_STD": PIXEL_STD,
+    "INPUT.FORMAT": "RGB",
+    "TEST.PRECISE_BN.ENABLED": True,
+    "SOLVER.IMS_PER_BATCH": 16,
+}
+
+EXPECTED = {
+    "voc": {
+        **BASE,
+        "MODEL.MASK_ON": False,
+        "MODEL.ROI_HEADS.NUM_CLASSES": 20,
+        "DATASETS.TRAIN": ["voc_2007_trainval", "voc_2012_trainval"],
+        "DATASETS.TEST": ["voc_2007_test"],
+        "SOLVER.MAX_ITER": 24000,
+        "SOLVER.BASE_LR": 0.1,
+        "SOLVER.STEPS": [18000, 22000],
+        "SOLVER.WARMUP_ITERS": 1000,
+        "SOLVER.WARMUP_FACTOR": 0.333,
+        "INPUT.MIN_SIZE_TRAIN": [480, 512, 544, 576, 608, 640, 672, 704, 736, 768, 800],
+        "INPUT.MIN_SIZE_TEST": 800,
+    },
+    "coco": {
+        **BASE,
+        "MODEL.MASK_ON": True,
+        "DATASETS.TRAIN": ["coco_2017_train"],
+        "DATASETS.TEST": ["coco_2017_val"],
+        "SOLVER.MAX_ITER": 90000,
+        "SOLVER.BASE_LR": 0.03,
+        "SOLVER.STEPS": [60000, 80000],
+        "INPUT.MIN_SIZE_TRAIN": [640, 672, 704, 736, 768, 800],
+        "INPUT.MIN_SIZE_TEST": 800,
+    },
+}
+
+
+def _merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in child.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _load(path: Path) -> dict[str, Any]:
+    """A YAML with its ``_BASE_`` chain merged, as detectron2 does it (child wins)."""
+    data = yaml.safe_load(path.read_text())
+    base = data.pop("_BASE_", None)
+    return _merge(_load(path.parent / base), data) if base else data
+
+
+def _get(tree: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree[part]
+    return tree
+
+
+@pytest.mark.parametrize("alias", ["voc", "coco"])
+def test_config_carries_the_protocol_values(alias):
+    cfg = _load(resolve_config(alias))
+    for key, expected in EXPECTED[alias].items():
+        value = _get(cfg, key)
+        if isinstance(expected, float) or (isinstance(expected, list) and expected and isinstance(expected[0], float)):
+            assert value == pytest.approx(expected), key
+        else:
+            assert value == expected, key
+
+
+def test_configs_scale_linearly_from_eight_gpus():
+    """The schedules are written for 8 GPUs x 2 images; detectron2 rescales them from that reference."""
+    base = _load(configs_dir() / "Base-RCNN-C4-BN.yaml")
+    assert base["SOLVER"]["REFERENCE_WORLD_SIZE"] == 8
+    assert base["SOLVER"]["IMS_PER_BATCH"] // base["SOLVER"]["REFERENCE_WORLD_SIZE"] == 2
+
+
+def test_every_non_default_value_has_a_comment_saying_where_it_comes_from():
+    for path in sorted(configs_dir().glob("*.yaml")):
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            stripped = line.strip()
+            if not stripped or stripped.startswith("#") or stripped.endswith(":") or stripped.startswith(("_BASE_", "VERSION")):
+                continue
+            above = [lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()]
+            commented = "#" in line or any(a.startswith("#") for a in above[:3])
+            assert commented, f"{path.name}:{i + 1} {stripped!r} has no source comment near it"
+
+
+def test_aliases_resolve_to_shipped_files_and_unknown_configs_are_refused(tmp_path):
+    assert {p.name for p in configs_dir().glob("*.yaml")} >= set(CONFIGS.values()) | {"Base-RCNN-C4-BN.yaml"}
+    own = tmp_path / "mine.yaml"
+    own.write_text("_BASE_: x.yaml\n")
+    assert resolve_config(str(own)) == own
+    with pytest.raises(FileNotFoundError, match="--config must be 'voc', 'coco' or a detectron2 YAML file"):
+        resolve_config(str(tmp_path / "absent.yaml"))
+
+
+def test_detect_without_detectron2_fails_with_the_install_sentence(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "detectron2", None)  # `import detectron2` now raises ImportError
+    code = cli_main(["detect", "--weights", str(tmp_path / "w.pth"), "--data", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1
+    assert "needs detectron2, which is not installed" in err[0]
+    assert "pip install --no-build-isolation 'git+https://github.com/facebookresearch/detectron2.git'" in err[0]
+
+
+def test_detect_flags_are_validated_before_anything_runs(capsys, tmp_path):
+    code = cli_main(["detect", "--weights", "w.pth", "--data", str(tmp_path), "--trials", "0"])
+    assert code == 2
+    assert "--trials must be >= 1, got 0" in capsys.readouterr().err
+    code = cli_main(["detect", "--weights", "w.pth", "--data", str(tmp_path), "--num-machines", "2"])
+    assert code == 2
+    assert "--dist-url must be tcp://HOST:PORT" in capsys.readouterr().err
