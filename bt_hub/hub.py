@@ -79,7 +79,7 @@ def model_card(config: Mapping[str, Any], results: list[dict[str, Any]], *, name
     hf = require("huggingface_hub", "writing a model card")
     dataset = config.get("dataset")
     data = hf.ModelCardData(
-        library_name="bt_hub", license=license, tags=TAGS, pipeline_tag="image-feature-extraction",
+        library_name="bt_hub", license=license, tags=[t for t in TAGS if t != "timm" or "pretrained_cfg" in config], pipeline_tag="image-feature-extraction",
         datasets=[str(dataset)] if dataset else None, model_name=name,
         eval_results=_eval_results(results) or None,
     )
@@ -92,6 +92,11 @@ def model_card(config: Mapping[str, Any], results: list[dict[str, Any]], *, name
         + ", ".join(f"{k} {v}" for k, v in (r.get("metrics") or {}).items()) + " |"
         for r in results
     ) or "| (none given) | | | |"
+    timm_usage = (
+        f'```python\nimport timm                                           # the same weights as a timm feature extractor\n'
+        f'model = timm.create_model("hf-hub:{name}", pretrained=True, num_classes=0)\n```\n'
+        if "pretrained_cfg" in config else ""
+    )
     return f"""---
 {data.to_yaml()}
 ---
@@ -111,11 +116,7 @@ backbone = from_pretrained("{name}").eval()          # strict load; works offlin
 features = backbone(images)                           # (N, {config.get('feature_dim', 2048)})
 ```
 
-```python
-import timm                                           # the same weights as a timm feature extractor
-model = timm.create_model("hf-hub:{name}", pretrained=True, num_classes=0)
-```
-
+{timm_usage}
 ```python
 from bt_hub.checkpoint import load_backbone           # the same, by its hf:// address (also in torch.hub's resnet50)
 backbone = load_backbone("hf://{name}")
