@@ -1,0 +1,155 @@
+"""Linear probe and transfer: schedules, classifier, frozen backbone, cached mode, the CLI end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from bt_hub import cli
+from bt_hub.model import build_backbone
+from eval.linear import (
+    FrozenBackboneClassifier,
+    LinearConfig,
+    TransferConfig,
+    equally_spaced_milestones,
+    evaluate_features,
+    lr_factor,
+    make_classifier,
+    topk_correct,
+    train_on_features,
+)
+
+RESULT_FIELDS = {"protocol", "preset", "hyperparameters", "weights", "weights_sha256", "dataset", "dataset_fingerprint",
+                 "seed", "metrics", "wall_time_s", "bt_hub_version"}
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("weights") / "resnet18.pth"
+    torch.save(build_backbone("resnet18").state_dict(), path)
+    return path
+
+
+def test_presets_carry_the_protocol_numbers():
+    imagenet = LinearConfig(weights="w")
+    assert (imagenet.lr, imagenet.weight_decay, imagenet.momentum, imagenet.epochs, imagenet.batch_size, imagenet.schedule) == (0.3, 1e-6, 0.9, 100, 256, "cosine")
+    places = TransferConfig(weights="w")
+    assert (places.preset, places.lr, places.weight_decay, places.epochs, places.schedule, places.gamma) == ("places205", 0.01, 5e-4, 14, "step", 0.1)
+    assert places.milestones == [5, 9]
+    inat = TransferConfig(weights="w", preset="inat18")
+    assert (inat.epochs, inat.milestones) == (84, [28, 56])
+    vissl = TransferConfig(weights="w", milestones=[4, 8, 12], lr=0.02)
+    assert (vissl.milestones, vissl.lr, vissl.epochs) == ([4, 8, 12], 0.02, 14)
+
+
+def test_cosine_schedule_per_epoch_without_warmup_and_step_drops():
+    assert lr_factor(0, 100, "cosine") == 1.0
+    assert lr_factor(50, 100, "cosine") == pytest.approx(0.5)
+    assert lr_factor(99, 100, "cosine") == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.99)))
+    assert [lr_factor(e, 20, "step", [12, 16], 0.2) for e in (11, 12, 15, 16, 19)] == pytest.approx([1, 0.2, 0.2, 0.04, 0.04])
+    assert equally_spaced_milestones(14) == [5, 9] and equally_spaced_milestones(84) == [28, 56]
+
+
+def test_classifier_init_is_normal_0_01_with_zero_bias():
+    torch.manual_seed(0)
+    fc = make_classifier(2048, 1000)
+    assert fc.weight.std().item() == pytest.approx(0.01, rel=0.01)
+    assert abs(fc.weight.mean().item()) < 1e-4
+    assert torch.count_nonzero(fc.bias) == 0
+
+
+def test_topk_counts_targets_among_the_best_logits():
+    logits = torch.tensor([[0.1, 0.9, 0.0], [0.8, 0.1, 0.05], [0.2, 0.3, 0.5]])
+    assert topk_correct(logits, torch.tensor([1, 1, 0]), ks=(1, 2)) == [1, 2]
+    assert topk_correct(logits, torch.tensor([1, 1, 0]), ks=(1, 5)) == [1, 3]
+
+
+def _separable(n_per_class: int, num_classes: int, dim: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(num_classes, dim, generator=g) * 3
+    labels = torch.arange(num_classes).repeat_interleave(n_per_class)
+    return centres[labels] + torch.randn(len(labels), dim, generator=g), labels
+
+
+def test_probe_on_features_that_separate_the_classes_reaches_100_percent():
+    train_x, train_y = _separable(40, 10, 64, seed=0)
+    test_x, test_y = _separable(20, 10, 64, seed=0)
+    test_x = test_x + 0.1 * torch.randn_like(test_x)
+    fc = train_on_features(train_x, train_y, 10, epochs=30, batch_size=64, lr=0.3, weight_decay=1e-6, progress=False)
+    assert evaluate_features(fc, test_x, test_y)["top1"] == 100.0
+    shuffled = train_on_features(train_x, train_y[torch.randperm(len(train_y))], 10, epochs=30, batch_size=64, progress=False)
+    assert evaluate_features(shuffled, test_x, test_y)["top1"] < 40.0
+
+
+def test_memmapped_features_train_the_same_classifier_as_a_tensor(tmp_path):
+    x, y = _separable(20, 5, 16, seed=1)
+    path = tmp_path / "f.npy"
+    np.save(path, x.numpy())
+    a = train_on_features(x, y, 5, epochs=3, batch_size=32, seed=2, progress=False)
+    b = train_on_features(np.load(path, mmap_mode="r"), y, 5, epochs=3, batch_size=32, seed=2, progress=False)
+    assert torch.allclose(a.weight, b.weight, atol=1e-6)
+    assert evaluate_features(b, np.load(path, mmap_mode="r"), y) == evaluate_features(a, x, y)
+
+
+def test_frozen_backbone_keeps_weights_and_bn_statistics_while_the_classifier_learns():
+    torch.manual_seed(0)
+    backbone = build_backbone("resnet18")
+    before = {k: v.clone() for k, v in backbone.state_dict().items()}
+    model = FrozenBackboneClassifier(backbone, make_classifier(backbone.feature_dim, 3))
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    model.train()
+    assert not backbone.training and model.fc.training
+    w0 = model.fc.weight.clone()
+    loss = torch.nn.functional.cross_entropy(model(torch.randn(8, 3, 32, 32) * 3 + 1), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]))
+    loss.backward()
+    optimizer.step()
+    assert not torch.equal(model.fc.weight, w0)
+    assert all(torch.equal(before[k], v) for k, v in backbone.state_dict().items())
+
+
+def _read(out):
+    record = json.loads((out / "results.json").read_text())
+    assert RESULT_FIELDS <= set(record)
+    return record
+
+
+def test_cli_linear_full_and_cached_write_results(weights, tmp_path):
+    common = ["--weights", str(weights), "--data", "synthetic:60", "--image-size", "32", "--batch-size", "32", "--seed", "1"]
+    assert cli.main(["eval", "linear", *common, "--epochs", "1", "--out", str(tmp_path / "full")]) == 0
+    full = _read(tmp_path / "full")
+    assert (full["protocol"], full["preset"], full["hyperparameters"]["lr"], full["hyperparameters"]["epochs"]) == ("linear", "imagenet", 0.3, 1)
+    assert full["notes"]["mode"].startswith("full")
+    assert 0 <= full["metrics"]["top1"] <= full["metrics"]["top5"] <= 100
+    cache = tmp_path / "cache"
+    assert cli.main(["eval", "linear", *common, "--epochs", "5", "--cached", "--cache-dir", str(cache), "--out", str(tmp_path / "cached")]) == 0
+    cached = _read(tmp_path / "cached")
+    assert cached["notes"]["mode"].startswith("cached") and cached["hyperparameters"]["cached"] is True
+    assert cached["weights_sha256"] == full["weights_sha256"] and cached["dataset_fingerprint"] == full["dataset_fingerprint"]
+    assert len(list(cache.glob("*.features.npy"))) == 2
+    assert "Linear evaluation" in (tmp_path / "cached" / "results.md").read_text()
+
+
+def test_cli_transfer_takes_an_imagefolder_by_path_with_the_pirl_preset(weights, tmp_path):
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            (tmp_path / "data" / split / c).mkdir(parents=True)
+            for i in range(4):
+                Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(tmp_path / "data" / split / c / f"{i}.png")
+    out = tmp_path / "out"
+    assert cli.main(["eval", "transfer", "--preset", "inat18", "--weights", str(weights), "--data", str(tmp_path / "data"),
+                     "--image-size", "32", "--epochs", "1", "--batch-size", "8", "--out", str(out)]) == 0
+    record = _read(out)
+    assert (record["protocol"], record["preset"], record["hyperparameters"]["lr"], record["hyperparameters"]["milestones"]) == ("transfer", "inat18", 0.01, [28, 56])
+    assert "iNat18" in (out / "results.md").read_text()
+
+
+def test_cli_rejects_bad_milestones_in_one_line(weights, capsys):
+    assert cli.main(["eval", "linear", "--weights", str(weights), "--milestones", "9", "3"]) == 2
+    assert "--milestones must be increasing" in capsys.readouterr().err
