@@ -222,20 +222,10 @@ def _rgb_to_hsv(x: torch.Tensor) -> torch.Tensor:
 
 
 def _hsv_to_rgb(x: torch.Tensor) -> torch.Tensor:
-    h, s, v = x.unbind(dim=1)
-    i = torch.floor(h * 6)
-    f = h * 6 - i
-    i = i.long() % 6
-    p, q, t = v * (1 - s), v * (1 - s * f), v * (1 - s * (1 - f))
-    table = torch.stack(
-        (
-            torch.stack((v, q, p, p, t, v), dim=1),
-            torch.stack((t, v, v, q, p, p), dim=1),
-            torch.stack((p, p, t, v, v, q), dim=1),
-        ),
-        dim=1,
-    )  # B x 3 (rgb) x 6 (sector) x H x W
-    return table.gather(2, i[:, None, None].expand(-1, 3, 1, -1, -1)).squeeze(2)
+    """Channel n of RGB is v − v·s·clamp(min(k, 4 − k), 0, 1) with k = (n + 6h) mod 6, n = 5, 3, 1."""
+    h, s, v = x[:, 0:1], x[:, 1:2], x[:, 2:3]
+    k = (torch.tensor([5.0, 3.0, 1.0], device=x.device, dtype=x.dtype).view(1, 3, 1, 1) + 6 * h) % 6
+    return v - v * s * torch.minimum(k, 4 - k).clamp_(0, 1)
 
 
 def _adjust(x: torch.Tensor, op: int, factor: torch.Tensor) -> torch.Tensor:
