@@ -1,0 +1,105 @@
+"""Semi-supervised fine-tuning: the paper's presets, subsets by fraction or list, BN trains, the CLI end to end."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import TensorDataset
+
+from bt_hub import cli
+from bt_hub.model import build_backbone
+from eval.semi_supervised import SemiSupervisedConfig, finetune
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("weights") / "resnet18.pth"
+    torch.save(build_backbone("resnet18").state_dict(), path)
+    return path
+
+
+def test_paper_preset_is_the_papers_recipe():
+    # PROTOCOLS.md §2: 20 epochs; lr backbone 0.002, classifier 0.5; ×0.2 after epochs 12 and 16;
+    # SGD momentum 0.9; no weight decay; batch 256.
+    c = SemiSupervisedConfig(weights="w")
+    assert (c.epochs, c.lr_backbone, c.lr_classifier, c.schedule, c.milestones, c.gamma) == (20, 0.002, 0.5, "step", [12, 16], 0.2)
+    assert (c.momentum, c.weight_decay, c.batch_size, c.fraction) == (0.9, 0.0, 256, 1)
+
+
+def test_reference_preset_uses_0_005_and_a_cosine_schedule():
+    c = SemiSupervisedConfig(weights="w", preset="reference", fraction=10)
+    assert (c.lr_backbone, c.lr_classifier, c.schedule, c.epochs, c.weight_decay, c.fraction) == (0.005, 0.5, "cosine", 20, 0.0, 10)
+
+
+def test_fraction_and_subset_file_exclude_each_other():
+    with pytest.raises(ValueError, match="--fraction and --subset-file"):
+        SemiSupervisedConfig(weights="w", fraction=1, subset_file="1percent.txt")
+    with pytest.raises(ValueError, match="--fraction must be"):
+        SemiSupervisedConfig(weights="w", fraction=0)
+
+
+def test_finetuning_trains_the_backbone_and_its_batchnorm_statistics():
+    torch.manual_seed(0)
+    backbone = build_backbone("resnet18")
+    before = {k: v.clone() for k, v in backbone.state_dict().items()}
+    x = torch.randn(16, 3, 32, 32) * 2 + 1
+    y = torch.arange(16) % 2
+    finetune(backbone, 2, TensorDataset(x, y), TensorDataset(x, y), lr_backbone=0.01, lr_classifier=0.5, epochs=2, batch_size=8)
+    after = backbone.state_dict()
+    assert not torch.equal(before["conv1.weight"], after["conv1.weight"])
+    assert not torch.equal(before["bn1.running_mean"], after["bn1.running_mean"])
+    assert int(after["bn1.num_batches_tracked"]) == 4
+
+
+def test_cli_semi_with_a_balanced_fraction_writes_results(weights, tmp_path):
+    out = tmp_path / "semi"
+    assert cli.main(["eval", "semi", "--weights", str(weights), "--data", "synthetic:100", "--image-size", "32", "--fraction", "10",
+                     "--epochs", "2", "--batch-size", "16", "--out", str(out)]) == 0
+    record = json.loads((out / "results.json").read_text())
+    assert (record["protocol"], record["preset"], record["hyperparameters"]["fraction"]) == ("semi", "paper", 10)
+    assert record["notes"]["labelled_samples"] == 10  # 10% of the 80 training images, at least one per class
+    assert 0 <= record["metrics"]["top1"] <= record["metrics"]["top5"] <= 100
+    assert {"weights_sha256", "dataset_fingerprint", "seed", "wall_time_s", "bt_hub_version"} <= set(record)
+    assert "10% Top-1" in (out / "results.md").read_text()
+
+
+def _imagenet_like(root, per_class=3):
+    rng = np.random.default_rng(0)
+    names = []
+    for split in ("train", "val"):
+        for wnid in ("n01440764", "n01443537"):
+            (root / split / wnid).mkdir(parents=True)
+            for i in range(per_class):
+                name = f"{wnid}_{i}.JPEG"
+                Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(root / split / wnid / name, format="PNG")
+                if split == "train":
+                    names.append(name)
+    return names
+
+
+def test_cli_semi_with_a_subset_file_uses_the_listed_images(weights, tmp_path):
+    names = _imagenet_like(tmp_path / "imagenet")
+    listing = tmp_path / "mine.txt"
+    listing.write_text("\n".join([names[0], names[4]]) + "\n")
+    out = tmp_path / "out"
+    assert cli.main(["eval", "semi", "--weights", str(weights), "--data", str(tmp_path / "imagenet"), "--subset-file", str(listing),
+                     "--image-size", "32", "--epochs", "1", "--batch-size", "4", "--out", str(out)]) == 0
+    record = json.loads((out / "results.json").read_text())
+    assert record["notes"]["labelled_samples"] == 2
+    assert record["notes"]["published"] is None and len(record["notes"]["subset_sha256"]) == 64
+
+
+def test_cli_semi_rejects_a_list_naming_absent_files(weights, tmp_path, capsys):
+    names = _imagenet_like(tmp_path / "imagenet")
+    listing = tmp_path / "mine.txt"
+    listing.write_text("\n".join([names[0], "n01440764_999.JPEG", "n09999999_1.JPEG"]) + "\n")
+    assert cli.main(["eval", "semi", "--weights", str(weights), "--data", str(tmp_path / "imagenet"), "--subset-file", str(listing),
+                     "--image-size", "32", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "names 2 of its 3 files that are not in the dataset" in err and "n09999999_1.JPEG" in err
+    assert not (tmp_path / "out" / "results.json").exists()
