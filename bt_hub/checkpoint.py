@@ -243,8 +243,22 @@ def save_safetensors(state_dict: Mapping[str, torch.Tensor], path: str | os.Path
     """Write the backbone weights (no ``fc``) as safetensors."""
     from safetensors.torch import save
 
-    data = save(_backbone_only(state_dict), metadata=dict(metadata) if metadata else None)
+    data = _sorted_metadata(save(_backbone_only(state_dict), metadata=dict(metadata) if metadata else None))
     return atomic_write(path, lambda f: f.write(data))
+
+
+def _sorted_metadata(data: bytes) -> bytes:
+    """safetensors bytes with the ``__metadata__`` keys sorted.
+
+    safetensors serialises metadata from a hash map in random order, so the same weights
+    would hash differently from one save to the next; the header keeps its length.
+    """
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    metadata = header.pop("__metadata__", None)
+    ordered = {"__metadata__": dict(sorted(metadata.items())), **header} if metadata else header
+    text = json.dumps(ordered, separators=(",", ":")).encode("utf-8")
+    return data[:8] + text.ljust(size, b" ") + data[8 + size :]
 
 
 def save_torchvision(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike) -> tuple[Path, str]:

@@ -25,7 +25,7 @@ from bt_hub.checkpoint import load_backbone, read_projector_state_dict, save_saf
 from bt_hub.formats import infer_architecture, projector_spec
 from bt_hub.model import BarlowTwins
 from bt_hub.optional import require
-from bt_hub.runs import atomic_write, atomic_write_json, atomic_write_text, package_version
+from bt_hub.runs import atomic_write_json, atomic_write_text, package_version
 from bt_hub.weights import IMAGENET_MEAN, IMAGENET_STD
 
 FEATURE_DIMS = {"resnet18": 512, "resnet34": 512, "resnet50": 2048, "resnet101": 2048}
@@ -194,10 +194,7 @@ def save_pretrained(
         ours.update(_timm_fields(arch, feature_dim))
     save_safetensors(state, folder / "model.safetensors", {"format": "pt", "architecture": arch})
     if projector:
-        from safetensors.torch import save
-
-        data = save({k: v.detach().cpu().contiguous() for k, v in projector.items()}, metadata={"format": "pt"})
-        atomic_write(folder / "projector.safetensors", lambda f: f.write(data))
+        save_safetensors(projector, folder / "projector.safetensors", {"format": "pt"})
     atomic_write_json(folder / "config.json", ours)
     atomic_write_text(folder / "README.md", model_card(ours, _read_results(results), name=name or folder.resolve().name, license=license))
     return folder

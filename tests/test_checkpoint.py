@@ -276,3 +276,13 @@ def test_exported_pkl_loads_into_detectron2_r50_c4_with_nothing_unloaded(resnet5
     assert sorted(targets) == sorted(expected)
     unloaded = [k for k in targets if not torch.equal(loaded[k].cpu(), expected[k])]
     assert unloaded == []
+
+
+def test_safetensors_files_are_byte_identical_across_saves(tmp_path):
+    """Guards against safetensors writing metadata keys in random (hash map) order, which changed the sha256."""
+    from bt_hub.checkpoint import save_safetensors
+
+    state = {"conv1.weight": torch.arange(6.0).reshape(1, 1, 2, 3)}
+    meta = {"format": "pt", "architecture": "resnet50", "small_image_stem": "False", "source_format": "x"}
+    digests = {hashlib.sha256(save_safetensors(state, tmp_path / f"{i}.safetensors", meta).read_bytes()).hexdigest() for i in range(8)}
+    assert len(digests) == 1
