@@ -25,6 +25,7 @@ import hashlib
 import io
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional
@@ -37,7 +38,7 @@ from torchvision import transforms
 from tqdm import tqdm
 
 from bt_hub.augment import IMAGENET_MEAN, IMAGENET_STD
-from bt_hub.distributed import all_gather_cat, barrier, get_rank, get_world_size, is_distributed, is_main_process
+from bt_hub.distributed import all_gather_cat, barrier, broadcast_object, get_rank, get_world_size, is_distributed, is_main_process
 from bt_hub.runs import atomic_write, atomic_write_json
 
 if TYPE_CHECKING:
@@ -245,6 +246,11 @@ def iter_feature_batches(
         backbone.train(was_training)
 
 
+def describe_transform(transform: Callable[[Any], torch.Tensor]) -> str:
+    """The transform's ``repr`` without memory addresses, so cache keys hold across processes."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(transform))
+
+
 def _npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
     buf = io.BytesIO()
     np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape})
@@ -268,7 +274,7 @@ def extract_features(
     Args:
         backbone: the network (``fc = Identity``); put in eval mode for the pass, restored after.
         dataset: items ``(image, label)``; ``transform`` turns the image into a tensor.
-        transform: default ``eval_transform(224)``; its ``repr`` is part of the cache key.
+        transform: default ``eval_transform(224)``; ``describe_transform`` of it is part of the cache key.
         pool: ``"avg"`` (backbone output) or ``"voc_res5"`` (see the module docstring).
         batch_size: images per forward pass (per rank under torchrun).
         device: where the backbone runs; autocast is used on CUDA.
@@ -291,15 +297,17 @@ def extract_features(
         if not chunks:
             raise ValueError("cannot extract features from an empty dataset")
         return torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks])
-    key = cache.key(repr(transform), pool, dtype)
+    description = describe_transform(transform)
+    key = str(broadcast_object(cache.key(description, pool, dtype)))  # every rank reads rank 0's file
     features_path, labels_path, meta_path = cache.paths(key)
-    if not meta_path.exists() and is_main_process():
-        _write_cache(batches(), len(dataset), np.dtype(dtype), features_path, labels_path)
-        atomic_write_json(meta_path, {"key": key, "weights": cache.weights, "dataset": cache.dataset, "transform": repr(transform), "pool": pool, "dtype": dtype, "num_samples": len(dataset)})
-    elif not meta_path.exists():
-        for _ in batches():  # the other ranks take part in every gather, then read rank 0's file
-            pass
-    barrier()
+    if not broadcast_object(meta_path.exists()):
+        if is_main_process():
+            _write_cache(batches(), len(dataset), np.dtype(dtype), features_path, labels_path)
+            atomic_write_json(meta_path, {"key": key, "weights": cache.weights, "dataset": cache.dataset, "transform": description, "pool": pool, "dtype": dtype, "num_samples": len(dataset)})
+        else:
+            for _ in batches():  # the other ranks take part in every gather, then read rank 0's file
+                pass
+        barrier()
     return np.load(features_path, mmap_mode="r"), torch.from_numpy(np.load(labels_path))
 
 

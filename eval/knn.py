@@ -19,7 +19,6 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from bt_hub.data import build_dataset
 from bt_hub.distributed import cleanup_distributed, init_distributed, is_distributed, is_main_process
@@ -165,15 +164,15 @@ def run(config: KnnConfig) -> dict[str, Any]:
         train_x, train_y, train_fp, n_classes = splits[config.train_split]
         test_x, test_y, test_fp, _ = splits[config.test_split]
         num_classes = max(n_classes, int(max(train_y.max(), test_y.max())) + 1)
-        k_max = min(max(config.k), len(train_y))
-        sims, idx = knn_search(train_x, test_x, k_max, query_batch=config.query_batch, train_chunk=config.train_chunk)
-        metrics: dict[str, float] = {}
-        for k in tqdm(config.k, desc="kNN vote", disable=None if is_main_process() else True):
-            result = knn_vote(sims, idx, train_y, test_y, min(k, k_max), config.temperature, num_classes)
-            metrics.update({f"top1_k{k}": result["top1"], f"top5_k{k}": result["top5"]})
-        metrics = {"top1": metrics[f"top1_k{config.k[0]}"], "top5": metrics[f"top5_k{config.k[0]}"], **metrics}
-        record = {"metrics": metrics}
-        if is_main_process():
+        record: dict[str, Any] = {}
+        if is_main_process():  # every rank holds all features; one searches
+            k_max = min(max(config.k), len(train_y))
+            sims, idx = knn_search(train_x, test_x, k_max, query_batch=config.query_batch, train_chunk=config.train_chunk)
+            metrics: dict[str, float] = {}
+            for k in config.k:
+                result = knn_vote(sims, idx, train_y, test_y, min(k, k_max), config.temperature, num_classes)
+                metrics.update({f"top1_k{k}": result["top1"], f"top5_k{k}": result["top5"]})
+            metrics = {"top1": metrics[f"top1_k{config.k[0]}"], "top5": metrics[f"top5_k{config.k[0]}"], **metrics}
             record = write_results(
                 config.out,
                 protocol="knn",
@@ -186,6 +185,7 @@ def run(config: KnnConfig) -> dict[str, Any]:
                 dataset_fingerprint=hashlib.sha256(f"{train_fp}:{test_fp}".encode()).hexdigest(),
                 seed=config.seed,
                 wall_time_s=time.time() - start,
+                notes={"neighbours_used": {str(k): min(k, k_max) for k in config.k}, "train_size": len(train_y), "test_size": len(test_y)},
             )
         return record
     finally:

@@ -97,6 +97,10 @@ def test_second_call_with_the_same_cache_key_does_not_run_the_model(tmp_path):
     assert isinstance(second, np.memmap)
     np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
     assert labels1.tolist() == labels2.tolist() == data.targets
+    # the key holds across processes: no memory address of the transform goes into it
+    from eval.features import describe_transform
+
+    assert "0x" not in describe_transform(_to_tensor) and "_to_tensor" in describe_transform(_to_tensor)
     # another pool or dtype is another key: the model runs again
     extract_features(net, data, transform=_to_tensor, batch_size=3, cache=cache, dtype="float16")
     assert net.calls == calls + 3
@@ -143,3 +147,60 @@ def test_eval_transform_is_resize_256_center_crop_224_and_train_transform_crops_
     assert t(image).shape == (3, 224, 224)
     assert eval_transform(32).transforms[0].size == round(32 * 256 / 224)
     assert train_transform(64)(image).shape == (3, 64, 64)
+
+
+def test_global_batches_interleave_ranks_so_gathered_steps_are_in_dataset_order():
+    from eval.features import _global_batches
+
+    n, batch, world = 10, 3, 2
+    per_rank = [_global_batches(n, batch, world, r) for r in range(world)]
+    assert per_rank[1][-1] == [9, 9, 9]  # padded to equal shapes for the gather
+    order = []
+    for step in zip(*per_rank):
+        gathered = [i for rank_batch in step for i in rank_batch]
+        order += gathered[: min(len(gathered), n - len(order))]
+    assert order == list(range(n))
+
+
+def _ddp_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import traceback
+    from pathlib import Path
+
+    try:
+        torch.set_num_threads(1)
+        torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+        data = _dataset(11)
+        feats, labels = extract_features(MeanColour(), data, transform=_to_tensor, batch_size=2)
+        cache = FeatureCache(Path(out_dir) / "cache", "w", dataset_fingerprint(data))
+        cached, cached_labels = extract_features(MeanColour(), data, transform=_to_tensor, batch_size=2, cache=cache)
+        torch.save({"feats": feats, "labels": labels, "cached": torch.from_numpy(np.array(cached)), "cached_labels": cached_labels}, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+@pytest.mark.ddp
+def test_two_ranks_shard_extraction_and_both_get_every_feature_in_dataset_order(tmp_path):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_ddp_worker, args=(r, str(tmp_path / "init"), str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+        if p.is_alive():
+            p.kill()
+    errors = {f.name: f.read_text() for f in tmp_path.glob("rank*.err")}
+    assert all(p.exitcode == 0 for p in procs), errors
+    data = _dataset(11)
+    expected, _ = extract_features(MeanColour(), data, transform=_to_tensor)
+    for r in range(2):
+        out = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
+        torch.testing.assert_close(out["feats"], expected)
+        torch.testing.assert_close(out["cached"], expected)
+        assert out["labels"].tolist() == out["cached_labels"].tolist() == data.targets
+    assert len(list((tmp_path / "cache").glob("*.meta.json"))) == 1
