@@ -89,8 +89,10 @@ def _assert_same_final_state(a: Path, b: Path) -> None:
     assert losses[0] == losses[1] and len(losses[0]) == TOTAL_STEPS
 
 
-@pytest.mark.ddp
-@pytest.mark.parametrize("launcher", [None, TORCHRUN], ids=["single-process", "torchrun-2-gloo"])
+@pytest.mark.parametrize(
+    "launcher",
+    [pytest.param(None, id="single-process"), pytest.param(TORCHRUN, id="torchrun-2-gloo", marks=pytest.mark.ddp)],
+)
 def test_run_killed_mid_epoch_and_resumed_is_bit_identical(tmp_path, launcher):
     _run(_pretrain_cmd(tmp_path / "straight", launcher=launcher))
     interrupted = tmp_path / "interrupted"
