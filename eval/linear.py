@@ -22,7 +22,6 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal, Optional, Sequence
 
 import numpy as np
@@ -264,10 +263,13 @@ def train_classifier(
 
 
 def load_splits(config: EvalConfig, test_split: str = "val") -> tuple[Dataset, Dataset]:
-    """The (train, test) datasets of ``--data``: built-in sets at ``--image-size``, directories as they are."""
-    size = None if Path(config.data).expanduser().is_dir() else config.image_size
-    train = build_dataset(config.data, "train", image_size=size, seed=config.seed)
-    test = build_dataset(config.data, test_split, image_size=size, seed=config.seed)
+    """The (train, test) datasets of ``--data`` as every protocol reads them (so they share cached features).
+
+    Images keep their stored size (32 px for the built-in sets); the protocol's transforms
+    resize them to ``--image-size``.
+    """
+    train = build_dataset(config.data, "train", image_size=None, seed=config.seed)
+    test = build_dataset(config.data, test_split, image_size=None, seed=config.seed)
     return train, test
 
 
@@ -334,11 +336,14 @@ def run(config: LinearConfig, protocol: str = "linear") -> dict[str, Any]:
     Returns:
         The results record (metrics ``top1`` / ``top5`` in percent, see eval.report).
     """
+    joined = not is_distributed()
     device = init_distributed(config.device)
+    joined = joined and is_distributed()  # leave only a process group this call joined (eval all runs several)
     try:
         return _run(config, device, protocol)
     finally:
-        cleanup_distributed()
+        if joined:
+            cleanup_distributed()
 
 
 def run_transfer(config: TransferConfig) -> dict[str, Any]:

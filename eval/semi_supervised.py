@@ -128,11 +128,14 @@ class SemiSupervisedConfig(EvalConfig):
 
 def run(config: SemiSupervisedConfig) -> dict[str, Any]:
     """Fine-tune the backbone of ``--weights`` on the labelled subset and score it; write results.json."""
+    joined = not is_distributed()
     device = init_distributed(config.device)
+    joined = joined and is_distributed()  # leave only a process group this call joined (eval all runs several)
     try:
         return _run(config, device)
     finally:
-        cleanup_distributed()
+        if joined:
+            cleanup_distributed()
 
 
 def _run(config: SemiSupervisedConfig, device: torch.device) -> dict[str, Any]:

@@ -153,3 +153,16 @@ def test_cli_transfer_takes_an_imagefolder_by_path_with_the_pirl_preset(weights,
 def test_cli_rejects_bad_milestones_in_one_line(weights, capsys):
     assert cli.main(["eval", "linear", "--weights", str(weights), "--milestones", "9", "3"]) == 2
     assert "--milestones must be increasing" in capsys.readouterr().err
+
+
+def test_cli_eval_all_runs_every_protocol_sharing_one_feature_cache(weights, tmp_path):
+    out = tmp_path / "all"
+    assert cli.main(["eval", "all", "--weights", str(weights), "--data", "synthetic:60", "--image-size", "32", "--batch-size", "16",
+                     "--linear-epochs", "3", "--semi-epochs", "1", "--knn-k", "5", "--out", str(out)]) == 0
+    summary = json.loads((out / "results.json").read_text())
+    assert [(r["protocol"], r["hyperparameters"].get("fraction")) for r in summary["results"]] == [("knn", None), ("linear", None), ("semi", 1), ("semi", 10)]
+    assert summary["results"][1]["notes"]["mode"].startswith("cached")
+    assert len(list((out / "feature_cache").glob("*.features.npy"))) == 2  # train and test, computed once for kNN and linear
+    table = (out / "results.md").read_text()
+    assert all(title in table for title in ("Linear evaluation", "Semi-supervised", "Weighted kNN"))
+    assert all((out / sub / "results.json").exists() for sub in ("knn", "linear", "semi_1percent", "semi_10percent"))
