@@ -24,12 +24,11 @@ import torch.nn.functional as F
 from eval.knn import knn_classify
 
 
-def make_features(n: int, q: int, dim: int, classes: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def make_features(n: int, q: int, dim: int, classes: int, seed: int, noise: float = 6.0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Seeded Gaussian clusters, one per class, with enough noise that kNN is not trivial."""
     rng = np.random.default_rng(seed)
     centres = rng.normal(size=(classes, dim)).astype(np.float32)
     train_y, test_y = rng.integers(0, classes, n), rng.integers(0, classes, q)
-    noise = 4.0
     train_x = centres[train_y] + noise * rng.standard_normal((n, dim), dtype=np.float32)
     test_x = centres[test_y] + noise * rng.standard_normal((q, dim), dtype=np.float32)
     return train_x, train_y, test_x, test_y
@@ -61,6 +60,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.07, help="T of exp(sim / T)")
     parser.add_argument("--sklearn-metric", choices=["euclidean", "cosine"], default="euclidean", help="metric scikit-learn uses on the normalised features")
     parser.add_argument("--threads", type=int, default=None, help="torch / faiss threads (default: all cores)")
+    parser.add_argument("--noise", type=float, default=6.0, help="std of the per-dimension noise around unit-std class centres (6: far from 100 %% at 2048-d)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.threads:
@@ -69,7 +69,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         faiss.omp_set_num_threads(args.threads)
 
-    train_x, train_y, test_x, test_y = make_features(args.train, args.queries, args.dim, args.classes, args.seed)
+    train_x, train_y, test_x, test_y = make_features(args.train, args.queries, args.dim, args.classes, args.seed, args.noise)
     print(f"bank {args.train} x {args.dim}, {args.queries} queries, {args.classes} classes, k = {args.k}, T = {args.temperature}")
 
     t = time.perf_counter()
