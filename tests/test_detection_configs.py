@@ -7,6 +7,7 @@ not read back from the files.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ import yaml
 
 from bt_hub.cli import main as cli_main
 from eval.detection.config import CONFIGS, configs_dir, resolve_config
+from eval.detection.synthetic import write_coco, write_voc
+from eval.detection.train_net import aggregate_trials
 
 PIXEL_MEAN = [123.675, 116.280, 103.530]
 PIXEL_STD = [58.395, 57.120, 57.375]
@@ -140,3 +143,29 @@ def test_detect_flags_are_validated_before_anything_runs(capsys, tmp_path):
     code = cli_main(["detect", "--weights", "w.pth", "--data", str(tmp_path), "--num-machines", "2"])
     assert code == 2
     assert "--dist-url must be tcp://HOST:PORT" in capsys.readouterr().err
+
+
+def test_trials_report_mean_and_sample_std():
+    trials = [{"bbox_AP": 50.0, "bbox_AP50": 80.0}, {"bbox_AP": 52.0, "bbox_AP50": 82.0}, {"bbox_AP": 54.0, "bbox_AP50": 81.0}]
+    assert aggregate_trials(trials) == pytest.approx({"bbox_AP": 52.0, "bbox_AP_std": 2.0, "bbox_AP50": 81.0, "bbox_AP50_std": 1.0})
+    assert aggregate_trials(trials[:1]) == {"bbox_AP": 50.0, "bbox_AP50": 80.0}
+
+
+def test_synthetic_data_is_seeded_and_in_the_documented_layouts(tmp_path):
+    write_voc(tmp_path / "a", seed=5)
+    write_voc(tmp_path / "b", seed=5)
+    ids = (tmp_path / "a" / "VOC2007" / "ImageSets" / "Main" / "test.txt").read_text().split()
+    assert len(ids) == 4 and all((tmp_path / "a" / "VOC2007" / "JPEGImages" / f"{i}.jpg").is_file() for i in ids)
+    xml_a = (tmp_path / "a" / "VOC2007" / "Annotations" / f"{ids[0]}.xml").read_text()
+    assert xml_a == (tmp_path / "b" / "VOC2007" / "Annotations" / f"{ids[0]}.xml").read_text()
+    assert "<difficult>0</difficult>" in xml_a and "<name>" in xml_a
+    assert len((tmp_path / "a" / "VOC2012" / "ImageSets" / "Main" / "trainval.txt").read_text().split()) == 8
+
+    coco = json.loads((write_coco(tmp_path / "c", seed=5) / "annotations" / "instances_val2017.json").read_text())
+    assert [c["name"] for c in coco["categories"]] == ["square", "disc", "triangle"]
+    assert len(coco["images"]) == 4 and coco["annotations"]
+    for ann in coco["annotations"]:
+        x, y, w, h = ann["bbox"]
+        xs, ys = ann["segmentation"][0][0::2], ann["segmentation"][0][1::2]
+        assert min(xs) >= x - 1e-6 and max(xs) <= x + w + 1e-6 and min(ys) >= y - 1e-6 and max(ys) <= y + h + 1e-6
+        assert 0 < ann["area"] <= w * h + 1e-6
