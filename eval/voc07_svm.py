@@ -261,10 +261,13 @@ def svm_grid(
         positives = int((targets[:, cls] == 1).sum())
         if positives < folds:
             raise ValueError(f"class {cls} has {positives} positive training images; {folds}-fold cross-validation needs at least {folds}")
-    grid = [(cls, cost) for cls in range(num_classes) for cost in costs]
-    parallel = Parallel(n_jobs=n_jobs)
-    scores = parallel(delayed(_cv_ap)(features, targets, cls, cost, folds, max_iter, seed) for cls, cost in grid)
-    cv_ap = np.array(scores, dtype=np.float64).reshape(num_classes, len(costs))
+    # the largest costs (the slowest fits) go first so that no worker is left with one at the end
+    grid = sorted(((cls, j) for cls in range(num_classes) for j in range(len(costs))), key=lambda cj: -costs[cj[1]])
+    parallel = Parallel(n_jobs=n_jobs, batch_size=1)
+    scores = parallel(delayed(_cv_ap)(features, targets, cls, costs[j], folds, max_iter, seed) for cls, j in grid)
+    cv_ap = np.zeros((num_classes, len(costs)))
+    for (cls, j), score in zip(grid, scores):
+        cv_ap[cls, j] = score
     best = [float(costs[int(np.argmax(row))]) for row in cv_ap]  # argmax: the smallest cost on ties
     fits = parallel(delayed(_fit)(features, targets, cls, best[cls], max_iter, seed) for cls in range(num_classes))
     weights = np.stack([w for w, _ in fits])
