@@ -1,0 +1,66 @@
+"""``bt-hub demo``: the report and plots, and pretraining that beats the random-init network."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from bt_hub import cli
+
+SHORT = ["--epochs", "1", "--max-steps", "4", "--semi-epochs", "3", "--linear-epochs", "20"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def short_demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "demo_out"
+    assert cli.main(["demo", "--out", str(out), *SHORT]) == 0
+    return out
+
+
+def test_shortened_demo_writes_the_report_and_the_plots(short_demo):
+    report = (short_demo / "report.md").read_text()
+    for name in ("loss.png", "cross_correlation.png", "accuracy.png"):
+        data = (short_demo / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5_000
+        assert f"![{name}]({name})" in report
+    for row in ("Barlow Twins (pretrained)", "random init (same network)", "raw pixels", "supervised from scratch"):
+        assert f"| {row} |" in report
+    results = json.loads((short_demo / "results.json").read_text())
+    assert results["labelled"] == {"1": 10, "10": 142}
+    assert set(results["table"]["raw pixels"]) == {"kNN", "linear", "1% labels", "10% labels"}
+
+
+def test_barlow_twins_beats_the_random_init_network_on_knn_and_on_1_percent_labels(short_demo):
+    table = json.loads((short_demo / "results.json").read_text())["table"]
+    bt, random_init = table["Barlow Twins (pretrained)"], table["random init (same network)"]
+    assert bt["kNN"] > random_init["kNN"] + 2.0
+    assert bt["1% labels"] > random_init["1% labels"]
+
+
+def test_pretraining_moves_the_cross_correlation_towards_the_identity(short_demo):
+    start = np.load(short_demo / "pretrain" / "cross_correlation_start.npy")
+    end = np.load(short_demo / "pretrain" / "cross_correlation_end.npy")
+    eye = np.eye(len(start))
+    assert np.linalg.norm(end - eye) < np.linalg.norm(start - eye)
+    assert np.diag(end).mean() > np.diag(start).mean()
+
+
+def test_demo_rejects_a_directory_it_did_not_write(tmp_path, capsys):
+    (tmp_path / "pretrain").mkdir(parents=True)
+    (tmp_path / "pretrain" / "notes.txt").write_text("mine")
+    assert cli.main(["demo", "--out", str(tmp_path), *SHORT]) == 2
+    assert "is not a previous demo's pretraining run" in capsys.readouterr().err
+    assert (tmp_path / "pretrain" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.slow
+def test_demo_is_deterministic_for_a_seed(tmp_path):
+    tiny = ["--epochs", "1", "--max-steps", "2", "--semi-epochs", "1", "--linear-epochs", "2"]
+    tables = []
+    for run in ("a", "b"):
+        assert cli.main(["demo", "--out", str(tmp_path / run), *tiny]) == 0
+        tables.append(json.loads((tmp_path / run / "results.json").read_text())["table"])
+    assert tables[0] == tables[1]
