@@ -22,7 +22,7 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Literal, Optional, Sequence
+from typing import Any, ClassVar, Literal, Optional, Sequence
 
 import numpy as np
 import torch

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
-from bt_hub.distributed import cleanup_distributed, init_distributed, is_distributed, is_main_process
+from bt_hub.distributed import cleanup_distributed, convert_sync_batchnorm, init_distributed, is_distributed, is_main_process
 from bt_hub.label_subsets import read_subset_file, subset_indices
 from eval.config import EvalConfig
 from eval.features import _Transformed, dataset_fingerprint, eval_transform, load_eval_backbone, train_transform
@@ -75,8 +74,7 @@ def finetune(
     model: nn.Module = nn.Sequential(backbone, fc).to(device)
     groups = [{"params": list(fc.parameters()), "lr": lr_classifier}, {"params": list(backbone.parameters()), "lr": lr_backbone}]
     if is_distributed():
-        if device.type == "cuda":
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = convert_sync_batchnorm(model)  # BN statistics of the global batch, on CPU too
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     train_loader = make_loader(train_set, batch_size, shuffle=True, seed=seed, num_workers=num_workers, device=device)
     test_loader = make_loader(test_set, batch_size, shuffle=False, seed=seed, num_workers=num_workers, device=device)
