@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from bt_hub.augment import BatchedTwoViews, TwoViewTransform
+from bt_hub.checkpoint import save_safetensors
 from bt_hub.data import build_dataset, to_uint8_tensor
 from bt_hub.distributed import barrier, cleanup_distributed, convert_sync_batchnorm, get_rank, get_world_size, init_distributed, is_main_process
 from bt_hub.loss import EPS, LossTerms, barlow_twins_loss
@@ -216,12 +217,10 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 def write_backbone(out: Path, model: BarlowTwins, config: PretrainConfig, step: int, num_samples: int) -> None:
     """``<backbone>.pth`` (torchvision keys, no fc), ``backbone.safetensors`` and ``config.json``."""
-    from safetensors.torch import save as safetensors_bytes
-
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.backbone.state_dict().items() if not k.startswith("fc.")}
     atomic_torch_save(state, out / f"{config.backbone}.pth")
     meta = {"architecture": config.backbone, "small_image_stem": str(config.small_image_stem)}
-    atomic_write(out / "backbone.safetensors", lambda f: f.write(safetensors_bytes(state, metadata=meta)))
+    save_safetensors(state, out / "backbone.safetensors", metadata=meta)
     atomic_write_json(out / "config.json", {
         "architecture": config.backbone,
         "feature_dim": model.backbone.feature_dim,
