@@ -62,7 +62,8 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -
         meta = dict(f.metadata)
         tp = _unwrap_optional(hints[f.name])
         origin = typing.get_origin(tp)
-        kwargs: dict[str, Any] = {"help": meta.get("help", ""), "default": argparse.SUPPRESS}
+        # help texts are plain prose: escape argparse's %-formatting
+        kwargs: dict[str, Any] = {"help": meta.get("help", "").replace("%", "%%"), "default": argparse.SUPPRESS}
         if origin is typing.Literal:
             kwargs["choices"] = list(typing.get_args(tp))
             kwargs["type"] = type(kwargs["choices"][0])
