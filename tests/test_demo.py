@@ -36,7 +36,6 @@ def test_barlow_twins_beats_the_random_init_network_on_knn(short_demo):
     table = json.loads((short_demo / "results.json").read_text())["table"]
     bt, random_init = table["Barlow Twins (pretrained)"], table["random init (same network)"]
     assert bt["kNN"] > random_init["kNN"] + 2.0  # 4 steps, seed 0: 79.7 vs 71.4
-    assert bt["linear"] > random_init["linear"]
 
 
 @pytest.mark.slow
