@@ -9,7 +9,9 @@ has no CPU kernel, so :func:`convert_sync_batchnorm` swaps in :class:`GlobalBatc
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -65,6 +67,22 @@ def cleanup_distributed() -> None:
     """Leave the process group if one was joined."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_group(device: str = "cpu") -> Iterator[torch.device]:
+    """Join torchrun's process group for the block, yielding this rank's device.
+
+    The group is left at the end only if this block joined it, so a protocol run inside
+    another (``bt-hub eval all``) leaves its caller's group alone.
+    """
+    joined_here = not is_distributed()
+    dev = init_distributed(device)
+    try:
+        yield dev
+    finally:
+        if joined_here and is_distributed():
+            cleanup_distributed()
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from bt_hub.data import build_dataset
-from bt_hub.distributed import cleanup_distributed, init_distributed, is_distributed, is_main_process
+from bt_hub.distributed import is_main_process, process_group
 from bt_hub.optional import require
 from eval.config import EvalConfig
 from eval.features import as_float32, dataset_fingerprint, features_for, load_eval_backbone
@@ -149,10 +149,7 @@ class KnnConfig(EvalConfig):
 def run(config: KnnConfig) -> dict[str, Any]:
     """Extract (or load cached) features of both splits, classify the test split, write results."""
     start = time.time()
-    joined = not is_distributed()
-    device = init_distributed(config.device)
-    joined = joined and is_distributed()
-    try:
+    with process_group(config.device) as device:
         backbone, weights_id = load_eval_backbone(config)
         local = replace(config, device=str(device))
         splits = {}
@@ -188,6 +185,3 @@ def run(config: KnnConfig) -> dict[str, Any]:
                 notes={"neighbours_used": {str(k): min(k, k_max) for k in config.k}, "train_size": len(train_y), "test_size": len(test_y)},
             )
         return record
-    finally:
-        if joined:
-            cleanup_distributed()

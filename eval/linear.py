@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from tqdm import tqdm
 
 from bt_hub.data import build_dataset
-from bt_hub.distributed import all_reduce_sum, cleanup_distributed, get_world_size, init_distributed, is_distributed, is_main_process
+from bt_hub.distributed import all_reduce_sum, get_world_size, is_distributed, is_main_process, process_group
 from bt_hub.runs import RunDir
 from eval.config import EvalConfig
 from eval.features import _Transformed, dataset_fingerprint, eval_transform, features_for, load_eval_backbone, train_transform
@@ -336,14 +336,8 @@ def run(config: LinearConfig, protocol: str = "linear") -> dict[str, Any]:
     Returns:
         The results record (metrics ``top1`` / ``top5`` in percent, see eval.report).
     """
-    joined = not is_distributed()
-    device = init_distributed(config.device)
-    joined = joined and is_distributed()  # leave only a process group this call joined (eval all runs several)
-    try:
+    with process_group(config.device) as device:
         return _run(config, device, protocol)
-    finally:
-        if joined:
-            cleanup_distributed()
 
 
 def run_transfer(config: TransferConfig) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
-from bt_hub.distributed import cleanup_distributed, convert_sync_batchnorm, init_distributed, is_distributed, is_main_process
+from bt_hub.distributed import convert_sync_batchnorm, is_distributed, is_main_process, process_group
 from bt_hub.label_subsets import read_subset_file, subset_indices
 from eval.config import EvalConfig
 from eval.features import _Transformed, dataset_fingerprint, eval_transform, load_eval_backbone, train_transform
@@ -126,14 +126,8 @@ class SemiSupervisedConfig(EvalConfig):
 
 def run(config: SemiSupervisedConfig) -> dict[str, Any]:
     """Fine-tune the backbone of ``--weights`` on the labelled subset and score it; write results.json."""
-    joined = not is_distributed()
-    device = init_distributed(config.device)
-    joined = joined and is_distributed()  # leave only a process group this call joined (eval all runs several)
-    try:
+    with process_group(config.device) as device:
         return _run(config, device)
-    finally:
-        if joined:
-            cleanup_distributed()
 
 
 def _run(config: SemiSupervisedConfig, device: torch.device) -> dict[str, Any]:

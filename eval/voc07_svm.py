@@ -323,15 +323,12 @@ class Voc07SvmConfig(EvalConfig):
 
 def run(config: Voc07SvmConfig) -> dict[str, Any]:
     """Features of trainval and test, the SVM grid on trainval, mean AP on test; writes results."""
-    from bt_hub.distributed import cleanup_distributed, init_distributed, is_distributed, is_main_process
+    from bt_hub.distributed import is_main_process, process_group
     from eval.features import as_float32, dataset_fingerprint, features_for, load_eval_backbone
     from eval.report import write_results
 
     start = time.time()
-    joined = not is_distributed()
-    device = init_distributed(config.device)
-    joined = joined and is_distributed()
-    try:
+    with process_group(config.device) as device:
         backbone, weights_id = load_eval_backbone(config)
         local = replace(config, device=str(device))
         train = VocClassification(config.data, config.train_split)
@@ -362,6 +359,3 @@ def run(config: Voc07SvmConfig) -> dict[str, Any]:
                 wall_time_s=time.time() - start, notes=notes,
             )
         return record
-    finally:
-        if joined:
-            cleanup_distributed()
