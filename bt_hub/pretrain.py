@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from bt_hub.augment import BatchedTwoViews, TwoViewTransform
+from bt_hub.augment import VIEW_A, VIEW_B, BatchedTwoViews, TwoViewTransform
 from bt_hub.checkpoint import save_safetensors
 from bt_hub.data import build_dataset, to_uint8_tensor
 from bt_hub.distributed import barrier, cleanup_distributed, convert_sync_batchnorm, get_rank, get_world_size, init_distributed, is_main_process
@@ -42,7 +42,7 @@ from bt_hub.runs import RunDir, atomic_torch_save, atomic_write, atomic_write_js
 RESUME_INVARIANTS = (
     "data", "backbone", "projector", "lambd", "small_image_stem", "image_size", "epochs", "batch_size",
     "lr_weights", "lr_biases", "weight_decay", "warmup_epochs", "loss_method", "reference_grad_scale",
-    "precision", "views", "seed",
+    "precision", "views", "seed", "crop_scale_min",
 )
 PROBE_SIZE = 256
 
@@ -66,6 +66,7 @@ class PretrainConfig:
     lambd: float = field(default=0.0051, metadata={"help": "weight of the redundancy-reduction term"})
     small_image_stem: bool = field(default=False, metadata={"help": "3x3 stem without max-pool, for 32-px images"})
     image_size: int = field(default=224, metadata={"help": "side of the views in pixels"})
+    crop_scale_min: float = field(default=0.08, metadata={"help": "smallest area fraction of the views' random resized crop (paper: 0.08; tiny images such as the 8-px digits want more)"})
     epochs: int = field(default=1000, metadata={"help": "epochs of the schedule"})
     batch_size: int = field(default=2048, metadata={"help": "global batch size (all processes together)"})
     lr_weights: float = field(default=0.2, metadata={"help": "base LR of weights, × batch/256"})
@@ -94,6 +95,8 @@ class PretrainConfig:
         for name in ("lambd", "lr_weights", "lr_biases", "weight_decay", "warmup_epochs", "num_workers", "checkpoint_every", "max_steps", "probe_max_dim"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be non-negative, got {getattr(self, name)}")
+        if not 0 < self.crop_scale_min <= 1:
+            raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
         try:
             parse_projector(self.projector)
         except ValueError as err:
@@ -126,9 +129,9 @@ class _TrainStep(nn.Module):
 class _ViewDataset(Dataset):
     """Items keyed by (epoch, index): two seeded PIL views, or the raw uint8 image for batched views."""
 
-    def __init__(self, dataset: Dataset, image_size: int, seed: int, batched: bool) -> None:
+    def __init__(self, dataset: Dataset, image_size: int, seed: int, batched: bool, crop_scale_min: float = 0.08) -> None:
         self.dataset, self.seed, self.batched = dataset, seed, batched
-        self.transform = TwoViewTransform(image_size)
+        self.transform = TwoViewTransform(image_size, _view_pair(crop_scale_min))
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -139,6 +142,11 @@ class _ViewDataset(Dataset):
         if self.batched:
             return to_uint8_tensor(image)
         return self.transform(image, generator=seeded_generator(self.seed, epoch, index))
+
+
+def _view_pair(crop_scale_min: float) -> tuple[Any, Any]:
+    """The paper's two views with the crop's smallest area fraction set to ``crop_scale_min``."""
+    return tuple(dataclasses.replace(v, crop_scale=(crop_scale_min, 1.0)) for v in (VIEW_A, VIEW_B))
 
 
 def _views(batch: Any, step: int, config: PretrainConfig, device: torch.device, batched: BatchedTwoViews | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,8 +301,8 @@ def _train(config: PretrainConfig, device: torch.device) -> Path:
     run = RunDir(out, config, write=is_main_process())
     if is_main_process() and state is not None:
         _truncate_metrics(out / "metrics.jsonl", step)
-    batched = BatchedTwoViews(config.image_size) if config.views == "batched" else None
-    views = _ViewDataset(dataset, config.image_size, config.seed, batched is not None)
+    batched = BatchedTwoViews(config.image_size, _view_pair(config.crop_scale_min)) if config.views == "batched" else None
+    views = _ViewDataset(dataset, config.image_size, config.seed, batched is not None, config.crop_scale_min)
     probe = _probe_views(views, config, device, batched) if is_main_process() else None
     if step == 0 and is_main_process():
         _save_probe(out / "cross_correlation_start.npy", model, probe)
