@@ -19,6 +19,17 @@ def _no_leftover_process_group():
         torch.distributed.destroy_process_group()
 
 
+@pytest.fixture(scope="session")
+def resnet18_weights(tmp_path_factory) -> Path:
+    """A seeded random-init ResNet-18 backbone saved as a plain torchvision state dict."""
+    from bt_hub.model import build_backbone
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("weights") / "resnet18.pth"
+    torch.save(build_backbone("resnet18").state_dict(), path)
+    return path
+
+
 @pytest.fixture
 def shared_data() -> Path:
     """../shared/data beside the repository (reference data, never copied in)."""

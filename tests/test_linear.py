@@ -28,14 +28,6 @@ RESULT_FIELDS = {"protocol", "preset", "hyperparameters", "weights", "weights_sh
                  "seed", "metrics", "wall_time_s", "bt_hub_version"}
 
 
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("weights") / "resnet18.pth"
-    torch.save(build_backbone("resnet18").state_dict(), path)
-    return path
-
-
 def test_presets_carry_the_protocol_numbers():
     imagenet = LinearConfig(weights="w")
     assert (imagenet.lr, imagenet.weight_decay, imagenet.momentum, imagenet.epochs, imagenet.batch_size, imagenet.schedule) == (0.3, 1e-6, 0.9, 100, 256, "cosine")
@@ -119,8 +111,8 @@ def _read(out):
     return record
 
 
-def test_cli_linear_full_and_cached_write_results(weights, tmp_path):
-    common = ["--weights", str(weights), "--data", "synthetic:60", "--image-size", "32", "--batch-size", "32", "--seed", "1"]
+def test_cli_linear_full_and_cached_write_results(resnet18_weights, tmp_path):
+    common = ["--weights", str(resnet18_weights), "--data", "synthetic:60", "--image-size", "32", "--batch-size", "32", "--seed", "1"]
     assert cli.main(["eval", "linear", *common, "--epochs", "1", "--out", str(tmp_path / "full")]) == 0
     full = _read(tmp_path / "full")
     assert (full["protocol"], full["preset"], full["hyperparameters"]["lr"], full["hyperparameters"]["epochs"]) == ("linear", "imagenet", 0.3, 1)
@@ -135,7 +127,7 @@ def test_cli_linear_full_and_cached_write_results(weights, tmp_path):
     assert "Linear evaluation" in (tmp_path / "cached" / "results.md").read_text()
 
 
-def test_cli_transfer_takes_an_imagefolder_by_path_with_the_pirl_preset(weights, tmp_path):
+def test_cli_transfer_takes_an_imagefolder_by_path_with_the_pirl_preset(resnet18_weights, tmp_path):
     rng = np.random.default_rng(0)
     for split in ("train", "val"):
         for c in ("a", "b"):
@@ -143,21 +135,21 @@ def test_cli_transfer_takes_an_imagefolder_by_path_with_the_pirl_preset(weights,
             for i in range(4):
                 Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(tmp_path / "data" / split / c / f"{i}.png")
     out = tmp_path / "out"
-    assert cli.main(["eval", "transfer", "--preset", "inat18", "--weights", str(weights), "--data", str(tmp_path / "data"),
+    assert cli.main(["eval", "transfer", "--preset", "inat18", "--weights", str(resnet18_weights), "--data", str(tmp_path / "data"),
                      "--image-size", "32", "--epochs", "1", "--batch-size", "8", "--out", str(out)]) == 0
     record = _read(out)
     assert (record["protocol"], record["preset"], record["hyperparameters"]["lr"], record["hyperparameters"]["milestones"]) == ("transfer", "inat18", 0.01, [28, 56])
     assert "iNat18" in (out / "results.md").read_text()
 
 
-def test_cli_rejects_bad_milestones_in_one_line(weights, capsys):
-    assert cli.main(["eval", "linear", "--weights", str(weights), "--milestones", "9", "3"]) == 2
+def test_cli_rejects_bad_milestones_in_one_line(resnet18_weights, capsys):
+    assert cli.main(["eval", "linear", "--weights", str(resnet18_weights), "--milestones", "9", "3"]) == 2
     assert "--milestones must be increasing" in capsys.readouterr().err
 
 
-def test_cli_eval_all_runs_every_protocol_sharing_one_feature_cache(weights, tmp_path):
+def test_cli_eval_all_runs_every_protocol_sharing_one_feature_cache(resnet18_weights, tmp_path):
     out = tmp_path / "all"
-    assert cli.main(["eval", "all", "--weights", str(weights), "--data", "synthetic:60", "--image-size", "32", "--batch-size", "16",
+    assert cli.main(["eval", "all", "--weights", str(resnet18_weights), "--data", "synthetic:60", "--image-size", "32", "--batch-size", "16",
                      "--linear-epochs", "3", "--semi-epochs", "1", "--knn-k", "5", "--out", str(out)]) == 0
     summary = json.loads((out / "results.json").read_text())
     assert [(r["protocol"], r["hyperparameters"].get("fraction")) for r in summary["results"]] == [("knn", None), ("linear", None), ("semi", 1), ("semi", 10)]

@@ -15,14 +15,6 @@ from bt_hub.model import build_backbone
 from eval.semi_supervised import SemiSupervisedConfig, finetune
 
 
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("weights") / "resnet18.pth"
-    torch.save(build_backbone("resnet18").state_dict(), path)
-    return path
-
-
 def test_paper_preset_is_the_papers_recipe():
     # PROTOCOLS.md §2: 20 epochs; lr backbone 0.002, classifier 0.5; ×0.2 after epochs 12 and 16;
     # SGD momentum 0.9; no weight decay; batch 256.
@@ -56,9 +48,9 @@ def test_finetuning_trains_the_backbone_and_its_batchnorm_statistics():
     assert int(after["bn1.num_batches_tracked"]) == 4
 
 
-def test_cli_semi_with_a_balanced_fraction_writes_results(weights, tmp_path):
+def test_cli_semi_with_a_balanced_fraction_writes_results(resnet18_weights, tmp_path):
     out = tmp_path / "semi"
-    assert cli.main(["eval", "semi", "--weights", str(weights), "--data", "synthetic:100", "--image-size", "32", "--fraction", "10",
+    assert cli.main(["eval", "semi", "--weights", str(resnet18_weights), "--data", "synthetic:100", "--image-size", "32", "--fraction", "10",
                      "--epochs", "2", "--batch-size", "16", "--out", str(out)]) == 0
     record = json.loads((out / "results.json").read_text())
     assert (record["protocol"], record["preset"], record["hyperparameters"]["fraction"]) == ("semi", "paper", 10)
@@ -82,23 +74,23 @@ def _imagenet_like(root, per_class=3):
     return names
 
 
-def test_cli_semi_with_a_subset_file_uses_the_listed_images(weights, tmp_path):
+def test_cli_semi_with_a_subset_file_uses_the_listed_images(resnet18_weights, tmp_path):
     names = _imagenet_like(tmp_path / "imagenet")
     listing = tmp_path / "mine.txt"
     listing.write_text("\n".join([names[0], names[4]]) + "\n")
     out = tmp_path / "out"
-    assert cli.main(["eval", "semi", "--weights", str(weights), "--data", str(tmp_path / "imagenet"), "--subset-file", str(listing),
+    assert cli.main(["eval", "semi", "--weights", str(resnet18_weights), "--data", str(tmp_path / "imagenet"), "--subset-file", str(listing),
                      "--image-size", "32", "--epochs", "1", "--batch-size", "4", "--out", str(out)]) == 0
     record = json.loads((out / "results.json").read_text())
     assert record["notes"]["labelled_samples"] == 2
     assert record["notes"]["published"] is None and len(record["notes"]["subset_sha256"]) == 64
 
 
-def test_cli_semi_rejects_a_list_naming_absent_files(weights, tmp_path, capsys):
+def test_cli_semi_rejects_a_list_naming_absent_files(resnet18_weights, tmp_path, capsys):
     names = _imagenet_like(tmp_path / "imagenet")
     listing = tmp_path / "mine.txt"
     listing.write_text("\n".join([names[0], "n01440764_999.JPEG", "n09999999_1.JPEG"]) + "\n")
-    assert cli.main(["eval", "semi", "--weights", str(weights), "--data", str(tmp_path / "imagenet"), "--subset-file", str(listing),
+    assert cli.main(["eval", "semi", "--weights", str(resnet18_weights), "--data", str(tmp_path / "imagenet"), "--subset-file", str(listing),
                      "--image-size", "32", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "names 2 of its 3 files that are not in the dataset" in err and "n09999999_1.JPEG" in err
