@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from bt_hub.augment import VIEW_A, VIEW_B, BatchedTwoViews, TwoViewTransform
+from bt_hub.augment import VIEW_A, VIEW_B, BatchedTwoViews, TwoViewTransform, ViewParams
 from bt_hub.checkpoint import save_safetensors
 from bt_hub.data import build_dataset, to_uint8_tensor
 from bt_hub.distributed import barrier, cleanup_distributed, convert_sync_batchnorm, get_rank, get_world_size, init_distributed, is_main_process
@@ -42,7 +42,7 @@ from bt_hub.runs import RunDir, atomic_torch_save, atomic_write, atomic_write_js
 RESUME_INVARIANTS = (
     "data", "backbone", "projector", "lambd", "small_image_stem", "image_size", "epochs", "batch_size",
     "lr_weights", "lr_biases", "weight_decay", "warmup_epochs", "loss_method", "reference_grad_scale",
-    "precision", "views", "seed", "crop_scale_min",
+    "precision", "views", "seed", "crop_scale_min", "flip", "blur",
 )
 PROBE_SIZE = 256
 
@@ -56,6 +56,7 @@ class PretrainConfig:
         "digits": {
             "data": "digits", "backbone": "resnet18", "small_image_stem": True, "projector": "512-512-512",
             "image_size": 16, "epochs": 10, "batch_size": 128, "warmup_epochs": 1, "views": "batched",
+            "flip": False, "blur": False,
         },
     }
 
@@ -67,6 +68,8 @@ class PretrainConfig:
     small_image_stem: bool = field(default=False, metadata={"help": "3x3 stem without max-pool, for 32-px images"})
     image_size: int = field(default=224, metadata={"help": "side of the views in pixels"})
     crop_scale_min: float = field(default=0.08, metadata={"help": "smallest area fraction of the views' random resized crop (paper: 0.08; tiny images such as the 8-px digits want more)"})
+    flip: bool = field(default=True, metadata={"help": "random horizontal flips in both views (paper: p = 0.5); --no-flip for images that are not mirror-symmetric, such as digits"})
+    blur: bool = field(default=True, metadata={"help": "Gaussian blur in the views (paper: p = 1.0 / 0.1, σ in [0.1, 2] px); --no-blur for tiny images, where even the 3x3 kernel smears every stroke"})
     epochs: int = field(default=1000, metadata={"help": "epochs of the schedule"})
     batch_size: int = field(default=2048, metadata={"help": "global batch size (all processes together)"})
     lr_weights: float = field(default=0.2, metadata={"help": "base LR of weights, × batch/256"})
@@ -129,9 +132,9 @@ class _TrainStep(nn.Module):
 class _ViewDataset(Dataset):
     """Items keyed by (epoch, index): two seeded PIL views, or the raw uint8 image for batched views."""
 
-    def __init__(self, dataset: Dataset, image_size: int, seed: int, batched: bool, crop_scale_min: float = 0.08) -> None:
+    def __init__(self, dataset: Dataset, image_size: int, seed: int, batched: bool, views: tuple[ViewParams, ViewParams] = (VIEW_A, VIEW_B)) -> None:
         self.dataset, self.seed, self.batched = dataset, seed, batched
-        self.transform = TwoViewTransform(image_size, _view_pair(crop_scale_min))
+        self.transform = TwoViewTransform(image_size, views)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -144,9 +147,14 @@ class _ViewDataset(Dataset):
         return self.transform(image, generator=seeded_generator(self.seed, epoch, index))
 
 
-def _view_pair(crop_scale_min: float) -> tuple[Any, Any]:
-    """The paper's two views with the crop's smallest area fraction set to ``crop_scale_min``."""
-    return tuple(dataclasses.replace(v, crop_scale=(crop_scale_min, 1.0)) for v in (VIEW_A, VIEW_B))
+def view_pair(config: PretrainConfig) -> tuple[ViewParams, ViewParams]:
+    """The paper's two views with ``--crop-scale-min``, ``--no-flip`` and ``--no-blur`` applied."""
+    changes: dict[str, Any] = {"crop_scale": (config.crop_scale_min, 1.0)}
+    if not config.flip:
+        changes["flip_p"] = 0.0
+    if not config.blur:
+        changes["blur_p"] = 0.0
+    return dataclasses.replace(VIEW_A, **changes), dataclasses.replace(VIEW_B, **changes)
 
 
 def _views(batch: Any, step: int, config: PretrainConfig, device: torch.device, batched: BatchedTwoViews | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,6 +253,7 @@ def write_backbone(out: Path, model: BarlowTwins, config: PretrainConfig, step: 
             "weight_decay": config.weight_decay, "warmup_epochs": config.warmup_epochs, "loss_method": config.loss_method,
             "precision": config.precision, "views": config.views, "seed": config.seed,
             "reference_grad_scale": config.reference_grad_scale,
+            "crop_scale_min": config.crop_scale_min, "flip": config.flip, "blur": config.blur,
         },
         "format": "torchvision",
     })
@@ -301,8 +310,9 @@ def _train(config: PretrainConfig, device: torch.device) -> Path:
     run = RunDir(out, config, write=is_main_process())
     if is_main_process() and state is not None:
         _truncate_metrics(out / "metrics.jsonl", step)
-    batched = BatchedTwoViews(config.image_size, _view_pair(config.crop_scale_min)) if config.views == "batched" else None
-    views = _ViewDataset(dataset, config.image_size, config.seed, batched is not None, config.crop_scale_min)
+    view_params = view_pair(config)
+    batched = BatchedTwoViews(config.image_size, view_params) if config.views == "batched" else None
+    views = _ViewDataset(dataset, config.image_size, config.seed, batched is not None, view_params)
     probe = _probe_views(views, config, device, batched) if is_main_process() else None
     if step == 0 and is_main_process():
         _save_probe(out / "cross_correlation_start.npy", model, probe)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -16,7 +17,8 @@ import torch
 
 from bt_hub.cli import main as cli_main
 from bt_hub.model import build_backbone
-from bt_hub.pretrain import PretrainConfig, pretrain
+from bt_hub.augment import VIEW_A, VIEW_B
+from bt_hub.pretrain import PretrainConfig, pretrain, view_pair
 
 # 32 synthetic training images, batch 8: 4 steps per epoch, 8 in all; checkpoints at 3 (mid-epoch), 4, 6 (mid-epoch), 8.
 TINY = [
@@ -164,3 +166,15 @@ def test_existing_run_is_not_overwritten_and_resume_checks_the_recipe(tmp_path, 
     assert f"--out {out} already holds checkpoint.pth; pass --resume auto" in capsys.readouterr().err
     assert cli_main(["pretrain", *TINY, "--projector", "16-16", "--out", str(out), "--resume", "auto", "--seed", "8"]) == 2
     assert "--seed is 8 but checkpoint" in capsys.readouterr().err
+    assert cli_main(["pretrain", *TINY, "--projector", "16-16", "--out", str(out), "--resume", "auto", "--no-flip"]) == 2
+    assert "--flip is False but checkpoint" in capsys.readouterr().err
+
+
+def test_views_follow_crop_scale_min_no_flip_and_no_blur_and_keep_the_rest_of_the_paper():
+    paper = view_pair(PretrainConfig())
+    assert paper == (dataclasses.replace(VIEW_A, crop_scale=(0.08, 1.0)), dataclasses.replace(VIEW_B, crop_scale=(0.08, 1.0)))
+    tiny = view_pair(PretrainConfig(crop_scale_min=0.4, flip=False, blur=False))
+    for ours, theirs in zip(tiny, paper):
+        assert (ours.crop_scale, ours.flip_p, ours.blur_p) == ((0.4, 1.0), 0.0, 0.0)
+        assert dataclasses.replace(ours, crop_scale=theirs.crop_scale, flip_p=theirs.flip_p, blur_p=theirs.blur_p) == theirs
+    assert PretrainConfig.PRESETS["digits"]["flip"] is False and PretrainConfig.PRESETS["digits"]["blur"] is False
