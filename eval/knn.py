@@ -4,9 +4,12 @@ The community protocol of DINO's eval_knn.py (PROTOCOLS.md §2; not in the paper
 L2-normalised features, cosine similarity, the k most similar training images vote for
 their class with weight exp(sim / T), T = 0.07; top-1 / top-5 for k = 20 and 200.
 
-The search runs in faiss (``IndexFlatIP``, exact) over chunks of the training set, the
-running top-k of each query merged after every chunk, and queries go in batches: a
-memory-mapped 1.28M x 2048 feature file is never loaded whole.
+The search is exact and runs over chunks of the training set, the running top-k of each
+query merged after every chunk, with queries in batches: a memory-mapped 1.28M x 2048
+feature file is never loaded whole. On the CPU it runs in faiss (``IndexFlatIP``); on
+CUDA (faiss-gpu is not on PyPI) as a matrix product + top-k in torch, which
+``--backend torch`` also selects on the CPU (faster than faiss-cpu's bundled BLAS on
+many-core machines: benchmarks/knn.py).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Callable, Literal, Optional
 
 import numpy as np
 import torch
@@ -30,6 +33,40 @@ from eval.report import write_results
 # ----------------------------------------------------------------------------- search and vote
 
 
+BACKENDS = ("auto", "faiss", "torch")
+TORCH_CHUNK_ROWS = 65_536  # bounds the torch backend's similarity block: 4096 queries x 65,536 rows = 1 GiB
+
+
+def _chunk_searcher(chunk: torch.Tensor, k: int, backend: str, device: torch.device) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """queries -> (similarities, indices) of their ``k`` nearest rows of one normalised training chunk, on the CPU."""
+    if backend == "faiss":
+        faiss = require("faiss", "the kNN evaluation")
+        index = faiss.IndexFlatIP(chunk.shape[1])
+        index.add(chunk.cpu().numpy())
+
+        def search(queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            sim, idx = index.search(queries.cpu().numpy(), k)
+            return torch.from_numpy(sim), torch.from_numpy(idx).long()
+
+        return search
+    bank = chunk.to(device)
+
+    def search(queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        sim, idx = (queries.to(device) @ bank.T).topk(k, dim=1)
+        return sim.cpu(), idx.cpu()
+
+    return search
+
+
+def resolve_backend(backend: str, device: str | torch.device) -> str:
+    """``auto`` is torch on CUDA (faiss-gpu is not on PyPI) and faiss elsewhere."""
+    if backend not in BACKENDS:
+        raise ValueError(f"kNN backend {backend!r} is unknown; expected one of {BACKENDS}")
+    if backend == "auto":
+        return "torch" if torch.device(device).type == "cuda" else "faiss"
+    return backend
+
+
 def knn_search(
     train_features: torch.Tensor | np.ndarray,
     test_features: torch.Tensor | np.ndarray,
@@ -37,6 +74,8 @@ def knn_search(
     *,
     query_batch: int = 4096,
     train_chunk: int = 262_144,
+    backend: str = "auto",
+    device: str | torch.device = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosine similarities and indices of each query's ``k`` nearest training rows, most similar first.
 
@@ -44,13 +83,18 @@ def knn_search(
         train_features: [N, F] tensor or (memmapped) array; L2-normalised here, chunk by chunk.
         test_features: [Q, F] queries, normalised likewise.
         k: neighbours per query (at most N).
-        query_batch: queries per faiss search call.
-        train_chunk: training rows per faiss index; bounds memory to train_chunk x F floats.
+        query_batch: queries per search call.
+        train_chunk: training rows searched at a time; bounds memory to train_chunk x F floats
+            (and the torch backend's similarity block to query_batch x train_chunk).
+        backend: "faiss" (exact ``IndexFlatIP`` on the CPU), "torch" (matrix product + top-k on
+            ``device``) or "auto" (torch on CUDA, faiss otherwise). Both are exact; they can
+            order neighbours differently only where similarities tie to float rounding.
+        device: where the torch backend computes.
 
     Returns:
-        ``(similarities [Q, k] float32, indices [Q, k] int64)``.
+        ``(similarities [Q, k] float32, indices [Q, k] int64)``, on the CPU.
     """
-    faiss = require("faiss", "the kNN evaluation")
+    backend = resolve_backend(backend, device)
     n, q = len(train_features), len(test_features)
     if not 0 < k <= n:
         raise ValueError(f"k must be in [1, {n}] (the number of training samples), got {k}")
@@ -58,20 +102,20 @@ def knn_search(
         raise ValueError(f"query_batch and train_chunk must be positive, got {query_batch} and {train_chunk}")
     best_sim = torch.full((q, k), -float("inf"))
     best_idx = torch.zeros((q, k), dtype=torch.int64)
+    if backend == "torch":
+        train_chunk = min(train_chunk, TORCH_CHUNK_ROWS)
     for start in range(0, n, train_chunk):
-        chunk = F.normalize(as_float32(train_features, start, start + train_chunk), dim=1)
-        index = faiss.IndexFlatIP(chunk.shape[1])
-        index.add(chunk.numpy())
-        kk = min(k, len(chunk))
+        chunk = F.normalize(as_float32(train_features, start, start + train_chunk).to(device), dim=1)
+        search = _chunk_searcher(chunk, min(k, len(chunk)), backend, torch.device(device))
         for qs in range(0, q, query_batch):
-            queries = F.normalize(as_float32(test_features, qs, qs + query_batch), dim=1)
-            sim, idx = index.search(queries.numpy(), kk)
-            sims = torch.cat([best_sim[qs : qs + query_batch], torch.from_numpy(sim)], dim=1)
-            idxs = torch.cat([best_idx[qs : qs + query_batch], torch.from_numpy(idx).long() + start], dim=1)
+            queries = F.normalize(as_float32(test_features, qs, qs + query_batch).to(device), dim=1)
+            sim, idx = search(queries)
+            sims = torch.cat([best_sim[qs : qs + query_batch], sim], dim=1)
+            idxs = torch.cat([best_idx[qs : qs + query_batch], idx + start], dim=1)
             top, order = sims.topk(k, dim=1)
             best_sim[qs : qs + query_batch] = top
             best_idx[qs : qs + query_batch] = idxs.gather(1, order)
-        index.reset()
+        del search, chunk
     return best_sim, best_idx
 
 
@@ -110,14 +154,17 @@ def knn_classify(
     num_classes: Optional[int] = None,
     query_batch: int = 4096,
     train_chunk: int = 262_144,
+    backend: str = "auto",
+    device: str | torch.device = "cpu",
 ) -> dict[str, float]:
     """Weighted kNN accuracy: ``{"top1": .., "top5": ..}`` in percent.
 
-    ``num_classes`` defaults to ``max(label) + 1`` over both label sets.
+    ``num_classes`` defaults to ``max(label) + 1`` over both label sets; ``backend`` and
+    ``device`` as :func:`knn_search`.
     """
     if num_classes is None:
         num_classes = int(max(torch.as_tensor(train_labels).max(), torch.as_tensor(test_labels).max())) + 1
-    sims, idx = knn_search(train_features, test_features, k, query_batch=query_batch, train_chunk=train_chunk)
+    sims, idx = knn_search(train_features, test_features, k, query_batch=query_batch, train_chunk=train_chunk, backend=backend, device=device)
     return knn_vote(sims, idx, train_labels, test_labels, k, temperature, num_classes)
 
 
@@ -130,8 +177,9 @@ class KnnConfig(EvalConfig):
 
     k: list[int] = field(default_factory=lambda: [20, 200], metadata={"help": "numbers of neighbours; 'top1'/'top5' in results are those of the first"})
     temperature: float = field(default=0.07, metadata={"help": "T of the vote weights exp(sim / T)"})
-    query_batch: int = field(default=4096, metadata={"help": "queries per faiss search; lower it if memory is short"})
-    train_chunk: int = field(default=262_144, metadata={"help": "training rows per faiss index (memory = train_chunk x feature dim x 4 bytes)"})
+    query_batch: int = field(default=4096, metadata={"help": "queries per search call; lower it if memory is short"})
+    train_chunk: int = field(default=262_144, metadata={"help": "training rows searched at a time (memory = train_chunk x feature dim x 4 bytes)"})
+    backend: Literal["auto", "faiss", "torch"] = field(default="auto", metadata={"help": "faiss (exact IndexFlatIP, CPU) or torch (matrix product + top-k on --device); auto: torch on CUDA, faiss on the CPU"})
     train_split: str = field(default="train", metadata={"help": "split that forms the neighbour bank"})
     test_split: str = field(default="test", metadata={"help": "split that is classified ('test' falls back to val/ in ImageNet layout)"})
 
@@ -164,7 +212,7 @@ def run(config: KnnConfig) -> dict[str, Any]:
         record: dict[str, Any] = {}
         if is_main_process():  # every rank holds all features; one searches
             k_max = min(max(config.k), len(train_y))
-            sims, idx = knn_search(train_x, test_x, k_max, query_batch=config.query_batch, train_chunk=config.train_chunk)
+            sims, idx = knn_search(train_x, test_x, k_max, query_batch=config.query_batch, train_chunk=config.train_chunk, backend=config.backend, device=device)
             metrics: dict[str, float] = {}
             for k in config.k:
                 result = knn_vote(sims, idx, train_y, test_y, min(k, k_max), config.temperature, num_classes)
@@ -182,6 +230,7 @@ def run(config: KnnConfig) -> dict[str, Any]:
                 dataset_fingerprint=hashlib.sha256(f"{train_fp}:{test_fp}".encode()).hexdigest(),
                 seed=config.seed,
                 wall_time_s=time.time() - start,
-                notes={"neighbours_used": {str(k): min(k, k_max) for k in config.k}, "train_size": len(train_y), "test_size": len(test_y)},
+                notes={"neighbours_used": {str(k): min(k, k_max) for k in config.k}, "train_size": len(train_y), "test_size": len(test_y),
+                       "backend": resolve_backend(config.backend, device)},
             )
         return record

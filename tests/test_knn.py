@@ -1,4 +1,4 @@
-"""eval.knn: faiss search and DINO's weighted vote against brute force; the CLI end to end."""
+"""eval.knn: faiss and torch search and DINO's weighted vote against brute force; the CLI end to end."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from bt_hub import cli
 from bt_hub.model import build_backbone
-from eval.knn import knn_classify, knn_search, knn_vote
+from eval.knn import knn_classify, knn_search, knn_vote, resolve_backend
 
 torch.set_num_threads(2)
 
@@ -38,9 +38,10 @@ def _random_problem(n=300, q=80, dim=16, classes=7, seed=0):
     return train_x, train_y, test_x, test_y
 
 
-def test_faiss_search_in_train_chunks_equals_brute_force_neighbours():
+@pytest.mark.parametrize("backend", ["faiss", "torch"])
+def test_search_in_train_chunks_equals_brute_force_neighbours(backend):
     train_x, _, test_x, _ = _random_problem()
-    sims, idx = knn_search(train_x, test_x, 20, query_batch=17, train_chunk=64)
+    sims, idx = knn_search(train_x, test_x, 20, query_batch=17, train_chunk=64, backend=backend)
     ref_sim, ref_idx = (F.normalize(test_x, dim=1) @ F.normalize(train_x, dim=1).T).topk(20, dim=1)
     assert torch.equal(idx, ref_idx)  # random continuous features: no ties
     torch.testing.assert_close(sims, ref_sim, atol=1e-5, rtol=1e-5)
@@ -87,6 +88,12 @@ def test_k_larger_than_the_training_set_is_rejected():
         knn_search(torch.randn(5, 3), torch.randn(2, 3), 6)
 
 
+def test_auto_backend_is_faiss_on_the_cpu_and_torch_on_cuda_and_unknown_ones_are_refused():
+    assert (resolve_backend("auto", "cpu"), resolve_backend("auto", "cuda:0"), resolve_backend("torch", "cpu")) == ("faiss", "torch", "torch")
+    with pytest.raises(ValueError, match="kNN backend 'annoy' is unknown"):
+        knn_search(torch.randn(5, 3), torch.randn(2, 3), 2, backend="annoy")
+
+
 def test_cli_knn_end_to_end_writes_results_json(tmp_path):
     weights = tmp_path / "resnet18.pth"
     torch.manual_seed(0)
@@ -101,6 +108,7 @@ def test_cli_knn_end_to_end_writes_results_json(tmp_path):
     assert result["metrics"]["top1"] == result["metrics"]["top1_k5"]
     assert result["metrics"]["top1"] > 30.0  # 10 classes: random features of a random network still beat chance (10%)
     assert len(result["weights_sha256"]) == 64 and len(result["dataset_fingerprint"]) == 64
+    assert result["notes"]["backend"] == "faiss"
     assert "ours: knn" in (out / "results.md").read_text()
     assert len(list((tmp_path / "cache").glob("*.meta.json"))) == 2  # train and test features cached
 
