@@ -11,7 +11,7 @@ Mean AP x 100 is reported as VISSL's all-point AP (``mAP``) and as the VOC07 11-
 AP (``mAP_11point``).
 
 Targets use VISSL's coding per image and class: 1 present, 0 absent, -1 only difficult
-instances. The (class, cost) cross-validations and the per-class refits run in parallel
+instances. The (class, cost, fold) cross-validation fits and the per-class refits run in parallel
 worker processes (joblib; liblinear's random generator is process-global, so threads
 would race); its coordinate descent is seeded, so the result equals a sequential run.
 The module imports torch only inside the functions that need it, so that the workers,
@@ -208,25 +208,30 @@ def _train_targets(targets: np.ndarray, cls: int) -> np.ndarray:
     return np.where(targets[:, cls] == 1, 1, -1)
 
 
-def _cv_ap(features: np.ndarray, targets: np.ndarray, cls: int, cost: float, folds: int, max_iter: int, seed: int) -> float:
+def _fitted_svm(features: np.ndarray, y: np.ndarray, cost: float, max_iter: int, seed: int) -> Any:
+    """The protocol's LinearSVC fitted on (features, y), liblinear's convergence warnings silenced."""
     import warnings
 
     from sklearn.exceptions import ConvergenceWarning
-    from sklearn.model_selection import cross_val_score
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
-        return float(cross_val_score(_svm(cost, max_iter, seed), features, _train_targets(targets, cls), cv=folds, scoring="average_precision").mean())
+        return _svm(cost, max_iter, seed).fit(features, y)
+
+
+def _fold_ap(features: np.ndarray, targets: np.ndarray, cls: int, cost: float, fold: int, folds: int, max_iter: int, seed: int) -> float:
+    """Average precision on one cross-validation fold: the folds of scikit-learn's ``cv=folds`` (stratified, unshuffled)."""
+    from sklearn.metrics import get_scorer
+    from sklearn.model_selection import StratifiedKFold
+
+    y = _train_targets(targets, cls)
+    train, test = list(StratifiedKFold(folds).split(features, y))[fold]
+    svm = _fitted_svm(features[train], y[train], cost, max_iter, seed)
+    return float(get_scorer("average_precision")(svm, features[test], y[test]))
 
 
 def _fit(features: np.ndarray, targets: np.ndarray, cls: int, cost: float, max_iter: int, seed: int) -> tuple[np.ndarray, float]:
-    import warnings
-
-    from sklearn.exceptions import ConvergenceWarning
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ConvergenceWarning)
-        svm = _svm(cost, max_iter, seed).fit(features, _train_targets(targets, cls))
+    svm = _fitted_svm(features, _train_targets(targets, cls), cost, max_iter, seed)
     return svm.coef_[0].copy(), float(svm.intercept_[0])
 
 
@@ -261,13 +266,15 @@ def svm_grid(
         positives = int((targets[:, cls] == 1).sum())
         if positives < folds:
             raise ValueError(f"class {cls} has {positives} positive training images; {folds}-fold cross-validation needs at least {folds}")
-    # the largest costs (the slowest fits) go first so that no worker is left with one at the end
-    grid = sorted(((cls, j) for cls in range(num_classes) for j in range(len(costs))), key=lambda cj: -costs[cj[1]])
+    # one job per (class, cost, fold), the largest costs (the slowest fits) first, so that
+    # no worker is left alone with a long fit at the end
+    grid = sorted(((cls, j, fold) for cls in range(num_classes) for j in range(len(costs)) for fold in range(folds)), key=lambda job: -costs[job[1]])
     parallel = Parallel(n_jobs=n_jobs, batch_size=1)
-    scores = parallel(delayed(_cv_ap)(features, targets, cls, costs[j], folds, max_iter, seed) for cls, j in grid)
-    cv_ap = np.zeros((num_classes, len(costs)))
-    for (cls, j), score in zip(grid, scores):
-        cv_ap[cls, j] = score
+    scores = parallel(delayed(_fold_ap)(features, targets, cls, costs[j], fold, folds, max_iter, seed) for cls, j, fold in grid)
+    fold_ap = np.zeros((num_classes, len(costs), folds))
+    for (cls, j, fold), score in zip(grid, scores):
+        fold_ap[cls, j, fold] = score
+    cv_ap = fold_ap.mean(axis=2)
     best = [float(costs[int(np.argmax(row))]) for row in cv_ap]  # argmax: the smallest cost on ties
     fits = parallel(delayed(_fit)(features, targets, cls, best[cls], max_iter, seed) for cls in range(num_classes))
     weights = np.stack([w for w, _ in fits])
