@@ -24,7 +24,7 @@ import torch
 from bt_hub.checkpoint import load_backbone
 from bt_hub.data import build_dataset
 from bt_hub.model import build_backbone
-from eval.features import _Transformed, eval_transform, extract_features, train_transform
+from eval.features import TransformedDataset, eval_transform, extract_features, train_transform
 from eval.linear import FrozenBackboneClassifier, evaluate_features, evaluate_loader, make_classifier, make_loader, train_classifier, train_on_features
 
 HYPER = {"lr": 0.3, "weight_decay": 1e-6, "momentum": 0.9, "schedule": "cosine", "milestones": []}
@@ -46,14 +46,14 @@ def main() -> None:
     test_set = build_dataset("digits", "test", image_size=None, seed=args.seed)
     test_tf = eval_transform(args.image_size)
 
-    test_loader = make_loader(_Transformed(test_set, test_tf), 256, shuffle=False, seed=args.seed, num_workers=0, device=torch.device("cpu"))
+    test_loader = make_loader(TransformedDataset(test_set, test_tf), 256, shuffle=False, seed=args.seed, num_workers=0, device=torch.device("cpu"))
 
     def loop(train_tf: Callable[[Any], torch.Tensor], desc: str) -> tuple[float, float]:
         """The full loop with ``train_tf`` on the training images: (seconds per epoch, test top-1)."""
         torch.manual_seed(args.seed)
         fc = make_classifier(backbone.feature_dim, 10)
         model = FrozenBackboneClassifier(backbone, fc)
-        loader = make_loader(_Transformed(train_set, train_tf), args.batch_size, shuffle=True, seed=args.seed, num_workers=0, device=torch.device("cpu"))
+        loader = make_loader(TransformedDataset(train_set, train_tf), args.batch_size, shuffle=True, seed=args.seed, num_workers=0, device=torch.device("cpu"))
         tick = time.perf_counter()
         train_classifier(model, [{"params": list(fc.parameters()), "lr": HYPER["lr"]}], loader, epochs=args.epochs, gamma=1.0, device=torch.device("cpu"), desc=desc,
                          **{k: v for k, v in HYPER.items() if k != "lr"})

@@ -36,7 +36,7 @@ from bt_hub.label_subsets import balanced_subset_indices
 from bt_hub.model import build_backbone
 from bt_hub.pretrain import PretrainConfig, pretrain
 from bt_hub.runs import atomic_write, atomic_write_json, atomic_write_text, package_version
-from eval.features import IMAGENET_MEAN, IMAGENET_STD, _Transformed, eval_transform, extract_features
+from eval.features import IMAGENET_MEAN, IMAGENET_STD, TransformedDataset, eval_transform, extract_features
 from eval.knn import knn_classify
 from eval.linear import PRESET_VALUES, evaluate_features, train_on_features
 from eval.semi_supervised import PAPER, finetune
@@ -143,8 +143,8 @@ def _finetune_on_subsets(backbone: nn.Module, train_set: Any, test_set: Any, con
         epochs = config.semi_epochs * max(FRACTIONS) // pct
         result = finetune(
             copy.deepcopy(backbone), 10,
-            Subset(_Transformed(train_set, _finetune_transform(config)), idx),
-            _Transformed(test_set, eval_transform(config.image_size)),
+            Subset(TransformedDataset(train_set, _finetune_transform(config)), idx),
+            TransformedDataset(test_set, eval_transform(config.image_size)),
             epochs=epochs, batch_size=config.semi_batch_size, seed=config.seed, device=config.device,
             desc=f"{name}, {pct}% labels", milestones=[], **recipe,
         )

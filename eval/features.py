@@ -70,7 +70,7 @@ def train_transform(image_size: int = 224) -> transforms.Compose:
     ])
 
 
-class _Transformed(Dataset):
+class TransformedDataset(Dataset):
     """``(transform(image), label)`` for every item of a dataset of ``(image, label)``."""
 
     def __init__(self, dataset: Dataset, transform: Callable[[Any], torch.Tensor]) -> None:
@@ -222,7 +222,7 @@ def iter_feature_batches(
     device = torch.device(device)
     n, world = len(dataset), get_world_size()
     loader = DataLoader(
-        _Transformed(dataset, transform),
+        TransformedDataset(dataset, transform),
         batch_sampler=_global_batches(n, batch_size, world, get_rank()),
         num_workers=num_workers,
         pin_memory=device.type == "cuda",

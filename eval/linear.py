@@ -35,7 +35,7 @@ from bt_hub.data import build_dataset
 from bt_hub.distributed import all_reduce_sum, get_world_size, is_distributed, is_main_process, process_group
 from bt_hub.runs import RunDir
 from eval.config import EvalConfig
-from eval.features import _Transformed, dataset_fingerprint, eval_transform, features_for, load_eval_backbone, train_transform
+from eval.features import TransformedDataset, dataset_fingerprint, eval_transform, features_for, load_eval_backbone, train_transform
 from eval.report import write_results
 
 # ----------------------------------------------------------------------------- schedule, classifier, metrics
@@ -366,9 +366,9 @@ def _run(config: LinearConfig, device: torch.device, protocol: str) -> dict[str,
         model: nn.Module = FrozenBackboneClassifier(backbone, fc).to(device)
         if is_distributed():
             model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-        train_loader = make_loader(_Transformed(train_set, train_transform(config.image_size)), config.batch_size, shuffle=True,
+        train_loader = make_loader(TransformedDataset(train_set, train_transform(config.image_size)), config.batch_size, shuffle=True,
                                    seed=config.seed, num_workers=config.num_workers, device=device)
-        test_loader = make_loader(_Transformed(test_set, eval_transform(config.image_size)), config.batch_size, shuffle=False,
+        test_loader = make_loader(TransformedDataset(test_set, eval_transform(config.image_size)), config.batch_size, shuffle=False,
                                   seed=config.seed, num_workers=config.num_workers, device=device)
         train_classifier(model, [{"params": list(fc.parameters()), "lr": config.lr}], train_loader, device=device, desc=f"linear ({config.preset})",
                          epochs=config.epochs, momentum=config.momentum, weight_decay=config.weight_decay, schedule=config.schedule,

@@ -26,7 +26,7 @@ from torch.utils.data import Dataset, Subset
 from bt_hub.distributed import convert_sync_batchnorm, is_distributed, is_main_process, process_group
 from bt_hub.label_subsets import read_subset_file, subset_indices
 from eval.config import EvalConfig
-from eval.features import _Transformed, dataset_fingerprint, eval_transform, load_eval_backbone, train_transform
+from eval.features import TransformedDataset, dataset_fingerprint, eval_transform, load_eval_backbone, train_transform
 from eval.linear import combined_fingerprint, evaluate_loader, load_splits, make_classifier, make_loader, train_classifier
 from eval.report import write_results
 
@@ -143,8 +143,8 @@ def _run(config: SemiSupervisedConfig, device: torch.device) -> dict[str, Any]:
         subset = {"subset": f"seeded class-balanced {config.fraction}% (seed {config.seed})"}
     metrics = finetune(
         backbone, len(train_set.classes),
-        Subset(_Transformed(train_set, train_transform(config.image_size)), indices),
-        _Transformed(test_set, eval_transform(config.image_size)),
+        Subset(TransformedDataset(train_set, train_transform(config.image_size)), indices),
+        TransformedDataset(test_set, eval_transform(config.image_size)),
         lr_backbone=config.lr_backbone, lr_classifier=config.lr_classifier, epochs=config.epochs, batch_size=config.batch_size,
         schedule=config.schedule, milestones=config.milestones, gamma=config.gamma, weight_decay=config.weight_decay,
         momentum=config.momentum, seed=config.seed, num_workers=config.num_workers, device=device,
