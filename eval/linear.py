@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from tqdm import tqdm
 
 from bt_hub.data import build_dataset
-from bt_hub.distributed import all_reduce_sum, get_world_size, is_distributed, is_main_process, process_group
+from bt_hub.distributed import all_reduce_sum, get_rank, get_world_size, is_distributed, is_main_process, process_group
 from bt_hub.runs import RunDir
 from eval.config import EvalConfig
 from eval.features import TransformedDataset, dataset_fingerprint, eval_transform, features_for, load_eval_backbone, train_transform
@@ -74,6 +74,11 @@ def topk_correct(logits: torch.Tensor, targets: torch.Tensor, ks: Sequence[int] 
     top = logits.topk(kmax, dim=1).indices
     hits = top == targets.view(-1, 1)
     return [int(hits[:, : min(k, kmax)].any(dim=1).sum()) for k in ks]
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The training order of ``epoch``: ``randperm(n)`` seeded by ``seed + epoch``, as DistributedSampler."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
 
 
 def set_epoch_lr(optimizer: torch.optim.Optimizer, base_lrs: Sequence[float], factor: float) -> None:
@@ -118,7 +123,8 @@ def train_on_features(
         num_classes: classifier outputs.
         epochs, batch_size, lr, weight_decay, momentum, schedule, milestones, gamma: as the
             full loop (SGD, LR set per epoch by :func:`lr_factor`).
-        seed: seeds the classifier init and the per-epoch shuffling.
+        seed: seeds the classifier init and the per-epoch shuffling, which is the full loop's
+            (:func:`make_loader`): on the same inputs both train the same classifier.
         progress: show a progress bar (on a TTY, main process only).
         device: where the classifier trains; default the features' device (CPU for arrays).
 
@@ -128,7 +134,6 @@ def train_on_features(
     if device is None:
         device = features.device if isinstance(features, torch.Tensor) else torch.device("cpu")
     device = torch.device(device)
-    generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     fc = make_classifier(features.shape[1], num_classes).to(device)
     optimizer = torch.optim.SGD(fc.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
@@ -136,7 +141,7 @@ def train_on_features(
     n = len(y)
     for epoch in tqdm(range(epochs), desc="linear (cached)", unit="epoch", disable=not (progress and is_main_process()) or None):
         set_epoch_lr(optimizer, [lr], lr_factor(epoch, epochs, schedule, milestones, gamma))
-        order = torch.randperm(n, generator=generator)
+        order = epoch_permutation(n, seed, epoch)
         for start in range(0, n, batch_size):
             idx = order[start : start + batch_size]
             if not isinstance(features, torch.Tensor):
@@ -184,18 +189,15 @@ class FrozenBackboneClassifier(nn.Module):
 
 
 def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool, seed: int, num_workers: int, device: torch.device) -> DataLoader:
-    """A loader of ``batch_size`` images in all: under torchrun a DistributedSampler splits it over ranks."""
+    """A loader of ``batch_size`` images in all, split over the ranks under torchrun.
+
+    The order of an epoch is :func:`epoch_permutation` (DistributedSampler's rule, also in a
+    single process; :func:`train_classifier` sets the epoch), so a loop over images and
+    :func:`train_on_features` over their cached features see the same batches.
+    """
     world = get_world_size()
-    sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=False) if is_distributed() else None
-    return DataLoader(
-        dataset,
-        batch_size=max(1, batch_size // world),
-        shuffle=shuffle and sampler is None,
-        sampler=sampler,
-        num_workers=num_workers,
-        pin_memory=device.type == "cuda",
-        generator=torch.Generator().manual_seed(seed),
-    )
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=get_rank(), shuffle=shuffle, seed=seed, drop_last=False)
+    return DataLoader(dataset, batch_size=max(1, batch_size // world), sampler=sampler, num_workers=num_workers, pin_memory=device.type == "cuda")
 
 
 @torch.no_grad()

@@ -20,7 +20,9 @@ from eval.linear import (
     evaluate_features,
     lr_factor,
     make_classifier,
+    make_loader,
     topk_correct,
+    train_classifier,
     train_on_features,
 )
 
@@ -87,6 +89,24 @@ def test_memmapped_features_train_the_same_classifier_as_a_tensor(tmp_path):
     b = train_on_features(np.load(path, mmap_mode="r"), y, 5, epochs=3, batch_size=32, seed=2, progress=False)
     assert torch.allclose(a.weight, b.weight, atol=1e-6)
     assert evaluate_features(b, np.load(path, mmap_mode="r"), y) == evaluate_features(a, x, y)
+
+
+def test_cached_probe_trains_the_same_classifier_as_the_loop_over_the_same_inputs():
+    images, labels = _separable(13, 4, 3 * 4 * 4, seed=3)
+    backbone = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                   torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()).eval()
+    data = torch.utils.data.TensorDataset(images.view(-1, 3, 4, 4), labels)
+    hyper = {"momentum": 0.9, "weight_decay": 1e-4, "schedule": "cosine", "milestones": [], "gamma": 1.0}
+    torch.manual_seed(5)
+    fc = make_classifier(8, 4)
+    loader = make_loader(data, 16, shuffle=True, seed=5, num_workers=0, device=torch.device("cpu"))
+    train_classifier(FrozenBackboneClassifier(backbone, fc), [{"params": list(fc.parameters()), "lr": 0.3}], loader, epochs=3,
+                     device=torch.device("cpu"), desc="loop", **hyper)
+    with torch.no_grad():
+        features = backbone(data.tensors[0])
+    cached = train_on_features(features, labels, 4, epochs=3, batch_size=16, lr=0.3, seed=5, progress=False, **hyper)
+    torch.testing.assert_close(cached.weight, fc.weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cached.bias, fc.bias, rtol=1e-5, atol=1e-6)
 
 
 def test_frozen_backbone_keeps_weights_and_bn_statistics_while_the_classifier_learns():
