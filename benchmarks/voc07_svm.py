@@ -50,7 +50,7 @@ def main() -> None:
 
     train_x, train_y = make_features(args.train, args.dim, args.classes, args.seed)
     test_x, test_y = make_features(args.test, args.dim, args.classes, args.seed + 1)
-    print(f"trainval {args.train}, test {args.test}, dim {args.dim}, {args.classes} classes, {len(args.costs)} costs -> {args.classes * len(args.costs)} (class, cost) CV jobs")
+    print(f"trainval {args.train}, test {args.test}, dim {args.dim}, {args.classes} classes, {len(args.costs)} costs -> {args.classes * len(args.costs) * 3} (class, cost, fold) CV jobs")
 
     from joblib import Parallel, delayed
 
