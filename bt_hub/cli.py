@@ -35,7 +35,7 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
     "eval": {
         "linear": Command("eval.linear", "LinearConfig", "run", "linear probe on a frozen backbone (ImageNet protocol)"),
         "semi": Command("eval.semi_supervised", "SemiSupervisedConfig", "run", "fine-tune on 1% or 10% of the labels"),
-        "knn": Command("eval.knn", "KnnConfig", "run", "weighted kNN on L2-normalised features (faiss)"),
+        "knn": Command("eval.knn", "KnnConfig", "run", "weighted kNN on L2-normalised features (faiss on the CPU, torch on CUDA)"),
         "voc07-svm": Command("eval.voc07_svm", "Voc07SvmConfig", "run", "per-class linear SVMs on VOC2007 (VISSL protocol)"),
         "transfer": Command("eval.linear", "TransferConfig", "run_transfer", "linear transfer to Places-205 / iNat18 (PIRL settings)"),
         "all": Command("eval.suite", "SuiteConfig", "run", "every classification protocol on one checkpoint"),
