@@ -167,19 +167,23 @@ def apply_view_pil(img: Image.Image, p: dict[str, torch.Tensor], size: int, view
     return normalize(F.pil_to_tensor(out).float().div_(255))
 
 
-class TwoViewTransform:
-    """PIL image -> (view A, view B), float 3 x size x size, normalised.
-
-    Args:
-        size: output resolution (224 for ImageNet, 32 for CIFAR-sized data).
-        views: the two views' parameters, ``(VIEW_A, VIEW_B)`` by default.
-    """
+class _TwoViews:
+    """The output side and the two views' parameters, shared by the PIL and the batched paths."""
 
     def __init__(self, size: int = 224, views: tuple[ViewParams, ViewParams] = (VIEW_A, VIEW_B)) -> None:
         if size <= 0:
             raise ValueError(f"size must be positive, got {size}")
         self.size = size
         self.views = views
+
+
+class TwoViewTransform(_TwoViews):
+    """PIL image -> (view A, view B), float 3 x size x size, normalised.
+
+    Args:
+        size: output resolution (224 for ImageNet, 32 for CIFAR-sized data).
+        views: the two views' parameters, ``(VIEW_A, VIEW_B)`` by default.
+    """
 
     def sample(self, height: int, width: int, generator: torch.Generator | None = None) -> tuple[dict, dict]:
         """Both views' parameters for one image of height x width (what ``__call__`` draws)."""
@@ -294,19 +298,13 @@ def to_float_rgb(images: torch.Tensor) -> torch.Tensor:
     return x.expand(-1, 3, -1, -1).contiguous() if x.shape[1] == 1 else x.contiguous()
 
 
-class BatchedTwoViews:
+class BatchedTwoViews(_TwoViews):
     """Batch of images on any device -> (views A, views B), per-image random parameters.
 
     Args:
         size: output resolution.
         views: the two views' parameters, ``(VIEW_A, VIEW_B)`` by default.
     """
-
-    def __init__(self, size: int = 224, views: tuple[ViewParams, ViewParams] = (VIEW_A, VIEW_B)) -> None:
-        if size <= 0:
-            raise ValueError(f"size must be positive, got {size}")
-        self.size = size
-        self.views = views
 
     def sample(self, batch_size: int, height: int, width: int, generator: torch.Generator | None = None) -> tuple[dict, dict]:
         """Both views' parameters for a batch (what ``__call__`` draws)."""
