@@ -212,7 +212,8 @@ def run(config: KnnConfig) -> dict[str, Any]:
         record: dict[str, Any] = {}
         if is_main_process():  # every rank holds all features; one searches
             k_max = min(max(config.k), len(train_y))
-            sims, idx = knn_search(train_x, test_x, k_max, query_batch=config.query_batch, train_chunk=config.train_chunk, backend=config.backend, device=device)
+            backend = resolve_backend(config.backend, device)
+            sims, idx = knn_search(train_x, test_x, k_max, query_batch=config.query_batch, train_chunk=config.train_chunk, backend=backend, device=device)
             metrics: dict[str, float] = {}
             for k in config.k:
                 result = knn_vote(sims, idx, train_y, test_y, min(k, k_max), config.temperature, num_classes)
@@ -231,6 +232,6 @@ def run(config: KnnConfig) -> dict[str, Any]:
                 seed=config.seed,
                 wall_time_s=time.time() - start,
                 notes={"neighbours_used": {str(k): min(k, k_max) for k in config.k}, "train_size": len(train_y), "test_size": len(test_y),
-                       "backend": resolve_backend(config.backend, device)},
+                       "backend": backend},
             )
         return record
