@@ -4,10 +4,10 @@ Every protocol ends with ``write_results``. It writes ``<out>/results.json`` (wh
 run, on which weights and data, with which hyper-parameters, and the metrics), appends
 the same record as one line to ``<out>/results.jsonl`` and rewrites ``<out>/results.md``
 from that history: one table per protocol family (linear, semi-supervised, transfer,
-kNN), with the paper's Barlow Twins row (PROTOCOLS.md §4) above ours for reference.
+kNN), with the paper's Barlow Twins row (docs/protocols.md §4) above ours for reference.
 
 ``metrics`` is a flat dict of floats named as in the paper, in percent: ``top1``,
-``top5``, ``mAP``, ``mAP_11point``, ... (the model card of bt_hub.hub reads them).
+``top5``, ``mAP``, ``mAP_11point``, ... (the model card of bt_hub.weights.card reads them).
 """
 
 from __future__ import annotations
