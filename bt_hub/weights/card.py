@@ -145,7 +145,7 @@ def model_card(config: Mapping[str, Any], results: list[dict[str, Any]], *, name
     )
     arch = config.get("architecture", "resnet50")
     resize, crop = preprocessing(config)
-    stem = "a 3x3 stride-1 stem without max-pool (bt_hub's small-image stem)" if small else "torchvision's 7x7 stem"
+    stem = "bt_hub's small-image stem (3x3 stride-1 convolution, no max-pool)" if small else "torchvision's 7x7 stem"
     recipe = {k: config[k] for k in ("dataset", "epochs", "projector", "lambd", "image_size") if k in config}
     recipe.update(config.get("recipe") or {})
     recipe_rows = "\n".join(f"| {k} | {v} |" for k, v in recipe.items()) or "| (not recorded) | |"
@@ -155,7 +155,7 @@ def model_card(config: Mapping[str, Any], results: list[dict[str, Any]], *, name
 
 # {name or f"Barlow Twins {arch}"}
 
-A {arch} backbone ({stem}) pretrained with Barlow Twins (Zbontar, Jing, Misra, LeCun, Deny: *Barlow Twins:
+A {arch} backbone with {stem}, pretrained with Barlow Twins (Zbontar, Jing, Misra, LeCun, Deny: *Barlow Twins:
 Self-Supervised Learning via Redundancy Reduction*, ICML 2021, https://arxiv.org/abs/2103.03230).
 torchvision parameter names, `fc = Identity`: the output is a {config.get('feature_dim', 2048)}-d feature vector, not class scores.
 
