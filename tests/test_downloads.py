@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from loopback import LoopbackFiles
 
 from bt_hub.model import build_backbone
 from bt_hub.weights import DownloadError, cache_path, download, load_backbone
-from loopback import LoopbackFiles
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(2)
@@ -106,14 +106,21 @@ def test_truncated_body_is_never_cached_and_the_attempt_is_retried(torch_home, w
     assert not cache_path(url).exists() and _leftovers(torch_home) == []
 
 
-def test_a_failed_attempt_is_retried_and_then_cached(torch_home, weights_a_b):
-    (data_a, state_a), _ = weights_a_b
+def test_a_failed_attempt_is_retried_and_then_cached_and_a_killed_downloads_leftovers_are_removed(torch_home, weights_a_b):
+    (data_a, _), _ = weights_a_b
     server = LoopbackFiles({"/busy/resnet18.pth": ("flaky", data_a)})
+    url = f"{server.url}/busy/resnet18.pth"
+    killed, live = cache_path(url).parent / ".partial-killed", cache_path(url).parent / ".partial-live"
+    for staging in (killed, live):
+        staging.mkdir(parents=True)
+        (staging / "resnet18.pth").write_bytes(b"half a file")
+    os.utime(killed / "resnet18.pth", (time.time() - 7200, time.time() - 7200))
     try:
-        path = download(f"{server.url}/busy/resnet18.pth", progress=False, retries=1)
+        path = download(url, progress=False, retries=1)
     finally:
         server.stop()
     assert server.hits["/busy/resnet18.pth"] == 2 and path.read_bytes() == data_a
+    assert not killed.exists() and live.exists()  # a download running elsewhere keeps its folder
 
 
 def test_server_that_never_answers_is_bounded_by_the_timeout(torch_home, monkeypatch):

@@ -98,7 +98,7 @@ def test_unknown_names_list_the_registered_ones_and_missing_paths_are_no_hub_err
 
 def test_a_local_folder_wins_over_a_hub_id_of_the_same_spelling(tmp_path, monkeypatch):
     torch.manual_seed(0)
-    folder = save_pretrained(build_backbone("resnet18"), tmp_path / "org" / "name")
+    save_pretrained(build_backbone("resnet18"), tmp_path / "org" / "name")
     monkeypatch.chdir(tmp_path)
     assert resolve("org/name").path == Path("org/name/model.safetensors")
 

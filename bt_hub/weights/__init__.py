@@ -28,5 +28,5 @@ __all__ = [
     "ExportConfig", "PushConfig", "ResolvedWeights", "Weights", "barlow_twins", "cache_path", "download", "eval_transforms",
     "export", "from_pretrained", "get_weights", "list_weights", "load_backbone", "push", "push_to_hub",
     "read_backbone_state_dict", "read_projector_state_dict", "resolve", "save_detectron2", "save_hf_folder",
-    "save_pretrained", "save_safetensors", "save_torchvision", "to_detectron2", "transforms_for", "weights_fingerprint",
+    "resnet50", "save_pretrained", "save_safetensors", "save_torchvision", "to_detectron2", "transforms_for", "weights_fingerprint",
 ]

@@ -9,7 +9,9 @@ sha256 matches the expected one (a registered sha256, or the hash prefix in a
 expected hash are hashed again on every load. Connecting and every wait for data are bounded
 by ``timeout`` seconds (``BT_HUB_DOWNLOAD_TIMEOUT``, default 30) and failed attempts are retried
 a bounded number of times (``BT_HUB_DOWNLOAD_RETRIES``, default 2). Every failure names the
-URL, the cache path and what to do.
+URL, the cache path and what to do, and leaves nothing behind; the staging folder of a
+download killed mid-way is removed by the next download of that URL once it has been idle
+for an hour.
 
 Hub files go through huggingface_hub's own cache (``HF_HOME``, ``HF_ENDPOINT``,
 ``HF_HUB_OFFLINE=1``, ``HF_HUB_DOWNLOAD_TIMEOUT``); its errors are turned into one sentence
@@ -141,6 +143,7 @@ def download(
     seconds = _setting(TIMEOUT_ENV, timeout, DEFAULT_TIMEOUT_S)
     attempts = 1 + int(_setting(RETRIES_ENV, retries, DEFAULT_RETRIES))
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(target.parent)
     reason = ""
     for attempt in range(attempts):
         if attempt:
@@ -158,6 +161,14 @@ def download(
             shutil.rmtree(staging, ignore_errors=True)
     tries = f"{attempts} attempts" if attempts > 1 else "1 attempt"
     raise DownloadError(f"download of {url} failed after {tries} ({reason}); {_fixes(url, target)}")
+
+
+def _remove_stale_staging(folder: Path, idle_s: float = 3600.0) -> None:
+    """Delete staging folders of downloads killed mid-way (nothing written for an hour; a live one writes every few seconds)."""
+    for staging in folder.glob(".partial-*"):
+        newest = max((p.stat().st_mtime for p in staging.rglob("*")), default=staging.stat().st_mtime)
+        if time.time() - newest > idle_s:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def _fetch(url: str, partial: Path, timeout: float, progress: bool) -> None:

@@ -212,7 +212,7 @@ class ExportConfig:
 
 def _refuse_existing(path: Path, force: bool) -> None:
     if path.is_dir():
-        raise FileExistsError(f"--out {path} is a folder; --format {'hf'} writes folders, the other formats a file")
+        raise FileExistsError(f"--out {path} is a folder; only --format hf writes folders, the other formats write a file")
     if path.exists() and not force:
         raise FileExistsError(f"{path} already exists; pass --force to replace it")
 

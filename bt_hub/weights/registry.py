@@ -12,9 +12,9 @@ exposes it as torchvision's ``WeightsEnum`` does: ``.url``, ``.transforms()``, `
 from __future__ import annotations
 
 import enum
-from pathlib import Path
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
