@@ -108,10 +108,11 @@ _SAFE_GLOBAL_PREFIXES = ("torch.", "collections.OrderedDict", "builtins.set", "b
 def read_file(path: Path) -> Any:
     """The object stored in a weights file, read without executing any code.
 
+    A file that fails to load is then explained: not a checkpoint at all (HTML, text,
+    unrecognised bytes), pickled code (refused, never run), or damaged.
+
     Raises:
-        CheckpointError: the file is missing, empty, truncated, not a checkpoint at all
-            (HTML, text, unrecognised bytes), or holds pickled objects other than tensors,
-            arrays and plain containers (code is refused, never run).
+        CheckpointError: one sentence naming the file and which of these it is.
     """
     if not path.is_file():
         raise CheckpointError(f"weights file {path} does not exist")
@@ -120,28 +121,39 @@ def read_file(path: Path) -> Any:
     if not head:
         raise CheckpointError(f"weights file {path} is empty")
     if path.suffix == ".safetensors" or _looks_like_safetensors(head):
-        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        try:
-            return load_file(str(path))
-        except (SafetensorError, OSError, ValueError) as err:
-            raise CheckpointError(f"weights file {path} is not a readable safetensors file, perhaps truncated ({err})") from err
-    looks = _not_a_checkpoint(head)
-    if looks:
-        raise CheckpointError(f"weights file {path} is not a torch checkpoint ({looks})")
-    if path.suffix == ".pkl" and not zipfile.is_zipfile(path):
-        return _read_pickle(path)
+        kind, load = "safetensors file", lambda: load_file(str(path))
+    elif path.suffix == ".pkl" and not zipfile.is_zipfile(path):
+        kind, load = "pickle", lambda: _unpickle(path)
+    else:
+        kind, load = "torch file", lambda: torch.load(path, map_location="cpu", weights_only=True)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError, zipfile.BadZipFile) as err:
-        code = re.search(r"GLOBAL ([\w.]+)", str(err))
-        unsafe = [g for g in ([] if code or zipfile.is_zipfile(path) else _pickled_globals(path)) if not g.startswith(_SAFE_GLOBAL_PREFIXES)]
-        if code or unsafe:
-            raise _code_refused(path, code.group(1) if code else unsafe[0]) from None
-        raise CheckpointError(f"weights file {path} is not a readable torch file, perhaps truncated ({_first_line(err)})") from None
+            return load()
+    except Exception as err:  # torch, pickle and safetensors raise many unrelated types for a bad file
+        raise _explain(path, head, kind, err) from None
+
+
+def _unpickle(path: Path) -> Any:
+    with open(path, "rb") as f:
+        return _RestrictedUnpickler(f, encoding="latin1").load()
+
+
+def _explain(path: Path, head: bytes, kind: str, err: Exception) -> CheckpointError:
+    """Why ``path`` did not load: not a checkpoint, pickled code, or damaged."""
+    looks = _not_a_checkpoint(head) if kind != "safetensors file" or head.lstrip().startswith(b"<") else None
+    if looks:
+        return CheckpointError(f"weights file {path} is not a {'safetensors file' if kind == 'safetensors file' else 'torch checkpoint'} ({looks})")
+    code = re.search(r"GLOBAL ([\w.]+)|global '([\w.]+)' is forbidden", str(err))
+    if code:
+        return _code_refused(path, code.group(1) or code.group(2))
+    if kind == "torch file" and not zipfile.is_zipfile(path):
+        unsafe = [g for g in _pickled_globals(path) if not g.startswith(_SAFE_GLOBAL_PREFIXES)]
+        if unsafe:
+            return _code_refused(path, unsafe[0])
+    return CheckpointError(f"weights file {path} is not a readable {kind}, perhaps truncated ({_first_line(err)})")
 
 
 def _code_refused(path: Path, global_name: str) -> CheckpointError:
@@ -156,19 +168,6 @@ def _first_line(err: BaseException) -> str:
         return "torch's safe reader rejected its contents"
     text = str(err).strip().splitlines()
     return text[0].split(". ")[0].rstrip(".") if text else type(err).__name__
-
-
-def _read_pickle(path: Path) -> Any:
-    try:
-        with open(path, "rb") as f:
-            return _RestrictedUnpickler(f, encoding="latin1").load()
-    except pickle.UnpicklingError as err:
-        forbidden = re.search(r"global '([\w.]+)' is forbidden", str(err))
-        if forbidden:
-            raise _code_refused(path, forbidden.group(1)) from None
-        raise CheckpointError(f"weights file {path} is not a readable pickle, perhaps truncated ({err})") from None
-    except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as err:
-        raise CheckpointError(f"weights file {path} is not a readable pickle, perhaps truncated ({_first_line(err)})") from None
 
 
 # --------------------------------------------------------------------------- flattening
