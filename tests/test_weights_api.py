@@ -10,6 +10,7 @@ import ast
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -73,13 +74,17 @@ def test_weights_list_names_every_registered_weight_and_its_cache_path(offline_t
         assert Path(row[4]) == get_weights(name).cache_path() and Path(row[4]).is_relative_to(offline_torch_home)
 
 
-def test_eval_knn_with_a_registered_name_reads_the_listed_cache_path_offline(offline_torch_home, resnet50_state, tmp_path, capsys):
+def test_eval_and_detect_with_a_registered_name_read_the_listed_cache_path_offline(offline_torch_home, resnet50_state, tmp_path, capsys):
     path = _seed_default(capsys, resnet50_state)
     out = tmp_path / "knn"
     argv = ["eval", "knn", "--weights", "barlowtwins-in1k", "--data", "synthetic:40", "--image-size", "16", "--k", "5", "--out", str(out)]
     assert cli.main(argv) == 0, capsys.readouterr().err
     result = json.loads((out / "results.json").read_text())
     assert result["weights"] == "barlowtwins-in1k" and result["weights_sha256"] == file_sha256(path)
+    from eval.detection.train_net import prepare_weights  # bt-hub detect's converter goes through the same resolve
+
+    pkl, tensors = prepare_weights("barlowtwins-in1k", tmp_path / "detect")
+    assert Path(pkl) == tmp_path / "detect" / "weights.pkl" and "res5.2.conv3.norm.running_var" in tensors
 
 
 def test_unknown_names_list_the_registered_ones_and_missing_paths_are_no_hub_errors(offline_torch_home, tmp_path, capsys):
@@ -89,11 +94,11 @@ def test_unknown_names_list_the_registered_ones_and_missing_paths_are_no_hub_err
         "weights; registered names: barlowtwins-in1k, barlowtwins-in1k-ljng, barlowtwins-in1k-full"
     )
     for typo in ("./hf_r5O", "runs/pretrain/backbone.safetensors", "~/weights.pth", "missing.pth"):
-        with pytest.raises(CheckpointError, match=r"no such file or folder$"):
+        with pytest.raises(CheckpointError, match=rf"^weights {re.escape(typo)}: no such file or folder \(/.+\)$"):
             resolve(typo)
     for command in (["export", "--out", str(tmp_path / "x.pth")], ["push", "--repo-id", "bt/x"]):
         assert cli.main(command + ["--weights", "./hf_r5O"]) == 2
-        assert capsys.readouterr().err.strip().endswith("weights hf_r5O: no such file or folder")
+        assert capsys.readouterr().err.strip().endswith(f"weights ./hf_r5O: no such file or folder ({Path.cwd() / 'hf_r5O'})")
 
 
 def test_a_local_folder_wins_over_a_hub_id_of_the_same_spelling(tmp_path, monkeypatch):

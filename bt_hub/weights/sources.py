@@ -78,7 +78,8 @@ def resolve(source: WeightsSource, *, progress: bool = True, projector: bool = F
     if member is not None:
         return _from_record(member, progress, projector)
     if looks_like_path(text):
-        raise CheckpointError(f"weights {path}: no such file or folder")
+        where = "" if str(path.absolute()) == text else f" ({path.absolute()})"
+        raise CheckpointError(f"weights {text}: no such file or folder{where}")
     if _HUB_ID.fullmatch(text.partition("@")[0]):
         return _from_hub(text, text, None, projector, bare=True)
     raise CheckpointError(
