@@ -23,14 +23,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(2)
 
 
-@pytest.fixture
-def torch_home(tmp_path, monkeypatch) -> Path:
-    """A fresh TORCH_HOME (and no directory set earlier by torch.hub.set_dir)."""
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
-    monkeypatch.setattr(torch.hub, "_hub_dir", None)
-    return tmp_path / "torch_home"
-
-
 def _weights_bytes(seed: int) -> tuple[bytes, dict[str, torch.Tensor]]:
     torch.manual_seed(seed)
     state = build_backbone("resnet18").state_dict()

@@ -31,16 +31,14 @@ torch.set_num_threads(2)
 
 
 @pytest.fixture
-def offline_torch_home(tmp_path, monkeypatch) -> Path:
+def offline_torch_home(torch_home, monkeypatch) -> Path:
     """An empty TORCH_HOME, and urllib refusing every request (so a test that reaches the network fails)."""
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
-    monkeypatch.setattr(torch.hub, "_hub_dir", None)
 
     def no_network(*args, **kwargs):
         raise AssertionError("network access attempted")
 
     monkeypatch.setattr(urllib.request, "urlopen", no_network)
-    return tmp_path / "torch_home"
+    return torch_home
 
 
 @pytest.fixture(scope="module")
