@@ -115,7 +115,7 @@ def test_a_projector_with_nan_is_refused_too(tmp_path):
     state = model.state_dict()
     state["projector.1.running_var"][0] = float("nan")
     torch.save({"model": state}, tmp_path / "checkpoint.pth")
-    with pytest.raises(CheckpointError, match=r"checkpoint.pth holds NaN or inf in 1 tensors, first \['1.running_var'\]"):
+    with pytest.raises(CheckpointError, match=r"checkpoint.pth holds NaN or inf in 1 tensor, first \['1.running_var'\]"):
         barlow_twins(weights=str(tmp_path / "checkpoint.pth"))
 
 

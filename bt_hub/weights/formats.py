@@ -381,7 +381,7 @@ def check_finite(state: Mapping[str, torch.Tensor], source: str, *, allow: bool 
     bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad and not allow:
         raise CheckpointError(
-            f"weights file {source} holds NaN or inf in {len(bad)} tensors, first {bad[:5]}, so bt_hub refuses to load it "
+            f"weights file {source} holds NaN or inf in {len(bad)} tensor{'s' if len(bad) > 1 else ''}, first {bad[:5]}, so bt_hub refuses to load it "
             "(pass --allow-non-finite / allow_non_finite=True to inspect such weights anyway)"
         )
 
