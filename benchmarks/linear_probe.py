@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from bt_hub.checkpoint import load_backbone
+from bt_hub.weights import load_backbone
 from bt_hub.data import build_dataset
 from bt_hub.model import build_backbone
 from eval.features import TransformedDataset, eval_transform, extract_features, train_transform

@@ -1,4 +1,4 @@
-"""The two asymmetric Barlow Twins views (BYOL's parameters, PROTOCOLS.md §1).
+"""The two asymmetric Barlow Twins views (BYOL's parameters, docs/protocols.md §1).
 
 Every random choice is drawn per image by :func:`sample_view_params`, which both paths
 share: :class:`TwoViewTransform` (PIL, for data-loader workers, the reference pipeline's
@@ -28,8 +28,8 @@ import torchvision.transforms.v2.functional as F
 from PIL import Image
 from torchvision.ops import roi_align
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+from bt_hub.weights.registry import IMAGENET_MEAN, IMAGENET_STD
+
 GRAY_WEIGHTS = (0.2989, 0.587, 0.114)
 CROP_ATTEMPTS = 10
 

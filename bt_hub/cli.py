@@ -1,9 +1,11 @@
 """The ``bt-hub`` command: a table from subcommand to (config dataclass, library function).
 
-Each subcommand's flags are the fields of its config dataclass (kebab-case), their help
-text is the field's ``metadata["help"]``, and a ``PRESETS`` class attribute adds
-``--preset``. The module behind a subcommand is imported only when that subcommand
-runs, so ``--help`` and the other subcommands work without its optional extras.
+Each subcommand's flags are the fields of its config dataclass (kebab-case, or
+``metadata["flag"]`` with the other spellings in ``metadata["aliases"]`` kept as hidden
+aliases), their help text is the field's ``metadata["help"]``, and a ``PRESETS`` class
+attribute adds ``--preset``. The module behind a subcommand is imported only when that
+subcommand runs, so ``--help`` and the other subcommands work without its optional
+extras. A function that returns text has it printed.
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ class Command(NamedTuple):
 COMMANDS: dict[str, Command | dict[str, Command]] = {
     "demo": Command("eval.demo", "DemoConfig", "run_demo", "pretrain on the embedded digits set and score it (the README's first command)"),
     "pretrain": Command("bt_hub.pretrain", "PretrainConfig", "pretrain", "pretrain a backbone with the Barlow Twins loss"),
-    "export": Command("bt_hub.checkpoint", "ExportConfig", "export", "convert weights to torchvision, safetensors, detectron2 or a Hugging Face folder"),
-    "push": Command("bt_hub.hub", "PushConfig", "push", "upload weights to the Hugging Face Hub with a model card"),
+    "export": Command("bt_hub.weights.export", "ExportConfig", "export", "convert weights to torchvision, safetensors, detectron2 or a Hugging Face folder"),
+    "push": Command("bt_hub.weights.hf", "PushConfig", "push", "upload weights to the Hugging Face Hub with a model card"),
+    "weights": {
+        "list": Command("bt_hub.weights.registry", "ListWeightsConfig", "weights_table", "the registered weights: name, architecture, cached?, URL, cache path"),
+    },
     "eval": {
         "linear": Command("eval.linear", "LinearConfig", "run", "linear probe on a frozen backbone (ImageNet protocol)"),
         "semi": Command("eval.semi_supervised", "SemiSupervisedConfig", "run", "fine-tune on 1% or 10% of the labels"),
@@ -82,9 +87,13 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -
             continue
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             kwargs["required"] = True
-        elif f.default is not dataclasses.MISSING and f.default is not None and "action" not in kwargs:
-            kwargs["help"] = f"{kwargs['help']} (default: {f.default})".strip()
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
+        elif f.default is not dataclasses.MISSING and f.default is not None:
+            shown = ("on" if f.default else "off") if tp is bool else f.default
+            kwargs["help"] = f"{kwargs['help']} (default: {shown})".strip()
+        flag = meta.get("flag", f.name)
+        parser.add_argument("--" + flag.replace("_", "-"), dest=f.name, **kwargs)
+        for alias in meta.get("aliases", ()):
+            parser.add_argument("--" + alias.replace("_", "-"), dest=f.name, **{**kwargs, "help": argparse.SUPPRESS})
     presets = getattr(config_cls, "PRESETS", None)
     if presets and not any(f.name == "preset" for f in dataclasses.fields(config_cls)):
         parser.add_argument("--preset", choices=sorted(presets), default=argparse.SUPPRESS, help="a named set of defaults; flags given override it")
@@ -114,7 +123,7 @@ def _resolve(argv: Sequence[str]) -> tuple[list[str], Command | None, list[str]]
 
 def _overview(path: list[str], table: dict[str, Any]) -> str:
     width = max(len(k) for k in table) + 2
-    lines = [f"usage: bt-hub {' '.join(path + ['<command>'])} [flags]", "", "commands:"]
+    lines = [f"usage: bt-hub {' '.join(path + ['<command>'])} [flags]" + ("  |  bt-hub --version" if not path else ""), "", "commands:"]
     for name, entry in table.items():
         text = entry.help if isinstance(entry, Command) else "subcommands: " + ", ".join(entry)
         lines.append(f"  {name:<{width}}{text}")
@@ -125,6 +134,11 @@ def _overview(path: list[str], table: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``bt-hub`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        from bt_hub import __version__
+
+        print(f"bt-hub {__version__}")
+        return 0
     path, command, rest = _resolve(argv)
     if command is None:
         table: Any = COMMANDS
@@ -142,12 +156,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     namespace = parser.parse_args(rest)
     try:
         config = build_config(config_cls, namespace)
-        getattr(module, command.function)(config)
+        result = getattr(module, command.function)(config)
     except (ValueError, OSError, ImportError, RuntimeError) as err:
         if os.environ.get("BT_HUB_DEBUG"):
             raise
         print(f"bt-hub {' '.join(path)}: error: {err}", file=sys.stderr)
         return 2
+    if isinstance(result, str):
+        print(result)
     return 0
 
 

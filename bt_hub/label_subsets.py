@@ -1,4 +1,4 @@
-"""Label subsets for semi-supervised evaluation (PROTOCOLS.md §2).
+"""Label subsets for semi-supervised evaluation (docs/protocols.md §2).
 
 Two sources:
 

@@ -1,7 +1,7 @@
 """``bt-hub pretrain``: the Barlow Twins training loop (single process or torchrun/DDP).
 
 images -> two views -> backbone -> projector -> loss -> LARS step, with the recipe of
-PROTOCOLS.md §1 (LRs × batch/256, 10-epoch warm-up then cosine to ×0.001, per step).
+docs/protocols.md §1 (LRs × batch/256, 10-epoch warm-up then cosine to ×0.001, per step).
 The run directory gets ``run.json``, ``metrics.jsonl`` (one line per logged step),
 ``checkpoint.pth`` (every ``--checkpoint-every`` steps and at each epoch end, atomic),
 and at the end ``<backbone>.pth`` (torchvision state dict, no ``fc``),
@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from bt_hub.augment import VIEW_A, VIEW_B, BatchedTwoViews, TwoViewTransform, ViewParams
-from bt_hub.checkpoint import save_safetensors
+from bt_hub.weights.export import save_safetensors
 from bt_hub.data import build_dataset, to_uint8_tensor
 from bt_hub.distributed import barrier, cleanup_distributed, convert_sync_batchnorm, get_rank, get_world_size, init_distributed, is_main_process
 from bt_hub.loss import EPS, LossTerms, barlow_twins_loss
@@ -49,7 +49,7 @@ PROBE_SIZE = 256
 
 @dataclass
 class PretrainConfig:
-    """Flags of ``bt-hub pretrain``; defaults are the paper's recipe (PROTOCOLS.md §1)."""
+    """Flags of ``bt-hub pretrain``; defaults are the paper's recipe (docs/protocols.md §1)."""
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "reference": {},
@@ -62,7 +62,7 @@ class PretrainConfig:
 
     data: str = field(default="digits", metadata={"help": "'digits' (embedded), 'synthetic[:N]', or an ImageFolder / ImageNet directory"})
     out: str = field(default="runs/pretrain", metadata={"help": "run directory (checkpoint, metrics, final weights)"})
-    backbone: Literal["resnet18", "resnet34", "resnet50", "resnet101"] = field(default="resnet50", metadata={"help": "torchvision ResNet"})
+    backbone: Literal["resnet18", "resnet34", "resnet50", "resnet101"] = field(default="resnet50", metadata={"help": "torchvision ResNet", "flag": "arch", "aliases": ("backbone",)})
     projector: str = field(default="8192-8192-8192", metadata={"help": "projector widths joined by '-'"})
     lambd: float = field(default=0.0051, metadata={"help": "weight of the redundancy-reduction term"})
     small_image_stem: bool = field(default=False, metadata={"help": "3x3 stem without max-pool, for 32-px images"})
@@ -105,7 +105,7 @@ class PretrainConfig:
         except ValueError as err:
             raise ValueError(f"--projector: {err}") from None
         if self.backbone not in BACKBONES:
-            raise ValueError(f"--backbone {self.backbone!r} is unknown; expected one of {sorted(BACKBONES)}")
+            raise ValueError(f"--arch {self.backbone!r} is unknown; expected one of {sorted(BACKBONES)}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device {self.device!r} is unknown; expected 'cpu' or 'cuda'")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from bt_hub.runs import atomic_torch_save
+from bt_hub.weights.formats import read_file
 
 CHECKPOINT_NAME = "checkpoint.pth"
 
@@ -104,14 +105,11 @@ def save_checkpoint(path: str | os.PathLike, **state: Any) -> Path:
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a checkpoint written by ``save_checkpoint`` (``weights_only=True``)."""
+    """Read a checkpoint written by ``save_checkpoint`` (``weights_only=True``, through the safe reader of bt_hub.weights)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises several unrelated types for a damaged file
-        raise RuntimeError(f"checkpoint {path} is unreadable ({type(err).__name__}: {err})") from err
+    state = read_file(path)  # refuses code and non-checkpoints in one sentence (CheckpointError)
     missing = [k for k in ("model", "optimizer", "step", "config", "rng") if k not in state]
     if missing:
         raise ValueError(f"checkpoint {path} lacks the keys {missing}; expected one written by bt-hub pretrain")

@@ -14,7 +14,7 @@ from typing import Literal, Optional
 class EvalConfig:
     """Weights, data, output and compute settings shared by all protocols."""
 
-    weights: str = field(metadata={"help": "weights to evaluate: a checkpoint path, URL, Hugging Face id or torch.hub spec (anything load_backbone accepts)"})
+    weights: str = field(metadata={"help": "weights to evaluate: a registered name (bt-hub weights list), file, folder (run directory, Hugging Face folder), URL, hf://org/name[@rev] or org/name"})
     data: str = field(default="digits", metadata={"help": "dataset: 'digits' (embedded), 'synthetic[:N]', or a path (ImageFolder / ImageNet layout with train/ and val/)"})
     out: str = field(default="runs/eval", metadata={"help": "output directory: results.json, results.md and the protocol's logs go here"})
     arch: Optional[str] = field(default=None, metadata={"help": "backbone architecture (resnet18/34/50/101); overrides what the checkpoint implies"})
@@ -26,6 +26,7 @@ class EvalConfig:
     seed: int = field(default=0, metadata={"help": "seed of every random choice (data split, initialisation, sampling)"})
     cache_dir: Optional[str] = field(default=None, metadata={"help": "feature cache directory; a second protocol on the same weights, data and transform reuses the features"})
     cache_dtype: Literal["float32", "float16"] = field(default="float32", metadata={"help": "dtype of cached features (float16 halves the disk use)"})
+    allow_non_finite: bool = field(default=False, metadata={"help": "evaluate weights holding NaN or inf (for forensics; refused otherwise)"})
 
     def __post_init__(self) -> None:
         if not str(self.weights).strip():

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.data import Subset
 from torchvision import transforms
 
-from bt_hub.checkpoint import load_backbone
+from bt_hub.weights import load_backbone
 from bt_hub.data import build_dataset
 from bt_hub.label_subsets import balanced_subset_indices
 from bt_hub.model import build_backbone
@@ -59,7 +59,7 @@ class DemoConfig:
     lr_weights: float = field(default=8.0, metadata={"help": "LARS base LR of the weights, × batch/256 (paper: 0.2, far too slow for 88 steps)"})
     crop_scale_min: float = field(default=0.4, metadata={"help": "smallest area fraction of the random crops in pretraining and fine-tuning (paper: 0.08, which can erase an 8-px digit)"})
     image_size: int = field(default=8, metadata={"help": "side of the digit images and views in pixels (the originals are 8x8)"})
-    backbone: str = field(default="resnet18", metadata={"help": "torchvision ResNet"})
+    backbone: str = field(default="resnet18", metadata={"help": "torchvision ResNet", "flag": "arch", "aliases": ("backbone",)})
     small_image_stem: bool = field(default=True, metadata={"help": "3x3 stem without max-pool (the standard 7x7/2 stem + max-pool keeps too little of a 16-px digit)"})
     projector: str = field(default="128-128-32", metadata={"help": "projector widths joined by '-' (a 32-d output: a batch of 64 can estimate a 32 x 32 cross-correlation of full rank)"})
     lambd: float = field(default=LAMBD, metadata={"help": "weight of the redundancy-reduction term"})

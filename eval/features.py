@@ -37,9 +37,9 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 from tqdm import tqdm
 
-from bt_hub.augment import IMAGENET_MEAN, IMAGENET_STD
 from bt_hub.distributed import all_gather_cat, barrier, broadcast_object, get_rank, get_world_size, is_distributed, is_main_process
 from bt_hub.runs import atomic_write, atomic_write_json
+from bt_hub.weights.registry import IMAGENET_MEAN, IMAGENET_STD, eval_transforms
 
 if TYPE_CHECKING:
     from eval.config import EvalConfig
@@ -52,12 +52,7 @@ Pool = Literal["avg", "voc_res5"]
 
 def eval_transform(image_size: int = 224) -> transforms.Compose:
     """The test transform of the linear protocol: Resize(size*256/224) + CenterCrop(size), normalised."""
-    return transforms.Compose([
-        transforms.Resize(round(image_size * 256 / 224)),
-        transforms.CenterCrop(image_size),
-        transforms.ToTensor(),
-        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])
+    return eval_transforms(image_size)
 
 
 def train_transform(image_size: int = 224) -> transforms.Compose:
@@ -157,7 +152,7 @@ class FeatureCache:
 
     Args:
         directory: the cache directory (created on first write).
-        weights: the weights fingerprint (``bt_hub.checkpoint.weights_fingerprint`` or
+        weights: the weights fingerprint (``bt_hub.weights.weights_fingerprint`` or
             ``module_fingerprint``).
         dataset: the dataset fingerprint (``dataset_fingerprint``).
     """
@@ -341,10 +336,10 @@ def as_float32(features: torch.Tensor | np.ndarray, start: int = 0, stop: Option
 
 
 def load_eval_backbone(config: "EvalConfig") -> tuple[nn.Module, str]:
-    """The backbone named by ``--weights`` (``bt_hub.checkpoint.load_backbone``) and its fingerprint."""
-    from bt_hub.checkpoint import load_backbone, weights_fingerprint
+    """The backbone named by ``--weights`` (``bt_hub.weights.load_backbone``) and its fingerprint."""
+    from bt_hub.weights import load_backbone, weights_fingerprint
 
-    backbone = load_backbone(config.weights, arch=config.arch, small_image_stem=config.small_image_stem)
+    backbone = load_backbone(config.weights, arch=config.arch, small_image_stem=config.small_image_stem, allow_non_finite=config.allow_non_finite)
     return backbone, weights_fingerprint(config.weights)
 
 

@@ -1,6 +1,6 @@
 """Weighted k-nearest-neighbour classification on frozen features (``bt-hub eval knn``).
 
-The community protocol of DINO's eval_knn.py (PROTOCOLS.md §2; not in the paper):
+The community protocol of DINO's eval_knn.py (docs/protocols.md §2; not in the paper):
 L2-normalised features, cosine similarity, the k most similar training images vote for
 their class with weight exp(sim / T), T = 0.07; top-1 / top-5 for k = 20 and 200.
 

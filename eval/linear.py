@@ -1,4 +1,4 @@
-"""Linear probe on a frozen backbone (PROTOCOLS.md §2), and linear transfer (PIRL settings).
+"""Linear probe on a frozen backbone (docs/protocols.md §2), and linear transfer (PIRL settings).
 
 Presets:
 
@@ -282,7 +282,7 @@ def combined_fingerprint(*fingerprints: str) -> str:
 
 # ----------------------------------------------------------------------------- the protocol
 
-# PROTOCOLS.md §2. PIRL drops the LR ×0.1 at two equally spaced points; VISSL's configs
+# docs/protocols.md §2. PIRL drops the LR ×0.1 at two equally spaced points; VISSL's configs
 # drop three times ([4, 8, 12] for Places, [24, 48, 72] for iNat): pass --milestones.
 PRESET_VALUES: dict[str, dict[str, Any]] = {
     "imagenet": {"epochs": 100, "lr": 0.3, "weight_decay": 1e-6, "schedule": "cosine", "milestones": []},

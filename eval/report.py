@@ -4,10 +4,10 @@ Every protocol ends with ``write_results``. It writes ``<out>/results.json`` (wh
 run, on which weights and data, with which hyper-parameters, and the metrics), appends
 the same record as one line to ``<out>/results.jsonl`` and rewrites ``<out>/results.md``
 from that history: one table per protocol family (linear, semi-supervised, transfer,
-kNN), with the paper's Barlow Twins row (PROTOCOLS.md §4) above ours for reference.
+kNN), with the paper's Barlow Twins row (docs/protocols.md §4) above ours for reference.
 
 ``metrics`` is a flat dict of floats named as in the paper, in percent: ``top1``,
-``top5``, ``mAP``, ``mAP_11point``, ... (the model card of bt_hub.hub reads them).
+``top5``, ``mAP``, ``mAP_11point``, ... (the model card of bt_hub.weights.card reads them).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from bt_hub.runs import atomic_write_json, atomic_write_text, config_dict, git_state, package_version
+from bt_hub.weights.registry import PAPER_RESULTS as PAPER
 
 PAPER_METHOD = "Barlow Twins (paper: ResNet-50, 1000 epochs)"
 
@@ -62,7 +63,7 @@ FAMILIES: dict[str, Family] = {
     "linear": Family(
         "Linear evaluation (ImageNet protocol; paper Table 1)",
         (Column("Top-1", "top1"), Column("Top-5", "top5")),
-        {"Top-1": 73.2, "Top-5": 91.0},
+        {"Top-1": PAPER["imagenet_linear"]["top1"], "Top-5": PAPER["imagenet_linear"]["top5"]},
     ),
     "semi": Family(
         "Semi-supervised fine-tuning (paper Table 2)",
@@ -71,7 +72,7 @@ FAMILIES: dict[str, Family] = {
             for pct in (1, 10)
             for name, metric in (("Top-1", "top1"), ("Top-5", "top5"))
         ),
-        {"1% Top-1": 55.0, "1% Top-5": 79.2, "10% Top-1": 69.7, "10% Top-5": 89.3},
+        {f"{pct}% Top-{k}": PAPER[f"semi_supervised_{pct}pct"][f"top{k}"] for pct in (1, 10) for k in (1, 5)},
     ),
     "transfer": Family(
         "Transfer to other classification tasks (paper Table 3)",
@@ -81,7 +82,7 @@ FAMILIES: dict[str, Family] = {
             Column("VOC07 SVM mAP (11-point)", "mAP_11point", lambda r: r.get("protocol") == "voc07-svm"),
             Column("iNat18 Top-1", "top1", lambda r: _preset(r) == "inat18"),
         ),
-        {"Places-205 Top-1": 54.1, "VOC07 SVM mAP": 86.2, "iNat18 Top-1": 46.5},
+        {"Places-205 Top-1": PAPER["places205_linear"]["top1"], "VOC07 SVM mAP": PAPER["voc07_svm"]["mAP"], "iNat18 Top-1": PAPER["inat18_linear"]["top1"]},
     ),
     "knn": Family(
         "Weighted kNN (community protocol, not in the paper)",

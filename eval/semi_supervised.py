@@ -1,4 +1,4 @@
-"""Semi-supervised evaluation: fine-tune the whole network on 1% or 10% of the labels (PROTOCOLS.md §2).
+"""Semi-supervised evaluation: fine-tune the whole network on 1% or 10% of the labels (docs/protocols.md §2).
 
 Presets:
 
@@ -30,7 +30,7 @@ from eval.features import TransformedDataset, dataset_fingerprint, eval_transfor
 from eval.linear import combined_fingerprint, evaluate_loader, load_splits, make_classifier, make_loader, train_classifier
 from eval.report import write_results
 
-# Numbers of PROTOCOLS.md §2; each preset is a named set of flag values.
+# Numbers of docs/protocols.md §2; each preset is a named set of flag values.
 PAPER = {
     "lr_backbone": 0.002, "lr_classifier": 0.5, "schedule": "step", "milestones": [12, 16], "gamma": 0.2,
     "epochs": 20, "weight_decay": 0.0, "momentum": 0.9, "batch_size": 256,

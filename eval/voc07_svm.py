@@ -1,6 +1,6 @@
 """Per-class linear SVMs on frozen features of PASCAL VOC2007 (``bt-hub eval voc07-svm``).
 
-VISSL's protocol (PROTOCOLS.md §2): images Resize 256 then Resize (224, 224); res5
+VISSL's protocol (docs/protocols.md §2): images Resize 256 then Resize (224, 224); res5
 features pooled to 2x2x2048 = 8192-d (``--pool avg`` for the 2048-d variant); every
 sample scaled to x / (||x|| + 1e-5); for each class and each cost C a
 ``LinearSVC(C, class_weight={1: 2, -1: 1}, squared hinge, l2, dual, tol 1e-4,
@@ -118,7 +118,7 @@ def voc07_transform(image_size: int = 224) -> "transforms.Compose":
     """VISSL's VOC07 SVM transform: Resize(256) then Resize((224, 224)) (scaled with ``image_size``), normalised."""
     from torchvision import transforms
 
-    from bt_hub.augment import IMAGENET_MEAN, IMAGENET_STD
+    from bt_hub.weights.registry import IMAGENET_MEAN, IMAGENET_STD
 
     return transforms.Compose([
         transforms.Resize(round(image_size * 256 / 224)),

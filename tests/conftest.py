@@ -31,6 +31,14 @@ def resnet18_weights(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def torch_home(tmp_path, monkeypatch) -> Path:
+    """A fresh, empty TORCH_HOME (and no hub directory left set by an earlier torch.hub.set_dir)."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    monkeypatch.setattr(torch.hub, "_hub_dir", None)
+    return tmp_path / "torch_home"
+
+
+@pytest.fixture
 def shared_data() -> Path:
     """../shared/data beside the repository (reference data, never copied in)."""
     if not SHARED_DATA.is_dir():

@@ -51,7 +51,7 @@ def test_every_subcommand_has_help_from_its_config_dataclass(path, command, caps
     out = capsys.readouterr().out
     for field in dataclasses.fields(config_cls):
         if field.init and not field.metadata.get("positional"):
-            assert "--" + field.name.replace("_", "-") in out
+            assert "--" + field.metadata.get("flag", field.name).replace("_", "-") in out
             assert field.metadata.get("help"), f"{command.config}.{field.name} has no help text"
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bt_hub import cli
-from bt_hub.checkpoint import load_backbone
+from bt_hub.weights import load_backbone
 from bt_hub.data import build_dataset
 from bt_hub.loss import barlow_twins_loss
 from bt_hub.model import build_backbone
@@ -24,7 +24,7 @@ from eval.knn import knn_search
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 PRETRAIN = [
-    "pretrain", "--data", "synthetic:64", "--backbone", "resnet18", "--small-image-stem", "--image-size", "16",
+    "pretrain", "--data", "synthetic:64", "--arch", "resnet18", "--small-image-stem", "--image-size", "16",
     "--projector", "256-256", "--batch-size", "16", "--epochs", "1", "--log-every", "1", "--device", "cuda",
 ]
 

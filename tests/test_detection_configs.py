@@ -1,7 +1,7 @@
-"""The detection YAMLs carry PROTOCOLS.md §3, and `bt-hub detect` without detectron2 says how to install it.
+"""The detection YAMLs carry docs/protocols.md §3, and `bt-hub detect` without detectron2 says how to install it.
 
 None of these tests needs detectron2: the YAMLs are read with PyYAML and their ``_BASE_``
-chain is merged by hand. The expected values are written out below from PROTOCOLS.md §3,
+chain is merged by hand. The expected values are written out below from docs/protocols.md §3,
 not read back from the files.
 """
 
@@ -23,7 +23,7 @@ from eval.detection.train_net import aggregate_trials
 PIXEL_MEAN = [123.675, 116.280, 103.530]
 PIXEL_STD = [58.395, 57.120, 57.375]
 
-# PROTOCOLS.md §3: the shared C4 base (MoCo's Base-RCNN-C4-BN + torchvision weights).
+# docs/protocols.md §3: the shared C4 base (MoCo's Base-RCNN-C4-BN + torchvision weights).
 BASE = {
     "MODEL.META_ARCHITECTURE": "GeneralizedRCNN",
     "MODEL.BACKBONE.FREEZE_AT": 0,

@@ -22,7 +22,7 @@ from bt_hub.pretrain import PretrainConfig, pretrain, view_pair
 
 # 32 synthetic training images, batch 8: 4 steps per epoch, 8 in all; checkpoints at 3 (mid-epoch), 4, 6 (mid-epoch), 8.
 TINY = [
-    "--data", "synthetic:40", "--backbone", "resnet18", "--small-image-stem", "--image-size", "8",
+    "--data", "synthetic:40", "--arch", "resnet18", "--small-image-stem", "--image-size", "8",
     "--projector", "64-64", "--batch-size", "8", "--epochs", "2", "--warmup-epochs", "1",
     "--checkpoint-every", "3", "--log-every", "1", "--seed", "7", "--probe-max-dim", "0",
 ]
@@ -110,7 +110,7 @@ def test_pretrain_on_digits_writes_torchvision_and_safetensors_backbones(tmp_pat
 
     out = tmp_path / "run"
     code = cli_main([
-        "pretrain", "--data", "digits", "--out", str(out), "--backbone", "resnet18", "--small-image-stem",
+        "pretrain", "--data", "digits", "--out", str(out), "--arch", "resnet18", "--small-image-stem",
         "--image-size", "8", "--projector", "32-32", "--batch-size", "32", "--epochs", "1", "--max-steps", "2", "--probe-max-dim", "64",
         "--views", "batched", "--log-every", "1",
     ])

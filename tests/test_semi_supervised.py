@@ -16,7 +16,7 @@ from eval.semi_supervised import SemiSupervisedConfig, finetune
 
 
 def test_paper_preset_is_the_papers_recipe():
-    # PROTOCOLS.md §2: 20 epochs; lr backbone 0.002, classifier 0.5; ×0.2 after epochs 12 and 16;
+    # docs/protocols.md §2: 20 epochs; lr backbone 0.002, classifier 0.5; ×0.2 after epochs 12 and 16;
     # SGD momentum 0.9; no weight decay; batch 256.
     c = SemiSupervisedConfig(weights="w")
     assert (c.epochs, c.lr_backbone, c.lr_classifier, c.schedule, c.milestones, c.gamma) == (20, 0.002, 0.5, "step", [12, 16], 0.2)

@@ -1,7 +1,7 @@
-"""``bt-hub detect``: Faster/Mask R-CNN R50-C4 transfer through detectron2 (PROTOCOLS.md §3).
+"""``bt-hub detect``: Faster/Mask R-CNN R50-C4 transfer through detectron2 (docs/protocols.md §3).
 
 Reads top to bottom: the flags (``DetectConfig``), the weights (converted to a detectron2
-``.pkl`` with ``bt_hub.checkpoint`` unless already one), the detectron2 config (a shipped
+``.pkl`` with ``bt_hub.weights`` unless already one), the detectron2 config (a shipped
 YAML or a file, then ``opts``), one trial per seed through detectron2's own ``launch`` (one
 process per GPU, several machines), and ``results.json`` with the mean and standard
 deviation over the trials. The training loop itself is detectron2's (``eval.detection.trainer``).
@@ -26,7 +26,7 @@ INSTALL_PURPOSE = "bt-hub detect (detection transfer)"
 
 @dataclass
 class DetectConfig:
-    """Flags of ``bt-hub detect``; defaults are the paper's runs (PROTOCOLS.md §3)."""
+    """Flags of ``bt-hub detect``; defaults are the paper's runs (docs/protocols.md §3)."""
 
     weights: str = field(metadata={"help": "backbone weights: a detectron2 .pkl, or anything load_backbone reads (converted to .pkl in --out)"})
     data: str = field(metadata={"help": "data root: VOC2007/ and VOC2012/ devkits (voc), or annotations/instances_{train,val}2017.json + train2017/ + val2017/ (coco)"})
@@ -62,10 +62,10 @@ class DetectConfig:
 def prepare_weights(source: str, out_dir: Path) -> tuple[str, dict[str, Any]]:
     """``MODEL.WEIGHTS`` for ``source`` and the backbone's detectron2 tensors (to check the load).
 
-    A ``.pkl`` is used as it is; anything else is read with ``bt_hub.checkpoint`` and written
+    A ``.pkl`` is used as it is; anything else is read with ``bt_hub.weights`` and written
     as ``out_dir/weights.pkl`` (detectron2 names, ``matching_heuristics``).
     """
-    from bt_hub.checkpoint import read_backbone_state_dict, save_detectron2, to_detectron2
+    from bt_hub.weights import read_backbone_state_dict, save_detectron2, to_detectron2
 
     state, _ = read_backbone_state_dict(source)
     if str(source).endswith(".pkl") and Path(source).is_file():
@@ -121,7 +121,7 @@ def main(config: DetectConfig) -> Optional[dict[str, Any]]:
 
 
 def _write(config: DetectConfig, yaml_path: Path, trials: list[dict[str, Any]], start: float) -> dict[str, Any]:
-    from bt_hub.checkpoint import weights_fingerprint
+    from bt_hub.weights import weights_fingerprint
     from eval.features import dataset_fingerprint
     from eval.report import write_results
 
