@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from bt_hub.augment import IMAGENET_MEAN, IMAGENET_STD
 from bt_hub.distributed import all_gather_cat, barrier, broadcast_object, get_rank, get_world_size, is_distributed, is_main_process
-from bt_hub.runs import atomic_write, atomic_write_json
+from bt_hub.runs import atomic_write, atomic_write_json, claim_run_dir
 
 if TYPE_CHECKING:
     from eval.config import EvalConfig
@@ -344,6 +344,8 @@ def load_eval_backbone(config: "EvalConfig") -> tuple[nn.Module, str]:
     """The backbone named by ``--weights`` (``bt_hub.checkpoint.load_backbone``) and its fingerprint."""
     from bt_hub.checkpoint import load_backbone, weights_fingerprint
 
+    if is_main_process():  # every protocol starts here: claim --out before any work or write
+        claim_run_dir(config.out, overwrite=config.overwrite)
     backbone = load_backbone(config.weights, arch=config.arch, small_image_stem=config.small_image_stem)
     return backbone, weights_fingerprint(config.weights)
 
