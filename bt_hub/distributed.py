@@ -79,7 +79,14 @@ def init_distributed(device: str = "cpu") -> torch.device:
     else:
         backend, dev = "gloo", torch.device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None:
+            dist.init_process_group(backend=backend)
+        else:
+            # torchrun keeps one store across --max-restarts, where a restarted group would read the dead
+            # group's addresses (connection refused, or a hang): each attempt gets its own keys
+            store, rank, world = next(dist.rendezvous("env://"))
+            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"bt_hub/attempt_{attempt}", store), rank=rank, world_size=world)
     return dev
 
 

@@ -134,7 +134,7 @@ def save_checkpoint(path: str | os.PathLike, **state: Any) -> Path:
     bad = non_finite_tensors({"model": state.get("model", {}), "optimizer": state.get("optimizer", {})})
     if bad:
         shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        raise RuntimeError(training_stopped(path, int(state.get("step", -1)), f"{len(bad)} tensors of the training state became NaN or inf ({shown})"))
+        raise RuntimeError(training_stopped(path, int(state.get("step", -1)), f"{len(bad)} tensor{'s' if len(bad) > 1 else ''} of the training state became NaN or inf ({shown})"))
     return atomic_torch_save({**state, "rng": rng_state()}, path)
 
 

@@ -151,7 +151,7 @@ def _all_finite(state: dict) -> bool:
 def test_a_diverging_run_keeps_only_an_all_finite_checkpoint_and_resuming_it_stops_again_clearly(tmp_path, capsys):
     # item 14: the "kept" checkpoint used to hold non-finite BatchNorm running_var tensors
     out = tmp_path / "run"
-    flags = ["pretrain", *TINY, "--projector", "16-16", "--warmup-epochs", "0", "--lr-weights", "3e7", "--checkpoint-every", "1", "--out", str(out)]
+    flags = ["pretrain", *TINY, "--projector", "16-16", "--warmup-epochs", "0", "--lr-weights", "1e9", "--checkpoint-every", "1", "--out", str(out)]
     assert cli_main(flags) == 2
     err = capsys.readouterr().err.strip()
     found = re.search(r"at step (\d+); training stopped and the last good checkpoint (\S+) \(step (\d+), every tensor finite\) is kept", err)
