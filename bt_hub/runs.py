@@ -247,8 +247,9 @@ class RunLock:
             os.close(fd)
             who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
             raise RunDirBusyError(f"{flag} {directory} is in use by another bt-hub run ({who}); wait for it to end or stop it, or choose another {flag}") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": _now(), "command": sys.argv}).encode())
+        with contextlib.suppress(OSError):  # who holds it is a courtesy to the next caller; the lock is what counts
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": _now(), "command": sys.argv}).encode())
         self._fd: Optional[int] = fd
 
     def release(self) -> None:

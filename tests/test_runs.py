@@ -153,6 +153,27 @@ def test_disk_full_while_checkpointing_is_one_sentence_and_keeps_the_previous_ch
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
 
 
+def test_a_file_over_the_size_limit_is_one_sentence_and_keeps_the_previous_file(tmp_path):
+    # item 16 with a real kernel refusal (EFBIG under ulimit -f) instead of a patched write
+    target = tmp_path / "checkpoint.pth"
+    target.write_bytes(b"previous")
+    script = textwrap.dedent(f"""
+        import resource, signal, torch
+        from bt_hub.runs import WriteError, atomic_torch_save
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+        try:
+            atomic_torch_save({{"w": torch.zeros(100_000)}}, {str(target)!r})
+        except WriteError as err:
+            print(err)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.stdout.strip() == (f"could not write {target}: the file is larger than this process may write (ulimit -f); "
+                                   "raise the limit and run again (the previous checkpoint.pth is unchanged)"), done.stderr
+    assert target.read_bytes() == b"previous" and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pth"]
+
+
 def test_disk_full_while_logging_is_one_sentence_and_leaves_the_log_whole(tmp_path, monkeypatch):
     # item 16: was a raw "[Errno 28] No space left on device"
     run = RunDir(tmp_path / "run")
