@@ -17,6 +17,7 @@ import os
 import sys
 import types
 import typing
+import warnings
 from typing import Any, NamedTuple, Sequence
 
 
@@ -149,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(_overview(path, table))
         return 0 if rest else 2
+    warnings.formatwarning = lambda message, *_, **__: f"bt-hub {' '.join(path)}: warning: {message}\n"
     module = importlib.import_module(command.module)
     config_cls = getattr(module, command.config)
     parser = argparse.ArgumentParser(prog="bt-hub " + " ".join(path), description=command.help)

@@ -13,7 +13,6 @@ probe batch. ``--resume`` continues bit for bit on CPU (see bt_hub/resume.py).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import random
 import time
@@ -35,8 +34,10 @@ from bt_hub.distributed import barrier, cleanup_distributed, convert_sync_batchn
 from bt_hub.loss import EPS, LossTerms, barlow_twins_loss
 from bt_hub.model import BACKBONES, BarlowTwins, parse_projector
 from bt_hub.optim import LARS, param_groups, set_learning_rates
-from bt_hub.resume import CHECKPOINT_NAME, EpochBatchSampler, derive_seed, load_checkpoint, save_checkpoint, seeded_generator, set_rng_state
-from bt_hub.runs import RunDir, atomic_torch_save, atomic_write, atomic_write_json, atomic_write_text
+from bt_hub.resume import (
+    CHECKPOINT_NAME, EpochBatchSampler, derive_seed, load_checkpoint, save_checkpoint, seeded_generator, set_rng_state, training_stopped,
+)
+from bt_hub.runs import RunDir, atomic_torch_save, atomic_write, atomic_write_json
 
 # Settings a resumed run must share with its checkpoint (the rest may change, e.g. --max-steps).
 RESUME_INVARIANTS = (
@@ -62,6 +63,7 @@ class PretrainConfig:
 
     data: str = field(default="digits", metadata={"help": "'digits' (embedded), 'synthetic[:N]', or an ImageFolder / ImageNet directory"})
     out: str = field(default="runs/pretrain", metadata={"help": "run directory (checkpoint, metrics, final weights)"})
+    overwrite: bool = field(default=False, metadata={"help": "write into an --out that is not empty and was not created by bt-hub (same-named files are replaced)"})
     backbone: Literal["resnet18", "resnet34", "resnet50", "resnet101"] = field(default="resnet50", metadata={"help": "torchvision ResNet", "flag": "arch", "aliases": ("backbone",)})
     projector: str = field(default="8192-8192-8192", metadata={"help": "projector widths joined by '-'"})
     lambd: float = field(default=0.0051, metadata={"help": "weight of the redundancy-reduction term"})
@@ -112,6 +114,19 @@ class PretrainConfig:
             raise ValueError(f"--device {self.device} was asked for but CUDA is not available")
         if self.precision == "fp16" and not self.device.startswith("cuda"):
             raise ValueError("--precision fp16 needs --device cuda; use bf16 on CPU")
+        if self.warmup_epochs > self.epochs:
+            raise ValueError(f"--warmup-epochs {self.warmup_epochs} is longer than the whole schedule (--epochs {self.epochs}); lower --warmup-epochs or raise --epochs")
+
+    def schedule_steps(self, steps_per_epoch: int, start: int = 0) -> tuple[int, int, int]:
+        """(total, warm-up, last) steps; refuses a ``--max-steps`` beyond the schedule or before the resumed ``start``."""
+        total = self.epochs * steps_per_epoch
+        if self.max_steps > total:
+            raise ValueError(f"--max-steps {self.max_steps} is more than the {total} steps of the schedule (--epochs {self.epochs} x {steps_per_epoch} "
+                             "steps per epoch); raise --epochs or lower --max-steps")
+        last = self.max_steps or total
+        if start > last:
+            raise ValueError(f"--max-steps {self.max_steps} is before step {start} of the checkpoint being resumed; raise --max-steps")
+        return total, self.warmup_epochs * steps_per_epoch, last
 
 
 class _TrainStep(nn.Module):
@@ -222,15 +237,6 @@ def _resume_state(config: PretrainConfig, out: Path) -> dict[str, Any] | None:
     return state
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metrics lines logged after the checkpoint being resumed (they will be logged again)."""
-    if not path.exists():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
-    atomic_write_text(path, "".join(line + "\n" for line in kept))
-
-
 def write_backbone(out: Path, model: BarlowTwins, config: PretrainConfig, step: int, num_samples: int) -> None:
     """``<backbone>.pth`` (torchvision keys, no fc), ``backbone.safetensors`` and ``config.json``."""
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.backbone.state_dict().items() if not k.startswith("fc.")}
@@ -263,12 +269,13 @@ def pretrain(config: PretrainConfig) -> Path:
     """Train per ``config`` (joining torchrun's process group if launched by it); return the run directory."""
     device = init_distributed(config.device)
     try:
-        return _train(config, device)
+        with RunDir.for_training(config.out, overwrite=config.overwrite) as run:
+            return _train(config, device, run)
     finally:
         cleanup_distributed()
 
 
-def _train(config: PretrainConfig, device: torch.device) -> Path:
+def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
     rank, world = get_rank(), get_world_size()
     out = Path(config.out)
     if config.batch_size % world:
@@ -279,9 +286,7 @@ def _train(config: PretrainConfig, device: torch.device) -> Path:
     steps_per_epoch = len(dataset) // config.batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"--batch-size {config.batch_size} is larger than the {len(dataset)} training images of --data {config.data}")
-    total_steps = config.epochs * steps_per_epoch
-    warmup_steps = config.warmup_epochs * steps_per_epoch
-    last_step = min(total_steps, config.max_steps) if config.max_steps else total_steps
+    total_steps, warmup_steps, last_step = config.schedule_steps(steps_per_epoch, int(state["step"]) if state else 0)
 
     torch.manual_seed(config.seed)
     np.random.seed(config.seed % 2**32)
@@ -307,9 +312,7 @@ def _train(config: PretrainConfig, device: torch.device) -> Path:
         step_module = nn.parallel.DistributedDataParallel(step_module, device_ids=[device.index] if device.type == "cuda" else None)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
 
-    run = RunDir(out, config, write=is_main_process())
-    if is_main_process() and state is not None:
-        _truncate_metrics(out / "metrics.jsonl", step)
+    run.start(config, step)
     view_params = view_pair(config)
     batched = BatchedTwoViews(config.image_size, view_params) if config.views == "batched" else None
     views = _ViewDataset(dataset, config.image_size, config.seed, batched is not None, view_params)
@@ -333,8 +336,7 @@ def _train(config: PretrainConfig, device: torch.device) -> Path:
                 terms, spread = step_module(y_a, y_b)
             loss = float(terms.loss.detach())
             if not math.isfinite(loss):
-                kept = f"{checkpoint_path} is kept" if checkpoint_path.exists() else "no checkpoint was written yet"
-                raise RuntimeError(f"the loss became {loss} at step {step} (epoch {epoch}); training stopped and {kept}")
+                raise RuntimeError(training_stopped(checkpoint_path, step + 1, f"the loss became {loss}"))
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(terms.loss).backward()
             scaler.step(optimizer)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -99,8 +99,43 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def non_finite_tensors(state: Any, prefix: str = "") -> list[str]:
+    """Names of the floating-point tensors holding NaN or inf in a (nested) state dict."""
+    if isinstance(state, torch.Tensor):
+        return [prefix] if state.is_floating_point() and not bool(torch.isfinite(state).all()) else []
+    if isinstance(state, Mapping):
+        return [name for k, v in state.items() for name in non_finite_tensors(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(state, (list, tuple)):
+        return [name for i, v in enumerate(state) for name in non_finite_tensors(v, f"{prefix}.{i}")]
+    return []
+
+
+def training_stopped(checkpoint: str | os.PathLike, step: int, what: str) -> str:
+    """The sentence that stops a diverged run: what went wrong at which step, and the good checkpoint that is kept."""
+    checkpoint = Path(checkpoint)
+    if checkpoint.exists():
+        try:
+            kept_step = int(torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)["step"])
+            kept = f"the last good checkpoint {checkpoint} (step {kept_step}, every tensor finite) is kept"
+        except Exception:  # an unreadable file is reported as such; the sentence still has to be written
+            kept = f"{checkpoint} is kept but could not be read back"
+    else:
+        kept = "no checkpoint was written yet"
+    return (f"{what} at step {step}; training stopped and {kept}; resuming with the same flags diverges again (training is "
+            "deterministic), so start a new --out with a lower --lr-weights / --lr-biases or a longer --warmup-epochs")
+
+
 def save_checkpoint(path: str | os.PathLike, **state: Any) -> Path:
-    """Write a full training checkpoint atomically (a crash leaves the previous one intact)."""
+    """Write a full training checkpoint atomically (a crash leaves the previous one intact).
+
+    Raises:
+        RuntimeError: a parameter, buffer or optimiser tensor is NaN or inf; nothing is written,
+            so the checkpoint already at ``path`` (if any) stays the last good one.
+    """
+    bad = non_finite_tensors({"model": state.get("model", {}), "optimizer": state.get("optimizer", {})})
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise RuntimeError(training_stopped(path, int(state.get("step", -1)), f"{len(bad)} tensor{'s' if len(bad) > 1 else ''} of the training state became NaN or inf ({shown})"))
     return atomic_torch_save({**state, "rng": rng_state()}, path)
 
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+import torch
+
+from bt_hub.runs import check_run_dir
+
 
 @dataclass
 class EvalConfig:
@@ -17,6 +21,7 @@ class EvalConfig:
     weights: str = field(metadata={"help": "weights to evaluate: a registered name (bt-hub weights list), file, folder (run directory, Hugging Face folder), URL, hf://org/name[@rev] or org/name"})
     data: str = field(default="digits", metadata={"help": "dataset: 'digits' (embedded), 'synthetic[:N]', or a path (ImageFolder / ImageNet layout with train/ and val/)"})
     out: str = field(default="runs/eval", metadata={"help": "output directory: results.json, results.md and the protocol's logs go here"})
+    overwrite: bool = field(default=False, metadata={"help": "write into an --out that is not empty and was not created by bt-hub (same-named files are replaced)"})
     arch: Optional[str] = field(default=None, metadata={"help": "backbone architecture (resnet18/34/50/101); overrides what the checkpoint implies"})
     small_image_stem: Optional[bool] = field(default=None, metadata={"help": "3x3 stem without max-pool (32-px data); default: what the checkpoint implies"})
     device: str = field(default="cpu", metadata={"help": "'cpu' or 'cuda' (autocast is used on CUDA)"})
@@ -40,3 +45,6 @@ class EvalConfig:
             raise ValueError(f"--device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.cache_dtype not in ("float32", "float16"):
             raise ValueError(f"--cache-dtype must be 'float32' or 'float16', got {self.cache_dtype!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device} was asked for but CUDA is not available; use --device cpu")
+        check_run_dir(self.out, overwrite=self.overwrite)

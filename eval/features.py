@@ -38,7 +38,7 @@ from torchvision import transforms
 from tqdm import tqdm
 
 from bt_hub.distributed import all_gather_cat, barrier, broadcast_object, get_rank, get_world_size, is_distributed, is_main_process
-from bt_hub.runs import atomic_write, atomic_write_json
+from bt_hub.runs import atomic_write, atomic_write_json, claim_run_dir
 from bt_hub.weights.registry import IMAGENET_MEAN, IMAGENET_STD, eval_transforms
 
 if TYPE_CHECKING:
@@ -339,6 +339,8 @@ def load_eval_backbone(config: "EvalConfig") -> tuple[nn.Module, str]:
     """The backbone named by ``--weights`` (``bt_hub.weights.load_backbone``) and its fingerprint."""
     from bt_hub.weights import load_backbone, weights_fingerprint
 
+    if is_main_process():  # every protocol starts here: claim --out before any work or write
+        claim_run_dir(config.out, overwrite=config.overwrite)
     backbone = load_backbone(config.weights, arch=config.arch, small_image_stem=config.small_image_stem, allow_non_finite=config.allow_non_finite)
     return backbone, weights_fingerprint(config.weights)
 

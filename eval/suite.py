@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from bt_hub.runs import atomic_write_json, atomic_write_text
+from bt_hub.runs import atomic_write_json, atomic_write_text, claim_run_dir
 from eval.config import EvalConfig
 from eval.report import render_table
 
@@ -56,7 +56,7 @@ def run(config: SuiteConfig) -> dict[str, Any]:
     from eval import knn, linear, semi_supervised
 
     tick = time.perf_counter()
-    out = Path(config.out)
+    out = claim_run_dir(config.out, overwrite=config.overwrite)
     cache_dir = config.cache_dir or str(out / "feature_cache")
     records = [knn.run(knn.KnnConfig(**_shared(config, out / "knn", cache_dir=cache_dir), k=list(config.knn_k)))]
     linear_extra = {"epochs": config.linear_epochs} if config.linear_epochs else {}

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 PRETRAIN = [
     "pretrain", "--data", "synthetic:64", "--arch", "resnet18", "--small-image-stem", "--image-size", "16",
-    "--projector", "256-256", "--batch-size", "16", "--epochs", "1", "--log-every", "1", "--device", "cuda",
+    "--projector", "256-256", "--batch-size", "16", "--epochs", "1", "--warmup-epochs", "1", "--log-every", "1", "--device", "cuda",
 ]
 
 
