@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 from bt_hub.runs import atomic_torch_save
-from bt_hub.weights.formats import read_file
+from bt_hub.weights.formats import non_finite_tensors, read_file
 
 CHECKPOINT_NAME = "checkpoint.pth"
 
@@ -97,17 +97,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def non_finite_tensors(state: Any, prefix: str = "") -> list[str]:
-    """Names of the floating-point tensors holding NaN or inf in a (nested) state dict."""
-    if isinstance(state, torch.Tensor):
-        return [prefix] if state.is_floating_point() and not bool(torch.isfinite(state).all()) else []
-    if isinstance(state, Mapping):
-        return [name for k, v in state.items() for name in non_finite_tensors(v, f"{prefix}.{k}" if prefix else str(k))]
-    if isinstance(state, (list, tuple)):
-        return [name for i, v in enumerate(state) for name in non_finite_tensors(v, f"{prefix}.{i}")]
-    return []
 
 
 def training_stopped(checkpoint: str | os.PathLike, step: int, what: str) -> str:

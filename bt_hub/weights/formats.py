@@ -373,12 +373,23 @@ def check_fits(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.T
 
 # --------------------------------------------------------------------------- checks
 
+def non_finite_tensors(state: Any, prefix: str = "") -> list[str]:
+    """Names of the floating-point tensors holding NaN or inf in a (nested) state dict."""
+    if isinstance(state, torch.Tensor):
+        return [prefix] if state.is_floating_point() and not bool(torch.isfinite(state).all()) else []
+    if isinstance(state, Mapping):
+        return [name for k, v in state.items() for name in non_finite_tensors(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(state, (list, tuple)):
+        return [name for i, v in enumerate(state) for name in non_finite_tensors(v, f"{prefix}.{i}")]
+    return []
+
+
 def check_finite(state: Mapping[str, torch.Tensor], source: str, *, allow: bool = False) -> None:
     """Raise one sentence naming ``source`` and the first tensors holding NaN or inf, unless ``allow``.
 
     Parameters and buffers alike (a diverged run leaves NaN in BatchNorm ``running_var``).
     """
-    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    bad = non_finite_tensors(state)
     if bad and not allow:
         raise CheckpointError(
             f"weights file {source} holds NaN or inf in {len(bad)} tensor{'s' if len(bad) > 1 else ''}, first {bad[:5]}, so bt_hub refuses to load it "
