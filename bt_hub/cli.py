@@ -30,6 +30,7 @@ class Command(NamedTuple):
 COMMANDS: dict[str, Command | dict[str, Command]] = {
     "demo": Command("eval.demo", "DemoConfig", "run_demo", "pretrain on the embedded digits set and score it (the README's first command)"),
     "pretrain": Command("bt_hub.pretrain", "PretrainConfig", "pretrain", "pretrain a backbone with the Barlow Twins loss"),
+    "report": Command("bt_hub.plots", "ReportConfig", "report", "draw a pretraining run's loss, cross-correlation matrices and kNN curve as PNG files"),
     "export": Command("bt_hub.checkpoint", "ExportConfig", "export", "convert weights to torchvision, safetensors, detectron2 or a Hugging Face folder"),
     "push": Command("bt_hub.hub", "PushConfig", "push", "upload weights to the Hugging Face Hub with a model card"),
     "eval": {
@@ -142,12 +143,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     namespace = parser.parse_args(rest)
     try:
         config = build_config(config_cls, namespace)
-        getattr(module, command.function)(config)
+        result = getattr(module, command.function)(config)
     except (ValueError, OSError, ImportError, RuntimeError) as err:
         if os.environ.get("BT_HUB_DEBUG"):
             raise
         print(f"bt-hub {' '.join(path)}: error: {err}", file=sys.stderr)
         return 2
+    if isinstance(result, list):  # files written (bt-hub report)
+        print("\n".join(str(item) for item in result))
     return 0
 
 

@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as nnf
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from tqdm import tqdm
 
 from bt_hub.augment import VIEW_A, VIEW_B, BatchedTwoViews, TwoViewTransform, ViewParams
 from bt_hub.checkpoint import save_safetensors
@@ -35,8 +34,10 @@ from bt_hub.decode import collate_list, read_encoded, resolve_decode, to_device_
 from bt_hub.distributed import barrier, cleanup_distributed, convert_sync_batchnorm, get_rank, get_world_size, init_distributed, is_main_process
 from bt_hub.loss import EPS, LossTerms, barlow_twins_loss
 from bt_hub.model import BACKBONES, BarlowTwins, parse_projector
+from bt_hub.monitor import KnnMonitor, TensorBoardScalars, monitor_sets
 from bt_hub.optim import LARS, param_groups, set_learning_rates
 from bt_hub.precision import autocast_dtype, resolve_precision
+from bt_hub.progress import progress
 from bt_hub.resume import CHECKPOINT_NAME, EpochBatchSampler, derive_seed, load_checkpoint, save_checkpoint, seeded_generator, set_rng_state
 from bt_hub.runs import RunDir, atomic_torch_save, atomic_write, atomic_write_json, atomic_write_text
 
@@ -59,6 +60,19 @@ class PretrainConfig:
             "data": "digits", "backbone": "resnet18", "small_image_stem": True, "projector": "512-512-512",
             "image_size": 16, "epochs": 10, "batch_size": 128, "warmup_epochs": 1, "views": "batched",
             "flip": False, "blur": False,
+        },
+        # 28-64 px data (CIFAR-10/100, STL-10 downscaled): solo-learn's CIFAR recipe
+        # (scripts/pretrain/cifar/barlow.yaml + augmentations/asymmetric.yaml: ResNet-18 with a
+        # 3x3 stem, projector 2048-2048-2048, batch 256, LARS lr 0.3 with eta 0.02, loss x 0.1,
+        # wd 1e-4, 10 warm-up epochs + cosine, 1000 epochs, no blur, solarise 0 / 0.2), in our
+        # units: LARS here has eta 0.001 and an unscaled loss, so the weights' lr is 0.3 x 0.02 /
+        # 0.001 = 6, the biases' (no LARS adaptation) 0.3 x 0.1 = 0.03 and the weight decay 1e-4 /
+        # 0.1 = 1e-3. lightly's CIFAR-10 benchmark (docs/.../cifar10_benchmark.py) also trains
+        # its Barlow Twins ResNet-18 with a 2048-d projector, batch 128-512 and no blur.
+        "cifar": {
+            "backbone": "resnet18", "small_image_stem": True, "projector": "2048-2048-2048", "image_size": 32,
+            "batch_size": 256, "lr_weights": 6.0, "lr_biases": 0.03, "weight_decay": 1e-3, "warmup_epochs": 10,
+            "epochs": 1000, "blur": False, "views": "batched",
         },
     }
 
@@ -301,6 +315,8 @@ def _train(config: PretrainConfig, device: torch.device) -> Path:
     warmup_steps = config.warmup_epochs * steps_per_epoch
     last_step = min(total_steps, config.max_steps) if config.max_steps else total_steps
 
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick its fastest kernels, as the reference does
     torch.manual_seed(config.seed)
     np.random.seed(config.seed % 2**32)
     random.seed(config.seed)
@@ -338,7 +354,13 @@ def _train(config: PretrainConfig, device: torch.device) -> Path:
         _save_probe(out / "cross_correlation_start.npy", model, probe)
 
     checkpoint_path = out / CHECKPOINT_NAME
-    bar = tqdm(total=last_step, initial=step, desc="pretrain", unit="step", disable=not is_main_process() or None, dynamic_ncols=True)
+    monitor = KnnMonitor(*monitor_sets(config.monitor_data or config.data, config.image_size, config.seed, config.monitor_size)) if config.monitor_knn and is_main_process() else None
+    scalars = TensorBoardScalars(out / "tensorboard") if config.tensorboard and is_main_process() else None
+    bar = progress(last_step, "pretrain", initial=step, unit="step", every=config.log_every, enabled=is_main_process())
+    postfix: dict[str, str] = {}
+    if monitor is not None and step == 0:
+        postfix["knn"] = f"{monitor(model.backbone, device, amp_dtype):.1f}"
+        run.log({"step": 0, "knn_top1": float(postfix["knn"])})
     model.train()
     while step < last_step:
         epoch = step // steps_per_epoch
@@ -346,7 +368,7 @@ def _train(config: PretrainConfig, device: torch.device) -> Path:
         loader = DataLoader(views, batch_sampler=sampler, num_workers=config.num_workers, pin_memory=device.type == "cuda",
                             collate_fn=collate_list if views.file_items else None,
                             generator=torch.Generator().manual_seed(derive_seed(config.seed, epoch, rank)))
-        tick = time.perf_counter()
+        tick, tick_step = time.perf_counter(), step
         for batch in loader:
             y_a, y_b = _views(batch, step, config, device, batched)
             rates = set_learning_rates(optimizer, step, total_steps, warmup_steps, config.batch_size)
@@ -361,16 +383,24 @@ def _train(config: PretrainConfig, device: torch.device) -> Path:
             scaler.step(optimizer)
             scaler.update()
             step += 1
-            now = time.perf_counter()
+            row: dict[str, Any] = {}
             if step % config.log_every == 0 or step == last_step:
-                run.log({
-                    "step": step, "epoch": epoch, "lr_weights": rates[0], "lr_biases": rates[1], "loss": loss,
+                now = time.perf_counter()
+                row.update({
+                    "epoch": epoch, "lr_weights": rates[0], "lr_biases": rates[1], "loss": loss,
                     "invariance": float(terms.invariance_term), "redundancy": float(terms.redundancy_term),
-                    "embedding_std": float(spread), "pairs_per_s": config.batch_size / max(now - tick, 1e-9),
+                    "embedding_std": float(spread), "pairs_per_s": config.batch_size * (step - tick_step) / max(now - tick, 1e-9),
                 })
-            tick = now
+                tick, tick_step = now, step
+            if monitor is not None and (step % config.monitor_knn == 0 or step == last_step):
+                row["knn_top1"] = monitor(model.backbone, device, amp_dtype)
+                postfix["knn"] = f"{row['knn_top1']:.1f}"
+            if row:
+                run.log({"step": step, **row})
+                if scalars is not None:
+                    scalars.log({"step": step, **row})
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4g}", epoch=epoch)
+            bar.set_postfix(loss=f"{loss:.4g}", epoch=epoch, **postfix)
             if step % steps_per_epoch == 0 or step == last_step or (config.checkpoint_every and step % config.checkpoint_every == 0):
                 if is_main_process():
                     save_checkpoint(checkpoint_path, model=model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
@@ -379,6 +409,8 @@ def _train(config: PretrainConfig, device: torch.device) -> Path:
             if step >= last_step:
                 break
     bar.close()
+    if scalars is not None:
+        scalars.close()
     if is_main_process():
         _save_probe(out / "cross_correlation_end.npy", model, probe)
         write_backbone(out, model, config, step, len(dataset))

@@ -12,7 +12,7 @@ from PIL import Image
 
 from bt_hub.augment import VIEW_A, VIEW_B, BatchedTwoViews, apply_view, apply_view_pil, sample_view_params, to_float_rgb
 from bt_hub.cli import main as cli_main
-from bt_hub.decode import decode_images, decode_on_cpu, device_decodable, read_encoded, resolve_decode
+from bt_hub.decode import decode_images, device_decodable, read_encoded, resolve_decode
 
 SIZES = [(37, 53), (64, 48), (20, 90), (75, 75), (33, 41)]
 
