@@ -186,7 +186,7 @@ def view_pair(config: PretrainConfig) -> tuple[ViewParams, ViewParams]:
 
 def _views(batch: Any, step: int, config: PretrainConfig, device: torch.device, batched: BatchedTwoViews | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The two view batches on the device (batched views are drawn per (seed, step, rank))."""
-    if isinstance(batch, list):  # image files of their own sizes: boxes drawn on the CPU, images decoded on the device
+    if batched is not None and isinstance(batch, list):  # image files of their own sizes: boxes drawn on the CPU, images decoded on the device
         y_a, y_b = batched(to_device_images(batch, device), generator=seeded_generator(config.seed, step, get_rank()))
     elif batched is not None:
         images = batch.to(device, non_blocking=True)
