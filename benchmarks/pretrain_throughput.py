@@ -249,7 +249,11 @@ def main() -> None:
         if key not in args.rows:
             continue
         tick = time.perf_counter()
-        rows[label] = run()
+        try:
+            rows[label] = run()
+        except (RuntimeError, ValueError, OSError) as err:  # one failed row (e.g. out of memory) keeps the others
+            print(f"{label}: failed after {time.perf_counter() - tick:.0f} s: {type(err).__name__}: {str(err)[:300]}", flush=True)
+            continue
         print(f"{label}: {rows[label]:.1f} images/s ({time.perf_counter() - tick:.0f} s)", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
