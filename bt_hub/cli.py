@@ -33,6 +33,7 @@ class Command(NamedTuple):
 COMMANDS: dict[str, Command | dict[str, Command]] = {
     "demo": Command("eval.demo", "DemoConfig", "run_demo", "pretrain on the embedded digits set and score it (the README's first command)"),
     "pretrain": Command("bt_hub.pretrain", "PretrainConfig", "pretrain", "pretrain a backbone with the Barlow Twins loss"),
+    "report": Command("bt_hub.plots", "ReportConfig", "report", "draw a pretraining run's loss, cross-correlation matrices and kNN curve as PNG files"),
     "export": Command("bt_hub.weights.export", "ExportConfig", "export", "convert weights to torchvision, safetensors, detectron2 or a Hugging Face folder"),
     "push": Command("bt_hub.weights.hf", "PushConfig", "push", "upload weights to the Hugging Face Hub with a model card"),
     "weights": {
@@ -166,6 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if isinstance(result, str):
         print(result)
+    elif isinstance(result, list):  # files written (bt-hub report)
+        print("\n".join(str(item) for item in result))
     return 0
 
 

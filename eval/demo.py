@@ -17,14 +17,12 @@ Everything is seeded by ``--seed``: two runs with the same flags give the same r
 from __future__ import annotations
 
 import copy
-import json
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Subset
@@ -34,8 +32,9 @@ from bt_hub.weights import load_backbone
 from bt_hub.data import build_dataset
 from bt_hub.label_subsets import balanced_subset_indices
 from bt_hub.model import build_backbone
+from bt_hub.plots import plot_accuracy_bars, run_plots, save_png
 from bt_hub.pretrain import PretrainConfig, pretrain
-from bt_hub.runs import atomic_write, atomic_write_json, atomic_write_text, package_version
+from bt_hub.runs import atomic_write_json, atomic_write_text, package_version
 from eval.features import IMAGENET_MEAN, IMAGENET_STD, TransformedDataset, eval_transform, extract_features
 from eval.knn import knn_classify
 from eval.linear import PRESET_VALUES, evaluate_features, train_on_features
@@ -156,52 +155,10 @@ def _finetune_on_subsets(backbone: nn.Module, train_set: Any, test_set: Any, con
 
 
 def _plots(out: Path, pretrain_dir: Path, table: dict[str, dict[str, float]], lambd: float) -> list[str]:
-    """loss.png, cross_correlation.png and accuracy.png; returns the names written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def save(fig: Any, name: str) -> str:
-        atomic_write(out / name, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
-        plt.close(fig)
-        return name
-
-    names = []
-    rows = [json.loads(line) for line in (pretrain_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot(steps, [r["loss"] for r in rows], label="loss", color="black")
-    ax.plot(steps, [r["invariance"] for r in rows], label="on-diagonal: Σ (1 − C_ii)²")
-    ax.plot(steps, [lambd * r["redundancy"] for r in rows], label=f"off-diagonal: λ Σ C_ij² (λ = {lambd})")
-    ax.set(xlabel="step", ylabel="loss", title="Barlow Twins loss during pretraining", yscale="log")
-    ax.legend()
-    names.append(save(fig, "loss.png"))
-
-    matrices = {t: np.load(pretrain_dir / f"cross_correlation_{t}.npy") for t in ("start", "end") if (pretrain_dir / f"cross_correlation_{t}.npy").exists()}
-    if matrices:
-        fig, axes = plt.subplots(1, len(matrices), figsize=(4.2 * len(matrices), 3.8), squeeze=False)
-        for ax, (when, c) in zip(axes[0], matrices.items()):
-            im = ax.imshow(c, cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
-            ax.set_title(f"C at the {when}: mean diag {np.diag(c).mean():.2f}, mean |off| {_off_diagonal_mean(c):.3f}", fontsize=8)
-            ax.set_xticks([]), ax.set_yticks([])
-        fig.colorbar(im, ax=list(axes[0]), shrink=0.8)
-        names.append(save(fig, "cross_correlation.png"))
-
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    width = 0.8 / len(table)
-    for i, (method, scores) in enumerate(table.items()):
-        xs = [j + i * width for j, col in enumerate(COLUMNS) if col in scores]
-        ax.bar(xs, [scores[col] for col in COLUMNS if col in scores], width, label=method)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(COLUMNS))], COLUMNS)
-    ax.set(ylabel="test top-1 (%)", ylim=(0, 100), title="Held-out digits accuracy")
-    ax.legend(fontsize=8, loc="lower right")
-    names.append(save(fig, "accuracy.png"))
-    return names
-
-
-def _off_diagonal_mean(c: np.ndarray) -> float:
-    return float(np.abs(c - np.diag(np.diag(c))).sum() / (c.size - len(c)))
+    """loss.png, cross_correlation.png (bt_hub.plots, as ``bt-hub report`` draws them) and accuracy.png; returns the names written."""
+    written = run_plots(pretrain_dir, out, lambd=lambd)
+    written.append(save_png(plot_accuracy_bars(table, COLUMNS, "Held-out digits accuracy"), out / "accuracy.png"))
+    return [path.name for path in written]
 
 
 def _report(config: DemoConfig, table: dict[str, dict[str, float]], timings: dict[str, float], plots: list[str], subsets: dict[int, list[int]], pretrain_dir: Path) -> str:

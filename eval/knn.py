@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from bt_hub.data import build_dataset
 from bt_hub.distributed import is_main_process, process_group
+from bt_hub.knn import knn_vote
 from bt_hub.optional import require
 from eval.config import EvalConfig
 from eval.features import as_float32, dataset_fingerprint, features_for, load_eval_backbone
@@ -117,31 +118,6 @@ def knn_search(
             best_idx[qs : qs + query_batch] = idxs.gather(1, order)
         del search, chunk
     return best_sim, best_idx
-
-
-def knn_vote(
-    similarities: torch.Tensor,
-    indices: torch.Tensor,
-    train_labels: torch.Tensor,
-    test_labels: torch.Tensor,
-    k: int,
-    temperature: float,
-    num_classes: int,
-) -> dict[str, float]:
-    """Top-1 / top-5 (percent) of the exp(sim / T)-weighted vote of the first ``k`` neighbours (DINO)."""
-    if k > similarities.shape[1]:
-        raise ValueError(f"k={k} exceeds the {similarities.shape[1]} neighbours searched")
-    train_labels = torch.as_tensor(train_labels).long()
-    test_labels = torch.as_tensor(test_labels).long()
-    neighbours = train_labels[indices[:, :k]]
-    weights = (similarities[:, :k] / temperature).exp()
-    votes = torch.zeros(len(neighbours), num_classes, dtype=torch.float32).scatter_add_(1, neighbours, weights)
-    predictions = votes.argsort(dim=1, descending=True, stable=True)
-    correct = predictions.eq(test_labels.view(-1, 1))
-    top1 = correct[:, :1].sum().item()
-    top5 = correct[:, : min(5, k, num_classes)].sum().item()
-    total = len(test_labels)
-    return {"top1": 100.0 * top1 / total, "top5": 100.0 * top5 / total}
 
 
 def knn_classify(
