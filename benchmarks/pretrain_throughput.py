@@ -1,7 +1,7 @@
 """Images per second of pretraining from JPEG files: the ceiling, bt_hub's pipeline and the reference loop.
 
     python benchmarks/pretrain_throughput.py                    # ResNet-50, 224 px, projector 8192-8192-8192, on CUDA
-    python benchmarks/pretrain_throughput.py --device cpu --backbone resnet18 --image-size 32 --projector 64-64 \\
+    python benchmarks/pretrain_throughput.py --device cpu --arch resnet18 --image-size 32 --projector 64-64 \\
         --batch-size 8 --warmup 1 --steps 2 --jpeg-size 64x48 --workers 1          # the CPU smoke run of the tests
 
 The script writes its own ImageNet-like JPEGs (``--jpeg-size`` 500x375, quality 90, textured
@@ -106,7 +106,7 @@ def _sync(device: torch.device) -> None:
 
 def _model(args: argparse.Namespace, device: torch.device) -> BarlowTwins:
     torch.manual_seed(0)
-    return BarlowTwins(args.backbone, args.projector).to(device)
+    return BarlowTwins(args.arch, args.projector).to(device)
 
 
 def ceiling(args: argparse.Namespace, device: torch.device, precision: str, compile_model: bool) -> float:
@@ -141,7 +141,7 @@ def bt_hub_pipeline(args: argparse.Namespace, data: Path, device: torch.device, 
     out = work / ("run_compiled" if compile_model else "run")
     shutil.rmtree(out, ignore_errors=True)
     config = PretrainConfig(
-        data=str(data), out=str(out), backbone=args.backbone, projector=args.projector, image_size=args.image_size,
+        data=str(data), out=str(out), backbone=args.arch, projector=args.projector, image_size=args.image_size,
         batch_size=args.batch_size, epochs=100, warmup_epochs=0, views="batched", decode=args.decode, precision=precision,
         channels_last=args.channels_last, compile=compile_model, num_workers=args.workers, device=str(device),
         max_steps=args.warmup + args.steps, log_every=args.warmup, checkpoint_every=0, probe_max_dim=0,
@@ -200,7 +200,7 @@ def _table(rows: dict[str, float], header: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--backbone", default="resnet50")
+    parser.add_argument("--arch", default="resnet50")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--projector", default="8192-8192-8192")
     parser.add_argument("--batch-size", type=int, default=256, help="images per step (each gives two views)")
@@ -229,7 +229,7 @@ def main() -> None:
     files = sorted(data.rglob("*.jpg"))
     mean_kb = statistics.mean(f.stat().st_size for f in files[:UNIQUE_IMAGES]) / 1024
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    header = (f"{args.backbone}, {args.image_size} px, projector {args.projector}, batch {args.batch_size}, {name}, precision {precision}, "
+    header = (f"{args.arch}, {args.image_size} px, projector {args.projector}, batch {args.batch_size}, {name}, precision {precision}, "
               f"{'channels-last' if args.channels_last else 'NCHW'}, {args.workers} workers, {len(files)} JPEGs {width}x{height} q90 "
               f"(mean {mean_kb:.0f} KB, made in {time.perf_counter() - tick:.0f} s); torch {torch.__version__}; "
               f"{args.steps} timed steps after {args.warmup}")

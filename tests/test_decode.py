@@ -137,8 +137,8 @@ def test_decode_auto_is_device_only_for_batched_views_on_cuda_and_device_needs_b
 
 
 def _folder_pretrain(data: Path, out: Path, *extra: str) -> list[dict]:
-    code = cli_main(["pretrain", "--data", str(data), "--out", str(out), "--backbone", "resnet18", "--small-image-stem", "--image-size", "16",
-                     "--projector", "32-32", "--batch-size", "6", "--epochs", "1", "--views", "batched", "--log-every", "1", "--probe-max-dim", "32", *extra])
+    code = cli_main(["pretrain", "--data", str(data), "--out", str(out), "--arch", "resnet18", "--small-image-stem", "--image-size", "16",
+                     "--projector", "32-32", "--batch-size", "6", "--epochs", "1", "--warmup-epochs", "1", "--views", "batched", "--log-every", "1", "--probe-max-dim", "32", *extra])
     assert code == 0
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.ddp
 
 # PIL views are seeded per (seed, epoch, index), so both layouts see the same views of the same images.
 FLAGS = [
-    "--data", "synthetic:40", "--backbone", "resnet18", "--small-image-stem", "--image-size", "8", "--projector", "32-32",
+    "--data", "synthetic:40", "--arch", "resnet18", "--small-image-stem", "--image-size", "8", "--projector", "32-32",
     "--batch-size", "8", "--epochs", "2", "--warmup-epochs", "0", "--lr-weights", "2.0", "--max-steps", "3",
     "--views", "pil", "--precision", "fp32", "--seed", "3", "--probe-max-dim", "0", "--checkpoint-every", "0",
 ]

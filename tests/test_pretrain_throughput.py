@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--device", "cpu", "--backbone", "resnet18", "--image-size", "32", "--projector", "64-64", "--batch-size", "8",
+TINY = ["--device", "cpu", "--arch", "resnet18", "--image-size", "32", "--projector", "64-64", "--batch-size", "8",
         "--warmup", "1", "--steps", "2", "--jpeg-size", "64x48", "--workers", "1", "--precision", "fp32"]
 
 
