@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from cli_output import one_sentence
+
 from bt_hub.cli import main as cli_main
 from bt_hub.model import build_backbone
 from bt_hub.augment import VIEW_A, VIEW_B
@@ -153,9 +155,9 @@ def test_a_diverging_run_keeps_only_an_all_finite_checkpoint_and_resuming_it_sto
     out = tmp_path / "run"
     flags = ["pretrain", *TINY, "--projector", "16-16", "--warmup-epochs", "0", "--lr-weights", "1e9", "--checkpoint-every", "1", "--out", str(out)]
     assert cli_main(flags) == 2
-    err = capsys.readouterr().err.strip()
+    err = one_sentence(capsys.readouterr().err)
     found = re.search(r"at step (\d+); training stopped and the last good checkpoint (\S+) \(step (\d+), every tensor finite\) is kept", err)
-    assert found and err.count("\n") == 0, err
+    assert found, err
     assert Path(found[2]) == out / "checkpoint.pth" and int(found[3]) == int(found[1]) - 1
     state = torch.load(out / "checkpoint.pth", weights_only=True)
     assert state["step"] == int(found[3]) and _all_finite(state)
@@ -205,8 +207,8 @@ def test_resume_without_a_checkpoint_restarts_the_metrics_and_a_cut_last_line_is
 )
 def test_bad_paths_and_flags_are_one_sentence_errors_naming_them(tmp_path, capsys, flags, message):
     code = cli_main(["pretrain", *TINY, "--out", str(tmp_path / "run"), *flags])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and message in err and err.count("\n") == 0
+    err = one_sentence(capsys.readouterr().err)
+    assert code == 2 and message in err
 
 
 def test_existing_run_is_not_overwritten_and_resume_checks_the_recipe(tmp_path, capsys):

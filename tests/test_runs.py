@@ -13,6 +13,8 @@ import textwrap
 import pytest
 import torch
 
+from cli_output import one_sentence
+
 from bt_hub.cli import main as cli_main
 from bt_hub.runs import MARKER_NAME, RunDir, RunLock, WriteError, atomic_torch_save, atomic_write_text, claim_run_dir, read_jsonl
 
@@ -25,9 +27,7 @@ TINY = [
 
 
 def _error(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0, f"expected one sentence, got: {err}"
-    return err
+    return one_sentence(capsys.readouterr().err)
 
 
 def test_pretrain_refuses_a_non_empty_directory_it_did_not_create_and_touches_nothing(tmp_path, capsys):
