@@ -11,7 +11,6 @@ loads it) and ``README.md``, a model card whose ``model-index`` comes from evalu
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from bt_hub.checkpoint import load_backbone, read_projector_state_dict, save_saf
 from bt_hub.formats import infer_architecture, projector_spec
 from bt_hub.model import BarlowTwins
 from bt_hub.optional import require
+from bt_hub.results import card_table, data_label, read_records, task_label
 from bt_hub.runs import atomic_write_json, atomic_write_text, package_version
 from bt_hub.weights import IMAGENET_MEAN, IMAGENET_STD
 
@@ -36,40 +36,19 @@ _TASKS = {"detect": "object-detection", "detection": "object-detection", "voc07+
 ModelLike = Union[nn.Module, str, os.PathLike]
 
 
-def _read_results(results: Iterable[Union[str, os.PathLike, Mapping[str, Any]]]) -> list[dict[str, Any]]:
-    """Evaluation results as dicts, from ``results.json`` paths or dicts (a file may hold a list)."""
-    rows: list[dict[str, Any]] = []
-    for item in results:
-        if isinstance(item, Mapping):
-            rows.append(dict(item))
-            continue
-        path = Path(item)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"results file {path} is not readable JSON ({err})") from err
-        for row in data if isinstance(data, list) else [data]:
-            if not isinstance(row, Mapping) or not isinstance(row.get("metrics"), Mapping):
-                raise ValueError(f"results file {path} lacks a 'metrics' object; expected the JSON that bt-hub eval writes")
-            rows.append(dict(row))
-    return rows
-
-
 def _eval_results(rows: list[dict[str, Any]]) -> list[Any]:
+    """The card's model-index entries: one per run and metric, named by what the run was (bt_hub.results)."""
     hf = require("huggingface_hub", "writing a model card")
     out = []
     for row in rows:
         protocol = str(row.get("protocol", "evaluation"))
-        preset = row.get("preset")
-        dataset = row.get("dataset") or "unknown"
-        dataset_name = dataset.get("name", "unknown") if isinstance(dataset, Mapping) else str(dataset)
+        dataset_name = data_label(row) or "unknown"
         task_type = _TASKS.get(protocol.split("-")[0], "image-classification")
         for metric, value in (row.get("metrics") or {}).items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 out.append(hf.EvalResult(
-                    task_type=task_type, task_name=f"{protocol} ({preset})" if preset else protocol,
-                    dataset_type=Path(dataset_name).name or dataset_name, dataset_name=dataset_name,
-                    metric_type=metric, metric_name=metric, metric_value=float(value),
+                    task_type=task_type, task_name=task_label(row), dataset_type=dataset_name, dataset_name=dataset_name,
+                    metric_type=metric, metric_name=metric, metric_value=round(float(value), 1),
                 ))
     return out
 
@@ -87,11 +66,6 @@ def model_card(config: Mapping[str, Any], results: list[dict[str, Any]], *, name
     recipe = {k: config[k] for k in ("dataset", "epochs", "projector", "lambd", "image_size") if k in config}
     recipe.update(config.get("recipe") or {})
     recipe_rows = "\n".join(f"| {k} | {v} |" for k, v in recipe.items()) or "| (not recorded) | |"
-    result_rows = "\n".join(
-        f"| {r.get('protocol', '')} | {r.get('preset', '')} | {r.get('dataset', '')} | "
-        + ", ".join(f"{k} {v}" for k, v in (r.get("metrics") or {}).items()) + " |"
-        for r in results
-    ) or "| (none given) | | | |"
     timm_usage = (
         f'```python\nimport timm                                           # the same weights as a timm feature extractor\n'
         f'model = timm.create_model("hf-hub:{name}", pretrained=True, num_classes=0)\n```\n'
@@ -130,9 +104,7 @@ backbone = load_backbone("hf://{name}")
 
 ## Evaluation
 
-| protocol | preset | dataset | metrics |
-|---|---|---|---|
-{result_rows}
+{card_table(results)}
 """
 
 
@@ -196,7 +168,7 @@ def save_pretrained(
     if projector:
         save_safetensors(projector, folder / "projector.safetensors", {"format": "pt"})
     atomic_write_json(folder / "config.json", ours)
-    atomic_write_text(folder / "README.md", model_card(ours, _read_results(results), name=name or folder.resolve().name, license=license))
+    atomic_write_text(folder / "README.md", model_card(ours, read_records(results), name=name or folder.resolve().name, license=license))
     return folder
 
 
@@ -252,7 +224,7 @@ class PushConfig:
     private: bool = field(default=False, metadata={"help": "create the repository as private"})
     token: Optional[str] = field(default=None, metadata={"help": "Hub token (default: HF_TOKEN or the cached login)"})
     revision: Optional[str] = field(default=None, metadata={"help": "branch to commit to (default: main)"})
-    results: list[str] = field(default_factory=list, metadata={"help": "evaluation results.json files for the model card"})
+    results: list[str] = field(default_factory=list, metadata={"help": "evaluation results for the model card: results.json of bt-hub eval or eval all, or a results.jsonl"})
     license: str = field(default="apache-2.0", metadata={"help": "license in the model card"})
     commit_message: str = field(default="Upload Barlow Twins weights with bt_hub", metadata={"help": "commit message"})
 

@@ -1,4 +1,4 @@
-"""Label subsets for semi-supervised evaluation (PROTOCOLS.md §2).
+"""Label subsets for semi-supervised evaluation (docs/protocols.md, "Classification evaluations").
 
 Two sources:
 
