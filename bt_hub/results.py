@@ -56,6 +56,9 @@ PAPER_RESULTS: dict[str, dict[str, float]] = {
     "places205_linear": {"top1": 54.1},
     "voc07_svm": {"mAP": 86.2},
     "inat18_linear": {"top1": 46.5},
+    "voc07+12_faster_rcnn_c4": {"AP": 56.8, "AP50": 82.6, "AP75": 63.4},
+    "coco_mask_rcnn_c4_1x_box": {"AP": 39.2, "AP50": 59.0, "AP75": 42.5},
+    "coco_mask_rcnn_c4_1x_mask": {"AP": 34.3, "AP50": 56.0, "AP75": 36.5},
 }
 # (dataset, setting in the words of ``setting``) of each paper number, for its row beside ours.
 PAPER_SETTINGS = {

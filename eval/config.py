@@ -37,7 +37,7 @@ class EvalConfig:
     arch: Optional[str] = field(default=None, metadata={"help": "backbone architecture (resnet18/34/50/101); overrides what the checkpoint implies"})
     small_image_stem: Optional[bool] = field(default=None, metadata={"help": "3x3 stem without max-pool (32-px data); default: what the checkpoint implies"})
     device: str = field(default="cpu", metadata={"help": "'cpu' or 'cuda' (autocast is used on CUDA)"})
-    batch_size: int = field(default=256, metadata={"help": "images per forward pass during feature extraction"})
+    batch_size: int = field(default=256, metadata={"help": "images per batch: of feature extraction, and the training batch of linear, transfer and semi (global under torchrun)"})
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes"})
     image_size: int = field(default=224, metadata={"help": "crop side; the test transform is Resize(image_size*256/224) + CenterCrop(image_size); digits and synthetic are drawn at this size"})
     seed: int = field(default=0, metadata={"help": "seed of every random choice (data split, holdout, initialisation, sampling)"})

@@ -31,7 +31,7 @@ from torch.utils.data import Dataset, Subset
 
 from bt_hub.data import SPLITS, ArrayImageDataset, build_dataset
 from eval.features import dataset_fingerprint
-from eval.label_subsets import sha256_of
+from eval.label_subsets import balanced_subset_indices, sha256_of
 
 OVERLAP_SAMPLE = 64  # test images whose bytes are compared with the training split's
 OVERLAP_SHARE = 0.1  # refuse when this share of the sample (and at least 2) is found in train
@@ -155,15 +155,9 @@ def stratified_holdout(targets: Sequence[int] | np.ndarray, fraction: float, see
     """
     if not 0 < fraction < 1:
         raise ValueError(f"--holdout must be a fraction in (0, 1), got {fraction}")
-    targets = np.asarray(targets)
-    rng = np.random.default_rng(seed)
-    held: list[int] = []
-    for c in np.unique(targets):
-        members = np.flatnonzero(targets == c)
-        k = min(max(1, round(len(members) * fraction)), len(members) - 1)
-        held.extend(rng.permutation(members)[:k].tolist())
+    held = balanced_subset_indices(targets, 100 * fraction, seed, leave_one=True)
     held_set = set(held)
-    return [i for i in range(len(targets)) if i not in held_set], sorted(held)
+    return [i for i in range(len(targets)) if i not in held_set], held
 
 
 def indices_sha256(indices: Sequence[int]) -> str:

@@ -13,21 +13,16 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from bt_hub import cli
-from bt_hub.model import build_backbone
 
 PALETTE = np.array([[220, 40, 40], [40, 200, 40], [40, 40, 220]])
 
 
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("w") / "r18.pth"
-    torch.save(build_backbone("resnet18", small_image_stem=True).state_dict(), path)
-    return path
+@pytest.fixture
+def weights(small_stem_weights):
+    return small_stem_weights
 
 
 def _planted(root, move_test_labels=False, per_class=6, size=8):
@@ -95,3 +90,6 @@ def test_semi_supervised_fine_tuning_separates_colours_with_half_the_labels(weig
     record = _run(["eval", "semi", "--preset", "small", "--fraction", "50", "--epochs", "3", "--weights", str(weights),
                    "--data", str(_colours(tmp_path / "data")), "--image-size", "8"], tmp_path / "semi")
     assert record["labels"]["count"] == 12 and record["metrics"]["top1"] == 100.0
+    assert (record["hyperparameters"]["crop_scale_min"], record["hyperparameters"]["flip"]) == (0.4, False)
+    assert record["warnings"] == ["preset 'small' assumes at least 4 batches per epoch (12 training images in batches of 32 make 1); "
+                                  "its hyper-parameters may not fit: see --help for the other presets (paper, reference) or set the flags"]

@@ -105,3 +105,15 @@ def test_cli_semi_rejects_a_list_naming_absent_files(resnet18_weights, tmp_path,
     err = capsys.readouterr().err
     assert "names 2 of its 3 files that are not in the dataset" in err and "n09999999_1.JPEG" in err
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_a_preset_far_from_the_data_is_one_warning_naming_what_differs():
+    from eval.config import preset_warnings
+
+    paper = from_preset(SemiSupervisedConfig, "paper", weights="w", image_size=32)
+    (message,) = preset_warnings(paper, num_classes=10, train_images=14, image_side=8)
+    assert message.startswith("preset 'paper' assumes 1000 classes (the data has 10), images of about 224 px (the data's are 8 px), "
+                              "at least 4 batches per epoch (14 training images in batches of 256 make 1)")
+    small = from_preset(SemiSupervisedConfig, "small", weights="w", image_size=32)
+    assert preset_warnings(small, num_classes=10, train_images=144, image_side=32) == []
+    assert preset_warnings(SemiSupervisedConfig(weights="w"), num_classes=1000, train_images=12_811, image_side=375) == []  # ImageNet 1%

@@ -27,16 +27,9 @@ def _folder(root, classes=("a", "b", "c"), per_class=5, size=8, seed=0):
     return root
 
 
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    import torch
-
-    from bt_hub.model import build_backbone
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("w") / "r18.pth"
-    torch.save(build_backbone("resnet18", small_image_stem=True).state_dict(), path)
-    return path
+@pytest.fixture
+def weights(small_stem_weights):
+    return small_stem_weights
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
