@@ -63,7 +63,6 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -
     """Add one flag per dataclass field (``field_name`` -> ``--field-name``)."""
     hints = typing.get_type_hints(config_cls)
     presets = presets_of(config_cls)
-    preset_help = f"presets (named sets of flag values; flags given override them): {describe_presets(config_cls)}"
     for f in dataclasses.fields(config_cls):
         if not f.init:
             continue
@@ -86,7 +85,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -
             kwargs["choices"] = meta["choices"]
         if f.name == "preset" and presets:
             kwargs["choices"] = list(presets)
-            kwargs["help"] = preset_help.replace("%", "%%")
+            kwargs["help"] = f"{kwargs['help']}: {describe_presets(config_cls)}".replace("%", "%%")
         if meta.get("positional"):
             kwargs["nargs"] = meta.get("nargs", "*")
             parser.add_argument(f.name, **kwargs)
@@ -97,6 +96,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -
             kwargs["help"] = f"{kwargs['help']} (default: {f.default})".strip()
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
     if presets and not any(f.name == "preset" for f in dataclasses.fields(config_cls)):
+        preset_help = f"named sets of flag values; flags given override them: {describe_presets(config_cls)}"
         parser.add_argument("--preset", choices=list(presets), default=argparse.SUPPRESS, help=preset_help.replace("%", "%%"))
 
 

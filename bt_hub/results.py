@@ -207,14 +207,15 @@ def label_fraction(record: Mapping[str, Any]) -> Optional[float]:
 
 
 def labels_text(record: Mapping[str, Any]) -> str:
-    """``1% labels (seeded class-balanced)`` / ``10% labels (SimCLR list 10percent.txt)``; '' when not semi."""
+    """``1% labels (seeded class-balanced, seed 0)``, ``10% labels (SimCLR list 10percent.txt)``; '' when not semi."""
     pct = label_fraction(record)
     if pct is None:
         return ""
     labels = record.get("labels") or {}
     source = labels.get("source")
     if source == "list":
-        source = f"SimCLR list {labels.get('published') or labels.get('file')}"
+        published = labels.get("published")
+        source = f"SimCLR list {published}" if published else f"list {labels.get('file')}, sha256 {str(labels.get('sha256'))[:8]}"
     elif source == "seeded":
         source = f"seeded class-balanced, seed {labels.get('seed')}"
     return f"{_number(pct)}% labels" + (f" ({source})" if source else "")

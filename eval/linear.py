@@ -86,7 +86,7 @@ class LinearConfig(EvalConfig):
         "small": {"num_classes": 10, "image_size": 16},
     }
 
-    preset: str = field(default="imagenet", metadata={"help": "named hyper-parameters; flags given override them"})
+    preset: str = field(default="imagenet", metadata={"help": "named sets of flag values; flags given override them"})
     epochs: int = field(default=100, metadata={"help": "training epochs"})
     lr: float = field(default=0.3, metadata={"help": "base LR for a batch of 256 images in all"})
     weight_decay: float = field(default=1e-6, metadata={"help": "SGD weight decay"})
@@ -120,7 +120,7 @@ class TransferConfig(LinearConfig):
     default preset is ``places205``.
     """
 
-    preset: str = field(default="places205", metadata={"help": "named hyper-parameters; flags given override them"})
+    preset: str = field(default="places205", metadata={"help": "named sets of flag values; flags given override them"})
 
 
 def run(config: LinearConfig) -> dict[str, Any]:

@@ -102,7 +102,7 @@ class SemiSupervisedConfig(EvalConfig):
         "small": {"num_classes": 10, "image_size": 16},
     }
 
-    preset: str = field(default="paper", metadata={"help": "named hyper-parameters; flags given override them"})
+    preset: str = field(default="paper", metadata={"help": "named sets of flag values; flags given override them"})
     fraction: Optional[int] = field(default=None, metadata={"help": "percent of the labels, class-balanced and seeded (1 or 10 in the paper); default 1 unless --subset-file is given"})
     subset_file: Optional[str] = field(default=None, metadata={"help": "SimCLR-format list of labelled training files (e.g. 1percent.txt), matched by file name"})
     epochs: int = field(default=20, metadata={"help": "fine-tuning epochs"})

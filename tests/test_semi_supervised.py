@@ -94,6 +94,7 @@ def test_cli_semi_with_a_subset_file_uses_the_listed_images(resnet18_weights, tm
     record = json.loads((out / "results.json").read_text())
     assert (record["labels"]["count"], record["labels"]["source"], record["labels"]["file"]) == (2, "list", "mine.txt")
     assert record["labels"]["published"] is None and len(record["labels"]["sha256"]) == 64
+    assert f"| ours: semi | 33.33% labels (list mine.txt, sha256 {record['labels']['sha256'][:8]}); preset paper;" in (out / "results.md").read_text()
 
 
 def test_cli_semi_rejects_a_list_naming_absent_files(resnet18_weights, tmp_path, capsys):
