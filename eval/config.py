@@ -3,8 +3,8 @@
 Each protocol's config dataclass subclasses it and adds its own fields; the CLI turns
 every field into a kebab-case flag whose help is the field's ``metadata["help"]``.
 Presets are named sets of field values (``PRESETS``, bt_hub.presets); ``PRESET_ASSUMPTIONS``
-says what data each preset was set for, and ``preset_warnings`` says when the data is far
-from it.
+says what data each preset was set for; ``warn_about_settings`` says when the data is far
+from it, or when a step schedule's milestones never fire.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 class PresetWarning(UserWarning):
-    """A preset's assumptions (classes, image size, batches per epoch) are far from the data's."""
+    """A preset's assumptions (classes, image size, batches per epoch) are far from the data's, or its schedule idles."""
 
 
 @dataclass
@@ -99,9 +99,21 @@ def preset_warnings(config: Any, *, num_classes: int, train_images: int, image_s
     return [f"preset {name!r} assumes " + ", ".join(found) + f"; its hyper-parameters may not fit: see --help for the other presets ({', '.join(others)}) or set the flags"]
 
 
-def warn_if_preset_misfits(config: Any, splits: "Splits", *, train_images: int) -> list[str]:
-    """``preset_warnings`` for a run's splits, each also issued as a ``PresetWarning``; returns them for the results."""
+def schedule_warnings(config: Any) -> list[str]:
+    """One sentence when a step schedule's milestones fall at or after the last epoch (they never fire), else []."""
+    if getattr(config, "schedule", None) != "step":
+        return []
+    idle = [m for m in config.milestones if m >= config.epochs]
+    if not idle:
+        return []
+    return [f"--milestones {' '.join(map(str, idle))} never fire in {config.epochs} epochs, so the LR never drops there: "
+            "lower --milestones or use --schedule cosine"]
+
+
+def warn_about_settings(config: Any, splits: "Splits", *, train_images: int) -> list[str]:
+    """``preset_warnings`` and ``schedule_warnings`` of a run, each issued as a ``PresetWarning``; returns them for the results."""
     messages = preset_warnings(config, num_classes=len(splits.classes), train_images=train_images, image_side=splits.image_side())
+    messages += schedule_warnings(config)
     for message in messages:
         warnings.warn(message, PresetWarning, stacklevel=2)
     return messages

@@ -32,7 +32,7 @@ from torch import nn
 from bt_hub.distributed import is_distributed, is_main_process, process_group
 from bt_hub.runs import RunDir
 from eval.classifier import evaluate_features, evaluate_loader, make_classifier, make_loader, train_classifier, train_on_features
-from eval.config import EvalConfig, warn_if_preset_misfits
+from eval.config import EvalConfig, warn_about_settings
 from eval.features import TransformedDataset, eval_transform, features_for, load_eval_backbone, train_transform
 from eval.report import write_results
 from eval.splits import splits_for
@@ -140,7 +140,7 @@ def _run(config: LinearConfig, device: torch.device) -> dict[str, Any]:
     torch.manual_seed(config.seed)
     backbone, weights_id = load_eval_backbone(config)
     splits = splits_for(config)
-    warned = warn_if_preset_misfits(config, splits, train_images=len(splits.train))
+    warned = warn_about_settings(config, splits, train_images=len(splits.train))
     num_classes = len(splits.classes)
     run_dir = RunDir(config.out, config, write=is_main_process())
     schedule = {"epochs": config.epochs, "weight_decay": config.weight_decay, "momentum": config.momentum,

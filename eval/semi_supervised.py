@@ -31,7 +31,7 @@ from torch.utils.data import Dataset, Subset
 
 from bt_hub.distributed import convert_sync_batchnorm, is_distributed, is_main_process, process_group
 from eval.classifier import evaluate_loader, make_classifier, make_loader, train_classifier
-from eval.config import EvalConfig, warn_if_preset_misfits
+from eval.config import EvalConfig, warn_about_settings
 from eval.features import TransformedDataset, eval_transform, load_eval_backbone, train_transform
 from eval.label_subsets import read_subset_file, subset_indices
 from eval.report import write_results
@@ -155,7 +155,7 @@ def _run(config: SemiSupervisedConfig, device: torch.device) -> dict[str, Any]:
     backbone, weights_id = load_eval_backbone(config)
     splits = splits_for(config)
     indices = subset_indices(splits.train, percent=config.fraction, subset_file=config.subset_file, seed=config.seed)
-    warned = warn_if_preset_misfits(config, splits, train_images=len(indices))
+    warned = warn_about_settings(config, splits, train_images=len(indices))
     augment = train_transform(config.image_size, crop_scale_min=config.crop_scale_min, flip=config.flip)
     metrics = finetune(
         backbone, len(splits.classes),

@@ -181,3 +181,6 @@ def test_cli_eval_all_runs_every_protocol_sharing_one_feature_cache(resnet18_wei
     table = (out / "results.md").read_text()
     assert all(title in table for title in ("Linear evaluation", "Semi-supervised", "Weighted kNN"))
     assert all((out / sub / "results.json").exists() for sub in ("knn", "linear", "semi_1percent", "semi_10percent"))
+    from bt_hub.results import read_records
+
+    assert [r["protocol"] for r in read_records([out / "results.json"])] == ["knn", "linear", "semi", "semi"]  # what push --results reads

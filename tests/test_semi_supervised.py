@@ -118,3 +118,14 @@ def test_a_preset_far_from_the_data_is_one_warning_naming_what_differs():
     small = from_preset(SemiSupervisedConfig, "small", weights="w", image_size=32)
     assert preset_warnings(small, num_classes=10, train_images=144, image_side=32) == []
     assert preset_warnings(SemiSupervisedConfig(weights="w"), num_classes=1000, train_images=12_811, image_side=375) == []  # ImageNet 1%
+
+
+def test_milestones_that_never_fire_are_a_warning():
+    from eval.config import schedule_warnings
+
+    assert schedule_warnings(SemiSupervisedConfig(weights="w", epochs=5)) == [
+        "--milestones 12 16 never fire in 5 epochs, so the LR never drops there: lower --milestones or use --schedule cosine"]
+    assert schedule_warnings(SemiSupervisedConfig(weights="w", epochs=14)) == [
+        "--milestones 16 never fire in 14 epochs, so the LR never drops there: lower --milestones or use --schedule cosine"]
+    assert schedule_warnings(SemiSupervisedConfig(weights="w")) == []
+    assert schedule_warnings(from_preset(SemiSupervisedConfig, "small", weights="w", epochs=5)) == []  # cosine
