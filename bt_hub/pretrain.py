@@ -359,7 +359,7 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
     checkpoint_path = out / CHECKPOINT_NAME
     monitor = KnnMonitor(*monitor_sets(config.monitor_data or config.data, config.image_size, config.seed, config.monitor_size)) if config.monitor_knn and is_main_process() else None
     scalars = TensorBoardScalars(out / "tensorboard") if config.tensorboard and is_main_process() else None
-    bar = progress(last_step, "pretrain", initial=step, unit="step", every=config.log_every, enabled=is_main_process())
+    bar = progress(None, "pretrain", total=last_step, initial=step, unit="step", every=config.log_every)
     postfix: dict[str, str] = {}
     if monitor is not None and step == 0:
         postfix["knn"] = f"{monitor(model.backbone, device, amp_dtype):.1f}"

@@ -115,7 +115,7 @@ def test_detect_trains_twenty_iterations_with_falling_loss_and_writes_ap(alias, 
     assert set(record["metrics"]) == {f"{t}_{m}" for t in tasks for m in ("AP", "AP50", "AP75")}
     assert all(isinstance(v, float) and 0.0 <= v <= 100.0 for v in record["metrics"].values()), record["metrics"]
     assert (record["protocol"], record["preset"], record["seed"]) == ("detect", alias, 3)
-    assert record["weights_sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
+    assert record["weights"]["fingerprint"] == hashlib.sha256(source.read_bytes()).hexdigest()
     assert [t["seed"] for t in record["notes"]["trials"]] == [3]
     assert record["hyperparameters"]["detectron2"]["SOLVER"]["MAX_ITER"] == 20
     if alias == "voc":  # detectron2's VOC evaluator uses the 11-point AP for the 2007 test set

@@ -113,7 +113,7 @@ def test_model_card_and_config_carry_metadata_recipe_and_results(tmp_path):
     assert {"barlow-twins", "self-supervised-learning", "image-feature-extraction"} <= set(data["tags"])
     assert data["datasets"] == ["imagenet"]
     metrics = {(r.task_name, r.metric_type): r.metric_value for r in card.data.eval_results}
-    assert metrics == {("linear (paper)", "top1"): 73.5, ("linear (paper)", "top5"): 91.0, ("voc07-svm", "mAP"): 86.2}
+    assert metrics == {("linear (preset paper)", "top1"): 73.5, ("linear (preset paper)", "top5"): 91.0, ("voc07-svm", "mAP"): 86.2}
     assert 'from_pretrained("bt/card")' in card.text and "| epochs | 1000 |" in card.text
     config = json.loads((folder / "config.json").read_text())
     assert config["architecture"] == "resnet18" and config["projector"] == "16-16" and config["epochs"] == 1000

@@ -63,7 +63,7 @@ def test_line_progress_writes_every_n_steps_and_the_last_one_on_close():
     lines = stream.getvalue().splitlines()
     assert [line.split(",")[0] for line in lines] == ["job: 3/7 step (43%)", "job: 6/7 step (86%)", "job: 7/7 step (100%)"]
     assert lines[-1].endswith("loss=1.5")
-    assert type(progress(5, "x", file=stream)).__name__ == "LineProgress"
+    assert isinstance(progress(None, "x", total=5, stream=stream), LineProgress)
 
 
 def test_monitor_queries_are_held_out_images_and_its_vote_is_the_eval_knn_vote():

@@ -78,7 +78,7 @@ def test_eval_and_detect_with_a_registered_name_read_the_listed_cache_path_offli
     argv = ["eval", "knn", "--weights", "barlowtwins-in1k", "--data", "synthetic:40", "--image-size", "16", "--k", "5", "--out", str(out)]
     assert cli.main(argv) == 0, capsys.readouterr().err
     result = json.loads((out / "results.json").read_text())
-    assert result["weights"] == "barlowtwins-in1k" and result["weights_sha256"] == file_sha256(path)
+    assert result["weights"] == {"name": "barlowtwins-in1k", "fingerprint": file_sha256(path)}
     from eval.detection.train_net import prepare_weights  # bt-hub detect's converter goes through the same resolve
 
     pkl, tensors = prepare_weights("barlowtwins-in1k", tmp_path / "detect")
@@ -242,8 +242,7 @@ def test_a_bare_hub_id_works_in_eval_and_barlow_twins_through_a_loopback_hub(tmp
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.splitlines()[0]) == {"lambd": 0.1, "projector": "32-16"}
     record = json.loads((tmp_path / "knn" / "results.json").read_text())
-    assert record["weights"] == "bt/digits"
-    assert record["weights_sha256"] == hashlib.sha256(files["model.safetensors"]).hexdigest()
+    assert record["weights"] == {"name": "bt/digits", "fingerprint": hashlib.sha256(files["model.safetensors"]).hexdigest()}
     assert ("GET", "/bt/digits/resolve/main/projector.safetensors") in hub.requests
 
 

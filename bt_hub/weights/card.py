@@ -8,15 +8,13 @@ table is rendered by ``results_section`` alone.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Mapping, Optional
 
 from torchvision import transforms as T
 
 from bt_hub.optional import require
+from bt_hub.results import card_table, data_label, task_label
 from bt_hub.weights.registry import IMAGENET_MEAN, IMAGENET_STD, transforms_for
 
 TAGS = ["barlow-twins", "self-supervised-learning", "image-feature-extraction", "pytorch", "timm", "bt_hub"]
@@ -26,52 +24,26 @@ SMALL_STEM_TIMM_ARG = "bt_hub_small_image_stem"
 _TASKS = {"detect": "object-detection", "detection": "object-detection", "voc07+12": "object-detection", "coco": "object-detection"}
 
 
-def read_results(results: Iterable[Union[str, os.PathLike, Mapping[str, Any]]]) -> list[dict[str, Any]]:
-    """Evaluation results as dicts, from ``results.json`` paths or dicts (a file may hold a list)."""
-    rows: list[dict[str, Any]] = []
-    for item in results:
-        if isinstance(item, Mapping):
-            rows.append(dict(item))
-            continue
-        path = Path(item)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"results file {path} is not readable JSON ({err})") from err
-        for row in data if isinstance(data, list) else [data]:
-            if not isinstance(row, Mapping) or not isinstance(row.get("metrics"), Mapping):
-                raise ValueError(f"results file {path} lacks a 'metrics' object; expected the JSON that bt-hub eval writes")
-            rows.append(dict(row))
-    return rows
-
-
 def _eval_results(rows: list[dict[str, Any]]) -> list[Any]:
+    """The card's model-index entries: one per run and metric, named by what the run was (bt_hub.results)."""
     hf = require("huggingface_hub", "writing a model card")
     out = []
     for row in rows:
         protocol = str(row.get("protocol", "evaluation"))
-        preset = row.get("preset")
-        dataset = row.get("dataset") or "unknown"
-        dataset_name = dataset.get("name", "unknown") if isinstance(dataset, Mapping) else str(dataset)
+        dataset_name = data_label(row) or "unknown"
         task_type = _TASKS.get(protocol.split("-")[0], "image-classification")
         for metric, value in (row.get("metrics") or {}).items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 out.append(hf.EvalResult(
-                    task_type=task_type, task_name=f"{protocol} ({preset})" if preset else protocol,
-                    dataset_type=Path(dataset_name).name or dataset_name, dataset_name=dataset_name,
-                    metric_type=metric, metric_name=metric, metric_value=float(value),
+                    task_type=task_type, task_name=task_label(row), dataset_type=dataset_name, dataset_name=dataset_name,
+                    metric_type=metric, metric_name=metric, metric_value=round(float(value), 1),
                 ))
     return out
 
 
 def results_section(results: list[dict[str, Any]]) -> str:
-    """The card's "Evaluation" table: one row per results record."""
-    rows = "\n".join(
-        f"| {r.get('protocol', '')} | {r.get('preset', '')} | {r.get('dataset', '')} | "
-        + ", ".join(f"{k} {v}" for k, v in (r.get("metrics") or {}).items()) + " |"
-        for r in results
-    ) or "| (none given) | | | |"
-    return f"## Evaluation\n\n| protocol | preset | dataset | metrics |\n|---|---|---|---|\n{rows}\n"
+    """The card's "Evaluation" table: one row per run and metric, with the paper's number for the same protocol."""
+    return f"## Evaluation\n\n{card_table(results)}\n"
 
 
 def preprocessing(config: Mapping[str, Any]) -> tuple[int, int]:

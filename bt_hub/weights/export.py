@@ -22,8 +22,9 @@ from typing import Any, Iterable, Literal, Mapping, Optional, Union
 
 import torch
 
+from bt_hub.results import read_records
 from bt_hub.runs import atomic_write, atomic_write_json, atomic_write_text, package_version
-from bt_hub.weights.card import model_card, read_results, timm_fields
+from bt_hub.weights.card import model_card, timm_fields
 from bt_hub.weights.formats import infer_architecture, projector_spec, torchvision_to_detectron2_key
 from bt_hub.weights.load import load_backbone, read_projector_state_dict
 
@@ -158,7 +159,7 @@ def save_hf_folder(
     """
     folder = Path(folder)
     check_hf_target(folder, force=force)
-    rows = read_results(results)
+    rows = read_records(results)
     state = _backbone_only(backbone_state)
     arch, small = infer_architecture(state, str(folder))
     ours = {**dict(config or {}), "architecture": arch, "small_image_stem": small, "feature_dim": FEATURE_DIMS[arch],
@@ -191,7 +192,7 @@ class ExportConfig:
     )
     arch: Optional[str] = field(default=None, metadata={"help": "resnet18/34/50/101; by default from config.json or the keys"})
     name: Optional[str] = field(default=None, metadata={"help": "hf only: the model's Hub id for the card, e.g. org/barlowtwins-r50"})
-    results: list[str] = field(default_factory=list, metadata={"help": "hf only: evaluation results.json files for the card"})
+    results: list[str] = field(default_factory=list, metadata={"help": "hf only: evaluation results for the card: results.json of bt-hub eval or eval all, or a results.jsonl"})
     force: bool = field(default=False, metadata={"help": "replace an existing target (in an hf folder only the files bt_hub wrote; others are kept)"})
     allow_non_finite: bool = field(default=False, metadata={"help": "convert weights holding NaN or inf (for forensics; refused otherwise)"})
 

@@ -129,7 +129,7 @@ class PushConfig:
     private: bool = field(default=False, metadata={"help": "create the repository as private"})
     token: Optional[str] = field(default=None, metadata={"help": "Hub token (default: HF_TOKEN or the cached login)"})
     revision: Optional[str] = field(default=None, metadata={"help": "branch to commit to (default: main)"})
-    results: list[str] = field(default_factory=list, metadata={"help": "evaluation results.json files for the model card"})
+    results: list[str] = field(default_factory=list, metadata={"help": "evaluation results for the model card: results.json of bt-hub eval or eval all, or a results.jsonl"})
     license: str = field(default="apache-2.0", metadata={"help": "license in the model card"})
     commit_message: str = field(default="Upload Barlow Twins weights with bt_hub", metadata={"help": "commit message"})
 

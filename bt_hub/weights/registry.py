@@ -20,23 +20,12 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 from torchvision import transforms as T
 
+from bt_hub.results import PAPER_RESULTS
 from bt_hub.weights.download import cache_path, download, hf_download
 from bt_hub.weights.formats import read_backbone
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-# docs/protocols.md §4: what the paper reports for the 1000-epoch ResNet-50 (percent).
-PAPER_RESULTS = {
-    "imagenet_linear": {"top1": 73.2, "top5": 91.0},
-    "semi_supervised_1pct": {"top1": 55.0, "top5": 79.2},
-    "semi_supervised_10pct": {"top1": 69.7, "top5": 89.3},
-    "places205_linear": {"top1": 54.1},
-    "voc07_svm": {"mAP": 86.2},
-    "inat18_linear": {"top1": 46.5},
-    "voc07+12_faster_rcnn_c4": {"AP": 56.8, "AP50": 82.6, "AP75": 63.4},
-    "coco_mask_rcnn_c4_1x_box": {"AP": 39.2, "AP50": 59.0, "AP75": 42.5},
-    "coco_mask_rcnn_c4_1x_mask": {"AP": 34.3, "AP50": 56.0, "AP75": 36.5},
-}
 # docs/protocols.md §1: the recipe of the released ResNet-50.
 RECIPE = {
     "dataset": "ImageNet-1k (train, no labels)", "epochs": 1000, "batch_size": 2048, "optimizer": "LARS",
