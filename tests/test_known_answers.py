@@ -66,7 +66,7 @@ def test_knn_finds_the_planted_neighbours_and_prints_its_table(weights, tmp_path
     out = capsys.readouterr()
     assert out.out.splitlines()[0].split() == ["protocol", "setting", "data", "metrics"]
     assert "k=1 Top-1 100.0" in out.out and f"wrote {tmp_path / 'a' / 'results.json'}" in out.out
-    assert "features train: 100%" in out.err and "features test: 100%" in out.err
+    assert "features train: 1/1 batch (100%)" in out.err and "features test: 1/1 batch (100%)" in out.err
     moved = _run([*common, "--data", str(_planted(tmp_path / "moved", move_test_labels=True))], tmp_path / "b")
     assert moved["metrics"]["top1_k1"] == 0.0
 
