@@ -36,6 +36,7 @@ from bt_hub.model import BACKBONES, BarlowTwins, parse_projector
 from bt_hub.monitor import KnnMonitor, TensorBoardScalars, monitor_sets
 from bt_hub.optim import LARS, param_groups, set_learning_rates
 from bt_hub.precision import autocast_dtype, resolve_precision
+from bt_hub.prefetch import Prefetcher
 from bt_hub.progress import progress
 from bt_hub.resume import (
     CHECKPOINT_NAME, EpochBatchSampler, derive_seed, load_checkpoint, save_checkpoint, seeded_generator, set_rng_state, training_stopped,
@@ -372,44 +373,46 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
                             collate_fn=collate_list if views.file_items else None,
                             generator=torch.Generator().manual_seed(derive_seed(config.seed, epoch, rank)))
         tick, tick_step = time.perf_counter(), step
-        for batch in loader:
-            y_a, y_b = _views(batch, step, config, device, batched)
-            rates = set_learning_rates(optimizer, step, total_steps, warmup_steps, config.batch_size)
-            with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-                terms, spread = step_module(y_a, y_b)
-            loss = float(terms.loss.detach())
-            if not math.isfinite(loss):
-                raise RuntimeError(training_stopped(checkpoint_path, step + 1, f"the loss became {loss}"))
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(terms.loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            step += 1
-            row: dict[str, Any] = {}
-            if step % config.log_every == 0 or step == last_step:
-                now = time.perf_counter()
-                row.update({
-                    "epoch": epoch, "lr_weights": rates[0], "lr_biases": rates[1], "loss": loss,
-                    "invariance": float(terms.invariance_term), "redundancy": float(terms.redundancy_term),
-                    "embedding_std": float(spread), "pairs_per_s": config.batch_size * (step - tick_step) / max(now - tick, 1e-9),
-                })
-                tick, tick_step = now, step
-            if monitor is not None and (step % config.monitor_knn == 0 or step == last_step):
-                row["knn_top1"] = monitor(model.backbone, device, amp_dtype)
-                postfix["knn"] = f"{row['knn_top1']:.1f}"
-            if row:
-                run.log({"step": step, **row})
-                if scalars is not None:
-                    scalars.log({"step": step, **row})
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4g}", epoch=epoch, **postfix)
-            if step % steps_per_epoch == 0 or step == last_step or (config.checkpoint_every and step % config.checkpoint_every == 0):
-                if is_main_process():
-                    save_checkpoint(checkpoint_path, model=model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
-                                    step=step, epoch=step // steps_per_epoch, config=dataclasses.asdict(config))
-                barrier()
-            if step >= last_step:
-                break
+        # on CUDA the next batches are decoded and viewed on a side stream while this step trains
+        with Prefetcher(enumerate(loader, step), lambda item: _views(item[1], item[0], config, device, batched), device,
+                        depth=2 if device.type == "cuda" else 0) as batches:
+            for y_a, y_b in batches:
+                rates = set_learning_rates(optimizer, step, total_steps, warmup_steps, config.batch_size)
+                with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+                    terms, spread = step_module(y_a, y_b)
+                loss = float(terms.loss.detach())
+                if not math.isfinite(loss):
+                    raise RuntimeError(training_stopped(checkpoint_path, step + 1, f"the loss became {loss}"))
+                optimizer.zero_grad(set_to_none=True)
+                scaler.scale(terms.loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                step += 1
+                row: dict[str, Any] = {}
+                if step % config.log_every == 0 or step == last_step:
+                    now = time.perf_counter()
+                    row.update({
+                        "epoch": epoch, "lr_weights": rates[0], "lr_biases": rates[1], "loss": loss,
+                        "invariance": float(terms.invariance_term), "redundancy": float(terms.redundancy_term),
+                        "embedding_std": float(spread), "pairs_per_s": config.batch_size * (step - tick_step) / max(now - tick, 1e-9),
+                    })
+                    tick, tick_step = now, step
+                if monitor is not None and (step % config.monitor_knn == 0 or step == last_step):
+                    row["knn_top1"] = monitor(model.backbone, device, amp_dtype)
+                    postfix["knn"] = f"{row['knn_top1']:.1f}"
+                if row:
+                    run.log({"step": step, **row})
+                    if scalars is not None:
+                        scalars.log({"step": step, **row})
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4g}", epoch=epoch, **postfix)
+                if step % steps_per_epoch == 0 or step == last_step or (config.checkpoint_every and step % config.checkpoint_every == 0):
+                    if is_main_process():
+                        save_checkpoint(checkpoint_path, model=model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+                                        step=step, epoch=step // steps_per_epoch, config=dataclasses.asdict(config))
+                    barrier()
+                if step >= last_step:
+                    break
     bar.close()
     if scalars is not None:
         scalars.close()
