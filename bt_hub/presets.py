@@ -106,9 +106,10 @@ def describe_presets(cls: type) -> str:
 
     ``paper: the defaults; small: --lr-classifier 0.05 --schedule cosine --no-flip``.
     """
+    flags = {f.name: f.metadata.get("flag", f.name) for f in dataclasses.fields(cls)}  # a field may have a flag of another name
     parts = []
     for name, values in presets_of(cls).items():
-        settings = " ".join(_as_flag(k, v) for k, v in values.items()) or "the defaults"
+        settings = " ".join(_as_flag(flags.get(k, k), v) for k, v in values.items()) or "the defaults"
         parts.append(f"{name}: {settings}")
     return "; ".join(parts)
 

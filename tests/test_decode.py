@@ -18,11 +18,16 @@ SIZES = [(37, 53), (64, 48), (20, 90), (75, 75), (33, 41)]
 
 
 def _photo(seed: int, height: int, width: int) -> np.ndarray:
-    """A smooth colourful image with some texture (JPEG-like content, cheap and seeded)."""
+    """Smooth colours with a fine texture of brightness, like a photograph (cheap and seeded).
+
+    The texture is the same in the three channels: pixel-level colour noise, which photographs
+    do not have, is where decoders' chroma upsampling differs most (libjpeg-turbo interpolates,
+    nvJPEG does not).
+    """
     g = torch.Generator().manual_seed(seed)
     coarse = torch.rand(1, 3, 5, 5, generator=g)
     x = torch.nn.functional.interpolate(coarse, size=(height, width), mode="bicubic", align_corners=False) * 0.8
-    x = x + 0.15 * torch.rand(1, 3, height, width, generator=g)
+    x = x + 0.15 * torch.rand(1, 1, height, width, generator=g)
     return (x[0].permute(1, 2, 0).clamp(0, 1) * 255).round().byte().numpy()
 
 

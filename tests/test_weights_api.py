@@ -191,7 +191,7 @@ def test_export_hf_of_a_run_keeps_the_projector_and_lambda_and_the_card_its_name
         assert torch.equal(loaded.embed(images), model.embed(images))
     card = (out / "README.md").read_text()
     assert "# bt/digits" in card and 'from_pretrained("bt/digits")' in card
-    assert "resize to 18 (bilinear),\ncentre crop 16" in card and "| knn |" in card and "top1 88.6" in card
+    assert "resize to 18 (bilinear),\ncentre crop 16" in card and "| knn | — | digits | Top-1 | 88.6 | — |" in card
     assert "it is a bt_hub-only layout" in card and "timm.create_model(" not in card
 
 
