@@ -4,10 +4,10 @@ Every protocol ends with ``write_results``. It writes ``<out>/results.json`` (wh
 run, on which weights and data, with which hyper-parameters, and the metrics), appends
 the same record as one line to ``<out>/results.jsonl`` and rewrites ``<out>/results.md``
 from that history: one table per protocol family (linear, semi-supervised, transfer,
-kNN), with the paper's Barlow Twins row (PROTOCOLS.md §4) above ours for reference.
+detection, kNN), with the paper's Barlow Twins row (PROTOCOLS.md §4) above ours for reference.
 
 ``metrics`` is a flat dict of floats named as in the paper, in percent: ``top1``,
-``top5``, ``mAP``, ``mAP_11point``, ... (the model card of bt_hub.hub reads them).
+``top5``, ``mAP``, ``mAP_11point``, ``bbox_AP50``, ``segm_AP``, ... (the model card of bt_hub.hub reads them).
 """
 
 from __future__ import annotations
@@ -58,6 +58,12 @@ class Family:
     paper: Mapping[str, float]
 
 
+def _detection_columns(*kinds: str) -> tuple[Column, ...]:
+    """AP / AP50 / AP75 columns of ``bt-hub detect`` for ``box`` (metrics ``bbox_*``) and ``mask`` (``segm_*``)."""
+    prefix = {"box": "bbox", "mask": "segm"}
+    return tuple(Column(f"{kind} {m}", f"{prefix[kind]}_{m}") for kind in kinds for m in ("AP", "AP50", "AP75"))
+
+
 FAMILIES: dict[str, Family] = {
     "linear": Family(
         "Linear evaluation (ImageNet protocol; paper Table 1)",
@@ -83,6 +89,17 @@ FAMILIES: dict[str, Family] = {
         ),
         {"Places-205 Top-1": 54.1, "VOC07 SVM mAP": 86.2, "iNat18 Top-1": 46.5},
     ),
+    "detect_voc": Family(
+        "Detection transfer: VOC07+12 Faster R-CNN R50-C4 (paper Table 4)",
+        _detection_columns("box"),
+        {"box AP": 56.8, "box AP50": 82.6, "box AP75": 63.4},
+    ),
+    "detect_coco": Family(
+        "Detection transfer: COCO Mask R-CNN R50-C4 1x (paper Table 4)",
+        _detection_columns("box", "mask"),
+        {"box AP": 39.2, "box AP50": 59.0, "box AP75": 42.5, "mask AP": 34.3, "mask AP50": 56.0, "mask AP75": 36.5},
+    ),
+    "detect": Family("Detection on other data (e.g. the generated-shapes installation check; no paper row)", _detection_columns("box", "mask"), {}),
     "knn": Family(
         "Weighted kNN (community protocol, not in the paper)",
         tuple(Column(f"k={k} {name}", f"{metric}_k{k}") for k in (20, 200) for name, metric in (("Top-1", "top1"), ("Top-5", "top5"))),
@@ -92,7 +109,7 @@ FAMILIES: dict[str, Family] = {
 
 
 def family_of(result: Mapping[str, Any]) -> str:
-    """The table a result belongs to (``linear``, ``semi``, ``transfer``, ``knn`` or its protocol)."""
+    """The table a result belongs to (``linear``, ``semi``, ``transfer``, ``detect_voc`` / ``detect_coco`` / ``detect``, ``knn`` or its protocol)."""
     protocol = str(result.get("protocol", ""))
     if protocol == "linear" and _preset(result) in ("places205", "inat18"):
         return "transfer"
@@ -100,6 +117,8 @@ def family_of(result: Mapping[str, Any]) -> str:
         return "transfer"
     if protocol in ("semi", "semi_supervised", "semi-supervised"):
         return "semi"
+    if protocol == "detect":
+        return {"voc": "detect_voc", "coco": "detect_coco"}.get(_preset(result), "detect")
     return protocol
 
 

@@ -220,3 +220,20 @@ def test_make_detection_data_writes_the_same_images_in_both_layouts(tmp_path):
     assert make_detection_data(DetectionDataConfig(out=str(root), train=6, test=5, size=96, seed=2)) == root
     with pytest.raises(FileExistsError, match="is not an empty folder"):
         make_detection_data(DetectionDataConfig(out=str(root), train=7, test=5, size=96, seed=2))
+
+
+def test_detection_results_get_the_papers_rows_in_the_report():
+    from eval.report import render_table
+
+    def record(preset, **metrics):
+        return {"protocol": "detect", "preset": preset, "metrics": metrics, "weights": "bt.pth", "dataset": "d", "wall_time_s": 1.0}
+
+    text = render_table([
+        record("voc", bbox_AP=50.0, bbox_AP50=80.0, bbox_AP75=55.0),
+        record("coco", bbox_AP=38.0, bbox_AP50=58.0, bbox_AP75=41.0, segm_AP=33.0, segm_AP50=55.0, segm_AP75=35.0),
+        record("shapes-voc", bbox_AP=60.0, bbox_AP50=90.0, bbox_AP75=70.0),
+    ])
+    voc, coco, other = text.split("### ")[1:]
+    assert "VOC07+12 Faster R-CNN" in voc and "| paper | 56.8 | 82.6 | 63.4 |" in voc and "| voc | 50.0 | 80.0 | 55.0 |" in voc
+    assert "| paper | 39.2 | 59.0 | 42.5 | 34.3 | 56.0 | 36.5 |" in coco and "| coco | 38.0 | 58.0 | 41.0 | 33.0 | 55.0 | 35.0 |" in coco
+    assert "paper" not in other.split("|---")[1] and "| shapes-voc | 60.0 | 90.0 | 70.0 | — | — | — |" in other
