@@ -2,6 +2,7 @@
 
     python benchmarks/detection_engines.py --out /tmp/detcheck                       # torchvision, then detectron2 if importable
     python benchmarks/detection_engines.py --out /tmp/detcheck --engines torchvision --config shapes-coco
+    python benchmarks/detection_engines.py --out /tmp/detgpu --device cuda                       # the same on a GPU
 
 Writes the generated shapes (``bt-hub make-detection-data``, 600 train / 100 test images of
 128 px) and a seeded random ResNet-50 exported with ``bt-hub export``, then runs
@@ -47,13 +48,14 @@ def _weights(out: Path, env: dict[str, str]) -> Path:
     return sorted(out.glob("r50_random-*.pth"))[0]
 
 
-def run_engine(engine: str, config: str, data: Path, weights: Path, out: Path, env: dict[str, str], opts: list[str]) -> dict[str, object]:
+def run_engine(engine: str, config: str, data: Path, weights: Path, out: Path, env: dict[str, str], opts: list[str], device: str) -> dict[str, object]:
     """One ``bt-hub detect`` in a child process; its metrics, s/iteration, CPU and wall time, load."""
     run_dir = out / engine
     timing_file = run_dir / "timing.json"
     if not (run_dir / "results.json").is_file():
         before, load_before, start = resource.getrusage(resource.RUSAGE_CHILDREN), os.getloadavg()[0], time.time()
-        _bt_hub("detect", "--engine", engine, "--config", config, "--weights", str(weights), "--data", str(data), "--out", str(run_dir), *opts, env=env)
+        _bt_hub("detect", "--engine", engine, "--config", config, "--weights", str(weights), "--data", str(data), "--out", str(run_dir),
+                "--device", device, *opts, env=env)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         timing = {"cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), "wall_s": time.time() - start,
                   "load": [load_before, os.getloadavg()[0]]}
@@ -70,6 +72,7 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=None, help="torchvision and/or detectron2 (default: both, detectron2 when importable)")
     parser.add_argument("--config", default="shapes-voc", help="shapes-voc (Faster R-CNN, VOC AP) or shapes-coco (Mask R-CNN, COCO AP)")
     parser.add_argument("--threads", type=int, default=2, help="threads of each run (the check is specified for 2 CPU cores)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (--device of bt-hub detect)")
     parser.add_argument("opts", nargs="*", help="KEY VALUE overrides passed to both engines")
     args = parser.parse_args()
 
@@ -88,11 +91,11 @@ def main() -> None:
     data = args.out / "data"
     _bt_hub("make-detection-data", "--out", str(data), env=env)
     weights = _weights(args.out, env)
-    results = [run_engine(e, args.config, data, weights, args.out / args.config, env, args.opts) for e in engines]
+    results = [run_engine(e, args.config, data, weights, args.out / args.config, env, args.opts, args.device) for e in engines]
 
     tasks = ["bbox", "segm"] if any("segm_AP" in r for r in results) else ["bbox"]
     metrics = [f"{t}_{m}" for t in tasks for m in ("AP", "AP50", "AP75")]
-    print(f"config {args.config}, {args.threads} threads, cpu: {os.cpu_count()} cores")
+    print(f"config {args.config}, device {args.device}, {args.threads} threads, {os.cpu_count()} CPU cores")
     print("| engine | " + " | ".join(metrics) + " | s/iter (median) | CPU min (user+sys) | wall min | load avg (start, end) |")
     print("|---" * (len(metrics) + 5) + "|")
     for r in results:
