@@ -63,7 +63,7 @@ def run_engine(engine: str, config: str, data: Path, weights: Path, out: Path, e
     timing = json.loads(timing_file.read_text())
     record = json.loads((run_dir / "results.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "trial0" / "metrics.jsonl").read_text().splitlines()]
-    return {"engine": engine, **record["metrics"], "s_per_iter": statistics.median(r["time"] for r in rows[1:]), **timing}
+    return {"engine": engine, **record["metrics"], "s_per_iter": statistics.median(r["time"] for r in rows[1:] if "time" in r), **timing}
 
 
 def main() -> None:
