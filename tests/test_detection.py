@@ -98,6 +98,10 @@ def test_shipped_config_builds_on_cpu_and_loads_every_backbone_tensor(alias, bt_
     assert unloaded_parameters(model, expected) == ["roi_heads.res5.2.conv3.weight"]
 
 
+def _normalise(value):
+    return [_normalise(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
 def _leaves(tree: dict, prefix: str = "") -> dict:
     out = {}
     for key, value in tree.items():
@@ -115,8 +119,7 @@ def test_detectron2_reads_every_yaml_value_as_the_torchvision_engine_does(alias,
         node = cfg
         for part in key.split("."):
             node = node[part]
-        normalise = lambda v: [normalise(x) for x in v] if isinstance(v, (list, tuple)) else v  # noqa: E731
-        assert normalise(node) == normalise(value), key
+        assert _normalise(node) == _normalise(value), key
 
 
 def _rows(run_dir: Path) -> list[dict]:
