@@ -1,7 +1,7 @@
-"""torch.hub entry points: ``torch.hub.load("<owner>/bt_hub", "resnet50")``.
+"""torch.hub entry points: ``torch.hub.load("<owner>/bt_hub", "resnet50", weights="DEFAULT")``.
 
-A list, not logic (torchvision's convention): the builders live in ``bt_hub/weights.py`` and
-are the same code pip users call. Works from a plain checkout without ``pip install``.
+A list, not logic (torchvision's convention): the builders live in ``bt_hub/weights/builders.py``
+and are the same code pip users call. Works from a plain checkout without ``pip install``.
 """
 
 import os
@@ -14,4 +14,4 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bt_hub.weights import barlow_twins, get_weights, resnet50  # noqa: E402,F401
+from bt_hub.weights import barlow_twins, get_weights, list_weights, resnet50  # noqa: E402,F401

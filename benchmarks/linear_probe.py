@@ -21,11 +21,12 @@ from typing import Any, Callable
 
 import torch
 
-from bt_hub.checkpoint import load_backbone
+from bt_hub.weights import load_backbone
 from bt_hub.data import build_dataset
 from bt_hub.model import build_backbone
+from eval.classifier import evaluate_features, evaluate_loader, make_classifier, make_loader, train_classifier, train_on_features
 from eval.features import TransformedDataset, eval_transform, extract_features, train_transform
-from eval.linear import FrozenBackboneClassifier, evaluate_features, evaluate_loader, make_classifier, make_loader, train_classifier, train_on_features
+from eval.linear import FrozenBackboneClassifier
 
 HYPER = {"lr": 0.3, "weight_decay": 1e-6, "momentum": 0.9, "schedule": "cosine", "milestones": []}
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from bt_hub.augment import BatchedTwoViews
 from bt_hub.data import build_dataset, to_uint8_tensor
+from bt_hub.loss import barlow_twins_loss
 from bt_hub.model import BarlowTwins
 from bt_hub.optim import LARS, param_groups, set_learning_rates
 
@@ -106,6 +107,7 @@ class Pipeline:
         self.ref_views = reference_transforms(args.image_size)
         self.ref_loss = ReferenceLoss(int(args.projector.split("-")[-1]), model.lambd).to(self.device)
         self.amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision) if ours else None
+        self.forward = torch.compile(model.embed) if ours and args.compile else model.embed
 
     def views(self, images: list[Image.Image], step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ours:
@@ -120,25 +122,36 @@ class Pipeline:
             y_a, y_b = y_a.contiguous(memory_format=torch.channels_last), y_b.contiguous(memory_format=torch.channels_last)
         return y_a, y_b
 
-    def step(self, images: list[Image.Image], step: int, total: int) -> tuple[float, float]:
-        """One full step; returns (loss, seconds)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+    def step(self, images: list[Image.Image], step: int, total: int, phases: dict[str, float] | None = None) -> tuple[float, float]:
+        """One full step; returns (loss, seconds). ``phases`` accumulates the seconds of each part."""
+        marks = [("start", self._now())]
         set_learning_rates(self.optimizer, step, total, max(total // 5, 1), self.args.pairs)
         y_a, y_b = self.views(images, step)
-        if self.ours:
-            with torch.autocast(self.device.type, dtype=self.amp or torch.float32, enabled=self.amp is not None):
-                loss = self.model(y_a, y_b).loss
-        else:
-            loss = self.ref_loss(self.model.embed(y_a), self.model.embed(y_b))
+        marks.append(("views", self._now()))
+        with torch.autocast(self.device.type, dtype=self.amp or torch.float32, enabled=self.amp is not None):
+            z_a, z_b = self.forward(y_a), self.forward(y_b)
+            marks.append(("forward (backbone + projector)", self._now()))
+            if self.ours:
+                loss = barlow_twins_loss(z_a, z_b, self.model.lambd, self.model.loss_method).loss
+            else:
+                loss = self.ref_loss(z_a.float(), z_b.float())
+        marks.append(("loss", self._now()))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        marks.append(("backward", self._now()))
         self.optimizer.step()
+        marks.append(("LARS step", self._now()))
         value = float(loss.detach())
+        marks.append(("rest", self._now()))
+        if phases is not None:
+            for (_, before), (name, after) in zip(marks, marks[1:]):
+                phases[name] = phases.get(name, 0.0) + after - before
+        return value, marks[-1][1] - marks[0][1]
+
+    def _now(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return value, time.perf_counter() - start
+        return time.perf_counter()
 
 
 def build_pipelines(args: argparse.Namespace) -> list[Pipeline]:
@@ -164,6 +177,8 @@ def main() -> None:
     parser.add_argument("--loss-method", default="auto", choices=["auto", "dense", "gram"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="ours only; bf16 is much slower on CPUs without AVX-512 BF16/AMX")
     parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--compile", action="store_true", help="ours only: torch.compile the backbone + projector")
+    parser.add_argument("--profile", action="store_true", help="also print where each step's time goes (synchronised phases)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per pipeline")
@@ -176,10 +191,11 @@ def main() -> None:
     data = batches(args)
     pipes = build_pipelines(args)
     times: dict[str, list[float]] = {p.name: [] for p in pipes}
+    phases: dict[str, dict[str, float]] = {p.name: {} for p in pipes}
     total = args.warmup + args.timed_steps
     for k in range(total):
         for p in pipes:
-            _, seconds = p.step(data[k], k, total)
+            _, seconds = p.step(data[k], k, total, phases[p.name] if k >= args.warmup else None)
             if k >= args.warmup:
                 times[p.name].append(seconds)
     print(f"ResNet-18 small stem, {args.image_size} px, {args.pairs} pairs, projector {args.projector}, device {args.device}, "
@@ -188,8 +204,14 @@ def main() -> None:
     ref = statistics.median(times["reference-style"])
     for p in pipes:
         med = statistics.median(times[p.name])
-        label = p.name if not p.ours else f"bt_hub ({args.precision}, {'channels-last' if args.channels_last else 'NCHW'}, loss {args.loss_method})"
+        label = p.name if not p.ours else f"bt_hub ({args.precision}, {'channels-last' if args.channels_last else 'NCHW'}, loss {args.loss_method}{', compiled' if args.compile else ''})"
         print(f"{label:<56}{med:>10.3f}{args.pairs / med:>10.1f}{ref / med:>9.2f}x")
+    if args.profile:
+        names = list(next(iter(phases.values())))
+        print(f"\nseconds per step by phase (mean of {args.timed_steps} steps)")
+        print(f"{'phase':<34}" + "".join(f"{p.name:>18}" for p in pipes))
+        for name in names:
+            print(f"{name:<34}" + "".join(f"{phases[p.name][name] / args.timed_steps:>18.3f}" for p in pipes))
     if args.curve_steps:
         curves = {}
         for p in build_pipelines(args):

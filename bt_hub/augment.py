@@ -1,4 +1,4 @@
-"""The two asymmetric Barlow Twins views (BYOL's parameters, PROTOCOLS.md §1).
+"""The two asymmetric Barlow Twins views (BYOL's parameters, docs/protocols.md §1).
 
 Every random choice is drawn per image by :func:`sample_view_params`, which both paths
 share: :class:`TwoViewTransform` (PIL, for data-loader workers, the reference pipeline's
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as nnf
@@ -28,8 +29,8 @@ import torchvision.transforms.v2.functional as F
 from PIL import Image
 from torchvision.ops import roi_align
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+from bt_hub.weights.registry import IMAGENET_MEAN, IMAGENET_STD
+
 GRAY_WEIGHTS = (0.2989, 0.587, 0.114)
 CROP_ATTEMPTS = 10
 
@@ -71,33 +72,37 @@ def blur_kernel_size(size: int) -> int:
 
 
 def _crop_boxes(
-    batch_size: int, height: int, width: int, view: ViewParams, generator: torch.Generator | None, device: torch.device
+    batch_size: int, height: int | torch.Tensor, width: int | torch.Tensor, view: ViewParams, generator: torch.Generator | None, device: torch.device
 ) -> dict[str, torch.Tensor]:
-    """RandomResizedCrop boxes, torchvision's algorithm vectorised: first of 10 valid tries, else centre."""
+    """RandomResizedCrop boxes, torchvision's algorithm vectorised: first of 10 valid tries, else centre.
+
+    ``height`` and ``width`` are one size for the whole batch or one per image (int64 tensors).
+    """
     shape = (batch_size, CROP_ATTEMPTS)
     u_area, u_ratio, u_top, u_left = torch.rand((4, *shape), generator=generator, device=device, dtype=torch.float64)
+    height = torch.as_tensor(height, device=device).to(torch.float64).expand(batch_size)
+    width = torch.as_tensor(width, device=device).to(torch.float64).expand(batch_size)
+    rows, cols = height[:, None], width[:, None]
     lo, hi = view.crop_scale
-    area = height * width * (lo + (hi - lo) * u_area)
+    area = rows * cols * (lo + (hi - lo) * u_area)
     log_lo, log_hi = math.log(view.crop_ratio[0]), math.log(view.crop_ratio[1])
     aspect = torch.exp(log_lo + (log_hi - log_lo) * u_ratio)
     w = torch.round(torch.sqrt(area * aspect))
     h = torch.round(torch.sqrt(area / aspect))
-    valid = (w > 0) & (w <= width) & (h > 0) & (h <= height)
-    top = torch.floor(u_top * (height - h + 1))
-    left = torch.floor(u_left * (width - w + 1))
+    valid = (w > 0) & (w <= cols) & (h > 0) & (h <= rows)
+    top = torch.floor(u_top * (rows - h + 1))
+    left = torch.floor(u_left * (cols - w + 1))
     first = valid.to(torch.uint8).argmax(dim=1, keepdim=True)
     pick = [t.gather(1, first).squeeze(1) for t in (top, left, h, w)]
 
+    # the centre crop of the largest box whose aspect ratio is inside crop_ratio (torchvision's fallback)
     in_ratio = width / height
-    if in_ratio < view.crop_ratio[0]:
-        fw, fh = width, round(width / view.crop_ratio[0])
-    elif in_ratio > view.crop_ratio[1]:
-        fw, fh = round(height * view.crop_ratio[1]), height
-    else:
-        fw, fh = width, height
-    fallback = ((height - fh) // 2, (width - fw) // 2, fh, fw)
+    too_tall, too_wide = in_ratio < view.crop_ratio[0], in_ratio > view.crop_ratio[1]
+    fw = torch.where(too_wide, torch.round(height * view.crop_ratio[1]), width)
+    fh = torch.where(too_tall, torch.round(width / view.crop_ratio[0]), height)
+    fallback = (torch.div(height - fh, 2, rounding_mode="floor"), torch.div(width - fw, 2, rounding_mode="floor"), fh, fw)
     found = valid.any(dim=1)
-    top, left, h, w = (torch.where(found, p, torch.full_like(p, f)).long() for p, f in zip(pick, fallback))
+    top, left, h, w = (torch.where(found, p, f).long() for p, f in zip(pick, fallback))
     return {"top": top, "left": left, "height": h, "width": w}
 
 
@@ -105,10 +110,13 @@ def sample_view_params(
     batch_size: int,
     view: ViewParams,
     generator: torch.Generator | None = None,
-    height: int = 224,
-    width: int = 224,
+    height: int | torch.Tensor = 224,
+    width: int | torch.Tensor = 224,
 ) -> dict[str, torch.Tensor]:
     """Draw every random choice of one view for ``batch_size`` images of height x width.
+
+    ``height`` and ``width`` are ints (one size for the batch) or int64 tensors of one
+    size per image (decoded files of different sizes); the draws are the same either way.
 
     The number and order of draws is fixed (it does not depend on earlier outcomes), so a
     generator state determines the result exactly. Tensors live on the generator's
@@ -298,20 +306,64 @@ def to_float_rgb(images: torch.Tensor) -> torch.Tensor:
     return x.expand(-1, 3, -1, -1).contiguous() if x.shape[1] == 1 else x.contiguous()
 
 
+def crop_to_views(images: Sequence[torch.Tensor], params: Sequence[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """Images of different sizes -> one padded uint8 batch of the regions the views read, and shifted boxes.
+
+    Each image is cut to the union of its views' crop boxes plus the one pixel beyond them
+    that ``roi_align`` interpolates with, copied into a B x 3 x H x W batch (H, W: the
+    largest cut plus one), and the row and column after each cut repeat its last ones, as
+    ``roi_align`` clamps at an image's border. ``apply_view`` on the batch with the shifted
+    boxes gives the views of the full images (to float rounding). ``params`` live on the CPU.
+    """
+    heights = torch.tensor([im.shape[-2] for im in images])
+    widths = torch.tensor([im.shape[-1] for im in images])
+    top = torch.stack([p["top"] for p in params]).amin(0).sub(1).clamp_min(0)
+    left = torch.stack([p["left"] for p in params]).amin(0).sub(1).clamp_min(0)
+    bottom = torch.minimum(torch.stack([p["top"] + p["height"] for p in params]).amax(0) + 1, heights)
+    right = torch.minimum(torch.stack([p["left"] + p["width"] for p in params]).amax(0) + 1, widths)
+    rows, cols = bottom - top, right - left
+    batch = images[0].new_zeros((len(images), 3, int(rows.max()) + 1, int(cols.max()) + 1))
+    for i, (im, t, b, l, r) in enumerate(zip(images, top.tolist(), bottom.tolist(), left.tolist(), right.tolist())):
+        batch[i, :, : b - t, : r - l] = im[:, t:b, l:r]  # a 1-channel image broadcasts to RGB
+    index = torch.arange(len(images), device=batch.device)
+    rows_d, cols_d = rows.to(batch.device), cols.to(batch.device)
+    batch[index, :, :, cols_d] = batch[index, :, :, cols_d - 1]
+    batch[index, :, rows_d, :] = batch[index, :, rows_d - 1, :]
+    shifted = [dict(p, top=p["top"] - top, left=p["left"] - left) for p in params]
+    return batch, shifted
+
+
 class BatchedTwoViews(_TwoViews):
     """Batch of images on any device -> (views A, views B), per-image random parameters.
+
+    The batch is a B x C x H x W tensor, or a list of C x H x W uint8 tensors of different
+    sizes (decoded files): the views' boxes are drawn for each image's own size and
+    :func:`crop_to_views` batches the regions they read.
 
     Args:
         size: output resolution.
         views: the two views' parameters, ``(VIEW_A, VIEW_B)`` by default.
     """
 
-    def sample(self, batch_size: int, height: int, width: int, generator: torch.Generator | None = None) -> tuple[dict, dict]:
-        """Both views' parameters for a batch (what ``__call__`` draws)."""
+    def sample(self, batch_size: int, height: int | torch.Tensor, width: int | torch.Tensor, generator: torch.Generator | None = None) -> tuple[dict, dict]:
+        """Both views' parameters for a batch (what ``__call__`` draws); sizes are ints or one per image."""
         return tuple(sample_view_params(batch_size, v, generator, height, width) for v in self.views)
 
-    def __call__(self, images: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two normalised float32 views, B x 3 x size x size, on the images' device."""
-        x = to_float_rgb(images)
-        params = self.sample(x.shape[0], x.shape[2], x.shape[3], generator)
+    def __call__(self, images: torch.Tensor | Sequence[torch.Tensor], generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two normalised float32 views, B x 3 x size x size, on the images' device.
+
+        For a list of images pass a CPU generator (or none): the boxes are then cut
+        without waiting for the device.
+        """
+        if isinstance(images, torch.Tensor):
+            x = to_float_rgb(images)
+            params = self.sample(x.shape[0], x.shape[2], x.shape[3], generator)
+        else:
+            if not images:
+                raise ValueError("BatchedTwoViews needs at least one image")
+            heights = torch.tensor([im.shape[-2] for im in images])
+            widths = torch.tensor([im.shape[-1] for im in images])
+            drawn = [{k: v.cpu() for k, v in p.items()} for p in self.sample(len(images), heights, widths, generator)]
+            batch, params = crop_to_views(images, drawn)
+            x = to_float_rgb(batch)
         return tuple(apply_view(x, p, self.size, v) for p, v in zip(params, self.views))

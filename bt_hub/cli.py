@@ -1,9 +1,13 @@
 """The ``bt-hub`` command: a table from subcommand to (config dataclass, library function).
 
-Each subcommand's flags are the fields of its config dataclass (kebab-case), their help
-text is the field's ``metadata["help"]``, and a ``PRESETS`` class attribute adds
-``--preset``. The module behind a subcommand is imported only when that subcommand
-runs, so ``--help`` and the other subcommands work without its optional extras.
+Each subcommand's flags are the fields of its config dataclass (kebab-case, or
+``metadata["flag"]`` with the other spellings in ``metadata["aliases"]`` kept as hidden
+aliases), their help text is the field's ``metadata["help"]``, and a ``PRESETS`` class
+attribute adds ``--preset`` (bt_hub.presets; its help lists what each preset sets). The
+module behind a subcommand is imported only when that subcommand runs, so ``--help`` and
+the other subcommands work without its optional extras. An evaluation ends with a table of
+its metrics and the files it wrote; a function that returns text or a list of files has
+it printed; warnings print as one line each.
 """
 
 from __future__ import annotations
@@ -15,7 +19,11 @@ import os
 import sys
 import types
 import typing
+import warnings
+from pathlib import Path
 from typing import Any, NamedTuple, Sequence
+
+from bt_hub.presets import describe_presets, from_preset, presets_of
 
 
 class Command(NamedTuple):
@@ -30,14 +38,18 @@ class Command(NamedTuple):
 COMMANDS: dict[str, Command | dict[str, Command]] = {
     "demo": Command("eval.demo", "DemoConfig", "run_demo", "pretrain on the embedded digits set and score it (the README's first command)"),
     "pretrain": Command("bt_hub.pretrain", "PretrainConfig", "pretrain", "pretrain a backbone with the Barlow Twins loss"),
-    "export": Command("bt_hub.checkpoint", "ExportConfig", "export", "convert weights to torchvision, safetensors, detectron2 or a Hugging Face folder"),
-    "push": Command("bt_hub.hub", "PushConfig", "push", "upload weights to the Hugging Face Hub with a model card"),
+    "report": Command("bt_hub.plots", "ReportConfig", "report", "draw a pretraining run's loss, cross-correlation matrices and kNN curve as PNG files"),
+    "export": Command("bt_hub.weights.export", "ExportConfig", "export", "convert weights to torchvision, safetensors, detectron2 or a Hugging Face folder"),
+    "push": Command("bt_hub.weights.hf", "PushConfig", "push", "upload weights to the Hugging Face Hub with a model card"),
+    "weights": {
+        "list": Command("bt_hub.weights.registry", "ListWeightsConfig", "weights_table", "the registered weights: name, architecture, cached?, URL, cache path"),
+    },
     "eval": {
         "linear": Command("eval.linear", "LinearConfig", "run", "linear probe on a frozen backbone (ImageNet protocol)"),
         "semi": Command("eval.semi_supervised", "SemiSupervisedConfig", "run", "fine-tune on 1% or 10% of the labels"),
         "knn": Command("eval.knn", "KnnConfig", "run", "weighted kNN on L2-normalised features (faiss on the CPU, torch on CUDA)"),
         "voc07-svm": Command("eval.voc07_svm", "Voc07SvmConfig", "run", "per-class linear SVMs on VOC2007 (VISSL protocol)"),
-        "transfer": Command("eval.linear", "TransferConfig", "run_transfer", "linear transfer to Places-205 / iNat18 (PIRL settings)"),
+        "transfer": Command("eval.linear", "TransferConfig", "run", "linear transfer to Places-205 / iNat18 (PIRL settings)"),
         "all": Command("eval.suite", "SuiteConfig", "run", "every classification protocol on one checkpoint"),
     },
     "detect": Command("eval.detection.train_net", "DetectConfig", "main", "Faster/Mask R-CNN C4 transfer (detectron2 or torchvision engine)"),
@@ -57,6 +69,7 @@ def _unwrap_optional(tp: Any) -> Any:
 def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -> None:
     """Add one flag per dataclass field (``field_name`` -> ``--field-name``)."""
     hints = typing.get_type_hints(config_cls)
+    presets = presets_of(config_cls)
     for f in dataclasses.fields(config_cls):
         if not f.init:
             continue
@@ -77,29 +90,50 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -
             kwargs["type"] = tp
         if "choices" in meta:
             kwargs["choices"] = meta["choices"]
+        if f.name == "preset" and presets:
+            kwargs["choices"] = list(presets)
+            kwargs["help"] = f"{kwargs['help']}: {describe_presets(config_cls)}".replace("%", "%%")
         if meta.get("positional"):
             kwargs["nargs"] = meta.get("nargs", "*")
             parser.add_argument(f.name, **kwargs)
             continue
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             kwargs["required"] = True
-        elif f.default is not dataclasses.MISSING and f.default is not None and "action" not in kwargs:
-            kwargs["help"] = f"{kwargs['help']} (default: {f.default})".strip()
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
-    presets = getattr(config_cls, "PRESETS", None)
+        elif f.default is not dataclasses.MISSING and f.default is not None:
+            shown = ("on" if f.default else "off") if tp is bool else f.default
+            kwargs["help"] = f"{kwargs['help']} (default: {shown})".strip()
+        flag = meta.get("flag", f.name)
+        parser.add_argument("--" + flag.replace("_", "-"), dest=f.name, **kwargs)
+        for alias in meta.get("aliases", ()):
+            parser.add_argument("--" + alias.replace("_", "-"), dest=f.name, **{**kwargs, "help": argparse.SUPPRESS})
     if presets and not any(f.name == "preset" for f in dataclasses.fields(config_cls)):
-        parser.add_argument("--preset", choices=sorted(presets), default=argparse.SUPPRESS, help="a named set of defaults; flags given override it")
+        preset_help = f"named sets of flag values; flags given override them: {describe_presets(config_cls)}"
+        parser.add_argument("--preset", choices=list(presets), default=argparse.SUPPRESS, help=preset_help.replace("%", "%%"))
 
 
 def build_config(config_cls: type, namespace: argparse.Namespace) -> Any:
-    """The config dataclass from parsed flags, with ``--preset`` values under the explicit flags."""
+    """The config dataclass from parsed flags: defaults, then ``--preset``'s values, then the flags given."""
     given = vars(namespace).copy()
-    preset = given.pop("preset", None)
-    values = dict(config_cls.PRESETS[preset]) if preset else {}
-    values.update(given)
-    if preset and any(f.name == "preset" for f in dataclasses.fields(config_cls)):
-        values["preset"] = preset
-    return config_cls(**values)
+    return from_preset(config_cls, given.pop("preset", None), **given)
+
+
+def _print_warning(prefix: str) -> Any:
+    """A ``warnings.showwarning`` that prints one line: ``<prefix>: warning: <message>``."""
+
+    def show(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        print(f"{prefix}: warning: {message}", file=sys.stderr)
+
+    return show
+
+
+def _summary(result: Any, out: Any) -> str | None:
+    """The metrics table and files written of an evaluation's return value; None for other commands."""
+    from bt_hub.results import RESULT_FILES, records_in, summary_text
+
+    if not isinstance(result, dict) or not ("metrics" in result or "results" in result) or os.environ.get("RANK", "0") != "0":
+        return None
+    written = [Path(out) / name for name in RESULT_FILES if out is not None and (Path(out) / name).exists()]
+    return summary_text(records_in(result), written)
 
 
 def _resolve(argv: Sequence[str]) -> tuple[list[str], Command | None, list[str]]:
@@ -115,7 +149,7 @@ def _resolve(argv: Sequence[str]) -> tuple[list[str], Command | None, list[str]]
 
 def _overview(path: list[str], table: dict[str, Any]) -> str:
     width = max(len(k) for k in table) + 2
-    lines = [f"usage: bt-hub {' '.join(path + ['<command>'])} [flags]", "", "commands:"]
+    lines = [f"usage: bt-hub {' '.join(path + ['<command>'])} [flags]" + ("  |  bt-hub --version" if not path else ""), "", "commands:"]
     for name, entry in table.items():
         text = entry.help if isinstance(entry, Command) else "subcommands: " + ", ".join(entry)
         lines.append(f"  {name:<{width}}{text}")
@@ -126,6 +160,11 @@ def _overview(path: list[str], table: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``bt-hub`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        from bt_hub import __version__
+
+        print(f"bt-hub {__version__}")
+        return 0
     path, command, rest = _resolve(argv)
     if command is None:
         table: Any = COMMANDS
@@ -141,14 +180,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bt-hub " + " ".join(path), description=command.help)
     add_dataclass_arguments(parser, config_cls)
     namespace = parser.parse_args(rest)
+    prefix = f"bt-hub {' '.join(path)}"
     try:
-        config = build_config(config_cls, namespace)
-        getattr(module, command.function)(config)
+        with warnings.catch_warnings():
+            warnings.showwarning = _print_warning(prefix)
+            config = build_config(config_cls, namespace)
+            result = getattr(module, command.function)(config)
     except (ValueError, OSError, ImportError, RuntimeError) as err:
         if os.environ.get("BT_HUB_DEBUG"):
             raise
-        print(f"bt-hub {' '.join(path)}: error: {err}", file=sys.stderr)
+        print(f"{prefix}: error: {err}", file=sys.stderr)
         return 2
+    summary = _summary(result, getattr(config, "out", None))
+    if summary:
+        print(summary)
+    elif isinstance(result, str):
+        print(result)
+    elif isinstance(result, list):  # files written (bt-hub report)
+        print("\n".join(str(item) for item in result))
     return 0
 
 

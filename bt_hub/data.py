@@ -11,8 +11,9 @@ one entry used by pretraining and the evaluation protocols:
 - ``"digits"``: scikit-learn's 1797 handwritten digits (8x8, 10 classes), upsampled to
   ``image_size`` as 3-channel images; ``split`` "train"/"test" is a seeded stratified split.
 - ``"synthetic"`` or ``"synthetic:N"``: N (default 512) seeded class-structured images.
-- a directory: an ImageFolder tree (``class/image.png``), or an ImageNet layout whose
-  ``train/`` and ``val/`` subdirectories are chosen by ``split``.
+- a directory: an ImageNet layout whose ``train/``, ``val/`` or ``test/`` subdirectory is
+  chosen by ``split``, or a flat ImageFolder tree (``class/image.png``), which serves as a
+  training split only (pretraining; eval/splits.py holds out part of it on request).
 """
 
 from __future__ import annotations
@@ -163,14 +164,16 @@ class WithIndex(Dataset):
 
 
 def _folder_for_split(root: Path, split: str) -> Path:
-    """``root/train`` (or ``val``/``test``) when present, else the root itself."""
-    if split == "test" and not (root / "test").is_dir() and (root / "val").is_dir():
-        return root / "val"
+    """``root/<split>`` when present; a flat ImageFolder is a training split only (never its own test split)."""
     if (root / split).is_dir():
         return root / split
-    if split != "train" and (root / "train").is_dir():
-        raise FileNotFoundError(f"data directory {root} has train/ but no {split}/ subdirectory")
-    return root
+    if split == "train" and not any((root / s).is_dir() for s in SPLITS):
+        return root
+    present = ", ".join(f"{s}/" for s in SPLITS if (root / s).is_dir()) or "no split subdirectories"
+    raise FileNotFoundError(
+        f"data directory {root} has no {split}/ subdirectory (it has {present}); a held-out split must be a folder of its own, "
+        f"{root}/{split}/<class>/<image>, disjoint from {root}/train/"
+    )
 
 
 def build_dataset(
@@ -185,7 +188,7 @@ def build_dataset(
 
     Args:
         name_or_path: ``"digits"``, ``"synthetic"`` / ``"synthetic:N"``, or a directory
-            (ImageFolder, or ImageNet layout with ``train/`` and ``val/``).
+            (ImageNet layout with ``train/`` and ``val/`` or ``test/``; a flat ImageFolder for "train" only).
         split: "train", "val" or "test" ("val" and "test" are the same held-out part for
             digits and synthetic data).
         image_size: side of the square images; for directories None keeps original sizes.

@@ -10,7 +10,10 @@ has no CPU kernel, so :func:`convert_sync_batchnorm` swaps in :class:`GlobalBatc
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import signal
+import sys
 from typing import Iterator
 
 import torch
@@ -45,11 +48,28 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def exit_with_launcher() -> None:
+    """Under torchrun on Linux, have the kernel SIGKILL this worker when its launcher (the elastic agent) dies.
+
+    Without it, killing torchrun leaves its workers running and writing into ``--out``.
+    ``PR_SET_PDEATHSIG`` fires when the thread that started the worker ends; torchrun
+    starts workers from its main thread, so that is when the agent process ends. (A worker
+    whose agent died before this call cannot reach the agent's rendezvous store either, so
+    it never joins a group nor writes.)
+    """
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+
+
 def init_distributed(device: str = "cpu") -> torch.device:
     """Join the torchrun process group if launched by torchrun; return this rank's device.
 
-    The backend follows the device: nccl for CUDA, gloo otherwise.
+    The backend follows the device: nccl for CUDA, gloo otherwise. A torchrun worker
+    also ends with its launcher (:func:`exit_with_launcher`).
     """
+    exit_with_launcher()
     if not launched_by_torchrun():
         return torch.device(device)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -59,7 +79,14 @@ def init_distributed(device: str = "cpu") -> torch.device:
     else:
         backend, dev = "gloo", torch.device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None:
+            dist.init_process_group(backend=backend)
+        else:
+            # torchrun keeps one store across --max-restarts, where a restarted group would read the dead
+            # group's addresses (connection refused, or a hang): each attempt gets its own keys
+            store, rank, world = next(dist.rendezvous("env://"))
+            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"bt_hub/attempt_{attempt}", store), rank=rank, world_size=world)
     return dev
 
 

@@ -1,4 +1,4 @@
-"""LARS, its two parameter groups and the per-step learning-rate schedule (PROTOCOLS.md §1).
+"""LARS, its two parameter groups and the per-step learning-rate schedule (docs/protocols.md §1).
 
 As in the reference code: momentum 0.9, trust coefficient η = 0.001, no Nesterov;
 parameters with ``ndim == 1`` (biases, BatchNorm) get neither weight decay nor the

@@ -10,6 +10,7 @@ EXTRAS = {
     "faiss": "pip install 'bt_hub[eval]'",
     "pycocotools": "pip install 'bt_hub[detection]'",
     "timm": "pip install timm",
+    "tensorboard": "pip install 'bt_hub[tensorboard]'",
     "detectron2": (
         "detectron2 is not on PyPI: pip install --no-build-isolation "
         "'git+https://github.com/facebookresearch/detectron2.git'"

@@ -1,7 +1,7 @@
 """``bt-hub pretrain``: the Barlow Twins training loop (single process or torchrun/DDP).
 
 images -> two views -> backbone -> projector -> loss -> LARS step, with the recipe of
-PROTOCOLS.md §1 (LRs × batch/256, 10-epoch warm-up then cosine to ×0.001, per step).
+docs/protocols.md §1 (LRs × batch/256, 10-epoch warm-up then cosine to ×0.001, per step).
 The run directory gets ``run.json``, ``metrics.jsonl`` (one line per logged step),
 ``checkpoint.pth`` (every ``--checkpoint-every`` steps and at each epoch end, atomic),
 and at the end ``<backbone>.pth`` (torchvision state dict, no ``fc``),
@@ -13,7 +13,6 @@ probe batch. ``--resume`` continues bit for bit on CPU (see bt_hub/resume.py).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import random
 import time
@@ -26,17 +25,22 @@ import torch
 import torch.nn.functional as nnf
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from tqdm import tqdm
 
 from bt_hub.augment import VIEW_A, VIEW_B, BatchedTwoViews, TwoViewTransform, ViewParams
-from bt_hub.checkpoint import save_safetensors
+from bt_hub.weights.export import save_safetensors
 from bt_hub.data import build_dataset, to_uint8_tensor
+from bt_hub.decode import collate_list, read_encoded, resolve_decode, to_device_images
 from bt_hub.distributed import barrier, cleanup_distributed, convert_sync_batchnorm, get_rank, get_world_size, init_distributed, is_main_process
 from bt_hub.loss import EPS, LossTerms, barlow_twins_loss
 from bt_hub.model import BACKBONES, BarlowTwins, parse_projector
+from bt_hub.monitor import KnnMonitor, TensorBoardScalars, monitor_sets
 from bt_hub.optim import LARS, param_groups, set_learning_rates
-from bt_hub.resume import CHECKPOINT_NAME, EpochBatchSampler, derive_seed, load_checkpoint, save_checkpoint, seeded_generator, set_rng_state
-from bt_hub.runs import RunDir, atomic_torch_save, atomic_write, atomic_write_json, atomic_write_text
+from bt_hub.precision import autocast_dtype, resolve_precision
+from bt_hub.progress import progress
+from bt_hub.resume import (
+    CHECKPOINT_NAME, EpochBatchSampler, derive_seed, load_checkpoint, save_checkpoint, seeded_generator, set_rng_state, training_stopped,
+)
+from bt_hub.runs import RunDir, atomic_torch_save, atomic_write, atomic_write_json
 
 # Settings a resumed run must share with its checkpoint (the rest may change, e.g. --max-steps).
 RESUME_INVARIANTS = (
@@ -49,7 +53,7 @@ PROBE_SIZE = 256
 
 @dataclass
 class PretrainConfig:
-    """Flags of ``bt-hub pretrain``; defaults are the paper's recipe (PROTOCOLS.md §1)."""
+    """Flags of ``bt-hub pretrain``; defaults are the paper's recipe (docs/protocols.md §1)."""
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "reference": {},
@@ -58,11 +62,25 @@ class PretrainConfig:
             "image_size": 16, "epochs": 10, "batch_size": 128, "warmup_epochs": 1, "views": "batched",
             "flip": False, "blur": False,
         },
+        # 28-64 px data (CIFAR-10/100, STL-10 downscaled): solo-learn's CIFAR recipe
+        # (scripts/pretrain/cifar/barlow.yaml + augmentations/asymmetric.yaml: ResNet-18 with a
+        # 3x3 stem, projector 2048-2048-2048, batch 256, LARS lr 0.3 with eta 0.02, loss x 0.1,
+        # wd 1e-4, 10 warm-up epochs + cosine, 1000 epochs, no blur, solarise 0 / 0.2), in our
+        # units: LARS here has eta 0.001 and an unscaled loss, so the weights' lr is 0.3 x 0.02 /
+        # 0.001 = 6, the biases' (no LARS adaptation) 0.3 x 0.1 = 0.03 and the weight decay 1e-4 /
+        # 0.1 = 1e-3. lightly's CIFAR-10 benchmark (docs/.../cifar10_benchmark.py) also trains
+        # its Barlow Twins ResNet-18 with a 2048-d projector, batch 128-512 and no blur.
+        "cifar": {
+            "backbone": "resnet18", "small_image_stem": True, "projector": "2048-2048-2048", "image_size": 32,
+            "batch_size": 256, "lr_weights": 6.0, "lr_biases": 0.03, "weight_decay": 1e-3, "warmup_epochs": 10,
+            "epochs": 1000, "blur": False, "views": "batched",
+        },
     }
 
     data: str = field(default="digits", metadata={"help": "'digits' (embedded), 'synthetic[:N]', or an ImageFolder / ImageNet directory"})
     out: str = field(default="runs/pretrain", metadata={"help": "run directory (checkpoint, metrics, final weights)"})
-    backbone: Literal["resnet18", "resnet34", "resnet50", "resnet101"] = field(default="resnet50", metadata={"help": "torchvision ResNet"})
+    overwrite: bool = field(default=False, metadata={"help": "write into an --out that is not empty and was not created by bt-hub (same-named files are replaced)"})
+    backbone: Literal["resnet18", "resnet34", "resnet50", "resnet101"] = field(default="resnet50", metadata={"help": "torchvision ResNet", "flag": "arch", "aliases": ("backbone",)})
     projector: str = field(default="8192-8192-8192", metadata={"help": "projector widths joined by '-'"})
     lambd: float = field(default=0.0051, metadata={"help": "weight of the redundancy-reduction term"})
     small_image_stem: bool = field(default=False, metadata={"help": "3x3 stem without max-pool, for 32-px images"})
@@ -78,24 +96,30 @@ class PretrainConfig:
     warmup_epochs: int = field(default=10, metadata={"help": "linear warm-up epochs before the cosine decay"})
     loss_method: Literal["auto", "dense", "gram"] = field(default="auto", metadata={"help": "loss form: D x D, N x N, or the cheaper"})
     reference_grad_scale: bool = field(default=False, metadata={"help": "reproduce the reference code's 1/world_size gradients"})
-    precision: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={"help": "autocast dtype (fp16 only on CUDA, with a GradScaler)"})
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = field(default="auto", metadata={"help": "autocast dtype (fp16 only on CUDA, with a GradScaler); auto: bf16 on GPUs with bf16 and on CPUs with avx512_bf16/AMX, fp32 elsewhere (the choice is recorded in run.json and config.json)"})
     channels_last: bool = field(default=False, metadata={"help": "channels-last memory format for the backbone"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the forward pass and the loss (compiles for a minute or more at the start)"})
     views: Literal["pil", "batched"] = field(default="pil", metadata={"help": "augment per image in loader workers (pil) or per batch on the device (batched)"})
+    decode: Literal["auto", "device", "workers"] = field(default="auto", metadata={"help": "image files with --views batched: workers read bytes and the device decodes the batch (device), or workers decode with PIL (workers); auto: device on CUDA"})
     num_workers: int = field(default=0, metadata={"help": "data-loader worker processes per rank"})
     checkpoint_every: int = field(default=500, metadata={"help": "steps between checkpoints (one is also written at each epoch end); 0: epoch ends only"})
     resume: Optional[str] = field(default=None, metadata={"help": "'auto': continue OUT/checkpoint.pth if present; or a checkpoint path"})
     seed: int = field(default=0, metadata={"help": "seed of initialisation, data order and views"})
     device: str = field(default="cpu", metadata={"help": "'cpu' or 'cuda' (torchrun: each rank takes its LOCAL_RANK GPU)"})
     max_steps: int = field(default=0, metadata={"help": "stop after this many steps in all (0: the whole schedule); the schedule is unchanged"})
-    log_every: int = field(default=10, metadata={"help": "steps between metrics lines"})
+    log_every: int = field(default=10, metadata={"help": "steps between metrics lines (and progress lines when not on a terminal)"})
+    monitor_knn: int = field(default=0, metadata={"help": "every this many steps, weighted kNN top-1 (k = 20, T = 0.07) of the backbone's features on a small labelled bank, logged and shown in the progress bar (0: off)"})
+    monitor_data: Optional[str] = field(default=None, metadata={"help": "labelled data of the kNN monitor (as --data; its train split is the bank, its val/test split the queries); default: --data's training and held-out splits"})
+    monitor_size: int = field(default=2000, metadata={"help": "bank images of the kNN monitor (queries: a quarter of it, at most 500)"})
+    tensorboard: bool = field(default=False, metadata={"help": "also write the metrics as TensorBoard scalars to OUT/tensorboard (needs the tensorboard package)"})
     probe_max_dim: int = field(default=2048, metadata={"help": "record the probe batch's cross-correlation when the projector output is at most this wide"})
 
     def __post_init__(self) -> None:
-        positive = ("image_size", "epochs", "batch_size", "log_every")
+        positive = ("image_size", "epochs", "batch_size", "log_every", "monitor_size")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("lambd", "lr_weights", "lr_biases", "weight_decay", "warmup_epochs", "num_workers", "checkpoint_every", "max_steps", "probe_max_dim"):
+        for name in ("lambd", "lr_weights", "lr_biases", "weight_decay", "warmup_epochs", "num_workers", "checkpoint_every", "max_steps", "probe_max_dim", "monitor_knn"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be non-negative, got {getattr(self, name)}")
         if not 0 < self.crop_scale_min <= 1:
@@ -105,13 +129,27 @@ class PretrainConfig:
         except ValueError as err:
             raise ValueError(f"--projector: {err}") from None
         if self.backbone not in BACKBONES:
-            raise ValueError(f"--backbone {self.backbone!r} is unknown; expected one of {sorted(BACKBONES)}")
+            raise ValueError(f"--arch {self.backbone!r} is unknown; expected one of {sorted(BACKBONES)}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device {self.device!r} is unknown; expected 'cpu' or 'cuda'")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {self.device} was asked for but CUDA is not available")
         if self.precision == "fp16" and not self.device.startswith("cuda"):
             raise ValueError("--precision fp16 needs --device cuda; use bf16 on CPU")
+        if self.warmup_epochs > self.epochs:
+            raise ValueError(f"--warmup-epochs {self.warmup_epochs} is longer than the whole schedule (--epochs {self.epochs}); lower --warmup-epochs or raise --epochs")
+
+    def schedule_steps(self, steps_per_epoch: int, start: int = 0) -> tuple[int, int, int]:
+        """(total, warm-up, last) steps; refuses a ``--max-steps`` beyond the schedule or before the resumed ``start``."""
+        total = self.epochs * steps_per_epoch
+        if self.max_steps > total:
+            raise ValueError(f"--max-steps {self.max_steps} is more than the {total} steps of the schedule (--epochs {self.epochs} x {steps_per_epoch} "
+                             "steps per epoch); raise --epochs or lower --max-steps")
+        last = self.max_steps or total
+        if start > last:
+            raise ValueError(f"--max-steps {self.max_steps} is before step {start} of the checkpoint being resumed; raise --max-steps")
+        return total, self.warmup_epochs * steps_per_epoch, last
+        resolve_decode(self.decode, self.device, self.views)
 
 
 class _TrainStep(nn.Module):
@@ -130,10 +168,12 @@ class _TrainStep(nn.Module):
 
 
 class _ViewDataset(Dataset):
-    """Items keyed by (epoch, index): two seeded PIL views, or the raw uint8 image for batched views."""
+    """Items keyed by (epoch, index): two seeded PIL views, or for batched views the uint8 image or the file's bytes."""
 
-    def __init__(self, dataset: Dataset, image_size: int, seed: int, batched: bool, views: tuple[ViewParams, ViewParams] = (VIEW_A, VIEW_B)) -> None:
-        self.dataset, self.seed, self.batched = dataset, seed, batched
+    def __init__(self, dataset: Dataset, image_size: int, seed: int, batched: bool, views: tuple[ViewParams, ViewParams] = (VIEW_A, VIEW_B),
+                 files: bool = False, encoded: bool = False) -> None:
+        self.dataset, self.seed, self.batched, self.encoded = dataset, seed, batched, encoded
+        self.file_items = batched and files  # images of their own sizes: batches are lists
         self.transform = TwoViewTransform(image_size, views)
 
     def __len__(self) -> int:
@@ -141,6 +181,8 @@ class _ViewDataset(Dataset):
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         epoch, index = key
+        if self.encoded:
+            return read_encoded(self.dataset.samples[index][0])
         image, _ = self.dataset[index]
         if self.batched:
             return to_uint8_tensor(image)
@@ -159,7 +201,9 @@ def view_pair(config: PretrainConfig) -> tuple[ViewParams, ViewParams]:
 
 def _views(batch: Any, step: int, config: PretrainConfig, device: torch.device, batched: BatchedTwoViews | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The two view batches on the device (batched views are drawn per (seed, step, rank))."""
-    if batched is not None:
+    if batched is not None and isinstance(batch, list):  # image files of their own sizes: boxes drawn on the CPU, images decoded on the device
+        y_a, y_b = batched(to_device_images(batch, device), generator=seeded_generator(config.seed, step, get_rank()))
+    elif batched is not None:
         images = batch.to(device, non_blocking=True)
         y_a, y_b = batched(images, generator=seeded_generator(config.seed, step, get_rank(), device=device))
     else:
@@ -194,6 +238,8 @@ def _probe_views(views: _ViewDataset, config: PretrainConfig, device: torch.devi
     if parse_projector(config.projector)[-1] > config.probe_max_dim:
         return None
     keys = [(-1, i) for i in range(min(PROBE_SIZE, len(views)))]
+    if batched is not None and views.file_items:
+        return batched(to_device_images([views[k] for k in keys], device), generator=seeded_generator(config.seed, -1))
     if batched is not None:
         images = torch.stack([views[k] for k in keys]).to(device)
         return batched(images, generator=seeded_generator(config.seed, -1, device=device))
@@ -222,15 +268,6 @@ def _resume_state(config: PretrainConfig, out: Path) -> dict[str, Any] | None:
     return state
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metrics lines logged after the checkpoint being resumed (they will be logged again)."""
-    if not path.exists():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
-    atomic_write_text(path, "".join(line + "\n" for line in kept))
-
-
 def write_backbone(out: Path, model: BarlowTwins, config: PretrainConfig, step: int, num_samples: int) -> None:
     """``<backbone>.pth`` (torchvision keys, no fc), ``backbone.safetensors`` and ``config.json``."""
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.backbone.state_dict().items() if not k.startswith("fc.")}
@@ -251,7 +288,7 @@ def write_backbone(out: Path, model: BarlowTwins, config: PretrainConfig, step: 
         "recipe": {
             "optimizer": "LARS", "batch_size": config.batch_size, "lr_weights": config.lr_weights, "lr_biases": config.lr_biases,
             "weight_decay": config.weight_decay, "warmup_epochs": config.warmup_epochs, "loss_method": config.loss_method,
-            "precision": config.precision, "views": config.views, "seed": config.seed,
+            "precision": config.precision, "views": config.views, "decode": config.decode, "compile": config.compile, "seed": config.seed,
             "reference_grad_scale": config.reference_grad_scale,
             "crop_scale_min": config.crop_scale_min, "flip": config.flip, "blur": config.blur,
         },
@@ -263,26 +300,28 @@ def pretrain(config: PretrainConfig) -> Path:
     """Train per ``config`` (joining torchrun's process group if launched by it); return the run directory."""
     device = init_distributed(config.device)
     try:
-        return _train(config, device)
+        with RunDir.for_training(config.out, overwrite=config.overwrite) as run:
+            return _train(config, device, run)
     finally:
         cleanup_distributed()
 
 
-def _train(config: PretrainConfig, device: torch.device) -> Path:
+def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
+    config = dataclasses.replace(config, precision=resolve_precision(config.precision, device), decode=resolve_decode(config.decode, device, config.views))
     rank, world = get_rank(), get_world_size()
     out = Path(config.out)
     if config.batch_size % world:
         raise ValueError(f"--batch-size {config.batch_size} is not a multiple of the {world} processes")
     state = _resume_state(config, out)
     is_dir = not (config.data == "digits" or config.data.startswith("synthetic"))
-    dataset = build_dataset(config.data, "train", image_size=None if is_dir and config.views == "pil" else config.image_size, seed=config.seed)
+    dataset = build_dataset(config.data, "train", image_size=None if is_dir else config.image_size, seed=config.seed)
     steps_per_epoch = len(dataset) // config.batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"--batch-size {config.batch_size} is larger than the {len(dataset)} training images of --data {config.data}")
-    total_steps = config.epochs * steps_per_epoch
-    warmup_steps = config.warmup_epochs * steps_per_epoch
-    last_step = min(total_steps, config.max_steps) if config.max_steps else total_steps
+    total_steps, warmup_steps, last_step = config.schedule_steps(steps_per_epoch, int(state["step"]) if state else 0)
 
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick its fastest kernels, as the reference does
     torch.manual_seed(config.seed)
     np.random.seed(config.seed % 2**32)
     random.seed(config.seed)
@@ -305,27 +344,34 @@ def _train(config: PretrainConfig, device: torch.device) -> Path:
     if world > 1:
         step_module = convert_sync_batchnorm(step_module)  # SyncBatchNorm on CUDA, GlobalBatchNorm on CPU/gloo
         step_module = nn.parallel.DistributedDataParallel(step_module, device_ids=[device.index] if device.type == "cuda" else None)
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
+    if config.compile:
+        step_module = torch.compile(step_module)
+    amp_dtype = autocast_dtype(config.precision)
 
-    run = RunDir(out, config, write=is_main_process())
-    if is_main_process() and state is not None:
-        _truncate_metrics(out / "metrics.jsonl", step)
+    run.start(config, step)
     view_params = view_pair(config)
     batched = BatchedTwoViews(config.image_size, view_params) if config.views == "batched" else None
-    views = _ViewDataset(dataset, config.image_size, config.seed, batched is not None, view_params)
+    views = _ViewDataset(dataset, config.image_size, config.seed, batched is not None, view_params, files=is_dir, encoded=is_dir and config.decode == "device")
     probe = _probe_views(views, config, device, batched) if is_main_process() else None
     if step == 0 and is_main_process():
         _save_probe(out / "cross_correlation_start.npy", model, probe)
 
     checkpoint_path = out / CHECKPOINT_NAME
-    bar = tqdm(total=last_step, initial=step, desc="pretrain", unit="step", disable=not is_main_process() or None, dynamic_ncols=True)
+    monitor = KnnMonitor(*monitor_sets(config.monitor_data or config.data, config.image_size, config.seed, config.monitor_size)) if config.monitor_knn and is_main_process() else None
+    scalars = TensorBoardScalars(out / "tensorboard") if config.tensorboard and is_main_process() else None
+    bar = progress(None, "pretrain", total=last_step, initial=step, unit="step", every=config.log_every)
+    postfix: dict[str, str] = {}
+    if monitor is not None and step == 0:
+        postfix["knn"] = f"{monitor(model.backbone, device, amp_dtype):.1f}"
+        run.log({"step": 0, "knn_top1": float(postfix["knn"])})
     model.train()
     while step < last_step:
         epoch = step // steps_per_epoch
         sampler = EpochBatchSampler(len(dataset), config.batch_size, config.seed, epoch, step % steps_per_epoch, rank, world)
         loader = DataLoader(views, batch_sampler=sampler, num_workers=config.num_workers, pin_memory=device.type == "cuda",
+                            collate_fn=collate_list if views.file_items else None,
                             generator=torch.Generator().manual_seed(derive_seed(config.seed, epoch, rank)))
-        tick = time.perf_counter()
+        tick, tick_step = time.perf_counter(), step
         for batch in loader:
             y_a, y_b = _views(batch, step, config, device, batched)
             rates = set_learning_rates(optimizer, step, total_steps, warmup_steps, config.batch_size)
@@ -333,23 +379,30 @@ def _train(config: PretrainConfig, device: torch.device) -> Path:
                 terms, spread = step_module(y_a, y_b)
             loss = float(terms.loss.detach())
             if not math.isfinite(loss):
-                kept = f"{checkpoint_path} is kept" if checkpoint_path.exists() else "no checkpoint was written yet"
-                raise RuntimeError(f"the loss became {loss} at step {step} (epoch {epoch}); training stopped and {kept}")
+                raise RuntimeError(training_stopped(checkpoint_path, step + 1, f"the loss became {loss}"))
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(terms.loss).backward()
             scaler.step(optimizer)
             scaler.update()
             step += 1
-            now = time.perf_counter()
+            row: dict[str, Any] = {}
             if step % config.log_every == 0 or step == last_step:
-                run.log({
-                    "step": step, "epoch": epoch, "lr_weights": rates[0], "lr_biases": rates[1], "loss": loss,
+                now = time.perf_counter()
+                row.update({
+                    "epoch": epoch, "lr_weights": rates[0], "lr_biases": rates[1], "loss": loss,
                     "invariance": float(terms.invariance_term), "redundancy": float(terms.redundancy_term),
-                    "embedding_std": float(spread), "pairs_per_s": config.batch_size / max(now - tick, 1e-9),
+                    "embedding_std": float(spread), "pairs_per_s": config.batch_size * (step - tick_step) / max(now - tick, 1e-9),
                 })
-            tick = now
+                tick, tick_step = now, step
+            if monitor is not None and (step % config.monitor_knn == 0 or step == last_step):
+                row["knn_top1"] = monitor(model.backbone, device, amp_dtype)
+                postfix["knn"] = f"{row['knn_top1']:.1f}"
+            if row:
+                run.log({"step": step, **row})
+                if scalars is not None:
+                    scalars.log({"step": step, **row})
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4g}", epoch=epoch)
+            bar.set_postfix(loss=f"{loss:.4g}", epoch=epoch, **postfix)
             if step % steps_per_epoch == 0 or step == last_step or (config.checkpoint_every and step % config.checkpoint_every == 0):
                 if is_main_process():
                     save_checkpoint(checkpoint_path, model=model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
@@ -358,6 +411,8 @@ def _train(config: PretrainConfig, device: torch.device) -> Path:
             if step >= last_step:
                 break
     bar.close()
+    if scalars is not None:
+        scalars.close()
     if is_main_process():
         _save_probe(out / "cross_correlation_end.npy", model, probe)
         write_backbone(out, model, config, step, len(dataset))

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from bt_hub.runs import atomic_torch_save
+from bt_hub.weights.formats import non_finite_tensors, read_file
 
 CHECKPOINT_NAME = "checkpoint.pth"
 
@@ -98,20 +99,41 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def training_stopped(checkpoint: str | os.PathLike, step: int, what: str) -> str:
+    """The sentence that stops a diverged run: what went wrong at which step, and the good checkpoint that is kept."""
+    checkpoint = Path(checkpoint)
+    if checkpoint.exists():
+        try:
+            kept_step = int(torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)["step"])
+            kept = f"the last good checkpoint {checkpoint} (step {kept_step}, every tensor finite) is kept"
+        except Exception:  # an unreadable file is reported as such; the sentence still has to be written
+            kept = f"{checkpoint} is kept but could not be read back"
+    else:
+        kept = "no checkpoint was written yet"
+    return (f"{what} at step {step}; training stopped and {kept}; resuming with the same flags diverges again (training is "
+            "deterministic), so start a new --out with a lower --lr-weights / --lr-biases or a longer --warmup-epochs")
+
+
 def save_checkpoint(path: str | os.PathLike, **state: Any) -> Path:
-    """Write a full training checkpoint atomically (a crash leaves the previous one intact)."""
+    """Write a full training checkpoint atomically (a crash leaves the previous one intact).
+
+    Raises:
+        RuntimeError: a parameter, buffer or optimiser tensor is NaN or inf; nothing is written,
+            so the checkpoint already at ``path`` (if any) stays the last good one.
+    """
+    bad = non_finite_tensors({"model": state.get("model", {}), "optimizer": state.get("optimizer", {})})
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise RuntimeError(training_stopped(path, int(state.get("step", -1)), f"{len(bad)} tensor{'s' if len(bad) > 1 else ''} of the training state became NaN or inf ({shown})"))
     return atomic_torch_save({**state, "rng": rng_state()}, path)
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a checkpoint written by ``save_checkpoint`` (``weights_only=True``)."""
+    """Read a checkpoint written by ``save_checkpoint`` (``weights_only=True``, through the safe reader of bt_hub.weights)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises several unrelated types for a damaged file
-        raise RuntimeError(f"checkpoint {path} is unreadable ({type(err).__name__}: {err})") from err
+    state = read_file(path)  # refuses code and non-checkpoints in one sentence (CheckpointError)
     missing = [k for k in ("model", "optimizer", "step", "config", "rng") if k not in state]
     if missing:
         raise ValueError(f"checkpoint {path} lacks the keys {missing}; expected one written by bt-hub pretrain")

@@ -1,42 +1,116 @@
 """Run directories and atomic file writes.
 
-Every file bt_hub writes goes through ``atomic_write`` (temp file + rename), so a
-crash never leaves a half-written checkpoint or result. A run directory records the
-command line, the git sha, the package version and the resolved config, and takes
-JSON-lines metrics.
+Every file bt_hub writes goes through ``atomic_write`` (a temp file ``.<name>.<8 hex>.tmp``
+beside the target, fsync, rename), so a crash never leaves a half-written checkpoint or
+result, and a failed write (disk full, quota, ``ulimit -f``) is one sentence naming the file
+while the previous version stays intact. Files follow the umask like any other file.
+
+A run directory is bt_hub's when it holds the marker ``.bt_hub_run`` (written when bt_hub
+creates or adopts the directory; a ``run.json`` or ``results.json`` written by an earlier
+bt_hub counts too). Writing into a non-empty directory without it is refused unless the
+caller passes ``overwrite`` (``--overwrite``). A training run also holds an advisory
+``fcntl.flock`` on ``.bt_hub_run.lock`` for its whole life, so a second run into the same
+directory fails at once naming the holder, and only the holder removes the temp-file
+leftovers of interrupted writes. ``run.json`` records the command line, host, git sha,
+package version and resolved config of the first run, and appends every later start (a
+resume) to its ``resumes`` list; ``metrics.jsonl`` takes JSON lines.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import io
 import json
 import os
+import re
+import secrets
+import socket
 import subprocess
 import sys
-import tempfile
 import time
+import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
+MARKER_NAME = ".bt_hub_run"
+LOCK_NAME = ".bt_hub_run.lock"
+# the temp names of atomic_write (and of earlier versions, which used tempfile.mkstemp)
+TEMP_FILE = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
+_FULL = {errno.ENOSPC: "no space is left on the device", errno.EDQUOT: "the disk quota is exceeded"}
+
+
+class WriteError(OSError):
+    """A file could not be written; the message names it, the reason and the fix."""
+
+
+class RunDirBusyError(RuntimeError):
+    """Another live run holds the run directory's lock."""
+
+
+def write_failure(path: Path, err: OSError) -> WriteError:
+    """One sentence for an OSError met while writing ``path`` (what happened, what to do, what was kept)."""
+    if err.errno in _FULL:
+        fix = f"{_FULL[err.errno]}; free space on the file system of {path.parent} and run again"
+    elif err.errno == errno.EFBIG:
+        fix = "the file is larger than this process may write (ulimit -f); raise the limit and run again"
+    else:
+        fix = f"{err.strerror or err}; check that {path.parent} is writable"
+    kept = f"the previous {path.name} is unchanged" if path.exists() else "nothing was written"
+    return WriteError(f"could not write {path}: {fix} ({kept})")
+
+
+def _os_error(err: BaseException) -> Optional[OSError]:
+    """The OSError behind ``err``: itself, or one torch wrapped (torch.save reports it as a RuntimeError)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _open_temp(path: Path) -> tuple[Path, int]:
+    """A new temp file beside ``path``, created with mode 0666 so that the umask applies (mkstemp's is 0600)."""
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a temp file beside {path}")
+
 
 def atomic_write(path: str | os.PathLike, write: Callable[[io.BufferedWriter], None]) -> Path:
-    """Write a file through ``write(fileobj)`` into a temp file beside it, then rename."""
+    """Write a file through ``write(fileobj)`` into a temp file beside it, then rename.
+
+    Raises:
+        WriteError: the disk is full, a limit was hit or the directory is not writable; the
+            previous file at ``path`` (if any) is untouched and no temp file is left.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp: Optional[Path] = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp, fd = _open_temp(path)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    except BaseException as err:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        cause = _os_error(err)
+        if cause is None or isinstance(err, WriteError):
+            raise
+        raise write_failure(path, cause) from err
     return path
 
 
@@ -85,33 +159,234 @@ def config_dict(config: Any) -> dict[str, Any]:
     return dict(config)
 
 
-class RunDir:
-    """A run directory: ``run.json`` (command, git, version, config) and ``metrics.jsonl``.
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
-    Args:
-        path: the directory (created).
-        config: the resolved config dataclass, saved as the run's record.
-        write: False on non-zero ranks, which must not write.
+
+def is_bt_hub_dir(path: str | os.PathLike) -> bool:
+    """True when ``path`` holds bt_hub's marker (or a run.json / results.json an earlier bt_hub wrote)."""
+    path = Path(path)
+    if (path / MARKER_NAME).is_file():
+        return True
+    return any(isinstance(r := _read_json(path / name), dict) and "bt_hub_version" in r for name in ("run.json", "results.json"))
+
+
+def check_run_dir(path: str | os.PathLike, *, overwrite: bool = False, flag: str = "--out") -> Path:
+    """Refuse, before any heavy work, an output directory bt_hub must not write into.
+
+    Raises:
+        ValueError: ``path`` (or a parent) is an existing file, or it is a non-empty
+            directory without bt_hub's marker and ``overwrite`` is False.
+    """
+    path = Path(path)
+    for ancestor in (path, *path.parents):
+        if ancestor.exists() and not ancestor.is_dir():
+            where = "is an existing file" if ancestor == path else f"lies under {ancestor}, which is a file"
+            raise ValueError(f"{flag} {path} {where}; expected a directory for the run's outputs: choose another {flag}")
+        if ancestor.exists():
+            break
+    if not overwrite and path.is_dir() and any(path.iterdir()) and not is_bt_hub_dir(path):
+        raise ValueError(
+            f"{flag} {path} is not empty and was not created by bt-hub (it has no {MARKER_NAME}); choose another {flag}, "
+            "or pass --overwrite to write into it anyway (files of the same names are replaced)"
+        )
+    return path
+
+
+def claim_run_dir(path: str | os.PathLike, *, overwrite: bool = False, flag: str = "--out") -> Path:
+    """``check_run_dir``, then create the directory and its marker (idempotent)."""
+    path = check_run_dir(path, overwrite=overwrite, flag=flag)
+    marker = path / MARKER_NAME
+    if marker.is_file():
+        return path
+    try:  # written in place, not atomically: its existence is what counts, even if a crash cuts its text short
+        path.mkdir(parents=True, exist_ok=True)
+        with open(marker, "x", encoding="utf-8") as f:
+            json.dump({"created_by": "bt_hub", "bt_hub_version": package_version(), "created": _now(), "host": socket.gethostname()}, f)
+    except FileExistsError:
+        pass
+    except OSError as err:
+        raise WriteError(f"could not create {flag} {path}: {err.strerror or err}; choose a writable {flag}") from err
+    return path
+
+
+def remove_stale_temp_files(path: str | os.PathLike) -> list[Path]:
+    """Delete the leftovers of interrupted atomic writes in ``path`` (only names of bt_hub's temp pattern).
+
+    Call it only while holding the directory's :class:`RunLock`: a live writer's temp file
+    has the same name pattern.
+    """
+    removed = []
+    for entry in Path(path).iterdir():
+        if TEMP_FILE.match(entry.name) and entry.is_file():
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
+
+
+class RunLock:
+    """An advisory ``flock`` on ``<dir>/.bt_hub_run.lock``, holding this process's pid and host.
+
+    The lock file is written in place (the lock lives on its inode) and left behind on
+    release; the kernel drops the lock when the holder dies, however it dies.
+
+    Raises:
+        RunDirBusyError: another process holds the lock (the message names its pid and host).
     """
 
-    def __init__(self, path: str | os.PathLike, config: Any = None, *, write: bool = True) -> None:
+    def __init__(self, directory: str | os.PathLike, flag: str = "--out") -> None:
+        self.path = Path(directory) / LOCK_NAME
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_json(self.path) or {}
+            os.close(fd)
+            who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
+            raise RunDirBusyError(f"{flag} {directory} is in use by another bt-hub run ({who}); wait for it to end or stop it, or choose another {flag}") from None
+        with contextlib.suppress(OSError):  # who holds it is a courtesy to the next caller; the lock is what counts
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": _now(), "command": sys.argv}).encode())
+        self._fd: Optional[int] = fd
+
+    def release(self) -> None:
+        """Drop the lock (also done by the kernel when the process ends)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def _start_record() -> dict[str, Any]:
+    return {"command": sys.argv, "started": _now(), "host": socket.gethostname(), "pid": os.getpid(), "bt_hub_version": package_version(), **git_state()}
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines log; a last line cut short by a crash or a full disk is dropped with a warning.
+
+    Raises:
+        ValueError: a line before the last one is not JSON (the file was edited or damaged).
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if n == len(lines):
+                warnings.warn(f"{path}: dropped its last line, cut short by an interrupted write ({line[:40]!r}...)", stacklevel=2)
+                break
+            raise ValueError(f"{path} line {n} is not JSON; fix or delete that line (expected one JSON object per line)") from None
+    return rows
+
+
+class RunDir:
+    """A run directory: ``run.json`` (command, host, git, version, config; later starts appended) and JSON-lines logs.
+
+    Args:
+        path: the directory (created with bt_hub's marker; see :func:`claim_run_dir`).
+        config: the resolved config dataclass; when given, :meth:`start` records it at once.
+        write: False on non-zero ranks, which must not write.
+        overwrite: allow a non-empty directory bt_hub did not create (default: ``config.overwrite`` if it has one).
+        lock: hold the directory's :class:`RunLock` until :meth:`close` and remove stale temp files.
+    """
+
+    def __init__(self, path: str | os.PathLike, config: Any = None, *, write: bool = True, overwrite: Optional[bool] = None, lock: bool = False) -> None:
         self.path = Path(path)
         self.write = write
-        if write:
-            self.path.mkdir(parents=True, exist_ok=True)
-            record = {
-                "command": sys.argv,
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "bt_hub_version": package_version(),
-                "torch_version": torch.__version__,
-                **git_state(),
-                "config": config_dict(config) if config is not None else None,
-            }
-            atomic_write_json(self.path / "run.json", record)
+        self._lock: Optional[RunLock] = None
+        if not write:
+            return
+        claim_run_dir(self.path, overwrite=bool(getattr(config, "overwrite", False)) if overwrite is None else overwrite)
+        if lock:
+            self._lock = RunLock(self.path)
+            remove_stale_temp_files(self.path)
+        if config is not None:
+            self.start(config)
 
-    def log(self, row: dict[str, Any], name: str = "metrics.jsonl") -> None:
-        """Append one JSON line (only on the writing rank)."""
+    @classmethod
+    def for_training(cls, path: str | os.PathLike, *, overwrite: bool = False) -> "RunDir":
+        """Called by every rank: the main process claims and locks ``path``; if that fails, every rank raises the same error."""
+        from bt_hub.distributed import broadcast_object, is_main_process
+
+        run, error = None, None
+        if is_main_process():
+            try:
+                run = cls(path, write=True, overwrite=overwrite, lock=True)
+            except (ValueError, RuntimeError, OSError) as err:
+                error = err
+        error = broadcast_object(error)
+        if error is not None:
+            raise error
+        return run if run is not None else cls(path, write=False)
+
+    def start(self, config: Any, step: Optional[int] = None) -> None:
+        """Record this start in ``run.json``; with ``step`` (the step the run continues from) cut ``metrics.jsonl`` back to it.
+
+        The first start writes the whole record; each later one is appended to its
+        ``resumes`` list with the step it resumed from, so the original run is never lost.
+        """
         if not self.write:
             return
-        with open(self.path / name, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row, default=float) + "\n")
+        path = self.path / "run.json"
+        record = _read_json(path)
+        now = {**_start_record(), "config": config_dict(config) if config is not None else None}
+        if isinstance(record, dict) and "started" in record:
+            changed = {k: v for k, v in (now["config"] or {}).items() if (record.get("config") or {}).get(k) != v}
+            record.setdefault("resumes", []).append({**now, "config": changed, "resumed_from_step": step})
+        else:
+            record = {**now, "torch_version": torch.__version__}
+        atomic_write_json(path, record)
+        if step is not None:
+            self.truncate_log(step)
+
+    def truncate_log(self, step: int, name: str = "metrics.jsonl") -> None:
+        """Keep exactly the rows with ``step`` at most ``step`` (the rest will be logged again by a resumed run)."""
+        path = self.path / name
+        if not self.write or not path.exists():
+            return
+        rows = read_jsonl(path) if step > 0 else []
+        atomic_write_text(path, "".join(json.dumps(r, default=float) + "\n" for r in rows if r.get("step", 0) <= step))
+
+    def log(self, row: dict[str, Any], name: str = "metrics.jsonl") -> None:
+        """Append one JSON line (only on the writing rank); a failed append leaves the file as it was."""
+        if not self.write:
+            return
+        path = self.path / name
+        data = (json.dumps(row, default=float) + "\n").encode("utf-8")
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            except OSError as err:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, size)
+                raise write_failure(path, err) from err
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Release the directory's lock (if this run holds it)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def __enter__(self) -> "RunDir":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -2,30 +2,54 @@
 
 Each protocol's config dataclass subclasses it and adds its own fields; the CLI turns
 every field into a kebab-case flag whose help is the field's ``metadata["help"]``.
+Presets are named sets of field values (``PRESETS``, bt_hub.presets); ``PRESET_ASSUMPTIONS``
+says what data each preset was set for; ``warn_about_settings`` says when the data is far
+from it, or when a step schedule's milestones never fire.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping, Optional
+
+import torch
+
+from bt_hub.presets import preset_values
+from bt_hub.runs import check_run_dir
+
+if TYPE_CHECKING:
+    from eval.splits import Splits
+
+
+class PresetWarning(UserWarning):
+    """A preset's assumptions (classes, image size, batches per epoch) are far from the data's, or its schedule idles."""
 
 
 @dataclass
 class EvalConfig:
     """Weights, data, output and compute settings shared by all protocols."""
 
-    weights: str = field(metadata={"help": "weights to evaluate: a checkpoint path, URL, Hugging Face id or torch.hub spec (anything load_backbone accepts)"})
-    data: str = field(default="digits", metadata={"help": "dataset: 'digits' (embedded), 'synthetic[:N]', or a path (ImageFolder / ImageNet layout with train/ and val/)"})
-    out: str = field(default="runs/eval", metadata={"help": "output directory: results.json, results.md and the protocol's logs go here"})
+    # Fields that say where or how a run executes, not what it computes: results do not list
+    # them as changes from the preset (the record holds them all under "hyperparameters").
+    RUN_FIELDS: ClassVar[tuple[str, ...]] = ("weights", "data", "out", "device", "num_workers", "cache_dir", "cache_dtype", "seed", "test_split", "holdout", "overwrite", "allow_non_finite")
+
+    weights: str = field(metadata={"help": "weights to evaluate: a registered name (bt-hub weights list), file, folder (run directory, Hugging Face folder), URL, hf://org/name[@rev] or org/name"})
+    data: str = field(default="digits", metadata={"help": "dataset: 'digits' (embedded), 'synthetic[:N]', or a directory with train/ beside val/ or test/ (ImageFolder class folders in each)"})
+    out: str = field(default="runs/eval", metadata={"help": "output directory: results.json (this run), results.jsonl (every run), results.md and the protocol's logs go here"})
+    overwrite: bool = field(default=False, metadata={"help": "write into an --out that is not empty and was not created by bt-hub (same-named files are replaced)"})
     arch: Optional[str] = field(default=None, metadata={"help": "backbone architecture (resnet18/34/50/101); overrides what the checkpoint implies"})
     small_image_stem: Optional[bool] = field(default=None, metadata={"help": "3x3 stem without max-pool (32-px data); default: what the checkpoint implies"})
     device: str = field(default="cpu", metadata={"help": "'cpu' or 'cuda' (autocast is used on CUDA)"})
-    batch_size: int = field(default=256, metadata={"help": "images per forward pass during feature extraction"})
+    batch_size: int = field(default=256, metadata={"help": "images per batch: of feature extraction, and the training batch of linear, transfer and semi (global under torchrun)"})
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes"})
-    image_size: int = field(default=224, metadata={"help": "crop side; the test transform is Resize(image_size*256/224) + CenterCrop(image_size)"})
-    seed: int = field(default=0, metadata={"help": "seed of every random choice (data split, initialisation, sampling)"})
+    image_size: int = field(default=224, metadata={"help": "crop side; the test transform is Resize(image_size*256/224) + CenterCrop(image_size); digits and synthetic are drawn at this size"})
+    seed: int = field(default=0, metadata={"help": "seed of every random choice (data split, holdout, initialisation, sampling)"})
+    test_split: Literal["val", "test"] = field(default="val", metadata={"help": "held-out split of a directory --data: val/ (ImageNet layout) or test/; digits and synthetic hold out one part under both names"})
+    holdout: Optional[float] = field(default=None, metadata={"help": "score on a seeded, class-stratified FRACTION of the training split instead of --test-split (a flat ImageFolder; or tuning without touching the test split); the held-out indices' sha256 goes into results.json"})
     cache_dir: Optional[str] = field(default=None, metadata={"help": "feature cache directory; a second protocol on the same weights, data and transform reuses the features"})
     cache_dtype: Literal["float32", "float16"] = field(default="float32", metadata={"help": "dtype of cached features (float16 halves the disk use)"})
+    allow_non_finite: bool = field(default=False, metadata={"help": "evaluate weights holding NaN or inf (for forensics; refused otherwise)"})
 
     def __post_init__(self) -> None:
         if not str(self.weights).strip():
@@ -39,3 +63,65 @@ class EvalConfig:
             raise ValueError(f"--device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.cache_dtype not in ("float32", "float16"):
             raise ValueError(f"--cache-dtype must be 'float32' or 'float16', got {self.cache_dtype!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device} was asked for but CUDA is not available; use --device cpu")
+        if self.holdout is not None and not 0 < self.holdout < 1:
+            raise ValueError(f"--holdout must be a fraction in (0, 1), e.g. 0.2, got {self.holdout}")
+        preset = getattr(self, "preset", None)
+        if preset is not None:
+            preset_values(type(self), preset)  # an unknown name fails here, listing the valid ones
+        check_run_dir(self.out, overwrite=self.overwrite)
+
+
+def preset_warnings(config: Any, *, num_classes: int, train_images: int, image_side: Optional[int]) -> list[str]:
+    """One sentence when ``config.preset``'s assumptions are far from the data, else [].
+
+    Far means: ten times more or fewer classes than the preset was set for, images three
+    times smaller or larger, or fewer than four batches of ``--batch-size`` per epoch.
+
+    Args:
+        config: a protocol config with ``preset``, ``batch_size``, ``image_size`` and
+            ``PRESET_ASSUMPTIONS`` (``{preset: {"num_classes": .., "image_size": ..}}``).
+        num_classes: classes of the training split.
+        train_images: images a training epoch walks (the labelled ones for fine-tuning).
+        image_side: the shorter side of the data's images (None: unknown).
+    """
+    name = getattr(config, "preset", None)
+    assumes: Mapping[str, Any] = (getattr(type(config), "PRESET_ASSUMPTIONS", None) or {}).get(name, {})
+    if not assumes:
+        return []
+    found = []
+    classes = assumes.get("num_classes")
+    if classes and not classes / 10 <= num_classes <= classes * 10:
+        found.append(f"{classes} classes (the data has {num_classes})")
+    side = min(config.image_size, image_side or config.image_size)
+    expected = assumes.get("image_size")
+    if expected and not expected / 3 <= side <= expected * 3:
+        found.append(f"images of about {expected} px (the data's are {side} px)")
+    steps = -(-train_images // config.batch_size)
+    if steps < 4:
+        found.append(f"at least 4 batches per epoch ({train_images} training images in batches of {config.batch_size} make {steps})")
+    if not found:
+        return []
+    others = [p for p in getattr(type(config), "PRESETS", {}) if p != name]
+    return [f"preset {name!r} assumes " + ", ".join(found) + f"; its hyper-parameters may not fit: see --help for the other presets ({', '.join(others)}) or set the flags"]
+
+
+def schedule_warnings(config: Any) -> list[str]:
+    """One sentence when a step schedule's milestones fall at or after the last epoch (they never fire), else []."""
+    if getattr(config, "schedule", None) != "step":
+        return []
+    idle = [m for m in config.milestones if m >= config.epochs]
+    if not idle:
+        return []
+    return [f"--milestones {' '.join(map(str, idle))} never fire in {config.epochs} epochs, so the LR never drops there: "
+            "lower --milestones or use --schedule cosine"]
+
+
+def warn_about_settings(config: Any, splits: "Splits", *, train_images: int) -> list[str]:
+    """``preset_warnings`` and ``schedule_warnings`` of a run, each issued as a ``PresetWarning``; returns them for the results."""
+    messages = preset_warnings(config, num_classes=len(splits.classes), train_images=train_images, image_side=splits.image_side())
+    messages += schedule_warnings(config)
+    for message in messages:
+        warnings.warn(message, PresetWarning, stacklevel=2)
+    return messages

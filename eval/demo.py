@@ -17,34 +17,37 @@ Everything is seeded by ``--seed``: two runs with the same flags give the same r
 from __future__ import annotations
 
 import copy
-import json
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Subset
-from torchvision import transforms
 
-from bt_hub.checkpoint import load_backbone
-from bt_hub.data import build_dataset
-from bt_hub.label_subsets import balanced_subset_indices
 from bt_hub.model import build_backbone
+from bt_hub.plots import plot_accuracy_bars, run_plots, save_png
+from bt_hub.presets import baseline
 from bt_hub.pretrain import PretrainConfig, pretrain
-from bt_hub.runs import atomic_write, atomic_write_json, atomic_write_text, package_version
-from eval.features import IMAGENET_MEAN, IMAGENET_STD, TransformedDataset, eval_transform, extract_features
+from bt_hub.runs import atomic_write_json, atomic_write_text, package_version
+from bt_hub.weights import load_backbone
+from eval.classifier import evaluate_features, train_on_features
+from eval.features import TransformedDataset, eval_transform, extract_features, train_transform
 from eval.knn import knn_classify
-from eval.linear import PRESET_VALUES, evaluate_features, train_on_features
-from eval.semi_supervised import PAPER, finetune
+from eval.label_subsets import balanced_subset_indices
+from eval.linear import LinearConfig
+from eval.semi_supervised import SemiSupervisedConfig, finetune
+from eval.splits import load_splits
 
 FRACTIONS = (1, 10)
 LAMBD = 0.1
 LR_BIAS_RATIO = 0.0048 / 0.2  # the paper's biases : weights LR
 COLUMNS = ("kNN", "linear", "1% labels", "10% labels")
+LINEAR = {k: v for k, v in baseline(LinearConfig, "imagenet").items() if k in ("lr", "weight_decay", "momentum", "schedule", "milestones", "gamma")}
+# The fine-tuning recipe is the `small` preset of bt-hub eval semi (which was measured here).
+SMALL = baseline(SemiSupervisedConfig, "small")
 
 
 @dataclass
@@ -59,7 +62,7 @@ class DemoConfig:
     lr_weights: float = field(default=8.0, metadata={"help": "LARS base LR of the weights, × batch/256 (paper: 0.2, far too slow for 88 steps)"})
     crop_scale_min: float = field(default=0.4, metadata={"help": "smallest area fraction of the random crops in pretraining and fine-tuning (paper: 0.08, which can erase an 8-px digit)"})
     image_size: int = field(default=8, metadata={"help": "side of the digit images and views in pixels (the originals are 8x8)"})
-    backbone: str = field(default="resnet18", metadata={"help": "torchvision ResNet"})
+    backbone: str = field(default="resnet18", metadata={"help": "torchvision ResNet", "flag": "arch", "aliases": ("backbone",)})
     small_image_stem: bool = field(default=True, metadata={"help": "3x3 stem without max-pool (the standard 7x7/2 stem + max-pool keeps too little of a 16-px digit)"})
     projector: str = field(default="128-128-32", metadata={"help": "projector widths joined by '-' (a 32-d output: a batch of 64 can estimate a 32 x 32 cross-correlation of full rank)"})
     lambd: float = field(default=LAMBD, metadata={"help": "weight of the redundancy-reduction term"})
@@ -67,8 +70,8 @@ class DemoConfig:
     knn_k: int = field(default=20, metadata={"help": "neighbours of the weighted kNN (T = 0.07)"})
     linear_epochs: int = field(default=100, metadata={"help": "epochs of the cached linear probe (paper: 100, lr 0.3, cosine)"})
     semi_epochs: int = field(default=10, metadata={"help": "fine-tuning epochs on 10% of the labels; 1% gets 10x as many, so both see as many images (cosine LR)"})
-    semi_batch_size: int = field(default=32, metadata={"help": "fine-tuning batch size (the paper's 256 would be one step per epoch here)"})
-    semi_lr_classifier: float = field(default=0.05, metadata={"help": "classifier LR of the fine-tuning (paper: 0.5, set for batches of 256 over 1,000 classes; on ten digits it swamps the pretrained backbone)"})
+    semi_batch_size: int = field(default=SMALL["batch_size"], metadata={"help": "fine-tuning batch size (the paper's 256 would be one step per epoch here)"})
+    semi_lr_classifier: float = field(default=SMALL["lr_classifier"], metadata={"help": "classifier LR of the fine-tuning (paper: 0.5, set for batches of 256 over 1,000 classes; on ten digits it swamps the pretrained backbone)"})
     threads: int = field(default=2, metadata={"help": "CPU threads for torch (0: torch's default)"})
     device: str = field(default="cpu", metadata={"help": "'cpu' or 'cuda'"})
 
@@ -105,21 +108,11 @@ def _pretrain(config: DemoConfig, directory: Path) -> Path:
 # ----------------------------------------------------------------------------- scoring
 
 
-def _finetune_transform(config: DemoConfig) -> transforms.Compose:
-    """Random resized crop (area ≥ ``--crop-scale-min``), no flip (digits are not mirror-symmetric), normalised."""
-    return transforms.Compose([
-        transforms.RandomResizedCrop(config.image_size, scale=(config.crop_scale_min, 1.0)),
-        transforms.ToTensor(),
-        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])
-
-
 def _score_features(train: tuple[torch.Tensor, torch.Tensor], test: tuple[torch.Tensor, torch.Tensor], config: DemoConfig) -> dict[str, float]:
     """Weighted kNN and the cached linear probe (all training labels)."""
     (train_x, train_y), (test_x, test_y) = train, test
     scores = {"kNN": knn_classify(train_x, train_y, test_x, test_y, k=config.knn_k, num_classes=10, device=config.device)["top1"]}
-    linear = dict(PRESET_VALUES["imagenet"], epochs=config.linear_epochs)
-    fc = train_on_features(train_x, train_y, 10, seed=config.seed, **linear)
+    fc = train_on_features(train_x, train_y, 10, seed=config.seed, epochs=config.linear_epochs, **LINEAR)
     scores["linear"] = evaluate_features(fc, test_x, test_y)["top1"]
     return scores
 
@@ -127,10 +120,9 @@ def _score_features(train: tuple[torch.Tensor, torch.Tensor], test: tuple[torch.
 def _linear_on_subsets(train: tuple[torch.Tensor, torch.Tensor], test: tuple[torch.Tensor, torch.Tensor], config: DemoConfig, subsets: dict[int, list[int]]) -> dict[str, float]:
     """Linear classifiers trained on the labelled subsets only (the pixels' semi-supervised columns)."""
     (train_x, train_y), (test_x, test_y) = train, test
-    linear = dict(PRESET_VALUES["imagenet"], epochs=config.linear_epochs)
     scores = {}
     for pct, idx in subsets.items():
-        fc = train_on_features(train_x[idx], train_y[idx], 10, seed=config.seed, progress=False, **linear)
+        fc = train_on_features(train_x[idx], train_y[idx], 10, seed=config.seed, progress=False, epochs=config.linear_epochs, **LINEAR)
         scores[f"{pct}% labels"] = evaluate_features(fc, test_x, test_y)["top1"]
     return scores
 
@@ -143,7 +135,7 @@ def _finetune_on_subsets(backbone: nn.Module, train_set: Any, test_set: Any, con
         epochs = config.semi_epochs * max(FRACTIONS) // pct
         result = finetune(
             copy.deepcopy(backbone), 10,
-            Subset(TransformedDataset(train_set, _finetune_transform(config)), idx),
+            Subset(TransformedDataset(train_set, train_transform(config.image_size, crop_scale_min=config.crop_scale_min, flip=SMALL["flip"])), idx),
             TransformedDataset(test_set, eval_transform(config.image_size)),
             epochs=epochs, batch_size=config.semi_batch_size, seed=config.seed, device=config.device,
             desc=f"{name}, {pct}% labels", milestones=[], **recipe,
@@ -156,52 +148,10 @@ def _finetune_on_subsets(backbone: nn.Module, train_set: Any, test_set: Any, con
 
 
 def _plots(out: Path, pretrain_dir: Path, table: dict[str, dict[str, float]], lambd: float) -> list[str]:
-    """loss.png, cross_correlation.png and accuracy.png; returns the names written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def save(fig: Any, name: str) -> str:
-        atomic_write(out / name, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
-        plt.close(fig)
-        return name
-
-    names = []
-    rows = [json.loads(line) for line in (pretrain_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot(steps, [r["loss"] for r in rows], label="loss", color="black")
-    ax.plot(steps, [r["invariance"] for r in rows], label="on-diagonal: Σ (1 − C_ii)²")
-    ax.plot(steps, [lambd * r["redundancy"] for r in rows], label=f"off-diagonal: λ Σ C_ij² (λ = {lambd})")
-    ax.set(xlabel="step", ylabel="loss", title="Barlow Twins loss during pretraining", yscale="log")
-    ax.legend()
-    names.append(save(fig, "loss.png"))
-
-    matrices = {t: np.load(pretrain_dir / f"cross_correlation_{t}.npy") for t in ("start", "end") if (pretrain_dir / f"cross_correlation_{t}.npy").exists()}
-    if matrices:
-        fig, axes = plt.subplots(1, len(matrices), figsize=(4.2 * len(matrices), 3.8), squeeze=False)
-        for ax, (when, c) in zip(axes[0], matrices.items()):
-            im = ax.imshow(c, cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
-            ax.set_title(f"C at the {when}: mean diag {np.diag(c).mean():.2f}, mean |off| {_off_diagonal_mean(c):.3f}", fontsize=8)
-            ax.set_xticks([]), ax.set_yticks([])
-        fig.colorbar(im, ax=list(axes[0]), shrink=0.8)
-        names.append(save(fig, "cross_correlation.png"))
-
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    width = 0.8 / len(table)
-    for i, (method, scores) in enumerate(table.items()):
-        xs = [j + i * width for j, col in enumerate(COLUMNS) if col in scores]
-        ax.bar(xs, [scores[col] for col in COLUMNS if col in scores], width, label=method)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(COLUMNS))], COLUMNS)
-    ax.set(ylabel="test top-1 (%)", ylim=(0, 100), title="Held-out digits accuracy")
-    ax.legend(fontsize=8, loc="lower right")
-    names.append(save(fig, "accuracy.png"))
-    return names
-
-
-def _off_diagonal_mean(c: np.ndarray) -> float:
-    return float(np.abs(c - np.diag(np.diag(c))).sum() / (c.size - len(c)))
+    """loss.png, cross_correlation.png (bt_hub.plots, as ``bt-hub report`` draws them) and accuracy.png; returns the names written."""
+    written = run_plots(pretrain_dir, out, lambd=lambd)
+    written.append(save_png(plot_accuracy_bars(table, COLUMNS, "Held-out digits accuracy"), out / "accuracy.png"))
+    return [path.name for path in written]
 
 
 def _report(config: DemoConfig, table: dict[str, dict[str, float]], timings: dict[str, float], plots: list[str], subsets: dict[int, list[int]], pretrain_dir: Path) -> str:
@@ -243,8 +193,8 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     timings["pretraining"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
-    train_set = build_dataset("digits", "train", image_size=config.image_size, seed=config.seed)
-    test_set = build_dataset("digits", "test", image_size=config.image_size, seed=config.seed)
+    splits = load_splits("digits", test_split="test", seed=config.seed, image_size=config.image_size)
+    train_set, test_set = splits.train, splits.test
     subsets = {pct: balanced_subset_indices(train_set.targets, pct, seed=config.seed) for pct in FRACTIONS}
     pretrained = load_backbone(pretrain_dir, progress=False)
     torch.manual_seed(config.seed)  # pretraining built its network right after this same call
@@ -260,11 +210,11 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     timings["kNN and linear probes"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
-    paper = {k: PAPER[k] for k in ("lr_backbone", "weight_decay", "momentum", "gamma")}
-    paper["lr_classifier"] = config.semi_lr_classifier
-    paper["schedule"] = "cosine"  # the reference code's schedule: the step drops starved the 10% run (below the 1% one)
+    # cosine (the reference code's schedule): the paper's step drops starved the 10% run (below the 1% one)
+    recipe = {k: SMALL[k] for k in ("lr_backbone", "weight_decay", "momentum", "gamma", "schedule")}
+    recipe["lr_classifier"] = config.semi_lr_classifier
     for name in ("Barlow Twins (pretrained)", "random init (same network)"):
-        table[name].update(_finetune_on_subsets(networks[name], train_set, test_set, config, subsets, paper, name))
+        table[name].update(_finetune_on_subsets(networks[name], train_set, test_set, config, subsets, recipe, name))
     scratch = {"lr_backbone": 0.1, "lr_classifier": 0.1, "weight_decay": 5e-4, "momentum": 0.9, "schedule": "cosine", "gamma": 1.0}
     table["supervised from scratch"] = _finetune_on_subsets(random_init, train_set, test_set, config, subsets, scratch, "from scratch")
     timings["fine-tuning on 1% / 10%"] = time.perf_counter() - tick

@@ -13,9 +13,11 @@ Under torchrun each rank embeds its share of every global batch and the shares a
 gathered back in dataset order, so every rank ends with the full, ordered features.
 
 With a ``FeatureCache`` the features are streamed into ``<key>.features.npy`` (float32 or
-float16) and returned as a read-only memmap; the key hashes the weights fingerprint, the
-dataset fingerprint, the transform, the pool and the dtype, so a second protocol that asks
-for the same features loads them instead of running the model. Either way,
+float16) and returned as a read-only memmap; the key hashes everything that changes the
+features: the weights fingerprint, the architecture they were loaded into, the dataset
+fingerprint, the transform (so the image size), the pool, the dtype and the precision (CUDA
+autocast or float32), so a second protocol that asks for the same features loads them
+instead of running the model, and any other request computes its own. Either way,
 ``np.asarray(features[a:b], dtype=np.float32)`` reads rows ``a:b``.
 """
 
@@ -35,11 +37,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
-from tqdm import tqdm
 
-from bt_hub.augment import IMAGENET_MEAN, IMAGENET_STD
 from bt_hub.distributed import all_gather_cat, barrier, broadcast_object, get_rank, get_world_size, is_distributed, is_main_process
-from bt_hub.runs import atomic_write, atomic_write_json
+from bt_hub.progress import progress
+from bt_hub.runs import atomic_write, atomic_write_json, claim_run_dir
+from bt_hub.weights.registry import IMAGENET_MEAN, IMAGENET_STD, eval_transforms
+from eval.label_subsets import sha256_of
 
 if TYPE_CHECKING:
     from eval.config import EvalConfig
@@ -52,22 +55,19 @@ Pool = Literal["avg", "voc_res5"]
 
 def eval_transform(image_size: int = 224) -> transforms.Compose:
     """The test transform of the linear protocol: Resize(size*256/224) + CenterCrop(size), normalised."""
-    return transforms.Compose([
-        transforms.Resize(round(image_size * 256 / 224)),
-        transforms.CenterCrop(image_size),
-        transforms.ToTensor(),
-        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])
+    return eval_transforms(image_size)
 
 
-def train_transform(image_size: int = 224) -> transforms.Compose:
-    """The training transform of the linear and semi-supervised protocols: RandomResizedCrop + flip."""
-    return transforms.Compose([
-        transforms.RandomResizedCrop(image_size),
-        transforms.RandomHorizontalFlip(),
-        transforms.ToTensor(),
-        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])
+def train_transform(image_size: int = 224, crop_scale_min: float = 0.08, flip: bool = True) -> transforms.Compose:
+    """The training transform of the linear and semi-supervised protocols: RandomResizedCrop + flip.
+
+    The paper's crops cover 8% to 100% of the image and are flipped half the time; small
+    images want larger crops (``crop_scale_min``) and digits or text no flips.
+    """
+    steps: list[Callable[[Any], Any]] = [transforms.RandomResizedCrop(image_size, scale=(crop_scale_min, 1.0))]
+    if flip:
+        steps.append(transforms.RandomHorizontalFlip())
+    return transforms.Compose([*steps, transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
 
 
 class TransformedDataset(Dataset):
@@ -88,31 +88,34 @@ class TransformedDataset(Dataset):
 # ----------------------------------------------------------------------------- fingerprints
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def module_fingerprint(module: nn.Module) -> str:
     """sha256 of a module's state dict (names, shapes, dtypes and bytes), for in-memory weights."""
     h = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):
         t = tensor.detach().cpu().contiguous()
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # reshape: 0-d counters
     return h.hexdigest()
+
+
+CONTENT_SAMPLE = 32  # files of a directory whose bytes go into its fingerprint
+
+
+def _sampled_content(paths: list[Path]) -> bytes:
+    """sha256s of ``CONTENT_SAMPLE`` evenly spaced files: two folders with the same names and sizes still differ."""
+    picks = sorted({int(i) for i in np.linspace(0, len(paths) - 1, min(len(paths), CONTENT_SAMPLE))}) if paths else []
+    return "".join(sha256_of(paths[i]) for i in picks).encode()
 
 
 def dataset_fingerprint(dataset_or_path: Dataset | str | os.PathLike) -> str:
     """A sha256 that changes when the images, their order or their labels change.
 
     Directories and file-backed datasets (a ``samples`` list of ``(path, label)``) hash
-    relative paths, sizes and labels, not pixels, so fingerprinting ImageNet takes
-    seconds. In-memory datasets (an ``images`` array) hash the array and labels; any other
-    dataset hashes every item's pixels and label.
+    the folder's name, relative paths, sizes and labels, and the bytes of 32 evenly spaced
+    files, so fingerprinting ImageNet takes seconds, and a ``val/`` whose file names and
+    sizes repeat ``train/``'s still gets its own fingerprint (and its own cached features).
+    In-memory datasets (an ``images`` array) hash the array and labels; any other dataset
+    hashes every item's pixels and label.
     """
     h = hashlib.sha256()
     if isinstance(dataset_or_path, (str, os.PathLike)):
@@ -121,21 +124,26 @@ def dataset_fingerprint(dataset_or_path: Dataset | str | os.PathLike) -> str:
         if not root.is_dir():
             h.update(spec.encode())
             return h.hexdigest()
+        files = []
         for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
             dirnames.sort()
             for name in sorted(filenames):
                 p = Path(dirpath) / name
+                files.append(p)
                 h.update(f"{p.relative_to(root).as_posix()}:{p.stat().st_size};".encode())
+        h.update(_sampled_content(files))
         return h.hexdigest()
     dataset = dataset_or_path
     samples = getattr(dataset, "samples", None)
     images = getattr(dataset, "images", None)
     if samples is not None:
         root = Path(getattr(dataset, "root", "/"))
+        h.update(f"{root.name}/;".encode())
         for path, label in samples:
             p = Path(path)
             rel = p.relative_to(root).as_posix() if p.is_relative_to(root) else p.as_posix()
             h.update(f"{rel}:{p.stat().st_size}:{label!r};".encode())
+        h.update(_sampled_content([Path(s[0]) for s in samples]))
     elif isinstance(images, np.ndarray):
         h.update(f"{images.shape}:{images.dtype};".encode())
         h.update(np.ascontiguousarray(images).tobytes())
@@ -157,18 +165,22 @@ class FeatureCache:
 
     Args:
         directory: the cache directory (created on first write).
-        weights: the weights fingerprint (``bt_hub.checkpoint.weights_fingerprint`` or
+        weights: the weights fingerprint (``bt_hub.weights.weights_fingerprint`` or
             ``module_fingerprint``).
         dataset: the dataset fingerprint (``dataset_fingerprint``).
+        model: what the weights were loaded into (``architecture_fingerprint``): the same
+            file read as another architecture or stem gives other features.
     """
 
     directory: str | os.PathLike
     weights: str
     dataset: str
+    model: str = ""
 
-    def key(self, transform: str, pool: str, dtype: str) -> str:
-        """The file stem for features of this weights/dataset under a transform, pool and dtype."""
-        record = {"weights": self.weights, "dataset": self.dataset, "transform": transform, "pool": pool, "dtype": dtype}
+    def key(self, transform: str, pool: str, dtype: str, precision: str = "float32") -> str:
+        """The file stem for features of these weights, model and data under a transform, pool, dtype and precision."""
+        record = {"weights": self.weights, "model": self.model, "dataset": self.dataset, "transform": transform, "pool": pool,
+                  "dtype": dtype, "precision": precision}
         return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:24]
 
     def paths(self, key: str) -> tuple[Path, Path, Path]:
@@ -215,8 +227,12 @@ def iter_feature_batches(
     batch_size: int = 256,
     device: str | torch.device = "cpu",
     num_workers: int = 0,
+    desc: str = "features",
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield ``(features float32 [b, F], labels [b, ...])`` on CPU, consecutive chunks in dataset order."""
+    """Yield ``(features float32 [b, F], labels [b, ...])`` on CPU, consecutive chunks in dataset order.
+
+    ``desc`` names the progress report (``features train``, ``features test``).
+    """
     if pool not in ("avg", "voc_res5"):
         raise ValueError(f"pool {pool!r} is unknown; expected 'avg' or 'voc_res5'")
     device = torch.device(device)
@@ -232,7 +248,7 @@ def iter_feature_batches(
     done = 0
     try:
         with torch.no_grad(), torch.autocast(device.type, enabled=device.type == "cuda"):
-            for images, labels in tqdm(loader, desc=f"features ({pool})", disable=None if is_main_process() else True):
+            for images, labels in progress(loader, desc, unit="batch"):
                 images = images.to(device, non_blocking=True)
                 feats = _res5_pool(backbone, images) if pool == "voc_res5" else backbone(images)
                 feats = torch.flatten(feats, 1).float()
@@ -268,6 +284,7 @@ def extract_features(
     num_workers: int = 0,
     cache: Optional[FeatureCache] = None,
     dtype: Literal["float32", "float16"] = "float32",
+    desc: str = "features",
 ) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
     """Features of a frozen backbone over a dataset of ``(image, label)``, in dataset order.
 
@@ -281,6 +298,7 @@ def extract_features(
         num_workers: DataLoader workers.
         cache: where to store / find the features; None computes them in memory.
         dtype: dtype of the cached features (float16 halves the disk use).
+        desc: the progress report's name, e.g. ``features train``.
 
     Returns:
         ``(features [N, F], labels [N, ...])``: a float32 tensor without a cache, a
@@ -290,7 +308,7 @@ def extract_features(
         raise ValueError(f"cache dtype {dtype!r} is unknown; expected 'float32' or 'float16'")
     transform = transform or eval_transform(224)
     batches = lambda: iter_feature_batches(  # noqa: E731
-        backbone, dataset, transform=transform, pool=pool, batch_size=batch_size, device=device, num_workers=num_workers
+        backbone, dataset, transform=transform, pool=pool, batch_size=batch_size, device=device, num_workers=num_workers, desc=desc
     )
     if cache is None:
         chunks = list(batches())
@@ -298,12 +316,14 @@ def extract_features(
             raise ValueError("cannot extract features from an empty dataset")
         return torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks])
     description = describe_transform(transform)
-    key = str(broadcast_object(cache.key(description, pool, dtype)))  # every rank reads rank 0's file
+    precision = "autocast float16" if torch.device(device).type == "cuda" else "float32"  # CUDA features differ in rounding
+    key = str(broadcast_object(cache.key(description, pool, dtype, precision)))  # every rank reads rank 0's file
     features_path, labels_path, meta_path = cache.paths(key)
     if not broadcast_object(meta_path.exists()):
         if is_main_process():
             _write_cache(batches(), len(dataset), np.dtype(dtype), features_path, labels_path)
-            atomic_write_json(meta_path, {"key": key, "weights": cache.weights, "dataset": cache.dataset, "transform": description, "pool": pool, "dtype": dtype, "num_samples": len(dataset)})
+            atomic_write_json(meta_path, {"key": key, "weights": cache.weights, "model": cache.model, "dataset": cache.dataset, "transform": description,
+                                          "pool": pool, "dtype": dtype, "precision": precision, "num_samples": len(dataset)})
         else:
             for _ in batches():  # the other ranks take part in every gather, then read rank 0's file
                 pass
@@ -340,11 +360,18 @@ def as_float32(features: torch.Tensor | np.ndarray, start: int = 0, stop: Option
 # ----------------------------------------------------------------------------- protocol helpers
 
 
-def load_eval_backbone(config: "EvalConfig") -> tuple[nn.Module, str]:
-    """The backbone named by ``--weights`` (``bt_hub.checkpoint.load_backbone``) and its fingerprint."""
-    from bt_hub.checkpoint import load_backbone, weights_fingerprint
+def architecture_fingerprint(module: nn.Module) -> str:
+    """sha256 of a network's structure (its ``repr``: layers, kernel sizes, widths), not its weights."""
+    return hashlib.sha256(describe_transform(module).encode()).hexdigest()
 
-    backbone = load_backbone(config.weights, arch=config.arch, small_image_stem=config.small_image_stem)
+
+def load_eval_backbone(config: "EvalConfig") -> tuple[nn.Module, str]:
+    """The backbone named by ``--weights`` (``bt_hub.weights.load_backbone``) and its fingerprint."""
+    from bt_hub.weights import load_backbone, weights_fingerprint
+
+    if is_main_process():  # every protocol starts here: claim --out before any work or write
+        claim_run_dir(config.out, overwrite=config.overwrite)
+    backbone = load_backbone(config.weights, arch=config.arch, small_image_stem=config.small_image_stem, allow_non_finite=config.allow_non_finite)
     return backbone, weights_fingerprint(config.weights)
 
 
@@ -355,15 +382,18 @@ def features_for(
     *,
     weights_id: str,
     dataset_id: str,
+    split: str,
     transform: Optional[Callable[[Any], torch.Tensor]] = None,
     pool: Pool = "avg",
 ) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
     """``extract_features`` with a protocol config's device, batch size, workers and cache settings.
 
     ``transform`` defaults to ``eval_transform(config.image_size)``; the cache is used when
-    ``config.cache_dir`` is set, keyed by ``weights_id`` and ``dataset_id``.
+    ``config.cache_dir`` is set, keyed by ``weights_id``, the backbone's architecture,
+    ``dataset_id``, the transform, the pool, the dtype and the precision; ``split`` names the
+    progress report (``features train``).
     """
-    cache = FeatureCache(config.cache_dir, weights_id, dataset_id) if config.cache_dir else None
+    cache = FeatureCache(config.cache_dir, weights_id, dataset_id, architecture_fingerprint(backbone)) if config.cache_dir else None
     return extract_features(
         backbone,
         dataset,
@@ -374,4 +404,5 @@ def features_for(
         num_workers=config.num_workers,
         cache=cache,
         dtype=config.cache_dtype,
+        desc=f"features {split}",
     )

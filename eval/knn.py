@@ -1,6 +1,6 @@
 """Weighted k-nearest-neighbour classification on frozen features (``bt-hub eval knn``).
 
-The community protocol of DINO's eval_knn.py (PROTOCOLS.md §2; not in the paper):
+The community protocol of DINO's eval_knn.py (docs/protocols.md §2; not in the paper):
 L2-normalised features, cosine similarity, the k most similar training images vote for
 their class with weight exp(sim / T), T = 0.07; top-1 / top-5 for k = 20 and 200.
 
@@ -14,21 +14,21 @@ many-core machines: benchmarks/knn.py).
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, ClassVar, Literal, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bt_hub.data import build_dataset
 from bt_hub.distributed import is_main_process, process_group
+from bt_hub.knn import knn_vote
 from bt_hub.optional import require
 from eval.config import EvalConfig
-from eval.features import as_float32, dataset_fingerprint, features_for, load_eval_backbone
+from eval.features import as_float32, features_for, load_eval_backbone
 from eval.report import write_results
+from eval.splits import splits_for
 
 # ----------------------------------------------------------------------------- search and vote
 
@@ -119,31 +119,6 @@ def knn_search(
     return best_sim, best_idx
 
 
-def knn_vote(
-    similarities: torch.Tensor,
-    indices: torch.Tensor,
-    train_labels: torch.Tensor,
-    test_labels: torch.Tensor,
-    k: int,
-    temperature: float,
-    num_classes: int,
-) -> dict[str, float]:
-    """Top-1 / top-5 (percent) of the exp(sim / T)-weighted vote of the first ``k`` neighbours (DINO)."""
-    if k > similarities.shape[1]:
-        raise ValueError(f"k={k} exceeds the {similarities.shape[1]} neighbours searched")
-    train_labels = torch.as_tensor(train_labels).long()
-    test_labels = torch.as_tensor(test_labels).long()
-    neighbours = train_labels[indices[:, :k]]
-    weights = (similarities[:, :k] / temperature).exp()
-    votes = torch.zeros(len(neighbours), num_classes, dtype=torch.float32).scatter_add_(1, neighbours, weights)
-    predictions = votes.argsort(dim=1, descending=True, stable=True)
-    correct = predictions.eq(test_labels.view(-1, 1))
-    top1 = correct[:, :1].sum().item()
-    top5 = correct[:, : min(5, k, num_classes)].sum().item()
-    total = len(test_labels)
-    return {"top1": 100.0 * top1 / total, "top5": 100.0 * top5 / total}
-
-
 def knn_classify(
     train_features: torch.Tensor | np.ndarray,
     train_labels: torch.Tensor,
@@ -175,13 +150,13 @@ def knn_classify(
 class KnnConfig(EvalConfig):
     """``bt-hub eval knn``: weighted kNN on the frozen backbone's pooled features."""
 
+    RUN_FIELDS: ClassVar[tuple[str, ...]] = EvalConfig.RUN_FIELDS + ("batch_size", "query_batch", "train_chunk", "backend")
+
     k: list[int] = field(default_factory=lambda: [20, 200], metadata={"help": "numbers of neighbours; 'top1'/'top5' in results are those of the first"})
     temperature: float = field(default=0.07, metadata={"help": "T of the vote weights exp(sim / T)"})
     query_batch: int = field(default=4096, metadata={"help": "queries per search call; lower it if memory is short"})
     train_chunk: int = field(default=262_144, metadata={"help": "training rows searched at a time (memory = train_chunk x feature dim x 4 bytes)"})
     backend: Literal["auto", "faiss", "torch"] = field(default="auto", metadata={"help": "faiss (exact IndexFlatIP, CPU) or torch (matrix product + top-k on --device); auto: torch on CUDA, faiss on the CPU"})
-    train_split: str = field(default="train", metadata={"help": "split that forms the neighbour bank"})
-    test_split: str = field(default="test", metadata={"help": "split that is classified ('test' falls back to val/ in ImageNet layout)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -195,20 +170,18 @@ class KnnConfig(EvalConfig):
 
 
 def run(config: KnnConfig) -> dict[str, Any]:
-    """Extract (or load cached) features of both splits, classify the test split, write results."""
-    start = time.time()
+    """Extract (or load cached) features of both splits, classify the test split, write the results."""
+    tick = time.perf_counter()
     with process_group(config.device) as device:
         backbone, weights_id = load_eval_backbone(config)
         local = replace(config, device=str(device))
-        splits = {}
-        for split in (config.train_split, config.test_split):
-            dataset = build_dataset(config.data, split, image_size=None, seed=config.seed)
-            fingerprint = dataset_fingerprint(dataset)
-            features, labels = features_for(local, backbone, dataset, weights_id=weights_id, dataset_id=fingerprint)
-            splits[split] = (features, labels, fingerprint, len(getattr(dataset, "classes", [])))
-        train_x, train_y, train_fp, n_classes = splits[config.train_split]
-        test_x, test_y, test_fp, _ = splits[config.test_split]
-        num_classes = max(n_classes, int(max(train_y.max(), test_y.max())) + 1)
+        splits = splits_for(config)
+        features = {
+            name: features_for(local, backbone, dataset, weights_id=weights_id, dataset_id=splits.info[name]["fingerprint"], split=name)
+            for name, dataset in (("train", splits.train), ("test", splits.test))
+        }
+        (train_x, train_y), (test_x, test_y) = features["train"], features["test"]
+        num_classes = max(len(splits.classes), int(max(train_y.max(), test_y.max())) + 1)
         record: dict[str, Any] = {}
         if is_main_process():  # every rank holds all features; one searches
             k_max = min(max(config.k), len(train_y))
@@ -220,18 +193,8 @@ def run(config: KnnConfig) -> dict[str, Any]:
                 metrics.update({f"top1_k{k}": result["top1"], f"top5_k{k}": result["top5"]})
             metrics = {"top1": metrics[f"top1_k{config.k[0]}"], "top5": metrics[f"top5_k{config.k[0]}"], **metrics}
             record = write_results(
-                config.out,
-                protocol="knn",
-                preset=None,
-                config=config,
-                metrics=metrics,
-                weights=config.weights,
-                weights_sha256=weights_id,
-                dataset=config.data,
-                dataset_fingerprint=hashlib.sha256(f"{train_fp}:{test_fp}".encode()).hexdigest(),
-                seed=config.seed,
-                wall_time_s=time.time() - start,
-                notes={"neighbours_used": {str(k): min(k, k_max) for k in config.k}, "train_size": len(train_y), "test_size": len(test_y),
-                       "backend": backend},
+                config.out, protocol="knn", config=config, preset=None, mode="features", metrics=metrics, weights=config.weights,
+                weights_sha256=weights_id, dataset=splits.info, seed=config.seed, wall_time_s=time.perf_counter() - tick,
+                notes={"neighbours_used": {str(k): min(k, k_max) for k in config.k}, "backend": backend},
             )
         return record

@@ -1,16 +1,22 @@
-"""Semi-supervised evaluation: fine-tune the whole network on 1% or 10% of the labels (PROTOCOLS.md §2).
+"""Semi-supervised evaluation: fine-tune the whole network on 1% or 10% of the labels.
 
-Presets:
+docs/protocols.md §2; the paper's Table 2. Presets (``--preset``;
+bt_hub.presets):
 
 - ``paper``: 20 epochs; SGD momentum 0.9, no weight decay, batch 256; lr 0.002 for the
-  backbone and 0.5 for the classifier, both ×0.2 after epochs 12 and 16.
-- ``reference`` (the reference README): lr 0.005 / 0.5 with a cosine schedule.
+  backbone and 0.5 for the classifier, both x0.2 after epochs 12 and 16; train
+  RandomResizedCrop (8-100% of the area) + flip, test Resize + CenterCrop.
+- ``reference`` (the reference implementation's README): lr 0.005 / 0.5 with a cosine schedule.
+- ``small``: for small images of few classes, the fine-tuning recipe the digits demo measured
+  (eval/demo.py, README "Demo"): classifier lr 0.05 (the paper's 0.5 is set for 1,000
+  classes and batches of 256, and swamps the pretrained backbone on ten classes), cosine,
+  batch 32, crops of 40-100% of the area, no flip; checked on a held-out 20% of the digits'
+  training split, never on their test split (README "Evaluation").
 
 The labelled subset comes from a SimCLR-format list (``--subset-file``, e.g. the published
 ``1percent.txt``, matched by file name) or is a seeded class-balanced ``--fraction`` percent
-of any dataset (bt_hub.label_subsets). BN layers train (batch statistics), unlike the
-linear probe. Transforms are the linear probe's: RandomResizedCrop + flip for training,
-Resize + CenterCrop for testing.
+of any dataset (eval.label_subsets). BN layers train (batch statistics), unlike the linear
+probe.
 """
 
 from __future__ import annotations
@@ -24,18 +30,12 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 
 from bt_hub.distributed import convert_sync_batchnorm, is_distributed, is_main_process, process_group
-from bt_hub.label_subsets import read_subset_file, subset_indices
-from eval.config import EvalConfig
-from eval.features import TransformedDataset, dataset_fingerprint, eval_transform, load_eval_backbone, train_transform
-from eval.linear import combined_fingerprint, evaluate_loader, load_splits, make_classifier, make_loader, train_classifier
+from eval.classifier import evaluate_loader, make_classifier, make_loader, train_classifier
+from eval.config import EvalConfig, warn_about_settings
+from eval.features import TransformedDataset, eval_transform, load_eval_backbone, train_transform
+from eval.label_subsets import read_subset_file, subset_indices
 from eval.report import write_results
-
-# Numbers of PROTOCOLS.md §2; each preset is a named set of flag values.
-PAPER = {
-    "lr_backbone": 0.002, "lr_classifier": 0.5, "schedule": "step", "milestones": [12, 16], "gamma": 0.2,
-    "epochs": 20, "weight_decay": 0.0, "momentum": 0.9, "batch_size": 256,
-}
-REFERENCE = {**PAPER, "lr_backbone": 0.005, "schedule": "cosine", "milestones": []}
+from eval.splits import splits_for
 
 
 def finetune(
@@ -65,7 +65,7 @@ def finetune(
         num_classes: classifier outputs.
         train_set, test_set: datasets yielding transformed ``(image tensor, label)``.
         lr_backbone, lr_classifier: base LRs of the two parameter groups.
-        schedule, milestones, gamma: per-epoch LR (eval.linear.lr_factor).
+        schedule, milestones, gamma: per-epoch LR (eval.classifier.lr_factor).
         seed: seeds the classifier init and the data order.
     """
     device = torch.device(device)
@@ -82,36 +82,42 @@ def finetune(
         model, groups, train_loader, epochs=epochs, momentum=momentum, weight_decay=weight_decay,
         schedule=schedule, milestones=milestones, gamma=gamma, device=device, desc=desc,
     )
-    return evaluate_loader(model, test_loader, device)
+    return evaluate_loader(model, test_loader, device, desc="score test")
 
 
 @dataclass
 class SemiSupervisedConfig(EvalConfig):
-    """Flags of ``bt-hub eval semi``; unset hyper-parameters come from ``--preset``."""
+    """Flags of ``bt-hub eval semi``; the defaults are the ``paper`` preset."""
 
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {"paper": {}, "reference": {}}
-    PRESET_VALUES: ClassVar[dict[str, dict[str, Any]]] = {"paper": PAPER, "reference": REFERENCE}
+    RUN_FIELDS: ClassVar[tuple[str, ...]] = EvalConfig.RUN_FIELDS + ("fraction", "subset_file")  # recorded under "labels"
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+        "paper": {},
+        "reference": {"lr_backbone": 0.005, "schedule": "cosine", "milestones": []},
+        # The digits demo's fine-tuning (eval/demo.py); see the module docstring.
+        "small": {"lr_classifier": 0.05, "schedule": "cosine", "milestones": [], "batch_size": 32, "crop_scale_min": 0.4, "flip": False},
+    }
+    PRESET_ASSUMPTIONS: ClassVar[dict[str, dict[str, Any]]] = {
+        "paper": {"num_classes": 1000, "image_size": 224},
+        "reference": {"num_classes": 1000, "image_size": 224},
+        "small": {"num_classes": 10, "image_size": 16},
+    }
 
-    preset: Literal["paper", "reference"] = field(default="paper", metadata={"help": "paper (lr 0.002 / 0.5, ×0.2 after epochs 12 and 16) or reference (0.005 / 0.5, cosine); 20 epochs, no weight decay"})
+    preset: str = field(default="paper", metadata={"help": "named sets of flag values; flags given override them"})
     fraction: Optional[int] = field(default=None, metadata={"help": "percent of the labels, class-balanced and seeded (1 or 10 in the paper); default 1 unless --subset-file is given"})
     subset_file: Optional[str] = field(default=None, metadata={"help": "SimCLR-format list of labelled training files (e.g. 1percent.txt), matched by file name"})
-    epochs: Optional[int] = field(default=None, metadata={"help": "fine-tuning epochs (default: the preset's)"})
-    lr_backbone: Optional[float] = field(default=None, metadata={"help": "backbone LR (default: the preset's)"})
-    lr_classifier: Optional[float] = field(default=None, metadata={"help": "classifier LR (default: the preset's)"})
-    weight_decay: Optional[float] = field(default=None, metadata={"help": "SGD weight decay (default: the preset's, 0)"})
+    epochs: int = field(default=20, metadata={"help": "fine-tuning epochs"})
+    lr_backbone: float = field(default=0.002, metadata={"help": "backbone LR"})
+    lr_classifier: float = field(default=0.5, metadata={"help": "classifier LR"})
+    weight_decay: float = field(default=0.0, metadata={"help": "SGD weight decay"})
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
-    schedule: Optional[Literal["cosine", "step"]] = field(default=None, metadata={"help": "per-epoch LR schedule (default: the preset's)"})
-    milestones: Optional[list[int]] = field(default=None, metadata={"help": "epochs after which the step schedule multiplies both LRs by --gamma (default: the preset's)"})
-    gamma: Optional[float] = field(default=None, metadata={"help": "LR factor at each milestone (default: the preset's, 0.2)"})
-    test_split: Literal["val", "test"] = field(default="val", metadata={"help": "held-out split of --data (ImageNet layout: val/)"})
+    schedule: Literal["cosine", "step"] = field(default="step", metadata={"help": "per-epoch LR schedule"})
+    milestones: list[int] = field(default_factory=lambda: [12, 16], metadata={"help": "epochs after which the step schedule multiplies both LRs by --gamma", "nargs": "*"})
+    gamma: float = field(default=0.2, metadata={"help": "LR factor at each milestone"})
+    crop_scale_min: float = field(default=0.08, metadata={"help": "smallest area fraction of the training crops (paper: 0.08; small images want more)"})
+    flip: bool = field(default=True, metadata={"help": "random horizontal flips of the training images (paper: on; --no-flip for digits or text)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.preset not in self.PRESET_VALUES:
-            raise ValueError(f"--preset {self.preset!r} is unknown; expected one of {sorted(self.PRESET_VALUES)}")
-        for name, value in self.PRESET_VALUES[self.preset].items():
-            if getattr(self, name, None) is None:
-                setattr(self, name, list(value) if isinstance(value, list) else value)
         if self.fraction is not None and self.subset_file is not None:
             raise ValueError("--fraction and --subset-file exclude each other; give one")
         if self.fraction is None and self.subset_file is None:
@@ -122,29 +128,39 @@ class SemiSupervisedConfig(EvalConfig):
             raise ValueError(f"--epochs must be positive, got {self.epochs}")
         if self.lr_backbone < 0 or self.lr_classifier <= 0:
             raise ValueError(f"--lr-backbone must be >= 0 and --lr-classifier positive, got {self.lr_backbone} and {self.lr_classifier}")
+        if sorted(self.milestones) != list(self.milestones) or any(m <= 0 for m in self.milestones):
+            raise ValueError(f"--milestones must be increasing positive epochs, got {self.milestones}")
+        if not 0 < self.crop_scale_min <= 1:
+            raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
 
 
 def run(config: SemiSupervisedConfig) -> dict[str, Any]:
-    """Fine-tune the backbone of ``--weights`` on the labelled subset and score it; write results.json."""
+    """Fine-tune the backbone of ``--weights`` on the labelled subset and score it; write the results."""
     with process_group(config.device) as device:
         return _run(config, device)
+
+
+def _labels(config: SemiSupervisedConfig, indices: Sequence[int], train_size: int) -> dict[str, Any]:
+    """What the results say about the labelled subset: fraction, source, count, and the list's name and hash."""
+    if config.subset_file is None:
+        return {"fraction": config.fraction, "source": "seeded", "seed": config.seed, "count": len(indices)}
+    listing = read_subset_file(config.subset_file)
+    fraction = int(listing.published.removesuffix("percent.txt")) if listing.published else round(100.0 * len(indices) / train_size, 2)
+    return {"fraction": fraction, "source": "list", "file": listing.path.name, "sha256": listing.sha256, "published": listing.published, "count": len(indices)}
 
 
 def _run(config: SemiSupervisedConfig, device: torch.device) -> dict[str, Any]:
     tick = time.perf_counter()
     torch.manual_seed(config.seed)
     backbone, weights_id = load_eval_backbone(config)
-    train_set, test_set = load_splits(config, config.test_split)
-    indices = subset_indices(train_set, percent=config.fraction, subset_file=config.subset_file, seed=config.seed)
-    if config.subset_file is not None:
-        listing = read_subset_file(config.subset_file)
-        subset = {"subset_file": str(listing.path), "subset_sha256": listing.sha256, "published": listing.published}
-    else:
-        subset = {"subset": f"seeded class-balanced {config.fraction}% (seed {config.seed})"}
+    splits = splits_for(config)
+    indices = subset_indices(splits.train, percent=config.fraction, subset_file=config.subset_file, seed=config.seed)
+    warned = warn_about_settings(config, splits, train_images=len(indices))
+    augment = train_transform(config.image_size, crop_scale_min=config.crop_scale_min, flip=config.flip)
     metrics = finetune(
-        backbone, len(train_set.classes),
-        Subset(TransformedDataset(train_set, train_transform(config.image_size)), indices),
-        TransformedDataset(test_set, eval_transform(config.image_size)),
+        backbone, len(splits.classes),
+        Subset(TransformedDataset(splits.train, augment), indices),
+        TransformedDataset(splits.test, eval_transform(config.image_size)),
         lr_backbone=config.lr_backbone, lr_classifier=config.lr_classifier, epochs=config.epochs, batch_size=config.batch_size,
         schedule=config.schedule, milestones=config.milestones, gamma=config.gamma, weight_decay=config.weight_decay,
         momentum=config.momentum, seed=config.seed, num_workers=config.num_workers, device=device,
@@ -153,9 +169,8 @@ def _run(config: SemiSupervisedConfig, device: torch.device) -> dict[str, Any]:
     record: dict[str, Any] = {"metrics": metrics}
     if is_main_process():
         record = write_results(
-            config.out, protocol="semi", preset=config.preset, config=config, metrics=metrics, weights=config.weights,
-            weights_sha256=weights_id, dataset=config.data,
-            dataset_fingerprint=combined_fingerprint(dataset_fingerprint(train_set), dataset_fingerprint(test_set)),
-            seed=config.seed, wall_time_s=time.perf_counter() - tick, notes={"labelled_samples": len(indices), **subset},
+            config.out, protocol="semi", config=config, preset=config.preset, mode="loop", metrics=metrics, weights=config.weights,
+            weights_sha256=weights_id, dataset=splits.info, seed=config.seed, wall_time_s=time.perf_counter() - tick,
+            labels=_labels(config, indices, len(splits.train)), warnings=warned,
         )
     return record

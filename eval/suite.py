@@ -3,10 +3,12 @@
 Runs kNN, the linear probe (cached by default, ``--full-linear`` for the paper's loop),
 semi-supervised fine-tuning on each ``--fractions`` percent of the labels (from the
 SimCLR lists in ``--subset-dir`` when given), and the VOC07 SVMs when ``--voc07-devkit``
-is given. kNN and the cached linear probe share one feature cache (``--cache-dir``,
+is given, all on the same splits (``--test-split`` / ``--holdout``). ``--preset`` picks the
+protocols' presets: ``paper`` (linear ``imagenet``, semi ``paper``) or ``small`` (both
+``small``). kNN and the cached linear probe share one feature cache (``--cache-dir``,
 default ``OUT/feature_cache``), so the backbone runs over the data once. Each protocol
-writes its own ``OUT/<protocol>/results.json``; ``OUT/results.json`` lists them all and
-``OUT/results.md`` holds the tables laid out like the paper's.
+writes its own ``OUT/<protocol>/results.json``; ``OUT/results.json`` lists this run's
+records, ``OUT/results.jsonl`` gains them and ``OUT/results.md`` holds the tables.
 """
 
 from __future__ import annotations
@@ -15,27 +17,43 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
-from bt_hub.runs import atomic_write_json, atomic_write_text
+from bt_hub.presets import from_preset, preset_values
+from bt_hub.runs import claim_run_dir
+from eval import knn, linear, semi_supervised
 from eval.config import EvalConfig
-from eval.report import render_table
+from eval.report import write_summary
+
+# EvalConfig fields that only the image-folder protocols take (the VOC07 devkit has its own lists).
+_SPLIT_FIELDS = ("test_split", "holdout")
 
 
 @dataclass
 class SuiteConfig(EvalConfig):
     """Flags of ``bt-hub eval all``; the shared flags are passed to every protocol."""
 
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+        "paper": {},
+        "small": {"linear_preset": "small", "semi_preset": "small"},
+    }
+
+    preset: str = field(default="paper", metadata={"help": "the protocols' presets, by name; --linear-preset / --semi-preset override them"})
+    linear_preset: str = field(default="imagenet", metadata={"help": "preset of the linear probe (bt-hub eval linear --help lists them)"})
+    semi_preset: str = field(default="paper", metadata={"help": "preset of the semi-supervised runs (bt-hub eval semi --help lists them)"})
     full_linear: bool = field(default=False, metadata={"help": "run the paper's linear loop (augmentation, a backbone pass per epoch) instead of the cached probe"})
-    linear_epochs: Optional[int] = field(default=None, metadata={"help": "linear-probe epochs (default: the paper's 100)"})
+    linear_epochs: Optional[int] = field(default=None, metadata={"help": "linear-probe epochs (default: the linear preset's)"})
     knn_k: list[int] = field(default_factory=lambda: [20, 200], metadata={"help": "numbers of neighbours of the kNN protocol"})
     fractions: list[int] = field(default_factory=lambda: [1, 10], metadata={"help": "label percentages of the semi-supervised runs (empty: skip them)", "nargs": "*"})
-    semi_epochs: Optional[int] = field(default=None, metadata={"help": "fine-tuning epochs (default: the paper's 20)"})
+    semi_epochs: Optional[int] = field(default=None, metadata={"help": "fine-tuning epochs (default: the semi preset's)"})
+    semi_batch_size: Optional[int] = field(default=None, metadata={"help": "fine-tuning batch size (default: the semi preset's; --batch-size is the feature-extraction batch)"})
     subset_dir: Optional[str] = field(default=None, metadata={"help": "directory with SimCLR's 1percent.txt / 10percent.txt (ImageNet); without it subsets are seeded and class-balanced"})
     voc07_devkit: Optional[str] = field(default=None, metadata={"help": "VOC devkit path: also run the VOC07 SVM protocol"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        preset_values(linear.LinearConfig, self.linear_preset)
+        preset_values(semi_supervised.SemiSupervisedConfig, self.semi_preset)
         if any(f <= 0 or f > 100 for f in self.fractions):
             raise ValueError(f"--fractions must be percentages in (0, 100], got {self.fractions}")
         if self.subset_dir is not None:
@@ -44,33 +62,36 @@ class SuiteConfig(EvalConfig):
                     raise ValueError(f"--subset-dir {self.subset_dir} has no {pct}percent.txt; expected SimCLR's published lists there")
 
 
-def _shared(config: SuiteConfig, out: Path, **overrides: Any) -> dict[str, Any]:
-    """The EvalConfig fields of the suite, with the protocol's own output directory."""
-    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(EvalConfig)}
+def _shared(config: SuiteConfig, out: Path, skip: tuple[str, ...] = (), **overrides: Any) -> dict[str, Any]:
+    """The EvalConfig fields of the suite (less ``skip``), with the protocol's own output directory."""
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(EvalConfig) if f.name not in skip}
     values.update(out=str(out), **overrides)
     return values
 
 
+def _given(**values: Any) -> dict[str, Any]:
+    """The values that were set (None: keep the preset's)."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
 def run(config: SuiteConfig) -> dict[str, Any]:
     """Run every protocol on ``--weights``; return ``{"results": [record, ...], "wall_time_s": ...}``."""
-    from eval import knn, linear, semi_supervised
-
     tick = time.perf_counter()
-    out = Path(config.out)
+    out = claim_run_dir(config.out, overwrite=config.overwrite)
     cache_dir = config.cache_dir or str(out / "feature_cache")
     records = [knn.run(knn.KnnConfig(**_shared(config, out / "knn", cache_dir=cache_dir), k=list(config.knn_k)))]
-    linear_extra = {"epochs": config.linear_epochs} if config.linear_epochs else {}
-    records.append(linear.run(linear.LinearConfig(**_shared(config, out / "linear", cache_dir=cache_dir), cached=not config.full_linear, **linear_extra)))
+    records.append(linear.run(from_preset(
+        linear.LinearConfig, config.linear_preset, **_shared(config, out / "linear", cache_dir=cache_dir),
+        cached=not config.full_linear, **_given(epochs=config.linear_epochs),
+    )))
     for pct in config.fractions:
         subset = {"subset_file": str(Path(config.subset_dir) / f"{pct}percent.txt")} if config.subset_dir else {"fraction": pct}
-        semi_extra = {"epochs": config.semi_epochs} if config.semi_epochs else {}
-        semi = semi_supervised.SemiSupervisedConfig(**_shared(config, out / f"semi_{pct}percent"), **subset, **semi_extra)
-        records.append(semi_supervised.run(semi))
+        records.append(semi_supervised.run(from_preset(
+            semi_supervised.SemiSupervisedConfig, config.semi_preset, **_shared(config, out / f"semi_{pct}percent", skip=("batch_size",)),
+            **subset, **_given(epochs=config.semi_epochs, batch_size=config.semi_batch_size),
+        )))
     if config.voc07_devkit:
         from eval import voc07_svm
 
-        records.append(voc07_svm.run(voc07_svm.Voc07SvmConfig(**_shared(config, out / "voc07_svm", data=config.voc07_devkit))))
-    summary = {"results": records, "wall_time_s": time.perf_counter() - tick}
-    atomic_write_json(out / "results.json", summary)
-    atomic_write_text(out / "results.md", "# Evaluation results\n\n" + render_table(records))
-    return summary
+        records.append(voc07_svm.run(voc07_svm.Voc07SvmConfig(**_shared(config, out / "voc07_svm", skip=_SPLIT_FIELDS, data=config.voc07_devkit))))
+    return write_summary(out, records, time.perf_counter() - tick)

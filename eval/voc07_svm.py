@@ -1,6 +1,6 @@
 """Per-class linear SVMs on frozen features of PASCAL VOC2007 (``bt-hub eval voc07-svm``).
 
-VISSL's protocol (PROTOCOLS.md §2): images Resize 256 then Resize (224, 224); res5
+VISSL's protocol (docs/protocols.md §2; the paper's Table 3): images Resize 256 then Resize (224, 224); res5
 features pooled to 2x2x2048 = 8192-d (``--pool avg`` for the 2048-d variant); every
 sample scaled to x / (||x|| + 1e-5); for each class and each cost C a
 ``LinearSVC(C, class_weight={1: 2, -1: 1}, squared hinge, l2, dual, tol 1e-4,
@@ -25,7 +25,7 @@ import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Optional, Sequence
 
 import numpy as np
 from PIL import Image
@@ -118,7 +118,7 @@ def voc07_transform(image_size: int = 224) -> "transforms.Compose":
     """VISSL's VOC07 SVM transform: Resize(256) then Resize((224, 224)) (scaled with ``image_size``), normalised."""
     from torchvision import transforms
 
-    from bt_hub.augment import IMAGENET_MEAN, IMAGENET_STD
+    from bt_hub.weights.registry import IMAGENET_MEAN, IMAGENET_STD
 
     return transforms.Compose([
         transforms.Resize(round(image_size * 256 / 224)),
@@ -126,32 +126,6 @@ def voc07_transform(image_size: int = 224) -> "transforms.Compose":
         transforms.ToTensor(),
         transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
     ])
-
-
-def write_synthetic_devkit(root: str | os.PathLike, classes: Sequence[str] = ("cat", "dog", "car"), *, trainval: int = 24, test: int = 24, image_size: int = 32, seed: int = 0) -> Path:
-    """A tiny VOC2007-format devkit: each image shows one colour block per class it contains; some objects are difficult.
-
-    Returns the ``VOC2007`` directory. For tests and benchmarks; nothing is downloaded.
-    """
-    rng = np.random.default_rng(seed)
-    voc = Path(root) / "VOC2007"
-    for sub in ("ImageSets/Main", "Annotations", "JPEGImages"):
-        (voc / sub).mkdir(parents=True, exist_ok=True)
-    colours = rng.uniform(0, 255, size=(len(classes), 3))
-    for split, count, offset in (("trainval", trainval, 0), ("test", test, trainval)):
-        ids = [f"{offset + i:06d}" for i in range(count)]
-        for n, image_id in enumerate(ids):
-            present = [j for j in range(len(classes)) if rng.random() < 0.4] or [n % len(classes)]
-            image = rng.normal(128, 20, size=(image_size, image_size, 3))
-            objects = []
-            for j in present:
-                y, x = rng.integers(0, image_size // 2, size=2)
-                image[y : y + image_size // 2, x : x + image_size // 2] = colours[j]
-                objects.append(f"<object><name>{classes[j]}</name><difficult>{int(rng.random() < 0.15)}</difficult></object>")
-            Image.fromarray(np.clip(image, 0, 255).astype(np.uint8)).save(voc / "JPEGImages" / f"{image_id}.jpg")
-            (voc / "Annotations" / f"{image_id}.xml").write_text(f"<annotation><filename>{image_id}.jpg</filename>{''.join(objects)}</annotation>")
-        (voc / "ImageSets" / "Main" / f"{split}.txt").write_text("\n".join(ids) + "\n")
-    return voc
 
 
 # ----------------------------------------------------------------------------- average precision
@@ -305,6 +279,8 @@ def evaluate_svms(weights: np.ndarray, biases: np.ndarray, features: np.ndarray,
 class Voc07SvmConfig(EvalConfig):
     """``bt-hub eval voc07-svm``: VISSL's VOC07 linear-SVM protocol on frozen features."""
 
+    RUN_FIELDS: ClassVar[tuple[str, ...]] = EvalConfig.RUN_FIELDS + ("batch_size", "n_jobs", "train_split")
+
     data: str = field(default="", metadata={"help": "the VOC devkit: VOCdevkit/, VOCdevkit/VOC2007/ or their parent"})
     pool: Literal["voc_res5", "avg"] = field(default="voc_res5", metadata={"help": "'voc_res5' (2x2 pooled res5, 8192-d, VISSL) or 'avg' (2048-d)"})
     costs: list[float] = field(default_factory=lambda: list(COSTS), metadata={"help": "SVM costs C tried per class"})
@@ -312,7 +288,7 @@ class Voc07SvmConfig(EvalConfig):
     max_iter: int = field(default=2000, metadata={"help": "liblinear iterations per SVM fit"})
     n_jobs: int = field(default=-1, metadata={"help": "parallel (class, cost) fits: -1 = all cores, 1 = sequential (same result)"})
     train_split: str = field(default="trainval", metadata={"help": "ImageSets/Main list the SVMs are trained on"})
-    test_split: str = field(default="test", metadata={"help": "ImageSets/Main list the SVMs are scored on"})
+    test_split: str = field(default="test", metadata={"help": "ImageSets/Main list the SVMs are scored on (a devkit list name, unlike the val/test folders of the other protocols)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -326,25 +302,31 @@ class Voc07SvmConfig(EvalConfig):
             raise ValueError(f"--max-iter must be positive, got {self.max_iter}")
         if self.n_jobs == 0:
             raise ValueError("--n-jobs must be -1 (all cores) or a positive number of jobs, got 0")
+        if self.holdout is not None:
+            raise ValueError("--holdout does not apply to VOC07: the devkit's ImageSets/Main lists give trainval and test")
 
 
 def run(config: Voc07SvmConfig) -> dict[str, Any]:
-    """Features of trainval and test, the SVM grid on trainval, mean AP on test; writes results."""
+    """Features of trainval and test, the SVM grid on trainval, mean AP on test; writes the results."""
     from bt_hub.distributed import is_main_process, process_group
     from eval.features import as_float32, dataset_fingerprint, features_for, load_eval_backbone
     from eval.report import write_results
+    from eval.splits import check_disjoint
 
-    start = time.time()
+    tick = time.perf_counter()
     with process_group(config.device) as device:
         backbone, weights_id = load_eval_backbone(config)
         local = replace(config, device=str(device))
         train = VocClassification(config.data, config.train_split)
         test = VocClassification(config.data, config.test_split, classes=train.classes)
-        fingerprint = dataset_fingerprint(voc_root(config.data))
+        info: dict[str, Any] = {"name": voc_root(config.data).name, "path": config.data, "fingerprint": dataset_fingerprint(voc_root(config.data)),
+                                "holdout": None, "overlap_check": check_disjoint(train, test)}
         transform = voc07_transform(config.image_size)
         data = {}
-        for name, dataset in (("train", train), ("test", test)):
-            features, targets = features_for(local, backbone, dataset, weights_id=weights_id, dataset_id=dataset_fingerprint(dataset), transform=transform, pool=config.pool)
+        for name, split, dataset in (("train", config.train_split, train), ("test", config.test_split, test)):
+            fingerprint = dataset_fingerprint(dataset)
+            info[name] = {"split": split, "size": len(dataset), "fingerprint": fingerprint}
+            features, targets = features_for(local, backbone, dataset, weights_id=weights_id, dataset_id=fingerprint, split=split, transform=transform, pool=config.pool)
             data[name] = (l2_normalize(as_float32(features).numpy()), targets.numpy().astype(np.int8))
         record: dict[str, Any] = {}
         if is_main_process():
@@ -361,8 +343,7 @@ def run(config: Voc07SvmConfig) -> dict[str, Any]:
                 "feature_dim": int(data["train"][0].shape[1]),
             }
             record = write_results(
-                config.out, protocol="voc07-svm", preset=None, config=config, metrics=metrics, weights=config.weights,
-                weights_sha256=weights_id, dataset=config.data, dataset_fingerprint=fingerprint, seed=config.seed,
-                wall_time_s=time.time() - start, notes=notes,
+                config.out, protocol="voc07-svm", config=config, preset=None, mode="features", metrics=metrics, weights=config.weights,
+                weights_sha256=weights_id, dataset=info, seed=config.seed, wall_time_s=time.perf_counter() - tick, notes=notes,
             )
         return record

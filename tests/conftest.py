@@ -30,6 +30,25 @@ def resnet18_weights(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def small_stem_weights(tmp_path_factory) -> Path:
+    """A seeded random-init ResNet-18 with the 3x3 small-image stem (fast on 8-px images)."""
+    from bt_hub.model import build_backbone
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("weights") / "resnet18_small_stem.pth"
+    torch.save(build_backbone("resnet18", small_image_stem=True).state_dict(), path)
+    return path
+
+
+@pytest.fixture
+def torch_home(tmp_path, monkeypatch) -> Path:
+    """A fresh, empty TORCH_HOME (and no hub directory left set by an earlier torch.hub.set_dir)."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    monkeypatch.setattr(torch.hub, "_hub_dir", None)
+    return tmp_path / "torch_home"
+
+
 @pytest.fixture
 def shared_data() -> Path:
     """../shared/data beside the repository (reference data, never copied in)."""

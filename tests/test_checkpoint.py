@@ -14,10 +14,11 @@ import torchvision
 from safetensors.torch import save_file
 
 from bt_hub import cli
-from bt_hub.checkpoint import (
-    CheckpointError, ExportConfig, export, load_backbone, read_backbone_state_dict, to_detectron2, weights_fingerprint,
+from bt_hub.weights import (
+    CheckpointError, ExportConfig, export, load_backbone, read_backbone_state_dict, save_detectron2, save_safetensors, to_detectron2,
+    weights_fingerprint,
 )
-from bt_hub.formats import infer_architecture
+from bt_hub.weights.formats import infer_architecture, torchvision_to_detectron2_key
 from bt_hub.model import BarlowTwins
 
 torch.set_num_threads(2)
@@ -244,7 +245,7 @@ def test_cli_export_prints_hash_and_fails_with_one_line(resnet50_file, tmp_path,
     assert hashlib.sha256(written.read_bytes()).hexdigest() in capsys.readouterr().out
     assert cli.main(["export", "--weights", str(tmp_path / "nope.pth"), "--out", str(tmp_path / "x.pth")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"bt-hub export: error: weights file {tmp_path / 'nope.pth'} does not exist"
+    assert err == f"bt-hub export: error: weights {tmp_path / 'nope.pth'}: no such file or folder"
     assert cli.main(["export", "--weights", str(source), "--format", "detectron2", "--out", str(tmp_path / "x.pth")]) == 2
     assert "--out for --format detectron2 must end in .pkl" in capsys.readouterr().err
 
@@ -256,7 +257,6 @@ def test_exported_pkl_loads_into_detectron2_r50_c4_with_nothing_unloaded(resnet5
     from detectron2.modeling import build_model
 
     import eval.detection.roi_heads  # noqa: F401  (registers Res5ROIHeadsExtraNorm)
-    from bt_hub.checkpoint import save_detectron2
 
     pkl = save_detectron2(resnet50_state, tmp_path / "bt.pkl")
     cfg = get_cfg()
@@ -266,8 +266,6 @@ def test_exported_pkl_loads_into_detectron2_r50_c4_with_nothing_unloaded(resnet5
     model = build_model(cfg)
     DetectionCheckpointer(model).load(str(pkl))
     loaded = model.state_dict()
-    from bt_hub.formats import torchvision_to_detectron2_key
-
     expected = {}
     for key, value in _backbone(resnet50_state).items():
         name = torchvision_to_detectron2_key(key)
@@ -280,8 +278,6 @@ def test_exported_pkl_loads_into_detectron2_r50_c4_with_nothing_unloaded(resnet5
 
 def test_safetensors_files_are_byte_identical_across_saves(tmp_path):
     """Guards against safetensors writing metadata keys in random (hash map) order, which changed the sha256."""
-    from bt_hub.checkpoint import save_safetensors
-
     state = {"conv1.weight": torch.arange(6.0).reshape(1, 1, 2, 3)}
     meta = {"format": "pt", "architecture": "resnet50", "small_image_stem": "False", "source_format": "x"}
     digests = {hashlib.sha256(save_safetensors(state, tmp_path / f"{i}.safetensors", meta).read_bytes()).hexdigest() for i in range(8)}

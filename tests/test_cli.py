@@ -51,14 +51,14 @@ def test_every_subcommand_has_help_from_its_config_dataclass(path, command, caps
     out = capsys.readouterr().out
     for field in dataclasses.fields(config_cls):
         if field.init and not field.metadata.get("positional"):
-            assert "--" + field.name.replace("_", "-") in out
+            assert "--" + field.metadata.get("flag", field.name).replace("_", "-") in out
             assert field.metadata.get("help"), f"{command.config}.{field.name} has no help text"
 
 
 def test_every_protocol_module_in_eval_has_a_subcommand():
     routed = {command.module for _, command in _all_commands()}
     protocols = {"eval." + m.name for m in pkgutil.iter_modules(eval_pkg.__path__) if not m.ispkg}
-    protocols -= {"eval.config", "eval.features", "eval.report"}
+    protocols -= {"eval.config", "eval.features", "eval.report", "eval.classifier", "eval.splits", "eval.label_subsets"}
     assert protocols <= routed, f"eval modules without a bt-hub subcommand: {sorted(protocols - routed)}"
 
 
@@ -83,3 +83,39 @@ def test_add_dataclass_arguments_maps_types_presets_and_required():
         parser.parse_args(["--epochs", "3"])
     with pytest.raises(SystemExit):
         parser.parse_args(["--data", "x", "--mode", "c"])
+
+
+def _commands_with_presets():
+    from bt_hub.presets import presets_of
+
+    for path, command in _all_commands():
+        presets = presets_of(getattr(importlib.import_module(command.module), command.config))
+        if presets:
+            yield path, presets
+
+
+@pytest.mark.parametrize("path,presets", list(_commands_with_presets()), ids=lambda x: " ".join(x) if isinstance(x, list) else "")
+def test_every_preset_help_lists_what_the_preset_sets(path, presets, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(path + ["--help"])
+    text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # argparse wraps inside flag names
+    for name, values in presets.items():
+        assert f"{name}:" in text
+        for key in values:
+            assert "-" + key.replace("_", "-") in text, (name, key)
+
+
+def test_one_preset_mechanism_builds_eval_and_pretrain_configs():
+    from bt_hub.presets import from_preset, overrides
+    from bt_hub.pretrain import PretrainConfig
+    from eval.semi_supervised import SemiSupervisedConfig
+
+    parser = cli.argparse.ArgumentParser()
+    cli.add_dataclass_arguments(parser, PretrainConfig)
+    config = cli.build_config(PretrainConfig, parser.parse_args(["--preset", "digits", "--epochs", "3"]))
+    assert (config.data, config.backbone, config.epochs, config.flip) == ("digits", "resnet18", 3, False)
+    semi = from_preset(SemiSupervisedConfig, "small", weights="w", lr_classifier=0.1)
+    assert (semi.preset, semi.batch_size, semi.lr_classifier) == ("small", 32, 0.1)
+    assert overrides(semi, ignore=SemiSupervisedConfig.RUN_FIELDS) == {"lr_classifier": {"value": 0.1, "preset": 0.05}}
+    with pytest.raises(ValueError, match="--preset 'tiny' is unknown; expected one of paper, reference, small"):
+        from_preset(SemiSupervisedConfig, "tiny", weights="w")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bt_hub import cli
-from bt_hub.checkpoint import load_backbone
+from bt_hub.weights import load_backbone
 from bt_hub.data import build_dataset
 from bt_hub.loss import barlow_twins_loss
 from bt_hub.model import build_backbone
@@ -24,8 +24,8 @@ from eval.knn import knn_search
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 PRETRAIN = [
-    "pretrain", "--data", "synthetic:64", "--backbone", "resnet18", "--small-image-stem", "--image-size", "16",
-    "--projector", "256-256", "--batch-size", "16", "--epochs", "1", "--log-every", "1", "--device", "cuda",
+    "pretrain", "--data", "synthetic:64", "--arch", "resnet18", "--small-image-stem", "--image-size", "16",
+    "--projector", "256-256", "--batch-size", "16", "--epochs", "1", "--warmup-epochs", "1", "--log-every", "1", "--device", "cuda",
 ]
 
 
@@ -101,7 +101,7 @@ def test_full_linear_probe_on_cuda(resnet18_weights, tmp_path):
     assert cli.main(["eval", "linear", "--weights", str(resnet18_weights), "--data", "synthetic:60", "--image-size", "32",
                      "--batch-size", "16", "--epochs", "1", "--device", "cuda", "--out", str(out)]) == 0
     record = json.loads((out / "results.json").read_text())
-    assert record["notes"]["mode"].startswith("full") and 0 <= record["metrics"]["top1"] <= 100
+    assert record["mode"] == "loop" and 0 <= record["metrics"]["top1"] <= 100
 
 
 def test_shortened_demo_on_cuda(tmp_path):

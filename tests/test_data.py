@@ -71,7 +71,15 @@ def test_imagenet_layout_picks_the_split_subdirectory(tmp_path):
     _png_tree(tmp_path / "val", classes=("cat", "dog", "eel"), per_class=1)
     assert len(build_dataset(tmp_path, "train", image_size=None)) == 4
     assert len(build_dataset(tmp_path, "val", image_size=None)) == 3
-    assert len(build_dataset(tmp_path, "test", image_size=None)) == 3
+    with pytest.raises(FileNotFoundError, match=r"has no test/ subdirectory \(it has train/, val/\)"):
+        build_dataset(tmp_path, "test", image_size=None)  # a split is never another one under its name
+
+
+def test_a_flat_imagefolder_is_a_training_split_only(tmp_path):
+    _png_tree(tmp_path, per_class=2)
+    assert len(build_dataset(tmp_path, "train", image_size=None)) == 4
+    with pytest.raises(FileNotFoundError, match="has no val/ subdirectory"):
+        build_dataset(tmp_path, "val", image_size=None)
 
 
 def test_missing_directory_is_one_sentence_naming_the_path(tmp_path):

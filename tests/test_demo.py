@@ -33,6 +33,19 @@ def test_shortened_demo_writes_the_report_and_the_plots(short_demo):
     assert set(results["table"]["raw pixels"]) == {"kNN", "linear", "1% labels", "10% labels"}
 
 
+def test_the_cli_reproduces_the_demos_knn_linear_and_fine_tuning_numbers(short_demo, tmp_path):
+    table = json.loads((short_demo / "results.json").read_text())["table"]["Barlow Twins (pretrained)"]
+    common = ["--weights", str(short_demo / "pretrain"), "--data", "digits", "--image-size", "8", "--test-split", "test"]
+    commands = {
+        "kNN": ["eval", "knn", "--k", "20", *common],
+        "linear": ["eval", "linear", "--cached", "--epochs", "10", *common],
+        "10% labels": ["eval", "semi", "--preset", "small", "--fraction", "10", "--epochs", "3", *common],  # the demo's --semi-epochs
+    }
+    for column, argv in commands.items():
+        assert cli.main([*argv, "--out", str(tmp_path / column)]) == 0
+        assert json.loads((tmp_path / column / "results.json").read_text())["metrics"]["top1"] == table[column], column
+
+
 def test_barlow_twins_beats_the_random_init_network_on_knn_and_on_1_percent_labels(short_demo):
     table = json.loads((short_demo / "results.json").read_text())["table"]
     bt, random_init = table["Barlow Twins (pretrained)"], table["random init (same network)"]

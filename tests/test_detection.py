@@ -152,7 +152,7 @@ def test_detect_trains_with_falling_loss_and_writes_the_results_record(alias, r5
     assert all(isinstance(v, float) and 0.0 <= v <= 100.0 for v in record["metrics"].values()), record["metrics"]
     assert (record["protocol"], record["preset"], record["seed"]) == ("detect", alias, 3)
     assert record["hyperparameters"]["engine"] == record["notes"]["engine"] == "detectron2"
-    assert record["weights_sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
+    assert record["weights"]["fingerprint"] == hashlib.sha256(source.read_bytes()).hexdigest()
     assert [t["seed"] for t in record["notes"]["trials"]] == [3]
     assert record["hyperparameters"]["resolved_config"]["SOLVER"]["MAX_ITER"] == 8
     if alias == "shapes-voc":  # the generated devkit's own 4 classes, and the VOC07 11-point AP

@@ -1,8 +1,8 @@
-"""The detection YAMLs carry PROTOCOLS.md §3, the generated shapes set is what it claims, and
+"""The detection YAMLs carry docs/protocols.md §3, the generated shapes set is what it claims, and
 `bt-hub detect --engine detectron2` without detectron2 says how to install it.
 
 None of these tests needs detectron2: the YAMLs are read with PyYAML and their ``_BASE_``
-chain is merged by hand. The expected values are written out below from PROTOCOLS.md §3,
+chain is merged by hand. The expected values are written out below from docs/protocols.md §3,
 not read back from the files.
 """
 
@@ -26,7 +26,7 @@ from eval.detection.train_net import aggregate_trials
 PIXEL_MEAN = [123.675, 116.280, 103.530]
 PIXEL_STD = [58.395, 57.120, 57.375]
 
-# PROTOCOLS.md §3: the shared C4 base (MoCo's Base-RCNN-C4-BN + torchvision weights).
+# docs/protocols.md §3: the shared C4 base (MoCo's Base-RCNN-C4-BN + torchvision weights).
 BASE = {
     "MODEL.META_ARCHITECTURE": "GeneralizedRCNN",
     "MODEL.BACKBONE.FREEZE_AT": 0,
@@ -226,7 +226,8 @@ def test_detection_results_get_the_papers_rows_in_the_report():
     from eval.report import render_table
 
     def record(preset, **metrics):
-        return {"protocol": "detect", "preset": preset, "metrics": metrics, "weights": "bt.pth", "dataset": "d", "wall_time_s": 1.0}
+        return {"protocol": "detect", "preset": preset, "metrics": metrics, "weights": {"name": "bt.pth", "fingerprint": "ab"},
+                "dataset": {"name": "d"}, "wall_time_s": 1.0}
 
     text = render_table([
         record("voc", bbox_AP=50.0, bbox_AP50=80.0, bbox_AP75=55.0),
@@ -234,6 +235,8 @@ def test_detection_results_get_the_papers_rows_in_the_report():
         record("shapes-voc", bbox_AP=60.0, bbox_AP50=90.0, bbox_AP75=70.0),
     ])
     voc, coco, other = text.split("### ")[1:]
-    assert "VOC07+12 Faster R-CNN" in voc and "| paper | 56.8 | 82.6 | 63.4 |" in voc and "| voc | 50.0 | 80.0 | 55.0 |" in voc
-    assert "| paper | 39.2 | 59.0 | 42.5 | 34.3 | 56.0 | 36.5 |" in coco and "| coco | 38.0 | 58.0 | 41.0 | 33.0 | 55.0 | 35.0 |" in coco
-    assert "paper" not in other.split("|---")[1] and "| shapes-voc | 60.0 | 90.0 | 70.0 | — | — | — |" in other
+    assert "VOC07+12 Faster R-CNN" in voc and "| box AP | box AP50 | box AP75 | Wall time (s) |" in voc
+    assert "| 56.8 | 82.6 | 63.4 | — |" in voc and "| preset voc | bt.pth (ab) | d | 50.0 | 80.0 | 55.0 | 1.0 |" in voc
+    assert "| mask AP | mask AP50 | mask AP75 |" in coco
+    assert "| 39.2 | 59.0 | 42.5 | 34.3 | 56.0 | 36.5 | — |" in coco and "| 38.0 | 58.0 | 41.0 | 33.0 | 55.0 | 35.0 | 1.0 |" in coco
+    assert "paper" not in other.split("|---")[1] and "| preset shapes-voc | bt.pth (ab) | d | 60.0 | 90.0 | 70.0 | 1.0 |" in other

@@ -1,6 +1,6 @@
 """The torchvision R50-C4 engine of `bt-hub detect`: needs no detectron2, so these run on every machine.
 
-The model is checked against the paper's C4 settings written out below from PROTOCOLS.md §3
+The model is checked against the paper's C4 settings written out below from docs/protocols.md §3
 and detectron2's defaults (not read back from the YAMLs), every exported backbone tensor is
 compared with the model's, and `bt-hub detect --engine torchvision` trains a few iterations
 on generated shapes with a falling loss and writes the same results record as detectron2.
@@ -122,7 +122,7 @@ def test_every_exported_backbone_tensor_loads_into_the_model(bt_weights, tmp_pat
     source, state = bt_weights
     assert cli_main(["export", "--weights", str(source), "--format", "torchvision", "--out", str(tmp_path / "tv.pth")]) == 0
     assert cli_main(["export", "--weights", str(source), "--format", "detectron2", "--out", str(tmp_path / "d2.pkl")]) == 0
-    from bt_hub.checkpoint import load_backbone
+    from bt_hub.weights import load_backbone
 
     settings = load_settings(resolve_config("coco"))
     for exported in (next(tmp_path.glob("tv-*.pth")), tmp_path / "d2.pkl"):

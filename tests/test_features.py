@@ -202,3 +202,67 @@ def test_two_ranks_shard_extraction_and_both_get_every_feature_in_dataset_order(
         torch.testing.assert_close(out["cached"], expected)
         assert out["labels"].tolist() == out["cached_labels"].tolist() == data.targets
     assert len(list((tmp_path / "cache").glob("*.meta.json"))) == 1
+
+
+def test_cache_key_covers_weights_model_data_transform_pool_dtype_and_precision():
+    base = FeatureCache("c", "w", "d", "m").key("t", "avg", "float32", "float32")
+    others = [
+        FeatureCache("c", "w2", "d", "m").key("t", "avg", "float32", "float32"),
+        FeatureCache("c", "w", "d", "m2").key("t", "avg", "float32", "float32"),
+        FeatureCache("c", "w", "d2", "m").key("t", "avg", "float32", "float32"),
+        FeatureCache("c", "w", "d", "m").key("t2", "avg", "float32", "float32"),
+        FeatureCache("c", "w", "d", "m").key("t", "voc_res5", "float32", "float32"),
+        FeatureCache("c", "w", "d", "m").key("t", "avg", "float16", "float32"),
+        FeatureCache("c", "w", "d", "m").key("t", "avg", "float32", "autocast float16"),
+    ]
+    assert len({base, *others}) == 8
+
+
+def test_another_pool_with_the_same_cache_runs_the_model_again(tmp_path):
+    backbone = build_backbone("resnet18")
+    data = [(torch.randn(3, 224, 224), 0)]
+    cache = FeatureCache(tmp_path, module_fingerprint(backbone), "d")
+    avg, _ = extract_features(backbone, data, transform=lambda t: t, cache=cache)
+    res5, _ = extract_features(backbone, data, transform=lambda t: t, cache=cache, pool="voc_res5")
+    assert (avg.shape, res5.shape) == ((1, 512), (1, 2048))
+    assert len(list(tmp_path.glob("*.features.npy"))) == 2
+
+
+def test_cli_cache_recomputes_for_another_image_size_or_weights_and_reuses_otherwise(tmp_path):
+    import json
+
+    from PIL import Image
+
+    from bt_hub import cli
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            (tmp_path / "data" / split / c).mkdir(parents=True)
+            for i in range(3):
+                Image.fromarray(rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)).save(tmp_path / "data" / split / c / f"{i}.png")
+    weights = {}
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        weights[seed] = tmp_path / f"w{seed}.pth"
+        torch.save(build_backbone("resnet18", small_image_stem=True).state_dict(), weights[seed])
+    cache = tmp_path / "cache"
+
+    def knn(seed: int, size: int, out: str) -> dict:
+        argv = ["eval", "knn", "--weights", str(weights[seed]), "--data", str(tmp_path / "data"), "--image-size", str(size),
+                "--k", "1", "--cache-dir", str(cache), "--out", str(tmp_path / out)]
+        assert cli.main(argv) == 0
+        return json.loads((tmp_path / out / "results.json").read_text())
+
+    def cached_files() -> int:
+        return len(list(cache.glob("*.features.npy")))
+
+    first = knn(0, 8, "a")
+    assert cached_files() == 2
+    assert knn(0, 8, "b")["metrics"] == first["metrics"] and cached_files() == 2  # the same request reuses the files
+    knn(0, 12, "c")
+    assert cached_files() == 4  # another --image-size is another transform: computed again
+    knn(1, 8, "d")
+    assert cached_files() == 6  # other weights: computed again
+    metas = [json.loads(p.read_text()) for p in cache.glob("*.meta.json")]
+    assert len({m["transform"] for m in metas}) == 2 and len({m["weights"] for m in metas}) == 2

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
-import http.server
 import json
 import os
-import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -18,78 +14,12 @@ import torchvision
 
 pytest.importorskip("huggingface_hub")
 
-from bt_hub.hub import from_pretrained, push_to_hub, save_pretrained  # noqa: E402
+from bt_hub.weights import from_pretrained, push_to_hub, save_pretrained  # noqa: E402
 from bt_hub.model import BarlowTwins  # noqa: E402
+from loopback import LoopbackHub  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(2)
-
-
-class LoopbackHub:
-    """Serves ``/{org}/{name}/resolve/{revision}/{filename}`` with the headers huggingface_hub reads.
-
-    ``repos[repo_id][revision]`` is ``(commit sha, {filename: bytes})``; a commit sha also
-    resolves. ``POST /api/repos/create`` answers as the Hub does. Requests are recorded.
-    """
-
-    def __init__(self, repos: dict[str, dict[str, tuple[str, dict[str, bytes]]]]) -> None:
-        self.repos = repos
-        self.requests: list[tuple[str, str]] = []
-        hub = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:
-                pass
-
-            def _send(self, code: int, headers: dict[str, str], body: bytes, with_body: bool) -> None:
-                self.send_response(code)
-                for key, value in {**headers, "Content-Length": str(len(body))}.items():
-                    self.send_header(key, value)
-                self.end_headers()
-                if with_body:
-                    self.wfile.write(body)
-
-            def _resolve(self, with_body: bool) -> None:
-                hub.requests.append((self.command, self.path))
-                match = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", self.path.split("?")[0])
-                if not match or match.group(1) not in hub.repos:
-                    return self._send(404, {"X-Error-Code": "RepoNotFound"}, b"{}", with_body)
-                repo, revision, filename = match.groups()
-                found = hub.repos[repo].get(revision) or next(
-                    (entry for entry in hub.repos[repo].values() if entry[0] == revision), None)
-                if found is None:
-                    return self._send(404, {"X-Error-Code": "RevisionNotFound"}, b"{}", with_body)
-                commit, files = found
-                if filename not in files:
-                    return self._send(404, {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": commit}, b"{}", with_body)
-                body = files[filename]
-                etag = hashlib.sha256(body).hexdigest()
-                self._send(200, {"X-Repo-Commit": commit, "ETag": f'"{etag}"', "Content-Type": "application/octet-stream"}, body, with_body)
-
-            def do_HEAD(self) -> None:
-                self._resolve(with_body=False)
-
-            def do_GET(self) -> None:
-                self._resolve(with_body=True)
-
-            def do_POST(self) -> None:
-                hub.requests.append((self.command, self.path))
-                length = int(self.headers.get("Content-Length", 0))
-                payload = json.loads(self.rfile.read(length) or b"{}")
-                if self.path.startswith("/api/repos/create"):
-                    repo_id = f"{payload.get('organization') or 'user'}/{payload['name']}"
-                    body = json.dumps({"url": f"{hub.url}/{repo_id}", "name": repo_id, "id": repo_id}).encode()
-                    return self._send(200, {"Content-Type": "application/json"}, body, True)
-                self._send(404, {}, b"{}", True)
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def _folder_files(folder: Path) -> dict[str, bytes]:
@@ -105,8 +35,7 @@ def _run(script: str, env: dict[str, str]) -> str:
 
 LOAD_SCRIPT = """
 import torch
-from bt_hub.hub import from_pretrained
-from bt_hub.checkpoint import load_backbone
+from bt_hub.weights import from_pretrained, load_backbone
 main = from_pretrained("bt/barlowtwins-resnet50")
 pinned = load_backbone("hf://bt/barlowtwins-resnet50@v1")
 torch.save({"main": main.state_dict(), "pinned": pinned.state_dict()}, %r)
@@ -184,7 +113,7 @@ def test_model_card_and_config_carry_metadata_recipe_and_results(tmp_path):
     assert {"barlow-twins", "self-supervised-learning", "image-feature-extraction"} <= set(data["tags"])
     assert data["datasets"] == ["imagenet"]
     metrics = {(r.task_name, r.metric_type): r.metric_value for r in card.data.eval_results}
-    assert metrics == {("linear (paper)", "top1"): 73.5, ("linear (paper)", "top5"): 91.0, ("voc07-svm", "mAP"): 86.2}
+    assert metrics == {("linear (preset paper)", "top1"): 73.5, ("linear (preset paper)", "top5"): 91.0, ("voc07-svm", "mAP"): 86.2}
     assert 'from_pretrained("bt/card")' in card.text and "| epochs | 1000 |" in card.text
     config = json.loads((folder / "config.json").read_text())
     assert config["architecture"] == "resnet18" and config["projector"] == "16-16" and config["epochs"] == 1000

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import http.server
+import os
 import subprocess
 import sys
 import sysconfig
@@ -15,9 +16,8 @@ import pytest
 import torch
 import torchvision
 
-from bt_hub.formats import CheckpointError
 from bt_hub.model import BarlowTwins
-from bt_hub.weights import BarlowTwinsWeights, get_weights
+from bt_hub.weights import BarlowTwinsWeights, CheckpointError, DownloadError, cache_path, get_weights
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(2)
@@ -64,9 +64,9 @@ def _same_backbone(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> bo
 
 def test_file_whose_hash_prefix_does_not_match_is_refused(served, hub_dir):
     url = f"{served['url']}/forged-deadbeef.pth"
-    with pytest.raises(RuntimeError, match=r"forged-deadbeef.pth was refused: invalid hash value \(expected \"deadbeef\""):
+    with pytest.raises(DownloadError, match=r"forged-deadbeef.pth has sha256 [0-9a-f]{16}\.\.\., not the hash prefix in its file name deadbeef, so it was refused"):
         torch.hub.load(str(REPO_ROOT), "resnet50", source="local", weights=url, progress=False)
-    assert not (hub_dir / "checkpoints" / "forged-deadbeef.pth").exists()
+    assert not cache_path(url).exists() and list(cache_path(url).parent.iterdir()) == []
 
 
 def test_weights_from_url_land_in_the_hub_cache_and_load_again_offline(served, hub_dir):
@@ -74,7 +74,7 @@ def test_weights_from_url_land_in_the_hub_cache_and_load_again_offline(served, h
     model = torch.hub.load(str(REPO_ROOT), "resnet50", source="local", weights=url, progress=False)
     assert isinstance(model.fc, torch.nn.Identity)
     assert _same_backbone(model, served["state"])
-    assert (hub_dir / "checkpoints" / served["name"]).is_file()
+    assert cache_path(url).is_file() and cache_path(url).is_relative_to(hub_dir / "checkpoints")
     served["server"].shutdown()  # no server: the second load can only come from the cache
     again = torch.hub.load(str(REPO_ROOT), "resnet50", source="local", weights=url, progress=False)
     assert _same_backbone(again, served["state"])
@@ -83,15 +83,15 @@ def test_weights_from_url_land_in_the_hub_cache_and_load_again_offline(served, h
 def test_named_weights_resolve_to_the_reference_release_through_the_cache(tmp_path, hub_dir):
     record = get_weights("barlowtwins-in1k")
     assert record is BarlowTwinsWeights.DEFAULT is BarlowTwinsWeights.IN1K_EP1000
-    assert record.value.url == ("https://dl.fbaipublicfiles.com/barlowtwins/ep1000_bs2048_lrw0.2_lrb0.0048_lambd0.0051/resnet50.pth")
-    assert record.value.sha256 is None and record.value.meta["release"]["imagenet_linear"] == {"top1": 73.5, "top5": 91.0}
-    assert get_weights("barlowtwins-in1k-full").value.has_projector
+    assert record.url == ("https://dl.fbaipublicfiles.com/barlowtwins/ep1000_bs2048_lrw0.2_lrb0.0048_lambd0.0051/resnet50.pth")
+    assert record.sha256 is None and record.meta["release"]["imagenet_linear"] == {"top1": 73.5, "top5": 91.0}
+    assert get_weights("barlowtwins-in1k-full").has_projector
     state = {k: v for k, v in torchvision.models.resnet50().state_dict().items() if not k.startswith("fc.")}
-    (hub_dir / "checkpoints").mkdir(parents=True)
-    torch.save(state, hub_dir / "checkpoints" / record.value.file_name)  # as if downloaded before
-    model = torch.hub.load(str(REPO_ROOT), "resnet50", source="local")
+    record.cache_path().parent.mkdir(parents=True)
+    torch.save(state, record.cache_path())  # as if downloaded before
+    model = torch.hub.load(str(REPO_ROOT), "resnet50", source="local", weights="DEFAULT")
     assert _same_backbone(model, state)
-    with pytest.raises(ValueError, match="weights 'barlowtwins-in1k-typo' are unknown"):
+    with pytest.raises(ValueError, match="weights 'barlowtwins-in1k-typo' are unknown; registered names: barlowtwins-in1k, "):
         get_weights("barlowtwins-in1k-typo")
 
 
@@ -132,6 +132,7 @@ def test_hubconf_works_from_a_checkout_without_bt_hub_installed(tmp_path):
         "import torch; m = torch.hub.load(%r, 'resnet50', source='local', weights=None);"
         "print(type(m.fc).__name__, 'bt_hub' in sys.modules)"
     ) % (sysconfig.get_paths()["purelib"], str(REPO_ROOT))
-    result = subprocess.run([sys.executable, "-S", "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a worktree on PYTHONPATH would make bt_hub importable
+    result = subprocess.run([sys.executable, "-S", "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["Identity", "True"]

@@ -107,7 +107,7 @@ def test_cli_knn_end_to_end_writes_results_json(tmp_path):
     assert set(result["metrics"]) == {"top1", "top5", "top1_k5", "top5_k5", "top1_k20", "top5_k20"}
     assert result["metrics"]["top1"] == result["metrics"]["top1_k5"]
     assert result["metrics"]["top1"] > 30.0  # 10 classes: random features of a random network still beat chance (10%)
-    assert len(result["weights_sha256"]) == 64 and len(result["dataset_fingerprint"]) == 64
+    assert len(result["weights"]["fingerprint"]) == 64 and len(result["dataset"]["fingerprint"]) == 64
     assert result["notes"]["backend"] == "faiss"
     assert "ours: knn" in (out / "results.md").read_text()
     assert len(list((tmp_path / "cache").glob("*.meta.json"))) == 2  # train and test features cached

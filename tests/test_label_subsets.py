@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from bt_hub.data import ImageFolderDataset
-from bt_hub.label_subsets import (
+from eval.label_subsets import (
     PUBLISHED_SUBSETS,
     balanced_subset_indices,
     class_of,

@@ -12,11 +12,8 @@ from PIL import Image
 
 from bt_hub import cli
 from bt_hub.model import build_backbone
-from eval.linear import (
-    FrozenBackboneClassifier,
-    LinearConfig,
-    TransferConfig,
-    equally_spaced_milestones,
+from bt_hub.presets import from_preset
+from eval.classifier import (
     evaluate_features,
     lr_factor,
     make_classifier,
@@ -25,21 +22,26 @@ from eval.linear import (
     train_classifier,
     train_on_features,
 )
+from eval.linear import FrozenBackboneClassifier, LinearConfig, TransferConfig, equally_spaced_milestones
 
-RESULT_FIELDS = {"protocol", "preset", "hyperparameters", "weights", "weights_sha256", "dataset", "dataset_fingerprint",
-                 "seed", "metrics", "wall_time_s", "bt_hub_version"}
+RESULT_FIELDS = {"schema", "protocol", "mode", "preset", "overrides", "hyperparameters", "weights", "dataset", "seed", "metrics",
+                 "wall_time_s", "versions", "warnings"}
 
 
 def test_presets_carry_the_protocol_numbers():
+    # docs/protocols.md §2: the paper's probe and PIRL's transfer settings
     imagenet = LinearConfig(weights="w")
     assert (imagenet.lr, imagenet.weight_decay, imagenet.momentum, imagenet.epochs, imagenet.batch_size, imagenet.schedule) == (0.3, 1e-6, 0.9, 100, 256, "cosine")
-    places = TransferConfig(weights="w")
+    assert (imagenet.crop_scale_min, imagenet.flip, imagenet.preset) == (0.08, True, "imagenet")
+    places = from_preset(TransferConfig, weights="w")
     assert (places.preset, places.lr, places.weight_decay, places.epochs, places.schedule, places.gamma) == ("places205", 0.01, 5e-4, 14, "step", 0.1)
     assert places.milestones == [5, 9]
-    inat = TransferConfig(weights="w", preset="inat18")
+    inat = from_preset(TransferConfig, "inat18", weights="w")
     assert (inat.epochs, inat.milestones) == (84, [28, 56])
-    vissl = TransferConfig(weights="w", milestones=[4, 8, 12], lr=0.02)
+    vissl = from_preset(TransferConfig, weights="w", milestones=[4, 8, 12], lr=0.02)
     assert (vissl.milestones, vissl.lr, vissl.epochs) == ([4, 8, 12], 0.02, 14)
+    small = from_preset(LinearConfig, "small", weights="w")
+    assert (small.crop_scale_min, small.flip, small.lr, small.epochs) == (0.4, False, 0.3, 100)
 
 
 def test_cosine_schedule_per_epoch_without_warmup_and_step_drops():
@@ -136,13 +138,14 @@ def test_cli_linear_full_and_cached_write_results(resnet18_weights, tmp_path):
     assert cli.main(["eval", "linear", *common, "--epochs", "1", "--out", str(tmp_path / "full")]) == 0
     full = _read(tmp_path / "full")
     assert (full["protocol"], full["preset"], full["hyperparameters"]["lr"], full["hyperparameters"]["epochs"]) == ("linear", "imagenet", 0.3, 1)
-    assert full["notes"]["mode"].startswith("full")
+    assert (full["mode"], full["mode_description"]) == ("loop", "paper loop with augmentation")
+    assert full["overrides"]["epochs"] == {"value": 1, "preset": 100}
     assert 0 <= full["metrics"]["top1"] <= full["metrics"]["top5"] <= 100
     cache = tmp_path / "cache"
     assert cli.main(["eval", "linear", *common, "--epochs", "5", "--cached", "--cache-dir", str(cache), "--out", str(tmp_path / "cached")]) == 0
     cached = _read(tmp_path / "cached")
-    assert cached["notes"]["mode"].startswith("cached") and cached["hyperparameters"]["cached"] is True
-    assert cached["weights_sha256"] == full["weights_sha256"] and cached["dataset_fingerprint"] == full["dataset_fingerprint"]
+    assert cached["mode_description"] == "cached features, no augmentation" and cached["hyperparameters"]["cached"] is True
+    assert cached["weights"] == full["weights"] and cached["dataset"]["fingerprint"] == full["dataset"]["fingerprint"]
     assert len(list(cache.glob("*.features.npy"))) == 2
     assert "Linear evaluation" in (tmp_path / "cached" / "results.md").read_text()
 
@@ -173,8 +176,11 @@ def test_cli_eval_all_runs_every_protocol_sharing_one_feature_cache(resnet18_wei
                      "--linear-epochs", "3", "--semi-epochs", "1", "--knn-k", "5", "--out", str(out)]) == 0
     summary = json.loads((out / "results.json").read_text())
     assert [(r["protocol"], r["hyperparameters"].get("fraction")) for r in summary["results"]] == [("knn", None), ("linear", None), ("semi", 1), ("semi", 10)]
-    assert summary["results"][1]["notes"]["mode"].startswith("cached")
+    assert summary["results"][1]["mode"] == "cached"
     assert len(list((out / "feature_cache").glob("*.features.npy"))) == 2  # train and test, computed once for kNN and linear
     table = (out / "results.md").read_text()
     assert all(title in table for title in ("Linear evaluation", "Semi-supervised", "Weighted kNN"))
     assert all((out / sub / "results.json").exists() for sub in ("knn", "linear", "semi_1percent", "semi_10percent"))
+    from bt_hub.results import read_records
+
+    assert [r["protocol"] for r in read_records([out / "results.json"])] == ["knn", "linear", "semi", "semi"]  # what push --results reads

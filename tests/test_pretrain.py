@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from cli_output import one_sentence
+
 from bt_hub.cli import main as cli_main
 from bt_hub.model import build_backbone
 from bt_hub.augment import VIEW_A, VIEW_B
@@ -22,7 +25,7 @@ from bt_hub.pretrain import PretrainConfig, pretrain, view_pair
 
 # 32 synthetic training images, batch 8: 4 steps per epoch, 8 in all; checkpoints at 3 (mid-epoch), 4, 6 (mid-epoch), 8.
 TINY = [
-    "--data", "synthetic:40", "--backbone", "resnet18", "--small-image-stem", "--image-size", "8",
+    "--data", "synthetic:40", "--arch", "resnet18", "--small-image-stem", "--image-size", "8",
     "--projector", "64-64", "--batch-size", "8", "--epochs", "2", "--warmup-epochs", "1",
     "--checkpoint-every", "3", "--log-every", "1", "--seed", "7", "--probe-max-dim", "0",
 ]
@@ -110,8 +113,8 @@ def test_pretrain_on_digits_writes_torchvision_and_safetensors_backbones(tmp_pat
 
     out = tmp_path / "run"
     code = cli_main([
-        "pretrain", "--data", "digits", "--out", str(out), "--backbone", "resnet18", "--small-image-stem",
-        "--image-size", "8", "--projector", "32-32", "--batch-size", "32", "--epochs", "1", "--max-steps", "2", "--probe-max-dim", "64",
+        "pretrain", "--data", "digits", "--out", str(out), "--arch", "resnet18", "--small-image-stem",
+        "--image-size", "8", "--projector", "32-32", "--batch-size", "32", "--epochs", "1", "--warmup-epochs", "1", "--max-steps", "2", "--probe-max-dim", "64",
         "--views", "batched", "--log-every", "1",
     ])
     assert code == 0, capsys.readouterr().err
@@ -135,11 +138,57 @@ def test_pretrain_on_digits_writes_torchvision_and_safetensors_backbones(tmp_pat
 def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(tmp_path):
     config = PretrainConfig(data="synthetic:40", out=str(tmp_path), backbone="resnet18", small_image_stem=True, image_size=8,
                             projector="16-16", batch_size=8, epochs=2, warmup_epochs=0, lr_biases=1e36, checkpoint_every=1, probe_max_dim=0)
-    with pytest.raises(RuntimeError, match=r"the loss became nan at step (\d+) .*checkpoint.pth is kept"):
+    with pytest.raises(RuntimeError, match=r"the loss became nan at step (\d+); training stopped and the last good checkpoint .*checkpoint.pth \(step"):
         pretrain(config)
     state = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
     assert state["step"] >= 1 and all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
     assert not (tmp_path / "resnet18.pth").exists()
+
+
+def _all_finite(state: dict) -> bool:
+    tensors = [*state["model"].values(), *(v for s in state["optimizer"]["state"].values() for v in s.values())]
+    return all(torch.isfinite(t).all() for t in tensors if t.is_floating_point())
+
+
+def test_a_diverging_run_keeps_only_an_all_finite_checkpoint_and_resuming_it_stops_again_clearly(tmp_path, capsys):
+    # item 14: the "kept" checkpoint used to hold non-finite BatchNorm running_var tensors
+    out = tmp_path / "run"
+    flags = ["pretrain", *TINY, "--projector", "16-16", "--warmup-epochs", "0", "--lr-weights", "1e9", "--checkpoint-every", "1", "--out", str(out)]
+    assert cli_main(flags) == 2
+    err = one_sentence(capsys.readouterr().err)
+    found = re.search(r"at step (\d+); training stopped and the last good checkpoint (\S+) \(step (\d+), every tensor finite\) is kept", err)
+    assert found, err
+    assert Path(found[2]) == out / "checkpoint.pth" and int(found[3]) == int(found[1]) - 1
+    state = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert state["step"] == int(found[3]) and _all_finite(state)
+    kept = (out / "checkpoint.pth").read_bytes()
+    assert cli_main([*flags, "--resume", "auto"]) == 2  # deterministic: the same divergence, the same sentence
+    assert found[0] in capsys.readouterr().err
+    assert (out / "checkpoint.pth").read_bytes() == kept and not (out / "resnet18.pth").exists()
+
+
+def test_resume_without_a_checkpoint_restarts_the_metrics_and_a_cut_last_line_is_dropped(tmp_path, capsys):
+    # items 10, 11, 12: duplicated metrics after a kill before the first checkpoint; "Unterminated string" on a cut line;
+    # temp files of interrupted writes never removed; run.json rewritten by every resume
+    out = tmp_path / "run"
+    assert cli_main(["pretrain", *TINY, "--out", str(out), "--max-steps", "2"]) == 0
+    for name in ("checkpoint.pth", "resnet18.pth"):  # as if killed after logging two steps, before any checkpoint
+        (out / name).unlink()
+    assert cli_main(["pretrain", *TINY, "--out", str(out), "--max-steps", "3", "--resume", "auto"]) == 0
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "epoch": 1, "lo')
+    leftovers = [out / ".checkpoint.pth.k3x9q2_a.tmp", out / ".run.json.0f3ab2c4.tmp"]
+    users = [out / "notes.tmp", out / ".draft.tmp", out / ".checkpoint.pth.bak"]
+    for path in leftovers + users:
+        path.write_bytes(b"partial")
+    with pytest.warns(UserWarning, match="metrics.jsonl: dropped its last line, cut short by an interrupted write"):
+        assert cli_main(["pretrain", *TINY, "--out", str(out), "--max-steps", "4", "--resume", "auto"]) == 0
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert not any(p.exists() for p in leftovers) and all(p.exists() for p in users)
+    record = json.loads((out / "run.json").read_text())
+    assert record["config"]["max_steps"] == 2 and {"command", "started", "host", "git_sha"} <= set(record)
+    assert [(r["resumed_from_step"], r["config"]) for r in record["resumes"]] == [(0, {"max_steps": 3, "resume": "auto"}), (3, {"max_steps": 4, "resume": "auto"})]
 
 
 @pytest.mark.parametrize(
@@ -151,17 +200,22 @@ def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(
         (["--precision", "fp16"], "--precision fp16 needs --device cuda"),
         (["--batch-size", "4096"], "--batch-size 4096 is larger than the 32 training images of --data synthetic:40"),
         (["--resume", "/no/such/checkpoint.pth"], "checkpoint /no/such/checkpoint.pth does not exist"),
+        # item 15: schedules that cannot be what was meant
+        (["--warmup-epochs", "50", "--epochs", "1"], "--warmup-epochs 50 is longer than the whole schedule (--epochs 1)"),
+        (["--max-steps", "100"], "--max-steps 100 is more than the 8 steps of the schedule (--epochs 2 x 4 steps per epoch)"),
     ],
 )
 def test_bad_paths_and_flags_are_one_sentence_errors_naming_them(tmp_path, capsys, flags, message):
     code = cli_main(["pretrain", *TINY, "--out", str(tmp_path / "run"), *flags])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and message in err and err.count("\n") == 0
+    err = one_sentence(capsys.readouterr().err)
+    assert code == 2 and message in err
 
 
 def test_existing_run_is_not_overwritten_and_resume_checks_the_recipe(tmp_path, capsys):
     out = tmp_path / "run"
-    assert cli_main(["pretrain", *TINY, "--projector", "16-16", "--out", str(out), "--max-steps", "1"]) == 0
+    assert cli_main(["pretrain", *TINY, "--projector", "16-16", "--out", str(out), "--max-steps", "2"]) == 0
+    assert cli_main(["pretrain", *TINY, "--projector", "16-16", "--out", str(out), "--resume", "auto", "--max-steps", "1"]) == 2
+    assert "--max-steps 1 is before step 2 of the checkpoint being resumed" in capsys.readouterr().err
     assert cli_main(["pretrain", *TINY, "--projector", "16-16", "--out", str(out)]) == 2
     assert f"--out {out} already holds checkpoint.pth; pass --resume auto" in capsys.readouterr().err
     assert cli_main(["pretrain", *TINY, "--projector", "16-16", "--out", str(out), "--resume", "auto", "--seed", "8"]) == 2

@@ -1,73 +1,127 @@
-"""eval.report: results.json fields, the results.jsonl history and the paper-style tables."""
+"""Results records: the schema, the results.jsonl history, results.md and the model card say what each run was."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import pytest
 
-from eval.report import render_table, write_results
+from bt_hub.presets import from_preset
+from bt_hub.results import SCHEMA, card_table, read_records, setting, summary_text
+from eval.report import render_table, write_results, write_summary
 
 FIELDS = {
-    "protocol", "preset", "hyperparameters", "weights", "weights_sha256", "dataset", "dataset_fingerprint",
-    "seed", "metrics", "wall_time_s", "bt_hub_version", "git_sha", "git_dirty", "timestamp",
+    "schema", "protocol", "mode", "mode_description", "preset", "overrides", "hyperparameters", "weights", "dataset",
+    "seed", "metrics", "wall_time_s", "timestamp", "versions", "warnings",
 }
 
 
 @dataclass
 class FakeConfig:
-    weights: str = "w.safetensors"
-    fraction: int = 1
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {"imagenet": {}, "short": {"epochs": 10}}
+    RUN_FIELDS: ClassVar[tuple[str, ...]] = ("weights",)
+
+    weights: str = "/home/me/secret/w.safetensors"
+    preset: str = "imagenet"
+    epochs: int = 100
     lr: float = 0.3
+    milestones: list[int] = field(default_factory=list)
 
 
-def _write(out, **overrides):
+SPLITS = {
+    "name": "digits", "path": "digits", "fingerprint": "f" * 64, "holdout": None,
+    "train": {"split": "train", "size": 1437, "fingerprint": "a" * 64}, "test": {"split": "val", "size": 360, "fingerprint": "b" * 64},
+    "overlap_check": {"shared_files": 0, "sampled": 64, "identical": 0},
+}
+
+
+def _write(out, config=None, **overrides):
     kwargs = dict(
-        protocol="linear", preset="imagenet", config=FakeConfig(), metrics={"top1": 71.25, "top5": 90.0},
-        weights="runs/a/w.safetensors", weights_sha256="abcdef0123456789", dataset="digits",
-        dataset_fingerprint="f" * 64, seed=3, wall_time_s=12.5,
+        protocol="linear", config=config or FakeConfig(), preset="imagenet", mode="loop", metrics={"top1": 71.25, "top5": 90.04},
+        weights="/home/me/secret/w.safetensors", weights_sha256="abcdef0123456789", dataset=SPLITS, seed=3, wall_time_s=12.5,
     )
     kwargs.update(overrides)
     return write_results(out, **kwargs)
 
 
-def test_results_json_has_every_documented_field(tmp_path):
+def test_results_json_has_every_documented_field_and_no_absolute_path(tmp_path):
     record = _write(tmp_path)
     on_disk = json.loads((tmp_path / "results.json").read_text())
-    assert set(on_disk) == FIELDS
-    assert on_disk == json.loads(json.dumps(record))
-    assert on_disk["hyperparameters"] == {"weights": "w.safetensors", "fraction": 1, "lr": 0.3}
-    assert on_disk["metrics"] == {"top1": 71.25, "top5": 90.0}
-    assert on_disk["seed"] == 3 and on_disk["weights_sha256"] == "abcdef0123456789"
+    assert set(on_disk) == FIELDS and on_disk == record and on_disk["schema"] == SCHEMA
+    assert on_disk["weights"] == {"name": "w.safetensors", "fingerprint": "abcdef0123456789"}
+    assert on_disk["hyperparameters"]["weights"] == "w.safetensors"
+    assert "/home/me" not in (tmp_path / "results.json").read_text()
+    assert on_disk["dataset"]["test"] == {"split": "val", "size": 360, "fingerprint": "b" * 64}
+    assert set(on_disk["versions"]) >= {"bt_hub", "torch", "torchvision", "python", "git_sha", "git_dirty"}
+    assert on_disk["mode_description"] == "paper loop with augmentation" and on_disk["overrides"] == {}
 
 
-def test_each_run_appends_a_row_and_tables_show_the_paper_row(tmp_path):
-    _write(tmp_path)
-    _write(tmp_path, protocol="semi", preset="paper", metrics={"top1": 40.0, "top5": 70.0})
-    _write(tmp_path, protocol="knn", preset=None, metrics={"top1": 60.0, "top5": 80.0, "top1_k20": 60.0, "top5_k20": 80.0, "top1_k200": 58.0, "top5_k200": 81.0})
-    _write(tmp_path, protocol="voc07-svm", preset=None, metrics={"mAP": 50.0, "mAP_11point": 48.0})
+def test_two_runs_into_one_out_leave_two_records_and_results_json_is_the_latest(tmp_path):
+    _write(tmp_path, metrics={"top1": 10.0})
+    _write(tmp_path, metrics={"top1": 20.0})
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
-    assert [json.loads(line)["protocol"] for line in lines] == ["linear", "semi", "knn", "voc07-svm"]
+    assert [json.loads(line)["metrics"]["top1"] for line in lines] == [10.0, 20.0]
+    assert json.loads((tmp_path / "results.json").read_text())["metrics"]["top1"] == 20.0
+    assert (tmp_path / "results.md").read_text().count("| ours: linear |") == 2
+
+
+def test_cached_and_loop_runs_render_differently(tmp_path):
+    _write(tmp_path, mode="loop")
+    _write(tmp_path, mode="cached")
     md = (tmp_path / "results.md").read_text()
-    assert "| Barlow Twins (paper: ResNet-50, 1000 epochs) | paper | ImageNet | paper | 73.2 | 91.0 | — |" in md
-    assert "| 55.0 | 79.2 | 69.7 | 89.3 |" in md  # Table 2 of the paper
-    assert "| 54.1 | 86.2 | — | 46.5 |" in md  # Table 3: Places-205, VOC07, (11-point), iNat18
-    assert "| ours: semi | w.safetensors (abcdef01) | digits | paper | 40.0 | 70.0 | — | — | 12.5 |" in md
-    assert "| ours: voc07-svm | w.safetensors (abcdef01) | digits | — | — | 50.0 | 48.0 | — | 12.5 |" in md
-    assert "| ours: knn | w.safetensors (abcdef01) | digits | — | 60.0 | 80.0 | 58.0 | 81.0 | 12.5 |" in md
+    assert "| ours: linear | preset imagenet; paper loop with augmentation |" in md
+    assert "| ours: linear | preset imagenet; cached features, no augmentation |" in md
 
 
-def test_transfer_presets_land_in_their_paper_columns():
-    base = {"weights": "w", "weights_sha256": "", "dataset": "places", "wall_time_s": 1.0}
+def test_a_value_changed_from_the_preset_is_named_in_results_md_and_the_card(tmp_path):
+    config = from_preset(FakeConfig, "short", epochs=5, lr=0.1)
+    record = _write(tmp_path, config=config, preset="short")
+    assert record["overrides"] == {"epochs": {"value": 5, "preset": 10}, "lr": {"value": 0.1, "preset": 0.3}}
+    words = "preset short; paper loop with augmentation; epochs 5 (preset 10), lr 0.1 (preset 0.3)"
+    assert setting(record) == words
+    assert f"| {words} |" in (tmp_path / "results.md").read_text()
+    assert f"| {words} |" in card_table([record])
+
+
+def test_tables_round_to_one_decimal_and_show_the_paper_row_only_for_its_own_protocol(tmp_path):
+    _write(tmp_path)  # the paper's ImageNet probe
+    _write(tmp_path, config=from_preset(FakeConfig, "short"), preset="small")  # not the paper's protocol: no paper row of its own
+    md = (tmp_path / "results.md").read_text()
+    assert md.count("| Barlow Twins paper (ResNet-50, 1000 epochs) |") == 1
+    assert "| Barlow Twins paper (ResNet-50, 1000 epochs) | preset imagenet; paper loop with augmentation | paper's | ImageNet | 73.2 | 91.0 | — |" in md
+    assert "| 71.2 | 90.0 | 12.5 |" in md and "71.25" not in md
+    card = card_table([json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()])
+    assert "| Top-1 | 71.2 | 73.2 |" in card and card.count("| Top-1 | 71.2 | — |") == 1
+
+
+def test_semi_rows_say_which_label_fraction_and_get_that_fractions_paper_row(tmp_path):
+    for pct in (1, 10):
+        _write(tmp_path, protocol="semi", preset="paper", labels={"fraction": pct, "source": "seeded", "seed": 0, "count": pct * 10},
+               metrics={"top1": 40.0 + pct, "top5": 70.0})
+    md = (tmp_path / "results.md").read_text()
+    assert "1% labels (SimCLR list 1percent.txt); preset paper; paper loop with augmentation | paper's | ImageNet | 55.0 | 79.2 |" in md
+    assert "10% labels (SimCLR list 10percent.txt); preset paper; paper loop with augmentation | paper's | ImageNet | 69.7 | 89.3 |" in md
+    assert "| ours: semi | 1% labels (seeded class-balanced, seed 0); preset paper; paper loop with augmentation |" in md
+    assert "| ours: semi | 10% labels (seeded class-balanced, seed 0); preset paper; paper loop with augmentation |" in md
+    records = read_records([tmp_path / "results.jsonl"])
+    assert ["1% labels" in setting(r) for r in records] == [True, False]
+
+
+def test_transfer_presets_land_in_the_transfer_table_with_their_paper_row():
+    base = {"weights": {"name": "w", "fingerprint": ""}, "dataset": {"name": "inat"}, "wall_time_s": 1.0, "mode": "loop"}
     md = render_table([{**base, "protocol": "transfer", "preset": "inat18", "metrics": {"top1": 30.0}}])
-    assert md.splitlines()[-1].startswith("| ours: transfer") and md.splitlines()[-1].endswith("| — | — | — | 30.0 | 1.0 |")
+    lines = md.splitlines()
+    assert lines[0] == "### Transfer to other classification tasks (paper Table 3)"
+    assert lines[2] == "| Run | Setting | Weights | Data | Top-1 | Wall time (s) |"
+    assert lines[4].endswith("| iNat18 | 46.5 | — |") and lines[5].endswith("| inat | 30.0 | 1.0 |")
 
 
 def test_unknown_protocols_get_a_table_of_their_own_metrics():
     md = render_table([{"protocol": "retrieval", "metrics": {"recall_at_1": 12.0}, "wall_time_s": 2.0}])
     assert md.splitlines()[0] == "### retrieval"
-    assert md.splitlines()[2] == "| Method | Weights | Data | Preset | recall_at_1 | Wall time (s) |"
+    assert md.splitlines()[2] == "| Run | Setting | Weights | Data | recall_at_1 | Wall time (s) |"
     assert md.splitlines()[-1].endswith("| 12.0 | 2.0 |")
 
 
@@ -75,3 +129,38 @@ def test_non_numeric_metrics_are_rejected_naming_them(tmp_path):
     with pytest.raises(ValueError, match="flat dict of numbers"):
         _write(tmp_path, metrics={"top1": {"k20": 1.0}})
     assert not (tmp_path / "results.json").exists()
+
+
+def test_eval_all_summary_is_read_as_its_records_by_push_and_the_card(tmp_path):
+    records = [_write(tmp_path / "a"), _write(tmp_path / "b", protocol="knn", preset=None, mode="features", metrics={"top1": 50.0})]
+    write_summary(tmp_path / "all", records, 30.0)
+    read = read_records([tmp_path / "all" / "results.json"])
+    assert [r["protocol"] for r in read] == ["linear", "knn"]
+    assert len(read_records([tmp_path / "all" / "results.jsonl"])) == 2
+    with pytest.raises(ValueError, match="without a 'metrics' object"):
+        (tmp_path / "bad.json").write_text('{"protocol": "linear"}')
+        read_records([tmp_path / "bad.json"])
+
+
+def test_push_and_save_pretrained_accept_eval_all_results(tmp_path):
+    pytest.importorskip("huggingface_hub")
+    import torch
+
+    from bt_hub.weights import save_pretrained
+    from bt_hub.model import BarlowTwins
+
+    records = [_write(tmp_path / "a"), _write(tmp_path / "b", protocol="semi", preset="paper", labels={"fraction": 1, "source": "seeded", "seed": 0, "count": 5})]
+    write_summary(tmp_path / "all", records, 30.0)
+    torch.manual_seed(0)
+    folder = save_pretrained(BarlowTwins("resnet18", "16-16"), tmp_path / "card", results=[tmp_path / "all" / "results.json"], name="bt/card")
+    card = (folder / "README.md").read_text()
+    assert "| semi | 1% labels (seeded class-balanced, seed 0); preset paper; paper loop with augmentation | digits | Top-1 | 71.2 | 55.0 |" in card
+    assert "| linear | preset imagenet; paper loop with augmentation | digits | Top-1 | 71.2 | 73.2 |" in card
+
+
+def test_summary_names_each_run_its_metrics_and_the_files(tmp_path):
+    record = _write(tmp_path)
+    text = summary_text([record], [tmp_path / "results.json"])
+    assert text.splitlines()[0].split() == ["protocol", "setting", "data", "metrics"]
+    assert "Top-1 71.2  Top-5 90.0" in text.splitlines()[1] and text.splitlines()[1].startswith("linear ")
+    assert text.splitlines()[-1] == f"wrote {tmp_path / 'results.json'}"

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from voc_devkit import write_synthetic_devkit
 
 from bt_hub import cli
 from bt_hub.model import build_backbone
@@ -17,7 +18,6 @@ from eval.voc07_svm import (
     l2_normalize,
     svm_grid,
     voc07_11point_ap,
-    write_synthetic_devkit,
 )
 
 torch.set_num_threads(2)
@@ -128,7 +128,9 @@ def test_cli_voc07_svm_end_to_end_writes_results_json(tmp_path):
     assert result["notes"]["feature_dim"] == 512  # resnet18 res5 at 176 px: 6x6 map -> 1x1x512
     assert set(result["notes"]["per_class_ap"]) == {"cat", "dog", "car"}
     assert 40.0 < result["metrics"]["mAP"] <= 100.0  # colour blocks are easy: well above chance
-    assert "VOC07 SVM mAP" in (out / "results.md").read_text()
+    md = (out / "results.md").read_text()
+    assert "| ours: voc07-svm | frozen features, no training; image_size 176 (default 224)" in md
+    assert "| Barlow Twins paper (ResNet-50, 1000 epochs) | frozen features, no training | paper's | VOC2007 | 86.2 |" in md
 
 
 def test_cli_voc07_svm_needs_a_devkit(tmp_path, capsys):

@@ -2,7 +2,7 @@
 
 When the backbone's BN layers are fine-tuned (FREEZE_AT 0, SyncBN), MoCo's detection
 configs add a norm layer (the backbone's ``MODEL.RESNETS.NORM``) after the last res5 block
-of the head; the Barlow Twins detection transfer uses the same head (PROTOCOLS.md §3).
+of the head; the Barlow Twins detection transfer uses the same head (docs/protocols.md §3).
 Importing this module registers the head in detectron2's ``ROI_HEADS_REGISTRY``; it needs
 detectron2, so only code that already requires detectron2 imports it.
 """

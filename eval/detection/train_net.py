@@ -1,4 +1,4 @@
-"""``bt-hub detect``: Faster/Mask R-CNN R50-C4 transfer (PROTOCOLS.md §3) on one of two engines.
+"""``bt-hub detect``: Faster/Mask R-CNN R50-C4 transfer (docs/protocols.md §3) on one of two engines.
 
 Reads top to bottom: the flags (``DetectConfig``), the engine (``--engine``: detectron2, or
 the torchvision R50-C4 of ``eval.detection.torchvision_model``; ``auto`` takes detectron2 when
@@ -30,7 +30,7 @@ ENGINES = ("auto", "torchvision", "detectron2")
 
 @dataclass
 class DetectConfig:
-    """Flags of ``bt-hub detect``; defaults are the paper's runs (PROTOCOLS.md §3)."""
+    """Flags of ``bt-hub detect``; defaults are the paper's runs (docs/protocols.md §3)."""
 
     weights: str = field(metadata={"help": "backbone weights: a detectron2 .pkl, or anything load_backbone reads (converted to .pkl in --out)"})
     data: str = field(metadata={"help": "data root: VOC2007/ and VOC2012/ devkits (voc), or annotations/instances_{train,val}2017.json + train2017/ + val2017/ (coco)"})
@@ -80,10 +80,10 @@ def resolve_engine(engine: str) -> str:
 def prepare_weights(source: str, out_dir: Path) -> tuple[str, dict[str, Any]]:
     """``MODEL.WEIGHTS`` for ``source`` and the backbone's detectron2 tensors (to check the load).
 
-    A ``.pkl`` is used as it is; anything else is read with ``bt_hub.checkpoint`` and written
+    A ``.pkl`` is used as it is; anything else is read with ``bt_hub.weights`` and written
     as ``out_dir/weights.pkl`` (detectron2 names, ``matching_heuristics``).
     """
-    from bt_hub.checkpoint import read_backbone_state_dict, save_detectron2, to_detectron2
+    from bt_hub.weights import read_backbone_state_dict, save_detectron2, to_detectron2
 
     state, _ = read_backbone_state_dict(source)
     if str(source).endswith(".pkl") and Path(source).is_file():
@@ -155,7 +155,7 @@ def _torchvision_trials(config: DetectConfig, yaml_path: Path, out: Path) -> Opt
             "--engine torchvision runs one process per GPU under torchrun (torchrun --nproc-per-node N -m bt_hub.cli "
             "detect --engine torchvision ...); --num-gpus, --num-machines, --machine-rank and --dist-url are detectron2's launcher flags"
         )
-    from bt_hub.checkpoint import load_backbone, read_backbone_state_dict
+    from bt_hub.weights import load_backbone, read_backbone_state_dict
     from bt_hub.distributed import is_main_process, process_group
     from eval.detection.config import load_settings
     from eval.detection.torchvision_trainer import run_trial
@@ -175,7 +175,7 @@ def _torchvision_trials(config: DetectConfig, yaml_path: Path, out: Path) -> Opt
 
 
 def _write(config: DetectConfig, engine: str, yaml_path: Path, trials: list[dict[str, Any]], start: float) -> dict[str, Any]:
-    from bt_hub.checkpoint import weights_fingerprint
+    from bt_hub.weights import weights_fingerprint
     from eval.features import dataset_fingerprint
     from eval.report import write_results
 

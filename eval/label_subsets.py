@@ -1,4 +1,4 @@
-"""Label subsets for semi-supervised evaluation (PROTOCOLS.md §2).
+"""Label subsets for semi-supervised evaluation (docs/protocols.md §2).
 
 Two sources:
 
@@ -128,13 +128,15 @@ def indices_from_list(dataset: object, subset: SubsetList) -> list[int]:
     return sorted({position[os.path.basename(n)] for n in subset.names})
 
 
-def balanced_subset_indices(targets: Sequence[int], percent: float, seed: int = 0) -> list[int]:
+def balanced_subset_indices(targets: Sequence[int], percent: float, seed: int = 0, *, leave_one: bool = False) -> list[int]:
     """A seeded class-balanced subset: ``percent`` % of each class, at least one sample per class.
 
     Args:
         targets: the label of every sample.
         percent: share of each class to keep, in percent (1 or 10 in the paper).
         seed: the same seed always picks the same samples.
+        leave_one: never take a whole class (a class of one sample gives none), so that
+            the rest keeps every class (eval.splits' holdout).
     """
     if not 0 < percent <= 100:
         raise ValueError(f"--fraction must be a percentage in (0, 100], got {percent}")
@@ -144,6 +146,8 @@ def balanced_subset_indices(targets: Sequence[int], percent: float, seed: int = 
     for c in np.unique(targets):
         members = np.flatnonzero(targets == c)
         k = max(1, int(round(len(members) * percent / 100)))
+        if leave_one:
+            k = min(k, len(members) - 1)
         chosen.extend(rng.choice(members, size=k, replace=False).tolist())
     return sorted(chosen)
 

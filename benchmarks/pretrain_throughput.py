@@ -1,0 +1,270 @@
+"""Images per second of pretraining from JPEG files: the ceiling, bt_hub's pipeline and the reference loop.
+
+    python benchmarks/pretrain_throughput.py                    # ResNet-50, 224 px, projector 8192-8192-8192, on CUDA
+    python benchmarks/pretrain_throughput.py --device cpu --arch resnet18 --image-size 32 --projector 64-64 \\
+        --batch-size 8 --warmup 1 --steps 2 --jpeg-size 64x48 --workers 1          # the CPU smoke run of the tests
+
+The script writes its own ImageNet-like JPEGs (``--jpeg-size`` 500x375, quality 90, textured
+so that files are ~100 KB like ImageNet's) into ``--data-dir`` (a temporary folder by default),
+then times on one device, each after ``--warmup`` untimed steps:
+
+(a) ceiling: bt_hub's model + loss + LARS on view tensors already in device memory;
+(b) bt_hub: ``bt_hub.pretrain.pretrain`` itself from the files (``--views batched``,
+    ``--decode auto``: loader workers read bytes and the GPU decodes the batch), as a user runs it;
+(c) reference: facebookresearch/barlowtwins main.py's loop: per-image PIL views
+    (``benchmarks/pretrain_step.py``'s copy of its ``Transform``) in ``--workers`` loader
+    workers, fp16 autocast + GradScaler on CUDA (fp32 on the CPU), NCHW, the BatchNorm1d
+    loss with the D x D cross-correlation, cudnn.benchmark, LARS;
+and with ``--compile``, (a) and (b) again under torch.compile. Images/s counts source images
+(each gives two views). The table and ``throughput.json`` go to ``--out`` (default ``$OUT``
+when set), rewritten after every row, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from multiprocessing import Pool
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pretrain_step import ReferenceLoss, reference_transforms  # noqa: E402
+
+from bt_hub.model import BarlowTwins  # noqa: E402
+from bt_hub.optim import LARS, param_groups  # noqa: E402
+from bt_hub.precision import autocast_dtype, resolve_precision  # noqa: E402
+from bt_hub.pretrain import PretrainConfig, pretrain  # noqa: E402
+
+UNIQUE_IMAGES = 256  # distinct pictures; the files repeat them (decoding costs the same)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def _photo(seed: int, width: int, height: int) -> bytes:
+    """A textured colour picture as a quality-90 JPEG (~100 KB at 500 x 375, like an ImageNet file)."""
+    rng = np.random.default_rng(seed)
+
+    def smooth(cells_h: int, cells_w: int) -> np.ndarray:
+        small = Image.fromarray((rng.random((cells_h, cells_w, 3)) * 255).astype(np.uint8))
+        return np.asarray(small.resize((width, height), Image.Resampling.BICUBIC), dtype=np.float32)
+
+    img = 0.55 * smooth(6, 8) + 0.45 * (smooth(max(height // 6, 1), max(width // 6, 1)) - 127.5) + 40 + rng.normal(0, 9, (height, width, 3))
+    buffer = io.BytesIO()
+    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def write_jpegs(folder: Path, count: int, width: int, height: int, processes: int) -> None:
+    """``count`` JPEG files in ``folder/<class>/`` (10 classes), made once and reused if present."""
+    marker = folder / f".bt_hub_throughput_{count}_{width}x{height}"
+    if marker.exists():
+        return
+    with Pool(processes) as pool:
+        pictures = pool.starmap(_photo, [(seed, width, height) for seed in range(min(UNIQUE_IMAGES, count))])
+    for i in range(count):
+        path = folder / f"class{i % 10}" / f"{i:07d}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(pictures[i % len(pictures)])
+    marker.touch()
+
+
+class _ReferenceDataset(Dataset):
+    """The reference's ImageFolder + Transform: PIL decode and two PIL views per image, in the workers."""
+
+    def __init__(self, files: list[Path], size: int) -> None:
+        self.files, self.views = files, reference_transforms(size)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with Image.open(self.files[index]) as img:
+            image = img.convert("RGB")
+        return self.views[0](image), self.views[1](image)
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _model(args: argparse.Namespace, device: torch.device) -> BarlowTwins:
+    torch.manual_seed(0)
+    return BarlowTwins(args.arch, args.projector).to(device)
+
+
+def ceiling(args: argparse.Namespace, device: torch.device, precision: str, compile_model: bool) -> float:
+    """(a): steps of model + loss + LARS on fixed view tensors in device memory; images/s."""
+    model = _model(args, device)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = LARS(param_groups(model, 0.2, 0.0048, 1e-6), lr=0.1, weight_decay=1e-6)
+    step_fn = torch.compile(model) if compile_model else model
+    fmt = torch.channels_last if args.channels_last else torch.contiguous_format
+    g = torch.Generator(device=device).manual_seed(0)
+    y_a, y_b = (torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device, generator=g).contiguous(memory_format=fmt) for _ in range(2))
+    dtype = autocast_dtype(precision)
+    times = []
+    for k in range(args.warmup + args.steps):
+        _sync(device)
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = step_fn(y_a, y_b).loss
+        float(loss.detach())  # bt_hub's loop reads the loss every step (NaN guard)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        _sync(device)
+        if k >= args.warmup:
+            times.append(time.perf_counter() - start)
+    return args.batch_size * len(times) / sum(times)
+
+
+def bt_hub_pipeline(args: argparse.Namespace, data: Path, device: torch.device, precision: str, compile_model: bool, work: Path) -> float:
+    """(b): ``bt_hub.pretrain.pretrain`` from the JPEG files; images/s over the steps after warm-up."""
+    out = work / ("run_compiled" if compile_model else "run")
+    shutil.rmtree(out, ignore_errors=True)
+    config = PretrainConfig(
+        data=str(data), out=str(out), backbone=args.arch, projector=args.projector, image_size=args.image_size,
+        batch_size=args.batch_size, epochs=100, warmup_epochs=0, views="batched", decode=args.decode, precision=precision,
+        channels_last=args.channels_last, compile=compile_model, num_workers=args.workers, device=str(device),
+        max_steps=args.warmup + args.steps, log_every=args.warmup, checkpoint_every=0, probe_max_dim=0,
+    )
+    pretrain(config)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in rows if r["step"] > args.warmup]
+    steps = [r["step"] - prev["step"] for prev, r in zip(rows, rows[1:]) if r["step"] > args.warmup]
+    seconds = sum(n * args.batch_size / r["pairs_per_s"] for n, r in zip(steps, timed))
+    shutil.rmtree(out, ignore_errors=True)  # the end-of-run checkpoint of a ResNet-50 run is over a gigabyte
+    return args.batch_size * sum(steps) / seconds
+
+
+def reference_loop(args: argparse.Namespace, files: list[Path], device: torch.device) -> float:
+    """(c): the reference training loop (PIL views in workers, AMP fp16 + GradScaler on CUDA); images/s."""
+    torch.backends.cudnn.benchmark = True
+    model = _model(args, device)
+    loss_fn = ReferenceLoss(int(args.projector.split("-")[-1]), model.lambd).to(device)
+    optimizer = LARS(param_groups(model, 0.2, 0.0048, 1e-6), lr=0.1, weight_decay=1e-6)
+    amp = device.type == "cuda"
+    scaler = torch.amp.GradScaler("cuda", enabled=amp)
+    loader = DataLoader(_ReferenceDataset(files, args.image_size), batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
+                        pin_memory=amp, drop_last=True, persistent_workers=False)
+    times, start = [], time.perf_counter()
+    for k, (y_a, y_b) in enumerate(loader):
+        if k == args.warmup + args.steps:
+            break
+        y_a, y_b = y_a.to(device, non_blocking=True), y_b.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=torch.float16, enabled=amp):
+            loss = loss_fn(model.embed(y_a), model.embed(y_b))
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        _sync(device)
+        now = time.perf_counter()
+        if k >= args.warmup:
+            times.append(now - start)
+        start = now
+    return args.batch_size * len(times) / sum(times)
+
+
+# ----------------------------------------------------------------------------- table
+
+
+def _table(rows: dict[str, float], header: str) -> str:
+    lines = [header, f"{'row':<58}{'images/s':>10}{'vs (a)':>9}{'vs (c)':>9}"]
+    ceiling_rate, reference_rate = rows.get("(a) ceiling: model + loss + LARS on in-memory tensors"), rows.get("(c) reference loop: PIL views in workers, AMP")
+    for name, rate in rows.items():
+        vs_a = f"{rate / ceiling_rate:.0%}" if ceiling_rate else "—"
+        vs_c = f"{rate / reference_rate:.2f}x" if reference_rate else "—"
+        lines.append(f"{name:<58}{rate:>10.1f}{vs_a:>9}{vs_c:>9}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--arch", default="resnet50")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--projector", default="8192-8192-8192")
+    parser.add_argument("--batch-size", type=int, default=256, help="images per step (each gives two views)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps per row")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per row")
+    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="loader workers of (b) and (c)")
+    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="(a) and (b); the reference row keeps its fp16 AMP")
+    parser.add_argument("--decode", default="auto", choices=["auto", "device", "workers"], help="(b)'s --decode")
+    parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True, help="(a) and (b)")
+    parser.add_argument("--compile", action="store_true", help="also time (a) and (b) under torch.compile")
+    parser.add_argument("--rows", default="abc", help="which of the rows a, b, c to run")
+    parser.add_argument("--jpeg-size", default="500x375", help="WIDTHxHEIGHT of the generated JPEGs")
+    parser.add_argument("--data-dir", default=None, help="where the JPEGs go (reused when present); default: a temporary folder")
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for throughput.txt and throughput.json (default: $OUT)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    precision = resolve_precision(args.precision, device)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    width, height = (int(v) for v in args.jpeg_size.split("x"))
+    work = Path(tempfile.mkdtemp(prefix="bt_hub_throughput_"))
+    data = Path(args.data_dir) if args.data_dir else work / "jpegs"
+    count = args.batch_size * (args.warmup + args.steps + 1)  # (b) ends before its first epoch does (no epoch-end checkpoint)
+    tick = time.perf_counter()
+    write_jpegs(data, count, width, height, max(args.workers, 1))
+    files = sorted(data.rglob("*.jpg"))
+    mean_kb = statistics.mean(f.stat().st_size for f in files[:UNIQUE_IMAGES]) / 1024
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    header = (f"{args.arch}, {args.image_size} px, projector {args.projector}, batch {args.batch_size}, {name}, precision {precision}, "
+              f"{'channels-last' if args.channels_last else 'NCHW'}, {args.workers} workers, {len(files)} JPEGs {width}x{height} q90 "
+              f"(mean {mean_kb:.0f} KB, made in {time.perf_counter() - tick:.0f} s); torch {torch.__version__}; "
+              f"{args.steps} timed steps after {args.warmup}")
+    print(header, flush=True)
+    rows: dict[str, float] = {}
+    runs = [
+        ("a", "(a) ceiling: model + loss + LARS on in-memory tensors", lambda: ceiling(args, device, precision, False)),
+        ("b", f"(b) bt_hub pretrain from files (decode {args.decode})", lambda: bt_hub_pipeline(args, data, device, precision, False, work)),
+        ("c", "(c) reference loop: PIL views in workers, AMP", lambda: reference_loop(args, files, device)),
+    ]
+    if args.compile:
+        runs += [
+            ("a", "(a) ceiling, torch.compile", lambda: ceiling(args, device, precision, True)),
+            ("b", "(b) bt_hub pretrain from files, --compile", lambda: bt_hub_pipeline(args, data, device, precision, True, work)),
+        ]
+    for key, label, run in runs:
+        if key not in args.rows:
+            continue
+        tick = time.perf_counter()
+        try:
+            rows[label] = run()
+        except (RuntimeError, ValueError, OSError) as err:  # one failed row (e.g. out of memory) keeps the others
+            print(f"{label}: failed after {time.perf_counter() - tick:.0f} s: {type(err).__name__}: {str(err)[:300]}", flush=True)
+            continue
+        print(f"{label}: {rows[label]:.1f} images/s ({time.perf_counter() - tick:.0f} s)", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "throughput.txt").write_text(_table(rows, header) + "\n")
+            (Path(args.out) / "throughput.json").write_text(json.dumps({"header": header, "images_per_s": rows}, indent=2) + "\n")
+    print("\n" + _table(rows, header))
+    if not args.data_dir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

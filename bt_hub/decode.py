@@ -1,0 +1,140 @@
+"""Image files decoded in batches on the training device (``bt-hub pretrain --decode device``).
+
+Data-loader workers only read each file's bytes (:func:`read_encoded`, which also reads
+the JPEG header to tell whether the device decoder can take the file); the training
+process decodes the whole batch at once with ``torchvision.io.decode_jpeg(list,
+device=...)`` (nvJPEG on CUDA, batched and on the hardware decoder where the GPU has
+one; libjpeg-turbo through the same call on the CPU). What the device decoder refuses
+(PNG and other formats, CMYK JPEGs, a batch nvJPEG rejects) is decoded by PIL on the CPU,
+as the workers' path does, and moved to the device; only a file PIL cannot read either
+stops the run, with one sentence naming it. The decoded images keep their own sizes:
+``BatchedTwoViews`` takes the list and cuts each image to the region its views read.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from bt_hub.data import to_uint8_tensor
+
+DECODE_MODES = ("auto", "device", "workers")
+# Start-of-frame markers (baseline, extended, progressive, lossless, arithmetic), not DHT/JPG/DAC.
+_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+class EncodedImage(NamedTuple):
+    """One file's bytes (1-D uint8 tensor), its path, and whether the device decoder takes it."""
+
+    data: torch.Tensor
+    path: str
+    device_decodable: bool
+
+
+def jpeg_frame(data: bytes | memoryview) -> tuple[int, int]:
+    """(start-of-frame marker, colour components) of a JPEG's header; (0, 0) if it is not a readable JPEG.
+
+    Components: 1 gray, 3 YCbCr/RGB, 4 CMYK/YCCK; markers 0xC0 baseline, 0xC1 extended, 0xC2 progressive.
+    """
+    if len(data) < 4 or data[0] != 0xFF or data[1] != 0xD8:
+        return 0, 0
+    pos = 2
+    while pos + 4 <= len(data):
+        if data[pos] != 0xFF:
+            return 0, 0
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        length = (data[pos + 2] << 8) | data[pos + 3]
+        if marker in _SOF_MARKERS:
+            return (marker, data[pos + 9]) if pos + 9 < len(data) else (0, 0)
+        if marker == 0xDA or length < 2:  # scan data before any frame header
+            return 0, 0
+        pos += 2 + length
+    return 0, 0
+
+
+def device_decodable(data: bytes | memoryview) -> bool:
+    """True for baseline, extended and progressive JPEGs of 1 or 3 components (what nvJPEG decodes to RGB)."""
+    marker, components = jpeg_frame(data)
+    return marker in (0xC0, 0xC1, 0xC2) and components in (1, 3)
+
+
+def read_encoded(path: str | os.PathLike) -> EncodedImage:
+    """The bytes of an image file, for a data-loader worker (no decoding)."""
+    data = np.fromfile(path, dtype=np.uint8)
+    return EncodedImage(torch.from_numpy(data), str(path), device_decodable(memoryview(data)))
+
+
+def collate_list(items: Sequence[Any]) -> list[Any]:
+    """A batch as the list of its items (images of different sizes cannot be stacked)."""
+    return list(items)
+
+
+def decode_on_cpu(item: EncodedImage) -> torch.Tensor:
+    """PIL's RGB decode of one file (the workers' decoder) as a 3 x H x W uint8 tensor."""
+    try:
+        with Image.open(Path(item.path)) as img:
+            return to_uint8_tensor(img)
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+        raise OSError(f"image {item.path} is corrupt or unreadable ({type(err).__name__}: {err}); remove or replace it") from err
+
+
+def _decode_jpegs(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    with warnings.catch_warnings():  # torchvision 0.29 marks its decoders deprecated in favour of torchcodec
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+
+
+def decode_images(items: Sequence[EncodedImage], device: str | torch.device) -> list[torch.Tensor]:
+    """Decode a batch of files into 3 x H x W uint8 RGB tensors on ``device``, in order.
+
+    JPEGs of 1 or 3 components go to ``decode_jpeg`` in one call; if that call fails, each
+    is retried alone, and what still fails, like every other file, is decoded by PIL.
+    """
+    device = torch.device(device)
+    out: list[torch.Tensor | None] = [None] * len(items)
+    batch = [i for i, item in enumerate(items) if item.device_decodable]
+    if batch:
+        try:
+            decoded = _decode_jpegs([items[i].data for i in batch], device)
+        except RuntimeError:
+            decoded = []
+            for i in batch:
+                try:
+                    decoded.append(_decode_jpegs([items[i].data], device)[0])
+                except RuntimeError:
+                    decoded.append(None)
+        for i, image in zip(batch, decoded):
+            out[i] = image
+    for i, image in enumerate(out):
+        if image is None:
+            out[i] = decode_on_cpu(items[i]).to(device, non_blocking=True)
+    return out  # type: ignore[return-value]
+
+
+def to_device_images(batch: Sequence[EncodedImage | torch.Tensor], device: str | torch.device) -> list[torch.Tensor]:
+    """A loader's list batch on ``device``: files decoded there (:func:`decode_images`), tensors moved."""
+    if batch and isinstance(batch[0], EncodedImage):
+        return decode_images(batch, device)
+    return [image.to(device, non_blocking=True) for image in batch]
+
+
+def resolve_decode(decode: str, device: torch.device | str, views: str) -> str:
+    """``auto`` is ``device`` for batched views on CUDA and ``workers`` otherwise; checks the combination."""
+    if decode not in DECODE_MODES:
+        raise ValueError(f"--decode {decode!r} is unknown; expected one of {DECODE_MODES}")
+    if decode == "device" and views != "batched":
+        raise ValueError("--decode device needs --views batched (PIL views decode and augment in the loader workers)")
+    if decode == "auto":
+        return "device" if views == "batched" and torch.device(device).type == "cuda" else "workers"
+    return decode

@@ -1,0 +1,45 @@
+"""The weighted kNN vote (DINO's eval_knn.py) shared by ``bt-hub eval knn`` and the pretraining monitor.
+
+L2-normalised features, cosine similarity; the k most similar bank images vote for their
+class with weight exp(sim / T). ``eval/knn.py`` adds the chunked exact search over
+millions of features; the monitor's bank is small enough for one matrix product
+(:func:`nearest_neighbours`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def nearest_neighbours(bank: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosine similarities and indices of each query's ``k`` most similar bank rows, most similar first."""
+    if not 0 < k <= len(bank):
+        raise ValueError(f"k must be in [1, {len(bank)}] (the bank size), got {k}")
+    sims = F.normalize(queries.float(), dim=1) @ F.normalize(bank.float(), dim=1).T
+    return sims.topk(k, dim=1)
+
+
+def knn_vote(
+    similarities: torch.Tensor,
+    indices: torch.Tensor,
+    train_labels: torch.Tensor,
+    test_labels: torch.Tensor,
+    k: int,
+    temperature: float,
+    num_classes: int,
+) -> dict[str, float]:
+    """Top-1 / top-5 (percent) of the exp(sim / T)-weighted vote of the first ``k`` neighbours (DINO)."""
+    if k > similarities.shape[1]:
+        raise ValueError(f"k={k} exceeds the {similarities.shape[1]} neighbours searched")
+    train_labels = torch.as_tensor(train_labels).long()
+    test_labels = torch.as_tensor(test_labels).long()
+    neighbours = train_labels[indices[:, :k]]
+    weights = (similarities[:, :k] / temperature).exp()
+    votes = torch.zeros(len(neighbours), num_classes, dtype=torch.float32).scatter_add_(1, neighbours, weights)
+    predictions = votes.argsort(dim=1, descending=True, stable=True)
+    correct = predictions.eq(test_labels.view(-1, 1))
+    top1 = correct[:, :1].sum().item()
+    top5 = correct[:, : min(5, k, num_classes)].sum().item()
+    total = len(test_labels)
+    return {"top1": 100.0 * top1 / total, "top5": 100.0 * top5 / total}

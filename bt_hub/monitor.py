@@ -1,0 +1,126 @@
+"""Runs you can watch: an online kNN monitor of the backbone, and optional TensorBoard scalars.
+
+``--monitor-knn N`` scores the backbone every N steps as solo-learn's online kNN does:
+features of a small labelled bank (a seeded subset of the training split) and of held-out
+queries (the val/test split, or a disjoint subset when the data has none), the weighted
+vote of the 20 nearest bank images (T = 0.07, :func:`bt_hub.knn.knn_vote`), top-1 in
+percent. Images are resized (shorter side) and centre-cropped to ``--image-size`` once at
+the start and kept as uint8, so a check costs one forward pass over bank and queries.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision.transforms.v2.functional as F
+from PIL import Image
+from torch import nn
+
+from bt_hub.augment import normalize
+from bt_hub.data import ImageFolderDataset, build_dataset, to_uint8_tensor
+from bt_hub.knn import knn_vote, nearest_neighbours
+from bt_hub.optional import require
+from bt_hub.resume import seeded_generator
+
+MONITOR_K = 20
+MONITOR_TEMPERATURE = 0.07
+MAX_QUERIES = 500
+MONITOR_SEED_KEY = 7_919  # keeps the monitor's subset draws apart from the training order's
+
+
+def _square(image: Image.Image, size: int) -> torch.Tensor:
+    """Shorter side resized to ``size`` (bicubic), centre crop, as a 3 x size x size uint8 tensor."""
+    if image.size != (size, size):
+        image = F.center_crop(F.resize(image, size, interpolation=F.InterpolationMode.BICUBIC), [size, size])
+    return to_uint8_tensor(image)
+
+
+def _stack(dataset: Any, indices: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    items = [dataset[i] for i in indices.tolist()]
+    return torch.stack([_square(image, size) for image, _ in items]), torch.tensor([label for _, label in items])
+
+
+def monitor_sets(data: str, image_size: int, seed: int, bank_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bank images, bank labels, query images, query labels) of ``data``, uint8, seeded.
+
+    The bank is a random subset of the training split; the queries come from the held-out
+    split (val/ or test/, the digits' test split), or from training images outside the
+    bank when the data has no held-out split.
+    """
+    in_memory = data == "digits" or data.startswith("synthetic")
+    train = build_dataset(data, "train", image_size=image_size if in_memory else None, seed=seed)
+    held_out = build_dataset(data, "val", image_size=image_size if in_memory else None, seed=seed)
+    same = isinstance(train, ImageFolderDataset) and isinstance(held_out, ImageFolderDataset) and train.root == held_out.root
+    queries = max(1, min(MAX_QUERIES, bank_size // 4))
+    order = torch.randperm(len(train), generator=seeded_generator(seed, MONITOR_SEED_KEY))
+    if same:
+        query_idx, bank_idx = order[:queries], order[queries : queries + bank_size]
+    else:
+        bank_idx = order[:bank_size]
+        query_idx = torch.randperm(len(held_out), generator=seeded_generator(seed, MONITOR_SEED_KEY, 1))[:queries]
+    if len(bank_idx) < MONITOR_K:
+        raise ValueError(f"--monitor-data {data} gives {len(bank_idx)} bank images; the kNN monitor needs at least {MONITOR_K}")
+    bank, bank_labels = _stack(train, bank_idx, image_size)
+    query, query_labels = _stack(held_out if not same else train, query_idx, image_size)
+    return bank, bank_labels, query, query_labels
+
+
+class KnnMonitor:
+    """Weighted kNN top-1 (percent) of a backbone's features: bank and queries fixed at construction.
+
+    Args:
+        bank, bank_labels: N x 3 x S x S uint8 images and their classes.
+        queries, query_labels: the images scored against the bank.
+        batch_size: images per forward pass.
+    """
+
+    def __init__(self, bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor, query_labels: torch.Tensor, batch_size: int = 256) -> None:
+        self.bank, self.bank_labels, self.queries, self.query_labels = bank, bank_labels, queries, query_labels
+        self.batch_size = batch_size
+        self.num_classes = int(max(bank_labels.max(), query_labels.max())) + 1
+
+    @torch.no_grad()
+    def _features(self, backbone: nn.Module, images: torch.Tensor, device: torch.device, amp_dtype: torch.dtype | None) -> torch.Tensor:
+        feats = []
+        for start in range(0, len(images), self.batch_size):
+            x = normalize(images[start : start + self.batch_size].to(device, non_blocking=True).float().div_(255))
+            with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+                feats.append(backbone(x).float())
+        return torch.cat(feats)
+
+    def __call__(self, backbone: nn.Module, device: torch.device | str, amp_dtype: torch.dtype | None = None) -> float:
+        """Top-1 of the k = 20, T = 0.07 vote with ``backbone`` in eval mode (its mode is restored)."""
+        device = torch.device(device)
+        was_training = backbone.training
+        backbone.eval()
+        try:
+            bank = self._features(backbone, self.bank, device, amp_dtype)
+            queries = self._features(backbone, self.queries, device, amp_dtype)
+        finally:
+            backbone.train(was_training)
+        k = min(MONITOR_K, len(bank))
+        sims, idx = nearest_neighbours(bank, queries, k)
+        return knn_vote(sims.cpu(), idx.cpu(), self.bank_labels, self.query_labels, k, MONITOR_TEMPERATURE, self.num_classes)["top1"]
+
+
+class TensorBoardScalars:
+    """Every number of a metrics row as a TensorBoard scalar ``pretrain/<key>`` at its step (needs tensorboard)."""
+
+    def __init__(self, log_dir: str | Path) -> None:
+        require("tensorboard", "--tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, row: dict[str, Any]) -> None:
+        """Write the row's numbers (not ``step`` itself) at ``row["step"]``."""
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)):
+                self.writer.add_scalar(f"pretrain/{key}", value, row["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        self.writer.close()

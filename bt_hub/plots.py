@@ -1,0 +1,131 @@
+"""The plots of a pretraining run (``bt-hub report RUN_DIR``), shared with ``bt-hub demo``.
+
+From what ``bt-hub pretrain`` writes: ``loss.png`` (the loss and its two parts per step),
+``cross_correlation.png`` (C of the fixed probe batch at the start and the end),
+``knn.png`` (the online kNN monitor's top-1, when the run had ``--monitor-knn``);
+:func:`plot_accuracy_bars` draws the demo's accuracy table. matplotlib runs headless (Agg).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from bt_hub.runs import atomic_write
+
+
+@dataclass
+class ReportConfig:
+    """``bt-hub report``: draw a pretraining run's curves and matrices as PNG files."""
+
+    run_dir: str = field(metadata={"help": "a bt-hub pretrain run directory (metrics.jsonl, run.json, cross_correlation_*.npy)", "positional": True, "nargs": None})
+    out: Optional[str] = field(default=None, metadata={"help": "where the PNG files go (default: RUN_DIR/report)"})
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_png(fig: Any, path: Path) -> Path:
+    """Write a figure as PNG atomically and close it."""
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
+    _pyplot().close(fig)
+    return path
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of a run's ``metrics.jsonl``, in file order."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; expected the run directory of bt-hub pretrain")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def plot_losses(rows: Sequence[dict[str, Any]], lambd: float) -> Any:
+    """The loss, its on-diagonal part Σ(1 − C_ii)² and its off-diagonal part λ Σ C_ij², per logged step (log scale)."""
+    plt = _pyplot()
+    rows = [r for r in rows if "loss" in r]
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot(steps, [r["loss"] for r in rows], label="loss", color="black")
+    ax.plot(steps, [r["invariance"] for r in rows], label="on-diagonal: Σ (1 − C_ii)²")
+    ax.plot(steps, [lambd * r["redundancy"] for r in rows], label=f"off-diagonal: λ Σ C_ij² (λ = {lambd})")
+    ax.set(xlabel="step", ylabel="loss", title="Barlow Twins loss during pretraining", yscale="log")
+    ax.legend()
+    return fig
+
+
+def off_diagonal_mean(c: np.ndarray) -> float:
+    """Mean |C_ij| over i ≠ j."""
+    return float(np.abs(c - np.diag(np.diag(c))).sum() / (c.size - len(c)))
+
+
+def plot_cross_correlations(matrices: dict[str, np.ndarray]) -> Any:
+    """The cross-correlation matrices side by side (-1 blue .. 1 red), titled with their diagonal and off-diagonal means."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(matrices), figsize=(4.2 * len(matrices), 3.8), squeeze=False)
+    for ax, (when, c) in zip(axes[0], matrices.items()):
+        im = ax.imshow(c, cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
+        ax.set_title(f"C at the {when}: mean diag {np.diag(c).mean():.2f}, mean |off| {off_diagonal_mean(c):.3f}", fontsize=8)
+        ax.set_xticks([]), ax.set_yticks([])
+    fig.colorbar(im, ax=list(axes[0]), shrink=0.8)
+    return fig
+
+
+def plot_knn(rows: Sequence[dict[str, Any]]) -> Any:
+    """The online kNN monitor's top-1 per step."""
+    plt = _pyplot()
+    points = [(r["step"], r["knn_top1"]) for r in rows if "knn_top1" in r]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot([s for s, _ in points], [v for _, v in points], marker="o", color="tab:green")
+    ax.set(xlabel="step", ylabel="top-1 (%)", ylim=(0, 100), title="online kNN monitor (k = 20, T = 0.07)")
+    return fig
+
+
+def plot_accuracy_bars(table: dict[str, dict[str, float]], columns: Sequence[str], title: str) -> Any:
+    """Grouped bars: one group per column, one bar per row of ``table`` (missing cells left out)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.8 / len(table)
+    for i, (method, scores) in enumerate(table.items()):
+        xs = [j + i * width for j, col in enumerate(columns) if col in scores]
+        ax.bar(xs, [scores[col] for col in columns if col in scores], width, label=method)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(columns))], columns)
+    ax.set(ylabel="test top-1 (%)", ylim=(0, 100), title=title)
+    ax.legend(fontsize=8, loc="lower right")
+    return fig
+
+
+def run_plots(run_dir: str | Path, out: str | Path, lambd: float | None = None) -> list[Path]:
+    """Draw loss.png, cross_correlation.png (when the run saved C) and knn.png (when it monitored kNN) into ``out``."""
+    run_dir, out = Path(run_dir), Path(out)
+    rows = read_metrics(run_dir)
+    if lambd is None:
+        record = run_dir / "run.json"
+        lambd = json.loads(record.read_text())["config"]["lambd"] if record.is_file() else 0.0051
+    written = []
+    if any("loss" in r for r in rows):
+        written.append(save_png(plot_losses(rows, lambd), out / "loss.png"))
+    matrices = {t: np.load(run_dir / f"cross_correlation_{t}.npy") for t in ("start", "end") if (run_dir / f"cross_correlation_{t}.npy").exists()}
+    if matrices:
+        written.append(save_png(plot_cross_correlations(matrices), out / "cross_correlation.png"))
+    if any("knn_top1" in r for r in rows):
+        written.append(save_png(plot_knn(rows), out / "knn.png"))
+    return written
+
+
+def report(config: ReportConfig) -> list[Path]:
+    """``bt-hub report``: the plots of ``config.run_dir`` into ``config.out`` (default RUN_DIR/report); returns the files."""
+    run_dir = Path(config.run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist")
+    return run_plots(run_dir, Path(config.out) if config.out else run_dir / "report")

@@ -1,0 +1,142 @@
+"""Progress of long loops: a tqdm bar on a terminal, a plain log line every so often elsewhere.
+
+tqdm turns itself off when stderr is not a terminal, which leaves CI, Slurm and ``nohup``
+logs silent for hours. :func:`progress` keeps the bar on a terminal and, off one, returns a
+:class:`LineProgress` with tqdm's ``update`` / ``set_postfix`` / ``close`` (and iteration)
+that writes self-contained lines such as
+``features train: 2/20 batch (10%), 4.1 batch/s, 0 s, ETA 4 s`` to stderr: every ``every``
+steps when given (pretraining's ``--log-every``), else every ``BT_HUB_PROGRESS_EVERY``
+percent (default 10; 0 silences the lines), and at the end. Only the main process reports.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from typing import IO, Any, Iterable, Iterator, Optional
+
+from tqdm import tqdm
+
+from bt_hub.distributed import is_main_process
+
+EVERY_PERCENT = 10.0
+PERCENT_ENV = "BT_HUB_PROGRESS_EVERY"
+
+
+class LineProgress:
+    """tqdm's interface for logs: ``desc: n/total unit (pct%), rate, elapsed, ETA, postfix`` every ``every`` steps.
+
+    Args:
+        total: steps in all (None: lines after 1, 2, 4, 8, ... steps).
+        desc: what is running.
+        initial: steps already done (a resumed run).
+        unit: name of a step.
+        every: steps between lines.
+        file: where lines go (stderr by default).
+        iterable: what iterating over the object yields (counting one step per item).
+    """
+
+    def __init__(self, total: Optional[int], desc: str, *, initial: int = 0, unit: str = "it", every: int = 10,
+                 file: Optional[IO[str]] = None, iterable: Optional[Iterable[Any]] = None) -> None:
+        if every <= 0:
+            raise ValueError(f"every must be positive, got {every}")
+        self.total, self.desc, self.n, self.unit, self.every = total, desc, initial, unit, every
+        self.file = file if file is not None else sys.stderr
+        self.iterable = iterable
+        self.postfix: dict[str, Any] = {}
+        self._start, self._start_n, self._last_line = time.monotonic(), initial, None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.iterable is None:
+            raise TypeError("LineProgress was made without an iterable")
+        for item in self.iterable:
+            yield item
+            self.update(1)
+        self.close()
+
+    def set_postfix(self, **values: Any) -> None:
+        """Values shown at the end of the next line (replacing the previous ones)."""
+        self.postfix = values
+
+    def update(self, n: int = 1) -> None:
+        """Count ``n`` steps; write a line when a multiple of ``every`` (or, without a total, a power of two) is reached."""
+        before, self.n = self.n, self.n + n
+        if self.total is None:
+            crossed = self.n.bit_length() > before.bit_length()
+        else:
+            crossed = self.n // self.every > before // self.every
+        if crossed:
+            self._write()
+
+    def close(self) -> None:
+        """Write the final line if the last step has not been written yet."""
+        if self._last_line != self.n and self.n > self._start_n:
+            self._write()
+
+    def _write(self) -> None:
+        elapsed = time.monotonic() - self._start
+        done = self.n - self._start_n
+        rate = done / elapsed if elapsed > 0 else 0.0
+        if self.total:
+            eta = f", ETA {elapsed / done * (self.total - self.n):.0f} s" if done and self.n < self.total else ""
+            head = f"{self.n}/{self.total} {self.unit} ({100 * self.n / self.total:.0f}%)"
+        else:
+            eta, head = "", f"{self.n} {self.unit}"
+        extra = "".join(f", {k}={v}" for k, v in self.postfix.items())
+        self.file.write(f"{self.desc}: {head}, {rate:.3g} {self.unit}/s, {elapsed:.0f} s{eta}{extra}\n")
+        self.file.flush()
+        self._last_line = self.n
+
+
+def progress(
+    iterable: Optional[Iterable[Any]],
+    desc: str,
+    *,
+    total: Optional[int] = None,
+    initial: int = 0,
+    unit: str = "it",
+    every: Optional[int] = None,
+    leave: bool = True,
+    stream: Optional[IO[str]] = None,
+) -> Any:
+    """Report the progress of ``iterable`` (or of manual ``update`` calls when it is None) under the name ``desc``.
+
+    Args:
+        iterable: the loop to report on, or None to count with ``update``.
+        desc: what the loop does, e.g. ``"features train"`` or ``"pretrain"``.
+        total: number of steps (default ``len(iterable)`` when it has one).
+        initial: steps already done (a resumed run).
+        unit: a step's name in the report.
+        every: off a terminal, a line every this many steps; default every ``BT_HUB_PROGRESS_EVERY`` percent (10).
+        leave: keep the finished bar on the terminal.
+        stream: where reports go (default stderr).
+
+    Returns:
+        A tqdm bar, a :class:`LineProgress` or, on non-zero ranks and when silenced, a disabled tqdm bar.
+    """
+    stream = stream if stream is not None else sys.stderr
+    if total is None and iterable is not None and hasattr(iterable, "__len__"):
+        total = len(iterable)  # type: ignore[arg-type]
+    silent = tqdm(iterable, total=total, initial=initial, desc=desc, unit=unit, disable=True)
+    if not is_main_process():
+        return silent
+    if _is_terminal(stream):
+        return tqdm(iterable, desc=desc, total=total, initial=initial, unit=unit, leave=leave, file=stream, dynamic_ncols=True)
+    if every is None:
+        try:
+            percent = float(os.environ.get(PERCENT_ENV, EVERY_PERCENT))
+        except ValueError:
+            raise ValueError(f"{PERCENT_ENV}={os.environ[PERCENT_ENV]!r} is not a number of percent (0 silences the progress lines)") from None
+        if percent <= 0:
+            return silent
+        every = max(1, math.ceil((total or 0) * percent / 100))
+    return LineProgress(total, desc, initial=initial, unit=unit, every=every, file=stream, iterable=iterable)
+
+
+def _is_terminal(stream: IO[str]) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False

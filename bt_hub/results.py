@@ -1,0 +1,332 @@
+"""Evaluation results records: the schema, their human labels, the paper's numbers, reading and rendering.
+
+One record per evaluation run (``bt-hub eval``), a JSON object::
+
+    schema          "bt_hub.results/2"
+    protocol        linear | semi | transfer | knn | voc07-svm | detect | ...
+    mode            cached | loop | features (MODES gives the words: "cached features, no augmentation", ...)
+    preset          the preset the run started from (None when the protocol has none)
+    overrides       {field: {"value": ..., "preset": ...}}: every hyper-parameter changed from the preset
+    hyperparameters the whole config (absolute paths reduced to their base name)
+    labels          semi-supervised only: fraction, source (seeded / SimCLR list), file, sha256, count, seed
+    dataset         name, path (relative or base name only), fingerprint, train / test splits (split name,
+                    size, fingerprint), holdout (fraction, seed, sha256 of the held-out indices), overlap check
+    weights         name (base name, URL or Hub id) and fingerprint (sha256 of the file)
+    seed, metrics (flat, percent, the paper's names: top1, top5, mAP, ...), wall_time_s, timestamp,
+    versions        bt_hub, torch, torchvision, python, git sha and dirty flag
+    warnings        what the run found doubtful (a preset far from the data, ...)
+    notes           protocol extras (per-class APs, backend, ...)
+
+``eval/report.py`` writes and tabulates records and the model card (bt_hub/weights/card.py) shows
+them; both use the labels and formatting here, so a result reads the same everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+
+from bt_hub.runs import config_dict, git_state, package_version
+
+SCHEMA = "bt_hub.results/2"
+RESULT_FILES = ("results.json", "results.jsonl", "results.md")
+
+PROTOCOLS = {
+    "linear": "linear probe", "transfer": "linear transfer", "semi": "semi-supervised fine-tuning",
+    "knn": "weighted kNN", "voc07-svm": "VOC07 linear SVMs", "detect": "detection transfer",
+}
+MODES = {
+    "cached": "cached features, no augmentation",
+    "loop": "paper loop with augmentation",
+    "features": "frozen features, no training",
+}
+METRIC_LABELS = {
+    "top1": "Top-1", "top5": "Top-5", "mAP": "mAP", "mAP_11point": "mAP (11-point)",
+    **{f"{task}_{m}": f"{kind} {m}" for task, kind in (("bbox", "box"), ("segm", "mask")) for m in ("AP", "AP50", "AP75")},
+}
+
+# The paper's Barlow Twins numbers (ResNet-50, 1000 epochs; Tables 1-4 of Zbontar et al., 2021).
+PAPER_NAME = "Barlow Twins paper (ResNet-50, 1000 epochs)"
+PAPER_RESULTS: dict[str, dict[str, float]] = {
+    "imagenet_linear": {"top1": 73.2, "top5": 91.0},
+    "semi_supervised_1pct": {"top1": 55.0, "top5": 79.2},
+    "semi_supervised_10pct": {"top1": 69.7, "top5": 89.3},
+    "places205_linear": {"top1": 54.1},
+    "voc07_svm": {"mAP": 86.2},
+    "inat18_linear": {"top1": 46.5},
+    "voc07+12_faster_rcnn_c4": {"bbox_AP": 56.8, "bbox_AP50": 82.6, "bbox_AP75": 63.4},
+    "coco_mask_rcnn_c4_1x": {
+        "bbox_AP": 39.2, "bbox_AP50": 59.0, "bbox_AP75": 42.5, "segm_AP": 34.3, "segm_AP50": 56.0, "segm_AP75": 36.5,
+    },
+}
+# (dataset, setting in the words of ``setting``) of each paper number, for its row beside ours.
+PAPER_SETTINGS = {
+    "imagenet_linear": ("ImageNet", "preset imagenet; paper loop with augmentation"),
+    "semi_supervised_1pct": ("ImageNet", "1% labels (SimCLR list 1percent.txt); preset paper; paper loop with augmentation"),
+    "semi_supervised_10pct": ("ImageNet", "10% labels (SimCLR list 10percent.txt); preset paper; paper loop with augmentation"),
+    "places205_linear": ("Places-205", "preset places205; paper loop with augmentation"),
+    "voc07_svm": ("VOC2007", "frozen features, no training"),
+    "inat18_linear": ("iNat18", "preset inat18; paper loop with augmentation"),
+    "voc07+12_faster_rcnn_c4": ("VOC07+12 (test: VOC07 test)", "preset voc; Faster R-CNN R50-C4, 24k iterations, 5 trials"),
+    "coco_mask_rcnn_c4_1x": ("COCO 2017 (test: val2017)", "preset coco; Mask R-CNN R50-C4, 1x schedule"),
+}
+
+Record = dict[str, Any]
+
+
+# ----------------------------------------------------------------------------- building a record
+
+
+def display_path(value: Any) -> Any:
+    """A path safe to publish: URLs, Hub ids and relative paths as given, absolute paths by base name."""
+    if not isinstance(value, str) or "://" in value:
+        return value
+    expanded = os.path.expanduser(value)
+    return Path(expanded).name if os.path.isabs(expanded) else value
+
+
+def versions() -> dict[str, Any]:
+    """bt_hub, torch, torchvision, numpy and Python versions, and the git state of the checkout."""
+    import numpy
+    import torch
+    import torchvision
+
+    return {
+        "bt_hub": package_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
+        "numpy": numpy.__version__, "python": platform.python_version(), **git_state(),
+    }
+
+
+def make_record(
+    *,
+    protocol: str,
+    metrics: Mapping[str, float],
+    config: Any,
+    preset: Optional[str],
+    mode: Optional[str],
+    weights: Mapping[str, Any],
+    dataset: Mapping[str, Any],
+    seed: int,
+    wall_time_s: float,
+    overrides: Optional[Mapping[str, Any]] = None,
+    labels: Optional[Mapping[str, Any]] = None,
+    warnings: Sequence[str] = (),
+    notes: Optional[Mapping[str, Any]] = None,
+) -> Record:
+    """A results record (see the module docstring); raises on metrics that are not flat numbers."""
+    bad = {k: v for k, v in metrics.items() if not isinstance(v, (int, float)) or isinstance(v, bool)}
+    if bad:
+        raise ValueError(f"metrics must be a flat dict of numbers; got {bad!r}")
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"mode {mode!r} is unknown; expected one of {sorted(MODES)}")
+    record: Record = {
+        "schema": SCHEMA,
+        "protocol": protocol,
+        "mode": mode,
+        "mode_description": MODES.get(mode or ""),
+        "preset": preset,
+        "overrides": {k: {kk: display_path(vv) for kk, vv in v.items()} for k, v in (overrides or {}).items()},
+        "hyperparameters": {k: display_path(v) for k, v in config_dict(config).items()},
+        "dataset": {k: display_path(v) if k == "path" else v for k, v in dataset.items()},
+        "weights": {k: display_path(v) if k == "name" else v for k, v in weights.items()},
+        "seed": int(seed),
+        "metrics": {k: float(v) for k, v in metrics.items()},
+        "wall_time_s": float(wall_time_s),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "versions": versions(),
+        "warnings": list(warnings),
+    }
+    if labels:
+        record["labels"] = dict(labels)
+    if notes:
+        record["notes"] = dict(notes)
+    return json.loads(json.dumps(record, default=str))
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def records_in(data: Any, source: str = "results") -> list[Record]:
+    """The records in parsed JSON: a record, a list of records, or ``bt-hub eval all``'s ``{"results": [...]}``."""
+    if isinstance(data, Mapping) and "results" in data and "metrics" not in data:
+        data = data["results"]
+    rows = data if isinstance(data, list) else [data]
+    for row in rows:
+        if not isinstance(row, Mapping) or not isinstance(row.get("metrics"), Mapping):
+            raise ValueError(f"{source} holds an entry without a 'metrics' object; expected the results.json or results.jsonl that bt-hub eval writes")
+    return [dict(r) for r in rows]
+
+
+def read_records(sources: Iterable[Union[str, os.PathLike, Mapping[str, Any]]]) -> list[Record]:
+    """Records from ``results.json`` (one run, or ``eval all``'s summary), ``results.jsonl`` files or dicts."""
+    records: list[Record] = []
+    for source in sources:
+        if isinstance(source, Mapping):
+            records += records_in(source)
+            continue
+        path = Path(source)
+        try:
+            text = path.read_text(encoding="utf-8")
+            if path.suffix == ".jsonl":
+                data: Any = [json.loads(line) for line in text.splitlines() if line.strip()]
+            else:
+                data = json.loads(text)
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"results file {path} is not readable JSON ({err})") from err
+        records += records_in(data, f"results file {path}")
+    return records
+
+
+# ----------------------------------------------------------------------------- labels
+
+
+def fmt(value: Any) -> str:
+    """A metric as the paper prints it: one decimal; '—' for a missing or non-finite value."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return f"{value:.1f}"
+    return "—"
+
+
+def metric_label(name: str) -> str:
+    """``top1`` -> ``Top-1``, ``top1_k20`` -> ``k=20 Top-1``, other names unchanged."""
+    base, _, k = name.partition("_k")
+    if k.isdigit() and base in METRIC_LABELS:
+        return f"k={k} {METRIC_LABELS[base]}"
+    return METRIC_LABELS.get(name, name)
+
+
+def label_fraction(record: Mapping[str, Any]) -> Optional[float]:
+    """The label percentage of a semi-supervised record (1, 10, ...), None for other protocols."""
+    labels = record.get("labels") or {}
+    if labels.get("fraction") is not None:
+        return labels["fraction"]
+    hyper = record.get("hyperparameters") or {}
+    if hyper.get("fraction") is not None:
+        return hyper["fraction"]
+    name = Path(str(hyper.get("subset_file") or "")).name
+    return next((pct for pct in (10, 1) if name.startswith(f"{pct}percent")), None)
+
+
+def labels_text(record: Mapping[str, Any]) -> str:
+    """``1% labels (seeded class-balanced, seed 0)``, ``10% labels (SimCLR list 10percent.txt)``; '' when not semi."""
+    pct = label_fraction(record)
+    if pct is None:
+        return ""
+    labels = record.get("labels") or {}
+    source = labels.get("source")
+    if source == "list":
+        published = labels.get("published")
+        source = f"SimCLR list {published}" if published else f"list {labels.get('file')}, sha256 {str(labels.get('sha256'))[:8]}"
+    elif source == "seeded":
+        source = f"seeded class-balanced, seed {labels.get('seed')}"
+    return f"{_number(pct)}% labels" + (f" ({source})" if source else "")
+
+
+def overrides_text(record: Mapping[str, Any]) -> str:
+    """``epochs 5 (preset 100), lr 0.1 (preset 0.3)``: the hyper-parameters changed from the preset (or defaults)."""
+    items = (record.get("overrides") or {}).items()
+    source = "preset" if record.get("preset") else "default"
+    return ", ".join(f"{name} {_value(o.get('value'))} ({source} {_value(o.get('preset'))})" for name, o in items)
+
+
+def setting(record: Mapping[str, Any]) -> str:
+    """What was run, in words: labels, preset, mode, changed hyper-parameters and a held-out test split."""
+    parts = [labels_text(record)]
+    if record.get("preset"):
+        parts.append(f"preset {record['preset']}")
+    parts.append(MODES.get(str(record.get("mode")), ""))
+    parts.append(overrides_text(record))
+    holdout = (record.get("dataset") or {}).get("holdout") if isinstance(record.get("dataset"), Mapping) else None
+    if holdout:
+        parts.append(f"test: held-out {_number(100 * holdout['fraction'])}% of train (seed {holdout['seed']})")
+    return "; ".join(p for p in parts if p)
+
+
+def task_label(record: Mapping[str, Any]) -> str:
+    """The protocol and its setting in one line: ``semi (1% labels (...); preset paper; ...)``."""
+    protocol = str(record.get("protocol", "evaluation"))
+    text = setting(record)
+    return f"{protocol} ({text})" if text else protocol
+
+
+def data_label(record: Mapping[str, Any]) -> str:
+    """The dataset's name, and the test split it was scored on when that is not obvious."""
+    dataset = record.get("dataset")
+    if not isinstance(dataset, Mapping):
+        return Path(str(dataset or "")).name or str(dataset or "")
+    name = str(dataset.get("name") or "")
+    test = (dataset.get("test") or {}).get("split")
+    return f"{name} ({test})" if test and test not in ("val", "test") else name
+
+
+def weights_label(record: Mapping[str, Any]) -> str:
+    """``resnet50.pth (1f2e3d4c)``: the weights' name and the start of their fingerprint."""
+    weights = record.get("weights")
+    if isinstance(weights, Mapping):
+        name, fingerprint = weights.get("name"), weights.get("fingerprint")
+    else:
+        name, fingerprint = weights, record.get("weights_sha256")
+    return f"{Path(str(name or '')).name} ({str(fingerprint or '')[:8]})"
+
+
+def paper_task(record: Mapping[str, Any]) -> Optional[str]:
+    """The key of ``PAPER_RESULTS`` for the paper's own protocol this record follows, else None."""
+    protocol, preset = record.get("protocol"), record.get("preset")
+    if protocol == "linear" and preset == "imagenet":
+        return "imagenet_linear"
+    if protocol in ("linear", "transfer") and preset in ("places205", "inat18"):
+        return f"{preset}_linear"
+    if protocol == "semi" and preset == "paper" and label_fraction(record) in (1, 10):
+        return f"semi_supervised_{_number(label_fraction(record))}pct"
+    if protocol == "voc07-svm":
+        return "voc07_svm"
+    if protocol == "detect" and preset in ("voc", "coco"):
+        return {"voc": "voc07+12_faster_rcnn_c4", "coco": "coco_mask_rcnn_c4_1x"}[preset]
+    return None
+
+
+def _number(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    return str(value)
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def summary_text(records: Sequence[Mapping[str, Any]], written: Sequence[Union[str, os.PathLike]] = ()) -> str:
+    """The short table ``bt-hub eval`` prints at the end: one row per run, then the files written."""
+    rows = [("protocol", "setting", "data", "metrics")]
+    for r in records:
+        metrics = "  ".join(f"{metric_label(k)} {fmt(v)}" for k, v in (r.get("metrics") or {}).items())
+        rows.append((str(r.get("protocol", "")), setting(r) or "—", data_label(r) or "—", metrics))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in rows]
+    lines += [f"wrote {path}" for path in written]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def card_table(records: Sequence[Mapping[str, Any]]) -> str:
+    """A markdown table for the model card: one row per run and metric, the paper's value beside ours."""
+    lines = ["| protocol | setting | data | metric | ours | paper |", "|---|---|---|---|---|---|"]
+    for r in records:
+        paper = PAPER_RESULTS.get(paper_task(r) or "", {})
+        for metric, value in (r.get("metrics") or {}).items():
+            cells = [str(r.get("protocol", "")), setting(r) or "—", data_label(r) or "—", metric_label(metric), fmt(value), fmt(paper.get(metric))]
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    if len(lines) == 2:
+        lines.append("| (none given) | | | | | |")
+    return "\n".join(lines)

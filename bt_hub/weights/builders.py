@@ -1,0 +1,113 @@
+"""The builders torch.hub and pip users call (``hubconf.py`` lists them), torchvision's way.
+
+``resnet50(*, weights=None, progress=True, **kwargs)``: ``weights`` is anything ``resolve``
+accepts (a ``BarlowTwinsWeights`` member or name, a file or folder, a URL, ``hf://org/name``
+or ``org/name``); None gives the architecture alone, with no network access. The reference
+repository's ``pretrained=True`` still works, with a FutureWarning naming the new spelling
+(torchvision's ``handle_legacy_interface``). The result has ``fc = Identity`` (2048-d
+features, never a randomly initialised classifier) and carries ``transforms``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Optional
+
+from torch import nn
+
+from bt_hub.model import BarlowTwins, build_backbone
+from bt_hub.weights.formats import CheckpointError, projector_spec
+from bt_hub.weights.load import load_backbone, read_projector_state_dict
+from bt_hub.weights.registry import RECIPE, BarlowTwinsWeights, eval_transforms, find_weights
+from bt_hub.weights.sources import WeightsSource
+
+__all__ = ["barlow_twins", "resnet50"]
+
+
+def _legacy_pretrained(builder: str, weights: Optional[WeightsSource], kwargs: dict[str, Any], default: BarlowTwinsWeights) -> Optional[WeightsSource]:
+    """``weights`` after turning a deprecated ``pretrained=True/False`` into its record (with a warning)."""
+    if "pretrained" not in kwargs:
+        return weights
+    pretrained = kwargs.pop("pretrained")
+    if weights is not None:
+        raise ValueError(f"{builder}() got both weights={weights!r} and the deprecated pretrained={pretrained!r}; pass weights only")
+    new = f'weights="{default.short_name}"' if pretrained else "weights=None"
+    warnings.warn(f"{builder}(pretrained={pretrained!r}) is deprecated; use {builder}({new}) (the same result)", FutureWarning, stacklevel=3)
+    return default if pretrained else None
+
+
+def _no_more(builder: str, kwargs: dict[str, Any], accepted: str) -> None:
+    if kwargs:
+        raise TypeError(f"{builder}() got unexpected keyword arguments {sorted(kwargs)}; it accepts {accepted}")
+
+
+def resnet50(*, weights: Optional[WeightsSource] = None, progress: bool = True, **kwargs: Any) -> nn.Module:
+    """ResNet-50 (torchvision layout) with Barlow Twins weights and ``fc = Identity``: 2048-d features.
+
+    Barlow Twins: Self-Supervised Learning via Redundancy Reduction (Zbontar et al., ICML 2021,
+    https://arxiv.org/abs/2103.03230).
+
+    Args:
+        weights: ``BarlowTwinsWeights.DEFAULT`` / ``"DEFAULT"`` / ``"barlowtwins-in1k"`` (the reference
+            release), another registered name, a URL, ``hf://org/name[@revision]``, ``org/name``, a
+            local file or run directory; None (default) for the architecture alone.
+        progress: show a progress bar while downloading.
+        **kwargs: ``small_image_stem`` (must agree with the weights when both are given),
+            ``allow_non_finite`` (load NaN/inf weights, for forensics), and the deprecated ``pretrained``.
+    """
+    weights = _legacy_pretrained("resnet50", weights, kwargs, BarlowTwinsWeights.DEFAULT)
+    small = kwargs.pop("small_image_stem", None)
+    allow_non_finite = kwargs.pop("allow_non_finite", False)
+    _no_more("resnet50", kwargs, "weights, progress, small_image_stem, allow_non_finite")
+    if weights is None:
+        model = build_backbone("resnet50", small_image_stem=bool(small))
+        model.transforms = eval_transforms(224)
+        return model
+    model = load_backbone(weights, arch="resnet50", progress=progress, allow_non_finite=allow_non_finite)
+    stored = model.weights_info["small_image_stem"]
+    if small is not None and bool(small) != stored:
+        raise ValueError(f"small_image_stem={small} contradicts the weights {model.weights_info['file']}, which have small_image_stem={stored}")
+    return model
+
+
+def barlow_twins(*, weights: Optional[WeightsSource] = None, progress: bool = True, lambd: Optional[float] = None, **kwargs: Any) -> BarlowTwins:
+    """The whole Barlow Twins model (backbone + projector + λ) from weights that carry the projector.
+
+    Args:
+        weights: a record or name with a projector (``"barlowtwins-in1k-full"``, the reference
+            ``checkpoint.pth``), a URL, ``hf://`` id, ``org/name``, file, run directory or Hugging Face
+            folder; None (default) gives the untrained ResNet-50 with the 8192-8192-8192 projector.
+        progress: show a progress bar while downloading.
+        lambd: weight of the redundancy-reduction term; by default the one in the weights'
+            config.json, else the paper's 0.0051.
+        **kwargs: ``allow_non_finite`` and the deprecated ``pretrained``.
+
+    Raises:
+        CheckpointError: the weights carry no projector (use ``resnet50`` for the backbone).
+    """
+    weights = _legacy_pretrained("barlow_twins", weights, kwargs, BarlowTwinsWeights.IN1K_LJNG_FULL)
+    allow_non_finite = kwargs.pop("allow_non_finite", False)
+    _no_more("barlow_twins", kwargs, "weights, progress, lambd, allow_non_finite")
+    if weights is None:
+        return BarlowTwins("resnet50", RECIPE["projector"], RECIPE["lambd"] if lambd is None else lambd)
+    member = weights if isinstance(weights, BarlowTwinsWeights) else None
+    if member is None and not os.path.exists(os.fspath(weights)):
+        member = find_weights(os.fspath(weights))
+    if member is not None and not member.has_projector:
+        raise CheckpointError(f"weights {member.short_name} carry no projector; use resnet50(weights=...) for the backbone, "
+                              f"or barlow_twins(weights=\"{BarlowTwinsWeights.IN1K_LJNG_FULL.short_name}\")")
+    projector = read_projector_state_dict(weights, progress=progress, allow_non_finite=allow_non_finite)
+    backbone = load_backbone(weights, progress=progress, allow_non_finite=allow_non_finite)
+    if not projector:
+        raise CheckpointError(f"weights {backbone.weights_info['file']} carry no projector; use resnet50(weights=...) for the backbone alone")
+    config = backbone.weights_info.get("config") or {}
+    lambd = float(config.get("lambd", RECIPE["lambd"])) if lambd is None else lambd
+    model = BarlowTwins(backbone.weights_info["architecture"], projector_spec(projector), lambd,
+                        small_image_stem=backbone.weights_info["small_image_stem"])
+    model.backbone = backbone
+    try:
+        model.projector.load_state_dict(projector, strict=True)
+    except RuntimeError as err:
+        raise CheckpointError(f"projector weights of {backbone.weights_info['file']} do not fit {projector_spec(projector)}: {str(err).splitlines()[0]}") from None
+    return model

@@ -1,0 +1,270 @@
+"""The download cache: URL-keyed, verified before it is kept, bounded in time; and Hugging Face Hub files.
+
+A URL's file lives at ``<torch hub dir>/checkpoints/bt_hub/<first 16 hex of sha256(URL)>/<file
+name>`` (``$TORCH_HOME`` moves it): two URLs that end in the same file name never share a
+file, and the file keeps its readable name. A download goes to a private temporary folder
+beside it and is kept (renamed into place) only when its size matches Content-Length, its
+sha256 matches the expected one (a registered sha256, or the hash prefix in a
+``name-<hex>.ext`` file name, torch.hub's convention) and it parses as weights; files with an
+expected hash are hashed again on every load. Connecting and every wait for data are bounded
+by ``timeout`` seconds (``BT_HUB_DOWNLOAD_TIMEOUT``, default 30) and failed attempts are retried
+a bounded number of times (``BT_HUB_DOWNLOAD_RETRIES``, default 2). Every failure names the
+URL, the cache path and what to do, and leaves nothing behind; the staging folder of a
+download killed mid-way is removed by the next download of that URL once it has been idle
+for an hour.
+
+Hub files go through huggingface_hub's own cache (``HF_HOME``, ``HF_ENDPOINT``,
+``HF_HUB_OFFLINE=1``, ``HF_HUB_DOWNLOAD_TIMEOUT``); its errors are turned into one sentence
+naming the ``hf://`` spec.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import os
+import re
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Optional
+from urllib.parse import urlparse
+
+import torch
+from tqdm import tqdm
+
+from bt_hub.weights.formats import CheckpointError, read_file
+
+TIMEOUT_ENV = "BT_HUB_DOWNLOAD_TIMEOUT"
+RETRIES_ENV = "BT_HUB_DOWNLOAD_RETRIES"
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_RETRIES = 2
+HASH_IN_NAME = re.compile(r"-([a-f0-9]{8,64})\.")
+_CHUNK = 1 << 20
+
+
+class DownloadError(OSError):
+    """A file could not be fetched or failed its checks; the message names the URL, the cache path and the fix."""
+
+
+class _Retryable(Exception):
+    """An attempt failed in a way another attempt may not (timeout, dropped connection, 5xx, short body)."""
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 (hex) of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cache_path(url: str, file_name: Optional[str] = None) -> Path:
+    """Where ``url`` is (or will be) cached: ``<hub dir>/checkpoints/bt_hub/<sha256(url)[:16]>/<file name>``."""
+    name = file_name or os.path.basename(urlparse(url).path)
+    if not name or name in (".", ".."):
+        raise ValueError(f"URL {url} names no file; pass file_name")
+    key = hashlib.sha256(url.encode("utf-8")).hexdigest()[:16]
+    return Path(torch.hub.get_dir()) / "checkpoints" / "bt_hub" / key / name
+
+
+def expected_hash(file_name: str, sha256: Optional[str] = None) -> tuple[Optional[str], str]:
+    """The hash (or hash prefix) a file must have and where that comes from."""
+    if sha256:
+        return sha256.lower(), "registered sha256"
+    match = HASH_IN_NAME.search(file_name)
+    return (match.group(1), "hash prefix in its file name") if match else (None, "")
+
+
+def _setting(name: str, given: Optional[float], default: float) -> float:
+    if given is not None:
+        return float(given)
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a number of seconds/attempts") from None
+    if value < 0:
+        raise ValueError(f"{name}={text!r} must be >= 0")
+    return value
+
+
+def _fixes(url: str, path: Path) -> str:
+    return (f"nothing was cached at {path}; retry, or download {url} yourself and place the file at that path "
+            f"(TORCH_HOME, now {os.environ.get('TORCH_HOME', 'unset')}, moves the cache)")
+
+
+def _check_cached(path: Path, url: str, sha256: Optional[str]) -> None:
+    expected, origin = expected_hash(path.name, sha256)
+    if expected is None:
+        return
+    actual = file_sha256(path)
+    if not actual.startswith(expected):
+        raise DownloadError(
+            f"cached file {path} has sha256 {actual[:16]}..., not the {origin} {expected[:16]} of {url}: "
+            "it changed after it was verified; delete it to download it again"
+        )
+
+
+def download(
+    url: str,
+    *,
+    file_name: Optional[str] = None,
+    sha256: Optional[str] = None,
+    progress: bool = True,
+    timeout: Optional[float] = None,
+    retries: Optional[int] = None,
+) -> Path:
+    """The cached, verified local copy of ``url``, downloaded first if it is not cached.
+
+    Args:
+        url: ``http(s)://`` address of a weights file.
+        file_name: the name to keep in the cache (default: the URL's last path segment).
+        sha256: the full sha256 the file must have (else the file name's hash prefix, if any, is checked).
+        progress: show a progress bar (on a terminal).
+        timeout: seconds to connect and to wait for each piece of data (default ``BT_HUB_DOWNLOAD_TIMEOUT`` or 30).
+        retries: further attempts after a timeout, dropped connection, HTTP 5xx or short body
+            (default ``BT_HUB_DOWNLOAD_RETRIES`` or 2).
+
+    Raises:
+        DownloadError: unreachable, HTTP error, timeout, wrong size or hash, or not a weights file;
+            the message names the URL, the cache path and the fix, and nothing is left in the cache.
+    """
+    target = cache_path(url, file_name)
+    if target.is_file():
+        _check_cached(target, url, sha256)
+        return target
+    seconds = _setting(TIMEOUT_ENV, timeout, DEFAULT_TIMEOUT_S)
+    attempts = 1 + int(_setting(RETRIES_ENV, retries, DEFAULT_RETRIES))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(target.parent)
+    reason = ""
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(min(0.5 * 2 ** (attempt - 1), 4.0))
+        staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=target.parent))
+        try:
+            partial = staging / target.name
+            _fetch(url, partial, seconds, progress)
+            _verify(partial, url, target, sha256)
+            os.replace(partial, target)
+            return target
+        except _Retryable as err:
+            reason = str(err)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    tries = f"{attempts} attempts" if attempts > 1 else "1 attempt"
+    raise DownloadError(f"download of {url} failed after {tries} ({reason}); {_fixes(url, target)}")
+
+
+def _remove_stale_staging(folder: Path, idle_s: float = 3600.0) -> None:
+    """Delete staging folders of downloads killed mid-way (nothing written for an hour; a live one writes every few seconds)."""
+    for staging in folder.glob(".partial-*"):
+        newest = max((p.stat().st_mtime for p in staging.rglob("*")), default=staging.stat().st_mtime)
+        if time.time() - newest > idle_s:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _fetch(url: str, partial: Path, timeout: float, progress: bool) -> None:
+    """Stream ``url`` into ``partial``; raise _Retryable or DownloadError."""
+    request = urllib.request.Request(url, headers={"User-Agent": "bt_hub"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            expected = response.headers.get("Content-Length")
+            size = 0
+            with open(partial, "wb") as f, tqdm(total=int(expected) if expected else None, unit="B", unit_scale=True,
+                                                  desc=partial.name, disable=None if progress else True) as bar:
+                while block := response.read(_CHUNK):
+                    f.write(block)
+                    size += len(block)
+                    bar.update(len(block))
+    except urllib.error.HTTPError as err:
+        if err.code >= 500 or err.code in (408, 429):
+            raise _Retryable(f"HTTP {err.code} {err.reason}") from None
+        raise DownloadError(f"download of {url} failed: HTTP {err.code} {err.reason}; {_fixes(url, _final(partial))}") from None
+    except (TimeoutError, ConnectionError, http.client.HTTPException, urllib.error.URLError, OSError) as err:
+        raise _Retryable(_describe(err, timeout)) from None
+    if expected is not None and size != int(expected):
+        raise _Retryable(f"the server sent {size} of {expected} bytes")
+
+
+def _describe(err: BaseException, timeout: float) -> str:
+    inner = err.reason if isinstance(err, urllib.error.URLError) and isinstance(err.reason, BaseException) else err
+    if isinstance(inner, TimeoutError):
+        return f"no answer within {timeout:g} s; {TIMEOUT_ENV} sets the limit"
+    if isinstance(inner, http.client.IncompleteRead):
+        return f"the connection closed after {len(inner.partial)} bytes of the body"
+    text = str(getattr(inner, "strerror", None) or inner).strip() or type(inner).__name__
+    return f"{type(inner).__name__}: {text}"
+
+
+def _final(partial: Path) -> Path:
+    """The cache path a staging file is destined for."""
+    return partial.parent.parent / partial.name
+
+
+def _verify(partial: Path, url: str, target: Path, sha256: Optional[str]) -> None:
+    """Hash and parse checks of a complete download (not retried: the server would send the same bytes)."""
+    expected, origin = expected_hash(target.name, sha256)
+    if expected is not None:
+        actual = file_sha256(partial)
+        if not actual.startswith(expected):
+            raise DownloadError(
+                f"download of {url} has sha256 {actual[:16]}..., not the {origin} {expected[:16]}, so it was refused; "
+                f"{_fixes(url, target)}"
+            )
+    try:
+        read_file(partial)
+    except CheckpointError as err:
+        what = str(err).split(f"{partial} ", 1)[-1]
+        raise DownloadError(f"download of {url} was refused: it {what}; {_fixes(url, target)}") from None
+
+
+def hf_download(spec: str, filename: str, *, required: bool = True) -> Optional[Path]:
+    """``filename`` of the Hub repo ``org/name[@revision]``, through huggingface_hub's cache.
+
+    Returns None for a missing optional file (absent from the repo, or not cached while offline).
+
+    Raises:
+        DownloadError: one sentence naming ``hf://spec``, what went wrong and what to do.
+    """
+    from bt_hub.optional import require
+
+    purpose = "loading weights from the Hugging Face Hub"
+    hf = require("huggingface_hub", purpose)
+    errors, constants = require("huggingface_hub.errors", purpose), require("huggingface_hub.constants", purpose)
+    repo_id, _, revision = spec.partition("@")
+    where = f"hf://{spec}"
+    endpoint = constants.ENDPOINT
+    try:
+        return Path(hf.hf_hub_download(repo_id, filename, revision=revision or None))
+    except errors.LocalEntryNotFoundError:
+        if not required:
+            return None
+        offline = "HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE else f"the Hub at {endpoint} could not be reached"
+        raise DownloadError(
+            f"{where}: {filename} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {offline}; "
+            "connect once without HF_HUB_OFFLINE to fill the cache, or point HF_HOME at a cache that holds it"
+        ) from None
+    except getattr(errors, "RemoteEntryNotFoundError", errors.EntryNotFoundError):
+        if not required:
+            return None
+        raise DownloadError(f"{where}: the repo has no file {filename} (a bt_hub folder holds model.safetensors and config.json)") from None
+    except errors.RevisionNotFoundError:
+        raise DownloadError(f"{where}: the repo {repo_id} at {endpoint} has no revision {revision!r}") from None
+    except errors.RepositoryNotFoundError:
+        raise DownloadError(
+            f"{where}: the Hub at {endpoint} has no repo {repo_id} that you may read (check the name; a private repo "
+            "needs HF_TOKEN or `hf auth login`)"
+        ) from None
+    except (errors.HfHubHTTPError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DownloadError(
+            f"{where}: {filename} could not be fetched from {endpoint} ({first}); retry, or set HF_HUB_OFFLINE=1 to use the cache"
+        ) from None

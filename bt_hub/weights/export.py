@@ -1,0 +1,246 @@
+"""Write backbone weights as torchvision ``.pth``, safetensors, detectron2 ``.pkl`` or a Hugging Face folder.
+
+``bt-hub export`` refuses a target that exists unless ``--force``. Even with ``--force`` a
+Hugging Face folder keeps every file bt_hub did not write: only ``model.safetensors``,
+``projector.safetensors``, ``config.json`` and ``README.md`` are replaced, and each only when
+bt_hub wrote it (safetensors metadata ``written_by: bt_hub``, a ``bt_hub_version`` in
+config.json, ``library_name: bt_hub`` in the card); one of those names written by someone
+else (say, your own README.md) stops the export before anything is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Literal, Mapping, Optional, Union
+
+import torch
+
+from bt_hub.results import read_records
+from bt_hub.runs import atomic_write, atomic_write_json, atomic_write_text, package_version
+from bt_hub.weights.card import model_card, timm_fields
+from bt_hub.weights.formats import infer_architecture, projector_spec, torchvision_to_detectron2_key
+from bt_hub.weights.load import load_backbone, read_projector_state_dict
+
+__all__ = [
+    "ExportConfig", "HF_FOLDER_FILES", "export", "save_detectron2", "save_hf_folder", "save_safetensors", "save_torchvision",
+    "to_detectron2",
+]
+
+HF_FOLDER_FILES = ("model.safetensors", "projector.safetensors", "config.json", "README.md")
+FEATURE_DIMS = {"resnet18": 512, "resnet34": 512, "resnet50": 2048, "resnet101": 2048}
+WRITTEN_BY = {"written_by": "bt_hub"}
+
+
+def _backbone_only(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().contiguous() for k, v in state.items() if not k.startswith("fc.")}
+
+
+# --------------------------------------------------------------------------- single files
+
+def to_detectron2(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The detectron2 pickle payload (docs/protocols.md §3) for a torchvision-named ResNet state dict."""
+    model = {torchvision_to_detectron2_key(k): v.numpy() for k, v in _backbone_only(state_dict).items()}
+    return {"model": model, "__author__": "bt_hub", "matching_heuristics": True}
+
+
+def save_detectron2(state_dict: Mapping[str, torch.Tensor], path: Union[str, os.PathLike]) -> Path:
+    """Write ``to_detectron2(state_dict)`` as a ``.pkl`` that detectron2's ``MODEL.WEIGHTS`` loads."""
+    payload = to_detectron2(state_dict)
+    return atomic_write(path, lambda f: pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def save_safetensors(state_dict: Mapping[str, torch.Tensor], path: Union[str, os.PathLike], metadata: Optional[Mapping[str, str]] = None) -> Path:
+    """Write the weights (no ``fc``) as safetensors, marked ``written_by: bt_hub`` in the metadata."""
+    from safetensors.torch import save
+
+    data = _sorted_metadata(save(_backbone_only(state_dict), metadata={**(metadata or {}), **WRITTEN_BY}))
+    return atomic_write(path, lambda f: f.write(data))
+
+
+def _sorted_metadata(data: bytes) -> bytes:
+    """safetensors bytes with the ``__metadata__`` keys sorted.
+
+    safetensors serialises metadata from a hash map in random order, so the same weights
+    would hash differently from one save to the next; the header keeps its length.
+    """
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    metadata = header.pop("__metadata__", None)
+    ordered = {"__metadata__": dict(sorted(metadata.items())), **header} if metadata else header
+    text = json.dumps(ordered, separators=(",", ":")).encode("utf-8")
+    return data[:8] + text.ljust(size, b" ") + data[8 + size :]
+
+
+def _torchvision_bytes(state_dict: Mapping[str, torch.Tensor], path: Union[str, os.PathLike]) -> tuple[Path, bytes, str]:
+    buffer = io.BytesIO()
+    torch.save(_backbone_only(state_dict), buffer)
+    data = buffer.getvalue()
+    sha = hashlib.sha256(data).hexdigest()
+    path = Path(path)
+    stem = re.sub(r"-[a-f0-9]{8,}$", "", path.stem if path.suffix == ".pth" else path.name)
+    return path.with_name(f"{stem}-{sha[:8]}.pth"), data, sha
+
+
+def save_torchvision(state_dict: Mapping[str, torch.Tensor], path: Union[str, os.PathLike]) -> tuple[Path, str]:
+    """Write a torchvision ``.pth`` named ``<stem>-<first 8 hex of its sha256>.pth`` (torch.hub's convention).
+
+    Returns:
+        ``(path written, full sha256)``.
+    """
+    target, data, sha = _torchvision_bytes(state_dict, path)
+    atomic_write(target, lambda f: f.write(data))
+    return target, sha
+
+
+# --------------------------------------------------------------------------- Hugging Face folder
+
+def _written_by_bt_hub(path: Path) -> bool:
+    """Whether bt_hub wrote this file of a Hugging Face folder (see the module docstring)."""
+    try:
+        if path.suffix == ".safetensors":
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(min(size, 1 << 24)))
+            return (header.get("__metadata__") or {}).get("written_by") == "bt_hub"
+        text = path.read_text(encoding="utf-8")
+        if path.name == "config.json":
+            config = json.loads(text)
+            return isinstance(config, dict) and "bt_hub_version" in config
+        return text.startswith("---") and "library_name: bt_hub" in text.split("\n---", 1)[0]
+    except (OSError, ValueError):
+        return False
+
+
+def check_hf_target(folder: Path, *, force: bool) -> None:
+    """Refuse a folder that exists and is not empty (unless ``force``) or that holds a file of ours bt_hub did not write."""
+    if folder.exists() and not folder.is_dir():
+        raise FileExistsError(f"--out {folder} is a file; a Hugging Face export needs a folder")
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return
+    if not force:
+        raise FileExistsError(f"folder {folder} is not empty; pass --force to replace the files bt_hub wrote there (other files are kept)")
+    foreign = [name for name in HF_FOLDER_FILES if (folder / name).exists() and not _written_by_bt_hub(folder / name)]
+    if foreign:
+        raise FileExistsError(
+            f"{folder / foreign[0]} was not written by bt_hub, so even --force does not replace it; "
+            "move it away or export to another folder"
+        )
+
+
+def save_hf_folder(
+    backbone_state: Mapping[str, torch.Tensor],
+    folder: Union[str, os.PathLike],
+    *,
+    projector: Optional[Mapping[str, torch.Tensor]] = None,
+    config: Optional[Mapping[str, Any]] = None,
+    results: Iterable[Union[str, os.PathLike, Mapping[str, Any]]] = (),
+    name: Optional[str] = None,
+    license: str = "apache-2.0",
+    force: bool = True,
+) -> Path:
+    """Write model.safetensors, [projector.safetensors], config.json and README.md into ``folder``.
+
+    Args:
+        backbone_state: torchvision-named ResNet weights (``fc`` is dropped).
+        folder: the folder (created).
+        projector: the projector's ``Sequential`` weights, if known.
+        config: training facts (e.g. a run's config.json) for config.json and the card; ours win on conflicts.
+        results: evaluation ``results.json`` paths or dicts, for the card.
+        name: the model's Hub id in the card (``org/name``).
+        license: the card's license.
+        force: replace files bt_hub wrote in a non-empty folder (never others; see the module docstring).
+    """
+    folder = Path(folder)
+    check_hf_target(folder, force=force)
+    rows = read_records(results)
+    state = _backbone_only(backbone_state)
+    arch, small = infer_architecture(state, str(folder))
+    ours = {**dict(config or {}), "architecture": arch, "small_image_stem": small, "feature_dim": FEATURE_DIMS[arch],
+            "format": "torchvision", "bt_hub_version": package_version()}
+    ours.pop("backbone", None)
+    ours.pop("projector", None)
+    if projector:
+        ours["projector"] = projector_spec(projector)
+    ours.update(timm_fields(ours))
+    save_safetensors(state, folder / "model.safetensors", {"format": "pt", "architecture": arch})
+    if projector:
+        save_safetensors(projector, folder / "projector.safetensors", {"format": "pt"})
+    elif (folder / "projector.safetensors").exists():
+        os.unlink(folder / "projector.safetensors")  # bt_hub's own, from an earlier export (check_hf_target)
+    atomic_write_json(folder / "config.json", ours)
+    atomic_write_text(folder / "README.md", model_card(ours, rows, name=name, license=license))
+    return folder
+
+
+# --------------------------------------------------------------------------- bt-hub export
+
+@dataclass
+class ExportConfig:
+    """Flags of ``bt-hub export``."""
+
+    weights: str = field(metadata={"help": "weights to convert: a registered name, file, folder (run directory, Hugging Face folder), URL, hf://org/name[@rev] or org/name"})
+    out: str = field(metadata={"help": "output: a file (torchvision: '<name>.pth' gets '-<sha256 prefix>' appended), or a folder for hf"})
+    format: Literal["torchvision", "safetensors", "detectron2", "hf"] = field(
+        default="torchvision", metadata={"help": "torchvision .pth, safetensors, detectron2 .pkl, or a Hugging Face folder"}
+    )
+    arch: Optional[str] = field(default=None, metadata={"help": "resnet18/34/50/101; by default from config.json or the keys"})
+    name: Optional[str] = field(default=None, metadata={"help": "hf only: the model's Hub id for the card, e.g. org/barlowtwins-r50"})
+    results: list[str] = field(default_factory=list, metadata={"help": "hf only: evaluation results for the card: results.json of bt-hub eval or eval all, or a results.jsonl"})
+    force: bool = field(default=False, metadata={"help": "replace an existing target (in an hf folder only the files bt_hub wrote; others are kept)"})
+    allow_non_finite: bool = field(default=False, metadata={"help": "convert weights holding NaN or inf (for forensics; refused otherwise)"})
+
+    def __post_init__(self) -> None:
+        if not self.weights:
+            raise ValueError("--weights must name weights to convert")
+        if not self.out:
+            raise ValueError("--out must name a file or folder")
+        suffix = {"safetensors": ".safetensors", "detectron2": ".pkl"}.get(self.format)
+        if suffix and not self.out.endswith(suffix):
+            raise ValueError(f"--out for --format {self.format} must end in {suffix}, got {self.out!r}")
+        if self.format != "hf" and (self.name or self.results):
+            raise ValueError(f"--name and --results apply to --format hf only, not {self.format}")
+        for path in self.results:
+            if not Path(path).is_file():
+                raise ValueError(f"--results file {path} does not exist")
+
+
+def _refuse_existing(path: Path, force: bool) -> None:
+    if path.is_dir():
+        raise FileExistsError(f"--out {path} is a folder; only --format hf writes folders, the other formats write a file")
+    if path.exists() and not force:
+        raise FileExistsError(f"{path} already exists; pass --force to replace it")
+
+
+def export(config: ExportConfig) -> Path:
+    """Convert ``config.weights`` to ``config.format`` at ``config.out``; print what was written (and the hash)."""
+    backbone = load_backbone(config.weights, arch=config.arch, allow_non_finite=config.allow_non_finite)
+    state = backbone.state_dict()
+    info = backbone.weights_info
+    out = Path(config.out)
+    if config.format == "torchvision":
+        target, data, sha = _torchvision_bytes(state, out)
+        _refuse_existing(target, config.force)
+        atomic_write(target, lambda f: f.write(data))
+        print(f"wrote {target} (sha256 {sha})")
+        return target
+    if config.format == "hf":
+        projector = read_projector_state_dict(config.weights, allow_non_finite=config.allow_non_finite)
+        path = save_hf_folder(state, out, projector=projector, config=info.get("config"), results=config.results,
+                              name=config.name, force=config.force)
+        print(f"wrote {path} ({', '.join(n for n in HF_FOLDER_FILES if (path / n).exists())})")
+        return path
+    _refuse_existing(out, config.force)
+    if config.format == "safetensors":
+        meta = {"architecture": info["architecture"], "small_image_stem": str(info["small_image_stem"]), "source_format": info["format"]}
+        path = save_safetensors(state, out, meta)
+    else:
+        path = save_detectron2(state, out)
+    print(f"wrote {path}")
+    return path

@@ -1,0 +1,149 @@
+"""Hugging Face Hub: ``save_pretrained`` / ``from_pretrained`` / ``push_to_hub``.
+
+A folder holds ``model.safetensors`` (the backbone in torchvision names, no ``fc``),
+``projector.safetensors`` when the projector is known, ``config.json`` (ours: architecture,
+stem, projector widths, λ, recipe, dataset, epochs; timm's: ``num_classes: 0``,
+``pretrained_cfg``, so ``timm.create_model("hf-hub:org/name", pretrained=True, num_classes=0)``
+loads a standard-stem backbone) and ``README.md``, the model card (``bt_hub.weights.card``).
+``BarlowTwins.save_pretrained`` / ``BarlowTwins.from_pretrained`` / ``push_to_hub`` follow
+huggingface_hub's ``ModelHubMixin`` contract through these functions. Loading is strict
+(the mixin defaults to ``strict=False``; this module does not use it).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from bt_hub.model import BarlowTwins
+from bt_hub.optional import require
+from bt_hub.weights.export import save_hf_folder
+from bt_hub.weights.load import load_backbone, read_projector_state_dict
+
+__all__ = ["PushConfig", "from_pretrained", "push", "push_to_hub", "save_pretrained"]
+
+ModelLike = Union[nn.Module, str, os.PathLike]
+
+
+def save_pretrained(
+    model_or_backbone: ModelLike,
+    save_directory: Union[str, os.PathLike],
+    *,
+    config: Optional[Mapping[str, Any]] = None,
+    results: Iterable[Union[str, os.PathLike, Mapping[str, Any]]] = (),
+    name: Optional[str] = None,
+    license: str = "apache-2.0",
+    force: bool = True,
+) -> Path:
+    """Write a Hugging Face folder: model.safetensors, [projector.safetensors], config.json, README.md.
+
+    Args:
+        model_or_backbone: a ``BarlowTwins`` model (backbone, projector and λ are kept), a ResNet
+            backbone, or any weights ``load_backbone`` reads (its projector is kept when it has one).
+        save_directory: the folder (created).
+        config: training facts for config.json and the card (e.g. a run's config.json).
+        results: evaluation ``results.json`` paths or dicts, for the card's model-index.
+        name: the model's Hub id in the card (``org/name``).
+        license: the card's license.
+        force: replace what bt_hub wrote in a non-empty folder (never files it did not write).
+
+    Returns:
+        The folder.
+    """
+    projector: dict[str, torch.Tensor] = {}
+    if isinstance(model_or_backbone, BarlowTwins):
+        backbone, projector = model_or_backbone.backbone, model_or_backbone.projector.state_dict()
+        config = {**model_or_backbone.config, **(config or {})}
+    elif isinstance(model_or_backbone, nn.Module):
+        backbone = model_or_backbone
+    else:
+        backbone = load_backbone(model_or_backbone)
+        projector = read_projector_state_dict(model_or_backbone)
+        config = {**(backbone.weights_info.get("config") or {}), **(config or {})}
+    return save_hf_folder(backbone.state_dict(), save_directory, projector=projector, config=config, results=results,
+                          name=name, license=license, force=force)
+
+
+def hub_source(repo_id_or_dir: Union[str, os.PathLike], revision: Optional[str] = None) -> str:
+    """The ``resolve`` spelling of a Hub id or local folder, pinned to ``revision`` when one is given."""
+    text = os.fspath(repo_id_or_dir)
+    if revision is None:
+        return text
+    if Path(text).expanduser().exists():
+        raise ValueError(f"revision={revision!r} applies to Hub repos, but {text} is a local file or folder")
+    return f"hf://{text.removeprefix('hf://')}@{revision}"
+
+
+def from_pretrained(
+    repo_id_or_dir: Union[str, os.PathLike], revision: Optional[str] = None, *, map_location: str = "cpu", allow_non_finite: bool = False
+) -> nn.Module:
+    """The backbone of a Hugging Face repo or folder, loaded strictly (``fc = Identity``, with ``transforms``).
+
+    Args:
+        repo_id_or_dir: ``org/name`` on the Hub (cached; ``HF_HUB_OFFLINE=1`` reads the cache only) or a local folder.
+        revision: branch, tag or commit of the Hub repo.
+        map_location: device of the returned network.
+        allow_non_finite: load weights holding NaN or inf (for forensics only).
+    """
+    return load_backbone(hub_source(repo_id_or_dir, revision), map_location=map_location, allow_non_finite=allow_non_finite)
+
+
+def push_to_hub(
+    model_or_backbone: ModelLike,
+    repo_id: str,
+    *,
+    private: Optional[bool] = None,
+    token: Optional[str] = None,
+    revision: Optional[str] = None,
+    commit_message: str = "Upload Barlow Twins weights with bt_hub",
+    config: Optional[Mapping[str, Any]] = None,
+    results: Iterable[Union[str, os.PathLike, Mapping[str, Any]]] = (),
+    license: str = "apache-2.0",
+    endpoint: Optional[str] = None,
+) -> Any:
+    """Create ``repo_id`` if needed and upload the ``save_pretrained`` folder as one commit.
+
+    Returns:
+        huggingface_hub's ``CommitInfo``.
+    """
+    hf = require("huggingface_hub", "pushing to the Hugging Face Hub")
+    api = hf.HfApi(endpoint=endpoint, token=token)
+    with tempfile.TemporaryDirectory(prefix="bt_hub_push_") as tmp:
+        folder = save_pretrained(model_or_backbone, Path(tmp) / repo_id.split("/")[-1], config=config, results=results, name=repo_id, license=license)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message, revision=revision)
+
+
+@dataclass
+class PushConfig:
+    """Flags of ``bt-hub push``."""
+
+    weights: str = field(metadata={"help": "weights to publish: a registered name, run directory, file, Hugging Face folder, URL, hf://org/name or org/name"})
+    repo_id: str = field(metadata={"help": "Hub repository, 'org/name' (created if missing)"})
+    private: bool = field(default=False, metadata={"help": "create the repository as private"})
+    token: Optional[str] = field(default=None, metadata={"help": "Hub token (default: HF_TOKEN or the cached login)"})
+    revision: Optional[str] = field(default=None, metadata={"help": "branch to commit to (default: main)"})
+    results: list[str] = field(default_factory=list, metadata={"help": "evaluation results for the model card: results.json of bt-hub eval or eval all, or a results.jsonl"})
+    license: str = field(default="apache-2.0", metadata={"help": "license in the model card"})
+    commit_message: str = field(default="Upload Barlow Twins weights with bt_hub", metadata={"help": "commit message"})
+
+    def __post_init__(self) -> None:
+        if self.repo_id.count("/") != 1 or not all(self.repo_id.split("/")):
+            raise ValueError(f"--repo-id must be 'org/name', got {self.repo_id!r}")
+        for path in self.results:
+            if not Path(path).is_file():
+                raise ValueError(f"--results file {path} does not exist")
+
+
+def push(config: PushConfig) -> Any:
+    """``bt-hub push``: upload the weights with config.json and a model card; print the commit URL."""
+    info = push_to_hub(config.weights, config.repo_id, private=config.private, token=config.token, revision=config.revision,
+                       commit_message=config.commit_message, results=config.results, license=config.license)
+    print(f"pushed {config.weights} to {getattr(info, 'commit_url', config.repo_id)}")
+    return info

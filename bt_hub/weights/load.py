@@ -1,0 +1,123 @@
+"""Load a ResNet backbone (and the projector) from anything ``resolve`` accepts, strictly and safely.
+
+The file's key layout is recognised (``bt_hub.weights.formats``) and the weights are loaded
+strictly into ``bt_hub.model.build_backbone``: a missing key, a wrong shape or a NaN/inf
+tensor is an error naming the file, never a partial or silent load. The returned network
+carries ``weights_info`` (what was recognised) and ``transforms`` (its evaluation
+preprocessing: the registered record's, else from the run's ``config.json``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import nn
+
+from bt_hub.model import build_backbone
+from bt_hub.weights.download import file_sha256
+from bt_hub.weights.formats import CheckpointError, check_finite, check_fits, extract_projector, infer_architecture, read_backbone, read_file
+from bt_hub.weights.registry import get_weights, transforms_for
+from bt_hub.weights.sources import WeightsSource, resolve
+
+__all__ = ["load_backbone", "read_backbone_state_dict", "read_projector_state_dict", "weights_fingerprint"]
+
+
+def read_backbone_state_dict(
+    source: WeightsSource, *, progress: bool = True, allow_non_finite: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The backbone weights of ``source`` in torchvision names (no ``fc``), and what was recognised.
+
+    Returns:
+        ``(state_dict, info)``; ``info`` holds ``file``, ``format``, ``prefix``, ``dropped``
+        (keys of the file that are not backbone weights), ``config`` (config.json or None) and
+        ``weights`` (the registered name, or None).
+
+    Raises:
+        CheckpointError: unreadable or unknown file, or NaN/inf tensors (unless ``allow_non_finite``).
+    """
+    resolved = resolve(source, progress=progress)
+    state, info = read_backbone(resolved.path, allow_non_finite=allow_non_finite)
+    info.update(config=resolved.config, weights=resolved.record.short_name if resolved.record else None)
+    return state, info
+
+
+def weights_fingerprint(source: WeightsSource) -> str:
+    """The sha256 (hex) of the weights file behind ``source`` (recorded in results.json)."""
+    return file_sha256(resolve(source, progress=False).path)
+
+
+def _architecture(state: Mapping[str, torch.Tensor], info: Mapping[str, Any], arch: Optional[str], small: Optional[bool]) -> tuple[str, bool]:
+    config = info.get("config") or {}
+    inferred_arch, inferred_small = None, None
+    try:
+        inferred_arch, inferred_small = infer_architecture(state, info["file"])
+    except CheckpointError:
+        if arch is None and "architecture" not in config:
+            raise
+    arch = arch or config.get("architecture") or inferred_arch
+    if small is None:
+        small = bool(config["small_image_stem"]) if "small_image_stem" in config else bool(inferred_small)
+    return arch, small
+
+
+def load_backbone(
+    source: WeightsSource,
+    *,
+    arch: Optional[str] = None,
+    small_image_stem: Optional[bool] = None,
+    map_location: str | torch.device = "cpu",
+    progress: bool = True,
+    allow_non_finite: bool = False,
+) -> nn.Module:
+    """A ``build_backbone`` ResNet (``fc = Identity``) with the weights of ``source`` loaded strictly.
+
+    Args:
+        source: a registered name or member, a local file or folder, a URL, ``hf://org/name[@revision]``
+            or a bare ``org/name`` Hub id (see ``bt_hub.weights.resolve``).
+        arch: resnet18/34/50/101; by default from config.json, else inferred from the keys.
+        small_image_stem: 3x3 stem; by default from config.json, else from conv1's shape.
+        map_location: device of the returned network.
+        progress: show a progress bar while downloading.
+        allow_non_finite: load weights holding NaN or inf (for forensics only).
+
+    Returns:
+        The network in train mode, with ``weights_info`` (file, format, prefix, dropped keys,
+        config.json or None, registered name, architecture, small_image_stem) and
+        ``transforms`` (its evaluation preprocessing).
+
+    Raises:
+        CheckpointError: unreadable file, unknown layout, missing keys, wrong shapes or non-finite
+            values (one sentence naming the file).
+    """
+    state, info = read_backbone_state_dict(source, progress=progress, allow_non_finite=allow_non_finite)
+    arch, small = _architecture(state, info, arch, small_image_stem)
+    with torch.device("meta"):  # no random initialisation: every tensor comes from the file
+        model = build_backbone(arch, small_image_stem=small)
+    expected = model.state_dict()
+    check_fits(state, expected, arch, info["file"])
+    state = {k: state[k].to(v.dtype) if k in state else torch.zeros((), dtype=v.dtype) for k, v in expected.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.weights_info = {**info, "architecture": arch, "small_image_stem": small}
+    model.transforms = get_weights(info["weights"]).transforms() if info["weights"] else transforms_for(info["config"])
+    return model.to(map_location)
+
+
+def read_projector_state_dict(source: WeightsSource, *, progress: bool = True, allow_non_finite: bool = False) -> dict[str, torch.Tensor]:
+    """The projector weights of ``source`` (``Sequential`` keys ``0.weight`` ...), or ``{}`` when it has none.
+
+    Beside a ``.safetensors`` backbone, ``projector.safetensors`` (Hugging Face folder) and
+    ``checkpoint.pth`` (run directory) are looked at too.
+    """
+    path = resolve(source, progress=progress, projector=True).path
+    candidates = [path]
+    if path.suffix == ".safetensors":
+        candidates += [path.parent / "projector.safetensors", path.parent / "checkpoint.pth"]
+    for candidate in candidates:
+        if candidate.is_file():
+            obj = read_file(candidate)
+            projector = extract_projector({"projector": obj} if candidate.name == "projector.safetensors" else obj)
+            if projector:
+                check_finite(projector, str(candidate), allow=allow_non_finite)
+                return projector
+    return {}

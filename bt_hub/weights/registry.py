@@ -1,0 +1,204 @@
+"""Named Barlow Twins weights, torchvision-style, and the facts that travel with them.
+
+The one home of the paper's numbers (docs/protocols.md §4), the pretraining recipe,
+ImageNet mean/std and the evaluation transform: ``bt_hub.augment``, ``eval/`` and the
+model card import them from here. Each ``BarlowTwinsWeights`` member wraps a ``Weights``
+record (URL, file name, sha256 when published, architecture, transforms, meta) and
+exposes it as torchvision's ``WeightsEnum`` does: ``.url``, ``.transforms()``, ``.meta``,
+``.get_state_dict()``, ``DEFAULT`` and ``verify`` (a member, its short name such as
+``"barlowtwins-in1k"``, its member name or its dotted name).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+from torchvision import transforms as T
+
+from bt_hub.results import PAPER_RESULTS
+from bt_hub.weights.download import cache_path, download, hf_download
+from bt_hub.weights.formats import read_backbone
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+# docs/protocols.md §1: the recipe of the released ResNet-50.
+RECIPE = {
+    "dataset": "ImageNet-1k (train, no labels)", "epochs": 1000, "batch_size": 2048, "optimizer": "LARS",
+    "lr_weights": 0.2, "lr_biases": 0.0048, "lambd": 0.0051, "projector": "8192-8192-8192",
+    "code": "https://github.com/facebookresearch/barlowtwins",
+}
+_REFERENCE = "https://dl.fbaipublicfiles.com/barlowtwins"
+
+
+def eval_transforms(image_size: int = 224, resize_size: Optional[int] = None) -> T.Compose:
+    """The evaluation preprocessing: Resize(image_size·256/224) -> CenterCrop(image_size) -> tensor -> ImageNet normalisation.
+
+    At 224 px that is the paper's Resize(256) + CenterCrop(224).
+    """
+    return T.Compose([
+        T.Resize(resize_size or round(image_size * 256 / 224), interpolation=T.InterpolationMode.BILINEAR),
+        T.CenterCrop(image_size),
+        T.ToTensor(),
+        T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ])
+
+
+def transforms_for(config: Optional[Mapping[str, Any]]) -> T.Compose:
+    """The evaluation transforms of weights whose run config says ``image_size`` (224 when it does not)."""
+    return eval_transforms(int((config or {}).get("image_size") or 224))
+
+
+@dataclass(frozen=True)
+class Weights:
+    """One set of published weights.
+
+    Attributes:
+        short_name: the name commands accept (``--weights barlowtwins-in1k``).
+        url: ``https://`` URL or ``hf://org/name[@revision]``.
+        file_name: the file's name in the download cache (two releases are both called ``resnet50.pth``).
+        sha256: the published hash, checked after download and on every load; None when none is published.
+        architecture: the backbone the weights belong to.
+        has_projector: the file carries the projector too (``barlow_twins`` can load it).
+        transforms: builds the evaluation transforms.
+        meta: the paper's and the release's numbers, the recipe, parameter count, one sentence of docs.
+    """
+
+    short_name: str
+    url: str
+    file_name: Optional[str]
+    sha256: Optional[str]
+    architecture: str
+    has_projector: bool
+    transforms: Callable[..., Any]
+    meta: dict[str, Any] = field(hash=False, compare=False)
+
+
+_RESNET50_META = {"paper": PAPER_RESULTS, "release": {"imagenet_linear": {"top1": 73.5, "top5": 91.0}}, "recipe": RECIPE}
+
+
+class BarlowTwinsWeights(enum.Enum):
+    """Published Barlow Twins weights; ``DEFAULT`` is the reference release torch.hub has always served."""
+
+    IN1K_EP1000 = Weights(
+        short_name="barlowtwins-in1k",
+        url=f"{_REFERENCE}/ep1000_bs2048_lrw0.2_lrb0.0048_lambd0.0051/resnet50.pth",
+        file_name="barlowtwins_ep1000_bs2048_resnet50.pth",
+        sha256=None,
+        architecture="resnet50",
+        has_projector=False,
+        transforms=partial(eval_transforms, 224),
+        meta={**_RESNET50_META, "num_params": 23_508_032,
+              "docs": "The reference release (facebookresearch/barlowtwins hubconf), backbone only, BN statistics included."},
+    )
+    IN1K_LJNG = Weights(
+        short_name="barlowtwins-in1k-ljng",
+        url=f"{_REFERENCE}/ljng/resnet50.pth",
+        file_name="barlowtwins_ljng_resnet50.pth",
+        sha256=None,
+        architecture="resnet50",
+        has_projector=False,
+        transforms=partial(eval_transforms, 224),
+        meta={**_RESNET50_META, "num_params": 23_508_032, "docs": "The newer reference release (README link), backbone only."},
+    )
+    IN1K_LJNG_FULL = Weights(
+        short_name="barlowtwins-in1k-full",
+        url=f"{_REFERENCE}/ljng/checkpoint.pth",
+        file_name="barlowtwins_ljng_checkpoint.pth",
+        sha256=None,
+        architecture="resnet50",
+        has_projector=True,
+        transforms=partial(eval_transforms, 224),
+        meta={**_RESNET50_META, "num_params": 23_508_032,
+              "docs": "The reference full checkpoint: backbone, 8192-8192-8192 projector and optimiser state."},
+    )
+    DEFAULT = IN1K_EP1000
+
+    @classmethod
+    def verify(cls, obj: Union["BarlowTwinsWeights", str, None]) -> Optional["BarlowTwinsWeights"]:
+        """The member ``obj`` names: a member, its short name, its member name or ``BarlowTwinsWeights.NAME``.
+
+        Raises:
+            TypeError: ``obj`` is a member of another weights enum.
+            ValueError: an unknown name (the message lists the valid ones).
+        """
+        if obj is None or isinstance(obj, cls):
+            return obj
+        if isinstance(obj, enum.Enum):
+            raise TypeError(f"weights {obj} belong to {type(obj).__name__}, expected {cls.__name__}")
+        found = find_weights(str(obj))
+        if found is None:
+            raise ValueError(f"weights {str(obj)!r} are unknown; registered names: {', '.join(list_weights())}")
+        return found
+
+    def __getattr__(self, name: str) -> Any:
+        """``short_name``, ``url``, ``file_name``, ``sha256``, ``architecture``, ``has_projector``, ``meta``: the record's fields."""
+        if name in Weights.__dataclass_fields__ and name != "transforms":
+            return getattr(self.value, name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def transforms(self) -> T.Compose:
+        """The evaluation transforms these weights expect."""
+        return self.value.transforms()
+
+    def cache_path(self) -> Optional[Path]:
+        """Where the download cache keeps the file (under ``$TORCH_HOME``); None for Hub-hosted weights."""
+        return None if self.url.startswith("hf://") else cache_path(self.url, self.value.file_name)
+
+    def get_state_dict(self, progress: bool = True, *, allow_non_finite: bool = False) -> dict[str, torch.Tensor]:
+        """The backbone state dict (torchvision names, no ``fc``), downloaded and verified once, then read from the cache."""
+        if self.url.startswith("hf://"):
+            path = hf_download(self.url[len("hf://"):], "model.safetensors")
+        else:
+            path = download(self.url, file_name=self.value.file_name, sha256=self.sha256, progress=progress)
+        return read_backbone(path, allow_non_finite=allow_non_finite)[0]
+
+
+def list_weights() -> list[str]:
+    """The short names of the registered weights (``DEFAULT`` first)."""
+    return [member.short_name for member in BarlowTwinsWeights]
+
+
+def find_weights(name: str) -> Optional[BarlowTwinsWeights]:
+    """The member called ``name`` (short, member or dotted name), or None."""
+    for member in BarlowTwinsWeights:
+        if name == member.short_name:
+            return member
+    prefix, _, member_name = name.rpartition(".")
+    if prefix in ("", BarlowTwinsWeights.__name__) and member_name in BarlowTwinsWeights.__members__:
+        return BarlowTwinsWeights[member_name]
+    return None
+
+
+def get_weights(name: str) -> BarlowTwinsWeights:
+    """The member called ``name``; an unknown name is a ValueError listing the registered ones."""
+    return BarlowTwinsWeights.verify(name)  # type: ignore[return-value]
+
+
+@dataclass
+class ListWeightsConfig:
+    """Flags of ``bt-hub weights list`` (none)."""
+
+
+def weights_table(config: Optional[ListWeightsConfig] = None) -> str:
+    """``bt-hub weights list``: one line per registered weight: name, architecture, cached?, URL, cache path.
+
+    The cache path is where the loaders read the file (put it there by hand to work offline).
+    """
+    rows = [("name", "architecture", "cached", "url", "cache path")]
+    for member in BarlowTwinsWeights:
+        path = member.cache_path()
+        rows.append((member.short_name, member.architecture, "yes" if path is not None and path.is_file() else "no",
+                     member.url, str(path) if path is not None else "(Hugging Face cache, HF_HOME)"))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths)) + "  " + row[4] for row in rows)
+
+
+__all__ = [
+    "IMAGENET_MEAN", "IMAGENET_STD", "PAPER_RESULTS", "RECIPE", "BarlowTwinsWeights", "Weights",
+    "ListWeightsConfig", "eval_transforms", "find_weights", "get_weights", "list_weights", "transforms_for", "weights_table",
+]

@@ -1,0 +1,146 @@
+"""``resolve(source)``: the one way every entry point turns a weights argument into a local file.
+
+Accepted, in the order they are tried:
+
+1. a ``BarlowTwinsWeights`` member;
+2. ``hf://org/name[@revision]`` (a Hugging Face Hub repo, through huggingface_hub's cache);
+3. an ``http(s)://`` URL (the verified download cache of ``bt_hub.weights.download``);
+4. a local file or folder that exists (a run directory, a Hugging Face folder, any checkpoint);
+5. a registered name (``barlowtwins-in1k``, ``IN1K_LJNG``, ``BarlowTwinsWeights.DEFAULT``);
+6. a bare ``org/name[@revision]`` Hub id.
+
+A local path wins over a name or Hub id of the same spelling. A string that looks like a
+path (``./x``, ``/x``, ``~/x``, ``a/b/c``, a weights file suffix) and does not exist is "no such
+file or folder", never a Hub error; anything else unknown lists the registered names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union, cast
+
+from bt_hub.weights.download import DownloadError, download, hf_download
+from bt_hub.weights.formats import CheckpointError
+from bt_hub.weights.registry import BarlowTwinsWeights, Weights, find_weights, list_weights
+
+WeightsSource = Union[BarlowTwinsWeights, str, os.PathLike]
+
+# Files a folder may hold, in the order they are preferred (then <architecture>.pth, checkpoint.pth).
+FOLDER_FILES = ("model.safetensors", "backbone.safetensors")
+WEIGHT_SUFFIXES = (".pth", ".pt", ".pkl", ".safetensors", ".torch", ".ckpt", ".bin", ".tar")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+@dataclass(frozen=True)
+class ResolvedWeights:
+    """Where a weights argument led.
+
+    Attributes:
+        source: the argument as text (a member's short name for a member).
+        path: the local weights file.
+        config: the ``config.json`` that belongs to it (run directory, Hugging Face folder), or None.
+        record: the registered weights it names, or None.
+    """
+
+    source: str
+    path: Path
+    config: Optional[dict[str, Any]]
+    record: Optional[Weights]
+
+
+def resolve(source: WeightsSource, *, progress: bool = True, projector: bool = False) -> ResolvedWeights:
+    """The local weights file behind ``source`` (downloaded and verified first when remote).
+
+    Args:
+        source: see the module docstring.
+        progress: show a progress bar while downloading.
+        projector: also fetch ``projector.safetensors`` of a Hub repo, when it has one.
+
+    Raises:
+        CheckpointError: no such file or folder, a folder without weights, an unknown name.
+        DownloadError: a URL or Hub file that could not be fetched or failed its checks.
+    """
+    if isinstance(source, BarlowTwinsWeights):
+        return _from_record(source, progress, projector)
+    text = os.fspath(source)
+    if text.startswith("hf://"):
+        return _from_hub(text, text[len("hf://"):], None, projector)
+    if text.startswith(("http://", "https://")):
+        return ResolvedWeights(text, download(text, progress=progress), None, None)
+    path = Path(text).expanduser()
+    if path.exists():
+        return _from_path(path, text)
+    member = find_weights(text)
+    if member is not None:
+        return _from_record(member, progress, projector)
+    if looks_like_path(text):
+        where = "" if str(path.absolute()) == text else f" ({path.absolute()})"
+        raise CheckpointError(f"weights {text}: no such file or folder{where}")
+    if _HUB_ID.fullmatch(text.partition("@")[0]):
+        return _from_hub(text, text, None, projector, bare=True)
+    raise CheckpointError(
+        f"weights {text!r} name no file or folder, URL, Hub repo (org/name) or registered weights; "
+        f"registered names: {', '.join(list_weights())}"
+    )
+
+
+def looks_like_path(text: str) -> bool:
+    """Whether ``text`` can only be meant as a path (never a registered name or an ``org/name`` Hub id)."""
+    repo = text.partition("@")[0]
+    return (
+        text.startswith(("/", "./", "../", "~", ".\\"))
+        or "\\" in text
+        or text.endswith("/")
+        or repo.count("/") > 1
+        or text.lower().endswith(WEIGHT_SUFFIXES)
+    )
+
+
+def _from_record(member: BarlowTwinsWeights, progress: bool, projector: bool) -> ResolvedWeights:
+    record = member.value
+    if record.url.startswith("hf://"):
+        return _from_hub(record.short_name, record.url[len("hf://"):], record, projector)
+    path = download(record.url, file_name=record.file_name, sha256=record.sha256, progress=progress)
+    return ResolvedWeights(record.short_name, path, None, record)
+
+
+def _from_hub(text: str, spec: str, record: Optional[Weights], projector: bool, *, bare: bool = False) -> ResolvedWeights:
+    try:
+        weights = cast(Path, hf_download(spec, "model.safetensors"))
+    except DownloadError as err:
+        if bare:
+            raise DownloadError(f"weights {text!r} are no file or folder here, and the Hub lookup failed: {err}") from None
+        raise
+    hf_download(spec, "config.json", required=False)
+    if projector:
+        hf_download(spec, "projector.safetensors", required=False)
+    return ResolvedWeights(text, weights, read_config(weights.parent / "config.json"), record)
+
+
+def _from_path(path: Path, text: str) -> ResolvedWeights:
+    if path.is_dir():
+        config = read_config(path / "config.json")
+        arch = (config or {}).get("architecture")
+        for name in FOLDER_FILES + ((f"{arch}.pth",) if arch else ()) + ("checkpoint.pth",):
+            if (path / name).is_file():
+                return ResolvedWeights(text, path / name, config, None)
+        raise CheckpointError(f"folder {path} holds none of {list(FOLDER_FILES)}, <architecture>.pth or checkpoint.pth")
+    config = read_config(path.parent / "config.json") if path.suffix == ".safetensors" else None
+    return ResolvedWeights(text, path, config, None)
+
+
+def read_config(path: Path) -> Optional[dict[str, Any]]:
+    """A ``config.json`` as a dict, or None when there is none."""
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"config file {path} is not valid JSON ({err})") from err
+    if not isinstance(config, dict):
+        raise CheckpointError(f"config file {path} holds {type(config).__name__}; expected a JSON object")
+    return config

@@ -1,0 +1,226 @@
+"""The SGD classifier shared by the linear probe, transfer and semi-supervised fine-tuning.
+
+One loop over images (``train_classifier``: a frozen backbone + linear layer, or a whole
+network being fine-tuned) and one over cached features (``train_on_features``, the linear
+probe's ``--cached`` mode), both with the paper's per-epoch LR (``lr_factor``: cosine
+without warm-up, or steps) and the same seeded data order (``epoch_permutation``,
+DistributedSampler's rule), so on the same inputs they train the same classifier; the
+classifier is initialised as in the paper (weight ~ N(0, 0.01), bias 0) and scored by
+top-1 / top-5 accuracy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from bt_hub.distributed import all_reduce_sum, get_rank, get_world_size
+from bt_hub.progress import progress as reported
+
+# ----------------------------------------------------------------------------- schedule, classifier, metrics
+
+
+def lr_factor(epoch: int, epochs: int, schedule: str, milestones: Sequence[int] = (), gamma: float = 0.1) -> float:
+    """Multiplier of the base LR during ``epoch`` (0-based): cosine per epoch (no warm-up) or steps.
+
+    ``cosine`` is ``0.5 (1 + cos(pi epoch / epochs))`` (torch's CosineAnnealingLR stepped per
+    epoch, as the reference evaluate.py); ``step`` multiplies by ``gamma`` once for every
+    milestone ``m <= epoch`` ("×0.2 after epochs 12 and 16": milestones [12, 16]).
+    """
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * epoch / epochs))
+    if schedule == "step":
+        return gamma ** sum(epoch >= m for m in milestones)
+    raise ValueError(f"schedule {schedule!r} is unknown; expected 'cosine' or 'step'")
+
+
+def make_classifier(in_dim: int, num_classes: int) -> nn.Linear:
+    """The linear classifier of the paper: weight ~ N(0, 0.01), bias 0."""
+    fc = nn.Linear(in_dim, num_classes)
+    nn.init.normal_(fc.weight, mean=0.0, std=0.01)
+    nn.init.zeros_(fc.bias)
+    return fc
+
+
+def topk_correct(logits: torch.Tensor, targets: torch.Tensor, ks: Sequence[int] = (1, 5)) -> list[int]:
+    """Number of samples whose target is among the top-k logits, for each k (k capped at the classes)."""
+    kmax = min(max(ks), logits.shape[1])
+    top = logits.topk(kmax, dim=1).indices
+    hits = top == targets.view(-1, 1)
+    return [int(hits[:, : min(k, kmax)].any(dim=1).sum()) for k in ks]
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The training order of ``epoch``: ``randperm(n)`` seeded by ``seed + epoch``, as DistributedSampler."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+
+
+def set_epoch_lr(optimizer: torch.optim.Optimizer, base_lrs: Sequence[float], factor: float) -> None:
+    """Set every parameter group's LR to its base LR times ``factor``."""
+    for group, base in zip(optimizer.param_groups, base_lrs):
+        group["lr"] = base * factor
+
+
+# ----------------------------------------------------------------------------- cached features
+
+
+def _rows(features: torch.Tensor | np.ndarray, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Rows ``idx`` of a tensor, or of a (memory-mapped) array read in sorted order, as float32 on ``device``."""
+    if isinstance(features, torch.Tensor):
+        return features[idx.to(features.device)].float().to(device)
+    return torch.from_numpy(np.asarray(features[np.sort(idx.numpy())], dtype=np.float32)).to(device)
+
+
+def train_on_features(
+    features: torch.Tensor | np.ndarray,
+    labels: torch.Tensor,
+    num_classes: int,
+    *,
+    epochs: int,
+    batch_size: int = 256,
+    lr: float = 0.3,
+    weight_decay: float = 1e-6,
+    momentum: float = 0.9,
+    schedule: str = "cosine",
+    milestones: Sequence[int] = (),
+    gamma: float = 0.1,
+    seed: int = 0,
+    progress: bool = True,
+    device: str | torch.device | None = None,
+    desc: str = "linear (cached)",
+) -> nn.Linear:
+    """Train the paper's linear classifier on fixed features (the ``--cached`` mode).
+
+    Args:
+        features: N x D training features: a tensor, or a (memory-mapped) array read batch by
+            batch, so ImageNet-sized caches need not fit in memory (any float dtype).
+        labels: N integer labels.
+        num_classes: classifier outputs.
+        epochs, batch_size, lr, weight_decay, momentum, schedule, milestones, gamma: as the
+            full loop (SGD, LR set per epoch by :func:`lr_factor`).
+        seed: seeds the classifier init and the per-epoch shuffling, which is the full loop's
+            (:func:`make_loader`): on the same inputs both train the same classifier.
+        progress: report progress (bt_hub.progress: a bar on a terminal, log lines elsewhere).
+        device: where the classifier trains; default the features' device (CPU for arrays).
+        desc: the progress report's name.
+
+    Returns:
+        The trained classifier.
+    """
+    if device is None:
+        device = features.device if isinstance(features, torch.Tensor) else torch.device("cpu")
+    device = torch.device(device)
+    torch.manual_seed(seed)
+    fc = make_classifier(features.shape[1], num_classes).to(device)
+    optimizer = torch.optim.SGD(fc.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    y = labels.long().cpu()
+    n = len(y)
+    epoch_range: Sequence[int] = range(epochs)
+    for epoch in reported(epoch_range, desc, unit="epoch") if progress else epoch_range:
+        set_epoch_lr(optimizer, [lr], lr_factor(epoch, epochs, schedule, milestones, gamma))
+        order = epoch_permutation(n, seed, epoch)
+        for start in range(0, n, batch_size):
+            idx = order[start : start + batch_size]
+            if not isinstance(features, torch.Tensor):
+                idx = idx.sort().values
+            loss = F.cross_entropy(fc(_rows(features, idx, device)), y[idx].to(device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    return fc
+
+
+@torch.no_grad()
+def evaluate_features(fc: nn.Module, features: torch.Tensor | np.ndarray, labels: torch.Tensor, batch_size: int = 4096) -> dict[str, float]:
+    """Top-1 / top-5 accuracy (percent) of a classifier on fixed features (tensor or memmap)."""
+    device = next(fc.parameters()).device
+    correct = torch.zeros(2)
+    for start in range(0, len(features), batch_size):
+        idx = torch.arange(start, min(start + batch_size, len(features)))
+        logits = fc(_rows(features, idx, device))
+        correct += torch.tensor(topk_correct(logits, labels[idx].to(device)), dtype=torch.float)
+    return {"top1": 100.0 * float(correct[0]) / len(features), "top5": 100.0 * float(correct[1]) / len(features)}
+
+
+# ----------------------------------------------------------------------------- the loop over images
+
+
+def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool, seed: int, num_workers: int, device: torch.device) -> DataLoader:
+    """A loader of ``batch_size`` images in all, split over the ranks under torchrun.
+
+    The order of an epoch is :func:`epoch_permutation` (DistributedSampler's rule, also in a
+    single process; :func:`train_classifier` sets the epoch), so a loop over images and
+    :func:`train_on_features` over their cached features see the same batches.
+    """
+    world = get_world_size()
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=get_rank(), shuffle=shuffle, seed=seed, drop_last=False)
+    return DataLoader(dataset, batch_size=max(1, batch_size // world), sampler=sampler, num_workers=num_workers, pin_memory=device.type == "cuda")
+
+
+@torch.no_grad()
+def evaluate_loader(model: nn.Module, loader: DataLoader, device: torch.device, desc: str = "eval") -> dict[str, float]:
+    """Top-1 / top-5 accuracy (percent) of an image classifier, summed over ranks."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    for images, labels in reported(loader, desc, unit="batch", leave=False):
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        with torch.autocast(device.type, enabled=device.type == "cuda"):
+            logits = model(images)
+        c1, c5 = topk_correct(logits.float(), labels)
+        totals += torch.tensor([c1, c5, len(labels)], dtype=torch.float64, device=device)
+    # DistributedSampler pads the last shard by repeating samples; with world 1 counts are exact.
+    totals = all_reduce_sum(totals)
+    return {"top1": 100.0 * float(totals[0] / totals[2]), "top5": 100.0 * float(totals[1] / totals[2])}
+
+
+def train_classifier(
+    model: nn.Module,
+    param_groups: list[dict[str, Any]],
+    train_loader: DataLoader,
+    *,
+    epochs: int,
+    momentum: float,
+    weight_decay: float,
+    schedule: str,
+    milestones: Sequence[int],
+    gamma: float,
+    device: torch.device,
+    desc: str,
+    on_epoch: Optional[Callable[[int, float], None]] = None,
+) -> None:
+    """SGD with per-epoch LR on images: the loop shared by the linear probe and fine-tuning.
+
+    Args:
+        model: images -> logits (DDP-wrapped by the caller when distributed).
+        param_groups: ``[{"params": ..., "lr": base_lr}, ...]``.
+        on_epoch: optional ``callable(epoch, mean_loss)`` after each epoch.
+    """
+    optimizer = torch.optim.SGD(param_groups, lr=0.0, momentum=momentum, weight_decay=weight_decay)
+    base_lrs = [g["lr"] for g in param_groups]
+    scaler = torch.amp.GradScaler("cuda", enabled=device.type == "cuda")
+    for epoch in reported(range(epochs), desc, unit="epoch"):
+        set_epoch_lr(optimizer, base_lrs, lr_factor(epoch, epochs, schedule, milestones, gamma))
+        sampler = getattr(train_loader, "sampler", None)
+        if isinstance(sampler, DistributedSampler):
+            sampler.set_epoch(epoch)
+        model.train()
+        total, count = 0.0, 0
+        for images, labels in train_loader:
+            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            with torch.autocast(device.type, enabled=device.type == "cuda"):
+                loss = F.cross_entropy(model(images).float(), labels)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            total, count = total + float(loss.detach()) * len(labels), count + len(labels)
+        if on_epoch is not None:
+            on_epoch(epoch, total / max(count, 1))
+
+

@@ -1,0 +1,247 @@
+"""The train and test splits every protocol reads (kNN, linear, transfer, semi-supervised, all, the demo).
+
+``load_splits`` is the one way in. A test split is always held out explicitly:
+
+- ``digits`` / ``synthetic[:N]``: their seeded stratified held-out part (``val`` and
+  ``test`` name the same part);
+- a directory: ``DIR/train/`` beside ``DIR/val/`` (ImageNet layout) or ``DIR/test/``, chosen by
+  ``--test-split``; a directory without one is an error that names the layouts;
+- ``--holdout FRACTION``: a seeded, class-stratified share of the training split (of a flat
+  ImageFolder, or of ``train/`` to tune without touching the test split); the sha256 of
+  the held-out indices goes into the results.
+
+The test split is refused when it overlaps the training split: the same file paths, or
+byte-identical images in a seeded sample of the test split. Test labels follow the
+training split's class order (a ``val/`` that lacks a class keeps the right labels).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+from PIL import Image
+from torch.utils.data import Dataset, Subset
+
+from bt_hub.data import SPLITS, ArrayImageDataset, build_dataset
+from eval.features import dataset_fingerprint
+from eval.label_subsets import balanced_subset_indices, sha256_of
+
+OVERLAP_SAMPLE = 64  # test images whose bytes are compared with the training split's
+OVERLAP_SHARE = 0.1  # refuse when this share of the sample (and at least 2) is found in train
+GENERIC_HASH_LIMIT = 20_000  # datasets that are neither files nor arrays: hash train items up to this size
+TEST_SPLITS = ("val", "test")
+
+
+@dataclass
+class Splits:
+    """The (train, test) datasets of a run and the facts results record about them (``info``)."""
+
+    train: Dataset
+    test: Dataset
+    info: dict[str, Any]
+
+    @property
+    def classes(self) -> list[str]:
+        """The class names, in label order."""
+        return list(getattr(self.train, "classes", []))
+
+    def image_side(self) -> Optional[int]:
+        """The shorter side of the first training image in pixels (None for an empty split)."""
+        if not len(self.train):
+            return None
+        image = self.train[0][0]
+        size = image.size if isinstance(image, Image.Image) else tuple(np.asarray(image).shape[-2:])  # PIL (w, h); tensors C x H x W
+        return int(min(size))
+
+
+def splits_for(config: Any) -> Splits:
+    """``load_splits`` with a protocol config's ``--data``, ``--test-split``, ``--holdout``, ``--seed`` and ``--image-size``."""
+    return load_splits(config.data, test_split=config.test_split, holdout=config.holdout, seed=config.seed, image_size=config.image_size)
+
+
+def is_builtin(data: str) -> bool:
+    """``digits`` and ``synthetic[:N]``: datasets made in memory, with their own held-out part."""
+    return data == "digits" or data == "synthetic" or data.startswith("synthetic:")
+
+
+def load_splits(data: str, *, test_split: str = "val", holdout: Optional[float] = None, seed: int = 0, image_size: Optional[int] = None) -> Splits:
+    """The training and test splits of ``--data``, checked to be disjoint.
+
+    Args:
+        data: ``digits``, ``synthetic[:N]`` or a directory.
+        test_split: ``val`` or ``test``: the held-out subdirectory of a directory.
+        holdout: score on this seeded, class-stratified fraction of the training split instead.
+        seed: seed of the built-in sets and of the holdout.
+        image_size: side the built-in sets are drawn at (directories keep their images' sizes).
+
+    Raises:
+        FileNotFoundError: a directory without the held-out split asked for.
+        ValueError: a bad fraction, or a test split that overlaps the training split.
+    """
+    if test_split not in TEST_SPLITS:
+        raise ValueError(f"--test-split must be one of {TEST_SPLITS}, got {test_split!r}")
+    if holdout is not None and not 0 < holdout < 1:
+        raise ValueError(f"--holdout must be a fraction in (0, 1), e.g. 0.2, got {holdout}")
+    spec = str(data)
+    size = image_size if is_builtin(spec) else None
+    if not is_builtin(spec):
+        _check_layout(Path(spec).expanduser(), test_split, holdout)
+    train = build_dataset(spec, "train", image_size=size, seed=seed)
+    info: dict[str, Any] = {"name": _name(spec), "path": spec, "holdout": None}
+    if holdout is not None:
+        source_fingerprint = dataset_fingerprint(train)
+        train_idx, test_idx = stratified_holdout(_targets(train), holdout, seed)
+        train, test = take(train, train_idx), take(train, test_idx)
+        info["holdout"] = {
+            "fraction": holdout, "seed": seed, "source_split": "train", "source_fingerprint": source_fingerprint,
+            "test_indices_sha256": indices_sha256(test_idx), "train_size": len(train_idx), "test_size": len(test_idx),
+        }
+        test_name = "holdout"
+    else:
+        test = align_classes(train, build_dataset(spec, test_split, image_size=size, seed=seed), test_split)
+        test_name = test_split
+    info["overlap_check"] = check_disjoint(train, test)
+    train_fp, test_fp = dataset_fingerprint(train), dataset_fingerprint(test)
+    info["train"] = {"split": "train", "size": len(train), "fingerprint": train_fp}
+    info["test"] = {"split": test_name, "size": len(test), "fingerprint": test_fp}
+    info["fingerprint"] = hashlib.sha256(f"{train_fp}:{test_fp}".encode()).hexdigest()
+    return Splits(train, test, info)
+
+
+def _name(spec: str) -> str:
+    return spec if is_builtin(spec) else Path(os.path.expanduser(spec)).resolve().name
+
+
+def _check_layout(root: Path, test_split: str, holdout: Optional[float]) -> None:
+    """Fail with the accepted layouts when a directory cannot give the splits asked for."""
+    if not root.is_dir():
+        return  # build_dataset names the problem
+    present = [s for s in SPLITS if (root / s).is_dir()]
+    if holdout is not None:
+        return
+    if test_split in present and "train" in present:
+        return
+    if "train" in present and present != ["train"]:
+        other = next(s for s in present if s != "train")
+        raise FileNotFoundError(f"--data {root} has no {test_split}/ split (it has {', '.join(p + '/' for p in present)}); pass --test-split {other}")
+    if present and "train" not in present:
+        raise FileNotFoundError(f"--data {root} has {', '.join(p + '/' for p in present)} but no train/; the training split must be {root}/train/<class>/<image>")
+    raise FileNotFoundError(
+        f"--data {root} has no held-out split: expected {root}/train/<class>/<image> beside {root}/val/<class>/<image> "
+        f"(ImageNet layout, --test-split val) or {root}/test/<class>/<image> (--test-split test); move held-out images there, "
+        "or pass --holdout 0.2 to score on a seeded, class-stratified 20% of the images (recorded in results.json)"
+    )
+
+
+def _targets(dataset: Dataset) -> np.ndarray:
+    targets = getattr(dataset, "targets", None)
+    if targets is None:
+        targets = [dataset[i][1] for i in range(len(dataset))]
+    return np.asarray(targets)
+
+
+def stratified_holdout(targets: Sequence[int] | np.ndarray, fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Seeded, class-stratified ``(train indices, held-out indices)``, both sorted.
+
+    Each class gives ``round(n_c * fraction)`` of its ``n_c`` samples, at least one and never
+    all of them (a class with one sample stays in training).
+    """
+    if not 0 < fraction < 1:
+        raise ValueError(f"--holdout must be a fraction in (0, 1), got {fraction}")
+    held = balanced_subset_indices(targets, 100 * fraction, seed, leave_one=True)
+    held_set = set(held)
+    return [i for i in range(len(targets)) if i not in held_set], held
+
+
+def indices_sha256(indices: Sequence[int]) -> str:
+    """sha256 of ``"i0,i1,..."``: names a split of a dataset without listing it."""
+    return hashlib.sha256(",".join(str(int(i)) for i in indices).encode()).hexdigest()
+
+
+def take(dataset: Dataset, indices: Sequence[int]) -> Dataset:
+    """The samples ``indices`` of a dataset, keeping its kind (file list or array) so fingerprints stay cheap."""
+    indices = [int(i) for i in indices]
+    if isinstance(dataset, ArrayImageDataset):
+        return ArrayImageDataset(dataset.images[indices], np.asarray(dataset.targets)[indices], dataset.classes)
+    if hasattr(dataset, "samples"):
+        view = copy.copy(dataset)
+        view.samples = [dataset.samples[i] for i in indices]
+        view.targets = [s[1] for s in view.samples]
+        return view
+    view = Subset(dataset, indices)
+    view.classes = list(getattr(dataset, "classes", []))
+    view.targets = _targets(dataset)[indices].tolist()
+    return view
+
+
+def align_classes(train: Dataset, test: Dataset, split: str) -> Dataset:
+    """``test`` with labels in ``train``'s class order; a class absent from training is an error."""
+    train_classes, test_classes = list(getattr(train, "classes", [])), list(getattr(test, "classes", []))
+    if train_classes == test_classes or not hasattr(test, "samples"):
+        return test
+    unknown = sorted(set(test_classes) - set(train_classes))
+    if unknown:
+        raise ValueError(f"the {split} split has classes the training split lacks: {', '.join(unknown[:5])}; both must use the same class folders")
+    index = {c: i for i, c in enumerate(train_classes)}
+    view = copy.copy(test)
+    view.samples = [(path, index[test_classes[label]]) for path, label in test.samples]
+    view.targets = [label for _, label in view.samples]
+    view.classes = train_classes
+    return view
+
+
+# ----------------------------------------------------------------------------- overlap
+
+
+def _paths(dataset: Dataset) -> Optional[list[str]]:
+    samples = getattr(dataset, "samples", None)
+    return None if samples is None else [os.path.abspath(str(s[0])) for s in samples]
+
+
+def _item_digest(dataset: Dataset, index: int) -> str:
+    images = getattr(dataset, "images", None)
+    if isinstance(images, np.ndarray):
+        return hashlib.sha256(np.ascontiguousarray(images[index]).tobytes()).hexdigest()
+    return hashlib.sha256(np.asarray(dataset[index][0]).tobytes()).hexdigest()
+
+
+def check_disjoint(train: Dataset, test: Dataset, sample: int = OVERLAP_SAMPLE) -> dict[str, Any]:
+    """Refuse a test split that shares files or images with the training split; return what was checked.
+
+    Every test path is compared with every training path; the bytes of a seeded sample of
+    ``sample`` test images are compared with the training images of the same file size (or
+    with every training image of an in-memory dataset).
+    """
+    train_paths, test_paths = _paths(train), _paths(test)
+    if train_paths is not None and test_paths is not None:
+        shared = set(train_paths) & set(test_paths)
+        if shared:
+            raise ValueError(
+                f"the test split shares {len(shared)} of its {len(test_paths)} files with the training split (e.g. {min(shared)}); "
+                "scoring on training images inflates every metric: give a disjoint held-out split or --holdout"
+            )
+    picked = sorted(np.random.default_rng(0).permutation(len(test))[: min(sample, len(test))].tolist())
+    if test_paths is not None and train_paths is not None:
+        test_files = [test_paths[i] for i in picked]
+        sizes = {os.path.getsize(p) for p in test_files}
+        candidates = [p for p in train_paths if os.path.getsize(p) in sizes]
+        train_digests = {sha256_of(p) for p in candidates}
+        identical = sum(sha256_of(p) in train_digests for p in test_files)
+    elif isinstance(getattr(train, "images", None), np.ndarray) or len(train) <= GENERIC_HASH_LIMIT:
+        train_digests = {_item_digest(train, i) for i in range(len(train))}
+        identical = sum(_item_digest(test, i) in train_digests for i in picked)
+    else:
+        return {"shared_files": 0, "sampled": 0, "identical": None}
+    if len(picked) and identical >= max(2, math.ceil(OVERLAP_SHARE * len(picked))):
+        raise ValueError(
+            f"{identical} of {len(picked)} sampled test images are byte-identical to training images; the test split "
+            "overlaps the training split: give a disjoint held-out split or --holdout"
+        )
+    return {"shared_files": 0, "sampled": len(picked), "identical": identical}

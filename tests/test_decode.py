@@ -1,0 +1,188 @@
+"""Image files decoded in batches on the device, and the views of images of different sizes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from bt_hub.augment import VIEW_A, VIEW_B, BatchedTwoViews, apply_view, apply_view_pil, sample_view_params, to_float_rgb
+from bt_hub.cli import main as cli_main
+from bt_hub.decode import decode_images, device_decodable, read_encoded, resolve_decode
+
+SIZES = [(37, 53), (64, 48), (20, 90), (75, 75), (33, 41)]
+
+
+def _photo(seed: int, height: int, width: int) -> np.ndarray:
+    """A smooth colourful image with some texture (JPEG-like content, cheap and seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    coarse = torch.rand(1, 3, 5, 5, generator=g)
+    x = torch.nn.functional.interpolate(coarse, size=(height, width), mode="bicubic", align_corners=False) * 0.8
+    x = x + 0.15 * torch.rand(1, 3, height, width, generator=g)
+    return (x[0].permute(1, 2, 0).clamp(0, 1) * 255).round().byte().numpy()
+
+
+def write_images(folder: Path) -> dict[str, Path]:
+    """Baseline JPEGs of several sizes, and the files nvJPEG refuses or treats apart."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for i, (h, w) in enumerate(SIZES):
+        files[f"rgb{i}"] = folder / f"rgb{i}.jpg"
+        Image.fromarray(_photo(i, h, w)).save(files[f"rgb{i}"], quality=90)
+    files["gray"] = folder / "gray.jpg"
+    Image.fromarray(_photo(10, 30, 44)[..., 0]).save(files["gray"], quality=90)
+    files["progressive"] = folder / "progressive.jpg"
+    Image.fromarray(_photo(11, 40, 36)).save(files["progressive"], quality=90, progressive=True)
+    files["cmyk"] = folder / "cmyk.jpg"
+    Image.fromarray(_photo(12, 28, 50)).convert("CMYK").save(files["cmyk"], quality=90)
+    files["png"] = folder / "image.png"
+    Image.fromarray(_photo(13, 26, 31)).save(files["png"])
+    return files
+
+
+def _pil(path: Path) -> torch.Tensor:
+    with Image.open(path) as img:
+        return torch.from_numpy(np.asarray(img.convert("RGB")).copy()).permute(2, 0, 1)
+
+
+def assert_decoded_like_pil(decoded: list[torch.Tensor], paths: list[Path]) -> None:
+    """Within JPEG decoders' tolerance: IDCT and chroma upsampling differ by a few levels at most."""
+    for image, path in zip(decoded, paths):
+        expected = _pil(path)
+        assert image.dtype == torch.uint8 and image.shape == expected.shape, path.name
+        diff = (image.cpu().int() - expected.int()).abs().float()
+        assert diff.mean() <= 1.5 and (diff <= 4).float().mean() >= 0.99, f"{path.name}: mean {diff.mean():.2f}, max {diff.max():.0f}"
+
+
+def test_device_decoder_takes_baseline_and_progressive_jpegs_and_leaves_cmyk_and_png_to_pil(tmp_path):
+    files = write_images(tmp_path)
+    decodable = {name: read_encoded(path).device_decodable for name, path in files.items()}
+    assert decodable == {**{f"rgb{i}": True for i in range(len(SIZES))}, "gray": True, "progressive": True, "cmyk": False, "png": False}
+    assert not device_decodable(b"\xff\xd8\xff") and not device_decodable(b"GIF89a")
+
+
+def test_batch_decoded_through_the_device_path_equals_pil_on_the_cpu(tmp_path):
+    files = write_images(tmp_path)
+    paths = list(files.values())
+    decoded = decode_images([read_encoded(p) for p in paths], "cpu")
+    assert_decoded_like_pil(decoded, paths)
+    rgb = [p for name, p in files.items() if name.startswith("rgb")]
+    assert all(torch.equal(d, _pil(p)) for d, p in zip(decoded, rgb))  # libjpeg-turbo both ways on the CPU
+
+
+def test_a_corrupt_file_fails_with_one_sentence_naming_it(tmp_path):
+    files = write_images(tmp_path)
+    broken = tmp_path / "broken.jpg"
+    broken.write_bytes(files["rgb0"].read_bytes()[:200])
+    items = [read_encoded(files["rgb1"]), read_encoded(broken)]
+    with pytest.raises(OSError, match=rf"image {broken} is corrupt or unreadable .*; remove or replace it") as err:
+        decode_images(items, "cpu")
+    assert "\n" not in str(err.value)
+
+
+def test_boxes_drawn_for_per_image_sizes_equal_the_boxes_drawn_for_each_size():
+    heights, widths = torch.tensor([h for h, _ in SIZES]), torch.tensor([w for _, w in SIZES])
+    together = sample_view_params(len(SIZES), VIEW_A, torch.Generator().manual_seed(3), heights, widths)
+    for i, (h, w) in enumerate(SIZES):
+        alone = sample_view_params(len(SIZES), VIEW_A, torch.Generator().manual_seed(3), h, w)
+        assert all(torch.equal(together[k][i], alone[k][i]) for k in together), (h, w)
+
+
+@pytest.mark.parametrize("crop_scale", [(0.08, 1.0), (0.9, 1.0)])  # large crops touch the images' borders
+def test_views_of_a_list_of_sizes_equal_the_views_of_each_full_image(crop_scale):
+    import dataclasses
+
+    views = (dataclasses.replace(VIEW_A, crop_scale=crop_scale), dataclasses.replace(VIEW_B, crop_scale=crop_scale))
+    images = [torch.from_numpy(_photo(i, h, w)).permute(2, 0, 1).contiguous() for i, (h, w) in enumerate(SIZES * 4)]
+    transform = BatchedTwoViews(24, views)
+    got = transform(images, torch.Generator().manual_seed(5))
+    heights, widths = torch.tensor([im.shape[1] for im in images]), torch.tensor([im.shape[2] for im in images])
+    params = transform.sample(len(images), heights, widths, torch.Generator().manual_seed(5))
+    for i, image in enumerate(images):
+        for out, p, view in zip(got, params, views):
+            expected = apply_view(to_float_rgb(image[None]), {k: v[i : i + 1] for k, v in p.items()}, 24, view)
+            torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=0)
+
+
+def test_views_of_decoded_files_equal_per_image_pil_views_within_the_batched_tolerance(tmp_path):
+    files = write_images(tmp_path)
+    paths = [p for name, p in files.items() if name.startswith("rgb")] * 20
+    decoded = decode_images([read_encoded(p) for p in paths], "cpu")
+    transform = BatchedTwoViews(24)
+    got = transform(decoded, torch.Generator().manual_seed(1))
+    heights, widths = torch.tensor([d.shape[1] for d in decoded]), torch.tensor([d.shape[2] for d in decoded])
+    params = transform.sample(len(paths), heights, widths, torch.Generator().manual_seed(1))
+    for out, p, view in zip(got, params, (VIEW_A, VIEW_B)):
+        pil_views = []
+        for i, path in enumerate(paths):
+            with Image.open(path) as img:
+                pil_views.append(apply_view_pil(img.convert("RGB"), {k: v[i : i + 1] for k, v in p.items()}, 24, view))
+        pil_views = torch.stack(pil_views)
+        # the bound of tests/test_augment.py: bicubic vs roi_align and PIL's uint8 rounding
+        assert (pil_views - out).abs().mean() < 0.06
+        torch.testing.assert_close(pil_views.mean(dim=(0, 2, 3)), out.mean(dim=(0, 2, 3)), atol=0.03, rtol=0)
+
+
+def test_decode_auto_is_device_only_for_batched_views_on_cuda_and_device_needs_batched_views():
+    assert resolve_decode("auto", "cpu", "batched") == "workers"
+    assert resolve_decode("auto", "cuda", "batched") == "device"
+    assert resolve_decode("auto", "cuda", "pil") == "workers"
+    assert resolve_decode("device", "cpu", "batched") == "device"
+    with pytest.raises(ValueError, match="--decode device needs --views batched"):
+        resolve_decode("device", "cpu", "pil")
+
+
+def _folder_pretrain(data: Path, out: Path, *extra: str) -> list[dict]:
+    code = cli_main(["pretrain", "--data", str(data), "--out", str(out), "--arch", "resnet18", "--small-image-stem", "--image-size", "16",
+                     "--projector", "32-32", "--batch-size", "6", "--epochs", "1", "--warmup-epochs", "1", "--views", "batched", "--log-every", "1", "--probe-max-dim", "32", *extra])
+    assert code == 0
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_pretraining_from_files_decoded_on_the_device_path_equals_decoding_in_workers(tmp_path):
+    for cls in ("a", "b"):
+        write_images(tmp_path / "data" / cls)
+    device = _folder_pretrain(tmp_path / "data", tmp_path / "device", "--decode", "device")
+    workers = _folder_pretrain(tmp_path / "data", tmp_path / "workers", "--decode", "workers", "--num-workers", "1")
+    assert len(device) == 3 and [r["loss"] for r in device] == [r["loss"] for r in workers]
+    recipe = json.loads((tmp_path / "device" / "config.json").read_text())["recipe"]
+    assert recipe["decode"] == "device" and recipe["precision"] in ("fp32", "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nvjpeg_batch_decode_equals_pil_and_falls_back_for_cmyk_png_and_a_rejected_batch(tmp_path, monkeypatch):
+    import bt_hub.decode as decode
+
+    files = write_images(tmp_path)
+    paths = list(files.values())
+    decoded = decode_images([read_encoded(p) for p in paths], "cuda")
+    assert all(d.device.type == "cuda" for d in decoded)
+    assert_decoded_like_pil(decoded, paths)
+    real, calls = decode._decode_jpegs, []
+
+    def reject_batches(data, device):
+        calls.append(len(data))
+        if len(data) > 1:
+            raise RuntimeError("nvJPEG rejected the batch")
+        return real(data, device)
+
+    monkeypatch.setattr(decode, "_decode_jpegs", reject_batches)
+    retried = decode_images([read_encoded(p) for p in paths], "cuda")
+    assert calls[0] == 7 and calls[1:] == [1] * 7  # the 7 device-decodable files, then one by one
+    assert all(torch.equal(a, b) for a, b in zip(retried, decoded))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pretraining_on_cuda_decodes_files_on_the_gpu(tmp_path):
+    for cls in ("a", "b"):
+        write_images(tmp_path / "data" / cls)
+    rows = _folder_pretrain(tmp_path / "data", tmp_path / "run", "--device", "cuda", "--precision", "auto", "--num-workers", "2")
+    assert len(rows) == 3 and all(np.isfinite(r["loss"]) for r in rows)
+    recipe = json.loads((tmp_path / "run" / "config.json").read_text())["recipe"]
+    assert recipe["decode"] == "device" and recipe["precision"] == ("bf16" if torch.cuda.is_bf16_supported() else "fp32")

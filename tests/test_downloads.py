@@ -1,0 +1,207 @@
+"""The download cache against loopback servers: keyed by URL, verified before it is kept, bounded in time, clear when it fails."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from loopback import LoopbackFiles
+
+from bt_hub.model import build_backbone
+from bt_hub.weights import DownloadError, cache_path, download, load_backbone
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+torch.set_num_threads(2)
+
+
+def _weights_bytes(seed: int) -> tuple[bytes, dict[str, torch.Tensor]]:
+    torch.manual_seed(seed)
+    state = build_backbone("resnet18").state_dict()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue(), state
+
+
+def _hash_named(data: bytes, stem: str = "resnet18") -> str:
+    return f"/{stem}-{hashlib.sha256(data).hexdigest()[:8]}.pth"
+
+
+def _equal(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name.startswith(".partial-") or p.suffix in (".partial", ".tmp"))
+
+
+@pytest.fixture(scope="module")
+def weights_a_b():
+    return _weights_bytes(1), _weights_bytes(2)
+
+
+def test_same_file_name_under_two_urls_are_two_cache_entries(torch_home, weights_a_b):
+    """Defect 1: the cache was keyed by file name, so .../b/resnet18.pth silently returned .../a's weights."""
+    (data_a, state_a), (data_b, state_b) = weights_a_b
+    server = LoopbackFiles({"/a/resnet18.pth": data_a, "/b/resnet18.pth": data_b})
+    try:
+        first = load_backbone(f"{server.url}/a/resnet18.pth", progress=False)
+        second = load_backbone(f"{server.url}/b/resnet18.pth", progress=False)
+    finally:
+        server.stop()
+    assert _equal(first, state_a) and _equal(second, state_b)
+    assert cache_path(f"{server.url}/a/resnet18.pth") != cache_path(f"{server.url}/b/resnet18.pth")
+    assert cache_path(f"{server.url}/a/resnet18.pth").name == "resnet18.pth"  # the readable name is kept
+
+
+def test_hash_named_cached_file_is_checked_again_on_every_load(torch_home, weights_a_b):
+    """Defect 2: replacing the bytes of a cached name-<sha8>.pth went unnoticed."""
+    (data_a, state_a), (data_b, _) = weights_a_b
+    name = _hash_named(data_a)
+    server = LoopbackFiles({name: data_a})
+    url = f"{server.url}{name}"
+    try:
+        assert _equal(load_backbone(url, progress=False), state_a)
+    finally:
+        server.stop()
+    cached = cache_path(url)
+    cached.write_bytes(data_b)
+    with pytest.raises(DownloadError) as err:
+        load_backbone(url, progress=False)
+    text = str(err.value)
+    assert f"cached file {cached} has sha256" in text and f"not the hash prefix in its file name {name[10:18]}" in text
+    assert "delete it to download it again" in text and "\n" not in text
+
+
+def test_truncated_body_is_never_cached_and_the_attempt_is_retried(torch_home, weights_a_b):
+    """Defect 3: a server that sent half the body left a truncated file that every later load reused."""
+    (data_a, _), _ = weights_a_b
+    server = LoopbackFiles({"/half/resnet18.pth": ("half", data_a)})
+    url = f"{server.url}/half/resnet18.pth"
+    try:
+        with pytest.raises(DownloadError) as err:
+            download(url, progress=False, timeout=5, retries=1)
+    finally:
+        server.stop()
+    text = str(err.value)
+    assert text.startswith(f"download of {url} failed after 2 attempts (")
+    assert f"nothing was cached at {cache_path(url)}" in text and "place the file at that path" in text
+    assert server.hits["/half/resnet18.pth"] == 2
+    assert not cache_path(url).exists() and _leftovers(torch_home) == []
+
+
+def test_a_failed_attempt_is_retried_and_then_cached_and_a_killed_downloads_leftovers_are_removed(torch_home, weights_a_b):
+    (data_a, _), _ = weights_a_b
+    server = LoopbackFiles({"/busy/resnet18.pth": ("flaky", data_a)})
+    url = f"{server.url}/busy/resnet18.pth"
+    killed, live = cache_path(url).parent / ".partial-killed", cache_path(url).parent / ".partial-live"
+    for staging in (killed, live):
+        staging.mkdir(parents=True)
+        (staging / "resnet18.pth").write_bytes(b"half a file")
+    os.utime(killed / "resnet18.pth", (time.time() - 7200, time.time() - 7200))
+    try:
+        path = download(url, progress=False, retries=1)
+    finally:
+        server.stop()
+    assert server.hits["/busy/resnet18.pth"] == 2 and path.read_bytes() == data_a
+    assert not killed.exists() and live.exists()  # a download running elsewhere keeps its folder
+
+
+def test_server_that_never_answers_is_bounded_by_the_timeout(torch_home, monkeypatch):
+    """Defect 4: a server that accepted the connection and never answered hung the command forever."""
+    monkeypatch.setenv("BT_HUB_DOWNLOAD_TIMEOUT", "0.5")
+    monkeypatch.setenv("BT_HUB_DOWNLOAD_RETRIES", "1")
+    server = LoopbackFiles({"/slow/resnet18.pth": ("hang", None)})
+    url = f"{server.url}/slow/resnet18.pth"
+    outcome: list[BaseException] = []
+    worker = threading.Thread(target=lambda: outcome.append(_raised(lambda: download(url, progress=False))), daemon=True)
+    start = time.monotonic()
+    worker.start()
+    worker.join(30)  # a guard so a regression fails instead of hanging the suite
+    server.stop()
+    assert not worker.is_alive(), "download still hanging after 30 s"
+    assert isinstance(outcome[0], DownloadError)
+    assert "no answer within 0.5 s; BT_HUB_DOWNLOAD_TIMEOUT sets the limit" in str(outcome[0])
+    assert time.monotonic() - start < 30
+    assert not cache_path(url).exists() and _leftovers(torch_home) == []
+
+
+def _raised(call) -> BaseException | None:
+    try:
+        call()
+    except BaseException as err:  # noqa: BLE001 - handed to the test thread
+        return err
+    return None
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_http_errors_and_refused_connections_name_the_url_the_cache_path_and_the_fix(torch_home):
+    """Defect 5: a bare 'HTTP Error 404' / URLError named neither the URL nor the cache path."""
+    server = LoopbackFiles({})
+    missing = f"{server.url}/missing/resnet18.pth"
+    try:
+        with pytest.raises(DownloadError) as err:
+            download(missing, progress=False)
+    finally:
+        server.stop()
+    assert str(err.value) == (
+        f"download of {missing} failed: HTTP 404 Not Found; nothing was cached at {cache_path(missing)}; retry, or download "
+        f"{missing} yourself and place the file at that path (TORCH_HOME, now {torch_home}, moves the cache)"
+    )
+    assert server.hits["/missing/resnet18.pth"] == 1  # a 404 is not retried
+    refused = f"http://127.0.0.1:{_closed_port()}/resnet18.pth"
+    with pytest.raises(DownloadError) as err:
+        download(refused, progress=False, retries=0)
+    assert str(err.value).startswith(f"download of {refused} failed after 1 attempt (ConnectionRefusedError: ")
+    assert f"nothing was cached at {cache_path(refused)}" in str(err.value)
+
+
+HF_SCRIPT = """
+from bt_hub.weights import load_backbone
+for spec in ("hf://nobody/nothing", "nobody/nothing"):
+    try:
+        load_backbone(spec)
+    except Exception as err:
+        print(type(err).__name__, "|", err)
+"""
+
+
+def test_hub_failures_offline_name_the_spec(tmp_path):
+    """Defect 5: hf://nobody/nothing offline said 'An error happened while trying to locate the file on the Hub'."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    offline = subprocess.run([sys.executable, "-c", HF_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
+    lines = offline.stdout.strip().splitlines()
+    assert lines[0] == (
+        f"DownloadError | hf://nobody/nothing: model.safetensors is not in the Hugging Face cache ({tmp_path / 'hf' / 'hub'}) "
+        "and HF_HUB_OFFLINE=1 is set; connect once without HF_HUB_OFFLINE to fill the cache, or point HF_HOME at a cache that holds it"
+    ), offline.stderr[-2000:]
+    assert lines[1].startswith("DownloadError | weights 'nobody/nothing' are no file or folder here, and the Hub lookup failed: hf://nobody/nothing:")
+
+
+def test_an_html_page_served_instead_of_weights_is_refused_and_not_cached(torch_home):
+    page = b"<!DOCTYPE html>\n<html><body>Please sign in</body></html>\n"
+    server = LoopbackFiles({"/login/resnet18.pth": ("html", page)})
+    url = f"{server.url}/login/resnet18.pth"
+    try:
+        with pytest.raises(DownloadError) as err:
+            download(url, progress=False)
+    finally:
+        server.stop()
+    assert str(err.value).startswith(
+        f"download of {url} was refused: it is not a torch checkpoint (looks like HTML, perhaps an error or login page saved in its place); "
+        f"nothing was cached at {cache_path(url)}"
+    )
+    assert not cache_path(url).exists() and _leftovers(torch_home) == []

@@ -1,0 +1,128 @@
+"""eval.splits: explicit held-out splits, --holdout, overlap refused, one split function for every protocol."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections import Counter
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from bt_hub import cli
+from bt_hub.data import ImageFolderDataset
+from eval.splits import check_disjoint, indices_sha256, load_splits, stratified_holdout
+
+PROTOCOLS = ["knn", "linear", "semi", "transfer", "all"]
+
+
+def _folder(root, classes=("a", "b", "c"), per_class=5, size=8, seed=0):
+    rng = np.random.default_rng(seed)
+    for c in classes:
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(root / c / f"{c}{i}.png")
+    return root
+
+
+@pytest.fixture
+def weights(small_stem_weights):
+    return small_stem_weights
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_flat_folder_is_refused_by_every_protocol_naming_the_layouts_and_holdout(protocol, weights, tmp_path, capsys):
+    flat = _folder(tmp_path / "flat")
+    assert cli.main(["eval", protocol, "--weights", str(weights), "--data", str(flat), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"--data {flat} has no held-out split" in err
+    assert f"{flat}/val/<class>/<image>" in err and "--holdout 0.2" in err
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_test_split_flag_is_the_same_on_every_protocol():
+    from eval.knn import KnnConfig
+    from eval.linear import LinearConfig, TransferConfig
+    from eval.semi_supervised import SemiSupervisedConfig
+    from eval.suite import SuiteConfig
+
+    specs = set()
+    for cls in (KnnConfig, LinearConfig, TransferConfig, SemiSupervisedConfig, SuiteConfig):
+        f = next(f for f in dataclasses.fields(cls) if f.name == "test_split")
+        specs.add((str(f.type), f.default))
+    assert specs == {("Literal['val', 'test']", "val")}
+
+
+def test_a_missing_test_split_names_the_one_that_exists(tmp_path):
+    _folder(tmp_path / "d" / "train")
+    _folder(tmp_path / "d" / "test", seed=1)
+    with pytest.raises(FileNotFoundError, match=r"has no val/ split \(it has train/, test/\); pass --test-split test"):
+        load_splits(str(tmp_path / "d"))
+    assert load_splits(str(tmp_path / "d"), test_split="test").info["test"]["split"] == "test"
+
+
+def test_holdout_is_disjoint_stratified_and_seed_stable():
+    targets = np.repeat(np.arange(4), [10, 20, 5, 1])
+    train, held = stratified_holdout(targets, 0.2, seed=3)
+    assert not set(train) & set(held) and sorted(train + held) == list(range(len(targets)))
+    assert Counter(targets[held].tolist()) == {0: 2, 1: 4, 2: 1}  # a class of one stays in training
+    assert (train, held) == stratified_holdout(targets, 0.2, seed=3)
+    assert held != stratified_holdout(targets, 0.2, seed=4)[1]
+
+
+def test_cli_holdout_on_a_flat_folder_is_recorded_and_seed_stable(weights, tmp_path):
+    flat = _folder(tmp_path / "flat", per_class=10)
+    records = []
+    for seed, out in ((0, "a"), (0, "b"), (1, "c")):
+        argv = ["eval", "knn", "--weights", str(weights), "--data", str(flat), "--holdout", "0.2", "--seed", str(seed),
+                "--image-size", "8", "--k", "3", "--out", str(tmp_path / out)]
+        assert cli.main(argv) == 0
+        records.append(json.loads((tmp_path / out / "results.json").read_text()))
+    holdout = records[0]["dataset"]["holdout"]
+    assert (holdout["fraction"], holdout["seed"], holdout["train_size"], holdout["test_size"]) == (0.2, 0, 24, 6)
+    _, held = stratified_holdout(ImageFolderDataset(flat).targets, 0.2, seed=0)
+    assert holdout["test_indices_sha256"] == indices_sha256(held)
+    assert records[0]["dataset"]["test"] == {"split": "holdout", "size": 6, "fingerprint": records[0]["dataset"]["test"]["fingerprint"]}
+    assert records[1]["dataset"]["holdout"] == holdout
+    assert records[2]["dataset"]["holdout"]["test_indices_sha256"] != holdout["test_indices_sha256"]
+    assert "test: held-out 20% of train (seed 0)" in (tmp_path / "a" / "results.md").read_text()
+
+
+def test_a_test_split_with_the_training_images_is_refused(weights, tmp_path, capsys):
+    _folder(tmp_path / "d" / "train")
+    shutil.copytree(tmp_path / "d" / "train", tmp_path / "d" / "val")
+    assert cli.main(["eval", "knn", "--weights", str(weights), "--data", str(tmp_path / "d"), "--out", str(tmp_path / "out")]) == 2
+    assert "15 of 15 sampled test images are byte-identical to training images" in capsys.readouterr().err
+
+
+def test_shared_paths_are_refused():
+    class Files:
+        def __init__(self, paths):
+            self.samples = [(p, 0) for p in paths]
+
+        def __len__(self):
+            return len(self.samples)
+
+    with pytest.raises(ValueError, match="shares 1 of its 2 files with the training split"):
+        check_disjoint(Files(["/d/a.png", "/d/b.png"]), Files(["/d/b.png", "/d/c.png"]))
+
+
+def test_a_few_duplicates_are_tolerated_and_recorded(tmp_path):
+    _folder(tmp_path / "d" / "train", per_class=10)
+    _folder(tmp_path / "d" / "val", per_class=10, seed=1)
+    shutil.copy(tmp_path / "d" / "train" / "a" / "a0.png", tmp_path / "d" / "val" / "a" / "dup.png")
+    check = load_splits(str(tmp_path / "d")).info["overlap_check"]
+    assert check == {"shared_files": 0, "sampled": 31, "identical": 1}  # ImageNet's val holds a few copies of train images too
+
+
+def test_test_labels_follow_the_training_class_order(tmp_path):
+    _folder(tmp_path / "d" / "train", classes=("a", "b", "c"))
+    _folder(tmp_path / "d" / "val", classes=("a", "c"), seed=1)
+    splits = load_splits(str(tmp_path / "d"))
+    assert splits.test.classes == ["a", "b", "c"]
+    assert sorted(set(splits.test.targets)) == [0, 2]  # 'c' keeps label 2, not val/'s own index 1
+    _folder(tmp_path / "d" / "val", classes=("zebra",), seed=2)
+    with pytest.raises(ValueError, match="classes the training split lacks: zebra"):
+        load_splits(str(tmp_path / "d"))

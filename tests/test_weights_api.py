@@ -1,0 +1,310 @@
+"""The weights surface users of torchvision, torch.hub, timm and Hugging Face expect, through one resolve().
+
+Offline: a seeded TORCH_HOME stands in for earlier downloads, a loopback server for the Hugging
+Face Hub, and urllib is made to fail so any network access would show.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.request
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+
+from bt_hub import cli
+from bt_hub.model import BarlowTwins, build_backbone
+from bt_hub.weights import BarlowTwinsWeights, CheckpointError, get_weights, list_weights, resolve, save_pretrained
+from bt_hub.weights.download import file_sha256
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+torch.set_num_threads(2)
+
+
+@pytest.fixture
+def offline_torch_home(torch_home, monkeypatch) -> Path:
+    """An empty TORCH_HOME, and urllib refusing every request (so a test that reaches the network fails)."""
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("network access attempted")
+
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    return torch_home
+
+
+@pytest.fixture(scope="module")
+def resnet50_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {k: v for k, v in torchvision.models.resnet50().state_dict().items() if not k.startswith("fc.")}
+
+
+def _listed(capsys) -> dict[str, list[str]]:
+    assert cli.main(["weights", "list"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split() == ["name", "architecture", "cached", "url", "cache", "path"]
+    return {line.split()[0]: line.split() for line in lines[1:]}
+
+
+def _seed_default(capsys, state: dict[str, torch.Tensor]) -> Path:
+    """Put weights where `bt-hub weights list` says the loaders read barlowtwins-in1k."""
+    row = _listed(capsys)["barlowtwins-in1k"]
+    assert row[1:4] == ["resnet50", "no", BarlowTwinsWeights.DEFAULT.url]
+    path = Path(row[4])
+    path.parent.mkdir(parents=True)
+    torch.save(state, path)
+    assert _listed(capsys)["barlowtwins-in1k"][2] == "yes"
+    return path
+
+
+def test_weights_list_names_every_registered_weight_and_its_cache_path(offline_torch_home, capsys):
+    rows = _listed(capsys)
+    assert list(rows) == list_weights() == ["barlowtwins-in1k", "barlowtwins-in1k-ljng", "barlowtwins-in1k-full"]
+    for name, row in rows.items():
+        assert Path(row[4]) == get_weights(name).cache_path() and Path(row[4]).is_relative_to(offline_torch_home)
+
+
+def test_eval_and_detect_with_a_registered_name_read_the_listed_cache_path_offline(offline_torch_home, resnet50_state, tmp_path, capsys):
+    path = _seed_default(capsys, resnet50_state)
+    out = tmp_path / "knn"
+    argv = ["eval", "knn", "--weights", "barlowtwins-in1k", "--data", "synthetic:40", "--image-size", "16", "--k", "5", "--out", str(out)]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    result = json.loads((out / "results.json").read_text())
+    assert result["weights"] == {"name": "barlowtwins-in1k", "fingerprint": file_sha256(path)}
+    from eval.detection.train_net import prepare_weights  # bt-hub detect's converter goes through the same resolve
+
+    pkl, tensors = prepare_weights("barlowtwins-in1k", tmp_path / "detect")
+    assert Path(pkl) == tmp_path / "detect" / "weights.pkl" and "res5.2.conv3.norm.running_var" in tensors
+
+
+def test_unknown_names_list_the_registered_ones_and_missing_paths_are_no_hub_errors(offline_torch_home, tmp_path, capsys):
+    assert cli.main(["eval", "knn", "--weights", "barlowtwins-in1k-typo", "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "bt-hub eval knn: error: weights 'barlowtwins-in1k-typo' name no file or folder, URL, Hub repo (org/name) or registered "
+        "weights; registered names: barlowtwins-in1k, barlowtwins-in1k-ljng, barlowtwins-in1k-full"
+    )
+    for typo in ("./hf_r5O", "runs/pretrain/backbone.safetensors", "~/weights.pth", "missing.pth"):
+        with pytest.raises(CheckpointError, match=rf"^weights {re.escape(typo)}: no such file or folder \(/.+\)$"):
+            resolve(typo)
+    for command in (["export", "--out", str(tmp_path / "x.pth")], ["push", "--repo-id", "bt/x"]):
+        assert cli.main(command + ["--weights", "./hf_r5O"]) == 2
+        assert capsys.readouterr().err.strip().endswith(f"weights ./hf_r5O: no such file or folder ({Path.cwd() / 'hf_r5O'})")
+
+
+def test_a_local_folder_wins_over_a_hub_id_of_the_same_spelling(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    save_pretrained(build_backbone("resnet18"), tmp_path / "org" / "name")
+    monkeypatch.chdir(tmp_path)
+    assert resolve("org/name").path == Path("org/name/model.safetensors")
+
+
+def test_legacy_pretrained_true_warns_and_loads_the_default_weights_from_the_cache(offline_torch_home, resnet50_state, capsys):
+    _seed_default(capsys, resnet50_state)
+    with pytest.warns(FutureWarning, match=r'resnet50\(pretrained=True\) is deprecated; use resnet50\(weights="barlowtwins-in1k"\)'):
+        model = torch.hub.load(str(REPO_ROOT), "resnet50", source="local", pretrained=True)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in resnet50_state.items())
+    assert model.weights_info["weights"] == "barlowtwins-in1k"
+    with pytest.warns(FutureWarning, match=r"use resnet50\(weights=None\)"):
+        random = torch.hub.load(str(REPO_ROOT), "resnet50", source="local", pretrained=False)
+    assert not hasattr(random, "weights_info")
+    with pytest.raises(ValueError, match="got both weights="), warnings.catch_warnings():
+        torch.hub.load(str(REPO_ROOT), "resnet50", source="local", weights="DEFAULT", pretrained=True)
+
+
+def test_weights_none_is_the_default_and_never_touches_the_network(offline_torch_home):
+    model = torch.hub.load(str(REPO_ROOT), "resnet50", source="local")
+    assert isinstance(model.fc, torch.nn.Identity) and not hasattr(model, "weights_info")
+    assert model.eval()(model.transforms(torchvision.transforms.functional.to_pil_image(torch.rand(3, 300, 260)))[None]).shape == (1, 2048)
+    assert not any(offline_torch_home.rglob("*.pth"))
+    with pytest.raises(TypeError, match=r"resnet50\(\) got unexpected keyword arguments \['num_classes'\]"):
+        torch.hub.load(str(REPO_ROOT), "resnet50", source="local", num_classes=10)
+
+
+def test_enum_members_expose_url_transforms_meta_and_the_state_dict(offline_torch_home, resnet50_state, capsys):
+    _seed_default(capsys, resnet50_state)
+    member = BarlowTwinsWeights.DEFAULT
+    assert member is BarlowTwinsWeights.IN1K_EP1000
+    assert member.url.endswith("/ep1000_bs2048_lrw0.2_lrb0.0048_lambd0.0051/resnet50.pth")
+    assert member.meta["paper"]["imagenet_linear"] == {"top1": 73.2, "top5": 91.0} and member.meta["recipe"]["lambd"] == 0.0051
+    sizes = [(type(t).__name__, getattr(t, "size", None)) for t in member.transforms().transforms]
+    assert sizes[:2] == [("Resize", 256), ("CenterCrop", (224, 224))]
+    state = member.get_state_dict(progress=False)
+    assert set(state) == set(resnet50_state) and all(torch.equal(state[k], v) for k, v in resnet50_state.items())
+    for spelling in ("barlowtwins-in1k", "IN1K_EP1000", "DEFAULT", "BarlowTwinsWeights.IN1K_EP1000", member):
+        assert BarlowTwinsWeights.verify(spelling) is member
+    assert BarlowTwinsWeights.verify(None) is None
+    with pytest.raises(TypeError, match="belong to ResNet50_Weights, expected BarlowTwinsWeights"):
+        BarlowTwinsWeights.verify(torchvision.models.ResNet50_Weights.DEFAULT)
+
+
+def test_loaded_models_carry_their_transforms(offline_torch_home, resnet50_state, tmp_path, capsys):
+    _seed_default(capsys, resnet50_state)
+    default = torch.hub.load(str(REPO_ROOT), "resnet50", source="local", weights="DEFAULT")
+    assert str(default.transforms) == str(BarlowTwinsWeights.DEFAULT.transforms())
+    run = tmp_path / "run"
+    save_pretrained(BarlowTwins("resnet18", "16-16", small_image_stem=True), run, config={"image_size": 16})
+    from bt_hub.weights import load_backbone
+
+    small = load_backbone(run)
+    assert [getattr(t, "size", None) for t in small.transforms.transforms[:2]] == [18, (16, 16)]
+
+
+def _tiny_run(tmp_path: Path) -> tuple[Path, BarlowTwins]:
+    """A run directory as bt-hub pretrain leaves it: backbone.safetensors, config.json (λ = 0.1) and checkpoint.pth."""
+    from bt_hub.weights import save_safetensors
+
+    torch.manual_seed(3)
+    model = BarlowTwins("resnet18", "32-16", lambd=0.1, small_image_stem=True)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d)):
+                module.running_mean.uniform_(-0.1, 0.1)
+                module.running_var.uniform_(0.5, 1.5)
+    run = tmp_path / "run"
+    save_safetensors(model.backbone.state_dict(), run / "backbone.safetensors", {"architecture": "resnet18"})
+    (run / "config.json").write_text(json.dumps({"architecture": "resnet18", "small_image_stem": True, "projector": "32-16",
+                                                 "lambd": 0.1, "image_size": 16, "epochs": 3, "dataset": "digits"}))
+    torch.save({"model": model.state_dict(), "optimizer": {}, "step": 9}, run / "checkpoint.pth")
+    return run, model.eval()
+
+
+def test_export_hf_of_a_run_keeps_the_projector_and_lambda_and_the_card_its_name_and_preprocessing(tmp_path, capsys):
+    run, model = _tiny_run(tmp_path)
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"protocol": "knn", "dataset": "digits", "metrics": {"top1": 88.6}}))
+    out = tmp_path / "hf"
+    assert cli.main(["export", "--weights", str(run), "--format", "hf", "--out", str(out), "--name", "bt/digits", "--results", str(results)]) == 0
+    assert "projector.safetensors" in capsys.readouterr().out
+    loaded = BarlowTwins.from_pretrained(out).eval()
+    assert loaded.lambd == 0.1 and loaded.config["projector"] == "32-16"
+    images = torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(loaded.backbone(images), model.backbone(images))
+        assert torch.equal(loaded.embed(images), model.embed(images))
+    card = (out / "README.md").read_text()
+    assert "# bt/digits" in card and 'from_pretrained("bt/digits")' in card
+    assert "resize to 18 (bilinear),\ncentre crop 16" in card and "| knn |" in card and "top1 88.6" in card
+    assert "it is a bt_hub-only layout" in card and "timm.create_model(" not in card
+
+
+def test_timm_loads_a_resnet50_folder_with_identical_features_and_refuses_a_small_stem_by_name(tmp_path):
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    backbone = build_backbone("resnet50")
+    with torch.no_grad():
+        for module in backbone.modules():
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.weight.uniform_(0.5, 1.5)
+                module.running_var.uniform_(0.5, 1.5)
+    folder = save_pretrained(backbone, tmp_path / "r50", name="bt/r50")
+    theirs = timm.create_model(f"local-dir:{folder}", pretrained=True, num_classes=0).eval()
+    images = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(images), backbone.eval()(images), atol=1e-5, rtol=1e-5)
+    assert 'timm.create_model("hf-hub:bt/r50"' in (folder / "README.md").read_text()
+    run, _ = _tiny_run(tmp_path)
+    small = save_pretrained(str(run), tmp_path / "small")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bt_hub_small_image_stem'"):
+        timm.create_model(f"local-dir:{small}", pretrained=True, num_classes=0)
+
+
+HUB_SCRIPT = """
+import json, sys
+from bt_hub import cli
+from bt_hub.weights import barlow_twins
+model = barlow_twins(weights="bt/digits")
+print(json.dumps({"lambd": model.lambd, "projector": model.config["projector"]}))
+sys.exit(cli.main(["eval", "knn", "--weights", "bt/digits", "--data", "synthetic:40", "--image-size", "16", "--k", "5", "--out", sys.argv[1]]))
+"""
+
+
+def test_a_bare_hub_id_works_in_eval_and_barlow_twins_through_a_loopback_hub(tmp_path):
+    pytest.importorskip("huggingface_hub")
+    from loopback import LoopbackHub
+
+    run, _ = _tiny_run(tmp_path)
+    folder = save_pretrained(str(run), tmp_path / "folder", name="bt/digits")
+    files = {p.name: p.read_bytes() for p in folder.iterdir()}
+    hub = LoopbackHub({"bt/digits": {"main": ("c" * 40, files)}})
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0"}
+    try:
+        result = subprocess.run([sys.executable, "-c", HUB_SCRIPT, str(tmp_path / "knn")], capture_output=True, text=True, timeout=600, env=env)
+    finally:
+        hub.stop()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.splitlines()[0]) == {"lambd": 0.1, "projector": "32-16"}
+    record = json.loads((tmp_path / "knn" / "results.json").read_text())
+    assert record["weights"] == {"name": "bt/digits", "fingerprint": hashlib.sha256(files["model.safetensors"]).hexdigest()}
+    assert ("GET", "/bt/digits/resolve/main/projector.safetensors") in hub.requests
+
+
+def _module_imports(path: Path, root: Path) -> set[str]:
+    """The bt_hub modules a file imports at import time (module-level statements; ``from a import b`` counts as a.b when b is a module)."""
+
+    def is_module(name: str) -> bool:
+        relative = root.joinpath(*name.split("."))
+        return relative.with_suffix(".py").is_file() or (relative / "__init__.py").is_file()
+
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {f"{node.module}.{a.name}" if is_module(f"{node.module}.{a.name}") else node.module for a in node.names}
+    return {name for name in found if name.startswith("bt_hub") and is_module(name)}
+
+
+def test_the_import_graph_of_bt_hub_has_no_cycle_and_the_old_modules_are_gone():
+    root = REPO_ROOT
+    graph = {}
+    for path in (root / "bt_hub").rglob("*.py"):
+        relative = path.relative_to(root).with_suffix("")
+        name = ".".join(relative.parts[:-1] if relative.name == "__init__" else relative.parts)
+        graph[name] = _module_imports(path, root) - {name}
+    visiting, done = [], set()
+
+    def visit(node: str) -> None:
+        if node in done:
+            return
+        assert node not in visiting, f"import cycle: {' -> '.join(visiting[visiting.index(node):] + [node])}"
+        visiting.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt)
+        visiting.pop()
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node)
+    assert "bt_hub.weights.registry" in graph["bt_hub.augment"]
+    for old in ("checkpoint", "formats", "hub"):
+        assert not (root / "bt_hub" / f"{old}.py").exists()
+    assert not (root / "bt_hub" / "weights.py").exists()
+
+
+def test_cli_version_one_architecture_flag_and_defaults_of_on_off_flags(capsys):
+    from bt_hub import __version__
+
+    assert cli.main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"bt-hub {__version__}"
+    for path in (["pretrain"], ["demo"], ["eval", "knn"], ["export"]):
+        with pytest.raises(SystemExit):
+            cli.main(path + ["--help"])
+        text = capsys.readouterr().out
+        assert "--arch" in text and "--backbone" not in text, path
+    with pytest.raises(SystemExit):
+        cli.main(["pretrain", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--flip, --no-flip random horizontal flips" in text and "(default: on)" in text and "(default: off)" in text
+    from bt_hub.pretrain import PretrainConfig
+
+    parser = cli.argparse.ArgumentParser()
+    cli.add_dataclass_arguments(parser, PretrainConfig)
+    assert cli.build_config(PretrainConfig, parser.parse_args(["--backbone", "resnet18"])).backbone == "resnet18"
+    assert cli.build_config(PretrainConfig, parser.parse_args(["--arch", "resnet34"])).backbone == "resnet34"
