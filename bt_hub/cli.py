@@ -52,7 +52,8 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
         "transfer": Command("eval.linear", "TransferConfig", "run", "linear transfer to Places-205 / iNat18 (PIRL settings)"),
         "all": Command("eval.suite", "SuiteConfig", "run", "every classification protocol on one checkpoint"),
     },
-    "detect": Command("eval.detection.train_net", "DetectConfig", "main", "Faster/Mask R-CNN C4 transfer through detectron2"),
+    "detect": Command("eval.detection.train_net", "DetectConfig", "main", "Faster/Mask R-CNN C4 transfer (detectron2 or torchvision engine)"),
+    "make-detection-data": Command("eval.detection.synthetic", "DetectionDataConfig", "make_detection_data", "write the generated shapes detection set (VOC + COCO layouts) that checks an installation"),
 }
 
 

@@ -140,6 +140,15 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     return holder[0]
 
 
+def all_gather_objects(obj: object) -> list[object]:
+    """Every rank's picklable ``obj``, in rank order (``[obj]`` without a process group)."""
+    if not is_distributed():
+        return [obj]
+    gathered: list[object] = [None] * get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def barrier() -> None:
     """Wait for every rank (no-op without a process group)."""
     if is_distributed():

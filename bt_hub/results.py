@@ -17,7 +17,7 @@ One record per evaluation run (``bt-hub eval``), a JSON object::
     warnings        what the run found doubtful (a preset far from the data, ...)
     notes           protocol extras (per-class APs, backend, ...)
 
-``eval/report.py`` writes and tabulates records and the model card (bt_hub/hub.py) shows
+``eval/report.py`` writes and tabulates records and the model card (bt_hub/weights/card.py) shows
 them; both use the labels and formatting here, so a result reads the same everywhere.
 """
 
@@ -45,7 +45,10 @@ MODES = {
     "loop": "paper loop with augmentation",
     "features": "frozen features, no training",
 }
-METRIC_LABELS = {"top1": "Top-1", "top5": "Top-5", "mAP": "mAP", "mAP_11point": "mAP (11-point)"}
+METRIC_LABELS = {
+    "top1": "Top-1", "top5": "Top-5", "mAP": "mAP", "mAP_11point": "mAP (11-point)",
+    **{f"{task}_{m}": f"{kind} {m}" for task, kind in (("bbox", "box"), ("segm", "mask")) for m in ("AP", "AP50", "AP75")},
+}
 
 # The paper's Barlow Twins numbers (ResNet-50, 1000 epochs; Tables 1-4 of Zbontar et al., 2021).
 PAPER_NAME = "Barlow Twins paper (ResNet-50, 1000 epochs)"
@@ -56,9 +59,10 @@ PAPER_RESULTS: dict[str, dict[str, float]] = {
     "places205_linear": {"top1": 54.1},
     "voc07_svm": {"mAP": 86.2},
     "inat18_linear": {"top1": 46.5},
-    "voc07+12_faster_rcnn_c4": {"AP": 56.8, "AP50": 82.6, "AP75": 63.4},
-    "coco_mask_rcnn_c4_1x_box": {"AP": 39.2, "AP50": 59.0, "AP75": 42.5},
-    "coco_mask_rcnn_c4_1x_mask": {"AP": 34.3, "AP50": 56.0, "AP75": 36.5},
+    "voc07+12_faster_rcnn_c4": {"bbox_AP": 56.8, "bbox_AP50": 82.6, "bbox_AP75": 63.4},
+    "coco_mask_rcnn_c4_1x": {
+        "bbox_AP": 39.2, "bbox_AP50": 59.0, "bbox_AP75": 42.5, "segm_AP": 34.3, "segm_AP50": 56.0, "segm_AP75": 36.5,
+    },
 }
 # (dataset, setting in the words of ``setting``) of each paper number, for its row beside ours.
 PAPER_SETTINGS = {
@@ -68,6 +72,8 @@ PAPER_SETTINGS = {
     "places205_linear": ("Places-205", "preset places205; paper loop with augmentation"),
     "voc07_svm": ("VOC2007", "frozen features, no training"),
     "inat18_linear": ("iNat18", "preset inat18; paper loop with augmentation"),
+    "voc07+12_faster_rcnn_c4": ("VOC07+12 (test: VOC07 test)", "preset voc; Faster R-CNN R50-C4, 24k iterations, 5 trials"),
+    "coco_mask_rcnn_c4_1x": ("COCO 2017 (test: val2017)", "preset coco; Mask R-CNN R50-C4, 1x schedule"),
 }
 
 Record = dict[str, Any]
@@ -279,6 +285,8 @@ def paper_task(record: Mapping[str, Any]) -> Optional[str]:
         return f"semi_supervised_{_number(label_fraction(record))}pct"
     if protocol == "voc07-svm":
         return "voc07_svm"
+    if protocol == "detect" and preset in ("voc", "coco"):
+        return {"voc": "voc07+12_faster_rcnn_c4", "coco": "coco_mask_rcnn_c4_1x"}[preset]
     return None
 
 

@@ -4,8 +4,8 @@ Every protocol ends with ``write_results``: it builds the run's record (bt_hub.r
 what was run, in which mode, from which preset and with which changes, on which weights
 and splits, the metrics), writes it to ``<out>/results.json``, appends it to
 ``<out>/results.jsonl`` and rewrites ``<out>/results.md`` from that history: one table per
-protocol family (``FAMILIES``: linear, semi-supervised, transfer, kNN; add an entry for a
-new family), each run's setting in words, metrics rounded to 0.1, and the paper's row
+protocol family (``FAMILIES``: linear, semi-supervised, transfer, detection, kNN; add an entry
+for a new family), each run's setting in words, metrics rounded to 0.1, and the paper's row
 beside ours only where the run follows the paper's protocol for that number.
 """
 
@@ -44,17 +44,22 @@ class Family:
     hidden: tuple[str, ...] = ()
 
 
+_DETECTION_METRICS = tuple(f"{task}_{m}" for task in ("bbox", "segm") for m in ("AP", "AP50", "AP75"))
+
 FAMILIES: dict[str, Family] = {
     "linear": Family("Linear evaluation (paper Table 1)", ("top1", "top5")),
     "semi": Family("Semi-supervised fine-tuning (paper Table 2)", ("top1", "top5")),
     "transfer": Family("Transfer to other classification tasks (paper Table 3)", ("top1", "mAP", "mAP_11point")),
+    "detect_voc": Family("Detection transfer: VOC07+12 Faster R-CNN R50-C4 (paper Table 4)", _DETECTION_METRICS[:3]),
+    "detect_coco": Family("Detection transfer: COCO Mask R-CNN R50-C4 1x (paper Table 4)", _DETECTION_METRICS),
+    "detect": Family("Detection on other data (e.g. the generated shapes of the installation check; no paper row)", _DETECTION_METRICS),
     # top1 / top5 repeat the first k's columns
     "knn": Family("Weighted kNN (community protocol, not in the paper)", ("top1_k20", "top5_k20", "top1_k200", "top5_k200"), ("top1", "top5")),
 }
 
 
 def family_of(result: Mapping[str, Any]) -> str:
-    """The table a result belongs to (``linear``, ``semi``, ``transfer``, ``knn`` or its protocol)."""
+    """The table a result belongs to (``linear``, ``semi``, ``transfer``, ``detect_voc`` / ``detect_coco`` / ``detect``, ``knn`` or its protocol)."""
     protocol = str(result.get("protocol", ""))
     if protocol == "linear" and result.get("preset") in ("places205", "inat18"):
         return "transfer"
@@ -62,6 +67,8 @@ def family_of(result: Mapping[str, Any]) -> str:
         return "transfer"
     if protocol in ("semi", "semi_supervised", "semi-supervised"):
         return "semi"
+    if protocol == "detect":
+        return {"voc": "detect_voc", "coco": "detect_coco"}.get(str(result.get("preset")), "detect")
     return protocol
 
 

@@ -1,4 +1,5 @@
-"""The detection YAMLs carry docs/protocols.md §3, and `bt-hub detect` without detectron2 says how to install it.
+"""The detection YAMLs carry docs/protocols.md §3, the generated shapes set is what it claims, and
+`bt-hub detect --engine detectron2` without detectron2 says how to install it.
 
 None of these tests needs detectron2: the YAMLs are read with PyYAML and their ``_BASE_``
 chain is merged by hand. The expected values are written out below from docs/protocols.md §3,
@@ -12,12 +13,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 
 from bt_hub.cli import main as cli_main
 from eval.detection.config import CONFIGS, configs_dir, resolve_config
-from eval.detection.synthetic import write_coco, write_voc
+from eval.detection.data import load_records, locate
+from eval.detection.synthetic import CLASSES, COLOURS, DetectionDataConfig, make_detection_data, rasterize, write_coco, write_voc
 from eval.detection.train_net import aggregate_trials
 
 PIXEL_MEAN = [123.675, 116.280, 103.530]
@@ -122,13 +125,26 @@ def test_aliases_resolve_to_shipped_files_and_unknown_configs_are_refused(tmp_pa
     own = tmp_path / "mine.yaml"
     own.write_text("_BASE_: x.yaml\n")
     assert resolve_config(str(own)) == own
-    with pytest.raises(FileNotFoundError, match="--config must be 'voc', 'coco' or a detectron2 YAML file"):
+    with pytest.raises(FileNotFoundError, match="--config must be 'voc', 'coco', 'shapes-voc', 'shapes-coco' or a detectron2 YAML file"):
         resolve_config(str(tmp_path / "absent.yaml"))
 
 
-def test_detect_without_detectron2_fails_with_the_install_sentence(monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("alias", ["shapes-voc", "shapes-coco"])
+def test_installation_check_configs_fit_the_generated_set(alias):
+    cfg = _load(resolve_config(alias))
+    assert cfg["MODEL"]["ROI_HEADS"]["NUM_CLASSES"] == len(CLASSES)
+    assert cfg["MODEL"]["MASK_ON"] == (alias == "shapes-coco")
+    layout = {"shapes-voc": (["voc_2007_trainval"], ["voc_2007_test"]), "shapes-coco": (["coco_2017_train"], ["coco_2017_val"])}[alias]
+    assert (cfg["DATASETS"]["TRAIN"], cfg["DATASETS"]["TEST"]) == layout
+    # the paper's model: only sizes, RoI/proposal counts and the schedule differ from the base
+    base = _load(configs_dir() / "Base-RCNN-C4-BN.yaml")
+    for key in ("MODEL.ANCHOR_GENERATOR.SIZES", "MODEL.ROI_HEADS.NAME", "MODEL.RESNETS.NORM", "MODEL.BACKBONE.FREEZE_AT", "MODEL.PIXEL_MEAN"):
+        assert _get(cfg, key) == _get(base, key), key
+
+
+def test_detect_with_detectron2_engine_but_without_detectron2_fails_with_the_install_sentence(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "detectron2", None)  # `import detectron2` now raises ImportError
-    code = cli_main(["detect", "--weights", str(tmp_path / "w.pth"), "--data", str(tmp_path)])
+    code = cli_main(["detect", "--engine", "detectron2", "--weights", str(tmp_path / "w.pth"), "--data", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1
@@ -159,13 +175,68 @@ def test_synthetic_data_is_seeded_and_in_the_documented_layouts(tmp_path):
     xml_a = (tmp_path / "a" / "VOC2007" / "Annotations" / f"{ids[0]}.xml").read_text()
     assert xml_a == (tmp_path / "b" / "VOC2007" / "Annotations" / f"{ids[0]}.xml").read_text()
     assert "<difficult>0</difficult>" in xml_a and "<name>" in xml_a
+    assert (tmp_path / "a" / "VOC2007" / "classes.txt").read_text().split() == list(CLASSES)
     assert len((tmp_path / "a" / "VOC2012" / "ImageSets" / "Main" / "trainval.txt").read_text().split()) == 8
 
     coco = json.loads((write_coco(tmp_path / "c", seed=5) / "annotations" / "instances_val2017.json").read_text())
-    assert [c["name"] for c in coco["categories"]] == ["square", "disc", "triangle"]
+    assert [c["name"] for c in coco["categories"]] == list(CLASSES)
     assert len(coco["images"]) == 4 and coco["annotations"]
     for ann in coco["annotations"]:
         x, y, w, h = ann["bbox"]
         xs, ys = ann["segmentation"][0][0::2], ann["segmentation"][0][1::2]
-        assert min(xs) >= x - 1e-6 and max(xs) <= x + w + 1e-6 and min(ys) >= y - 1e-6 and max(ys) <= y + h + 1e-6
-        assert 0 < ann["area"] <= w * h + 1e-6
+        assert (min(xs), min(ys), max(xs), max(ys)) == pytest.approx((x, y, x + w, y + h))  # the box bounds the polygon
+        assert 0 < ann["area"] <= w * h
+
+
+def test_make_detection_data_writes_the_same_images_in_both_layouts(tmp_path):
+    root = make_detection_data(DetectionDataConfig(out=str(tmp_path / "shapes"), train=6, test=5, size=96, seed=2))
+    for voc, coco in (("voc_2007_trainval", "coco_2017_train"), ("voc_2007_test", "coco_2017_val")):
+        voc_records, voc_names, _ = load_records(locate(voc, root))
+        coco_records, coco_names, _ = load_records(locate(coco, root))
+        assert voc_names == coco_names == CLASSES
+        assert len(voc_records) == len(coco_records)
+        for v, c in zip(voc_records, coco_records):
+            assert v.boxes.tolist() == c.boxes.tolist() and v.labels.tolist() == c.labels.tolist()
+    records = load_records(locate("coco_2017_val", root))[0] + load_records(locate("coco_2017_train", root))[0]
+    counts = [len(r.labels) for r in records]
+    sides = [min(b[2] - b[0], b[3] - b[1]) for r in records for b in r.boxes]
+    assert min(counts) >= 2 and max(counts) <= 5 and sum(counts) / len(counts) > 2.5  # several objects per image
+    assert min(sides) < 32 and max(sides) > 32  # COCO-small objects and larger ones
+    for r in records:  # objects never overlap, so every box is fully visible
+        for i in range(len(r.boxes)):
+            for j in range(i):
+                a, b = r.boxes[i], r.boxes[j]
+                assert a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1]
+    # the drawn pixels are the polygons: inside each mask the colour is its class's colour
+    from PIL import Image
+
+    coco = json.loads((root / "annotations" / "instances_val2017.json").read_text())
+    for ann in coco["annotations"]:
+        image = next(i for i in coco["images"] if i["id"] == ann["image_id"])
+        pixels = np.asarray(Image.open(root / "val2017" / image["file_name"]).convert("RGB"), dtype=np.float32)
+        inside = pixels[rasterize(ann["segmentation"][0], image["height"], image["width"])].mean(axis=0)
+        assert np.abs(inside - COLOURS[CLASSES[ann["category_id"] - 1]]).max() < 45, ann  # colour jitter 15 + JPEG at thin edges
+    # the same flags again leave the folder as it is; other contents are never overwritten
+    assert make_detection_data(DetectionDataConfig(out=str(root), train=6, test=5, size=96, seed=2)) == root
+    with pytest.raises(FileExistsError, match="is not an empty folder"):
+        make_detection_data(DetectionDataConfig(out=str(root), train=7, test=5, size=96, seed=2))
+
+
+def test_detection_results_get_the_papers_rows_in_the_report():
+    from eval.report import render_table
+
+    def record(preset, **metrics):
+        return {"protocol": "detect", "preset": preset, "metrics": metrics, "weights": {"name": "bt.pth", "fingerprint": "ab"},
+                "dataset": {"name": "d"}, "wall_time_s": 1.0}
+
+    text = render_table([
+        record("voc", bbox_AP=50.0, bbox_AP50=80.0, bbox_AP75=55.0),
+        record("coco", bbox_AP=38.0, bbox_AP50=58.0, bbox_AP75=41.0, segm_AP=33.0, segm_AP50=55.0, segm_AP75=35.0),
+        record("shapes-voc", bbox_AP=60.0, bbox_AP50=90.0, bbox_AP75=70.0),
+    ])
+    voc, coco, other = text.split("### ")[1:]
+    assert "VOC07+12 Faster R-CNN" in voc and "| box AP | box AP50 | box AP75 | Wall time (s) |" in voc
+    assert "| 56.8 | 82.6 | 63.4 | — |" in voc and "| preset voc | bt.pth (ab) | d | 50.0 | 80.0 | 55.0 | 1.0 |" in voc
+    assert "| mask AP | mask AP50 | mask AP75 |" in coco
+    assert "| 39.2 | 59.0 | 42.5 | 34.3 | 56.0 | 36.5 | — |" in coco and "| 38.0 | 58.0 | 41.0 | 33.0 | 55.0 | 35.0 | 1.0 |" in coco
+    assert "paper" not in other.split("|---")[1] and "| preset shapes-voc | bt.pth (ab) | d | 60.0 | 90.0 | 70.0 | 1.0 |" in other

@@ -1,33 +1,47 @@
-"""Tiny detection datasets on disk: a VOC devkit (2007 + 2012) and a COCO json with masks.
+"""A learnable generated detection set: coloured shapes on textured canvases, boxes and masks.
 
-Each image is uniform noise with a few filled shapes (square, disc, triangle) whose boxes,
-and for COCO polygon masks, are the annotations. They exist so that the whole detection
-path (registration, training, VOC and COCO evaluation) runs on a CPU in minutes; the
-numbers they give mean nothing about a backbone. Everything is drawn from one seed.
+Four classes that nothing else looks like — a red square, a green disc, a blue triangle and
+a yellow cross — are drawn at random positions and sizes (from 10% to 45% of the image side,
+so some are COCO-"small") on a grey texture, 2 to 5 per image, never overlapping. Every
+choice comes from one seed. ``bt-hub make-detection-data`` writes the same images in both
+layouts the detection configs read:
+
+- VOC devkit: ``ROOT/VOC2007/{Annotations,ImageSets/Main/{trainval,test}.txt,JPEGImages}``
+  (1-based inclusive corners, ``difficult`` 0) and ``ROOT/VOC2007/classes.txt``, the set's own
+  class list (one name a line), which both detection engines register instead of the 20 VOC
+  classes so that AP is averaged over these four classes only;
+- COCO json: ``ROOT/annotations/instances_{train,val}2017.json`` (``[x, y, w, h]`` boxes,
+  polygon masks, areas of the rasterised masks) with images in ``ROOT/{train,val}2017/``.
+
+A detector that works learns these shapes within minutes of CPU (README, "Detection
+transfer"); one that does not is broken, not unlucky.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image
 
+from bt_hub.optional import require
 from bt_hub.runs import atomic_write, atomic_write_json, atomic_write_text
 
-SHAPES = ("square", "disc", "triangle")
-# The VOC devkit only knows its 20 classes: the shapes are written under the first three.
-VOC_NAMES = {"square": "aeroplane", "disc": "bicycle", "triangle": "bird"}
+CLASSES = ("square", "disc", "triangle", "cross")
+COLOURS = {"square": (225, 45, 45), "disc": (40, 205, 70), "triangle": (55, 95, 240), "cross": (240, 215, 35)}
+CLASSES_FILE = "classes.txt"
+MARKER = "bt_hub_detection_data.json"
 
-__all__ = ["SHAPES", "VOC_NAMES", "Shape", "draw_image", "write_coco", "write_voc"]
+__all__ = ["CLASSES", "CLASSES_FILE", "DetectionDataConfig", "Shape", "draw_image", "make_detection_data", "write_coco", "write_voc"]
 
 
 @dataclass(frozen=True)
 class Shape:
-    """One object: its kind, its box (x0, y0, x1, y1, pixels, exclusive) and its polygon."""
+    """One object: its class, its box (x0, y0, x1, y1: continuous pixel coordinates) and its polygon."""
 
     kind: str
     box: tuple[int, int, int, int]
@@ -35,19 +49,46 @@ class Shape:
 
 
 def _polygon(kind: str, box: tuple[int, int, int, int]) -> tuple[float, ...]:
+    """The outline of ``kind`` inscribed in ``box``; its bounding box is ``box`` exactly."""
     x0, y0, x1, y1 = box
+    cx, cy, w, h = (x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0
     if kind == "square":
         pts = [(x0, y0), (x1, y0), (x1, y1), (x0, y1)]
     elif kind == "triangle":
-        pts = [((x0 + x1) / 2, y0), (x1, y1), (x0, y1)]
+        pts = [(cx, y0), (x1, y1), (x0, y1)]
+    elif kind == "cross":
+        a, b = w / 3, h / 3
+        pts = [(x0 + a, y0), (x1 - a, y0), (x1 - a, y0 + b), (x1, y0 + b), (x1, y1 - b), (x1 - a, y1 - b),
+               (x1 - a, y1), (x0 + a, y1), (x0 + a, y1 - b), (x0, y1 - b), (x0, y0 + b), (x0 + a, y0 + b)]
     else:
-        cx, cy, rx, ry = (x0 + x1) / 2, (y0 + y1) / 2, (x1 - x0) / 2, (y1 - y0) / 2
-        pts = [(cx + rx * math.cos(a), cy + ry * math.sin(a)) for a in np.linspace(0, 2 * math.pi, 16, endpoint=False)]
+        angles = [2 * math.pi * k / 24 for k in range(24)]
+        pts = [(cx + w / 2 * math.cos(t), cy + h / 2 * math.sin(t)) for t in angles]
+        pts = [(min(max(x, x0), x1), min(max(y, y0), y1)) for x, y in pts]
     return tuple(float(v) for p in pts for v in p)
 
 
-def draw_image(rng: np.random.Generator, size: int, max_objects: int = 3) -> tuple[Image.Image, list[Shape]]:
-    """A noise image of ``size`` x ``size`` with 1..max_objects shapes that do not overlap much.
+def rasterize(polygon: Sequence[float], height: int, width: int) -> np.ndarray:
+    """The ``height`` x ``width`` bool mask of a polygon, rasterised as COCO's tools do."""
+    mask_util = require("pycocotools.mask", "the generated detection set")
+    rle = mask_util.merge(mask_util.frPyObjects([list(polygon)], height, width))
+    return mask_util.decode(rle).astype(bool)
+
+
+def _texture(rng: np.random.Generator, size: int) -> np.ndarray:
+    """A grey canvas: coarse blotches plus fine grain, kept darker than every object colour."""
+    coarse = rng.uniform(50, 130, size=(max(2, size // 16),) * 2 + (1,)).astype(np.float32)
+    blotches = np.asarray(Image.fromarray(coarse[..., 0].astype(np.uint8)).resize((size, size), Image.BILINEAR), dtype=np.float32)
+    tint = rng.uniform(-12, 12, size=3).astype(np.float32)
+    grain = rng.normal(0, 10, size=(size, size, 3)).astype(np.float32)
+    return np.clip(blotches[..., None] + tint + grain, 0, 255)
+
+
+def _overlaps(box: Sequence[int], others: Sequence[Shape], gap: int = 2) -> bool:
+    return any(box[0] < o.box[2] + gap and o.box[0] < box[2] + gap and box[1] < o.box[3] + gap and o.box[1] < box[3] + gap for o in others)
+
+
+def draw_image(rng: np.random.Generator, size: int, max_objects: int = 5) -> tuple[Image.Image, list[Shape]]:
+    """A textured ``size`` x ``size`` image with 2..max_objects non-overlapping shapes.
 
     Args:
         rng: the random generator every choice is drawn from.
@@ -55,32 +96,28 @@ def draw_image(rng: np.random.Generator, size: int, max_objects: int = 3) -> tup
         max_objects: the most shapes per image.
 
     Returns:
-        The RGB image and its shapes.
+        The RGB image and its shapes (drawn exactly as their polygons rasterise).
     """
-    pixels = rng.integers(0, 96, size=(size, size, 3), dtype=np.uint8)
-    image = Image.fromarray(pixels, "RGB")
-    draw = ImageDraw.Draw(image)
+    pixels = _texture(rng, size)
     shapes: list[Shape] = []
-    for _ in range(int(rng.integers(1, max_objects + 1))):
-        side = int(rng.integers(size // 5, size // 2))
-        x0, y0 = (int(v) for v in rng.integers(0, size - side, size=2))
-        box = (x0, y0, x0 + side, y0 + side)
-        if any(_iou(box, s.box) > 0.3 for s in shapes):
+    low, high = max(6, round(0.10 * size)), max(8, round(0.45 * size))
+    for _ in range(int(rng.integers(2, max_objects + 1))):
+        for _attempt in range(30):
+            side = int(round(math.exp(rng.uniform(math.log(low), math.log(high)))))
+            aspect = rng.uniform(0.8, 1.25)
+            w, h = max(4, min(size, round(side * aspect))), max(4, min(size, round(side / aspect)))
+            x0, y0 = int(rng.integers(0, size - w + 1)), int(rng.integers(0, size - h + 1))
+            box = (x0, y0, x0 + w, y0 + h)
+            if not _overlaps(box, shapes):
+                break
+        else:
             continue
-        kind = SHAPES[int(rng.integers(len(SHAPES)))]
+        kind = CLASSES[int(rng.integers(len(CLASSES)))]
         polygon = _polygon(kind, box)
-        colour = tuple(int(c) for c in rng.integers(140, 256, size=3))
-        draw.polygon(list(zip(polygon[0::2], polygon[1::2])), fill=colour)
+        colour = np.asarray(COLOURS[kind], dtype=np.float32) + rng.uniform(-15, 15, size=3)
+        pixels[rasterize(polygon, size, size)] = np.clip(colour, 0, 255)
         shapes.append(Shape(kind, box, polygon))
-    return image, shapes
-
-
-def _iou(a: Sequence[int], b: Sequence[int]) -> float:
-    ix = max(0, min(a[2], b[2]) - max(a[0], b[0]))
-    iy = max(0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = ix * iy
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union else 0.0
+    return Image.fromarray(pixels.astype(np.uint8), "RGB"), shapes
 
 
 def _save_jpeg(image: Image.Image, path: Path) -> None:
@@ -89,7 +126,7 @@ def _save_jpeg(image: Image.Image, path: Path) -> None:
 
 def _voc_xml(file_id: str, size: int, shapes: list[Shape]) -> str:
     objects = "".join(
-        f"<object><name>{VOC_NAMES[s.kind]}</name><pose>Unspecified</pose><truncated>0</truncated>"
+        f"<object><name>{s.kind}</name><pose>Unspecified</pose><truncated>0</truncated>"
         f"<difficult>0</difficult><bndbox><xmin>{s.box[0] + 1}</xmin><ymin>{s.box[1] + 1}</ymin>"
         f"<xmax>{s.box[2]}</xmax><ymax>{s.box[3]}</ymax></bndbox></object>"
         for s in shapes
@@ -108,7 +145,7 @@ def write_voc(
     size: int = 128,
     seed: int = 0,
 ) -> Path:
-    """Write a VOC devkit: ``root/VOC{year}/{Annotations,ImageSets/Main,JPEGImages}``.
+    """Write a VOC devkit of generated images: ``root/VOC{year}/`` with its own ``classes.txt``.
 
     Boxes follow the devkit's convention (1-based, inclusive integer corners); every
     object has ``difficult`` 0.
@@ -117,7 +154,7 @@ def write_voc(
         root: the devkit root (``bt-hub detect --data`` takes this directory).
         splits: images per split per year; default 2007 trainval 8 / test 4, 2012 trainval 8.
         size: image side in pixels.
-        seed: seed of every image and shape.
+        seed: seed of every image and shape (splits are drawn in the order given).
 
     Returns:
         ``root``.
@@ -127,6 +164,7 @@ def write_voc(
     rng = np.random.default_rng(seed)
     for year, counts in splits.items():
         base = root / f"VOC{year}"
+        atomic_write_text(base / CLASSES_FILE, "".join(name + "\n" for name in CLASSES))
         for split, count in counts.items():
             ids = [f"{year}_{split}_{i:06d}" for i in range(count)]
             for file_id in ids:
@@ -144,10 +182,11 @@ def write_coco(
     size: int = 128,
     seed: int = 0,
 ) -> Path:
-    """Write COCO-layout data: ``root/annotations/instances_{split}.json`` and ``root/{split}/*.jpg``.
+    """Write COCO-layout data of generated images: ``root/annotations/instances_{split}.json`` and ``root/{split}/``.
 
-    Categories are the shapes (ids 1..3); each annotation carries its box ``[x, y, w, h]``,
-    its polygon and its polygon's area.
+    Categories are the classes (ids 1..4); each annotation carries its box ``[x, y, w, h]``,
+    its polygon and the pixel area of the rasterised polygon. With the same seed and counts,
+    the images equal those of :func:`write_voc` (split by split).
 
     Args:
         root: the dataset root (``bt-hub detect --data`` takes this directory).
@@ -161,7 +200,7 @@ def write_coco(
     root = Path(root)
     splits = splits or {"train2017": 8, "val2017": 4}
     rng = np.random.default_rng(seed)
-    categories = [{"id": i + 1, "name": name, "supercategory": "shape"} for i, name in enumerate(SHAPES)]
+    categories = [{"id": i + 1, "name": name, "supercategory": "shape"} for i, name in enumerate(CLASSES)]
     ann_id = 0
     for split, count in splits.items():
         images, annotations = [], []
@@ -172,23 +211,65 @@ def write_coco(
             images.append({"id": i + 1, "file_name": file_name, "height": size, "width": size})
             for s in shapes:
                 ann_id += 1
-                xs, ys = np.asarray(s.polygon[0::2]), np.asarray(s.polygon[1::2])
-                area = 0.5 * abs(float(np.dot(xs, np.roll(ys, 1)) - np.dot(ys, np.roll(xs, 1))))
                 x0, y0, x1, y1 = s.box
                 annotations.append(
                     {
                         "id": ann_id,
                         "image_id": i + 1,
-                        "category_id": SHAPES.index(s.kind) + 1,
+                        "category_id": CLASSES.index(s.kind) + 1,
                         "bbox": [x0, y0, x1 - x0, y1 - y0],
-                        "area": area,
+                        "area": float(rasterize(s.polygon, size, size).sum()),
                         "segmentation": [list(s.polygon)],
                         "iscrowd": 0,
                     }
                 )
         atomic_write_json(
             root / "annotations" / f"instances_{split}.json",
-            {"images": images, "annotations": annotations, "categories": categories, "info": {"description": "bt_hub synthetic shapes"}, "licenses": []},
+            {"images": images, "annotations": annotations, "categories": categories, "info": {"description": "bt_hub generated shapes"}, "licenses": []},
         )
     return root
 
+
+@dataclass
+class DetectionDataConfig:
+    """Flags of ``bt-hub make-detection-data``."""
+
+    out: str = field(metadata={"help": "new or empty folder to write into (VOC2007/ devkit + COCO annotations/, train2017/, val2017/)"})
+    train: int = field(default=600, metadata={"help": "training images (VOC2007 trainval = COCO train2017)"})
+    test: int = field(default=100, metadata={"help": "held-out images (VOC2007 test = COCO val2017)"})
+    size: int = field(default=128, metadata={"help": "image side in pixels"})
+    seed: int = field(default=0, metadata={"help": "seed of every image and shape"})
+
+    def __post_init__(self) -> None:
+        for flag, value, low in (("--train", self.train, 1), ("--test", self.test, 1), ("--size", self.size, 32)):
+            if value < low:
+                raise ValueError(f"{flag} must be >= {low}, got {value}")
+
+
+def make_detection_data(config: DetectionDataConfig) -> Path:
+    """Write the generated set in both layouts under ``config.out`` (see the module doc).
+
+    A folder that already holds the same set (same flags) is left as it is.
+
+    Raises:
+        FileExistsError: ``--out`` holds other files (nothing is overwritten).
+    """
+    root = Path(config.out).expanduser()
+    record: dict[str, Any] = {**asdict(config), "classes": list(CLASSES), "layouts": ["voc2007", "coco2017"]}
+    record.pop("out")
+    marker = root / MARKER
+    if marker.is_file() and _read_json(marker) == record:
+        return root
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise FileExistsError(f"--out {root} is not an empty folder; make-detection-data writes only into a new or empty folder")
+    write_voc(root, splits={"2007": {"trainval": config.train, "test": config.test}}, size=config.size, seed=config.seed)
+    write_coco(root, splits={"train2017": config.train, "val2017": config.test}, size=config.size, seed=config.seed)
+    atomic_write_json(marker, record)
+    return root
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None

@@ -1,10 +1,12 @@
-"""``bt-hub detect``: Faster/Mask R-CNN R50-C4 transfer through detectron2 (docs/protocols.md §3).
+"""``bt-hub detect``: Faster/Mask R-CNN R50-C4 transfer (docs/protocols.md §3) on one of two engines.
 
-Reads top to bottom: the flags (``DetectConfig``), the weights (converted to a detectron2
-``.pkl`` with ``bt_hub.weights`` unless already one), the detectron2 config (a shipped
-YAML or a file, then ``opts``), one trial per seed through detectron2's own ``launch`` (one
-process per GPU, several machines), and ``results.json`` with the mean and standard
-deviation over the trials. The training loop itself is detectron2's (``eval.detection.trainer``).
+Reads top to bottom: the flags (``DetectConfig``), the engine (``--engine``: detectron2, or
+the torchvision R50-C4 of ``eval.detection.torchvision_model``; ``auto`` takes detectron2 when
+it is importable), the config (a shipped YAML or a file, then ``opts``; both engines read the
+same YAML), one trial per seed, and ``results.json`` with the mean and standard deviation
+over the trials. detectron2 trials run through detectron2's own ``launch`` (one process per
+GPU, several machines) and trainer (``eval.detection.trainer``); torchvision trials run in
+this process, one per torchrun process (``eval.detection.torchvision_trainer``).
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 from bt_hub.optional import require
+from eval.detection.config import CONFIGS
 
-__all__ = ["DetectConfig", "aggregate_trials", "main", "prepare_weights"]
+__all__ = ["DetectConfig", "aggregate_trials", "main", "prepare_weights", "resolve_engine"]
 
-INSTALL_PURPOSE = "bt-hub detect (detection transfer)"
+INSTALL_PURPOSE = "bt-hub detect --engine detectron2 (detection transfer)"
+ENGINES = ("auto", "torchvision", "detectron2")
 
 
 @dataclass
@@ -30,9 +34,10 @@ class DetectConfig:
 
     weights: str = field(metadata={"help": "backbone weights: a detectron2 .pkl, or anything load_backbone reads (converted to .pkl in --out)"})
     data: str = field(metadata={"help": "data root: VOC2007/ and VOC2012/ devkits (voc), or annotations/instances_{train,val}2017.json + train2017/ + val2017/ (coco)"})
-    config: str = field(default="voc", metadata={"help": "'voc' (Faster R-CNN, VOC07+12, 24k), 'coco' (Mask R-CNN, COCO 1x) or a detectron2 YAML path"})
+    config: str = field(default="voc", metadata={"help": "'voc' (Faster R-CNN, VOC07+12, 24k), 'coco' (Mask R-CNN, COCO 1x), 'shapes-voc' / 'shapes-coco' (the installation check on make-detection-data output) or a YAML path"})
+    engine: Literal["auto", "torchvision", "detectron2"] = field(default="auto", metadata={"help": "detectron2, or torchvision's Faster/Mask R-CNN built as the same C4 model; auto: detectron2 when importable, else torchvision"})
     out: str = field(default="runs/detect", metadata={"help": "output directory: results.json, weights.pkl, trial<k>/ (config.yaml, metrics.jsonl, checkpoints, log)"})
-    num_gpus: int = field(default=1, metadata={"help": "processes per machine (one per GPU); batch, lr and iterations rescale linearly from the configs' 8 (SOLVER.REFERENCE_WORLD_SIZE)"})
+    num_gpus: int = field(default=1, metadata={"help": "detectron2: processes per machine (one per GPU); batch, lr and iterations rescale linearly from the configs' 8 (SOLVER.REFERENCE_WORLD_SIZE). torchvision: run under torchrun instead"})
     num_machines: int = field(default=1, metadata={"help": "machines in the job"})
     machine_rank: int = field(default=0, metadata={"help": "this machine's rank (0 writes results.json)"})
     dist_url: str = field(default="auto", metadata={"help": "rendezvous URL, e.g. tcp://HOST:PORT; 'auto' picks a free local port (one machine only)"})
@@ -42,7 +47,7 @@ class DetectConfig:
     resume: bool = field(default=False, metadata={"help": "continue each trial from the last checkpoint in its folder"})
     opts: list[str] = field(default_factory=list, metadata={"help": "detectron2 overrides KEY VALUE ..., e.g. SOLVER.IMS_PER_BATCH 8", "positional": True})
 
-    ALIASES: ClassVar[tuple[str, ...]] = ("voc", "coco")
+    ALIASES: ClassVar[tuple[str, ...]] = tuple(CONFIGS)
 
     def __post_init__(self) -> None:
         for flag, value, low in (("--num-gpus", self.num_gpus, 1), ("--num-machines", self.num_machines, 1), ("--trials", self.trials, 1)):
@@ -56,7 +61,20 @@ class DetectConfig:
             raise ValueError(f"--device must be 'cpu' or 'cuda', got {self.device!r}")
         if not str(self.weights).strip():
             raise ValueError("--weights must name a checkpoint, got an empty string")
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         self.opts = list(self.opts)
+
+
+def resolve_engine(engine: str) -> str:
+    """``auto`` -> ``detectron2`` when it is importable, else ``torchvision``; others unchanged."""
+    if engine != "auto":
+        return engine
+    try:
+        import detectron2  # noqa: F401
+    except ImportError:
+        return "torchvision"
+    return "detectron2"
 
 
 def prepare_weights(source: str, out_dir: Path) -> tuple[str, dict[str, Any]]:
@@ -87,20 +105,32 @@ def aggregate_trials(trials: list[dict[str, float]]) -> dict[str, float]:
 
 
 def main(config: DetectConfig) -> Optional[dict[str, Any]]:
-    """Run ``config.trials`` detection transfers and write ``results.json`` (machine 0).
+    """Run ``config.trials`` detection transfers and write ``results.json`` (machine / rank 0).
 
     Returns:
-        The results record on machine 0, None on the other machines.
+        The results record on the main process, None on the others.
     """
+    from eval.detection.config import resolve_config
+
+    start = time.time()
+    engine = resolve_engine(config.engine)
+    out = Path(config.out).expanduser().resolve()
+    yaml_path = resolve_config(config.config)
+    run = _detectron2_trials if engine == "detectron2" else _torchvision_trials
+    trials = run(config, yaml_path, out)
+    if trials is None:
+        return None
+    return _write(config, engine, yaml_path, trials, start)
+
+
+def _detectron2_trials(config: DetectConfig, yaml_path: Path, out: Path) -> Optional[list[dict[str, Any]]]:
     require("detectron2", INSTALL_PURPOSE)
     from detectron2.engine import launch
 
-    from eval.detection.config import build_cfg, resolve_config
-    from eval.detection.trainer import TRIAL_METRICS, run_trial
+    from eval.detection.config import build_cfg
+    from eval.detection.evaluation import TRIAL_METRICS
+    from eval.detection.trainer import run_trial
 
-    start = time.time()
-    out = Path(config.out).expanduser().resolve()
-    yaml_path = resolve_config(config.config)
     weights, expected = prepare_weights(config.weights, out)
     seeds = [config.seed + k for k in range(config.trials)]
     trial_dirs = [out / f"trial{k}" for k in range(config.trials)]
@@ -116,11 +146,35 @@ def main(config: DetectConfig) -> Optional[dict[str, Any]]:
         )
     if config.machine_rank != 0:
         return None
-    trials = [json.loads((d / TRIAL_METRICS).read_text()) for d in trial_dirs]
-    return _write(config, yaml_path, trials, start)
+    return [json.loads((d / TRIAL_METRICS).read_text()) for d in trial_dirs]
 
 
-def _write(config: DetectConfig, yaml_path: Path, trials: list[dict[str, Any]], start: float) -> dict[str, Any]:
+def _torchvision_trials(config: DetectConfig, yaml_path: Path, out: Path) -> Optional[list[dict[str, Any]]]:
+    if (config.num_gpus, config.num_machines, config.machine_rank, config.dist_url) != (1, 1, 0, "auto"):
+        raise ValueError(
+            "--engine torchvision runs one process per GPU under torchrun (torchrun --nproc-per-node N -m bt_hub.cli "
+            "detect --engine torchvision ...); --num-gpus, --num-machines, --machine-rank and --dist-url are detectron2's launcher flags"
+        )
+    from bt_hub.weights import load_backbone, read_backbone_state_dict
+    from bt_hub.distributed import is_main_process, process_group
+    from eval.detection.config import load_settings
+    from eval.detection.torchvision_trainer import run_trial
+
+    settings = load_settings(yaml_path, config.opts)
+    arch = f"resnet{settings['MODEL.RESNETS.DEPTH']}"
+    expected, _ = read_backbone_state_dict(config.weights)
+    data_root = str(Path(config.data).expanduser().resolve())
+    trials = []
+    with process_group(config.device) as device:
+        for k in range(config.trials):
+            resnet = load_backbone(config.weights, arch=arch, small_image_stem=False)
+            trials.append(run_trial(settings, data_root=data_root, resnet=resnet, expected=None if config.resume else expected,
+                                    out=out / f"trial{k}", seed=config.seed + k, device=device, resume=config.resume))
+        main_process = is_main_process()
+    return trials if main_process else None
+
+
+def _write(config: DetectConfig, engine: str, yaml_path: Path, trials: list[dict[str, Any]], start: float) -> dict[str, Any]:
     from bt_hub.weights import weights_fingerprint
     from eval.features import dataset_fingerprint
     from eval.report import write_results
@@ -130,7 +184,7 @@ def _write(config: DetectConfig, yaml_path: Path, trials: list[dict[str, Any]], 
         config.out,
         protocol="detect",
         preset=preset,
-        config={**dataclasses.asdict(config), "config_file": str(yaml_path), "detectron2": trials[0]["config"]},
+        config={**dataclasses.asdict(config), "engine": engine, "config_file": str(yaml_path), "resolved_config": trials[0]["config"]},
         metrics=aggregate_trials([t["metrics"] for t in trials]),
         weights=config.weights,
         weights_sha256=weights_fingerprint(config.weights),
@@ -138,5 +192,5 @@ def _write(config: DetectConfig, yaml_path: Path, trials: list[dict[str, Any]], 
         dataset_fingerprint=dataset_fingerprint(config.data),
         seed=config.seed,
         wall_time_s=time.time() - start,
-        notes={"trials": [{"seed": t["seed"], "metrics": t["metrics"]} for t in trials]},
+        notes={"engine": engine, "trials": [{"seed": t["seed"], "metrics": t["metrics"]} for t in trials]},
     )

@@ -23,10 +23,9 @@ from detectron2.utils.env import seed_all_rng
 from bt_hub.runs import RunDir, atomic_write_json, atomic_write_text
 from eval.detection import roi_heads  # noqa: F401  (registers Res5ROIHeadsExtraNorm)
 from eval.detection.datasets import num_classes, register_datasets
+from eval.detection.evaluation import REPORTED, TRIAL_METRICS, flatten_metrics
 
-__all__ = ["LossLog", "Trainer", "flatten_metrics", "run_trial", "unloaded_parameters"]
-
-TRIAL_METRICS = "trial_metrics.json"
+__all__ = ["LossLog", "Trainer", "evaluate_dataset", "run_trial", "unloaded_parameters"]
 
 
 class LossLog(HookBase):
@@ -57,18 +56,55 @@ class Trainer(DefaultTrainer):
     @classmethod
     def build_evaluator(cls, cfg: CfgNode, dataset_name: str) -> DatasetEvaluator:
         """VOC AP/AP50/AP75 (11-point on VOC2007) or COCO box (and mask) AP."""
-        kind = MetadataCatalog.get(dataset_name).get("evaluator_type")
-        if kind == "pascal_voc":
-            return PascalVOCDetectionEvaluator(dataset_name)
-        if kind == "coco":
-            return COCOEvaluator(dataset_name, output_dir=str(Path(cfg.OUTPUT_DIR) / "inference"))
-        raise ValueError(f"dataset {dataset_name!r} has no VOC or COCO evaluator (metadata evaluator_type {kind!r})")
+        return _evaluator(dataset_name, output_dir=str(Path(cfg.OUTPUT_DIR) / "inference"))
 
     def build_hooks(self) -> list[HookBase]:
         kept = [h for h in super().build_hooks() if not isinstance(h, hooks.EvalHook)]
         if comm.is_main_process():
             kept.append(LossLog(self._run_dir))
         return kept
+
+
+def _evaluator(dataset_name: str, *, output_dir: str | None = None, tasks: tuple[str, ...] | None = None) -> DatasetEvaluator:
+    kind = MetadataCatalog.get(dataset_name).get("evaluator_type")
+    if kind == "pascal_voc":
+        return PascalVOCDetectionEvaluator(dataset_name)
+    if kind == "coco":
+        return COCOEvaluator(dataset_name, tasks=tasks, distributed=False, output_dir=output_dir)
+    raise ValueError(f"dataset {dataset_name!r} has no VOC or COCO evaluator (metadata evaluator_type {kind!r})")
+
+
+def evaluate_dataset(data_root: str | Path, dataset_name: str, predictions: Mapping[Any, Mapping[str, Any]], *, with_masks: bool) -> dict[str, dict[str, float]]:
+    """detectron2's own evaluator of ``dataset_name`` (under ``data_root``) on given predictions.
+
+    ``predictions`` are per image id as ``eval.detection.evaluation`` describes them (XYXY
+    boxes in original pixels, 0-based labels, masks as bool arrays or RLEs); they are handed
+    to the evaluator as the ``Instances`` a detectron2 model would output.
+
+    Returns:
+        ``{"bbox": {"AP", "AP50", "AP75", ...}}`` (+ ``"segm"``), as detectron2 reports them.
+    """
+    from detectron2.data import DatasetCatalog
+    from detectron2.structures import Boxes, Instances
+    from pycocotools import mask as mask_util
+
+    register_datasets([dataset_name], data_root)
+    evaluator = _evaluator(dataset_name, tasks=("bbox", "segm") if with_masks else ("bbox",))
+    evaluator.reset()
+    for record in DatasetCatalog.get(dataset_name):
+        p = predictions.get(record["image_id"])
+        if p is None:
+            continue
+        instances = Instances((record["height"], record["width"]))
+        instances.pred_boxes = Boxes(torch.as_tensor(np.asarray(p["boxes"], dtype=np.float32).reshape(-1, 4)))
+        instances.scores = torch.as_tensor(np.asarray(p["scores"], dtype=np.float32))
+        instances.pred_classes = torch.as_tensor(np.asarray(p["labels"], dtype=np.int64))
+        if with_masks:
+            masks = p["masks"]
+            masks = np.stack([mask_util.decode(m) for m in masks]) if isinstance(masks, list) and masks else np.asarray(masks)
+            instances.pred_masks = torch.as_tensor(masks.reshape(-1, record["height"], record["width"]).astype(bool))
+        evaluator.process([{"image_id": record["image_id"], "height": record["height"], "width": record["width"]}], [{"instances": instances}])
+    return evaluator.evaluate()
 
 
 def _bare(model: torch.nn.Module) -> torch.nn.Module:
@@ -99,21 +135,6 @@ def unloaded_parameters(model: torch.nn.Module, expected: Mapping[str, Any]) -> 
         if value is None or not torch.equal(tensor.detach().cpu(), torch.as_tensor(np.asarray(value)).to(tensor.dtype)):
             bad.append(name)
     return bad
-
-
-def flatten_metrics(results: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
-    """``{"bbox": {"AP": 1.0}}`` -> ``{"bbox_AP": 1.0}`` (nested dataset keys are joined too)."""
-    flat: dict[str, float] = {}
-    for key, value in results.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(flatten_metrics(value, name + "_"))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            flat[name] = float(value)
-    return flat
-
-
-_REPORTED = ("AP", "AP50", "AP75")
 
 
 def run_trial(cfg: CfgNode, data_root: str, expected: Mapping[str, Any] | None, resume: bool) -> None:
@@ -159,7 +180,7 @@ def run_trial(cfg: CfgNode, data_root: str, expected: Mapping[str, Any] | None, 
     trainer.train()
     results = trainer.test(trainer.cfg, trainer.model)
     if comm.is_main_process():
-        metrics = {k: v for k, v in flatten_metrics(results).items() if k.rsplit("_", 1)[-1] in _REPORTED}
+        metrics = {k: v for k, v in flatten_metrics(results).items() if k.rsplit("_", 1)[-1] in REPORTED}
         logging.getLogger("detectron2").info("trial seed %d: %s", cfg.SEED, metrics)
         atomic_write_json(
             out / TRIAL_METRICS,
