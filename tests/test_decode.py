@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, JpegImagePlugin
 
 from bt_hub.augment import VIEW_A, VIEW_B, BatchedTwoViews, apply_view, apply_view_pil, sample_view_params, to_float_rgb
 from bt_hub.cli import main as cli_main
@@ -32,16 +32,16 @@ def _photo(seed: int, height: int, width: int) -> np.ndarray:
 
 
 def write_images(folder: Path) -> dict[str, Path]:
-    """Baseline JPEGs of several sizes, and the files nvJPEG refuses or treats apart."""
+    """Baseline JPEGs of several sizes (full-resolution colour, 4:4:4), and the files nvJPEG refuses or treats apart."""
     folder.mkdir(parents=True, exist_ok=True)
     files = {}
     for i, (h, w) in enumerate(SIZES):
         files[f"rgb{i}"] = folder / f"rgb{i}.jpg"
-        Image.fromarray(_photo(i, h, w)).save(files[f"rgb{i}"], quality=90)
+        Image.fromarray(_photo(i, h, w)).save(files[f"rgb{i}"], quality=90, subsampling=0)
     files["gray"] = folder / "gray.jpg"
     Image.fromarray(_photo(10, 30, 44)[..., 0]).save(files["gray"], quality=90)
     files["progressive"] = folder / "progressive.jpg"
-    Image.fromarray(_photo(11, 40, 36)).save(files["progressive"], quality=90, progressive=True)
+    Image.fromarray(_photo(11, 40, 36)).save(files["progressive"], quality=90, subsampling=0, progressive=True)
     files["cmyk"] = folder / "cmyk.jpg"
     Image.fromarray(_photo(12, 28, 50)).convert("CMYK").save(files["cmyk"], quality=90)
     files["png"] = folder / "image.png"
@@ -55,12 +55,23 @@ def _pil(path: Path) -> torch.Tensor:
 
 
 def assert_decoded_like_pil(decoded: list[torch.Tensor], paths: list[Path]) -> None:
-    """Within JPEG decoders' tolerance: IDCT and chroma upsampling differ by a few levels at most."""
+    """PIL's pixels: within one level for grey and 4:4:4 JPEGs, within the chroma upsampling tolerance for 4:2:0.
+
+    Decoders differ in how they bring half-resolution colour (4:2:0) back to full size:
+    libjpeg-turbo (PIL) interpolates, nvJPEG does not. Measured on an H100 (torchvision 0.26):
+    4:4:4 files decode to the same pixels; a 240 x 320 4:2:0 photo-like image differs by 0.68
+    levels on average, 5 at most; a 37 x 53 one, whose colours change every few pixels, by 4.3.
+    """
     for image, path in zip(decoded, paths):
         expected = _pil(path)
         assert image.dtype == torch.uint8 and image.shape == expected.shape, path.name
         diff = (image.cpu().int() - expected.int()).abs().float()
-        assert diff.mean() <= 1.5 and (diff <= 4).float().mean() >= 0.99, f"{path.name}: mean {diff.mean():.2f}, max {diff.max():.0f}"
+        with Image.open(path) as img:
+            subsampled = img.format == "JPEG" and JpegImagePlugin.get_sampling(img) > 0
+        if subsampled:
+            assert diff.mean() <= 1.5 and (diff <= 4).float().mean() >= 0.99, f"{path.name}: mean {diff.mean():.2f}, max {diff.max():.0f}"
+        else:
+            assert diff.max() <= 1, f"{path.name}: max {diff.max():.0f}"
 
 
 def test_device_decoder_takes_baseline_and_progressive_jpegs_and_leaves_cmyk_and_png_to_pil(tmp_path):
@@ -168,6 +179,9 @@ def test_nvjpeg_batch_decode_equals_pil_and_falls_back_for_cmyk_png_and_a_reject
     decoded = decode_images([read_encoded(p) for p in paths], "cuda")
     assert all(d.device.type == "cuda" for d in decoded)
     assert_decoded_like_pil(decoded, paths)
+    photo = tmp_path / "photo420.jpg"  # camera-like: 4:2:0 colour, the size of a small photograph
+    Image.fromarray(_photo(20, 240, 320)).save(photo, quality=90)
+    assert_decoded_like_pil(decode_images([read_encoded(photo)], "cuda"), [photo])
     real, calls = decode._decode_jpegs, []
 
     def reject_batches(data, device):
