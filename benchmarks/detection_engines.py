@@ -3,6 +3,7 @@
     python benchmarks/detection_engines.py --out /tmp/detcheck                       # torchvision, then detectron2 if importable
     python benchmarks/detection_engines.py --out /tmp/detcheck --engines torchvision --config shapes-coco
     python benchmarks/detection_engines.py --out /tmp/detgpu --device cuda                       # the same on a GPU
+    python benchmarks/detection_engines.py --out /tmp/detseed1 --data-seed 1 --weights-seed 1   # other shapes, other weights
 
 Writes the generated shapes (``bt-hub make-detection-data``, 600 train / 100 test images of
 128 px) and a seeded random ResNet-50 exported with ``bt-hub export``, then runs
@@ -32,7 +33,7 @@ def _bt_hub(*args: str, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "-m", "bt_hub.cli", *args], check=True, env=env)
 
 
-def _weights(out: Path, env: dict[str, str]) -> Path:
+def _weights(out: Path, env: dict[str, str], seed: int) -> Path:
     """A seeded random torchvision ResNet-50, exported as a torchvision .pth by ``bt-hub export``."""
     import torch
 
@@ -41,7 +42,7 @@ def _weights(out: Path, env: dict[str, str]) -> Path:
     exported = sorted(out.glob("r50_random-*.pth"))
     if exported:
         return exported[0]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     source = out / "r50_random_source.pth"
     torch.save(build_backbone("resnet50").state_dict(), source)
     _bt_hub("export", "--weights", str(source), "--format", "torchvision", "--out", str(out / "r50_random.pth"), env=env)
@@ -73,6 +74,8 @@ def main() -> None:
     parser.add_argument("--config", default="shapes-voc", help="shapes-voc (Faster R-CNN, VOC AP) or shapes-coco (Mask R-CNN, COCO AP)")
     parser.add_argument("--threads", type=int, default=2, help="threads of each run (the check is specified for 2 CPU cores)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (--device of bt-hub detect)")
+    parser.add_argument("--data-seed", type=int, default=0, help="--seed of make-detection-data")
+    parser.add_argument("--weights-seed", type=int, default=0, help="seed of the random ResNet-50")
     parser.add_argument("opts", nargs="*", help="KEY VALUE overrides passed to both engines")
     args = parser.parse_args()
 
@@ -89,13 +92,14 @@ def main() -> None:
     # spinning can multiply the CPU time of a step several times over (the compute is the same).
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": "PASSIVE"}
     data = args.out / "data"
-    _bt_hub("make-detection-data", "--out", str(data), env=env)
-    weights = _weights(args.out, env)
+    _bt_hub("make-detection-data", "--out", str(data), "--seed", str(args.data_seed), env=env)
+    weights = _weights(args.out, env, args.weights_seed)
     results = [run_engine(e, args.config, data, weights, args.out / args.config, env, args.opts, args.device) for e in engines]
 
     tasks = ["bbox", "segm"] if any("segm_AP" in r for r in results) else ["bbox"]
     metrics = [f"{t}_{m}" for t in tasks for m in ("AP", "AP50", "AP75")]
-    print(f"config {args.config}, device {args.device}, {args.threads} threads, {os.cpu_count()} CPU cores")
+    print(f"config {args.config}, device {args.device}, {args.threads} threads, {os.cpu_count()} CPU cores, "
+          f"data seed {args.data_seed}, weights seed {args.weights_seed}")
     print("| engine | " + " | ".join(metrics) + " | s/iter (median) | CPU min (user+sys) | wall min | load avg (start, end) |")
     print("|---" * (len(metrics) + 5) + "|")
     for r in results:

@@ -89,7 +89,9 @@ def _commands_with_presets():
     from bt_hub.presets import presets_of
 
     for path, command in _all_commands():
-        presets = presets_of(getattr(importlib.import_module(command.module), command.config))
+        config_cls = getattr(importlib.import_module(command.module), command.config)
+        flags = {f.name: f.metadata.get("flag", f.name) for f in dataclasses.fields(config_cls)}  # --arch sets the field backbone
+        presets = {name: [flags[key] for key in values] for name, values in presets_of(config_cls).items()}
         if presets:
             yield path, presets
 
