@@ -306,6 +306,8 @@ class RunDir:
         self.path = Path(path)
         self.write = write
         self._lock: Optional[RunLock] = None
+        self._started = False
+        self._new = not self.path.exists()  # created by this claim: removed again if the run fails before it starts
         if not write:
             return
         claim_run_dir(self.path, overwrite=bool(getattr(config, "overwrite", False)) if overwrite is None else overwrite)
@@ -339,6 +341,7 @@ class RunDir:
         """
         if not self.write:
             return
+        self._started = True
         path = self.path / "run.json"
         record = _read_json(path)
         now = {**_start_record(), "config": config_dict(config) if config is not None else None}
@@ -388,5 +391,15 @@ class RunDir:
     def __enter__(self) -> "RunDir":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: Optional[type], *exc: object) -> None:
         self.close()
+        if exc_type is not None and self.write and self._new and not self._started:
+            self._discard()
+
+    def _discard(self) -> None:
+        """Remove the folder this run created, when a check failed before anything but its marker was written."""
+        for name in (LOCK_NAME, MARKER_NAME):
+            with contextlib.suppress(FileNotFoundError):
+                (self.path / name).unlink()
+        with contextlib.suppress(OSError):  # not empty: something else was written, keep it
+            self.path.rmdir()

@@ -161,6 +161,16 @@ def test_detect_flags_are_validated_before_anything_runs(capsys, tmp_path):
     assert "--dist-url must be tcp://HOST:PORT" in capsys.readouterr().err
 
 
+def test_detect_refuses_an_out_it_did_not_create_before_reading_anything(capsys, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "results.json").write_text("my own notes")
+    code = cli_main(["detect", "--weights", "w.pth", "--data", str(tmp_path), "--config", "shapes-voc", "--out", str(mine)])
+    assert code == 2
+    assert f"--out {mine} is not empty and was not created by bt-hub" in capsys.readouterr().err
+    assert (mine / "results.json").read_text() == "my own notes" and sorted(p.name for p in mine.iterdir()) == ["results.json"]
+
+
 def test_trials_report_mean_and_sample_std():
     trials = [{"bbox_AP": 50.0, "bbox_AP50": 80.0}, {"bbox_AP": 52.0, "bbox_AP50": 82.0}, {"bbox_AP": 54.0, "bbox_AP50": 81.0}]
     assert aggregate_trials(trials) == pytest.approx({"bbox_AP": 52.0, "bbox_AP_std": 2.0, "bbox_AP50": 81.0, "bbox_AP50_std": 1.0})

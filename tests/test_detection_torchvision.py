@@ -8,6 +8,7 @@ on generated shapes with a falling loss and writes the same results record as de
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
@@ -170,13 +171,25 @@ def _falls(values: list[float], factor: float) -> bool:
     return sum(values[-3:]) / 3 < factor * sum(values[:3]) / 3
 
 
+def _detectron2_importable() -> bool:
+    try:
+        import detectron2  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+ENGINES = ["torchvision", pytest.param("detectron2", marks=pytest.mark.skipif(not _detectron2_importable(), reason="needs detectron2"))]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("alias", ["shapes-voc", "shapes-coco"])
-def test_detect_torchvision_trains_with_falling_loss_and_writes_the_results_record(alias, r50_weights, tmp_path):
-    source = r50_weights
+def test_detect_trains_with_falling_loss_and_writes_the_same_results_record_on_each_engine(engine, alias, r50_weights, tmp_path):
     data = make_detection_data(DetectionDataConfig(out=str(tmp_path / "data"), train=2, test=2, size=64, seed=1))
     out = tmp_path / "out"
-    code = cli_main(["detect", "--engine", "torchvision", "--weights", str(source), "--data", str(data), "--config", alias,
-                     "--out", str(out), "--seed", "3", *FAST])
+    opts = FAST + (["DATALOADER.NUM_WORKERS", "0"] if engine == "detectron2" else [])
+    code = cli_main(["detect", "--engine", engine, "--weights", str(r50_weights), "--data", str(data), "--config", alias,
+                     "--out", str(out), "--seed", "3", *opts])
     assert code == 0
     # the same two images every step: the RPN's objectness loss (and the mask loss) fall within 8 steps; the RoI
     # losses may rise at first, as better proposals bring more foreground RoIs
@@ -193,11 +206,17 @@ def test_detect_torchvision_trains_with_falling_loss_and_writes_the_results_reco
     assert set(record["metrics"]) == {f"{t}_{m}" for t in tasks for m in ("AP", "AP50", "AP75")}
     assert all(isinstance(v, float) and 0.0 <= v <= 100.0 for v in record["metrics"].values()), record["metrics"]
     assert (record["protocol"], record["preset"], record["seed"]) == ("detect", alias, 3)
-    assert record["hyperparameters"]["engine"] == record["notes"]["engine"] == "torchvision"
+    assert record["hyperparameters"]["engine"] == record["notes"]["engine"] == engine
+    assert record["weights"]["fingerprint"] == hashlib.sha256(r50_weights.read_bytes()).hexdigest()
     assert record["hyperparameters"]["resolved_config"]["SOLVER"]["MAX_ITER"] == 8
     assert [t["seed"] for t in record["notes"]["trials"]] == [3]
-    checkpoint = torch.load(out / "trial0" / "checkpoint.pth", weights_only=True)
-    assert checkpoint["iter"] == 8
+    if engine == "torchvision":
+        assert torch.load(out / "trial0" / "checkpoint.pth", weights_only=True)["iter"] == 8
+    elif alias == "shapes-voc":  # the generated devkit's own 4 classes, and the VOC07 11-point AP
+        from detectron2.data import MetadataCatalog
+
+        meta = MetadataCatalog.get("voc_2007_test")
+        assert (meta.thing_classes, meta.year) == (["square", "disc", "triangle", "cross"], 2007)
 
 
 def test_auto_engine_falls_back_to_torchvision_without_detectron2(monkeypatch):

@@ -211,6 +211,7 @@ def test_bad_paths_and_flags_are_one_sentence_errors_naming_them(tmp_path, capsy
     code = cli_main(["pretrain", *TINY, "--out", str(tmp_path / "run"), *flags])
     err = one_sentence(capsys.readouterr().err)
     assert code == 2 and message in err
+    assert not (tmp_path / "run").exists()  # a folder claimed for a run that never started is removed again
 
 
 def test_existing_run_is_not_overwritten_and_resume_checks_the_recipe(tmp_path, capsys):

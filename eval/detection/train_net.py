@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional
 
 from bt_hub.optional import require
+from bt_hub.runs import check_run_dir, claim_run_dir
 from eval.detection.config import CONFIGS
 
 __all__ = ["DetectConfig", "aggregate_trials", "main", "prepare_weights", "resolve_engine"]
@@ -37,6 +38,7 @@ class DetectConfig:
     config: str = field(default="voc", metadata={"help": "'voc' (Faster R-CNN, VOC07+12, 24k), 'coco' (Mask R-CNN, COCO 1x), 'shapes-voc' / 'shapes-coco' (the installation check on make-detection-data output) or a YAML path"})
     engine: Literal["auto", "torchvision", "detectron2"] = field(default="auto", metadata={"help": "detectron2, or torchvision's Faster/Mask R-CNN built as the same C4 model; auto: detectron2 when importable, else torchvision"})
     out: str = field(default="runs/detect", metadata={"help": "output directory: results.json, weights.pkl, trial<k>/ (config.yaml, metrics.jsonl, checkpoints, log)"})
+    overwrite: bool = field(default=False, metadata={"help": "write into a non-empty --out that bt-hub did not create (files of the same names are replaced)"})
     num_gpus: int = field(default=1, metadata={"help": "detectron2: processes per machine (one per GPU); batch, lr and iterations rescale linearly from the configs' 8 (SOLVER.REFERENCE_WORLD_SIZE). torchvision: run under torchrun instead"})
     num_machines: int = field(default=1, metadata={"help": "machines in the job"})
     machine_rank: int = field(default=0, metadata={"help": "this machine's rank (0 writes results.json)"})
@@ -48,6 +50,7 @@ class DetectConfig:
     opts: list[str] = field(default_factory=list, metadata={"help": "detectron2 overrides KEY VALUE ..., e.g. SOLVER.IMS_PER_BATCH 8", "positional": True})
 
     ALIASES: ClassVar[tuple[str, ...]] = tuple(CONFIGS)
+    RUN_FIELDS: ClassVar[tuple[str, ...]] = ("weights", "data", "config", "out", "overwrite", "device", "seed", "resume", "num_gpus", "num_machines", "machine_rank", "dist_url")
 
     def __post_init__(self) -> None:
         for flag, value, low in (("--num-gpus", self.num_gpus, 1), ("--num-machines", self.num_machines, 1), ("--trials", self.trials, 1)):
@@ -64,6 +67,7 @@ class DetectConfig:
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         self.opts = list(self.opts)
+        check_run_dir(self.out, overwrite=self.overwrite)  # last: the flags above are cheaper to get wrong
 
 
 def resolve_engine(engine: str) -> str:
@@ -114,7 +118,7 @@ def main(config: DetectConfig) -> Optional[dict[str, Any]]:
 
     start = time.time()
     engine = resolve_engine(config.engine)
-    out = Path(config.out).expanduser().resolve()
+    out = claim_run_dir(Path(config.out).expanduser(), overwrite=config.overwrite).resolve()
     yaml_path = resolve_config(config.config)
     run = _detectron2_trials if engine == "detectron2" else _torchvision_trials
     trials = run(config, yaml_path, out)
