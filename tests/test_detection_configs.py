@@ -136,10 +136,11 @@ def test_installation_check_configs_fit_the_generated_set(alias):
     assert cfg["MODEL"]["MASK_ON"] == (alias == "shapes-coco")
     layout = {"shapes-voc": (["voc_2007_trainval"], ["voc_2007_test"]), "shapes-coco": (["coco_2017_train"], ["coco_2017_val"])}[alias]
     assert (cfg["DATASETS"]["TRAIN"], cfg["DATASETS"]["TEST"]) == layout
-    # the paper's model: only sizes, RoI/proposal counts and the schedule differ from the base
+    # the paper's model: only sizes (the anchors halved with the input), RoI/proposal counts and the schedule differ from the base
     base = _load(configs_dir() / "Base-RCNN-C4-BN.yaml")
-    for key in ("MODEL.ANCHOR_GENERATOR.SIZES", "MODEL.ROI_HEADS.NAME", "MODEL.RESNETS.NORM", "MODEL.BACKBONE.FREEZE_AT", "MODEL.PIXEL_MEAN"):
+    for key in ("MODEL.ANCHOR_GENERATOR.ASPECT_RATIOS", "MODEL.ROI_HEADS.NAME", "MODEL.RESNETS.NORM", "MODEL.BACKBONE.FREEZE_AT", "MODEL.PIXEL_MEAN"):
         assert _get(cfg, key) == _get(base, key), key
+    assert _get(cfg, "MODEL.ANCHOR_GENERATOR.SIZES") == [[side // 2 for side in _get(base, "MODEL.ANCHOR_GENERATOR.SIZES")[0]]]
 
 
 def test_detect_with_detectron2_engine_but_without_detectron2_fails_with_the_install_sentence(monkeypatch, capsys, tmp_path):
