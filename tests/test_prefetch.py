@@ -74,7 +74,7 @@ def test_pretraining_with_batches_prepared_ahead_equals_preparing_them_in_the_lo
     assert cli_main(["pretrain", *flags, "--out", str(tmp_path / "ahead")]) == 0
     losses = [[json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in ("inline", "ahead")]
     assert len(losses[0]) == 4 and losses[0] == losses[1]  # 2 epochs of the 2 full batches of the training split
-    weights = [torch.load(tmp_path / run / "resnet18.pth", map_location="cpu") for run in ("inline", "ahead")]
+    weights = [torch.load(tmp_path / run / "resnet18.pth", map_location="cpu", weights_only=True) for run in ("inline", "ahead")]
     if device == "cpu":
         assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     else:  # cudnn.benchmark may pick other kernels in each run: equal losses, weights equal to float rounding
