@@ -55,3 +55,29 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} is not present beside the repository")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="module")
+def bt_weights(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A ResNet-50 state dict whose every tensor differs from a fresh initialisation (and from detectron2's)."""
+    from bt_hub.model import build_backbone
+
+    torch.manual_seed(0)
+    state = build_backbone("resnet50").state_dict()
+    for name, tensor in state.items():
+        if tensor.is_floating_point():
+            tensor.copy_(torch.rand_like(tensor) + 0.5 if "running_var" in name else torch.randn_like(tensor) * 0.05)
+        else:
+            tensor.fill_(7)
+    path = tmp_path_factory.mktemp("weights") / "bt_resnet50.pth"
+    torch.save(state, path)
+    return path, state
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread (the detection tests): on a loaded machine, waiting OpenMP threads spin and multiply the CPU time."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -10,7 +10,6 @@ plain BN in a single CPU process (no process group), so it is not overridden her
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,44 +19,14 @@ pytest.importorskip("detectron2")
 from detectron2.checkpoint import DetectionCheckpointer  # noqa: E402
 from detectron2.modeling import build_model  # noqa: E402
 
-from bt_hub.model import build_backbone  # noqa: E402
+from detection_settings import DETECTRON2_FAST as FAST  # noqa: E402
 from eval.detection.config import CONFIGS, build_cfg, load_settings, resolve_config  # noqa: E402
 from eval.detection.synthetic import write_coco, write_voc  # noqa: E402
 from eval.detection.train_net import prepare_weights  # noqa: E402
 from eval.detection.trainer import run_trial, unloaded_parameters  # noqa: E402
 
-pytestmark = pytest.mark.detectron2
+pytestmark = [pytest.mark.detectron2, pytest.mark.usefixtures("one_thread")]
 
-FAST = [
-    "INPUT.MIN_SIZE_TRAIN", "(64,)", "INPUT.MAX_SIZE_TRAIN", "64", "INPUT.MIN_SIZE_TEST", "64", "INPUT.MAX_SIZE_TEST", "64",
-    "SOLVER.IMS_PER_BATCH", "2", "SOLVER.BASE_LR", "0.01", "SOLVER.MAX_ITER", "8", "SOLVER.STEPS", "(6,)", "SOLVER.WARMUP_ITERS", "2",
-    "MODEL.ROI_BOX_HEAD.POOLER_RESOLUTION", "4", "MODEL.ROI_HEADS.BATCH_SIZE_PER_IMAGE", "8",
-    "MODEL.RPN.PRE_NMS_TOPK_TRAIN", "100", "MODEL.RPN.POST_NMS_TOPK_TRAIN", "16",
-    "MODEL.RPN.PRE_NMS_TOPK_TEST", "50", "MODEL.RPN.POST_NMS_TOPK_TEST", "10", "TEST.PRECISE_BN.NUM_ITER", "1",
-    "DATALOADER.NUM_WORKERS", "0",
-]
-
-
-@pytest.fixture(scope="module")
-def bt_weights(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
-    """A Barlow Twins ResNet-50 backbone whose every tensor differs from detectron2's initial values."""
-    torch.manual_seed(0)
-    state = build_backbone("resnet50").state_dict()
-    for name, tensor in state.items():
-        if tensor.is_floating_point():
-            tensor.copy_(torch.rand_like(tensor) + 0.5 if "running_var" in name else torch.randn_like(tensor) * 0.05)
-    path = tmp_path_factory.mktemp("weights") / "bt_resnet50.pth"
-    torch.save(state, path)
-    return path, state
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One thread: on a loaded machine, waiting OpenMP threads spin and multiply the CPU time."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("alias", ["voc", "coco"])

@@ -20,6 +20,7 @@ from torch import nn
 from torchvision.models.detection import FasterRCNN, MaskRCNN
 
 from bt_hub.cli import main as cli_main
+from detection_settings import DETECTRON2_FAST, FAST
 from bt_hub.model import build_backbone
 from eval.detection.config import FLAG_OWNED_KEYS, load_settings, resolve_config, scale_to_world_size
 from eval.detection.synthetic import DetectionDataConfig, make_detection_data
@@ -27,40 +28,10 @@ from eval.detection.torchvision_model import build_c4_model, c4_backbone_state_d
 from eval.detection.torchvision_trainer import lr_factor, param_groups
 from eval.detection.train_net import resolve_engine
 
-# Shrunk so that a CPU trains a step in about a second; everything else is the shipped config.
-FAST = [
-    "INPUT.MIN_SIZE_TRAIN", "(64,)", "INPUT.MAX_SIZE_TRAIN", "64", "INPUT.MIN_SIZE_TEST", "64", "INPUT.MAX_SIZE_TEST", "64",
-    "SOLVER.IMS_PER_BATCH", "2", "SOLVER.BASE_LR", "0.01", "SOLVER.MAX_ITER", "8", "SOLVER.STEPS", "(6,)", "SOLVER.WARMUP_ITERS", "2",
-    "MODEL.ROI_BOX_HEAD.POOLER_RESOLUTION", "4", "MODEL.ROI_HEADS.BATCH_SIZE_PER_IMAGE", "8",
-    "MODEL.RPN.PRE_NMS_TOPK_TRAIN", "100", "MODEL.RPN.POST_NMS_TOPK_TRAIN", "16",
-    "MODEL.RPN.PRE_NMS_TOPK_TEST", "50", "MODEL.RPN.POST_NMS_TOPK_TEST", "10", "TEST.PRECISE_BN.NUM_ITER", "1",
-]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOC_TRAIN_SIZES = (480, 512, 544, 576, 608, 640, 672, 704, 736, 768, 800)
 COCO_TRAIN_SIZES = (640, 672, 704, 736, 768, 800)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One thread: on a loaded machine, waiting OpenMP threads spin and multiply the CPU time."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def bt_weights(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
-    """A ResNet-50 state dict whose every tensor differs from a fresh initialisation."""
-    torch.manual_seed(0)
-    state = build_backbone("resnet50").state_dict()
-    for name, tensor in state.items():
-        if tensor.is_floating_point():
-            tensor.copy_(torch.rand_like(tensor) + 0.5 if "running_var" in name else torch.randn_like(tensor) * 0.05)
-        else:
-            tensor.fill_(7)
-    path = tmp_path_factory.mktemp("weights") / "bt_resnet50.pth"
-    torch.save(state, path)
-    return path, state
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +158,7 @@ ENGINES = ["torchvision", pytest.param("detectron2", marks=pytest.mark.skipif(no
 def test_detect_trains_with_falling_loss_and_writes_the_same_results_record_on_each_engine(engine, alias, r50_weights, tmp_path):
     data = make_detection_data(DetectionDataConfig(out=str(tmp_path / "data"), train=2, test=2, size=64, seed=1))
     out = tmp_path / "out"
-    opts = FAST + (["DATALOADER.NUM_WORKERS", "0"] if engine == "detectron2" else [])
+    opts = DETECTRON2_FAST if engine == "detectron2" else FAST
     code = cli_main(["detect", "--engine", engine, "--weights", str(r50_weights), "--data", str(data), "--config", alias,
                      "--out", str(out), "--seed", "3", *opts])
     assert code == 0
