@@ -39,14 +39,15 @@ def _weights(out: Path, env: dict[str, str], seed: int) -> Path:
 
     from bt_hub.model import build_backbone
 
-    exported = sorted(out.glob("r50_random-*.pth"))
+    name = f"r50_random_seed{seed}"  # the seed in the name: another --weights-seed never reuses these weights
+    exported = sorted(out.glob(f"{name}-*.pth"))
     if exported:
         return exported[0]
     torch.manual_seed(seed)
-    source = out / "r50_random_source.pth"
+    source = out / f"{name}_source.pth"
     torch.save(build_backbone("resnet50").state_dict(), source)
-    _bt_hub("export", "--weights", str(source), "--format", "torchvision", "--out", str(out / "r50_random.pth"), env=env)
-    return sorted(out.glob("r50_random-*.pth"))[0]
+    _bt_hub("export", "--weights", str(source), "--format", "torchvision", "--out", str(out / f"{name}.pth"), env=env)
+    return sorted(out.glob(f"{name}-*.pth"))[0]
 
 
 def run_engine(engine: str, config: str, data: Path, weights: Path, out: Path, env: dict[str, str], opts: list[str], device: str) -> dict[str, object]:

@@ -285,8 +285,8 @@ def paper_task(record: Mapping[str, Any]) -> Optional[str]:
         return f"semi_supervised_{_number(label_fraction(record))}pct"
     if protocol == "voc07-svm":
         return "voc07_svm"
-    if protocol == "detect" and preset in ("voc", "coco"):
-        return {"voc": "voc07+12_faster_rcnn_c4", "coco": "coco_mask_rcnn_c4_1x"}[preset]
+    if protocol == "detect":
+        return {"voc": "voc07+12_faster_rcnn_c4", "coco": "coco_mask_rcnn_c4_1x"}.get(str(preset))
     return None
 
 
