@@ -10,8 +10,8 @@ Writes the generated shapes (``bt-hub make-detection-data``, 600 train / 100 tes
 ``bt-hub detect --engine E --config shapes-voc`` for each engine in a child process limited
 to ``--threads`` threads (both engines read the same YAML). The table gives the held-out AP,
 AP50 and AP75 (box, and mask for ``shapes-coco``), the median seconds per training iteration,
-the child's CPU time (user + sys, the number to compare with the README's "30 minutes of
-CPU on 2 cores"), its wall time, and the load average while it ran: on a shared machine wall
+the child's CPU time (user + sys, the number to compare with the "27 CPU minutes" of
+docs/detection.md, "Check an installation"), its wall time, and the load average while it ran: on a shared machine wall
 time is inflated by the neighbours, CPU time much less so. Runs already in ``--out`` are
 reused (delete ``--out/<engine>`` to rerun one).
 """
@@ -37,7 +37,7 @@ def _weights(out: Path, env: dict[str, str], seed: int) -> Path:
     """A seeded random torchvision ResNet-50, exported as a torchvision .pth by ``bt-hub export``."""
     import torch
 
-    from bt_hub.model import build_backbone
+    from bt_hub.method.model import build_backbone
 
     name = f"r50_random_seed{seed}"  # the seed in the name: another --weights-seed never reuses these weights
     exported = sorted(out.glob(f"{name}-*.pth"))

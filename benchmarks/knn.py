@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from eval.knn import knn_classify
+from bt_hub.eval.knn import knn_classify
 
 
 def make_features(n: int, q: int, dim: int, classes: int, seed: int, noise: float = 6.0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

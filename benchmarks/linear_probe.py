@@ -22,11 +22,12 @@ from typing import Any, Callable
 import torch
 
 from bt_hub.weights import load_backbone
-from bt_hub.data import build_dataset
-from bt_hub.model import build_backbone
-from eval.classifier import evaluate_features, evaluate_loader, make_classifier, make_loader, train_classifier, train_on_features
-from eval.features import TransformedDataset, eval_transform, extract_features, train_transform
-from eval.linear import FrozenBackboneClassifier
+from bt_hub.train.data import build_dataset
+from bt_hub.method.model import build_backbone
+from bt_hub.eval.classifier import evaluate_features, evaluate_loader, make_classifier, make_loader, train_classifier, train_on_features
+from bt_hub.eval.features import TransformedDataset, extract_features, train_transform
+from bt_hub.method.transforms import eval_transforms
+from bt_hub.eval.linear import FrozenBackboneClassifier
 
 HYPER = {"lr": 0.3, "weight_decay": 1e-6, "momentum": 0.9, "schedule": "cosine", "milestones": []}
 
@@ -45,7 +46,7 @@ def main() -> None:
     backbone = load_backbone(args.weights, progress=False) if args.weights else build_backbone("resnet18")
     train_set = build_dataset("digits", "train", image_size=None, seed=args.seed)
     test_set = build_dataset("digits", "test", image_size=None, seed=args.seed)
-    test_tf = eval_transform(args.image_size)
+    test_tf = eval_transforms(args.image_size)
 
     test_loader = make_loader(TransformedDataset(test_set, test_tf), 256, shuffle=False, seed=args.seed, num_workers=0, device=torch.device("cpu"))
 

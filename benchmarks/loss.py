@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bt_hub.loss import barlow_twins_loss, choose_method
+from bt_hub.method.loss import barlow_twins_loss, choose_method
 
 LAMBD = 0.0051
 # C, its gradient, the in-place diagonal/off-diagonal temporaries: about four D x D fp32 matrices.

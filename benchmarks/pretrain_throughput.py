@@ -9,7 +9,7 @@ so that files are ~100 KB like ImageNet's) into ``--data-dir`` (a temporary fold
 then times on one device, each after ``--warmup`` untimed steps:
 
 (a) ceiling: bt_hub's model + loss + LARS on view tensors already in device memory;
-(b) bt_hub: ``bt_hub.pretrain.pretrain`` itself from the files (``--views batched``,
+(b) bt_hub: ``bt_hub.train.pretrain.pretrain`` itself from the files (``--views batched``,
     ``--decode auto``: loader workers read bytes and the GPU decodes the batch), as a user runs it;
 (c) reference: facebookresearch/barlowtwins main.py's loop: per-image PIL views
     (``benchmarks/pretrain_step.py``'s copy of its ``Transform``) in ``--workers`` loader
@@ -42,10 +42,10 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pretrain_step import ReferenceLoss, reference_transforms  # noqa: E402
 
-from bt_hub.model import BarlowTwins  # noqa: E402
-from bt_hub.optim import LARS, param_groups  # noqa: E402
-from bt_hub.precision import autocast_dtype, resolve_precision  # noqa: E402
-from bt_hub.pretrain import PretrainConfig, pretrain  # noqa: E402
+from bt_hub.method.model import BarlowTwins  # noqa: E402
+from bt_hub.method.optim import LARS, param_groups  # noqa: E402
+from bt_hub.train.precision import autocast_dtype, resolve_precision  # noqa: E402
+from bt_hub.train.pretrain import PretrainConfig, pretrain  # noqa: E402
 
 UNIQUE_IMAGES = 256  # distinct pictures; the files repeat them (decoding costs the same)
 
@@ -137,7 +137,7 @@ def ceiling(args: argparse.Namespace, device: torch.device, precision: str, comp
 
 
 def bt_hub_pipeline(args: argparse.Namespace, data: Path, device: torch.device, precision: str, compile_model: bool, work: Path) -> float:
-    """(b): ``bt_hub.pretrain.pretrain`` from the JPEG files; images/s over the steps after warm-up."""
+    """(b): ``bt_hub.train.pretrain.pretrain`` from the JPEG files; images/s over the steps after warm-up."""
     out = work / ("run_compiled" if compile_model else "run")
     shutil.rmtree(out, ignore_errors=True)
     config = PretrainConfig(

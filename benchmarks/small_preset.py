@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from bt_hub.presets import from_preset
-from eval import linear, semi_supervised
+from bt_hub.common.presets import from_preset
+from bt_hub.eval import linear, semi_supervised
 
 
 def main() -> None:

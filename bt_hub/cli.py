@@ -3,7 +3,7 @@
 Each subcommand's flags are the fields of its config dataclass (kebab-case, or
 ``metadata["flag"]`` with the other spellings in ``metadata["aliases"]`` kept as hidden
 aliases), their help text is the field's ``metadata["help"]``, and a ``PRESETS`` class
-attribute adds ``--preset`` (bt_hub.presets; its help lists what each preset sets). The
+attribute adds ``--preset`` (bt_hub.common.presets; its help lists what each preset sets). The
 module behind a subcommand is imported only when that subcommand runs, so ``--help`` and
 the other subcommands work without its optional extras. An evaluation ends with a table of
 its metrics and the files it wrote; a function that returns text or a list of files has
@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
-from bt_hub.presets import describe_presets, from_preset, presets_of
+from bt_hub.common.presets import describe_presets, from_preset, presets_of
 
 
 class Command(NamedTuple):
@@ -36,24 +36,24 @@ class Command(NamedTuple):
 
 
 COMMANDS: dict[str, Command | dict[str, Command]] = {
-    "demo": Command("eval.demo", "DemoConfig", "run_demo", "pretrain on the embedded digits set and score it (the README's first command)"),
-    "pretrain": Command("bt_hub.pretrain", "PretrainConfig", "pretrain", "pretrain a backbone with the Barlow Twins loss"),
-    "report": Command("bt_hub.plots", "ReportConfig", "report", "draw a pretraining run's loss, cross-correlation matrices and kNN curve as PNG files"),
+    "demo": Command("bt_hub.eval.demo", "DemoConfig", "run_demo", "pretrain on the embedded digits set and score it (the README's first command)"),
+    "pretrain": Command("bt_hub.train.pretrain", "PretrainConfig", "pretrain", "pretrain a backbone with the Barlow Twins loss"),
+    "report": Command("bt_hub.common.plots", "ReportConfig", "report", "draw a pretraining run's loss, cross-correlation matrices and kNN curve as PNG files"),
     "export": Command("bt_hub.weights.export", "ExportConfig", "export", "convert weights to torchvision, safetensors, detectron2 or a Hugging Face folder"),
     "push": Command("bt_hub.weights.hf", "PushConfig", "push", "upload weights to the Hugging Face Hub with a model card"),
     "weights": {
         "list": Command("bt_hub.weights.registry", "ListWeightsConfig", "weights_table", "the registered weights: name, architecture, cached?, URL, cache path"),
     },
     "eval": {
-        "linear": Command("eval.linear", "LinearConfig", "run", "linear probe on a frozen backbone (ImageNet protocol)"),
-        "semi": Command("eval.semi_supervised", "SemiSupervisedConfig", "run", "fine-tune on 1% or 10% of the labels"),
-        "knn": Command("eval.knn", "KnnConfig", "run", "weighted kNN on L2-normalised features (faiss on the CPU, torch on CUDA)"),
-        "voc07-svm": Command("eval.voc07_svm", "Voc07SvmConfig", "run", "per-class linear SVMs on VOC2007 (VISSL protocol)"),
-        "transfer": Command("eval.linear", "TransferConfig", "run", "linear transfer to Places-205 / iNat18 (PIRL settings)"),
-        "all": Command("eval.suite", "SuiteConfig", "run", "every classification protocol on one checkpoint"),
+        "linear": Command("bt_hub.eval.linear", "LinearConfig", "run", "linear probe on a frozen backbone (ImageNet protocol)"),
+        "semi": Command("bt_hub.eval.semi_supervised", "SemiSupervisedConfig", "run", "fine-tune on 1% or 10% of the labels"),
+        "knn": Command("bt_hub.eval.knn", "KnnConfig", "run", "weighted kNN on L2-normalised features (faiss on the CPU, torch on CUDA)"),
+        "voc07-svm": Command("bt_hub.eval.voc07_svm", "Voc07SvmConfig", "run", "per-class linear SVMs on VOC2007 (VISSL protocol)"),
+        "transfer": Command("bt_hub.eval.linear", "TransferConfig", "run", "linear transfer to Places-205 / iNat18 (PIRL settings)"),
+        "all": Command("bt_hub.eval.suite", "SuiteConfig", "run", "every classification protocol on one checkpoint"),
     },
-    "detect": Command("eval.detection.train_net", "DetectConfig", "main", "Faster/Mask R-CNN C4 transfer (detectron2 or torchvision engine)"),
-    "make-detection-data": Command("eval.detection.synthetic", "DetectionDataConfig", "make_detection_data", "write the generated shapes detection set (VOC + COCO layouts) that checks an installation"),
+    "detect": Command("bt_hub.eval.detection.detect", "DetectConfig", "main", "Faster/Mask R-CNN C4 transfer (detectron2 or torchvision engine)"),
+    "make-detection-data": Command("bt_hub.eval.detection.synthetic", "DetectionDataConfig", "make_detection_data", "write the generated shapes detection set (VOC + COCO layouts) that checks an installation"),
 }
 
 
@@ -128,7 +128,7 @@ def _print_warning(prefix: str) -> Any:
 
 def _summary(result: Any, out: Any) -> str | None:
     """The metrics table and files written of an evaluation's return value; None for other commands."""
-    from bt_hub.results import RESULT_FILES, records_in, summary_text
+    from bt_hub.common.records import RESULT_FILES, records_in, summary_text
 
     if not isinstance(result, dict) or not ("metrics" in result or "results" in result) or os.environ.get("RANK", "0") != "0":
         return None

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from bt_hub.distributed import all_reduce_sum, get_rank, get_world_size
-from bt_hub.progress import progress as reported
+from bt_hub.common.distributed import all_reduce_sum, get_rank, get_world_size
+from bt_hub.common.progress import progress as reported
 
 # ----------------------------------------------------------------------------- schedule, classifier, metrics
 
@@ -106,7 +106,7 @@ def train_on_features(
             full loop (SGD, LR set per epoch by :func:`lr_factor`).
         seed: seeds the classifier init and the per-epoch shuffling, which is the full loop's
             (:func:`make_loader`): on the same inputs both train the same classifier.
-        progress: report progress (bt_hub.progress: a bar on a terminal, log lines elsewhere).
+        progress: report progress (bt_hub.common.progress: a bar on a terminal, log lines elsewhere).
         device: where the classifier trains; default the features' device (CPU for arrays).
         desc: the progress report's name.
 

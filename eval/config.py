@@ -2,7 +2,7 @@
 
 Each protocol's config dataclass subclasses it and adds its own fields; the CLI turns
 every field into a kebab-case flag whose help is the field's ``metadata["help"]``.
-Presets are named sets of field values (``PRESETS``, bt_hub.presets); ``PRESET_ASSUMPTIONS``
+Presets are named sets of field values (``PRESETS``, bt_hub.common.presets); ``PRESET_ASSUMPTIONS``
 says what data each preset was set for; ``warn_about_settings`` says when the data is far
 from it, or when a step schedule's milestones never fire.
 """
@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping, Optional
+from typing import Any, ClassVar, Literal, Mapping, Optional
 
 import torch
 
-from bt_hub.presets import preset_values
-from bt_hub.runs import check_run_dir
-
-if TYPE_CHECKING:
-    from eval.splits import Splits
+from bt_hub.common.presets import preset_values
+from bt_hub.common.runs import check_run_dir
 
 
 class PresetWarning(UserWarning):
@@ -118,9 +115,9 @@ def schedule_warnings(config: Any) -> list[str]:
             "lower --milestones or use --schedule cosine"]
 
 
-def warn_about_settings(config: Any, splits: "Splits", *, train_images: int) -> list[str]:
+def warn_about_settings(config: Any, *, num_classes: int, train_images: int, image_side: Optional[int]) -> list[str]:
     """``preset_warnings`` and ``schedule_warnings`` of a run, each issued as a ``PresetWarning``; returns them for the results."""
-    messages = preset_warnings(config, num_classes=len(splits.classes), train_images=train_images, image_side=splits.image_side())
+    messages = preset_warnings(config, num_classes=num_classes, train_images=train_images, image_side=image_side)
     messages += schedule_warnings(config)
     for message in messages:
         warnings.warn(message, PresetWarning, stacklevel=2)

@@ -1,7 +1,7 @@
 """``bt-hub demo``: Barlow Twins end to end on scikit-learn's digits, in minutes on a laptop CPU.
 
 1. Pretrain a small-stem ResNet-18 with the Barlow Twins loss on the 1,437 training digits
-   (bt_hub.pretrain, batched BYOL views, LARS with warm-up + cosine).
+   (bt_hub.train.pretrain, batched BYOL views, LARS with warm-up + cosine).
 2. Score three representations on the 360 held-out digits: the pretrained backbone, the
    same network at its random initialisation (the weights pretraining started from) and
    the raw pixels, with weighted kNN, a linear probe on cached features, and fine-tuning
@@ -27,19 +27,21 @@ import torch
 from torch import nn
 from torch.utils.data import Subset
 
-from bt_hub.model import build_backbone
-from bt_hub.plots import plot_accuracy_bars, run_plots, save_png
-from bt_hub.presets import baseline
-from bt_hub.pretrain import PretrainConfig, pretrain
-from bt_hub.runs import atomic_write_json, atomic_write_text, package_version
+from bt_hub.method.model import build_backbone
+from bt_hub.common.plots import plot_accuracy_bars, run_plots, save_png
+from bt_hub.common.presets import baseline
+from bt_hub.train.pretrain import PretrainConfig, pretrain
+from bt_hub.common.runs import package_version
+from bt_hub.common.files import atomic_write_json, atomic_write_text
 from bt_hub.weights import load_backbone
-from eval.classifier import evaluate_features, train_on_features
-from eval.features import TransformedDataset, eval_transform, extract_features, train_transform
-from eval.knn import knn_classify
-from eval.label_subsets import balanced_subset_indices
-from eval.linear import LinearConfig
-from eval.semi_supervised import SemiSupervisedConfig, finetune
-from eval.splits import load_splits
+from bt_hub.eval.classifier import evaluate_features, train_on_features
+from bt_hub.eval.features import TransformedDataset, extract_features, train_transform
+from bt_hub.method.transforms import eval_transforms
+from bt_hub.eval.knn import knn_classify
+from bt_hub.eval.label_subsets import balanced_subset_indices
+from bt_hub.eval.linear import LinearConfig
+from bt_hub.eval.semi_supervised import SemiSupervisedConfig, finetune
+from bt_hub.eval.splits import load_splits
 
 FRACTIONS = (1, 10)
 LAMBD = 0.1
@@ -136,7 +138,7 @@ def _finetune_on_subsets(backbone: nn.Module, train_set: Any, test_set: Any, con
         result = finetune(
             copy.deepcopy(backbone), 10,
             Subset(TransformedDataset(train_set, train_transform(config.image_size, crop_scale_min=config.crop_scale_min, flip=SMALL["flip"])), idx),
-            TransformedDataset(test_set, eval_transform(config.image_size)),
+            TransformedDataset(test_set, eval_transforms(config.image_size)),
             epochs=epochs, batch_size=config.semi_batch_size, seed=config.seed, device=config.device,
             desc=f"{name}, {pct}% labels", milestones=[], **recipe,
         )
@@ -148,7 +150,7 @@ def _finetune_on_subsets(backbone: nn.Module, train_set: Any, test_set: Any, con
 
 
 def _plots(out: Path, pretrain_dir: Path, table: dict[str, dict[str, float]], lambd: float) -> list[str]:
-    """loss.png, cross_correlation.png (bt_hub.plots, as ``bt-hub report`` draws them) and accuracy.png; returns the names written."""
+    """loss.png, cross_correlation.png (bt_hub.common.plots, as ``bt-hub report`` draws them) and accuracy.png; returns the names written."""
     written = run_plots(pretrain_dir, out, lambd=lambd)
     written.append(save_png(plot_accuracy_bars(table, COLUMNS, "Held-out digits accuracy"), out / "accuracy.png"))
     return [path.name for path in written]
@@ -199,7 +201,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     pretrained = load_backbone(pretrain_dir, progress=False)
     torch.manual_seed(config.seed)  # pretraining built its network right after this same call
     random_init = build_backbone(config.backbone, small_image_stem=config.small_image_stem)
-    transform = eval_transform(config.image_size)
+    transform = eval_transforms(config.image_size)
     networks = {"Barlow Twins (pretrained)": pretrained, "random init (same network)": random_init, "raw pixels": nn.Flatten()}
     table: dict[str, dict[str, float]] = {}
     for name, net in networks.items():

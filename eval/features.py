@@ -38,24 +38,20 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
-from bt_hub.distributed import all_gather_cat, barrier, broadcast_object, get_rank, get_world_size, is_distributed, is_main_process
-from bt_hub.progress import progress
-from bt_hub.runs import atomic_write, atomic_write_json, claim_run_dir
-from bt_hub.weights.registry import IMAGENET_MEAN, IMAGENET_STD, eval_transforms
-from eval.label_subsets import sha256_of
+from bt_hub.common.distributed import all_gather_cat, barrier, broadcast_object, get_rank, get_world_size, is_distributed, is_main_process
+from bt_hub.common.progress import progress
+from bt_hub.common.runs import claim_run_dir
+from bt_hub.common.files import atomic_write, atomic_write_json
+from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transforms
+from bt_hub.common.files import file_sha256
 
 if TYPE_CHECKING:
-    from eval.config import EvalConfig
+    from bt_hub.eval.config import EvalConfig
 
 Pool = Literal["avg", "voc_res5"]
 
 
 # ----------------------------------------------------------------------------- transforms
-
-
-def eval_transform(image_size: int = 224) -> transforms.Compose:
-    """The test transform of the linear protocol: Resize(size*256/224) + CenterCrop(size), normalised."""
-    return eval_transforms(image_size)
 
 
 def train_transform(image_size: int = 224, crop_scale_min: float = 0.08, flip: bool = True) -> transforms.Compose:
@@ -104,7 +100,7 @@ CONTENT_SAMPLE = 32  # files of a directory whose bytes go into its fingerprint
 def _sampled_content(paths: list[Path]) -> bytes:
     """sha256s of ``CONTENT_SAMPLE`` evenly spaced files: two folders with the same names and sizes still differ."""
     picks = sorted({int(i) for i in np.linspace(0, len(paths) - 1, min(len(paths), CONTENT_SAMPLE))}) if paths else []
-    return "".join(sha256_of(paths[i]) for i in picks).encode()
+    return "".join(file_sha256(paths[i]) for i in picks).encode()
 
 
 def dataset_fingerprint(dataset_or_path: Dataset | str | os.PathLike) -> str:
@@ -291,7 +287,7 @@ def extract_features(
     Args:
         backbone: the network (``fc = Identity``); put in eval mode for the pass, restored after.
         dataset: items ``(image, label)``; ``transform`` turns the image into a tensor.
-        transform: default ``eval_transform(224)``; ``describe_transform`` of it is part of the cache key.
+        transform: default ``eval_transforms(224)``; ``describe_transform`` of it is part of the cache key.
         pool: ``"avg"`` (backbone output) or ``"voc_res5"`` (see the module docstring).
         batch_size: images per forward pass (per rank under torchrun).
         device: where the backbone runs; autocast is used on CUDA.
@@ -306,7 +302,7 @@ def extract_features(
     """
     if dtype not in ("float32", "float16"):
         raise ValueError(f"cache dtype {dtype!r} is unknown; expected 'float32' or 'float16'")
-    transform = transform or eval_transform(224)
+    transform = transform or eval_transforms(224)
     batches = lambda: iter_feature_batches(  # noqa: E731
         backbone, dataset, transform=transform, pool=pool, batch_size=batch_size, device=device, num_workers=num_workers, desc=desc
     )
@@ -388,7 +384,7 @@ def features_for(
 ) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
     """``extract_features`` with a protocol config's device, batch size, workers and cache settings.
 
-    ``transform`` defaults to ``eval_transform(config.image_size)``; the cache is used when
+    ``transform`` defaults to ``eval_transforms(config.image_size)``; the cache is used when
     ``config.cache_dir`` is set, keyed by ``weights_id``, the backbone's architecture,
     ``dataset_id``, the transform, the pool, the dtype and the precision; ``split`` names the
     progress report (``features train``).
@@ -397,7 +393,7 @@ def features_for(
     return extract_features(
         backbone,
         dataset,
-        transform=transform or eval_transform(config.image_size),
+        transform=transform or eval_transforms(config.image_size),
         pool=pool,
         batch_size=config.batch_size,
         device=config.device,

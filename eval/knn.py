@@ -22,13 +22,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bt_hub.distributed import is_main_process, process_group
-from bt_hub.knn import knn_vote
-from bt_hub.optional import require
-from eval.config import EvalConfig
-from eval.features import as_float32, features_for, load_eval_backbone
-from eval.report import write_results
-from eval.splits import splits_for
+from bt_hub.common.distributed import is_main_process, process_group
+from bt_hub.method.knn import knn_vote
+from bt_hub.common.optional import require
+from bt_hub.eval.config import EvalConfig
+from bt_hub.eval.features import as_float32, features_for, load_eval_backbone
+from bt_hub.eval.report import write_results
+from bt_hub.eval.splits import splits_for
 
 # ----------------------------------------------------------------------------- search and vote
 

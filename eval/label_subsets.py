@@ -14,7 +14,7 @@ Both return indices into the dataset, sorted.
 
 from __future__ import annotations
 
-import hashlib
+
 import os
 import warnings
 from dataclasses import dataclass
@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+
+from bt_hub.common.files import file_sha256
 
 # The lists google-research/simclr publishes under imagenet_subsets/ (Apache 2.0).
 PUBLISHED_SUBSETS: dict[str, str] = {
@@ -63,15 +65,6 @@ def class_of(name: str) -> str:
     return base.split("_", 1)[0]
 
 
-def sha256_of(path: str | os.PathLike) -> str:
-    """Hex sha256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def read_subset_file(path: str | os.PathLike) -> SubsetList:
     """Read a SimCLR-format subset list; warn when a published list's name has another hash.
 
@@ -84,7 +77,7 @@ def read_subset_file(path: str | os.PathLike) -> SubsetList:
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"subset file {path} does not exist; expected a SimCLR-format list such as 1percent.txt ({PUBLISHED_URL.format(name='1percent.txt')})")
-    sha = sha256_of(path)
+    sha = file_sha256(path)
     names = tuple(line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
     if not names:
         raise ValueError(f"subset file {path} is empty; expected one training file name per line")
@@ -136,7 +129,7 @@ def balanced_subset_indices(targets: Sequence[int], percent: float, seed: int = 
         percent: share of each class to keep, in percent (1 or 10 in the paper).
         seed: the same seed always picks the same samples.
         leave_one: never take a whole class (a class of one sample gives none), so that
-            the rest keeps every class (eval.splits' holdout).
+            the rest keeps every class (bt_hub.eval.splits' holdout).
     """
     if not 0 < percent <= 100:
         raise ValueError(f"--fraction must be a percentage in (0, 100], got {percent}")

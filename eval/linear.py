@@ -1,6 +1,6 @@
 """Linear probe on a frozen backbone, and linear transfer (docs/protocols.md §2).
 
-Presets (``--preset``; bt_hub.presets):
+Presets (``--preset``; bt_hub.common.presets):
 
 - ``imagenet`` (the paper, Table 1): backbone frozen in eval mode (BN uses running
   statistics); fc init N(0, 0.01), bias 0; SGD momentum 0.9, lr 0.3, wd 1e-6, batch 256,
@@ -11,10 +11,10 @@ Presets (``--preset``; bt_hub.presets):
   configs drop three times instead ([4, 8, 12] and [24, 48, 72]): pass ``--milestones``.
 - ``small``: the imagenet recipe with crops of 40-100% of the area and no flip, for small
   images of few classes (the digits demo's crops; on its 8-px digits the paper's crops and
-  flips cost 20 points of top-1, README "Evaluation").
+  flips cost 20 points of top-1, docs/performance.md "Cached linear probe").
 
 ``--cached`` trains the same classifier, with the same optimiser and schedule, on the
-cached test-transform features of eval.features (no augmentation, so no backbone pass
+cached test-transform features of bt_hub.eval.features (no augmentation, so no backbone pass
 per epoch); results say ``mode: cached`` ("cached features, no augmentation"). Under
 torchrun the loop shards the data with a DistributedSampler and averages classifier
 gradients with DDP.
@@ -29,18 +29,23 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from bt_hub.distributed import is_distributed, is_main_process, process_group
-from bt_hub.runs import RunDir
-from eval.classifier import evaluate_features, evaluate_loader, make_classifier, make_loader, train_classifier, train_on_features
-from eval.config import EvalConfig, warn_about_settings
-from eval.features import TransformedDataset, eval_transform, features_for, load_eval_backbone, train_transform
-from eval.report import write_results
-from eval.splits import splits_for
+from bt_hub.common.distributed import is_distributed, is_main_process, process_group
+from bt_hub.common.runs import RunDir
+from bt_hub.eval.classifier import evaluate_features, evaluate_loader, make_classifier, make_loader, train_classifier, train_on_features
+from bt_hub.eval.config import EvalConfig, warn_about_settings
+from bt_hub.eval.features import TransformedDataset, features_for, load_eval_backbone, train_transform
+from bt_hub.method.transforms import eval_transforms
+from bt_hub.eval.report import write_results
+from bt_hub.eval.splits import splits_for
 
 
 def equally_spaced_milestones(epochs: int, drops: int = 2) -> list[int]:
     """``drops`` LR drops at equally spaced epochs (14 epochs -> [5, 9]; 84 -> [28, 56])."""
     return [round(epochs * (i + 1) / (drops + 1)) for i in range(drops)]
+
+
+# the paper's rows (bt_hub.common.records.PAPER_RESULTS) that a run from these presets follows
+PAPER_TASKS = {"imagenet": "imagenet_linear", "places205": "places205_linear", "inat18": "inat18_linear"}
 
 
 class FrozenBackboneClassifier(nn.Module):
@@ -116,7 +121,7 @@ class LinearConfig(EvalConfig):
 class TransferConfig(LinearConfig):
     """Flags of ``bt-hub eval transfer``: the linear probe with PIRL's settings on any ImageFolder dataset.
 
-    Build it with ``bt_hub.presets.from_preset(TransferConfig, ...)`` (as the CLI does): the
+    Build it with ``bt_hub.common.presets.from_preset(TransferConfig, ...)`` (as the CLI does): the
     default preset is ``places205``.
     """
 
@@ -129,7 +134,7 @@ def run(config: LinearConfig) -> dict[str, Any]:
     A ``TransferConfig`` is recorded as protocol ``transfer``, a ``LinearConfig`` as ``linear``.
 
     Returns:
-        The results record (metrics ``top1`` / ``top5`` in percent; bt_hub.results).
+        The results record (metrics ``top1`` / ``top5`` in percent; bt_hub.common.records).
     """
     with process_group(config.device) as device:
         return _run(config, device)
@@ -140,7 +145,7 @@ def _run(config: LinearConfig, device: torch.device) -> dict[str, Any]:
     torch.manual_seed(config.seed)
     backbone, weights_id = load_eval_backbone(config)
     splits = splits_for(config)
-    warned = warn_about_settings(config, splits, train_images=len(splits.train))
+    warned = warn_about_settings(config, num_classes=len(splits.classes), train_images=len(splits.train), image_side=splits.image_side())
     num_classes = len(splits.classes)
     run_dir = RunDir(config.out, config, write=is_main_process())
     schedule = {"epochs": config.epochs, "weight_decay": config.weight_decay, "momentum": config.momentum,
@@ -159,7 +164,7 @@ def _run(config: LinearConfig, device: torch.device) -> dict[str, Any]:
         augment = train_transform(config.image_size, crop_scale_min=config.crop_scale_min, flip=config.flip)
         train_loader = make_loader(TransformedDataset(splits.train, augment), config.batch_size, shuffle=True,
                                    seed=config.seed, num_workers=config.num_workers, device=device)
-        test_loader = make_loader(TransformedDataset(splits.test, eval_transform(config.image_size)), config.batch_size, shuffle=False,
+        test_loader = make_loader(TransformedDataset(splits.test, eval_transforms(config.image_size)), config.batch_size, shuffle=False,
                                   seed=config.seed, num_workers=config.num_workers, device=device)
         train_classifier(model, [{"params": list(fc.parameters()), "lr": config.lr}], train_loader, device=device, desc=f"linear ({config.preset})",
                          on_epoch=lambda epoch, loss: run_dir.log({"epoch": epoch, "train_loss": loss}), **schedule)
@@ -170,5 +175,6 @@ def _run(config: LinearConfig, device: torch.device) -> dict[str, Any]:
             config.out, protocol="transfer" if isinstance(config, TransferConfig) else "linear", config=config, preset=config.preset,
             mode="cached" if config.cached else "loop", metrics=metrics, weights=config.weights, weights_sha256=weights_id,
             dataset=splits.info, seed=config.seed, wall_time_s=time.perf_counter() - tick, warnings=warned,
+            paper_task=PAPER_TASKS.get(config.preset or ""),
         )
     return record

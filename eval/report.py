@@ -1,6 +1,6 @@
 """Evaluation results on disk: ``results.json`` (this run), ``results.jsonl`` (every run), ``results.md``.
 
-Every protocol ends with ``write_results``: it builds the run's record (bt_hub.results:
+Every protocol ends with ``write_results``: it builds the run's record (bt_hub.common.records:
 what was run, in which mode, from which preset and with which changes, on which weights
 and splits, the metrics), writes it to ``<out>/results.json``, appends it to
 ``<out>/results.jsonl`` and rewrites ``<out>/results.md`` from that history: one table per
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from bt_hub.presets import overrides
-from bt_hub.results import (
+from bt_hub.common.presets import overrides
+from bt_hub.common.records import (
     PAPER_NAME,
     PAPER_RESULTS,
     PAPER_SETTINGS,
@@ -32,7 +32,7 @@ from bt_hub.results import (
     setting,
     weights_label,
 )
-from bt_hub.runs import atomic_write_json, atomic_write_text
+from bt_hub.common.files import atomic_write_json, atomic_write_text
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,7 @@ def write_results(
     labels: Optional[Mapping[str, Any]] = None,
     warnings: Sequence[str] = (),
     notes: Optional[Mapping[str, Any]] = None,
+    paper_task: Optional[str] = None,
 ) -> Record:
     """Write ``results.json``, append to ``results.jsonl`` and rewrite ``results.md``; return the record.
 
@@ -164,15 +165,17 @@ def write_results(
             values a dataclass changed from its preset become the record's ``overrides``.
         metrics: flat ``{name: float}`` in percent, named as in the paper (``top1``, ``mAP``, ...).
         weights: the ``--weights`` value; ``weights_sha256`` its fingerprint.
-        dataset: the splits' facts (``eval.splits.Splits.info``), or the ``--data`` value with
+        dataset: the splits' facts (``bt_hub.eval.splits.Splits.info``), or the ``--data`` value with
             its ``dataset_fingerprint``.
         seed: the run's seed.
         wall_time_s: seconds the run took.
         preset: the preset the run started from (None when the protocol has none).
-        mode: ``cached``, ``loop`` or ``features`` (bt_hub.results.MODES).
+        mode: ``cached``, ``loop`` or ``features`` (bt_hub.common.records.MODES).
         labels: the labelled subset of a semi-supervised run.
         warnings: doubts about the run (e.g. a preset far from the data).
         notes: protocol extras (per-class APs, the kNN backend, ...).
+        paper_task: the key of ``PAPER_RESULTS`` whose setting this run follows; each protocol
+            decides (the records know no preset names).
     """
     if isinstance(dataset, Mapping):
         facts = dict(dataset)
@@ -182,6 +185,7 @@ def write_results(
     record = make_record(
         protocol=protocol, metrics=metrics, config=config, preset=preset, mode=mode, weights={"name": str(weights), "fingerprint": weights_sha256},
         dataset=facts, seed=seed, wall_time_s=wall_time_s, overrides=changed, labels=labels, warnings=warnings, notes=notes,
+        paper_task=paper_task,
     )
     atomic_write_json(Path(out_dir) / "results.json", record)
     append_results(out_dir, [record])

@@ -1,21 +1,21 @@
 """Semi-supervised evaluation: fine-tune the whole network on 1% or 10% of the labels.
 
 docs/protocols.md §2; the paper's Table 2. Presets (``--preset``;
-bt_hub.presets):
+bt_hub.common.presets):
 
 - ``paper``: 20 epochs; SGD momentum 0.9, no weight decay, batch 256; lr 0.002 for the
   backbone and 0.5 for the classifier, both x0.2 after epochs 12 and 16; train
   RandomResizedCrop (8-100% of the area) + flip, test Resize + CenterCrop.
 - ``reference`` (the reference implementation's README): lr 0.005 / 0.5 with a cosine schedule.
 - ``small``: for small images of few classes, the fine-tuning recipe the digits demo measured
-  (eval/demo.py, README "Demo"): classifier lr 0.05 (the paper's 0.5 is set for 1,000
+  (eval/demo.py, docs/evaluation.md "The demo"): classifier lr 0.05 (the paper's 0.5 is set for 1,000
   classes and batches of 256, and swamps the pretrained backbone on ten classes), cosine,
   batch 32, crops of 40-100% of the area, no flip; checked on a held-out 20% of the digits'
-  training split, never on their test split (README "Evaluation").
+  training split, never on their test split (docs/evaluation.md "Presets fit the data, or say they don't").
 
 The labelled subset comes from a SimCLR-format list (``--subset-file``, e.g. the published
 ``1percent.txt``, matched by file name) or is a seeded class-balanced ``--fraction`` percent
-of any dataset (eval.label_subsets). BN layers train (batch statistics), unlike the linear
+of any dataset (bt_hub.eval.label_subsets). BN layers train (batch statistics), unlike the linear
 probe.
 """
 
@@ -23,19 +23,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Optional, Sequence
+from typing import Any, ClassVar, Literal, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
-from bt_hub.distributed import convert_sync_batchnorm, is_distributed, is_main_process, process_group
-from eval.classifier import evaluate_loader, make_classifier, make_loader, train_classifier
-from eval.config import EvalConfig, warn_about_settings
-from eval.features import TransformedDataset, eval_transform, load_eval_backbone, train_transform
-from eval.label_subsets import read_subset_file, subset_indices
-from eval.report import write_results
-from eval.splits import splits_for
+from bt_hub.common.distributed import convert_sync_batchnorm, is_distributed, is_main_process, process_group
+from bt_hub.eval.classifier import evaluate_loader, make_classifier, make_loader, train_classifier
+from bt_hub.eval.config import EvalConfig, warn_about_settings
+from bt_hub.eval.features import TransformedDataset, load_eval_backbone, train_transform
+from bt_hub.method.transforms import eval_transforms
+from bt_hub.eval.label_subsets import read_subset_file, subset_indices
+from bt_hub.eval.report import write_results
+from bt_hub.eval.splits import splits_for
 
 
 def finetune(
@@ -65,7 +66,7 @@ def finetune(
         num_classes: classifier outputs.
         train_set, test_set: datasets yielding transformed ``(image tensor, label)``.
         lr_backbone, lr_classifier: base LRs of the two parameter groups.
-        schedule, milestones, gamma: per-epoch LR (eval.classifier.lr_factor).
+        schedule, milestones, gamma: per-epoch LR (bt_hub.eval.classifier.lr_factor).
         seed: seeds the classifier init and the data order.
     """
     device = torch.device(device)
@@ -140,6 +141,13 @@ def run(config: SemiSupervisedConfig) -> dict[str, Any]:
         return _run(config, device)
 
 
+def paper_task(config: SemiSupervisedConfig, labels: Mapping[str, Any]) -> Optional[str]:
+    """The paper's row this run follows: the ``paper`` preset on 1% or 10% of the labels, else None."""
+    if config.preset == "paper" and labels.get("fraction") in (1, 10):
+        return f"semi_supervised_{labels['fraction']:g}pct"
+    return None
+
+
 def _labels(config: SemiSupervisedConfig, indices: Sequence[int], train_size: int) -> dict[str, Any]:
     """What the results say about the labelled subset: fraction, source, count, and the list's name and hash."""
     if config.subset_file is None:
@@ -155,12 +163,12 @@ def _run(config: SemiSupervisedConfig, device: torch.device) -> dict[str, Any]:
     backbone, weights_id = load_eval_backbone(config)
     splits = splits_for(config)
     indices = subset_indices(splits.train, percent=config.fraction, subset_file=config.subset_file, seed=config.seed)
-    warned = warn_about_settings(config, splits, train_images=len(indices))
+    warned = warn_about_settings(config, num_classes=len(splits.classes), train_images=len(indices), image_side=splits.image_side())
     augment = train_transform(config.image_size, crop_scale_min=config.crop_scale_min, flip=config.flip)
     metrics = finetune(
         backbone, len(splits.classes),
         Subset(TransformedDataset(splits.train, augment), indices),
-        TransformedDataset(splits.test, eval_transform(config.image_size)),
+        TransformedDataset(splits.test, eval_transforms(config.image_size)),
         lr_backbone=config.lr_backbone, lr_classifier=config.lr_classifier, epochs=config.epochs, batch_size=config.batch_size,
         schedule=config.schedule, milestones=config.milestones, gamma=config.gamma, weight_decay=config.weight_decay,
         momentum=config.momentum, seed=config.seed, num_workers=config.num_workers, device=device,
@@ -168,9 +176,10 @@ def _run(config: SemiSupervisedConfig, device: torch.device) -> dict[str, Any]:
     )
     record: dict[str, Any] = {"metrics": metrics}
     if is_main_process():
+        labels = _labels(config, indices, len(splits.train))
         record = write_results(
             config.out, protocol="semi", config=config, preset=config.preset, mode="loop", metrics=metrics, weights=config.weights,
             weights_sha256=weights_id, dataset=splits.info, seed=config.seed, wall_time_s=time.perf_counter() - tick,
-            labels=_labels(config, indices, len(splits.train)), warnings=warned,
+            labels=labels, warnings=warned, paper_task=paper_task(config, labels),
         )
     return record

@@ -29,9 +29,10 @@ import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset, Subset
 
-from bt_hub.data import SPLITS, ArrayImageDataset, build_dataset
-from eval.features import dataset_fingerprint
-from eval.label_subsets import balanced_subset_indices, sha256_of
+from bt_hub.train.data import SPLITS, ArrayImageDataset, build_dataset
+from bt_hub.eval.features import dataset_fingerprint
+from bt_hub.eval.label_subsets import balanced_subset_indices
+from bt_hub.common.files import file_sha256
 
 OVERLAP_SAMPLE = 64  # test images whose bytes are compared with the training split's
 OVERLAP_SHARE = 0.1  # refuse when this share of the sample (and at least 2) is found in train
@@ -232,8 +233,8 @@ def check_disjoint(train: Dataset, test: Dataset, sample: int = OVERLAP_SAMPLE) 
         test_files = [test_paths[i] for i in picked]
         sizes = {os.path.getsize(p) for p in test_files}
         candidates = [p for p in train_paths if os.path.getsize(p) in sizes]
-        train_digests = {sha256_of(p) for p in candidates}
-        identical = sum(sha256_of(p) in train_digests for p in test_files)
+        train_digests = {file_sha256(p) for p in candidates}
+        identical = sum(file_sha256(p) in train_digests for p in test_files)
     elif isinstance(getattr(train, "images", None), np.ndarray) or len(train) <= GENERIC_HASH_LIMIT:
         train_digests = {_item_digest(train, i) for i in range(len(train))}
         identical = sum(_item_digest(test, i) in train_digests for i in picked)

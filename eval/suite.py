@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
-from bt_hub.presets import from_preset, preset_values
-from bt_hub.runs import claim_run_dir
-from eval import knn, linear, semi_supervised
-from eval.config import EvalConfig
-from eval.report import write_summary
+from bt_hub.common.presets import from_preset, preset_values
+from bt_hub.common.runs import claim_run_dir
+from bt_hub.eval import knn, linear, semi_supervised
+from bt_hub.eval.config import EvalConfig
+from bt_hub.eval.report import write_summary
 
 # EvalConfig fields that only the image-folder protocols take (the VOC07 devkit has its own lists).
 _SPLIT_FIELDS = ("test_split", "holdout")
@@ -91,7 +91,7 @@ def run(config: SuiteConfig) -> dict[str, Any]:
             **subset, **_given(epochs=config.semi_epochs, batch_size=config.semi_batch_size),
         )))
     if config.voc07_devkit:
-        from eval import voc07_svm
+        from bt_hub.eval import voc07_svm
 
         records.append(voc07_svm.run(voc07_svm.Voc07SvmConfig(**_shared(config, out / "voc07_svm", skip=_SPLIT_FIELDS, data=config.voc07_devkit))))
     return write_summary(out, records, time.perf_counter() - tick)

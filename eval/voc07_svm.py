@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Optional, Sequence
 import numpy as np
 from PIL import Image
 
-from eval.config import EvalConfig
+from bt_hub.eval.config import EvalConfig
 
 if TYPE_CHECKING:
     import torch
@@ -118,7 +118,7 @@ def voc07_transform(image_size: int = 224) -> "transforms.Compose":
     """VISSL's VOC07 SVM transform: Resize(256) then Resize((224, 224)) (scaled with ``image_size``), normalised."""
     from torchvision import transforms
 
-    from bt_hub.weights.registry import IMAGENET_MEAN, IMAGENET_STD
+    from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD
 
     return transforms.Compose([
         transforms.Resize(round(image_size * 256 / 224)),
@@ -308,10 +308,10 @@ class Voc07SvmConfig(EvalConfig):
 
 def run(config: Voc07SvmConfig) -> dict[str, Any]:
     """Features of trainval and test, the SVM grid on trainval, mean AP on test; writes the results."""
-    from bt_hub.distributed import is_main_process, process_group
-    from eval.features import as_float32, dataset_fingerprint, features_for, load_eval_backbone
-    from eval.report import write_results
-    from eval.splits import check_disjoint
+    from bt_hub.common.distributed import is_main_process, process_group
+    from bt_hub.eval.features import as_float32, dataset_fingerprint, features_for, load_eval_backbone
+    from bt_hub.eval.report import write_results
+    from bt_hub.eval.splits import check_disjoint
 
     tick = time.perf_counter()
     with process_group(config.device) as device:
@@ -345,5 +345,6 @@ def run(config: Voc07SvmConfig) -> dict[str, Any]:
             record = write_results(
                 config.out, protocol="voc07-svm", config=config, preset=None, mode="features", metrics=metrics, weights=config.weights,
                 weights_sha256=weights_id, dataset=info, seed=config.seed, wall_time_s=time.perf_counter() - tick, notes=notes,
+                paper_task="voc07_svm",
             )
         return record

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-# bt_hub.progress.LineProgress: "<desc>: <n>/<total> <unit> (<p>%), <rate> <unit>/s, <t> s[, key=value ...]"
+# bt_hub.common.progress.LineProgress: "<desc>: <n>/<total> <unit> (<p>%), <rate> <unit>/s, <t> s[, key=value ...]"
 PROGRESS_LINE = re.compile(r"^[\w .-]+: \d+/\d+ \w+( \(\d+%\))?, ")
 
 

@@ -22,7 +22,7 @@ def _no_leftover_process_group():
 @pytest.fixture(scope="session")
 def resnet18_weights(tmp_path_factory) -> Path:
     """A seeded random-init ResNet-18 backbone saved as a plain torchvision state dict."""
-    from bt_hub.model import build_backbone
+    from bt_hub.method.model import build_backbone
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("weights") / "resnet18.pth"
@@ -33,7 +33,7 @@ def resnet18_weights(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def small_stem_weights(tmp_path_factory) -> Path:
     """A seeded random-init ResNet-18 with the 3x3 small-image stem (fast on 8-px images)."""
-    from bt_hub.model import build_backbone
+    from bt_hub.method.model import build_backbone
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("weights") / "resnet18_small_stem.pth"
@@ -60,7 +60,7 @@ def shared_data() -> Path:
 @pytest.fixture(scope="module")
 def bt_weights(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     """A ResNet-50 state dict whose every tensor differs from a fresh initialisation (and from detectron2's)."""
-    from bt_hub.model import build_backbone
+    from bt_hub.method.model import build_backbone
 
     torch.manual_seed(0)
     state = build_backbone("resnet50").state_dict()

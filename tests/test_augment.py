@@ -11,9 +11,8 @@ import torch
 import torchvision.transforms.v2.functional as F
 from PIL import Image
 
-from bt_hub.augment import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
+from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD
+from bt_hub.method.views import (
     VIEW_A,
     VIEW_B,
     BatchedTwoViews,

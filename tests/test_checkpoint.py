@@ -19,7 +19,7 @@ from bt_hub.weights import (
     weights_fingerprint,
 )
 from bt_hub.weights.formats import infer_architecture, torchvision_to_detectron2_key
-from bt_hub.model import BarlowTwins
+from bt_hub.method.model import BarlowTwins
 
 torch.set_num_threads(2)
 
@@ -256,7 +256,7 @@ def test_exported_pkl_loads_into_detectron2_r50_c4_with_nothing_unloaded(resnet5
     from detectron2.config import get_cfg
     from detectron2.modeling import build_model
 
-    import eval.detection.roi_heads  # noqa: F401  (registers Res5ROIHeadsExtraNorm)
+    import bt_hub.eval.detection.detectron2_engine.roi_heads  # noqa: F401  (registers Res5ROIHeadsExtraNorm)
 
     pkl = save_detectron2(resnet50_state, tmp_path / "bt.pkl")
     cfg = get_cfg()

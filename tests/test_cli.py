@@ -9,7 +9,7 @@ from typing import ClassVar, Literal, Optional
 
 import pytest
 
-import eval as eval_pkg
+import bt_hub.eval as eval_pkg
 from bt_hub import cli
 
 
@@ -57,8 +57,8 @@ def test_every_subcommand_has_help_from_its_config_dataclass(path, command, caps
 
 def test_every_protocol_module_in_eval_has_a_subcommand():
     routed = {command.module for _, command in _all_commands()}
-    protocols = {"eval." + m.name for m in pkgutil.iter_modules(eval_pkg.__path__) if not m.ispkg}
-    protocols -= {"eval.config", "eval.features", "eval.report", "eval.classifier", "eval.splits", "eval.label_subsets"}
+    protocols = {"bt_hub.eval." + m.name for m in pkgutil.iter_modules(eval_pkg.__path__) if not m.ispkg}
+    protocols -= {"bt_hub.eval.config", "bt_hub.eval.features", "bt_hub.eval.report", "bt_hub.eval.classifier", "bt_hub.eval.splits", "bt_hub.eval.label_subsets"}
     assert protocols <= routed, f"eval modules without a bt-hub subcommand: {sorted(protocols - routed)}"
 
 
@@ -86,7 +86,7 @@ def test_add_dataclass_arguments_maps_types_presets_and_required():
 
 
 def _commands_with_presets():
-    from bt_hub.presets import presets_of
+    from bt_hub.common.presets import presets_of
 
     for path, command in _all_commands():
         config_cls = getattr(importlib.import_module(command.module), command.config)
@@ -108,9 +108,9 @@ def test_every_preset_help_lists_what_the_preset_sets(path, presets, capsys):
 
 
 def test_one_preset_mechanism_builds_eval_and_pretrain_configs():
-    from bt_hub.presets import from_preset, overrides
-    from bt_hub.pretrain import PretrainConfig
-    from eval.semi_supervised import SemiSupervisedConfig
+    from bt_hub.common.presets import from_preset, overrides
+    from bt_hub.train.pretrain import PretrainConfig
+    from bt_hub.eval.semi_supervised import SemiSupervisedConfig
 
     parser = cli.argparse.ArgumentParser()
     cli.add_dataclass_arguments(parser, PretrainConfig)

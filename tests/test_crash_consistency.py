@@ -179,7 +179,7 @@ def test_killing_the_torchrun_agent_ends_its_workers_and_nothing_more_is_written
 @pytest.mark.ddp
 @pytest.mark.slow
 def test_torchrun_max_restarts_resumes_a_killed_worker_from_the_checkpoint_bit_identical(tmp_path):
-    # the README's elastic recipe: torchrun --max-restarts N ... --resume auto
+    # the elastic recipe of docs/pretraining.md: torchrun --max-restarts N ... --resume auto
     straight, elastic = tmp_path / "straight", tmp_path / "elastic"
     _run(_cmd(straight, launcher=TORCHRUN))
     agent = subprocess.Popen(_cmd(elastic, "--resume", "auto", launcher=[*TORCHRUN, "--max-restarts", "1"]), env=_env(),

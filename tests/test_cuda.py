@@ -15,11 +15,12 @@ import torch
 
 from bt_hub import cli
 from bt_hub.weights import load_backbone
-from bt_hub.data import build_dataset
-from bt_hub.loss import barlow_twins_loss
-from bt_hub.model import build_backbone
-from eval.features import eval_transform, extract_features
-from eval.knn import knn_search
+from bt_hub.train.data import build_dataset
+from bt_hub.method.loss import barlow_twins_loss
+from bt_hub.method.model import build_backbone
+from bt_hub.eval.features import extract_features
+from bt_hub.method.transforms import eval_transforms
+from bt_hub.eval.knn import knn_search
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -72,8 +73,8 @@ def test_features_on_cuda_equal_the_cpu_features():
     torch.manual_seed(0)
     net = build_backbone("resnet18", small_image_stem=True)
     data = build_dataset("synthetic:48", "train", image_size=16)
-    cpu, labels_cpu = extract_features(net, data, transform=eval_transform(16), batch_size=16, device="cpu")
-    cuda, labels_cuda = extract_features(net, data, transform=eval_transform(16), batch_size=16, device="cuda")
+    cpu, labels_cpu = extract_features(net, data, transform=eval_transforms(16), batch_size=16, device="cpu")
+    cuda, labels_cuda = extract_features(net, data, transform=eval_transforms(16), batch_size=16, device="cuda")
     assert torch.equal(labels_cpu, labels_cuda)
     torch.testing.assert_close(cuda.cpu().float(), cpu.float(), rtol=1e-3, atol=1e-3)
 

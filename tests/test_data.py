@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bt_hub.data import WithIndex, build_dataset, load_digits_split, synthetic_dataset, to_uint8_tensor
+from bt_hub.train.data import WithIndex, build_dataset, load_digits_split, synthetic_dataset, to_uint8_tensor
 
 
 def _png_tree(root: Path, classes=("cat", "dog"), per_class=3, size=10) -> Path:

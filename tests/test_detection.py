@@ -20,10 +20,10 @@ from detectron2.checkpoint import DetectionCheckpointer  # noqa: E402
 from detectron2.modeling import build_model  # noqa: E402
 
 from detection_settings import DETECTRON2_FAST as FAST  # noqa: E402
-from eval.detection.config import CONFIGS, build_cfg, load_settings, resolve_config  # noqa: E402
-from eval.detection.synthetic import write_coco, write_voc  # noqa: E402
-from eval.detection.train_net import prepare_weights  # noqa: E402
-from eval.detection.trainer import run_trial, unloaded_parameters  # noqa: E402
+from bt_hub.eval.detection.config import CONFIGS, build_cfg, load_settings, resolve_config  # noqa: E402
+from bt_hub.eval.detection.synthetic import write_coco, write_voc  # noqa: E402
+from bt_hub.eval.detection.detect import prepare_weights  # noqa: E402
+from bt_hub.eval.detection.detectron2_engine.trainer import run_trial, unloaded_parameters  # noqa: E402
 
 pytestmark = [pytest.mark.detectron2, pytest.mark.usefixtures("one_thread")]
 

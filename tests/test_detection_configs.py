@@ -18,10 +18,10 @@ import pytest
 import yaml
 
 from bt_hub.cli import main as cli_main
-from eval.detection.config import CONFIGS, configs_dir, resolve_config
-from eval.detection.data import load_records, locate
-from eval.detection.synthetic import CLASSES, COLOURS, DetectionDataConfig, make_detection_data, rasterize, write_coco, write_voc
-from eval.detection.train_net import aggregate_trials
+from bt_hub.eval.detection.config import CONFIGS, configs_dir, resolve_config
+from bt_hub.eval.detection.data import load_records, locate
+from bt_hub.eval.detection.synthetic import CLASSES, COLOURS, DetectionDataConfig, make_detection_data, rasterize, write_coco, write_voc
+from bt_hub.eval.detection.detect import PAPER_TASKS, aggregate_trials
 
 PIXEL_MEAN = [123.675, 116.280, 103.530]
 PIXEL_STD = [58.395, 57.120, 57.375]
@@ -234,11 +234,11 @@ def test_make_detection_data_writes_the_same_images_in_both_layouts(tmp_path):
 
 
 def test_detection_results_get_the_papers_rows_in_the_report():
-    from eval.report import render_table
+    from bt_hub.eval.report import render_table
 
     def record(preset, **metrics):
-        return {"protocol": "detect", "preset": preset, "metrics": metrics, "weights": {"name": "bt.pth", "fingerprint": "ab"},
-                "dataset": {"name": "d"}, "wall_time_s": 1.0}
+        return {"protocol": "detect", "preset": preset, "paper_task": PAPER_TASKS.get(preset), "metrics": metrics,
+                "weights": {"name": "bt.pth", "fingerprint": "ab"}, "dataset": {"name": "d"}, "wall_time_s": 1.0}
 
     text = render_table([
         record("voc", bbox_AP=50.0, bbox_AP50=80.0, bbox_AP75=55.0),

@@ -14,9 +14,9 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from eval.detection.data import load_records, locate, masks_of
-from eval.detection.evaluation import box_iou, voc_ap
-from eval.detection.synthetic import CLASSES, DetectionDataConfig, make_detection_data
+from bt_hub.eval.detection.data import load_records, locate, masks_of
+from bt_hub.eval.detection.evaluation import box_iou, voc_ap
+from bt_hub.eval.detection.synthetic import CLASSES, DetectionDataConfig, make_detection_data
 
 ENGINES = ["torchvision", pytest.param("detectron2", marks=pytest.mark.detectron2)]
 LAYOUTS = {"voc": "voc_2007_test", "coco": "coco_2017_val"}
@@ -27,9 +27,9 @@ PLANTED_IOU = 0.625  # between the thresholds 0.60 and 0.65
 def _evaluator(engine: str) -> Callable[..., dict[str, dict[str, float]]]:
     if engine == "detectron2":
         pytest.importorskip("detectron2")
-        from eval.detection.trainer import evaluate_dataset
+        from bt_hub.eval.detection.detectron2_engine.trainer import evaluate_dataset
     else:
-        from eval.detection.torchvision_trainer import evaluate_dataset
+        from bt_hub.eval.detection.torchvision_engine.trainer import evaluate_dataset
     return evaluate_dataset
 
 
@@ -132,7 +132,7 @@ def test_voc_ap_eleven_point_and_all_point_on_a_hand_worked_curve():
 
 
 def test_voc_evaluator_ignores_difficult_objects_and_counts_duplicates_as_false_positives(root):
-    from eval.detection.evaluation import voc_evaluate
+    from bt_hub.eval.detection.evaluation import voc_evaluate
 
     records, truth = _ground_truth(root, "voc")
     first = records[0]

@@ -21,12 +21,12 @@ from torchvision.models.detection import FasterRCNN, MaskRCNN
 
 from bt_hub.cli import main as cli_main
 from detection_settings import DETECTRON2_FAST, FAST
-from bt_hub.model import build_backbone
-from eval.detection.config import FLAG_OWNED_KEYS, load_settings, resolve_config, scale_to_world_size
-from eval.detection.synthetic import DetectionDataConfig, make_detection_data
-from eval.detection.torchvision_model import build_c4_model, c4_backbone_state_dict, unloaded_backbone_tensors
-from eval.detection.torchvision_trainer import lr_factor, param_groups
-from eval.detection.train_net import resolve_engine
+from bt_hub.method.model import build_backbone
+from bt_hub.eval.detection.config import FLAG_OWNED_KEYS, load_settings, resolve_config, scale_to_world_size
+from bt_hub.eval.detection.synthetic import DetectionDataConfig, make_detection_data
+from bt_hub.eval.detection.torchvision_engine.model import build_c4_model, c4_backbone_state_dict, unloaded_backbone_tensors
+from bt_hub.eval.detection.torchvision_engine.trainer import lr_factor, param_groups
+from bt_hub.eval.detection.detect import resolve_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,7 +36,7 @@ COCO_TRAIN_SIZES = (640, 672, 704, 736, 768, 800)
 
 @pytest.fixture(scope="module")
 def r50_weights(tmp_path_factory) -> Path:
-    """A seeded, freshly initialised torchvision ResNet-50 (what a training run starts from in the README check)."""
+    """A seeded, freshly initialised torchvision ResNet-50 (what a training run starts from in the installation check of docs/detection.md)."""
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("weights") / "resnet50.pth"
     torch.save(build_backbone("resnet50").state_dict(), path)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from loopback import LoopbackFiles
 
-from bt_hub.model import build_backbone
+from bt_hub.method.model import build_backbone
 from bt_hub.weights import DownloadError, cache_path, download, load_backbone
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""eval.features: order, pools, transforms, fingerprints and the on-disk cache."""
+"""bt_hub.eval.features: order, pools, transforms, fingerprints and the on-disk cache."""
 
 from __future__ import annotations
 
@@ -7,17 +7,17 @@ import pytest
 import torch
 from torch import nn
 
-from bt_hub.data import ArrayImageDataset
-from bt_hub.model import build_backbone
-from eval.features import (
+from bt_hub.train.data import ArrayImageDataset
+from bt_hub.method.model import build_backbone
+from bt_hub.eval.features import (
     FeatureCache,
     as_float32,
     dataset_fingerprint,
-    eval_transform,
     extract_features,
     module_fingerprint,
     train_transform,
 )
+from bt_hub.method.transforms import eval_transforms
 
 torch.set_num_threads(2)
 
@@ -96,7 +96,7 @@ def test_second_call_with_the_same_cache_key_does_not_run_the_model(tmp_path):
     np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
     assert labels1.tolist() == labels2.tolist() == data.targets
     # the key holds across processes: no memory address of the transform goes into it
-    from eval.features import describe_transform
+    from bt_hub.eval.features import describe_transform
 
     assert "0x" not in describe_transform(_to_tensor) and "_to_tensor" in describe_transform(_to_tensor)
     # another pool or dtype is another key: the model runs again
@@ -140,15 +140,15 @@ def test_eval_transform_is_resize_256_center_crop_224_and_train_transform_crops_
     from PIL import Image
 
     image = Image.fromarray(np.zeros((300, 400, 3), dtype=np.uint8))
-    t = eval_transform(224)
+    t = eval_transforms(224)
     assert t.transforms[0].size == 256 and t.transforms[1].size == (224, 224)
     assert t(image).shape == (3, 224, 224)
-    assert eval_transform(32).transforms[0].size == round(32 * 256 / 224)
+    assert eval_transforms(32).transforms[0].size == round(32 * 256 / 224)
     assert train_transform(64)(image).shape == (3, 64, 64)
 
 
 def test_global_batches_interleave_ranks_so_gathered_steps_are_in_dataset_order():
-    from eval.features import _global_batches
+    from bt_hub.eval.features import _global_batches
 
     n, batch, world = 10, 3, 2
     per_rank = [_global_batches(n, batch, world, r) for r in range(world)]

@@ -15,7 +15,7 @@ import torchvision
 pytest.importorskip("huggingface_hub")
 
 from bt_hub.weights import from_pretrained, push_to_hub, save_pretrained  # noqa: E402
-from bt_hub.model import BarlowTwins  # noqa: E402
+from bt_hub.method.model import BarlowTwins  # noqa: E402
 from loopback import LoopbackHub  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torchvision
 
-from bt_hub.model import BarlowTwins
+from bt_hub.method.model import BarlowTwins
 from bt_hub.weights import BarlowTwinsWeights, CheckpointError, DownloadError, cache_path, get_weights
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

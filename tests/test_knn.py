@@ -1,4 +1,4 @@
-"""eval.knn: faiss and torch search and DINO's weighted vote against brute force; the CLI end to end."""
+"""bt_hub.eval.knn: faiss and torch search and DINO's weighted vote against brute force; the CLI end to end."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from bt_hub import cli
-from bt_hub.model import build_backbone
-from eval.knn import knn_classify, knn_search, knn_vote, resolve_backend
+from bt_hub.method.model import build_backbone
+from bt_hub.eval.knn import knn_classify, knn_search, knn_vote, resolve_backend
 
 torch.set_num_threads(2)
 

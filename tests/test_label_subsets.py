@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bt_hub.data import ImageFolderDataset
-from eval.label_subsets import (
+from bt_hub.train.data import ImageFolderDataset
+from bt_hub.eval.label_subsets import (
     PUBLISHED_SUBSETS,
     balanced_subset_indices,
     class_of,

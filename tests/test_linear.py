@@ -11,9 +11,9 @@ import torch
 from PIL import Image
 
 from bt_hub import cli
-from bt_hub.model import build_backbone
-from bt_hub.presets import from_preset
-from eval.classifier import (
+from bt_hub.method.model import build_backbone
+from bt_hub.common.presets import from_preset
+from bt_hub.eval.classifier import (
     evaluate_features,
     lr_factor,
     make_classifier,
@@ -22,7 +22,7 @@ from eval.classifier import (
     train_classifier,
     train_on_features,
 )
-from eval.linear import FrozenBackboneClassifier, LinearConfig, TransferConfig, equally_spaced_milestones
+from bt_hub.eval.linear import FrozenBackboneClassifier, LinearConfig, TransferConfig, equally_spaced_milestones
 
 RESULT_FIELDS = {"schema", "protocol", "mode", "preset", "overrides", "hyperparameters", "weights", "dataset", "seed", "metrics",
                  "wall_time_s", "versions", "warnings"}
@@ -181,6 +181,6 @@ def test_cli_eval_all_runs_every_protocol_sharing_one_feature_cache(resnet18_wei
     table = (out / "results.md").read_text()
     assert all(title in table for title in ("Linear evaluation", "Semi-supervised", "Weighted kNN"))
     assert all((out / sub / "results.json").exists() for sub in ("knn", "linear", "semi_1percent", "semi_10percent"))
-    from bt_hub.results import read_records
+    from bt_hub.common.records import read_records
 
     assert [r["protocol"] for r in read_records([out / "results.json"])] == ["knn", "linear", "semi", "semi"]  # what push --results reads

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-import bt_hub.loss as loss_module
-from bt_hub.loss import barlow_twins_loss, choose_method
+import bt_hub.method.loss as loss_module
+from bt_hub.method.loss import barlow_twins_loss, choose_method
 
 LAMBD = 0.0051
 SHAPES = [(8, 48), (64, 16)]  # N < D (Gram is cheaper) and N > D (dense is cheaper)

@@ -11,8 +11,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bt_hub.distributed import GlobalBatchNorm, convert_sync_batchnorm
-from bt_hub.loss import barlow_twins_loss
+from bt_hub.common.distributed import GlobalBatchNorm, convert_sync_batchnorm
+from bt_hub.method.loss import barlow_twins_loss
 
 pytestmark = pytest.mark.ddp
 

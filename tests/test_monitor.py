@@ -10,11 +10,11 @@ import types
 import pytest
 import torch
 
-import bt_hub.precision as precision
+import bt_hub.train.precision as precision
 from bt_hub.cli import main as cli_main
-from bt_hub.knn import knn_vote, nearest_neighbours
-from bt_hub.monitor import KnnMonitor, monitor_sets
-from bt_hub.progress import LineProgress, progress
+from bt_hub.method.knn import knn_vote, nearest_neighbours
+from bt_hub.train.monitor import KnnMonitor, monitor_sets
+from bt_hub.common.progress import LineProgress, progress
 
 # the demo's recipe on the 8-px digits: kNN climbs from ~15% to ~65% in five steps
 DIGITS = [
@@ -71,7 +71,7 @@ def test_monitor_queries_are_held_out_images_and_its_vote_is_the_eval_knn_vote()
     assert bank.shape == (100, 3, 8, 8) and bank.dtype == torch.uint8 and queries.shape == (25, 3, 8, 8)
     train = {tuple(x.flatten().tolist()) for x in bank}
     assert not train & {tuple(x.flatten().tolist()) for x in queries}
-    from eval.knn import knn_vote as eval_vote
+    from bt_hub.eval.knn import knn_vote as eval_vote
 
     assert eval_vote is knn_vote
     identity = KnnMonitor(bank, bank_labels, bank[:20], bank_labels[:20])

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from bt_hub.optim import LARS, lr_at_step, param_groups, scaled_lr, set_learning_rates, trust_ratio
+from bt_hub.method.optim import LARS, lr_at_step, param_groups, scaled_lr, set_learning_rates, trust_ratio
 
 
 def _hand_lars_step(p, g, mu, lr, wd, momentum=0.9, eta=0.001, adapt=True):

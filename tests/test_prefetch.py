@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
-import bt_hub.pretrain as pretrain_module
+import bt_hub.train.pretrain as pretrain_module
 from bt_hub.cli import main as cli_main
-from bt_hub.prefetch import Prefetcher
+from bt_hub.train.prefetch import Prefetcher
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 

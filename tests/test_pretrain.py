@@ -19,9 +19,9 @@ import torch
 from cli_output import one_sentence
 
 from bt_hub.cli import main as cli_main
-from bt_hub.model import build_backbone
-from bt_hub.augment import VIEW_A, VIEW_B
-from bt_hub.pretrain import PretrainConfig, pretrain, view_pair
+from bt_hub.method.model import build_backbone
+from bt_hub.method.views import VIEW_A, VIEW_B
+from bt_hub.train.pretrain import PretrainConfig, pretrain, view_pair
 
 # 32 synthetic training images, batch 8: 4 steps per epoch, 8 in all; checkpoints at 3 (mid-epoch), 4, 6 (mid-epoch), 8.
 TINY = [

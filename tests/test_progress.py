@@ -1,4 +1,4 @@
-"""bt_hub.progress: a bar on a terminal, a log line every N percent elsewhere (CI, Slurm)."""
+"""bt_hub.common.progress: a bar on a terminal, a log line every N percent elsewhere (CI, Slurm)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 
 from tqdm import tqdm
 
-from bt_hub.progress import progress
+from bt_hub.common.progress import progress
 
 
 class Terminal(io.StringIO):

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
 
-from bt_hub.presets import from_preset
-from bt_hub.results import SCHEMA, card_table, read_records, setting, summary_text
-from eval.report import render_table, write_results, write_summary
+from bt_hub.common.presets import from_preset
+from bt_hub.common.records import SCHEMA, card_table, read_records, setting, summary_text
+from bt_hub.eval import linear, semi_supervised
+from bt_hub.eval.detection import detect
+from bt_hub.eval.report import render_table, write_results, write_summary
 
 FIELDS = {
     "schema", "protocol", "mode", "mode_description", "preset", "overrides", "hyperparameters", "weights", "dataset",
-    "seed", "metrics", "wall_time_s", "timestamp", "versions", "warnings",
+    "seed", "metrics", "wall_time_s", "timestamp", "versions", "warnings", "paper_task",
 }
 
 
@@ -43,7 +46,28 @@ def _write(out, config=None, **overrides):
         weights="/home/me/secret/w.safetensors", weights_sha256="abcdef0123456789", dataset=SPLITS, seed=3, wall_time_s=12.5,
     )
     kwargs.update(overrides)
+    kwargs.setdefault("paper_task", _paper_task(kwargs["protocol"], kwargs["preset"], kwargs.get("labels")))
     return write_results(out, **kwargs)
+
+
+def _paper_task(protocol, preset, labels=None):
+    """The paper row the protocol module itself declares for a run from ``preset`` (as the protocol passes it)."""
+    if protocol in ("linear", "transfer"):
+        return linear.PAPER_TASKS.get(preset or "")
+    if protocol == "semi":
+        return semi_supervised.paper_task(SimpleNamespace(preset=preset), labels or {})
+    if protocol == "detect":
+        return detect.PAPER_TASKS.get(preset or "")
+    return None
+
+
+def test_each_protocol_declares_the_paper_rows_it_follows_and_the_records_check_the_key(tmp_path):
+    assert linear.PAPER_TASKS == {"imagenet": "imagenet_linear", "places205": "places205_linear", "inat18": "inat18_linear"}
+    assert _paper_task("semi", "paper", {"fraction": 10}) == "semi_supervised_10pct"
+    assert _paper_task("semi", "paper", {"fraction": 50}) is None and _paper_task("semi", "small", {"fraction": 1}) is None
+    assert _paper_task("detect", "coco") == "coco_mask_rcnn_c4_1x" and _paper_task("detect", "shapes-voc") is None
+    with pytest.raises(ValueError, match="paper_task 'imagenet' is unknown"):
+        _write(tmp_path, paper_task="imagenet")
 
 
 def test_results_json_has_every_documented_field_and_no_absolute_path(tmp_path):
@@ -111,7 +135,8 @@ def test_semi_rows_say_which_label_fraction_and_get_that_fractions_paper_row(tmp
 
 def test_transfer_presets_land_in_the_transfer_table_with_their_paper_row():
     base = {"weights": {"name": "w", "fingerprint": ""}, "dataset": {"name": "inat"}, "wall_time_s": 1.0, "mode": "loop"}
-    md = render_table([{**base, "protocol": "transfer", "preset": "inat18", "metrics": {"top1": 30.0}}])
+    record = {**base, "protocol": "transfer", "preset": "inat18", "paper_task": _paper_task("transfer", "inat18"), "metrics": {"top1": 30.0}}
+    md = render_table([record])
     lines = md.splitlines()
     assert lines[0] == "### Transfer to other classification tasks (paper Table 3)"
     assert lines[2] == "| Run | Setting | Weights | Data | Top-1 | Wall time (s) |"
@@ -147,7 +172,7 @@ def test_push_and_save_pretrained_accept_eval_all_results(tmp_path):
     import torch
 
     from bt_hub.weights import save_pretrained
-    from bt_hub.model import BarlowTwins
+    from bt_hub.method.model import BarlowTwins
 
     records = [_write(tmp_path / "a"), _write(tmp_path / "b", protocol="semi", preset="paper", labels={"fraction": 1, "source": "seeded", "seed": 0, "count": 5})]
     write_summary(tmp_path / "all", records, 30.0)

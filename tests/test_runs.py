@@ -1,4 +1,4 @@
-"""bt_hub.runs: run-directory ownership and lock, atomic writes (umask, disk full), run.json and metrics.jsonl."""
+"""bt_hub.common.runs: run-directory ownership and lock, atomic writes (umask, disk full), run.json and metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import torch
 from cli_output import one_sentence
 
 from bt_hub.cli import main as cli_main
-from bt_hub.runs import MARKER_NAME, RunDir, RunLock, WriteError, atomic_torch_save, atomic_write_text, claim_run_dir, read_jsonl
+from bt_hub.common.runs import MARKER_NAME, RunDir, RunLock, claim_run_dir, read_jsonl
+from bt_hub.common.files import WriteError, atomic_torch_save, atomic_write_text
 
 # 32 synthetic images, batch 8: 4 steps per epoch; --max-steps keeps each run to a few steps.
 TINY = [
@@ -56,11 +57,11 @@ def test_pretrain_with_overwrite_adopts_the_directory_and_a_second_run_may_resum
 
 def test_out_that_is_a_file_fails_in_one_sentence_before_the_model_is_built(tmp_path, capsys, monkeypatch):
     # item 17: was "[Errno 17] File exists", and only after the model had been built
-    import bt_hub.pretrain
+    import bt_hub.train.pretrain
 
     target = tmp_path / "run"
     target.write_text("a file")
-    monkeypatch.setattr(bt_hub.pretrain, "BarlowTwins", lambda *a, **k: pytest.fail("the model was built before --out was checked"))
+    monkeypatch.setattr(bt_hub.train.pretrain, "BarlowTwins", lambda *a, **k: pytest.fail("the model was built before --out was checked"))
     assert cli_main([*TINY, "--out", str(target)]) == 2
     assert f"--out {target} is an existing file; expected a directory" in _error(capsys)
     assert cli_main([*TINY, "--out", str(target / "sub")]) == 2
@@ -75,7 +76,7 @@ def test_a_second_run_into_a_locked_directory_fails_at_once_naming_the_holder(tm
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys, time
-            from bt_hub.runs import RunLock
+            from bt_hub.common.runs import RunLock
             lock = RunLock({str(out)!r})
             print("locked", flush=True)
             time.sleep(120)
@@ -159,7 +160,7 @@ def test_a_file_over_the_size_limit_is_one_sentence_and_keeps_the_previous_file(
     target.write_bytes(b"previous")
     script = textwrap.dedent(f"""
         import resource, signal, torch
-        from bt_hub.runs import WriteError, atomic_torch_save
+        from bt_hub.common.files import WriteError, atomic_torch_save
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
         try:
@@ -205,7 +206,7 @@ def test_a_partial_last_metrics_line_is_dropped_with_a_warning_and_earlier_damag
 
 def test_eval_refuses_a_foreign_directory_before_loading_weights_and_accepts_its_own(tmp_path, capsys, resnet18_weights):
     # item 6 for eval: the --out of every protocol goes through the same check
-    from eval.knn import KnnConfig
+    from bt_hub.eval.knn import KnnConfig
 
     out = tmp_path / "mine"
     out.mkdir()

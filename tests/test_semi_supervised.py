@@ -11,9 +11,9 @@ from PIL import Image
 from torch.utils.data import TensorDataset
 
 from bt_hub import cli
-from bt_hub.model import build_backbone
-from bt_hub.presets import from_preset
-from eval.semi_supervised import SemiSupervisedConfig, finetune
+from bt_hub.method.model import build_backbone
+from bt_hub.common.presets import from_preset
+from bt_hub.eval.semi_supervised import SemiSupervisedConfig, finetune
 
 
 def test_paper_preset_is_the_papers_recipe():
@@ -30,7 +30,7 @@ def test_reference_preset_uses_0_005_and_a_cosine_schedule():
 
 
 def test_small_preset_is_the_demos_fine_tuning_recipe():
-    from eval.demo import DemoConfig
+    from bt_hub.eval.demo import DemoConfig
 
     c = from_preset(SemiSupervisedConfig, "small", weights="w")
     demo = DemoConfig()
@@ -109,7 +109,7 @@ def test_cli_semi_rejects_a_list_naming_absent_files(resnet18_weights, tmp_path,
 
 
 def test_a_preset_far_from_the_data_is_one_warning_naming_what_differs():
-    from eval.config import preset_warnings
+    from bt_hub.eval.config import preset_warnings
 
     paper = from_preset(SemiSupervisedConfig, "paper", weights="w", image_size=32)
     (message,) = preset_warnings(paper, num_classes=10, train_images=14, image_side=8)
@@ -121,7 +121,7 @@ def test_a_preset_far_from_the_data_is_one_warning_naming_what_differs():
 
 
 def test_milestones_that_never_fire_are_a_warning():
-    from eval.config import schedule_warnings
+    from bt_hub.eval.config import schedule_warnings
 
     assert schedule_warnings(SemiSupervisedConfig(weights="w", epochs=5)) == [
         "--milestones 12 16 never fire in 5 epochs, so the LR never drops there: lower --milestones or use --schedule cosine"]

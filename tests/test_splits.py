@@ -1,4 +1,4 @@
-"""eval.splits: explicit held-out splits, --holdout, overlap refused, one split function for every protocol."""
+"""bt_hub.eval.splits: explicit held-out splits, --holdout, overlap refused, one split function for every protocol."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from bt_hub import cli
-from bt_hub.data import ImageFolderDataset
-from eval.splits import check_disjoint, indices_sha256, load_splits, stratified_holdout
+from bt_hub.train.data import ImageFolderDataset
+from bt_hub.eval.splits import check_disjoint, indices_sha256, load_splits, stratified_holdout
 
 PROTOCOLS = ["knn", "linear", "semi", "transfer", "all"]
 
@@ -43,10 +43,10 @@ def test_a_flat_folder_is_refused_by_every_protocol_naming_the_layouts_and_holdo
 
 
 def test_test_split_flag_is_the_same_on_every_protocol():
-    from eval.knn import KnnConfig
-    from eval.linear import LinearConfig, TransferConfig
-    from eval.semi_supervised import SemiSupervisedConfig
-    from eval.suite import SuiteConfig
+    from bt_hub.eval.knn import KnnConfig
+    from bt_hub.eval.linear import LinearConfig, TransferConfig
+    from bt_hub.eval.semi_supervised import SemiSupervisedConfig
+    from bt_hub.eval.suite import SuiteConfig
 
     specs = set()
     for cls in (KnnConfig, LinearConfig, TransferConfig, SemiSupervisedConfig, SuiteConfig):

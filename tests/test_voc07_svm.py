@@ -1,4 +1,4 @@
-"""eval.voc07_svm: AP against hand computation, the devkit reader, parallel == sequential, the CLI."""
+"""bt_hub.eval.voc07_svm: AP against hand computation, the devkit reader, parallel == sequential, the CLI."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from voc_devkit import write_synthetic_devkit
 
 from bt_hub import cli
-from bt_hub.model import build_backbone
-from eval.voc07_svm import (
+from bt_hub.method.model import build_backbone
+from bt_hub.eval.voc07_svm import (
     VocClassification,
     average_precision,
     evaluate_svms,

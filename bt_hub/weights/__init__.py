@@ -1,10 +1,10 @@
 """The weights wing: one home for everything that names, fetches, reads, converts or publishes weights.
 
-- ``registry``: named weights (``BarlowTwinsWeights``, torchvision-style), the paper's numbers,
-  the recipe, ImageNet mean/std and the evaluation transform.
+- ``registry``: named weights (``BarlowTwinsWeights``, torchvision-style), the paper's numbers and
+  the recipe (ImageNet mean/std and the evaluation transform come from ``bt_hub.method.transforms``).
 - ``download``: the URL-keyed, verified, time-bounded download cache and Hugging Face Hub files.
 - ``sources``: ``resolve(source)`` for a name, file, folder, URL, ``hf://org/name`` or ``org/name``.
-- ``formats``: checkpoint layouts, key mapping, safe reading, finite checks.
+- ``formats``: checkpoint layouts, key mapping, finite checks (files are read by ``bt_hub.common.files``).
 - ``load``: ``load_backbone`` and friends (strict loading).
 - ``builders``: ``resnet50`` and ``barlow_twins``, the torch.hub entry points.
 - ``export``: torchvision ``.pth``, safetensors, detectron2 ``.pkl`` and Hugging Face folders.
@@ -14,13 +14,11 @@
 from bt_hub.weights.builders import barlow_twins, resnet50
 from bt_hub.weights.download import DownloadError, cache_path, download
 from bt_hub.weights.export import ExportConfig, export, save_detectron2, save_hf_folder, save_safetensors, save_torchvision, to_detectron2
-from bt_hub.weights.formats import CheckpointError
+from bt_hub.common.files import CheckpointError
 from bt_hub.weights.hf import PushConfig, from_pretrained, push, push_to_hub, save_pretrained
 from bt_hub.weights.load import load_backbone, read_backbone_state_dict, read_projector_state_dict, weights_fingerprint
-from bt_hub.weights.registry import (
-    IMAGENET_MEAN, IMAGENET_STD, PAPER_RESULTS, RECIPE, BarlowTwinsWeights, Weights, eval_transforms, get_weights, list_weights,
-    transforms_for,
-)
+from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transforms, transforms_for
+from bt_hub.weights.registry import PAPER_RESULTS, RECIPE, BarlowTwinsWeights, Weights, get_weights, list_weights
 from bt_hub.weights.sources import ResolvedWeights, resolve
 
 __all__ = [

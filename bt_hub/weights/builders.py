@@ -16,10 +16,12 @@ from typing import Any, Optional
 
 from torch import nn
 
-from bt_hub.model import BarlowTwins, build_backbone
-from bt_hub.weights.formats import CheckpointError, projector_spec
+from bt_hub.method.model import BarlowTwins, build_backbone
+from bt_hub.weights.formats import projector_spec
+from bt_hub.common.files import CheckpointError
 from bt_hub.weights.load import load_backbone, read_projector_state_dict
-from bt_hub.weights.registry import RECIPE, BarlowTwinsWeights, eval_transforms, find_weights
+from bt_hub.method.transforms import eval_transforms
+from bt_hub.weights.registry import RECIPE, BarlowTwinsWeights, find_weights
 from bt_hub.weights.sources import WeightsSource
 
 __all__ = ["barlow_twins", "resnet50"]

@@ -13,9 +13,9 @@ from typing import Any, Mapping, Optional
 
 from torchvision import transforms as T
 
-from bt_hub.optional import require
-from bt_hub.results import card_table, data_label, task_label
-from bt_hub.weights.registry import IMAGENET_MEAN, IMAGENET_STD, transforms_for
+from bt_hub.common.optional import require
+from bt_hub.common.records import card_table, data_label, task_label
+from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, transforms_for
 
 TAGS = ["barlow-twins", "self-supervised-learning", "image-feature-extraction", "pytorch", "timm", "bt_hub"]
 # timm builds ResNet(**model_args): this argument, unknown to timm, makes it refuse a small-stem folder by name.
@@ -25,7 +25,7 @@ _TASKS = {"detect": "object-detection", "detection": "object-detection", "voc07+
 
 
 def _eval_results(rows: list[dict[str, Any]]) -> list[Any]:
-    """The card's model-index entries: one per run and metric, named by what the run was (bt_hub.results)."""
+    """The card's model-index entries: one per run and metric, named by what the run was (bt_hub.common.records)."""
     hf = require("huggingface_hub", "writing a model card")
     out = []
     for row in rows:
@@ -83,8 +83,8 @@ def _usage(config: Mapping[str, Any], repo: str) -> str:
     if config.get("projector"):
         lines += [
             "",
-            "from bt_hub import BarlowTwins                         # backbone + projector + λ, to train further",
-            f'model = BarlowTwins.from_pretrained("{repo}")',
+            "from bt_hub.weights import barlow_twins              # backbone + projector + λ, to train further",
+            f'model = barlow_twins(weights="{repo}")',
         ]
     lines.append("```")
     if config.get("small_image_stem"):

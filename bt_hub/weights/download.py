@@ -36,7 +36,8 @@ from urllib.parse import urlparse
 import torch
 from tqdm import tqdm
 
-from bt_hub.weights.formats import CheckpointError, read_file
+from bt_hub.common.files import CheckpointError, read_file
+from bt_hub.common.files import file_sha256
 
 TIMEOUT_ENV = "BT_HUB_DOWNLOAD_TIMEOUT"
 RETRIES_ENV = "BT_HUB_DOWNLOAD_RETRIES"
@@ -52,15 +53,6 @@ class DownloadError(OSError):
 
 class _Retryable(Exception):
     """An attempt failed in a way another attempt may not (timeout, dropped connection, 5xx, short body)."""
-
-
-def file_sha256(path: Path) -> str:
-    """The sha256 (hex) of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(_CHUNK), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def cache_path(url: str, file_name: Optional[str] = None) -> Path:
@@ -234,7 +226,7 @@ def hf_download(spec: str, filename: str, *, required: bool = True) -> Optional[
     Raises:
         DownloadError: one sentence naming ``hf://spec``, what went wrong and what to do.
     """
-    from bt_hub.optional import require
+    from bt_hub.common.optional import require
 
     purpose = "loading weights from the Hugging Face Hub"
     hf = require("huggingface_hub", purpose)

@@ -22,11 +22,13 @@ from typing import Any, Iterable, Literal, Mapping, Optional, Union
 
 import torch
 
-from bt_hub.results import read_records
-from bt_hub.runs import atomic_write, atomic_write_json, atomic_write_text, package_version
+from bt_hub.common.records import read_records
+from bt_hub.common.runs import package_version
+from bt_hub.common.files import atomic_write, atomic_write_json, atomic_write_text
 from bt_hub.weights.card import model_card, timm_fields
 from bt_hub.weights.formats import infer_architecture, projector_spec, torchvision_to_detectron2_key
 from bt_hub.weights.load import load_backbone, read_projector_state_dict
+from bt_hub.common.files import write_safetensors
 
 __all__ = [
     "ExportConfig", "HF_FOLDER_FILES", "export", "save_detectron2", "save_hf_folder", "save_safetensors", "save_torchvision",
@@ -35,7 +37,6 @@ __all__ = [
 
 HF_FOLDER_FILES = ("model.safetensors", "projector.safetensors", "config.json", "README.md")
 FEATURE_DIMS = {"resnet18": 512, "resnet34": 512, "resnet50": 2048, "resnet101": 2048}
-WRITTEN_BY = {"written_by": "bt_hub"}
 
 
 def _backbone_only(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -58,24 +59,7 @@ def save_detectron2(state_dict: Mapping[str, torch.Tensor], path: Union[str, os.
 
 def save_safetensors(state_dict: Mapping[str, torch.Tensor], path: Union[str, os.PathLike], metadata: Optional[Mapping[str, str]] = None) -> Path:
     """Write the weights (no ``fc``) as safetensors, marked ``written_by: bt_hub`` in the metadata."""
-    from safetensors.torch import save
-
-    data = _sorted_metadata(save(_backbone_only(state_dict), metadata={**(metadata or {}), **WRITTEN_BY}))
-    return atomic_write(path, lambda f: f.write(data))
-
-
-def _sorted_metadata(data: bytes) -> bytes:
-    """safetensors bytes with the ``__metadata__`` keys sorted.
-
-    safetensors serialises metadata from a hash map in random order, so the same weights
-    would hash differently from one save to the next; the header keeps its length.
-    """
-    size = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + size])
-    metadata = header.pop("__metadata__", None)
-    ordered = {"__metadata__": dict(sorted(metadata.items())), **header} if metadata else header
-    text = json.dumps(ordered, separators=(",", ":")).encode("utf-8")
-    return data[:8] + text.ljust(size, b" ") + data[8 + size :]
+    return write_safetensors(_backbone_only(state_dict), path, metadata)
 
 
 def _torchvision_bytes(state_dict: Mapping[str, torch.Tensor], path: Union[str, os.PathLike]) -> tuple[Path, bytes, str]:

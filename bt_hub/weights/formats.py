@@ -1,23 +1,18 @@
-"""Key layouts of ResNet checkpoints in the wild (docs/protocols.md §1, §3), and how to read them safely.
+"""Key layouts of ResNet checkpoints in the wild (docs/protocols.md §1, §3).
 
-Reading never executes code: ``.pth`` / ``.torch`` / ``.ckpt`` files go through
-``torch.load(weights_only=True)``, ``.safetensors`` through safetensors, and detectron2
-``.pkl`` files through an unpickler that admits numpy arrays and plain containers only.
-Every nested tensor is flattened to a dotted key (``state_dict.model.backbone.conv1.weight``);
+Files are read by ``bt_hub.common.files.read_file``, which never executes code. Every nested tensor is flattened to a dotted key (``state_dict.model.backbone.conv1.weight``);
 the backbone is then the one prefix under which a torchvision ResNet's keys sit, after
 undoing the detectron2 and VISSL renames.
 """
 
 from __future__ import annotations
 
-import pickle
 import re
-import warnings
-import zipfile
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+from bt_hub.common.files import CheckpointError, non_finite_tensors, read_file
 
 # Block counts per stage and block type of the architectures build_backbone knows.
 ARCHITECTURES: dict[str, tuple[tuple[int, ...], str]] = {
@@ -33,141 +28,7 @@ _BACKBONE_MARKERS = ("backbone", "trunk", "encoder", "encoder_q", "student", "bo
 _SECONDARY_MARKERS = ("momentum", "teacher", "encoder_k", "target", "ema")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint could not be read as a ResNet backbone; the message names the file."""
-
-
 # --------------------------------------------------------------------------- reading files
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    """Admits numpy arrays and plain containers only (the detectron2 ``.pkl`` payload)."""
-
-    ALLOWED = {
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy.core.multiarray", "scalar"),
-        ("numpy._core.multiarray", "scalar"),
-        ("numpy.core.numeric", "_frombuffer"),
-        ("numpy._core.numeric", "_frombuffer"),
-        ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-        ("collections", "OrderedDict"),
-        ("builtins", "set"),
-        ("builtins", "frozenset"),
-        ("builtins", "tuple"),
-        ("builtins", "list"),
-        ("builtins", "dict"),
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self.ALLOWED:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"global '{module}.{name}' is forbidden")
-
-
-def _looks_like_safetensors(head: bytes) -> bool:
-    return len(head) >= 10 and head[8:10] in (b'{"', b"{ ")
-
-
-def _not_a_checkpoint(head: bytes) -> str | None:
-    """What the first bytes of a file that is neither a zip archive nor a pickle look like, or None."""
-    if head.startswith((b"PK\x03\x04", b"\x80")):
-        return None
-    if head.lstrip().startswith(b"<"):
-        return "looks like HTML, perhaps an error or login page saved in its place"
-    if all(32 <= byte < 127 or byte in b"\t\r\n" for byte in head):
-        return "looks like text"
-    return "unrecognised bytes"
-
-
-def _pickled_globals(path: Path) -> list[str]:
-    """The ``module.name`` globals a pickle stream refers to, read with pickletools (nothing is executed)."""
-    import pickletools
-
-    found: list[str] = []
-    with open(path, "rb") as f:
-        for _ in range(8):  # torch's legacy format is several pickles in a row, then raw bytes
-            strings: list[str] = []
-            try:
-                for opcode, arg, _pos in pickletools.genops(f):
-                    if opcode.name == "GLOBAL":
-                        found.append(str(arg).replace(" ", "."))
-                    elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
-                        found.append(f"{strings[-2]}.{strings[-1]}")
-                    elif isinstance(arg, str):
-                        strings.append(arg)
-            except (ValueError, EOFError, UnicodeDecodeError):
-                break
-    return found
-
-
-_SAFE_GLOBAL_PREFIXES = ("torch.", "collections.OrderedDict", "builtins.set", "builtins.frozenset", "_codecs.encode",
-                         "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype")
-
-
-def read_file(path: Path) -> Any:
-    """The object stored in a weights file, read without executing any code.
-
-    A file that fails to load is then explained: not a checkpoint at all (HTML, text,
-    unrecognised bytes), pickled code (refused, never run), or damaged.
-
-    Raises:
-        CheckpointError: one sentence naming the file and which of these it is.
-    """
-    if not path.is_file():
-        raise CheckpointError(f"weights file {path} does not exist")
-    with open(path, "rb") as f:
-        head = f.read(64)
-    if not head:
-        raise CheckpointError(f"weights file {path} is empty")
-    if path.suffix == ".safetensors" or _looks_like_safetensors(head):
-        from safetensors.torch import load_file
-
-        kind, load = "safetensors file", lambda: load_file(str(path))
-    elif path.suffix == ".pkl" and not zipfile.is_zipfile(path):
-        kind, load = "pickle", lambda: _unpickle(path)
-    else:
-        kind, load = "torch file", lambda: torch.load(path, map_location="cpu", weights_only=True)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return load()
-    except Exception as err:  # torch, pickle and safetensors raise many unrelated types for a bad file
-        raise _explain(path, head, kind, err) from None
-
-
-def _unpickle(path: Path) -> Any:
-    with open(path, "rb") as f:
-        return _RestrictedUnpickler(f, encoding="latin1").load()
-
-
-def _explain(path: Path, head: bytes, kind: str, err: Exception) -> CheckpointError:
-    """Why ``path`` did not load: not a checkpoint, pickled code, or damaged."""
-    looks = _not_a_checkpoint(head) if kind != "safetensors file" or head.lstrip().startswith(b"<") else None
-    if looks:
-        return CheckpointError(f"weights file {path} is not a {'safetensors file' if kind == 'safetensors file' else 'torch checkpoint'} ({looks})")
-    code = re.search(r"GLOBAL ([\w.]+)|global '([\w.]+)' is forbidden", str(err))
-    if code:
-        return _code_refused(path, code.group(1) or code.group(2))
-    if kind == "torch file" and not zipfile.is_zipfile(path):
-        unsafe = [g for g in _pickled_globals(path) if not g.startswith(_SAFE_GLOBAL_PREFIXES)]
-        if unsafe:
-            return _code_refused(path, unsafe[0])
-    return CheckpointError(f"weights file {path} is not a readable {kind}, perhaps truncated ({_first_line(err)})")
-
-
-def _code_refused(path: Path, global_name: str) -> CheckpointError:
-    return CheckpointError(
-        f"weights file {path} holds pickled code ('{global_name}'), so bt_hub refuses to load it; "
-        "only tensors, arrays and plain containers are read"
-    )
-
-
-def _first_line(err: BaseException) -> str:
-    if isinstance(err, pickle.UnpicklingError) and "Weights only load failed" in str(err):
-        return "torch's safe reader rejected its contents"
-    text = str(err).strip().splitlines()
-    return text[0].split(". ")[0].rstrip(".") if text else type(err).__name__
 
 
 # --------------------------------------------------------------------------- flattening
@@ -372,16 +233,6 @@ def check_fits(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.T
 
 
 # --------------------------------------------------------------------------- checks
-
-def non_finite_tensors(state: Any, prefix: str = "") -> list[str]:
-    """Names of the floating-point tensors holding NaN or inf in a (nested) state dict."""
-    if isinstance(state, torch.Tensor):
-        return [prefix] if state.is_floating_point() and not bool(torch.isfinite(state).all()) else []
-    if isinstance(state, Mapping):
-        return [name for k, v in state.items() for name in non_finite_tensors(v, f"{prefix}.{k}" if prefix else str(k))]
-    if isinstance(state, (list, tuple)):
-        return [name for i, v in enumerate(state) for name in non_finite_tensors(v, f"{prefix}.{i}")]
-    return []
 
 
 def check_finite(state: Mapping[str, torch.Tensor], source: str, *, allow: bool = False) -> None:

@@ -21,8 +21,8 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from bt_hub.model import BarlowTwins
-from bt_hub.optional import require
+from bt_hub.method.model import BarlowTwins
+from bt_hub.common.optional import require
 from bt_hub.weights.export import save_hf_folder
 from bt_hub.weights.load import load_backbone, read_projector_state_dict
 

@@ -1,7 +1,7 @@
 """Load a ResNet backbone (and the projector) from anything ``resolve`` accepts, strictly and safely.
 
 The file's key layout is recognised (``bt_hub.weights.formats``) and the weights are loaded
-strictly into ``bt_hub.model.build_backbone``: a missing key, a wrong shape or a NaN/inf
+strictly into ``bt_hub.method.model.build_backbone``: a missing key, a wrong shape or a NaN/inf
 tensor is an error naming the file, never a partial or silent load. The returned network
 carries ``weights_info`` (what was recognised) and ``transforms`` (its evaluation
 preprocessing: the registered record's, else from the run's ``config.json``).
@@ -14,10 +14,12 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
-from bt_hub.model import build_backbone
-from bt_hub.weights.download import file_sha256
-from bt_hub.weights.formats import CheckpointError, check_finite, check_fits, extract_projector, infer_architecture, read_backbone, read_file
-from bt_hub.weights.registry import get_weights, transforms_for
+from bt_hub.method.model import build_backbone
+from bt_hub.common.files import file_sha256
+from bt_hub.weights.formats import check_finite, check_fits, extract_projector, infer_architecture, read_backbone
+from bt_hub.common.files import CheckpointError, read_file
+from bt_hub.method.transforms import transforms_for
+from bt_hub.weights.registry import get_weights
 from bt_hub.weights.sources import WeightsSource, resolve
 
 __all__ = ["load_backbone", "read_backbone_state_dict", "read_projector_state_dict", "weights_fingerprint"]

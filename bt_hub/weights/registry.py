@@ -1,7 +1,7 @@
 """Named Barlow Twins weights, torchvision-style, and the facts that travel with them.
 
 The one home of the paper's numbers (docs/protocols.md §4), the pretraining recipe,
-ImageNet mean/std and the evaluation transform: ``bt_hub.augment``, ``eval/`` and the
+ImageNet mean/std and the evaluation transform: ``bt_hub.method.views``, ``eval/`` and the
 model card import them from here. Each ``BarlowTwinsWeights`` member wraps a ``Weights``
 record (URL, file name, sha256 when published, architecture, transforms, meta) and
 exposes it as torchvision's ``WeightsEnum`` does: ``.url``, ``.transforms()``, ``.meta``,
@@ -15,17 +15,16 @@ import enum
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torchvision import transforms as T
 
-from bt_hub.results import PAPER_RESULTS
+from bt_hub.common.records import PAPER_RESULTS
+from bt_hub.method.transforms import eval_transforms
 from bt_hub.weights.download import cache_path, download, hf_download
 from bt_hub.weights.formats import read_backbone
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 # docs/protocols.md §1: the recipe of the released ResNet-50.
 RECIPE = {
     "dataset": "ImageNet-1k (train, no labels)", "epochs": 1000, "batch_size": 2048, "optimizer": "LARS",
@@ -33,24 +32,6 @@ RECIPE = {
     "code": "https://github.com/facebookresearch/barlowtwins",
 }
 _REFERENCE = "https://dl.fbaipublicfiles.com/barlowtwins"
-
-
-def eval_transforms(image_size: int = 224, resize_size: Optional[int] = None) -> T.Compose:
-    """The evaluation preprocessing: Resize(image_size·256/224) -> CenterCrop(image_size) -> tensor -> ImageNet normalisation.
-
-    At 224 px that is the paper's Resize(256) + CenterCrop(224).
-    """
-    return T.Compose([
-        T.Resize(resize_size or round(image_size * 256 / 224), interpolation=T.InterpolationMode.BILINEAR),
-        T.CenterCrop(image_size),
-        T.ToTensor(),
-        T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])
-
-
-def transforms_for(config: Optional[Mapping[str, Any]]) -> T.Compose:
-    """The evaluation transforms of weights whose run config says ``image_size`` (224 when it does not)."""
-    return eval_transforms(int((config or {}).get("image_size") or 224))
 
 
 @dataclass(frozen=True)
@@ -199,6 +180,6 @@ def weights_table(config: Optional[ListWeightsConfig] = None) -> str:
 
 
 __all__ = [
-    "IMAGENET_MEAN", "IMAGENET_STD", "PAPER_RESULTS", "RECIPE", "BarlowTwinsWeights", "Weights",
-    "ListWeightsConfig", "eval_transforms", "find_weights", "get_weights", "list_weights", "transforms_for", "weights_table",
+    "PAPER_RESULTS", "RECIPE", "BarlowTwinsWeights", "Weights",
+    "ListWeightsConfig", "find_weights", "get_weights", "list_weights", "weights_table",
 ]

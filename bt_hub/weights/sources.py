@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional, Union, cast
 
 from bt_hub.weights.download import DownloadError, download, hf_download
-from bt_hub.weights.formats import CheckpointError
+from bt_hub.common.files import CheckpointError
 from bt_hub.weights.registry import BarlowTwinsWeights, Weights, find_weights, list_weights
 
 WeightsSource = Union[BarlowTwinsWeights, str, os.PathLike]

@@ -1,8 +1,7 @@
 """Where the detection YAMLs live, and how each engine reads them (one source of truth).
 
-The YAMLs sit in ``detection_configs/`` at the repository root. The wheel ships that
-folder as the ``detection_configs`` package (pyproject ``packages``); an editable install
-or a source checkout finds it beside the ``eval`` package instead. detectron2 reads them
+The YAMLs sit in ``detection_configs/`` at the repository root and install as the
+``bt_hub.detection_configs`` package (pyproject ``package-dir``). detectron2 reads them
 through its own ``get_cfg`` (:func:`build_cfg`); the torchvision engine reads the same files
 with PyYAML (:func:`load_settings`), which is why the shared base writes out every value the
 torchvision engine uses, detectron2's defaults included.
@@ -23,7 +22,7 @@ __all__ = ["CONFIGS", "FLAG_OWNED_KEYS", "Settings", "build_cfg", "configs_dir",
 CONFIGS = {
     "voc": "voc0712_faster_rcnn_R_50_C4_24k.yaml",
     "coco": "coco_mask_rcnn_R_50_C4_1x.yaml",
-    # the installation check on `bt-hub make-detection-data` output (README, "Detection transfer")
+    # the installation check on `bt-hub make-detection-data` output (docs/detection.md, "Check an installation")
     "shapes-voc": "shapes_faster_rcnn_R_50_C4.yaml",
     "shapes-coco": "shapes_mask_rcnn_R_50_C4.yaml",
 }
@@ -33,14 +32,8 @@ FLAG_OWNED_KEYS = {"MODEL.WEIGHTS": "--weights", "MODEL.DEVICE": "--device", "SE
 
 
 def configs_dir() -> Path:
-    """The ``detection_configs`` folder (installed package first, then the source checkout)."""
-    try:
-        installed = Path(str(importlib.resources.files("detection_configs")))
-    except ModuleNotFoundError:
-        installed = None
-    if installed is not None and (installed / CONFIGS["voc"]).is_file():
-        return installed
-    return Path(__file__).resolve().parents[2] / "detection_configs"
+    """The installed ``bt_hub.detection_configs`` folder."""
+    return Path(str(importlib.resources.files("bt_hub.detection_configs")))
 
 
 def resolve_config(name_or_path: str) -> Path:

@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from bt_hub.optional import require
+from bt_hub.common.optional import require
 
 __all__ = ["VOC_CLASSES", "DatasetLocation", "DetectionDataset", "Record", "load_records", "locate", "voc_class_names"]
 

@@ -16,8 +16,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from bt_hub.optional import require
-from eval.detection.data import Record
+from bt_hub.common.optional import require
+from bt_hub.eval.detection.data import Record
 
 __all__ = ["REPORTED", "TRIAL_METRICS", "box_iou", "coco_evaluate", "encode_masks", "flatten_metrics", "voc_ap", "voc_evaluate"]
 

@@ -13,13 +13,12 @@ layouts the detection configs read:
 - COCO json: ``ROOT/annotations/instances_{train,val}2017.json`` (``[x, y, w, h]`` boxes,
   polygon masks, areas of the rasterised masks) with images in ``ROOT/{train,val}2017/``.
 
-A detector that works learns these shapes within minutes of CPU (README, "Detection
-transfer"); one that does not is broken, not unlucky.
+A detector that works learns these shapes within minutes of CPU (docs/detection.md, "Check
+an installation"); one that does not is broken, not unlucky.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,8 +27,8 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
-from bt_hub.optional import require
-from bt_hub.runs import atomic_write, atomic_write_json, atomic_write_text
+from bt_hub.common.optional import require
+from bt_hub.common.files import atomic_write, atomic_write_json, atomic_write_text, read_json
 
 CLASSES = ("square", "disc", "triangle", "cross")
 COLOURS = {"square": (225, 45, 45), "disc": (40, 205, 70), "triangle": (55, 95, 240), "cross": (240, 215, 35)}
@@ -258,7 +257,7 @@ def make_detection_data(config: DetectionDataConfig) -> Path:
     record: dict[str, Any] = {**asdict(config), "classes": list(CLASSES), "layouts": ["voc2007", "coco2017"]}
     record.pop("out")
     marker = root / MARKER
-    if marker.is_file() and _read_json(marker) == record:
+    if marker.is_file() and read_json(marker) == record:
         return root
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise FileExistsError(f"--out {root} is not an empty folder; make-detection-data writes only into a new or empty folder")
@@ -268,8 +267,3 @@ def make_detection_data(config: DetectionDataConfig) -> Path:
     return root
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None

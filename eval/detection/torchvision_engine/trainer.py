@@ -5,8 +5,8 @@ stream of the training images (``IMS_PER_BATCH`` split over the torchrun process
 momentum and weight decay (none on norm layers, ``WEIGHT_DECAY_NORM``), a linear warm-up then
 x ``GAMMA`` at each of ``STEPS``, ``MAX_ITER`` iterations, periodic checkpoints, precise BN
 after the last iteration, and the VOC / COCO evaluation of every test dataset. The model is
-``eval.detection.torchvision_model``; data and metrics come from ``eval.detection.data`` and
-``eval.detection.evaluation``, so nothing here needs detectron2.
+``bt_hub.eval.detection.torchvision_engine.model``; data and metrics come from ``bt_hub.eval.detection.data`` and
+``bt_hub.eval.detection.evaluation``, so nothing here needs detectron2.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, Sampler
 
-from bt_hub.distributed import all_gather_objects, barrier, convert_sync_batchnorm, get_rank, get_world_size, is_distributed, is_main_process
-from bt_hub.runs import RunDir, atomic_torch_save, atomic_write_json, atomic_write_text
-from eval.detection.config import Settings, scale_to_world_size
-from eval.detection.data import DetectionDataset, Record, coco_api, load_records, locate
-from eval.detection.evaluation import REPORTED, TRIAL_METRICS, coco_evaluate, encode_masks, flatten_metrics, voc_evaluate
-from eval.detection.torchvision_model import build_c4_model, unloaded_backbone_tensors
+from bt_hub.common.distributed import all_gather_objects, barrier, convert_sync_batchnorm, get_rank, get_world_size, is_distributed, is_main_process
+from bt_hub.common.runs import RunDir
+from bt_hub.common.files import atomic_torch_save, atomic_write_json, atomic_write_text
+from bt_hub.eval.detection.config import Settings, scale_to_world_size
+from bt_hub.eval.detection.data import DetectionDataset, Record, coco_api, load_records, locate
+from bt_hub.eval.detection.evaluation import REPORTED, TRIAL_METRICS, coco_evaluate, encode_masks, flatten_metrics, voc_evaluate
+from bt_hub.eval.detection.torchvision_engine.model import build_c4_model, unloaded_backbone_tensors
 
 __all__ = ["LOSS_NAMES", "evaluate_dataset", "lr_factor", "param_groups", "precise_bn", "predict", "run_trial"]
 

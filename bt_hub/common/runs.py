@@ -1,9 +1,6 @@
-"""Run directories and atomic file writes.
+"""Run directories: who owns a folder, who may write into it, and what it records.
 
-Every file bt_hub writes goes through ``atomic_write`` (a temp file ``.<name>.<8 hex>.tmp``
-beside the target, fsync, rename), so a crash never leaves a half-written checkpoint or
-result, and a failed write (disk full, quota, ``ulimit -f``) is one sentence naming the file
-while the previous version stays intact. Files follow the umask like any other file.
+Files inside them are written through ``bt_hub.common.files.atomic_write``.
 
 A run directory is bt_hub's when it holds the marker ``.bt_hub_run`` (written when bt_hub
 creates or adopts the directory; a ``run.json`` or ``results.json`` written by an earlier
@@ -20,113 +17,26 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import fcntl
-import io
 import json
 import os
-import re
-import secrets
 import socket
 import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
+from bt_hub.common.files import WriteError, TEMP_FILE, atomic_write_json, atomic_write_text, read_json, write_failure
 
 MARKER_NAME = ".bt_hub_run"
 LOCK_NAME = ".bt_hub_run.lock"
-# the temp names of atomic_write (and of earlier versions, which used tempfile.mkstemp)
-TEMP_FILE = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
-_FULL = {errno.ENOSPC: "no space is left on the device", errno.EDQUOT: "the disk quota is exceeded"}
-
-
-class WriteError(OSError):
-    """A file could not be written; the message names it, the reason and the fix."""
 
 
 class RunDirBusyError(RuntimeError):
     """Another live run holds the run directory's lock."""
-
-
-def write_failure(path: Path, err: OSError) -> WriteError:
-    """One sentence for an OSError met while writing ``path`` (what happened, what to do, what was kept)."""
-    if err.errno in _FULL:
-        fix = f"{_FULL[err.errno]}; free space on the file system of {path.parent} and run again"
-    elif err.errno == errno.EFBIG:
-        fix = "the file is larger than this process may write (ulimit -f); raise the limit and run again"
-    else:
-        fix = f"{err.strerror or err}; check that {path.parent} is writable"
-    kept = f"the previous {path.name} is unchanged" if path.exists() else "nothing was written"
-    return WriteError(f"could not write {path}: {fix} ({kept})")
-
-
-def _os_error(err: BaseException) -> Optional[OSError]:
-    """The OSError behind ``err``: itself, or one torch wrapped (torch.save reports it as a RuntimeError)."""
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, OSError):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
-
-
-def _open_temp(path: Path) -> tuple[Path, int]:
-    """A new temp file beside ``path``, created with mode 0666 so that the umask applies (mkstemp's is 0600)."""
-    for _ in range(100):
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-        try:
-            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"could not create a temp file beside {path}")
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[io.BufferedWriter], None]) -> Path:
-    """Write a file through ``write(fileobj)`` into a temp file beside it, then rename.
-
-    Raises:
-        WriteError: the disk is full, a limit was hit or the directory is not writable; the
-            previous file at ``path`` (if any) is untouched and no temp file is left.
-    """
-    path = Path(path)
-    tmp: Optional[Path] = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp, fd = _open_temp(path)
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as err:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        cause = _os_error(err)
-        if cause is None or isinstance(err, WriteError):
-            raise
-        raise write_failure(path, cause) from err
-    return path
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write text atomically (UTF-8)."""
-    return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
-
-
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
-    """Write an object as indented JSON atomically."""
-    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
-
-
-def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
-    """``torch.save`` atomically."""
-    return atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def git_state() -> dict[str, Any]:
@@ -159,19 +69,12 @@ def config_dict(config: Any) -> dict[str, Any]:
     return dict(config)
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
 def is_bt_hub_dir(path: str | os.PathLike) -> bool:
     """True when ``path`` holds bt_hub's marker (or a run.json / results.json an earlier bt_hub wrote)."""
     path = Path(path)
     if (path / MARKER_NAME).is_file():
         return True
-    return any(isinstance(r := _read_json(path / name), dict) and "bt_hub_version" in r for name in ("run.json", "results.json"))
+    return any(isinstance(r := read_json(path / name), dict) and "bt_hub_version" in r for name in ("run.json", "results.json"))
 
 
 def check_run_dir(path: str | os.PathLike, *, overwrite: bool = False, flag: str = "--out") -> Path:
@@ -243,7 +146,7 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _read_json(self.path) or {}
+            holder = read_json(self.path) or {}
             os.close(fd)
             who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
             raise RunDirBusyError(f"{flag} {directory} is in use by another bt-hub run ({who}); wait for it to end or stop it, or choose another {flag}") from None
@@ -320,7 +223,7 @@ class RunDir:
     @classmethod
     def for_training(cls, path: str | os.PathLike, *, overwrite: bool = False) -> "RunDir":
         """Called by every rank: the main process claims and locks ``path``; if that fails, every rank raises the same error."""
-        from bt_hub.distributed import broadcast_object, is_main_process
+        from bt_hub.common.distributed import broadcast_object, is_main_process
 
         run, error = None, None
         if is_main_process():
@@ -343,7 +246,7 @@ class RunDir:
             return
         self._started = True
         path = self.path / "run.json"
-        record = _read_json(path)
+        record = read_json(path)
         now = {**_start_record(), "config": config_dict(config) if config is not None else None}
         if isinstance(record, dict) and "started" in record:
             changed = {k: v for k, v in (now["config"] or {}).items() if (record.get("config") or {}).get(k) != v}

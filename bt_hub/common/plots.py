@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from bt_hub.runs import atomic_write
+from bt_hub.common.files import atomic_write
 
 
 @dataclass

@@ -2,10 +2,11 @@
 
 One record per evaluation run (``bt-hub eval``), a JSON object::
 
-    schema          "bt_hub.results/2"
+    schema          "bt_hub.common.records/2"
     protocol        linear | semi | transfer | knn | voc07-svm | detect | ...
     mode            cached | loop | features (MODES gives the words: "cached features, no augmentation", ...)
     preset          the preset the run started from (None when the protocol has none)
+    paper_task      the key of PAPER_RESULTS whose setting the run follows, as its protocol says (or None)
     overrides       {field: {"value": ..., "preset": ...}}: every hyper-parameter changed from the preset
     hyperparameters the whole config (absolute paths reduced to their base name)
     labels          semi-supervised only: fraction, source (seeded / SimCLR list), file, sha256, count, seed
@@ -31,9 +32,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
-from bt_hub.runs import config_dict, git_state, package_version
+from bt_hub.common.runs import config_dict, git_state, package_version
 
-SCHEMA = "bt_hub.results/2"
+SCHEMA = "bt_hub.common.records/2"
 RESULT_FILES = ("results.json", "results.jsonl", "results.md")
 
 PROTOCOLS = {
@@ -117,6 +118,7 @@ def make_record(
     labels: Optional[Mapping[str, Any]] = None,
     warnings: Sequence[str] = (),
     notes: Optional[Mapping[str, Any]] = None,
+    paper_task: Optional[str] = None,
 ) -> Record:
     """A results record (see the module docstring); raises on metrics that are not flat numbers."""
     bad = {k: v for k, v in metrics.items() if not isinstance(v, (int, float)) or isinstance(v, bool)}
@@ -124,12 +126,15 @@ def make_record(
         raise ValueError(f"metrics must be a flat dict of numbers; got {bad!r}")
     if mode is not None and mode not in MODES:
         raise ValueError(f"mode {mode!r} is unknown; expected one of {sorted(MODES)}")
+    if paper_task is not None and paper_task not in PAPER_RESULTS:
+        raise ValueError(f"paper_task {paper_task!r} is unknown; expected one of {sorted(PAPER_RESULTS)}")
     record: Record = {
         "schema": SCHEMA,
         "protocol": protocol,
         "mode": mode,
         "mode_description": MODES.get(mode or ""),
         "preset": preset,
+        "paper_task": paper_task,
         "overrides": {k: {kk: display_path(vv) for kk, vv in v.items()} for k, v in (overrides or {}).items()},
         "hyperparameters": {k: display_path(v) for k, v in config_dict(config).items()},
         "dataset": {k: display_path(v) if k == "path" else v for k, v in dataset.items()},
@@ -275,19 +280,9 @@ def weights_label(record: Mapping[str, Any]) -> str:
 
 
 def paper_task(record: Mapping[str, Any]) -> Optional[str]:
-    """The key of ``PAPER_RESULTS`` for the paper's own protocol this record follows, else None."""
-    protocol, preset = record.get("protocol"), record.get("preset")
-    if protocol == "linear" and preset == "imagenet":
-        return "imagenet_linear"
-    if protocol in ("linear", "transfer") and preset in ("places205", "inat18"):
-        return f"{preset}_linear"
-    if protocol == "semi" and preset == "paper" and label_fraction(record) in (1, 10):
-        return f"semi_supervised_{_number(label_fraction(record))}pct"
-    if protocol == "voc07-svm":
-        return "voc07_svm"
-    if protocol == "detect":
-        return {"voc": "voc07+12_faster_rcnn_c4", "coco": "coco_mask_rcnn_c4_1x"}.get(str(preset))
-    return None
+    """The key of ``PAPER_RESULTS`` of the paper's protocol this record follows (its protocol decided), else None."""
+    task = record.get("paper_task")
+    return task if task in PAPER_RESULTS else None
 
 
 def _number(value: Any) -> str:

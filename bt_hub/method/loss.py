@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from bt_hub.distributed import all_gather_cat, all_reduce_sum, get_world_size
+from bt_hub.common.distributed import all_gather_cat, all_reduce_sum, get_world_size
 
 EPS = 1e-5
 METHODS = ("auto", "dense", "gram")

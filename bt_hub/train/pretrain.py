@@ -7,7 +7,7 @@ The run directory gets ``run.json``, ``metrics.jsonl`` (one line per logged step
 and at the end ``<backbone>.pth`` (torchvision state dict, no ``fc``),
 ``backbone.safetensors`` and ``config.json``; with a projector of at most
 ``--probe-max-dim`` dimensions also ``cross_correlation_{start,end}.npy`` of a fixed
-probe batch. ``--resume`` continues bit for bit on CPU (see bt_hub/resume.py).
+probe batch. ``--resume`` continues bit for bit on CPU (see bt_hub/train/resume.py).
 """
 
 from __future__ import annotations
@@ -26,22 +26,23 @@ import torch.nn.functional as nnf
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from bt_hub.augment import VIEW_A, VIEW_B, BatchedTwoViews, TwoViewTransform, ViewParams
-from bt_hub.weights.export import save_safetensors
-from bt_hub.data import build_dataset, to_uint8_tensor
-from bt_hub.decode import collate_list, read_encoded, resolve_decode, to_device_images
-from bt_hub.distributed import barrier, cleanup_distributed, convert_sync_batchnorm, get_rank, get_world_size, init_distributed, is_main_process
-from bt_hub.loss import EPS, LossTerms, barlow_twins_loss
-from bt_hub.model import BACKBONES, BarlowTwins, parse_projector
-from bt_hub.monitor import KnnMonitor, TensorBoardScalars, monitor_sets
-from bt_hub.optim import LARS, param_groups, set_learning_rates
-from bt_hub.precision import autocast_dtype, resolve_precision
-from bt_hub.prefetch import Prefetcher
-from bt_hub.progress import progress
-from bt_hub.resume import (
+from bt_hub.method.views import VIEW_A, VIEW_B, BatchedTwoViews, TwoViewTransform, ViewParams
+
+from bt_hub.train.data import build_dataset, to_uint8_tensor
+from bt_hub.train.decode import collate_list, read_encoded, resolve_decode, to_device_images
+from bt_hub.common.distributed import barrier, cleanup_distributed, convert_sync_batchnorm, get_rank, get_world_size, init_distributed, is_main_process
+from bt_hub.method.loss import EPS, LossTerms, barlow_twins_loss
+from bt_hub.method.model import BACKBONES, BarlowTwins, parse_projector
+from bt_hub.train.monitor import KnnMonitor, TensorBoardScalars, monitor_sets
+from bt_hub.method.optim import LARS, param_groups, set_learning_rates
+from bt_hub.train.precision import autocast_dtype, resolve_precision
+from bt_hub.train.prefetch import Prefetcher
+from bt_hub.common.progress import progress
+from bt_hub.train.resume import (
     CHECKPOINT_NAME, EpochBatchSampler, derive_seed, load_checkpoint, save_checkpoint, seeded_generator, set_rng_state, training_stopped,
 )
-from bt_hub.runs import RunDir, atomic_torch_save, atomic_write, atomic_write_json
+from bt_hub.common.runs import RunDir
+from bt_hub.common.files import atomic_torch_save, atomic_write, atomic_write_json, write_safetensors
 
 # Settings a resumed run must share with its checkpoint (the rest may change, e.g. --max-steps).
 RESUME_INVARIANTS = (
@@ -274,7 +275,7 @@ def write_backbone(out: Path, model: BarlowTwins, config: PretrainConfig, step: 
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.backbone.state_dict().items() if not k.startswith("fc.")}
     atomic_torch_save(state, out / f"{config.backbone}.pth")
     meta = {"architecture": config.backbone, "small_image_stem": str(config.small_image_stem)}
-    save_safetensors(state, out / "backbone.safetensors", metadata=meta)
+    write_safetensors(state, out / "backbone.safetensors", metadata=meta)
     atomic_write_json(out / "config.json", {
         "architecture": config.backbone,
         "feature_dim": model.backbone.feature_dim,

@@ -29,7 +29,7 @@ import torchvision.transforms.v2.functional as F
 from PIL import Image
 from torchvision.ops import roi_align
 
-from bt_hub.weights.registry import IMAGENET_MEAN, IMAGENET_STD
+from bt_hub.method.transforms import normalize
 
 GRAY_WEIGHTS = (0.2989, 0.587, 0.114)
 CROP_ATTEMPTS = 10
@@ -57,13 +57,6 @@ class ViewParams:
 #                 flip  jitter  gray  blur  solarise   (side by side: the asymmetry)
 VIEW_A = ViewParams(flip_p=0.5, jitter_p=0.8, grayscale_p=0.2, blur_p=1.0, solarize_p=0.0)
 VIEW_B = ViewParams(flip_p=0.5, jitter_p=0.8, grayscale_p=0.2, blur_p=0.1, solarize_p=0.2)
-
-
-def normalize(x: torch.Tensor) -> torch.Tensor:
-    """ImageNet normalisation of float RGB images in [0, 1] (C x H x W or B x C x H x W)."""
-    mean = torch.tensor(IMAGENET_MEAN, device=x.device, dtype=x.dtype).view(3, 1, 1)
-    std = torch.tensor(IMAGENET_STD, device=x.device, dtype=x.dtype).view(3, 1, 1)
-    return (x - mean) / std
 
 
 def blur_kernel_size(size: int) -> int:

@@ -3,7 +3,7 @@
 ``--monitor-knn N`` scores the backbone every N steps as solo-learn's online kNN does:
 features of a small labelled bank (a seeded subset of the training split) and of held-out
 queries (the val/test split, or a disjoint subset when the data has none), the weighted
-vote of the 20 nearest bank images (T = 0.07, :func:`bt_hub.knn.knn_vote`), top-1 in
+vote of the 20 nearest bank images (T = 0.07, :func:`bt_hub.method.knn.knn_vote`), top-1 in
 percent. Images are resized (shorter side) and centre-cropped to ``--image-size`` once at
 the start and kept as uint8, so a check costs one forward pass over bank and queries.
 """
@@ -18,11 +18,11 @@ import torchvision.transforms.v2.functional as F
 from PIL import Image
 from torch import nn
 
-from bt_hub.augment import normalize
-from bt_hub.data import ImageFolderDataset, build_dataset, to_uint8_tensor
-from bt_hub.knn import knn_vote, nearest_neighbours
-from bt_hub.optional import require
-from bt_hub.resume import seeded_generator
+from bt_hub.method.transforms import normalize
+from bt_hub.train.data import ImageFolderDataset, build_dataset, to_uint8_tensor
+from bt_hub.method.knn import knn_vote, nearest_neighbours
+from bt_hub.common.optional import require
+from bt_hub.train.resume import seeded_generator
 
 MONITOR_K = 20
 MONITOR_TEMPERATURE = 0.07

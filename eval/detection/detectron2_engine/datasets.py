@@ -3,7 +3,7 @@
 The configs name the datasets as detectron2 does (``voc_2007_trainval``, ``coco_2017_val``,
 ...). detectron2 registers those names at import time under ``$DETECTRON2_DATASETS``;
 :func:`register_datasets` replaces each name used by a config with the same dataset under
-``--data ROOT``, located by ``eval.detection.data.locate`` (the torchvision engine reads the
+``--data ROOT``, located by ``bt_hub.eval.detection.data.locate`` (the torchvision engine reads the
 same files):
 
 - ``voc_{year}_{split}``: ``ROOT/VOC{year}/`` in devkit layout, registered with the devkit's
@@ -25,7 +25,7 @@ from detectron2.data import DatasetCatalog, MetadataCatalog
 from detectron2.data.datasets import register_coco_instances
 from detectron2.data.datasets.pascal_voc import load_voc_instances
 
-from eval.detection.data import DatasetLocation, locate, voc_class_names
+from bt_hub.eval.detection.data import DatasetLocation, locate, voc_class_names
 
 __all__ = ["num_classes", "register_datasets"]
 

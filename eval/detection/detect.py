@@ -1,12 +1,12 @@
 """``bt-hub detect``: Faster/Mask R-CNN R50-C4 transfer (docs/protocols.md §3) on one of two engines.
 
 Reads top to bottom: the flags (``DetectConfig``), the engine (``--engine``: detectron2, or
-the torchvision R50-C4 of ``eval.detection.torchvision_model``; ``auto`` takes detectron2 when
+the torchvision R50-C4 of ``bt_hub.eval.detection.torchvision_engine.model``; ``auto`` takes detectron2 when
 it is importable), the config (a shipped YAML or a file, then ``opts``; both engines read the
 same YAML), one trial per seed, and ``results.json`` with the mean and standard deviation
 over the trials. detectron2 trials run through detectron2's own ``launch`` (one process per
-GPU, several machines) and trainer (``eval.detection.trainer``); torchvision trials run in
-this process, one per torchrun process (``eval.detection.torchvision_trainer``).
+GPU, several machines) and trainer (``bt_hub.eval.detection.detectron2_engine.trainer``); torchvision trials run in
+this process, one per torchrun process (``bt_hub.eval.detection.torchvision_engine.trainer``).
 """
 
 from __future__ import annotations
@@ -19,14 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional
 
-from bt_hub.optional import require
-from bt_hub.runs import check_run_dir, claim_run_dir
-from eval.detection.config import CONFIGS
+from bt_hub.common.optional import require
+from bt_hub.common.runs import check_run_dir, claim_run_dir
+from bt_hub.eval.detection.config import CONFIGS
 
 __all__ = ["DetectConfig", "aggregate_trials", "main", "prepare_weights", "resolve_engine"]
 
 INSTALL_PURPOSE = "bt-hub detect --engine detectron2 (detection transfer)"
 ENGINES = ("auto", "torchvision", "detectron2")
+# the paper's rows (bt_hub.common.records.PAPER_RESULTS) that the shipped configs follow
+PAPER_TASKS = {"voc": "voc07+12_faster_rcnn_c4", "coco": "coco_mask_rcnn_c4_1x"}
 
 
 @dataclass
@@ -114,7 +116,7 @@ def main(config: DetectConfig) -> Optional[dict[str, Any]]:
     Returns:
         The results record on the main process, None on the others.
     """
-    from eval.detection.config import resolve_config
+    from bt_hub.eval.detection.config import resolve_config
 
     start = time.time()
     engine = resolve_engine(config.engine)
@@ -131,9 +133,9 @@ def _detectron2_trials(config: DetectConfig, yaml_path: Path, out: Path) -> Opti
     require("detectron2", INSTALL_PURPOSE)
     from detectron2.engine import launch
 
-    from eval.detection.config import build_cfg
-    from eval.detection.evaluation import TRIAL_METRICS
-    from eval.detection.trainer import run_trial
+    from bt_hub.eval.detection.config import build_cfg
+    from bt_hub.eval.detection.evaluation import TRIAL_METRICS
+    from bt_hub.eval.detection.detectron2_engine.trainer import run_trial
 
     weights, expected = prepare_weights(config.weights, out)
     seeds = [config.seed + k for k in range(config.trials)]
@@ -160,9 +162,9 @@ def _torchvision_trials(config: DetectConfig, yaml_path: Path, out: Path) -> Opt
             "detect --engine torchvision ...); --num-gpus, --num-machines, --machine-rank and --dist-url are detectron2's launcher flags"
         )
     from bt_hub.weights import load_backbone, read_backbone_state_dict
-    from bt_hub.distributed import is_main_process, process_group
-    from eval.detection.config import load_settings
-    from eval.detection.torchvision_trainer import run_trial
+    from bt_hub.common.distributed import is_main_process, process_group
+    from bt_hub.eval.detection.config import load_settings
+    from bt_hub.eval.detection.torchvision_engine.trainer import run_trial
 
     settings = load_settings(yaml_path, config.opts)
     arch = f"resnet{settings['MODEL.RESNETS.DEPTH']}"
@@ -180,8 +182,8 @@ def _torchvision_trials(config: DetectConfig, yaml_path: Path, out: Path) -> Opt
 
 def _write(config: DetectConfig, engine: str, yaml_path: Path, trials: list[dict[str, Any]], start: float) -> dict[str, Any]:
     from bt_hub.weights import weights_fingerprint
-    from eval.features import dataset_fingerprint
-    from eval.report import write_results
+    from bt_hub.eval.features import dataset_fingerprint
+    from bt_hub.eval.report import write_results
 
     preset = config.config if config.config in DetectConfig.ALIASES else yaml_path.stem
     return write_results(
@@ -197,4 +199,5 @@ def _write(config: DetectConfig, engine: str, yaml_path: Path, trials: list[dict
         seed=config.seed,
         wall_time_s=time.time() - start,
         notes={"engine": engine, "trials": [{"seed": t["seed"], "metrics": t["metrics"]} for t in trials]},
+        paper_task=PAPER_TASKS.get(str(preset)),
     )

@@ -1,6 +1,6 @@
 """The detectron2 trainer of the transfer runs, the weights check and one trial end to end.
 
-Everything here needs detectron2; ``eval.detection.train_net`` imports this module only
+Everything here needs detectron2; ``bt_hub.eval.detection.detect`` imports this module only
 after checking that detectron2 is installed (and inside each launched process).
 """
 
@@ -20,10 +20,11 @@ from detectron2.utils import comm
 from detectron2.utils.logger import setup_logger
 from detectron2.utils.env import seed_all_rng
 
-from bt_hub.runs import RunDir, atomic_write_json, atomic_write_text
-from eval.detection import roi_heads  # noqa: F401  (registers Res5ROIHeadsExtraNorm)
-from eval.detection.datasets import num_classes, register_datasets
-from eval.detection.evaluation import REPORTED, TRIAL_METRICS, flatten_metrics
+from bt_hub.common.runs import RunDir
+from bt_hub.common.files import atomic_write_json, atomic_write_text
+from bt_hub.eval.detection.detectron2_engine import roi_heads  # noqa: F401  (registers Res5ROIHeadsExtraNorm)
+from bt_hub.eval.detection.detectron2_engine.datasets import num_classes, register_datasets
+from bt_hub.eval.detection.evaluation import REPORTED, TRIAL_METRICS, flatten_metrics
 
 __all__ = ["LossLog", "Trainer", "evaluate_dataset", "run_trial", "unloaded_parameters"]
 
@@ -77,7 +78,7 @@ def _evaluator(dataset_name: str, *, output_dir: str | None = None, tasks: tuple
 def evaluate_dataset(data_root: str | Path, dataset_name: str, predictions: Mapping[Any, Mapping[str, Any]], *, with_masks: bool) -> dict[str, dict[str, float]]:
     """detectron2's own evaluator of ``dataset_name`` (under ``data_root``) on given predictions.
 
-    ``predictions`` are per image id as ``eval.detection.evaluation`` describes them (XYXY
+    ``predictions`` are per image id as ``bt_hub.eval.detection.evaluation`` describes them (XYXY
     boxes in original pixels, 0-based labels, masks as bool arrays or RLEs); they are handed
     to the evaluator as the ``Instances`` a detectron2 model would output.
 

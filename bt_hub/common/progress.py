@@ -19,7 +19,7 @@ from typing import IO, Any, Iterable, Iterator, Optional
 
 from tqdm import tqdm
 
-from bt_hub.distributed import is_main_process
+from bt_hub.common.distributed import is_main_process
 
 EVERY_PERCENT = 10.0
 PERCENT_ENV = "BT_HUB_PROGRESS_EVERY"

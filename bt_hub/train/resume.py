@@ -18,8 +18,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from bt_hub.runs import atomic_torch_save
-from bt_hub.weights.formats import non_finite_tensors, read_file
+from bt_hub.common.files import atomic_torch_save
+from bt_hub.common.files import non_finite_tensors, read_file
 
 CHECKPOINT_NAME = "checkpoint.pth"
 

@@ -33,7 +33,7 @@ from torchvision.models.detection.rpn import RPNHead
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 from torchvision.ops import MultiScaleRoIAlign, roi_align
 
-from eval.detection.config import Settings
+from bt_hub.eval.detection.config import Settings
 
 __all__ = ["build_c4_model", "c4_backbone_state_dict", "unloaded_backbone_tensors"]
 
@@ -188,7 +188,7 @@ def build_c4_model(settings: Settings, resnet: nn.Module) -> FasterRCNN:
     """The C4 detector of ``settings`` around ``resnet`` (whose tensors it takes over, not copies).
 
     Args:
-        settings: the YAML's values (:func:`eval.detection.config.load_settings`).
+        settings: the YAML's values (:func:`bt_hub.eval.detection.config.load_settings`).
         resnet: a torchvision ResNet with the backbone weights (``fc`` is not used).
 
     Returns:

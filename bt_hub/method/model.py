@@ -8,14 +8,13 @@ The backbone is a plain torchvision ResNet with ``zero_init_residual=True`` and
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
 from torchvision.models import resnet
 
-from bt_hub.loss import LossTerms, barlow_twins_loss
+from bt_hub.method.loss import LossTerms, barlow_twins_loss
 
 BACKBONES: dict[str, Callable[..., resnet.ResNet]] = {
     "resnet18": resnet.resnet18,
@@ -114,31 +113,3 @@ class BarlowTwins(nn.Module):
             method=self.loss_method,
             reference_grad_scale=self.reference_grad_scale,
         )
-
-    # huggingface_hub's ModelHubMixin contract, implemented by the weights wing (imported when called).
-
-    def save_pretrained(self, save_directory: str | Path, **kwargs: Any) -> Path:
-        """Write a Hugging Face folder: backbone, projector, and λ / projector widths in config.json.
-
-        Keyword arguments go to ``bt_hub.weights.save_pretrained`` (``config``, ``results``, ``name``, ``license``).
-        """
-        from bt_hub.weights.hf import save_pretrained
-
-        return save_pretrained(self, save_directory, **kwargs)
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str | Path, *, revision: str | None = None, **kwargs: Any) -> "BarlowTwins":
-        """The model saved by ``save_pretrained``: a Hub id ``org/name`` (at ``revision``) or a folder, λ restored.
-
-        Keyword arguments go to ``bt_hub.weights.barlow_twins`` (``lambd``, ``progress``, ``allow_non_finite``).
-        """
-        from bt_hub.weights.builders import barlow_twins
-        from bt_hub.weights.hf import hub_source
-
-        return barlow_twins(weights=hub_source(pretrained_model_name_or_path, revision), **kwargs)
-
-    def push_to_hub(self, repo_id: str, **kwargs: Any) -> Any:
-        """Upload the ``save_pretrained`` folder to the Hub repo ``repo_id`` (``bt_hub.weights.push_to_hub``)."""
-        from bt_hub.weights.hf import push_to_hub
-
-        return push_to_hub(self, repo_id, **kwargs)

@@ -1,0 +1,301 @@
+"""Files, written atomically and read safely: the one home of bt_hub's file I/O below the run folders.
+
+Every file bt_hub writes goes through ``atomic_write`` (a temp file ``.<name>.<8 hex>.tmp``
+beside the target, fsync, rename), so a crash never leaves a half-written checkpoint or
+result, and a failed write (disk full, quota, ``ulimit -f``) is one sentence naming the file
+while the previous version stays intact. Files follow the umask like any other file.
+
+Reading never executes code: ``.pth`` / ``.torch`` / ``.ckpt`` files go through
+``torch.load(weights_only=True)``, ``.safetensors`` through safetensors, and detectron2
+``.pkl`` files through an unpickler that admits numpy arrays and plain containers only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+import secrets
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+# the temp names of atomic_write (and of earlier versions, which used tempfile.mkstemp)
+TEMP_FILE = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
+_FULL = {errno.ENOSPC: "no space is left on the device", errno.EDQUOT: "the disk quota is exceeded"}
+# the metadata that marks a safetensors file as bt_hub's (so bt_hub may replace it)
+WRITTEN_BY = {"written_by": "bt_hub"}
+
+
+class WriteError(OSError):
+    """A file could not be written; the message names it, the reason and the fix."""
+
+
+def write_failure(path: Path, err: OSError) -> WriteError:
+    """One sentence for an OSError met while writing ``path`` (what happened, what to do, what was kept)."""
+    if err.errno in _FULL:
+        fix = f"{_FULL[err.errno]}; free space on the file system of {path.parent} and run again"
+    elif err.errno == errno.EFBIG:
+        fix = "the file is larger than this process may write (ulimit -f); raise the limit and run again"
+    else:
+        fix = f"{err.strerror or err}; check that {path.parent} is writable"
+    kept = f"the previous {path.name} is unchanged" if path.exists() else "nothing was written"
+    return WriteError(f"could not write {path}: {fix} ({kept})")
+
+
+def _os_error(err: BaseException) -> Optional[OSError]:
+    """The OSError behind ``err``: itself, or one torch wrapped (torch.save reports it as a RuntimeError)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _open_temp(path: Path) -> tuple[Path, int]:
+    """A new temp file beside ``path``, created with mode 0666 so that the umask applies (mkstemp's is 0600)."""
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a temp file beside {path}")
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[io.BufferedWriter], None]) -> Path:
+    """Write a file through ``write(fileobj)`` into a temp file beside it, then rename.
+
+    Raises:
+        WriteError: the disk is full, a limit was hit or the directory is not writable; the
+            previous file at ``path`` (if any) is untouched and no temp file is left.
+    """
+    path = Path(path)
+    tmp: Optional[Path] = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp, fd = _open_temp(path)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        cause = _os_error(err)
+        if cause is None or isinstance(err, WriteError):
+            raise
+        raise write_failure(path, cause) from err
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write text atomically (UTF-8)."""
+    return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """Write an object as indented JSON atomically."""
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
+    """``torch.save`` atomically."""
+    return atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def read_json(path: Path) -> Any:
+    """The parsed JSON in ``path``, or None when it is missing or not JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+class CheckpointError(ValueError):
+    """A checkpoint could not be read as a ResNet backbone; the message names the file."""
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Admits numpy arrays and plain containers only (the detectron2 ``.pkl`` payload)."""
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "tuple"),
+        ("builtins", "list"),
+        ("builtins", "dict"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is forbidden")
+
+
+def _looks_like_safetensors(head: bytes) -> bool:
+    return len(head) >= 10 and head[8:10] in (b'{"', b"{ ")
+
+
+def _not_a_checkpoint(head: bytes) -> str | None:
+    """What the first bytes of a file that is neither a zip archive nor a pickle look like, or None."""
+    if head.startswith((b"PK\x03\x04", b"\x80")):
+        return None
+    if head.lstrip().startswith(b"<"):
+        return "looks like HTML, perhaps an error or login page saved in its place"
+    if all(32 <= byte < 127 or byte in b"\t\r\n" for byte in head):
+        return "looks like text"
+    return "unrecognised bytes"
+
+
+def _pickled_globals(path: Path) -> list[str]:
+    """The ``module.name`` globals a pickle stream refers to, read with pickletools (nothing is executed)."""
+    import pickletools
+
+    found: list[str] = []
+    with open(path, "rb") as f:
+        for _ in range(8):  # torch's legacy format is several pickles in a row, then raw bytes
+            strings: list[str] = []
+            try:
+                for opcode, arg, _pos in pickletools.genops(f):
+                    if opcode.name == "GLOBAL":
+                        found.append(str(arg).replace(" ", "."))
+                    elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                        found.append(f"{strings[-2]}.{strings[-1]}")
+                    elif isinstance(arg, str):
+                        strings.append(arg)
+            except (ValueError, EOFError, UnicodeDecodeError):
+                break
+    return found
+
+
+_SAFE_GLOBAL_PREFIXES = ("torch.", "collections.OrderedDict", "builtins.set", "builtins.frozenset", "_codecs.encode",
+                         "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype")
+
+
+def read_file(path: Path) -> Any:
+    """The object stored in a weights file, read without executing any code.
+
+    A file that fails to load is then explained: not a checkpoint at all (HTML, text,
+    unrecognised bytes), pickled code (refused, never run), or damaged.
+
+    Raises:
+        CheckpointError: one sentence naming the file and which of these it is.
+    """
+    if not path.is_file():
+        raise CheckpointError(f"weights file {path} does not exist")
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if not head:
+        raise CheckpointError(f"weights file {path} is empty")
+    if path.suffix == ".safetensors" or _looks_like_safetensors(head):
+        from safetensors.torch import load_file
+
+        kind, load = "safetensors file", lambda: load_file(str(path))
+    elif path.suffix == ".pkl" and not zipfile.is_zipfile(path):
+        kind, load = "pickle", lambda: _unpickle(path)
+    else:
+        kind, load = "torch file", lambda: torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return load()
+    except Exception as err:  # torch, pickle and safetensors raise many unrelated types for a bad file
+        raise _explain(path, head, kind, err) from None
+
+
+def _unpickle(path: Path) -> Any:
+    with open(path, "rb") as f:
+        return _RestrictedUnpickler(f, encoding="latin1").load()
+
+
+def _explain(path: Path, head: bytes, kind: str, err: Exception) -> CheckpointError:
+    """Why ``path`` did not load: not a checkpoint, pickled code, or damaged."""
+    looks = _not_a_checkpoint(head) if kind != "safetensors file" or head.lstrip().startswith(b"<") else None
+    if looks:
+        return CheckpointError(f"weights file {path} is not a {'safetensors file' if kind == 'safetensors file' else 'torch checkpoint'} ({looks})")
+    code = re.search(r"GLOBAL ([\w.]+)|global '([\w.]+)' is forbidden", str(err))
+    if code:
+        return _code_refused(path, code.group(1) or code.group(2))
+    if kind == "torch file" and not zipfile.is_zipfile(path):
+        unsafe = [g for g in _pickled_globals(path) if not g.startswith(_SAFE_GLOBAL_PREFIXES)]
+        if unsafe:
+            return _code_refused(path, unsafe[0])
+    return CheckpointError(f"weights file {path} is not a readable {kind}, perhaps truncated ({_first_line(err)})")
+
+
+def _code_refused(path: Path, global_name: str) -> CheckpointError:
+    return CheckpointError(
+        f"weights file {path} holds pickled code ('{global_name}'), so bt_hub refuses to load it; "
+        "only tensors, arrays and plain containers are read"
+    )
+
+
+def _first_line(err: BaseException) -> str:
+    if isinstance(err, pickle.UnpicklingError) and "Weights only load failed" in str(err):
+        return "torch's safe reader rejected its contents"
+    text = str(err).strip().splitlines()
+    return text[0].split(". ")[0].rstrip(".") if text else type(err).__name__
+
+
+def non_finite_tensors(state: Any, prefix: str = "") -> list[str]:
+    """Names of the floating-point tensors holding NaN or inf in a (nested) state dict."""
+    if isinstance(state, torch.Tensor):
+        return [prefix] if state.is_floating_point() and not bool(torch.isfinite(state).all()) else []
+    if isinstance(state, Mapping):
+        return [name for k, v in state.items() for name in non_finite_tensors(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(state, (list, tuple)):
+        return [name for i, v in enumerate(state) for name in non_finite_tensors(v, f"{prefix}.{i}")]
+    return []
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 (hex) of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _sorted_metadata(data: bytes) -> bytes:
+    """safetensors bytes with the ``__metadata__`` keys sorted.
+
+    safetensors serialises metadata from a hash map in random order, so the same weights
+    would hash differently from one save to the next; the header keeps its length.
+    """
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    metadata = header.pop("__metadata__", None)
+    ordered = {"__metadata__": dict(sorted(metadata.items())), **header} if metadata else header
+    text = json.dumps(ordered, separators=(",", ":")).encode("utf-8")
+    return data[:8] + text.ljust(size, b" ") + data[8 + size :]
+
+
+def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Optional[Mapping[str, str]] = None) -> Path:
+    """Write tensors as safetensors atomically, marked ``written_by: bt_hub`` in the metadata (sorted, so reproducible)."""
+    from safetensors.torch import save
+
+    data = _sorted_metadata(save(dict(tensors), metadata={**(metadata or {}), **WRITTEN_BY}))
+    return atomic_write(path, lambda f: f.write(data))

@@ -1,0 +1,41 @@
+"""Normalisation and the evaluation preprocessing: one home below everything that uses them.
+
+torchvision's ``_presets.py`` plays this role there: the weights registry attaches these
+transforms to each weights record, the protocols score with them, and the pretraining views
+normalise with the same ImageNet statistics.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+from torchvision import transforms as T
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def normalize(x: torch.Tensor) -> torch.Tensor:
+    """ImageNet normalisation of float RGB images in [0, 1] (C x H x W or B x C x H x W)."""
+    mean = torch.tensor(IMAGENET_MEAN, device=x.device, dtype=x.dtype).view(3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=x.device, dtype=x.dtype).view(3, 1, 1)
+    return (x - mean) / std
+
+
+def eval_transforms(image_size: int = 224, resize_size: Optional[int] = None) -> T.Compose:
+    """The evaluation preprocessing: Resize(image_size·256/224) -> CenterCrop(image_size) -> tensor -> normalised.
+
+    At 224 px that is the paper's Resize(256) + CenterCrop(224).
+    """
+    return T.Compose([
+        T.Resize(resize_size or round(image_size * 256 / 224), interpolation=T.InterpolationMode.BILINEAR),
+        T.CenterCrop(image_size),
+        T.ToTensor(),
+        T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ])
+
+
+def transforms_for(config: Optional[Mapping[str, Any]]) -> T.Compose:
+    """The evaluation transforms of weights whose run config says ``image_size`` (224 when it does not)."""
+    return eval_transforms(int((config or {}).get("image_size") or 224))

@@ -1,0 +1,1 @@
+"""Pretraining machinery: the loop, data, decoding, prefetching, exact resume, the kNN monitor, precision."""

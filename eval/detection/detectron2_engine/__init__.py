@@ -1,0 +1,1 @@
+"""The detectron2 engine of detection transfer (needs detectron2 importable; not on PyPI)."""

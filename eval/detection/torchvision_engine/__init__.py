@@ -1,0 +1,1 @@
+"""The torchvision R50-C4 engine of detection transfer (installs with pip)."""

@@ -1,0 +1,190 @@
+"""The import graph of the installed package runs one way down the layers (docs/architecture.md).
+
+Every ``import`` counts, at module level or inside a function or a ``TYPE_CHECKING`` block,
+and so do the modules the CLI imports by name (its ``COMMANDS`` table). Run this file as a
+script to print the graph's size and any upward edge or cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import bt_hub
+from bt_hub import cli
+
+# Lowest first; a module may import its own layer and those before it.
+LAYERS = ["common", "method", "train", "weights", "eval", "detection", "cli"]
+PREFIXES = [  # most specific first
+    ("bt_hub.eval.detection", "detection"),
+    ("bt_hub.detection_configs", "detection"),
+    ("bt_hub.common", "common"),
+    ("bt_hub.method", "method"),
+    ("bt_hub.train", "train"),
+    ("bt_hub.weights", "weights"),
+    ("bt_hub.eval", "eval"),
+    ("bt_hub.cli", "cli"),
+    ("bt_hub", "method"),  # the package's __init__ re-exports the method, and nothing above it
+]
+
+
+def layer_of(module: str) -> str:
+    """The layer a module of bt_hub belongs to."""
+    return next(layer for prefix, layer in PREFIXES if module == prefix or module.startswith(prefix + "."))
+
+
+def package_modules() -> dict[str, Path]:
+    """Every module of the installed ``bt_hub`` package, by dotted name, with its source file."""
+    modules = {}
+    # an editable install maps eval/ and detection_configs/ into bt_hub without a folder inside it
+    for package in (bt_hub, importlib.import_module("bt_hub.eval"), importlib.import_module("bt_hub.detection_configs")):
+        modules[package.__name__] = Path(package.__file__)
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            spec = importlib.util.find_spec(info.name)
+            assert spec is not None and spec.origin is not None, info.name
+            modules[info.name] = Path(spec.origin)
+    return modules
+
+
+def _target(name: str, modules: dict[str, Path]) -> str:
+    """The longest prefix of ``name`` that is a module of the package."""
+    while name not in modules:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def import_edges(modules: dict[str, Path]) -> set[tuple[str, str]]:
+    """(importer, imported) for every import of a bt_hub module anywhere in a module's source."""
+    edges = set()
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{parent}.{base}" if base else parent
+                targets = [f"{base}.{alias.name}" for alias in node.names]
+            for target in targets:
+                if target == "bt_hub" or target.startswith("bt_hub."):
+                    imported = _target(target, modules)
+                    if imported != name:
+                        edges.add((name, imported))
+    for entry in cli.COMMANDS.values():
+        for command in entry.values() if isinstance(entry, dict) else [entry]:
+            edges.add(("bt_hub.cli", command.module))
+    return edges
+
+
+def upward_edges(edges: set[tuple[str, str]]) -> list[str]:
+    """The edges that import a higher layer."""
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    return sorted(
+        f"{a} ({layer_of(a)}) imports {b} ({layer_of(b)})" for a, b in edges if rank[layer_of(b)] > rank[layer_of(a)]
+    )
+
+
+def cycles(modules: dict[str, Path], edges: set[tuple[str, str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    graph: dict[str, list[str]] = {m: [] for m in modules}
+    for a, b in edges:
+        graph[a].append(b)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_every_module_has_a_layer_and_the_graph_sees_function_level_imports():
+    modules = package_modules()
+    assert len(modules) > 60
+    for name in modules:
+        assert layer_of(name) in LAYERS
+    edges = import_edges(modules)
+    # a function-level import (inside eval.voc07_svm.run) is an edge like any other
+    assert ("bt_hub.eval.voc07_svm", "bt_hub.eval.features") in edges
+
+
+def test_imports_run_one_way_down_the_layers():
+    edges = import_edges(package_modules())
+    assert upward_edges(edges) == []
+
+
+def test_the_import_graph_has_no_cycle():
+    modules = package_modules()
+    assert cycles(modules, import_edges(modules)) == []
+
+
+def test_importing_the_method_loads_neither_training_nor_weights_nor_evaluation():
+    code = (
+        "import sys, bt_hub.method.loss, bt_hub.method.model, bt_hub.method.views, bt_hub.method.optim, "
+        "bt_hub.method.transforms; "
+        "print(sorted(m for m in sys.modules if m.startswith(('bt_hub.train', 'bt_hub.weights', 'bt_hub.eval'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("generic_name", ["eval", "detection_configs"])
+def test_the_installed_package_exposes_bt_hub_only_and_no_generic_top_level_name(tmp_path, generic_name):
+    run = subprocess.run([sys.executable, "-c", f"import {generic_name}"], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode != 0 and f"No module named '{generic_name}'" in run.stderr
+    nested = subprocess.run([sys.executable, "-c", f"import bt_hub.{generic_name}"], capture_output=True, text=True, cwd=tmp_path)
+    assert nested.returncode == 0, nested.stderr
+
+
+def test_the_eval_folder_of_a_checkout_refuses_to_import_as_a_top_level_package():
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", "import eval"], capture_output=True, text=True, cwd=root)
+    assert run.returncode != 0 and "import bt_hub.eval" in run.stderr
+
+
+def test_the_records_know_no_protocol_preset():
+    source = Path(importlib.util.find_spec("bt_hub.common.records").origin).read_text(encoding="utf-8")
+    for preset in ("imagenet", "places205", "inat18", '"paper"', '"voc"', '"coco"'):
+        assert f'preset == {preset}' not in source and "preset in (" not in source
+
+
+if __name__ == "__main__":
+    found = package_modules()
+    all_edges = import_edges(found)
+    print(f"{len(found)} modules, {len(all_edges)} import edges (function-level and CLI table included)")
+    print(f"upward edges: {upward_edges(all_edges) or 'none'}")
+    print(f"cycles: {cycles(found, all_edges) or 'none'}")
