@@ -25,7 +25,9 @@ import torch.nn.functional as F
 from bt_hub.eval.knn import knn_classify
 
 
-def make_features(n: int, q: int, dim: int, classes: int, seed: int, noise: float = 6.0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def make_features(
+    n: int, q: int, dim: int, classes: int, seed: int, noise: float = 6.0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Seeded Gaussian clusters, one per class, with enough noise that kNN is not trivial."""
     rng = np.random.default_rng(seed)
     centres = rng.normal(size=(classes, dim)).astype(np.float32)
@@ -59,9 +61,19 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=100, help="number of classes")
     parser.add_argument("--k", type=int, default=20, help="neighbours")
     parser.add_argument("--temperature", type=float, default=0.07, help="T of exp(sim / T)")
-    parser.add_argument("--sklearn-metric", choices=["euclidean", "cosine"], default="euclidean", help="metric scikit-learn uses on the normalised features")
+    parser.add_argument(
+        "--sklearn-metric",
+        choices=["euclidean", "cosine"],
+        default="euclidean",
+        help="metric scikit-learn uses on the normalised features",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch / faiss threads (default: all cores)")
-    parser.add_argument("--noise", type=float, default=6.0, help="std of the per-dimension noise around unit-std class centres (6: far from 100 %% at 2048-d)")
+    parser.add_argument(
+        "--noise",
+        type=float,
+        default=6.0,
+        help="std of the per-dimension noise around unit-std class centres (6: far from 100 %% at 2048-d)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.threads:
@@ -70,17 +82,33 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         faiss.omp_set_num_threads(args.threads)
 
-    train_x, train_y, test_x, test_y = make_features(args.train, args.queries, args.dim, args.classes, args.seed, args.noise)
-    print(f"bank {args.train} x {args.dim}, {args.queries} queries, {args.classes} classes, k = {args.k}, T = {args.temperature}")
+    train_x, train_y, test_x, test_y = make_features(
+        args.train, args.queries, args.dim, args.classes, args.seed, args.noise
+    )
+    print(
+        f"bank {args.train} x {args.dim}, {args.queries} queries, {args.classes} classes, k = {args.k}, T = {args.temperature}"
+    )
 
-    runs = {"bt_hub knn_classify (faiss IndexFlatIP, CPU)": ("faiss", "cpu"), "bt_hub knn_classify (torch matmul + top-k, CPU)": ("torch", "cpu")}
+    runs = {
+        "bt_hub knn_classify (faiss IndexFlatIP, CPU)": ("faiss", "cpu"),
+        "bt_hub knn_classify (torch matmul + top-k, CPU)": ("torch", "cpu"),
+    }
     if torch.cuda.is_available():
         runs["bt_hub knn_classify (torch matmul + top-k, CUDA)"] = ("torch", "cuda")
     ours = {}
     for name, (backend, device) in runs.items():
         t = time.perf_counter()
-        result = knn_classify(torch.from_numpy(train_x), torch.from_numpy(train_y), torch.from_numpy(test_x), torch.from_numpy(test_y),
-                              k=args.k, temperature=args.temperature, num_classes=args.classes, backend=backend, device=device)
+        result = knn_classify(
+            torch.from_numpy(train_x),
+            torch.from_numpy(train_y),
+            torch.from_numpy(test_x),
+            torch.from_numpy(test_y),
+            k=args.k,
+            temperature=args.temperature,
+            num_classes=args.classes,
+            backend=backend,
+            device=device,
+        )
         ours[name] = (result, time.perf_counter() - t)
 
     t = time.perf_counter()
@@ -92,10 +120,14 @@ def main() -> None:
     print()
     print("| method | seconds | top-1 | top-5 | speed-up |")
     print("|---|---|---|---|---|")
-    print(f"| scikit-learn KNeighborsClassifier(brute, {args.sklearn_metric}) | {ref_s:.2f} | {ref['top1']:.2f} | {ref['top5']:.2f} | 1.0x |")
+    print(
+        f"| scikit-learn KNeighborsClassifier(brute, {args.sklearn_metric}) | {ref_s:.2f} | {ref['top1']:.2f} | {ref['top5']:.2f} | 1.0x |"
+    )
     for name, (result, seconds) in ours.items():
         print(f"| {name} | {seconds:.2f} | {result['top1']:.2f} | {result['top5']:.2f} | {ref_s / seconds:.1f}x |")
-    print(f"\nlargest top-1 difference from scikit-learn: {max(abs(r['top1'] - ref['top1']) for r, _ in ours.values()):.3f} pt")
+    print(
+        f"\nlargest top-1 difference from scikit-learn: {max(abs(r['top1'] - ref['top1']) for r, _ in ours.values()):.3f} pt"
+    )
 
 
 if __name__ == "__main__":

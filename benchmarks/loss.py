@@ -146,12 +146,26 @@ def main(argv: list[str] | None = None) -> None:
     """Run the grid and print the table (markdown)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, nargs="+", default=[256, 1024, 2048], help="batch sizes N")
-    parser.add_argument("--d", type=int, nargs="+", default=[2048, 8192, 16384, 32768, 65536], help="embedding widths D")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median reported), after one warm-up")
+    parser.add_argument(
+        "--d", type=int, nargs="+", default=[2048, 8192, 16384, 32768, 65536], help="embedding widths D"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per cell (median reported), after one warm-up"
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--memory-fraction", type=float, default=0.5, help="skip the reference when ~4 D² floats exceed this share of free memory")
-    parser.add_argument("--max-reference-seconds", type=float, default=120.0, help="skip the reference when one run is extrapolated to take longer")
+    parser.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.5,
+        help="skip the reference when ~4 D² floats exceed this share of free memory",
+    )
+    parser.add_argument(
+        "--max-reference-seconds",
+        type=float,
+        default=120.0,
+        help="skip the reference when one run is extrapolated to take longer",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -164,9 +178,13 @@ def main(argv: list[str] | None = None) -> None:
         name = torch.cuda.get_device_name(device)
     else:
         name = f"CPU ({os.cpu_count()} cores), {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f} at start"
-    print(f"# Barlow Twins loss, forward + backward, fp32 inputs; {name}; torch {torch.__version__}; median of {args.repeats}")
+    print(
+        f"# Barlow Twins loss, forward + backward, fp32 inputs; {name}; torch {torch.__version__}; median of {args.repeats}"
+    )
     print()
-    print("| N | D | ours | reference s | ours s | speed-up | reference extra MiB | ours extra MiB | memory ratio | rel. loss diff |")
+    print(
+        "| N | D | ours | reference s | ours s | speed-up | reference extra MiB | ours extra MiB | memory ratio | rel. loss diff |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     flop_rate = None
     for n in args.n:
@@ -192,7 +210,15 @@ def main(argv: list[str] | None = None) -> None:
                     f"{abs(ours['loss'] - ref['loss']) / abs(ref['loss']):.1e}",
                 ]
             else:
-                cells += [f"skipped: {reason}", f"{ours['seconds']:.4f}", "-", "-", f"{ours['bytes'] / 2**20:.0f}", "-", "-"]
+                cells += [
+                    f"skipped: {reason}",
+                    f"{ours['seconds']:.4f}",
+                    "-",
+                    "-",
+                    f"{ours['bytes'] / 2**20:.0f}",
+                    "-",
+                    "-",
+                ]
             print("| " + " | ".join(cells) + " |", flush=True)
             del z1, z2
             gc.collect()

@@ -26,11 +26,11 @@ import torchvision.transforms as T
 from PIL import Image, ImageFilter, ImageOps
 from torch import nn
 
-from bt_hub.method.views import BatchedTwoViews
-from bt_hub.train.data import build_dataset, to_uint8_tensor
 from bt_hub.method.loss import barlow_twins_loss
 from bt_hub.method.model import BarlowTwins
 from bt_hub.method.optim import LARS, param_groups, set_learning_rates
+from bt_hub.method.views import BatchedTwoViews
+from bt_hub.train.data import build_dataset, to_uint8_tensor
 
 
 class _PilBlur:
@@ -59,16 +59,18 @@ def reference_transforms(size: int) -> tuple[T.Compose, T.Compose]:
     """The two asymmetric reference pipelines (blur 1.0 / 0.1, solarise 0.0 / 0.2)."""
 
     def pipeline(blur: float, solarize: float) -> T.Compose:
-        return T.Compose([
-            T.RandomResizedCrop(size, interpolation=T.InterpolationMode.BICUBIC),
-            T.RandomHorizontalFlip(p=0.5),
-            T.RandomApply([T.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.2, hue=0.1)], p=0.8),
-            T.RandomGrayscale(p=0.2),
-            _PilBlur(blur),
-            _PilSolarize(solarize),
-            T.ToTensor(),
-            T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]),
-        ])
+        return T.Compose(
+            [
+                T.RandomResizedCrop(size, interpolation=T.InterpolationMode.BICUBIC),
+                T.RandomHorizontalFlip(p=0.5),
+                T.RandomApply([T.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.2, hue=0.1)], p=0.8),
+                T.RandomGrayscale(p=0.2),
+                _PilBlur(blur),
+                _PilSolarize(solarize),
+                T.ToTensor(),
+                T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]),
+            ]
+        )
 
     return pipeline(1.0, 0.0), pipeline(0.1, 0.2)
 
@@ -119,10 +121,15 @@ class Pipeline:
             y_a = torch.stack([t_a(im) for im in images]).to(self.device)
             y_b = torch.stack([t_b(im) for im in images]).to(self.device)
         if self.channels_last:
-            y_a, y_b = y_a.contiguous(memory_format=torch.channels_last), y_b.contiguous(memory_format=torch.channels_last)
+            y_a, y_b = (
+                y_a.contiguous(memory_format=torch.channels_last),
+                y_b.contiguous(memory_format=torch.channels_last),
+            )
         return y_a, y_b
 
-    def step(self, images: list[Image.Image], step: int, total: int, phases: dict[str, float] | None = None) -> tuple[float, float]:
+    def step(
+        self, images: list[Image.Image], step: int, total: int, phases: dict[str, float] | None = None
+    ) -> tuple[float, float]:
         """One full step; returns (loss, seconds). ``phases`` accumulates the seconds of each part."""
         marks = [("start", self._now())]
         set_learning_rates(self.optimizer, step, total, max(total // 5, 1), self.args.pairs)
@@ -166,7 +173,10 @@ def batches(args: argparse.Namespace) -> list[list[Image.Image]]:
     data = build_dataset("digits", "train", image_size=args.image_size)
     images = [data[i][0] for i in range(len(data))]
     per = args.pairs
-    return [images[(k * per) % (len(images) - per):][:per] for k in range(max(args.warmup + args.timed_steps, args.curve_steps))]
+    return [
+        images[(k * per) % (len(images) - per) :][:per]
+        for k in range(max(args.warmup + args.timed_steps, args.curve_steps))
+    ]
 
 
 def main() -> None:
@@ -175,15 +185,24 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--projector", default="8192-8192-8192")
     parser.add_argument("--loss-method", default="auto", choices=["auto", "dense", "gram"])
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="ours only; bf16 is much slower on CPUs without AVX-512 BF16/AMX")
+    parser.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16", "fp16"],
+        help="ours only; bf16 is much slower on CPUs without AVX-512 BF16/AMX",
+    )
     parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile", action="store_true", help="ours only: torch.compile the backbone + projector")
-    parser.add_argument("--profile", action="store_true", help="also print where each step's time goes (synchronised phases)")
+    parser.add_argument(
+        "--profile", action="store_true", help="also print where each step's time goes (synchronised phases)"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per pipeline")
     parser.add_argument("--timed-steps", type=int, default=3)
-    parser.add_argument("--curve-steps", type=int, default=0, help="also train each pipeline this many steps and print the losses")
+    parser.add_argument(
+        "--curve-steps", type=int, default=0, help="also train each pipeline this many steps and print the losses"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.threads:
@@ -198,13 +217,19 @@ def main() -> None:
             _, seconds = p.step(data[k], k, total, phases[p.name] if k >= args.warmup else None)
             if k >= args.warmup:
                 times[p.name].append(seconds)
-    print(f"ResNet-18 small stem, {args.image_size} px, {args.pairs} pairs, projector {args.projector}, device {args.device}, "
-          f"threads {torch.get_num_threads()}, median of {args.timed_steps} steps after {args.warmup} warm-up")
+    print(
+        f"ResNet-18 small stem, {args.image_size} px, {args.pairs} pairs, projector {args.projector}, device {args.device}, "
+        f"threads {torch.get_num_threads()}, median of {args.timed_steps} steps after {args.warmup} warm-up"
+    )
     print(f"{'step':<56}{'s/step':>10}{'pairs/s':>10}{'speed-up':>10}")
     ref = statistics.median(times["reference-style"])
     for p in pipes:
         med = statistics.median(times[p.name])
-        label = p.name if not p.ours else f"bt_hub ({args.precision}, {'channels-last' if args.channels_last else 'NCHW'}, loss {args.loss_method}{', compiled' if args.compile else ''})"
+        label = (
+            p.name
+            if not p.ours
+            else f"bt_hub ({args.precision}, {'channels-last' if args.channels_last else 'NCHW'}, loss {args.loss_method}{', compiled' if args.compile else ''})"
+        )
         print(f"{label:<56}{med:>10.3f}{args.pairs / med:>10.1f}{ref / med:>9.2f}x")
     if args.profile:
         names = list(next(iter(phases.values())))

@@ -61,7 +61,12 @@ def _photo(seed: int, width: int, height: int) -> bytes:
         small = Image.fromarray((rng.random((cells_h, cells_w, 3)) * 255).astype(np.uint8))
         return np.asarray(small.resize((width, height), Image.Resampling.BICUBIC), dtype=np.float32)
 
-    img = 0.55 * smooth(6, 8) + 0.45 * (smooth(max(height // 6, 1), max(width // 6, 1)) - 127.5) + 40 + rng.normal(0, 9, (height, width, 3))
+    img = (
+        0.55 * smooth(6, 8)
+        + 0.45 * (smooth(max(height // 6, 1), max(width // 6, 1)) - 127.5)
+        + 40
+        + rng.normal(0, 9, (height, width, 3))
+    )
     buffer = io.BytesIO()
     Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buffer, format="JPEG", quality=90)
     return buffer.getvalue()
@@ -118,7 +123,12 @@ def ceiling(args: argparse.Namespace, device: torch.device, precision: str, comp
     step_fn = torch.compile(model) if compile_model else model
     fmt = torch.channels_last if args.channels_last else torch.contiguous_format
     g = torch.Generator(device=device).manual_seed(0)
-    y_a, y_b = (torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device, generator=g).contiguous(memory_format=fmt) for _ in range(2))
+    y_a, y_b = (
+        torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device, generator=g).contiguous(
+            memory_format=fmt
+        )
+        for _ in range(2)
+    )
     dtype = autocast_dtype(precision)
     times = []
     for k in range(args.warmup + args.steps):
@@ -136,15 +146,32 @@ def ceiling(args: argparse.Namespace, device: torch.device, precision: str, comp
     return args.batch_size * len(times) / sum(times)
 
 
-def bt_hub_pipeline(args: argparse.Namespace, data: Path, device: torch.device, precision: str, compile_model: bool, work: Path) -> float:
+def bt_hub_pipeline(
+    args: argparse.Namespace, data: Path, device: torch.device, precision: str, compile_model: bool, work: Path
+) -> float:
     """(b): ``bt_hub.train.pretrain.pretrain`` from the JPEG files; images/s over the steps after warm-up."""
     out = work / ("run_compiled" if compile_model else "run")
     shutil.rmtree(out, ignore_errors=True)
     config = PretrainConfig(
-        data=str(data), out=str(out), backbone=args.arch, projector=args.projector, image_size=args.image_size,
-        batch_size=args.batch_size, epochs=100, warmup_epochs=0, views="batched", decode=args.decode, precision=precision,
-        channels_last=args.channels_last, compile=compile_model, num_workers=args.workers, device=str(device),
-        max_steps=args.warmup + args.steps, log_every=args.warmup, checkpoint_every=0, probe_max_dim=0,
+        data=str(data),
+        out=str(out),
+        backbone=args.arch,
+        projector=args.projector,
+        image_size=args.image_size,
+        batch_size=args.batch_size,
+        epochs=100,
+        warmup_epochs=0,
+        views="batched",
+        decode=args.decode,
+        precision=precision,
+        channels_last=args.channels_last,
+        compile=compile_model,
+        num_workers=args.workers,
+        device=str(device),
+        max_steps=args.warmup + args.steps,
+        log_every=args.warmup,
+        checkpoint_every=0,
+        probe_max_dim=0,
     )
     pretrain(config)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -163,8 +190,15 @@ def reference_loop(args: argparse.Namespace, files: list[Path], device: torch.de
     optimizer = LARS(param_groups(model, 0.2, 0.0048, 1e-6), lr=0.1, weight_decay=1e-6)
     amp = device.type == "cuda"
     scaler = torch.amp.GradScaler("cuda", enabled=amp)
-    loader = DataLoader(_ReferenceDataset(files, args.image_size), batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
-                        pin_memory=amp, drop_last=True, persistent_workers=False)
+    loader = DataLoader(
+        _ReferenceDataset(files, args.image_size),
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        pin_memory=amp,
+        drop_last=True,
+        persistent_workers=False,
+    )
     times, start = [], time.perf_counter()
     for k, (y_a, y_b) in enumerate(loader):
         if k == args.warmup + args.steps:
@@ -189,7 +223,10 @@ def reference_loop(args: argparse.Namespace, files: list[Path], device: torch.de
 
 def _table(rows: dict[str, float], header: str) -> str:
     lines = [header, f"{'row':<58}{'images/s':>10}{'vs (a)':>9}{'vs (c)':>9}"]
-    ceiling_rate, reference_rate = rows.get("(a) ceiling: model + loss + LARS on in-memory tensors"), rows.get("(c) reference loop: PIL views in workers, AMP")
+    ceiling_rate, reference_rate = (
+        rows.get("(a) ceiling: model + loss + LARS on in-memory tensors"),
+        rows.get("(c) reference loop: PIL views in workers, AMP"),
+    )
     for name, rate in rows.items():
         vs_a = f"{rate / ceiling_rate:.0%}" if ceiling_rate else "—"
         vs_c = f"{rate / reference_rate:.2f}x" if reference_rate else "—"
@@ -206,15 +243,26 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256, help="images per step (each gives two views)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps per row")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per row")
-    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="loader workers of (b) and (c)")
-    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="(a) and (b); the reference row keeps its fp16 AMP")
+    parser.add_argument(
+        "--workers", type=int, default=min(16, os.cpu_count() or 1), help="loader workers of (b) and (c)"
+    )
+    parser.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        help="(a) and (b); the reference row keeps its fp16 AMP",
+    )
     parser.add_argument("--decode", default="auto", choices=["auto", "device", "workers"], help="(b)'s --decode")
     parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True, help="(a) and (b)")
     parser.add_argument("--compile", action="store_true", help="also time (a) and (b) under torch.compile")
     parser.add_argument("--rows", default="abc", help="which of the rows a, b, c to run")
     parser.add_argument("--jpeg-size", default="500x375", help="WIDTHxHEIGHT of the generated JPEGs")
-    parser.add_argument("--data-dir", default=None, help="where the JPEGs go (reused when present); default: a temporary folder")
-    parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for throughput.txt and throughput.json (default: $OUT)")
+    parser.add_argument(
+        "--data-dir", default=None, help="where the JPEGs go (reused when present); default: a temporary folder"
+    )
+    parser.add_argument(
+        "--out", default=os.environ.get("OUT"), help="folder for throughput.txt and throughput.json (default: $OUT)"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     precision = resolve_precision(args.precision, device)
@@ -223,27 +271,39 @@ def main() -> None:
     width, height = (int(v) for v in args.jpeg_size.split("x"))
     work = Path(tempfile.mkdtemp(prefix="bt_hub_throughput_"))
     data = Path(args.data_dir) if args.data_dir else work / "jpegs"
-    count = args.batch_size * (args.warmup + args.steps + 1)  # (b) ends before its first epoch does (no epoch-end checkpoint)
+    count = args.batch_size * (
+        args.warmup + args.steps + 1
+    )  # (b) ends before its first epoch does (no epoch-end checkpoint)
     tick = time.perf_counter()
     write_jpegs(data, count, width, height, max(args.workers, 1))
     files = sorted(data.rglob("*.jpg"))
     mean_kb = statistics.mean(f.stat().st_size for f in files[:UNIQUE_IMAGES]) / 1024
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    header = (f"{args.arch}, {args.image_size} px, projector {args.projector}, batch {args.batch_size}, {name}, precision {precision}, "
-              f"{'channels-last' if args.channels_last else 'NCHW'}, {args.workers} workers, {len(files)} JPEGs {width}x{height} q90 "
-              f"(mean {mean_kb:.0f} KB, made in {time.perf_counter() - tick:.0f} s); torch {torch.__version__}; "
-              f"{args.steps} timed steps after {args.warmup}")
+    header = (
+        f"{args.arch}, {args.image_size} px, projector {args.projector}, batch {args.batch_size}, {name}, precision {precision}, "
+        f"{'channels-last' if args.channels_last else 'NCHW'}, {args.workers} workers, {len(files)} JPEGs {width}x{height} q90 "
+        f"(mean {mean_kb:.0f} KB, made in {time.perf_counter() - tick:.0f} s); torch {torch.__version__}; "
+        f"{args.steps} timed steps after {args.warmup}"
+    )
     print(header, flush=True)
     rows: dict[str, float] = {}
     runs = [
         ("a", "(a) ceiling: model + loss + LARS on in-memory tensors", lambda: ceiling(args, device, precision, False)),
-        ("b", f"(b) bt_hub pretrain from files (decode {args.decode})", lambda: bt_hub_pipeline(args, data, device, precision, False, work)),
+        (
+            "b",
+            f"(b) bt_hub pretrain from files (decode {args.decode})",
+            lambda: bt_hub_pipeline(args, data, device, precision, False, work),
+        ),
         ("c", "(c) reference loop: PIL views in workers, AMP", lambda: reference_loop(args, files, device)),
     ]
     if args.compile:
         runs += [
             ("a", "(a) ceiling, torch.compile", lambda: ceiling(args, device, precision, True)),
-            ("b", "(b) bt_hub pretrain from files, --compile", lambda: bt_hub_pipeline(args, data, device, precision, True, work)),
+            (
+                "b",
+                "(b) bt_hub pretrain from files, --compile",
+                lambda: bt_hub_pipeline(args, data, device, precision, True, work),
+            ),
         ]
     for key, label, run in runs:
         if key not in args.rows:
@@ -252,7 +312,10 @@ def main() -> None:
         try:
             rows[label] = run()
         except (RuntimeError, ValueError, OSError) as err:  # one failed row (e.g. out of memory) keeps the others
-            print(f"{label}: failed after {time.perf_counter() - tick:.0f} s: {type(err).__name__}: {str(err)[:300]}", flush=True)
+            print(
+                f"{label}: failed after {time.perf_counter() - tick:.0f} s: {type(err).__name__}: {str(err)[:300]}",
+                flush=True,
+            )
             continue
         print(f"{label}: {rows[label]:.1f} images/s ({time.perf_counter() - tick:.0f} s)", flush=True)
         if device.type == "cuda":
@@ -260,7 +323,9 @@ def main() -> None:
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "throughput.txt").write_text(_table(rows, header) + "\n")
-            (Path(args.out) / "throughput.json").write_text(json.dumps({"header": header, "images_per_s": rows}, indent=2) + "\n")
+            (Path(args.out) / "throughput.json").write_text(
+                json.dumps({"header": header, "images_per_s": rows}, indent=2) + "\n"
+            )
     print("\n" + _table(rows, header))
     if not args.data_dir:
         shutil.rmtree(work, ignore_errors=True)

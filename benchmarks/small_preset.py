@@ -35,13 +35,25 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    common = {"weights": args.weights, "data": "digits", "holdout": args.holdout, "image_size": args.image_size, "seed": args.seed}
+    common = {
+        "weights": args.weights,
+        "data": "digits",
+        "holdout": args.holdout,
+        "image_size": args.image_size,
+        "seed": args.seed,
+    }
     paper_at_32 = {"batch_size": 32}
     rows: list[tuple[str, str, Any, str, dict[str, Any]]] = []
     for pct in (1, 10):
         rows += [
             (f"semi {pct}%", "paper, batch 32", semi_supervised, "paper", {"fraction": pct, **paper_at_32}),
-            (f"semi {pct}%", "paper, batch 32, classifier lr 0.05", semi_supervised, "paper", {"fraction": pct, **paper_at_32, "lr_classifier": 0.05}),
+            (
+                f"semi {pct}%",
+                "paper, batch 32, classifier lr 0.05",
+                semi_supervised,
+                "paper",
+                {"fraction": pct, **paper_at_32, "lr_classifier": 0.05},
+            ),
             (f"semi {pct}%", "small", semi_supervised, "small", {"fraction": pct}),
         ]
     rows += [
@@ -49,8 +61,10 @@ def main() -> None:
         ("linear (loop)", "small", linear, "small", {"epochs": args.linear_epochs}),
     ]
     config_class = {semi_supervised: semi_supervised.SemiSupervisedConfig, linear: linear.LinearConfig}
-    print(f"digits: held-out {args.holdout:.0%} of the training split (seed {args.seed}), {args.image_size} px, weights {args.weights}, "
-          f"{args.threads} threads\n")
+    print(
+        f"digits: held-out {args.holdout:.0%} of the training split (seed {args.seed}), {args.image_size} px, weights {args.weights}, "
+        f"{args.threads} threads\n"
+    )
     print("| protocol | recipe | held-out top-1 | s |")
     print("|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
@@ -58,7 +72,10 @@ def main() -> None:
             config = from_preset(config_class[module], preset, **common, **values, out=str(Path(tmp) / str(n)))
             tick = time.perf_counter()
             record = module.run(config)
-            print(f"| {protocol} | {recipe} | {record['metrics']['top1']:.1f} | {time.perf_counter() - tick:.0f} |", flush=True)
+            print(
+                f"| {protocol} | {recipe} | {record['metrics']['top1']:.1f} | {time.perf_counter() - tick:.0f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -44,13 +44,17 @@ def main() -> None:
     parser.add_argument("--costs", type=float, nargs="+", default=list(COSTS), help="SVM costs")
     parser.add_argument("--n-jobs", type=int, default=2, help="parallel jobs of the parallel run")
     parser.add_argument("--max-iter", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=1, help="alternating timed runs of each; the table shows the fastest")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="alternating timed runs of each; the table shows the fastest"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
     train_x, train_y = make_features(args.train, args.dim, args.classes, args.seed)
     test_x, test_y = make_features(args.test, args.dim, args.classes, args.seed + 1)
-    print(f"trainval {args.train}, test {args.test}, dim {args.dim}, {args.classes} classes, {len(args.costs)} costs -> {args.classes * len(args.costs) * 3} (class, cost, fold) CV jobs")
+    print(
+        f"trainval {args.train}, test {args.test}, dim {args.dim}, {args.classes} classes, {len(args.costs)} costs -> {args.classes * len(args.costs) * 3} (class, cost, fold) CV jobs"
+    )
 
     from joblib import Parallel, delayed
 

@@ -20,8 +20,9 @@ import sys
 import types
 import typing
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 from bt_hub.common.presets import describe_presets, from_preset, presets_of
 
@@ -36,24 +37,71 @@ class Command(NamedTuple):
 
 
 COMMANDS: dict[str, Command | dict[str, Command]] = {
-    "demo": Command("bt_hub.eval.demo", "DemoConfig", "run_demo", "pretrain on the embedded digits set and score it (the README's first command)"),
-    "pretrain": Command("bt_hub.train.pretrain", "PretrainConfig", "pretrain", "pretrain a backbone with the Barlow Twins loss"),
-    "report": Command("bt_hub.common.plots", "ReportConfig", "report", "draw a pretraining run's loss, cross-correlation matrices and kNN curve as PNG files"),
-    "export": Command("bt_hub.weights.export", "ExportConfig", "export", "convert weights to torchvision, safetensors, detectron2 or a Hugging Face folder"),
-    "push": Command("bt_hub.weights.hf", "PushConfig", "push", "upload weights to the Hugging Face Hub with a model card"),
+    "demo": Command(
+        "bt_hub.eval.demo",
+        "DemoConfig",
+        "run_demo",
+        "pretrain on the embedded digits set and score it (the README's first command)",
+    ),
+    "pretrain": Command(
+        "bt_hub.train.pretrain", "PretrainConfig", "pretrain", "pretrain a backbone with the Barlow Twins loss"
+    ),
+    "report": Command(
+        "bt_hub.common.plots",
+        "ReportConfig",
+        "report",
+        "draw a pretraining run's loss, cross-correlation matrices and kNN curve as PNG files",
+    ),
+    "export": Command(
+        "bt_hub.weights.export",
+        "ExportConfig",
+        "export",
+        "convert weights to torchvision, safetensors, detectron2 or a Hugging Face folder",
+    ),
+    "push": Command(
+        "bt_hub.weights.hf", "PushConfig", "push", "upload weights to the Hugging Face Hub with a model card"
+    ),
     "weights": {
-        "list": Command("bt_hub.weights.registry", "ListWeightsConfig", "weights_table", "the registered weights: name, architecture, cached?, URL, cache path"),
+        "list": Command(
+            "bt_hub.weights.registry",
+            "ListWeightsConfig",
+            "weights_table",
+            "the registered weights: name, architecture, cached?, URL, cache path",
+        ),
     },
     "eval": {
-        "linear": Command("bt_hub.eval.linear", "LinearConfig", "run", "linear probe on a frozen backbone (ImageNet protocol)"),
-        "semi": Command("bt_hub.eval.semi_supervised", "SemiSupervisedConfig", "run", "fine-tune on 1% or 10% of the labels"),
-        "knn": Command("bt_hub.eval.knn", "KnnConfig", "run", "weighted kNN on L2-normalised features (faiss on the CPU, torch on CUDA)"),
-        "voc07-svm": Command("bt_hub.eval.voc07_svm", "Voc07SvmConfig", "run", "per-class linear SVMs on VOC2007 (VISSL protocol)"),
-        "transfer": Command("bt_hub.eval.linear", "TransferConfig", "run", "linear transfer to Places-205 / iNat18 (PIRL settings)"),
+        "linear": Command(
+            "bt_hub.eval.linear", "LinearConfig", "run", "linear probe on a frozen backbone (ImageNet protocol)"
+        ),
+        "semi": Command(
+            "bt_hub.eval.semi_supervised", "SemiSupervisedConfig", "run", "fine-tune on 1% or 10% of the labels"
+        ),
+        "knn": Command(
+            "bt_hub.eval.knn",
+            "KnnConfig",
+            "run",
+            "weighted kNN on L2-normalised features (faiss on the CPU, torch on CUDA)",
+        ),
+        "voc07-svm": Command(
+            "bt_hub.eval.voc07_svm", "Voc07SvmConfig", "run", "per-class linear SVMs on VOC2007 (VISSL protocol)"
+        ),
+        "transfer": Command(
+            "bt_hub.eval.linear", "TransferConfig", "run", "linear transfer to Places-205 / iNat18 (PIRL settings)"
+        ),
         "all": Command("bt_hub.eval.suite", "SuiteConfig", "run", "every classification protocol on one checkpoint"),
     },
-    "detect": Command("bt_hub.eval.detection.detect", "DetectConfig", "main", "Faster/Mask R-CNN C4 transfer (detectron2 or torchvision engine)"),
-    "make-detection-data": Command("bt_hub.eval.detection.synthetic", "DetectionDataConfig", "make_detection_data", "write the generated shapes detection set (VOC + COCO layouts) that checks an installation"),
+    "detect": Command(
+        "bt_hub.eval.detection.detect",
+        "DetectConfig",
+        "main",
+        "Faster/Mask R-CNN C4 transfer (detectron2 or torchvision engine)",
+    ),
+    "make-detection-data": Command(
+        "bt_hub.eval.detection.synthetic",
+        "DetectionDataConfig",
+        "make_detection_data",
+        "write the generated shapes detection set (VOC + COCO layouts) that checks an installation",
+    ),
 }
 
 
@@ -108,7 +156,9 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -
             parser.add_argument("--" + alias.replace("_", "-"), dest=f.name, **{**kwargs, "help": argparse.SUPPRESS})
     if presets and not any(f.name == "preset" for f in dataclasses.fields(config_cls)):
         preset_help = f"named sets of flag values; flags given override them: {describe_presets(config_cls)}"
-        parser.add_argument("--preset", choices=list(presets), default=argparse.SUPPRESS, help=preset_help.replace("%", "%%"))
+        parser.add_argument(
+            "--preset", choices=list(presets), default=argparse.SUPPRESS, help=preset_help.replace("%", "%%")
+        )
 
 
 def build_config(config_cls: type, namespace: argparse.Namespace) -> Any:
@@ -130,7 +180,11 @@ def _summary(result: Any, out: Any) -> str | None:
     """The metrics table and files written of an evaluation's return value; None for other commands."""
     from bt_hub.common.records import RESULT_FILES, records_in, summary_text
 
-    if not isinstance(result, dict) or not ("metrics" in result or "results" in result) or os.environ.get("RANK", "0") != "0":
+    if (
+        not isinstance(result, dict)
+        or not ("metrics" in result or "results" in result)
+        or os.environ.get("RANK", "0") != "0"
+    ):
         return None
     written = [Path(out) / name for name in RESULT_FILES if out is not None and (Path(out) / name).exists()]
     return summary_text(records_in(result), written)
@@ -149,7 +203,11 @@ def _resolve(argv: Sequence[str]) -> tuple[list[str], Command | None, list[str]]
 
 def _overview(path: list[str], table: dict[str, Any]) -> str:
     width = max(len(k) for k in table) + 2
-    lines = [f"usage: bt-hub {' '.join(path + ['<command>'])} [flags]" + ("  |  bt-hub --version" if not path else ""), "", "commands:"]
+    lines = [
+        f"usage: bt-hub {' '.join(path + ['<command>'])} [flags]" + ("  |  bt-hub --version" if not path else ""),
+        "",
+        "commands:",
+    ]
     for name, entry in table.items():
         text = entry.help if isinstance(entry, Command) else "subcommands: " + ", ".join(entry)
         lines.append(f"  {name:<{width}}{text}")
@@ -171,7 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for p in path:
             table = table[p]
         if rest and rest[0] not in ("-h", "--help"):
-            print(f"bt-hub: error: unknown command {' '.join(path + rest[:1])!r}\n\n{_overview(path, table)}", file=sys.stderr)
+            print(
+                f"bt-hub: error: unknown command {' '.join(path + rest[:1])!r}\n\n{_overview(path, table)}",
+                file=sys.stderr,
+            )
             return 2
         print(_overview(path, table))
         return 0 if rest else 2

@@ -5,4 +5,6 @@ This folder installs as ``bt_hub.eval`` (pyproject ``package-dir``); it is not a
 """
 
 if __name__ != "bt_hub.eval":
-    raise ImportError(f"eval/ is bt_hub's evaluation package: import bt_hub.eval (after pip install -e .), not {__name__}")
+    raise ImportError(
+        f"eval/ is bt_hub's evaluation package: import bt_hub.eval (after pip install -e .), not {__name__}"
+    )

@@ -12,7 +12,8 @@ top-1 / top-5 accuracy.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -137,7 +138,9 @@ def train_on_features(
 
 
 @torch.no_grad()
-def evaluate_features(fc: nn.Module, features: torch.Tensor | np.ndarray, labels: torch.Tensor, batch_size: int = 4096) -> dict[str, float]:
+def evaluate_features(
+    fc: nn.Module, features: torch.Tensor | np.ndarray, labels: torch.Tensor, batch_size: int = 4096
+) -> dict[str, float]:
     """Top-1 / top-5 accuracy (percent) of a classifier on fixed features (tensor or memmap)."""
     device = next(fc.parameters()).device
     correct = torch.zeros(2)
@@ -151,7 +154,9 @@ def evaluate_features(fc: nn.Module, features: torch.Tensor | np.ndarray, labels
 # ----------------------------------------------------------------------------- the loop over images
 
 
-def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool, seed: int, num_workers: int, device: torch.device) -> DataLoader:
+def make_loader(
+    dataset: Dataset, batch_size: int, *, shuffle: bool, seed: int, num_workers: int, device: torch.device
+) -> DataLoader:
     """A loader of ``batch_size`` images in all, split over the ranks under torchrun.
 
     The order of an epoch is :func:`epoch_permutation` (DistributedSampler's rule, also in a
@@ -159,8 +164,16 @@ def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool, seed: int, 
     :func:`train_on_features` over their cached features see the same batches.
     """
     world = get_world_size()
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=get_rank(), shuffle=shuffle, seed=seed, drop_last=False)
-    return DataLoader(dataset, batch_size=max(1, batch_size // world), sampler=sampler, num_workers=num_workers, pin_memory=device.type == "cuda")
+    sampler = DistributedSampler(
+        dataset, num_replicas=world, rank=get_rank(), shuffle=shuffle, seed=seed, drop_last=False
+    )
+    return DataLoader(
+        dataset,
+        batch_size=max(1, batch_size // world),
+        sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+    )
 
 
 @torch.no_grad()
@@ -192,7 +205,7 @@ def train_classifier(
     gamma: float,
     device: torch.device,
     desc: str,
-    on_epoch: Optional[Callable[[int, float], None]] = None,
+    on_epoch: Callable[[int, float], None] | None = None,
 ) -> None:
     """SGD with per-epoch LR on images: the loop shared by the linear probe and fine-tuning.
 
@@ -222,5 +235,3 @@ def train_classifier(
             total, count = total + float(loss.detach()) * len(labels), count + len(labels)
         if on_epoch is not None:
             on_epoch(epoch, total / max(count, 1))
-
-

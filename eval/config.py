@@ -10,8 +10,9 @@ from it, or when a step schedule's milestones never fire.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Mapping, Optional
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -29,24 +30,92 @@ class EvalConfig:
 
     # Fields that say where or how a run executes, not what it computes: results do not list
     # them as changes from the preset (the record holds them all under "hyperparameters").
-    RUN_FIELDS: ClassVar[tuple[str, ...]] = ("weights", "data", "out", "device", "num_workers", "cache_dir", "cache_dtype", "seed", "test_split", "holdout", "overwrite", "allow_non_finite")
+    RUN_FIELDS: ClassVar[tuple[str, ...]] = (
+        "weights",
+        "data",
+        "out",
+        "device",
+        "num_workers",
+        "cache_dir",
+        "cache_dtype",
+        "seed",
+        "test_split",
+        "holdout",
+        "overwrite",
+        "allow_non_finite",
+    )
 
-    weights: str = field(metadata={"help": "weights to evaluate: a registered name (bt-hub weights list), file, folder (run directory, Hugging Face folder), URL, hf://org/name[@rev] or org/name"})
-    data: str = field(default="digits", metadata={"help": "dataset: 'digits' (embedded), 'synthetic[:N]', or a directory with train/ beside val/ or test/ (ImageFolder class folders in each)"})
-    out: str = field(default="runs/eval", metadata={"help": "output directory: results.json (this run), results.jsonl (every run), results.md and the protocol's logs go here"})
-    overwrite: bool = field(default=False, metadata={"help": "write into an --out that is not empty and was not created by bt-hub (same-named files are replaced)"})
-    arch: Optional[str] = field(default=None, metadata={"help": "backbone architecture (resnet18/34/50/101); overrides what the checkpoint implies"})
-    small_image_stem: Optional[bool] = field(default=None, metadata={"help": "3x3 stem without max-pool (32-px data); default: what the checkpoint implies"})
+    weights: str = field(
+        metadata={
+            "help": "weights to evaluate: a registered name (bt-hub weights list), file, folder (run directory, Hugging Face folder), URL, hf://org/name[@rev] or org/name"
+        }
+    )
+    data: str = field(
+        default="digits",
+        metadata={
+            "help": "dataset: 'digits' (embedded), 'synthetic[:N]', or a directory with train/ beside val/ or test/ (ImageFolder class folders in each)"
+        },
+    )
+    out: str = field(
+        default="runs/eval",
+        metadata={
+            "help": "output directory: results.json (this run), results.jsonl (every run), results.md and the protocol's logs go here"
+        },
+    )
+    overwrite: bool = field(
+        default=False,
+        metadata={
+            "help": "write into an --out that is not empty and was not created by bt-hub (same-named files are replaced)"
+        },
+    )
+    arch: str | None = field(
+        default=None,
+        metadata={"help": "backbone architecture (resnet18/34/50/101); overrides what the checkpoint implies"},
+    )
+    small_image_stem: bool | None = field(
+        default=None, metadata={"help": "3x3 stem without max-pool (32-px data); default: what the checkpoint implies"}
+    )
     device: str = field(default="cpu", metadata={"help": "'cpu' or 'cuda' (autocast is used on CUDA)"})
-    batch_size: int = field(default=256, metadata={"help": "images per batch: of feature extraction, and the training batch of linear, transfer and semi (global under torchrun)"})
+    batch_size: int = field(
+        default=256,
+        metadata={
+            "help": "images per batch: of feature extraction, and the training batch of linear, transfer and semi (global under torchrun)"
+        },
+    )
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes"})
-    image_size: int = field(default=224, metadata={"help": "crop side; the test transform is Resize(image_size*256/224) + CenterCrop(image_size); digits and synthetic are drawn at this size"})
-    seed: int = field(default=0, metadata={"help": "seed of every random choice (data split, holdout, initialisation, sampling)"})
-    test_split: Literal["val", "test"] = field(default="val", metadata={"help": "held-out split of a directory --data: val/ (ImageNet layout) or test/; digits and synthetic hold out one part under both names"})
-    holdout: Optional[float] = field(default=None, metadata={"help": "score on a seeded, class-stratified FRACTION of the training split instead of --test-split (a flat ImageFolder; or tuning without touching the test split); the held-out indices' sha256 goes into results.json"})
-    cache_dir: Optional[str] = field(default=None, metadata={"help": "feature cache directory; a second protocol on the same weights, data and transform reuses the features"})
-    cache_dtype: Literal["float32", "float16"] = field(default="float32", metadata={"help": "dtype of cached features (float16 halves the disk use)"})
-    allow_non_finite: bool = field(default=False, metadata={"help": "evaluate weights holding NaN or inf (for forensics; refused otherwise)"})
+    image_size: int = field(
+        default=224,
+        metadata={
+            "help": "crop side; the test transform is Resize(image_size*256/224) + CenterCrop(image_size); digits and synthetic are drawn at this size"
+        },
+    )
+    seed: int = field(
+        default=0, metadata={"help": "seed of every random choice (data split, holdout, initialisation, sampling)"}
+    )
+    test_split: Literal["val", "test"] = field(
+        default="val",
+        metadata={
+            "help": "held-out split of a directory --data: val/ (ImageNet layout) or test/; digits and synthetic hold out one part under both names"
+        },
+    )
+    holdout: float | None = field(
+        default=None,
+        metadata={
+            "help": "score on a seeded, class-stratified FRACTION of the training split instead of --test-split (a flat ImageFolder; or tuning without touching the test split); the held-out indices' sha256 goes into results.json"
+        },
+    )
+    cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "feature cache directory; a second protocol on the same weights, data and transform reuses the features"
+        },
+    )
+    cache_dtype: Literal["float32", "float16"] = field(
+        default="float32", metadata={"help": "dtype of cached features (float16 halves the disk use)"}
+    )
+    allow_non_finite: bool = field(
+        default=False, metadata={"help": "evaluate weights holding NaN or inf (for forensics; refused otherwise)"}
+    )
 
     def __post_init__(self) -> None:
         if not str(self.weights).strip():
@@ -70,7 +139,7 @@ class EvalConfig:
         check_run_dir(self.out, overwrite=self.overwrite)
 
 
-def preset_warnings(config: Any, *, num_classes: int, train_images: int, image_side: Optional[int]) -> list[str]:
+def preset_warnings(config: Any, *, num_classes: int, train_images: int, image_side: int | None) -> list[str]:
     """One sentence when ``config.preset``'s assumptions are far from the data, else [].
 
     Far means: ten times more or fewer classes than the preset was set for, images three
@@ -97,11 +166,17 @@ def preset_warnings(config: Any, *, num_classes: int, train_images: int, image_s
         found.append(f"images of about {expected} px (the data's are {side} px)")
     steps = -(-train_images // config.batch_size)
     if steps < 4:
-        found.append(f"at least 4 batches per epoch ({train_images} training images in batches of {config.batch_size} make {steps})")
+        found.append(
+            f"at least 4 batches per epoch ({train_images} training images in batches of {config.batch_size} make {steps})"
+        )
     if not found:
         return []
     others = [p for p in getattr(type(config), "PRESETS", {}) if p != name]
-    return [f"preset {name!r} assumes " + ", ".join(found) + f"; its hyper-parameters may not fit: see --help for the other presets ({', '.join(others)}) or set the flags"]
+    return [
+        f"preset {name!r} assumes "
+        + ", ".join(found)
+        + f"; its hyper-parameters may not fit: see --help for the other presets ({', '.join(others)}) or set the flags"
+    ]
 
 
 def schedule_warnings(config: Any) -> list[str]:
@@ -111,11 +186,13 @@ def schedule_warnings(config: Any) -> list[str]:
     idle = [m for m in config.milestones if m >= config.epochs]
     if not idle:
         return []
-    return [f"--milestones {' '.join(map(str, idle))} never fire in {config.epochs} epochs, so the LR never drops there: "
-            "lower --milestones or use --schedule cosine"]
+    return [
+        f"--milestones {' '.join(map(str, idle))} never fire in {config.epochs} epochs, so the LR never drops there: "
+        "lower --milestones or use --schedule cosine"
+    ]
 
 
-def warn_about_settings(config: Any, *, num_classes: int, train_images: int, image_side: Optional[int]) -> list[str]:
+def warn_about_settings(config: Any, *, num_classes: int, train_images: int, image_side: int | None) -> list[str]:
     """``preset_warnings`` and ``schedule_warnings`` of a run, each issued as a ``PresetWarning``; returns them for the results."""
     messages = preset_warnings(config, num_classes=num_classes, train_images=train_images, image_side=image_side)
     messages += schedule_warnings(config)

@@ -28,9 +28,10 @@ import io
 import json
 import os
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -38,12 +39,19 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
-from bt_hub.common.distributed import all_gather_cat, barrier, broadcast_object, get_rank, get_world_size, is_distributed, is_main_process
+from bt_hub.common.distributed import (
+    all_gather_cat,
+    barrier,
+    broadcast_object,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    is_main_process,
+)
+from bt_hub.common.files import atomic_write, atomic_write_json, file_sha256
 from bt_hub.common.progress import progress
 from bt_hub.common.runs import claim_run_dir
-from bt_hub.common.files import atomic_write, atomic_write_json
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transforms
-from bt_hub.common.files import file_sha256
 
 if TYPE_CHECKING:
     from bt_hub.eval.config import EvalConfig
@@ -175,8 +183,15 @@ class FeatureCache:
 
     def key(self, transform: str, pool: str, dtype: str, precision: str = "float32") -> str:
         """The file stem for features of these weights, model and data under a transform, pool, dtype and precision."""
-        record = {"weights": self.weights, "model": self.model, "dataset": self.dataset, "transform": transform, "pool": pool,
-                  "dtype": dtype, "precision": precision}
+        record = {
+            "weights": self.weights,
+            "model": self.model,
+            "dataset": self.dataset,
+            "transform": transform,
+            "pool": pool,
+            "dtype": dtype,
+            "precision": precision,
+        }
         return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:24]
 
     def paths(self, key: str) -> tuple[Path, Path, Path]:
@@ -191,11 +206,15 @@ class FeatureCache:
 def _res5_pool(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """VISSL's VOC07 res5 feature: res5 map -> AvgPool2d(6, stride 1) -> flatten (8192-d at 224 px)."""
     if not all(hasattr(backbone, n) for n in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer4")):
-        raise ValueError(f"pool 'voc_res5' needs a torchvision-style ResNet (conv1 ... layer4), got {type(backbone).__name__}")
+        raise ValueError(
+            f"pool 'voc_res5' needs a torchvision-style ResNet (conv1 ... layer4), got {type(backbone).__name__}"
+        )
     x = backbone.maxpool(backbone.relu(backbone.bn1(backbone.conv1(x))))
     x = backbone.layer4(backbone.layer3(backbone.layer2(backbone.layer1(x))))
     if min(x.shape[-2:]) < 6:
-        raise ValueError(f"pool 'voc_res5' needs a res5 map of at least 6x6, got {tuple(x.shape[-2:])}; use a larger --image-size (224 gives 7x7)")
+        raise ValueError(
+            f"pool 'voc_res5' needs a res5 map of at least 6x6, got {tuple(x.shape[-2:])}; use a larger --image-size (224 gives 7x7)"
+        )
     return torch.flatten(nn.functional.avg_pool2d(x, kernel_size=6, stride=1), 1)
 
 
@@ -209,7 +228,11 @@ def _global_batches(n: int, batch_size: int, world_size: int, rank: int) -> list
     batches = []
     for start in range(0, n, step):
         lo = start + rank * batch_size
-        idx = [min(i, n - 1) for i in range(lo, lo + batch_size)] if world_size > 1 else list(range(lo, min(lo + batch_size, n)))
+        idx = (
+            [min(i, n - 1) for i in range(lo, lo + batch_size)]
+            if world_size > 1
+            else list(range(lo, min(lo + batch_size, n)))
+        )
         batches.append(idx)
     return batches
 
@@ -265,7 +288,9 @@ def describe_transform(transform: Callable[[Any], torch.Tensor]) -> str:
 
 def _npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
     buf = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape})
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape}
+    )
     return buf.getvalue()
 
 
@@ -273,12 +298,12 @@ def extract_features(
     backbone: nn.Module,
     dataset: Dataset,
     *,
-    transform: Optional[Callable[[Any], torch.Tensor]] = None,
+    transform: Callable[[Any], torch.Tensor] | None = None,
     pool: Pool = "avg",
     batch_size: int = 256,
     device: str | torch.device = "cpu",
     num_workers: int = 0,
-    cache: Optional[FeatureCache] = None,
+    cache: FeatureCache | None = None,
     dtype: Literal["float32", "float16"] = "float32",
     desc: str = "features",
 ) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
@@ -304,7 +329,14 @@ def extract_features(
         raise ValueError(f"cache dtype {dtype!r} is unknown; expected 'float32' or 'float16'")
     transform = transform or eval_transforms(224)
     batches = lambda: iter_feature_batches(  # noqa: E731
-        backbone, dataset, transform=transform, pool=pool, batch_size=batch_size, device=device, num_workers=num_workers, desc=desc
+        backbone,
+        dataset,
+        transform=transform,
+        pool=pool,
+        batch_size=batch_size,
+        device=device,
+        num_workers=num_workers,
+        desc=desc,
     )
     if cache is None:
         chunks = list(batches())
@@ -312,14 +344,28 @@ def extract_features(
             raise ValueError("cannot extract features from an empty dataset")
         return torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks])
     description = describe_transform(transform)
-    precision = "autocast float16" if torch.device(device).type == "cuda" else "float32"  # CUDA features differ in rounding
+    precision = (
+        "autocast float16" if torch.device(device).type == "cuda" else "float32"
+    )  # CUDA features differ in rounding
     key = str(broadcast_object(cache.key(description, pool, dtype, precision)))  # every rank reads rank 0's file
     features_path, labels_path, meta_path = cache.paths(key)
     if not broadcast_object(meta_path.exists()):
         if is_main_process():
             _write_cache(batches(), len(dataset), np.dtype(dtype), features_path, labels_path)
-            atomic_write_json(meta_path, {"key": key, "weights": cache.weights, "model": cache.model, "dataset": cache.dataset, "transform": description,
-                                          "pool": pool, "dtype": dtype, "precision": precision, "num_samples": len(dataset)})
+            atomic_write_json(
+                meta_path,
+                {
+                    "key": key,
+                    "weights": cache.weights,
+                    "model": cache.model,
+                    "dataset": cache.dataset,
+                    "transform": description,
+                    "pool": pool,
+                    "dtype": dtype,
+                    "precision": precision,
+                    "num_samples": len(dataset),
+                },
+            )
         else:
             for _ in batches():  # the other ranks take part in every gather, then read rank 0's file
                 pass
@@ -327,7 +373,9 @@ def extract_features(
     return np.load(features_path, mmap_mode="r"), torch.from_numpy(np.load(labels_path))
 
 
-def _write_cache(chunks: Iterator[tuple[torch.Tensor, torch.Tensor]], n: int, dtype: np.dtype, features_path: Path, labels_path: Path) -> None:
+def _write_cache(
+    chunks: Iterator[tuple[torch.Tensor, torch.Tensor]], n: int, dtype: np.dtype, features_path: Path, labels_path: Path
+) -> None:
     """Stream feature chunks into an .npy file (header first, rows in order), atomically."""
     try:
         first_features, first_labels = next(chunks)
@@ -346,7 +394,7 @@ def _write_cache(chunks: Iterator[tuple[torch.Tensor, torch.Tensor]], n: int, dt
     atomic_write(labels_path, lambda f: np.save(f, torch.cat(labels).numpy()))
 
 
-def as_float32(features: torch.Tensor | np.ndarray, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+def as_float32(features: torch.Tensor | np.ndarray, start: int = 0, stop: int | None = None) -> torch.Tensor:
     """Rows ``start:stop`` of a feature tensor or memmap as a float32 tensor."""
     if isinstance(features, torch.Tensor):
         return features[start:stop].float()
@@ -361,25 +409,30 @@ def architecture_fingerprint(module: nn.Module) -> str:
     return hashlib.sha256(describe_transform(module).encode()).hexdigest()
 
 
-def load_eval_backbone(config: "EvalConfig") -> tuple[nn.Module, str]:
+def load_eval_backbone(config: EvalConfig) -> tuple[nn.Module, str]:
     """The backbone named by ``--weights`` (``bt_hub.weights.load_backbone``) and its fingerprint."""
     from bt_hub.weights import load_backbone, weights_fingerprint
 
     if is_main_process():  # every protocol starts here: claim --out before any work or write
         claim_run_dir(config.out, overwrite=config.overwrite)
-    backbone = load_backbone(config.weights, arch=config.arch, small_image_stem=config.small_image_stem, allow_non_finite=config.allow_non_finite)
+    backbone = load_backbone(
+        config.weights,
+        arch=config.arch,
+        small_image_stem=config.small_image_stem,
+        allow_non_finite=config.allow_non_finite,
+    )
     return backbone, weights_fingerprint(config.weights)
 
 
 def features_for(
-    config: "EvalConfig",
+    config: EvalConfig,
     backbone: nn.Module,
     dataset: Dataset,
     *,
     weights_id: str,
     dataset_id: str,
     split: str,
-    transform: Optional[Callable[[Any], torch.Tensor]] = None,
+    transform: Callable[[Any], torch.Tensor] | None = None,
     pool: Pool = "avg",
 ) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
     """``extract_features`` with a protocol config's device, batch size, workers and cache settings.
@@ -389,7 +442,11 @@ def features_for(
     ``dataset_id``, the transform, the pool, the dtype and the precision; ``split`` names the
     progress report (``features train``).
     """
-    cache = FeatureCache(config.cache_dir, weights_id, dataset_id, architecture_fingerprint(backbone)) if config.cache_dir else None
+    cache = (
+        FeatureCache(config.cache_dir, weights_id, dataset_id, architecture_fingerprint(backbone))
+        if config.cache_dir
+        else None
+    )
     return extract_features(
         backbone,
         dataset,

@@ -15,20 +15,21 @@ many-core machines: benchmarks/knn.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, ClassVar, Literal, Optional
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from bt_hub.common.distributed import is_main_process, process_group
-from bt_hub.method.knn import knn_vote
 from bt_hub.common.optional import require
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.features import as_float32, features_for, load_eval_backbone
 from bt_hub.eval.report import write_results
 from bt_hub.eval.splits import splits_for
+from bt_hub.method.knn import knn_vote
 
 # ----------------------------------------------------------------------------- search and vote
 
@@ -37,7 +38,9 @@ BACKENDS = ("auto", "faiss", "torch")
 TORCH_CHUNK_ROWS = 65_536  # bounds the torch backend's similarity block: 4096 queries x 65,536 rows = 1 GiB
 
 
-def _chunk_searcher(chunk: torch.Tensor, k: int, backend: str, device: torch.device) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def _chunk_searcher(
+    chunk: torch.Tensor, k: int, backend: str, device: torch.device
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """queries -> (similarities, indices) of their ``k`` nearest rows of one normalised training chunk, on the CPU."""
     if backend == "faiss":
         faiss = require("faiss", "the kNN evaluation")
@@ -126,7 +129,7 @@ def knn_classify(
     test_labels: torch.Tensor,
     k: int = 20,
     temperature: float = 0.07,
-    num_classes: Optional[int] = None,
+    num_classes: int | None = None,
     query_batch: int = 4096,
     train_chunk: int = 262_144,
     backend: str = "auto",
@@ -139,7 +142,15 @@ def knn_classify(
     """
     if num_classes is None:
         num_classes = int(max(torch.as_tensor(train_labels).max(), torch.as_tensor(test_labels).max())) + 1
-    sims, idx = knn_search(train_features, test_features, k, query_batch=query_batch, train_chunk=train_chunk, backend=backend, device=device)
+    sims, idx = knn_search(
+        train_features,
+        test_features,
+        k,
+        query_batch=query_batch,
+        train_chunk=train_chunk,
+        backend=backend,
+        device=device,
+    )
     return knn_vote(sims, idx, train_labels, test_labels, k, temperature, num_classes)
 
 
@@ -150,13 +161,29 @@ def knn_classify(
 class KnnConfig(EvalConfig):
     """``bt-hub eval knn``: weighted kNN on the frozen backbone's pooled features."""
 
-    RUN_FIELDS: ClassVar[tuple[str, ...]] = EvalConfig.RUN_FIELDS + ("batch_size", "query_batch", "train_chunk", "backend")
+    RUN_FIELDS: ClassVar[tuple[str, ...]] = EvalConfig.RUN_FIELDS + (
+        "batch_size",
+        "query_batch",
+        "train_chunk",
+        "backend",
+    )
 
-    k: list[int] = field(default_factory=lambda: [20, 200], metadata={"help": "numbers of neighbours; 'top1'/'top5' in results are those of the first"})
+    k: list[int] = field(
+        default_factory=lambda: [20, 200],
+        metadata={"help": "numbers of neighbours; 'top1'/'top5' in results are those of the first"},
+    )
     temperature: float = field(default=0.07, metadata={"help": "T of the vote weights exp(sim / T)"})
     query_batch: int = field(default=4096, metadata={"help": "queries per search call; lower it if memory is short"})
-    train_chunk: int = field(default=262_144, metadata={"help": "training rows searched at a time (memory = train_chunk x feature dim x 4 bytes)"})
-    backend: Literal["auto", "faiss", "torch"] = field(default="auto", metadata={"help": "faiss (exact IndexFlatIP, CPU) or torch (matrix product + top-k on --device); auto: torch on CUDA, faiss on the CPU"})
+    train_chunk: int = field(
+        default=262_144,
+        metadata={"help": "training rows searched at a time (memory = train_chunk x feature dim x 4 bytes)"},
+    )
+    backend: Literal["auto", "faiss", "torch"] = field(
+        default="auto",
+        metadata={
+            "help": "faiss (exact IndexFlatIP, CPU) or torch (matrix product + top-k on --device); auto: torch on CUDA, faiss on the CPU"
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -177,7 +204,9 @@ def run(config: KnnConfig) -> dict[str, Any]:
         local = replace(config, device=str(device))
         splits = splits_for(config)
         features = {
-            name: features_for(local, backbone, dataset, weights_id=weights_id, dataset_id=splits.info[name]["fingerprint"], split=name)
+            name: features_for(
+                local, backbone, dataset, weights_id=weights_id, dataset_id=splits.info[name]["fingerprint"], split=name
+            )
             for name, dataset in (("train", splits.train), ("test", splits.test))
         }
         (train_x, train_y), (test_x, test_y) = features["train"], features["test"]
@@ -186,15 +215,32 @@ def run(config: KnnConfig) -> dict[str, Any]:
         if is_main_process():  # every rank holds all features; one searches
             k_max = min(max(config.k), len(train_y))
             backend = resolve_backend(config.backend, device)
-            sims, idx = knn_search(train_x, test_x, k_max, query_batch=config.query_batch, train_chunk=config.train_chunk, backend=backend, device=device)
+            sims, idx = knn_search(
+                train_x,
+                test_x,
+                k_max,
+                query_batch=config.query_batch,
+                train_chunk=config.train_chunk,
+                backend=backend,
+                device=device,
+            )
             metrics: dict[str, float] = {}
             for k in config.k:
                 result = knn_vote(sims, idx, train_y, test_y, min(k, k_max), config.temperature, num_classes)
                 metrics.update({f"top1_k{k}": result["top1"], f"top5_k{k}": result["top5"]})
             metrics = {"top1": metrics[f"top1_k{config.k[0]}"], "top5": metrics[f"top5_k{config.k[0]}"], **metrics}
             record = write_results(
-                config.out, protocol="knn", config=config, preset=None, mode="features", metrics=metrics, weights=config.weights,
-                weights_sha256=weights_id, dataset=splits.info, seed=config.seed, wall_time_s=time.perf_counter() - tick,
+                config.out,
+                protocol="knn",
+                config=config,
+                preset=None,
+                mode="features",
+                metrics=metrics,
+                weights=config.weights,
+                weights_sha256=weights_id,
+                dataset=splits.info,
+                seed=config.seed,
+                wall_time_s=time.perf_counter() - tick,
                 notes={"neighbours_used": {str(k): min(k, k_max) for k in config.k}, "backend": backend},
             )
         return record

@@ -14,12 +14,11 @@ Both return indices into the dataset, sorted.
 
 from __future__ import annotations
 
-
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -61,7 +60,9 @@ def class_of(name: str) -> str:
     """The class of a SimCLR-list file name: the text before the first ``_``."""
     base = os.path.basename(name)
     if "_" not in base:
-        raise ValueError(f"subset file name {name!r} has no '_'; expected '<class>_<id>.<ext>' as in n04235860_14959.JPEG")
+        raise ValueError(
+            f"subset file name {name!r} has no '_'; expected '<class>_<id>.<ext>' as in n04235860_14959.JPEG"
+        )
     return base.split("_", 1)[0]
 
 
@@ -76,7 +77,9 @@ def read_subset_file(path: str | os.PathLike) -> SubsetList:
     """
     path = Path(path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"subset file {path} does not exist; expected a SimCLR-format list such as 1percent.txt ({PUBLISHED_URL.format(name='1percent.txt')})")
+        raise FileNotFoundError(
+            f"subset file {path} does not exist; expected a SimCLR-format list such as 1percent.txt ({PUBLISHED_URL.format(name='1percent.txt')})"
+        )
     sha = file_sha256(path)
     names = tuple(line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
     if not names:
@@ -121,7 +124,9 @@ def indices_from_list(dataset: object, subset: SubsetList) -> list[int]:
     return sorted({position[os.path.basename(n)] for n in subset.names})
 
 
-def balanced_subset_indices(targets: Sequence[int], percent: float, seed: int = 0, *, leave_one: bool = False) -> list[int]:
+def balanced_subset_indices(
+    targets: Sequence[int], percent: float, seed: int = 0, *, leave_one: bool = False
+) -> list[int]:
     """A seeded class-balanced subset: ``percent`` % of each class, at least one sample per class.
 
     Args:
@@ -145,10 +150,12 @@ def balanced_subset_indices(targets: Sequence[int], percent: float, seed: int = 
     return sorted(chosen)
 
 
-def subset_indices(dataset: object, *, percent: float | None = None, subset_file: str | os.PathLike | None = None, seed: int = 0) -> list[int]:
+def subset_indices(
+    dataset: object, *, percent: float | None = None, subset_file: str | os.PathLike | None = None, seed: int = 0
+) -> list[int]:
     """The labelled training indices: from ``subset_file`` when given, else class-balanced ``percent``."""
     if subset_file is not None:
         return indices_from_list(dataset, read_subset_file(subset_file))
     if percent is None:
         raise ValueError("a label subset needs --fraction or --subset-file")
-    return balanced_subset_indices(getattr(dataset, "targets"), percent, seed)
+    return balanced_subset_indices(dataset.targets, percent, seed)

@@ -31,12 +31,19 @@ from torch import nn
 
 from bt_hub.common.distributed import is_distributed, is_main_process, process_group
 from bt_hub.common.runs import RunDir
-from bt_hub.eval.classifier import evaluate_features, evaluate_loader, make_classifier, make_loader, train_classifier, train_on_features
+from bt_hub.eval.classifier import (
+    evaluate_features,
+    evaluate_loader,
+    make_classifier,
+    make_loader,
+    train_classifier,
+    train_on_features,
+)
 from bt_hub.eval.config import EvalConfig, warn_about_settings
 from bt_hub.eval.features import TransformedDataset, features_for, load_eval_backbone, train_transform
-from bt_hub.method.transforms import eval_transforms
 from bt_hub.eval.report import write_results
 from bt_hub.eval.splits import splits_for
+from bt_hub.method.transforms import eval_transforms
 
 
 def equally_spaced_milestones(epochs: int, drops: int = 2) -> list[int]:
@@ -56,7 +63,7 @@ class FrozenBackboneClassifier(nn.Module):
         self.backbone = backbone.requires_grad_(False)
         self.fc = fc
 
-    def train(self, mode: bool = True) -> "FrozenBackboneClassifier":
+    def train(self, mode: bool = True) -> FrozenBackboneClassifier:
         """Only the classifier changes mode: the backbone's BN keeps its running statistics."""
         super().train(mode)
         self.backbone.eval()
@@ -79,8 +86,20 @@ class LinearConfig(EvalConfig):
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "imagenet": {},
         # PIRL's transfer settings: x0.1 at two equally spaced epochs.
-        "places205": {"epochs": 14, "lr": 0.01, "weight_decay": 5e-4, "schedule": "step", "milestones": equally_spaced_milestones(14)},
-        "inat18": {"epochs": 84, "lr": 0.01, "weight_decay": 5e-4, "schedule": "step", "milestones": equally_spaced_milestones(84)},
+        "places205": {
+            "epochs": 14,
+            "lr": 0.01,
+            "weight_decay": 5e-4,
+            "schedule": "step",
+            "milestones": equally_spaced_milestones(14),
+        },
+        "inat18": {
+            "epochs": 84,
+            "lr": 0.01,
+            "weight_decay": 5e-4,
+            "schedule": "step",
+            "milestones": equally_spaced_milestones(84),
+        },
         # The digits demo's crops (eval/demo.py): >= 40% of the area, no flip.
         "small": {"crop_scale_min": 0.4, "flip": False},
     }
@@ -97,11 +116,25 @@ class LinearConfig(EvalConfig):
     weight_decay: float = field(default=1e-6, metadata={"help": "SGD weight decay"})
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
     schedule: Literal["cosine", "step"] = field(default="cosine", metadata={"help": "per-epoch LR schedule"})
-    milestones: list[int] = field(default_factory=list, metadata={"help": "epochs after which the step schedule multiplies the LR by --gamma", "nargs": "*"})
+    milestones: list[int] = field(
+        default_factory=list,
+        metadata={"help": "epochs after which the step schedule multiplies the LR by --gamma", "nargs": "*"},
+    )
     gamma: float = field(default=0.1, metadata={"help": "LR factor at each milestone of the step schedule"})
-    crop_scale_min: float = field(default=0.08, metadata={"help": "smallest area fraction of the training crops (paper: 0.08; small images want more)"})
-    flip: bool = field(default=True, metadata={"help": "random horizontal flips of the training images (paper: on; --no-flip for digits or text)"})
-    cached: bool = field(default=False, metadata={"help": "fast mode: train the same classifier on cached test-transform features (no augmentation, no backbone pass per epoch); results say 'cached features, no augmentation'"})
+    crop_scale_min: float = field(
+        default=0.08,
+        metadata={"help": "smallest area fraction of the training crops (paper: 0.08; small images want more)"},
+    )
+    flip: bool = field(
+        default=True,
+        metadata={"help": "random horizontal flips of the training images (paper: on; --no-flip for digits or text)"},
+    )
+    cached: bool = field(
+        default=False,
+        metadata={
+            "help": "fast mode: train the same classifier on cached test-transform features (no augmentation, no backbone pass per epoch); results say 'cached features, no augmentation'"
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -110,7 +143,9 @@ class LinearConfig(EvalConfig):
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.weight_decay < 0 or self.momentum < 0:
-            raise ValueError(f"--weight-decay and --momentum must be non-negative, got {self.weight_decay} and {self.momentum}")
+            raise ValueError(
+                f"--weight-decay and --momentum must be non-negative, got {self.weight_decay} and {self.momentum}"
+            )
         if sorted(self.milestones) != list(self.milestones) or any(m <= 0 for m in self.milestones):
             raise ValueError(f"--milestones must be increasing positive epochs, got {self.milestones}")
         if not 0 < self.crop_scale_min <= 1:
@@ -145,36 +180,87 @@ def _run(config: LinearConfig, device: torch.device) -> dict[str, Any]:
     torch.manual_seed(config.seed)
     backbone, weights_id = load_eval_backbone(config)
     splits = splits_for(config)
-    warned = warn_about_settings(config, num_classes=len(splits.classes), train_images=len(splits.train), image_side=splits.image_side())
+    warned = warn_about_settings(
+        config, num_classes=len(splits.classes), train_images=len(splits.train), image_side=splits.image_side()
+    )
     num_classes = len(splits.classes)
     run_dir = RunDir(config.out, config, write=is_main_process())
-    schedule = {"epochs": config.epochs, "weight_decay": config.weight_decay, "momentum": config.momentum,
-                "schedule": config.schedule, "milestones": config.milestones, "gamma": config.gamma}
+    schedule = {
+        "epochs": config.epochs,
+        "weight_decay": config.weight_decay,
+        "momentum": config.momentum,
+        "schedule": config.schedule,
+        "milestones": config.milestones,
+        "gamma": config.gamma,
+    }
     if config.cached:
         fingerprints = {name: splits.info[name]["fingerprint"] for name in ("train", "test")}
-        train_x, train_y = features_for(config, backbone, splits.train, weights_id=weights_id, dataset_id=fingerprints["train"], split="train")
-        test_x, test_y = features_for(config, backbone, splits.test, weights_id=weights_id, dataset_id=fingerprints["test"], split="test")
-        fc = train_on_features(train_x, train_y, num_classes, lr=config.lr, batch_size=config.batch_size, seed=config.seed, device=device, **schedule)
+        train_x, train_y = features_for(
+            config, backbone, splits.train, weights_id=weights_id, dataset_id=fingerprints["train"], split="train"
+        )
+        test_x, test_y = features_for(
+            config, backbone, splits.test, weights_id=weights_id, dataset_id=fingerprints["test"], split="test"
+        )
+        fc = train_on_features(
+            train_x,
+            train_y,
+            num_classes,
+            lr=config.lr,
+            batch_size=config.batch_size,
+            seed=config.seed,
+            device=device,
+            **schedule,
+        )
         metrics = evaluate_features(fc, test_x, test_y)
     else:
         fc = make_classifier(backbone.feature_dim, num_classes)
         model: nn.Module = FrozenBackboneClassifier(backbone, fc).to(device)
         if is_distributed():
-            model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+            model = nn.parallel.DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None
+            )
         augment = train_transform(config.image_size, crop_scale_min=config.crop_scale_min, flip=config.flip)
-        train_loader = make_loader(TransformedDataset(splits.train, augment), config.batch_size, shuffle=True,
-                                   seed=config.seed, num_workers=config.num_workers, device=device)
-        test_loader = make_loader(TransformedDataset(splits.test, eval_transforms(config.image_size)), config.batch_size, shuffle=False,
-                                  seed=config.seed, num_workers=config.num_workers, device=device)
-        train_classifier(model, [{"params": list(fc.parameters()), "lr": config.lr}], train_loader, device=device, desc=f"linear ({config.preset})",
-                         on_epoch=lambda epoch, loss: run_dir.log({"epoch": epoch, "train_loss": loss}), **schedule)
+        train_loader = make_loader(
+            TransformedDataset(splits.train, augment),
+            config.batch_size,
+            shuffle=True,
+            seed=config.seed,
+            num_workers=config.num_workers,
+            device=device,
+        )
+        test_loader = make_loader(
+            TransformedDataset(splits.test, eval_transforms(config.image_size)),
+            config.batch_size,
+            shuffle=False,
+            seed=config.seed,
+            num_workers=config.num_workers,
+            device=device,
+        )
+        train_classifier(
+            model,
+            [{"params": list(fc.parameters()), "lr": config.lr}],
+            train_loader,
+            device=device,
+            desc=f"linear ({config.preset})",
+            on_epoch=lambda epoch, loss: run_dir.log({"epoch": epoch, "train_loss": loss}),
+            **schedule,
+        )
         metrics = evaluate_loader(model, test_loader, device, desc="score test")
     record = {"metrics": metrics}
     if is_main_process():
         record = write_results(
-            config.out, protocol="transfer" if isinstance(config, TransferConfig) else "linear", config=config, preset=config.preset,
-            mode="cached" if config.cached else "loop", metrics=metrics, weights=config.weights, weights_sha256=weights_id,
-            dataset=splits.info, seed=config.seed, wall_time_s=time.perf_counter() - tick, warnings=warned,
+            config.out,
+            protocol="transfer" if isinstance(config, TransferConfig) else "linear",
+            config=config,
+            preset=config.preset,
+            mode="cached" if config.cached else "loop",
+            metrics=metrics,
+            weights=config.weights,
+            weights_sha256=weights_id,
+            dataset=splits.info,
+            seed=config.seed,
+            wall_time_s=time.perf_counter() - tick,
+            warnings=warned,
             paper_task=PAPER_TASKS.get(config.preset or ""),
         )
     return record

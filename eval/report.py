@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
+from bt_hub.common.files import atomic_write_json, atomic_write_text
 from bt_hub.common.presets import overrides
 from bt_hub.common.records import (
     PAPER_NAME,
@@ -32,7 +34,6 @@ from bt_hub.common.records import (
     setting,
     weights_label,
 )
-from bt_hub.common.files import atomic_write_json, atomic_write_text
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,16 @@ FAMILIES: dict[str, Family] = {
     "transfer": Family("Transfer to other classification tasks (paper Table 3)", ("top1", "mAP", "mAP_11point")),
     "detect_voc": Family("Detection transfer: VOC07+12 Faster R-CNN R50-C4 (paper Table 4)", _DETECTION_METRICS[:3]),
     "detect_coco": Family("Detection transfer: COCO Mask R-CNN R50-C4 1x (paper Table 4)", _DETECTION_METRICS),
-    "detect": Family("Detection on other data (e.g. the generated shapes of the installation check; no paper row)", _DETECTION_METRICS),
+    "detect": Family(
+        "Detection on other data (e.g. the generated shapes of the installation check; no paper row)",
+        _DETECTION_METRICS,
+    ),
     # top1 / top5 repeat the first k's columns
-    "knn": Family("Weighted kNN (community protocol, not in the paper)", ("top1_k20", "top5_k20", "top1_k200", "top5_k200"), ("top1", "top5")),
+    "knn": Family(
+        "Weighted kNN (community protocol, not in the paper)",
+        ("top1_k20", "top5_k20", "top1_k200", "top5_k200"),
+        ("top1", "top5"),
+    ),
 }
 
 
@@ -87,7 +95,9 @@ def _table(name: str, rows: list[Mapping[str, Any]]) -> str:
     for task in tasks:
         if task in PAPER_RESULTS:
             data, words = PAPER_SETTINGS[task]
-            lines.append(_row([PAPER_NAME, words, "paper's", data] + [fmt(PAPER_RESULTS[task].get(m)) for m in shown] + ["—"]))
+            lines.append(
+                _row([PAPER_NAME, words, "paper's", data] + [fmt(PAPER_RESULTS[task].get(m)) for m in shown] + ["—"])
+            )
         for r in (r for r in rows if paper_task(r) == task):
             metrics = r.get("metrics") or {}
             cells = [f"ours: {r.get('protocol')}", setting(r) or "—", weights_label(r), data_label(r) or "—"]
@@ -107,7 +117,8 @@ def render_table(results: list[Mapping[str, Any]]) -> str:
 def render_markdown(results: list[Mapping[str, Any]]) -> str:
     """The whole results.md: title, tables and how to read them."""
     return (
-        "# Evaluation results\n\n" + render_table(results)
+        "# Evaluation results\n\n"
+        + render_table(results)
         + "\nMetrics in percent, rounded to 0.1. *Setting* names the preset, the mode and every hyper-parameter "
         "changed from the preset; the full records (splits, fingerprints, versions) are in results.jsonl.\n"
     )
@@ -124,7 +135,9 @@ def load_results(out_dir: str | Path) -> list[dict[str, Any]]:
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path} line {n} is not valid JSON ({err.msg}); expected one results record per line") from None
+                raise ValueError(
+                    f"{path} line {n} is not valid JSON ({err.msg}); expected one results record per line"
+                ) from None
     return records
 
 
@@ -132,7 +145,9 @@ def append_results(out_dir: str | Path, records: Sequence[Record]) -> list[Recor
     """Append records to ``results.jsonl`` and rewrite ``results.md`` from the whole history; return it."""
     out = Path(out_dir)
     history = load_results(out) + list(records)
-    atomic_write_text(out / "results.jsonl", "".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in history))
+    atomic_write_text(
+        out / "results.jsonl", "".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in history)
+    )
     atomic_write_text(out / "results.md", render_markdown(history))
     return history
 
@@ -148,13 +163,13 @@ def write_results(
     dataset: str | Mapping[str, Any],
     seed: int,
     wall_time_s: float,
-    preset: Optional[str] = None,
-    mode: Optional[str] = None,
-    dataset_fingerprint: Optional[str] = None,
-    labels: Optional[Mapping[str, Any]] = None,
+    preset: str | None = None,
+    mode: str | None = None,
+    dataset_fingerprint: str | None = None,
+    labels: Mapping[str, Any] | None = None,
     warnings: Sequence[str] = (),
-    notes: Optional[Mapping[str, Any]] = None,
-    paper_task: Optional[str] = None,
+    notes: Mapping[str, Any] | None = None,
+    paper_task: str | None = None,
 ) -> Record:
     """Write ``results.json``, append to ``results.jsonl`` and rewrite ``results.md``; return the record.
 
@@ -180,11 +195,26 @@ def write_results(
     if isinstance(dataset, Mapping):
         facts = dict(dataset)
     else:
-        facts = {"name": Path(str(dataset)).name or str(dataset), "path": str(dataset), "fingerprint": dataset_fingerprint}
+        facts = {
+            "name": Path(str(dataset)).name or str(dataset),
+            "path": str(dataset),
+            "fingerprint": dataset_fingerprint,
+        }
     changed = overrides(config, ignore=getattr(config, "RUN_FIELDS", ())) if dataclasses.is_dataclass(config) else {}
     record = make_record(
-        protocol=protocol, metrics=metrics, config=config, preset=preset, mode=mode, weights={"name": str(weights), "fingerprint": weights_sha256},
-        dataset=facts, seed=seed, wall_time_s=wall_time_s, overrides=changed, labels=labels, warnings=warnings, notes=notes,
+        protocol=protocol,
+        metrics=metrics,
+        config=config,
+        preset=preset,
+        mode=mode,
+        weights={"name": str(weights), "fingerprint": weights_sha256},
+        dataset=facts,
+        seed=seed,
+        wall_time_s=wall_time_s,
+        overrides=changed,
+        labels=labels,
+        warnings=warnings,
+        notes=notes,
         paper_task=paper_task,
     )
     atomic_write_json(Path(out_dir) / "results.json", record)

@@ -22,8 +22,9 @@ probe.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Mapping, Optional, Sequence
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -33,10 +34,10 @@ from bt_hub.common.distributed import convert_sync_batchnorm, is_distributed, is
 from bt_hub.eval.classifier import evaluate_loader, make_classifier, make_loader, train_classifier
 from bt_hub.eval.config import EvalConfig, warn_about_settings
 from bt_hub.eval.features import TransformedDataset, load_eval_backbone, train_transform
-from bt_hub.method.transforms import eval_transforms
 from bt_hub.eval.label_subsets import read_subset_file, subset_indices
 from bt_hub.eval.report import write_results
 from bt_hub.eval.splits import splits_for
+from bt_hub.method.transforms import eval_transforms
 
 
 def finetune(
@@ -73,15 +74,27 @@ def finetune(
     torch.manual_seed(seed)
     fc = make_classifier(backbone.feature_dim, num_classes)
     model: nn.Module = nn.Sequential(backbone, fc).to(device)
-    groups = [{"params": list(fc.parameters()), "lr": lr_classifier}, {"params": list(backbone.parameters()), "lr": lr_backbone}]
+    groups = [
+        {"params": list(fc.parameters()), "lr": lr_classifier},
+        {"params": list(backbone.parameters()), "lr": lr_backbone},
+    ]
     if is_distributed():
         model = convert_sync_batchnorm(model)  # BN statistics of the global batch, on CPU too
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     train_loader = make_loader(train_set, batch_size, shuffle=True, seed=seed, num_workers=num_workers, device=device)
     test_loader = make_loader(test_set, batch_size, shuffle=False, seed=seed, num_workers=num_workers, device=device)
     train_classifier(
-        model, groups, train_loader, epochs=epochs, momentum=momentum, weight_decay=weight_decay,
-        schedule=schedule, milestones=milestones, gamma=gamma, device=device, desc=desc,
+        model,
+        groups,
+        train_loader,
+        epochs=epochs,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        schedule=schedule,
+        milestones=milestones,
+        gamma=gamma,
+        device=device,
+        desc=desc,
     )
     return evaluate_loader(model, test_loader, device, desc="score test")
 
@@ -90,12 +103,22 @@ def finetune(
 class SemiSupervisedConfig(EvalConfig):
     """Flags of ``bt-hub eval semi``; the defaults are the ``paper`` preset."""
 
-    RUN_FIELDS: ClassVar[tuple[str, ...]] = EvalConfig.RUN_FIELDS + ("fraction", "subset_file")  # recorded under "labels"
+    RUN_FIELDS: ClassVar[tuple[str, ...]] = EvalConfig.RUN_FIELDS + (
+        "fraction",
+        "subset_file",
+    )  # recorded under "labels"
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "paper": {},
         "reference": {"lr_backbone": 0.005, "schedule": "cosine", "milestones": []},
         # The digits demo's fine-tuning (eval/demo.py); see the module docstring.
-        "small": {"lr_classifier": 0.05, "schedule": "cosine", "milestones": [], "batch_size": 32, "crop_scale_min": 0.4, "flip": False},
+        "small": {
+            "lr_classifier": 0.05,
+            "schedule": "cosine",
+            "milestones": [],
+            "batch_size": 32,
+            "crop_scale_min": 0.4,
+            "flip": False,
+        },
     }
     PRESET_ASSUMPTIONS: ClassVar[dict[str, dict[str, Any]]] = {
         "paper": {"num_classes": 1000, "image_size": 224},
@@ -104,18 +127,35 @@ class SemiSupervisedConfig(EvalConfig):
     }
 
     preset: str = field(default="paper", metadata={"help": "named sets of flag values; flags given override them"})
-    fraction: Optional[int] = field(default=None, metadata={"help": "percent of the labels, class-balanced and seeded (1 or 10 in the paper); default 1 unless --subset-file is given"})
-    subset_file: Optional[str] = field(default=None, metadata={"help": "SimCLR-format list of labelled training files (e.g. 1percent.txt), matched by file name"})
+    fraction: int | None = field(
+        default=None,
+        metadata={
+            "help": "percent of the labels, class-balanced and seeded (1 or 10 in the paper); default 1 unless --subset-file is given"
+        },
+    )
+    subset_file: str | None = field(
+        default=None,
+        metadata={"help": "SimCLR-format list of labelled training files (e.g. 1percent.txt), matched by file name"},
+    )
     epochs: int = field(default=20, metadata={"help": "fine-tuning epochs"})
     lr_backbone: float = field(default=0.002, metadata={"help": "backbone LR"})
     lr_classifier: float = field(default=0.5, metadata={"help": "classifier LR"})
     weight_decay: float = field(default=0.0, metadata={"help": "SGD weight decay"})
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
     schedule: Literal["cosine", "step"] = field(default="step", metadata={"help": "per-epoch LR schedule"})
-    milestones: list[int] = field(default_factory=lambda: [12, 16], metadata={"help": "epochs after which the step schedule multiplies both LRs by --gamma", "nargs": "*"})
+    milestones: list[int] = field(
+        default_factory=lambda: [12, 16],
+        metadata={"help": "epochs after which the step schedule multiplies both LRs by --gamma", "nargs": "*"},
+    )
     gamma: float = field(default=0.2, metadata={"help": "LR factor at each milestone"})
-    crop_scale_min: float = field(default=0.08, metadata={"help": "smallest area fraction of the training crops (paper: 0.08; small images want more)"})
-    flip: bool = field(default=True, metadata={"help": "random horizontal flips of the training images (paper: on; --no-flip for digits or text)"})
+    crop_scale_min: float = field(
+        default=0.08,
+        metadata={"help": "smallest area fraction of the training crops (paper: 0.08; small images want more)"},
+    )
+    flip: bool = field(
+        default=True,
+        metadata={"help": "random horizontal flips of the training images (paper: on; --no-flip for digits or text)"},
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -128,7 +168,9 @@ class SemiSupervisedConfig(EvalConfig):
         if self.epochs <= 0:
             raise ValueError(f"--epochs must be positive, got {self.epochs}")
         if self.lr_backbone < 0 or self.lr_classifier <= 0:
-            raise ValueError(f"--lr-backbone must be >= 0 and --lr-classifier positive, got {self.lr_backbone} and {self.lr_classifier}")
+            raise ValueError(
+                f"--lr-backbone must be >= 0 and --lr-classifier positive, got {self.lr_backbone} and {self.lr_classifier}"
+            )
         if sorted(self.milestones) != list(self.milestones) or any(m <= 0 for m in self.milestones):
             raise ValueError(f"--milestones must be increasing positive epochs, got {self.milestones}")
         if not 0 < self.crop_scale_min <= 1:
@@ -141,7 +183,7 @@ def run(config: SemiSupervisedConfig) -> dict[str, Any]:
         return _run(config, device)
 
 
-def paper_task(config: SemiSupervisedConfig, labels: Mapping[str, Any]) -> Optional[str]:
+def paper_task(config: SemiSupervisedConfig, labels: Mapping[str, Any]) -> str | None:
     """The paper's row this run follows: the ``paper`` preset on 1% or 10% of the labels, else None."""
     if config.preset == "paper" and labels.get("fraction") in (1, 10):
         return f"semi_supervised_{labels['fraction']:g}pct"
@@ -153,8 +195,19 @@ def _labels(config: SemiSupervisedConfig, indices: Sequence[int], train_size: in
     if config.subset_file is None:
         return {"fraction": config.fraction, "source": "seeded", "seed": config.seed, "count": len(indices)}
     listing = read_subset_file(config.subset_file)
-    fraction = int(listing.published.removesuffix("percent.txt")) if listing.published else round(100.0 * len(indices) / train_size, 2)
-    return {"fraction": fraction, "source": "list", "file": listing.path.name, "sha256": listing.sha256, "published": listing.published, "count": len(indices)}
+    fraction = (
+        int(listing.published.removesuffix("percent.txt"))
+        if listing.published
+        else round(100.0 * len(indices) / train_size, 2)
+    )
+    return {
+        "fraction": fraction,
+        "source": "list",
+        "file": listing.path.name,
+        "sha256": listing.sha256,
+        "published": listing.published,
+        "count": len(indices),
+    }
 
 
 def _run(config: SemiSupervisedConfig, device: torch.device) -> dict[str, Any]:
@@ -163,23 +216,46 @@ def _run(config: SemiSupervisedConfig, device: torch.device) -> dict[str, Any]:
     backbone, weights_id = load_eval_backbone(config)
     splits = splits_for(config)
     indices = subset_indices(splits.train, percent=config.fraction, subset_file=config.subset_file, seed=config.seed)
-    warned = warn_about_settings(config, num_classes=len(splits.classes), train_images=len(indices), image_side=splits.image_side())
+    warned = warn_about_settings(
+        config, num_classes=len(splits.classes), train_images=len(indices), image_side=splits.image_side()
+    )
     augment = train_transform(config.image_size, crop_scale_min=config.crop_scale_min, flip=config.flip)
     metrics = finetune(
-        backbone, len(splits.classes),
+        backbone,
+        len(splits.classes),
         Subset(TransformedDataset(splits.train, augment), indices),
         TransformedDataset(splits.test, eval_transforms(config.image_size)),
-        lr_backbone=config.lr_backbone, lr_classifier=config.lr_classifier, epochs=config.epochs, batch_size=config.batch_size,
-        schedule=config.schedule, milestones=config.milestones, gamma=config.gamma, weight_decay=config.weight_decay,
-        momentum=config.momentum, seed=config.seed, num_workers=config.num_workers, device=device,
+        lr_backbone=config.lr_backbone,
+        lr_classifier=config.lr_classifier,
+        epochs=config.epochs,
+        batch_size=config.batch_size,
+        schedule=config.schedule,
+        milestones=config.milestones,
+        gamma=config.gamma,
+        weight_decay=config.weight_decay,
+        momentum=config.momentum,
+        seed=config.seed,
+        num_workers=config.num_workers,
+        device=device,
         desc=f"fine-tune ({config.preset}, {len(indices)} labels)",
     )
     record: dict[str, Any] = {"metrics": metrics}
     if is_main_process():
         labels = _labels(config, indices, len(splits.train))
         record = write_results(
-            config.out, protocol="semi", config=config, preset=config.preset, mode="loop", metrics=metrics, weights=config.weights,
-            weights_sha256=weights_id, dataset=splits.info, seed=config.seed, wall_time_s=time.perf_counter() - tick,
-            labels=labels, warnings=warned, paper_task=paper_task(config, labels),
+            config.out,
+            protocol="semi",
+            config=config,
+            preset=config.preset,
+            mode="loop",
+            metrics=metrics,
+            weights=config.weights,
+            weights_sha256=weights_id,
+            dataset=splits.info,
+            seed=config.seed,
+            wall_time_s=time.perf_counter() - tick,
+            labels=labels,
+            warnings=warned,
+            paper_task=paper_task(config, labels),
         )
     return record

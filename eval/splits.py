@@ -21,18 +21,19 @@ import copy
 import hashlib
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset, Subset
 
-from bt_hub.train.data import SPLITS, ArrayImageDataset, build_dataset
+from bt_hub.common.files import file_sha256
 from bt_hub.eval.features import dataset_fingerprint
 from bt_hub.eval.label_subsets import balanced_subset_indices
-from bt_hub.common.files import file_sha256
+from bt_hub.train.data import SPLITS, ArrayImageDataset, build_dataset
 
 OVERLAP_SAMPLE = 64  # test images whose bytes are compared with the training split's
 OVERLAP_SHARE = 0.1  # refuse when this share of the sample (and at least 2) is found in train
@@ -53,18 +54,26 @@ class Splits:
         """The class names, in label order."""
         return list(getattr(self.train, "classes", []))
 
-    def image_side(self) -> Optional[int]:
+    def image_side(self) -> int | None:
         """The shorter side of the first training image in pixels (None for an empty split)."""
         if not len(self.train):
             return None
         image = self.train[0][0]
-        size = image.size if isinstance(image, Image.Image) else tuple(np.asarray(image).shape[-2:])  # PIL (w, h); tensors C x H x W
+        size = (
+            image.size if isinstance(image, Image.Image) else tuple(np.asarray(image).shape[-2:])
+        )  # PIL (w, h); tensors C x H x W
         return int(min(size))
 
 
 def splits_for(config: Any) -> Splits:
     """``load_splits`` with a protocol config's ``--data``, ``--test-split``, ``--holdout``, ``--seed`` and ``--image-size``."""
-    return load_splits(config.data, test_split=config.test_split, holdout=config.holdout, seed=config.seed, image_size=config.image_size)
+    return load_splits(
+        config.data,
+        test_split=config.test_split,
+        holdout=config.holdout,
+        seed=config.seed,
+        image_size=config.image_size,
+    )
 
 
 def is_builtin(data: str) -> bool:
@@ -72,7 +81,9 @@ def is_builtin(data: str) -> bool:
     return data == "digits" or data == "synthetic" or data.startswith("synthetic:")
 
 
-def load_splits(data: str, *, test_split: str = "val", holdout: Optional[float] = None, seed: int = 0, image_size: Optional[int] = None) -> Splits:
+def load_splits(
+    data: str, *, test_split: str = "val", holdout: float | None = None, seed: int = 0, image_size: int | None = None
+) -> Splits:
     """The training and test splits of ``--data``, checked to be disjoint.
 
     Args:
@@ -101,8 +112,13 @@ def load_splits(data: str, *, test_split: str = "val", holdout: Optional[float] 
         train_idx, test_idx = stratified_holdout(_targets(train), holdout, seed)
         train, test = take(train, train_idx), take(train, test_idx)
         info["holdout"] = {
-            "fraction": holdout, "seed": seed, "source_split": "train", "source_fingerprint": source_fingerprint,
-            "test_indices_sha256": indices_sha256(test_idx), "train_size": len(train_idx), "test_size": len(test_idx),
+            "fraction": holdout,
+            "seed": seed,
+            "source_split": "train",
+            "source_fingerprint": source_fingerprint,
+            "test_indices_sha256": indices_sha256(test_idx),
+            "train_size": len(train_idx),
+            "test_size": len(test_idx),
         }
         test_name = "holdout"
     else:
@@ -120,7 +136,7 @@ def _name(spec: str) -> str:
     return spec if is_builtin(spec) else Path(os.path.expanduser(spec)).resolve().name
 
 
-def _check_layout(root: Path, test_split: str, holdout: Optional[float]) -> None:
+def _check_layout(root: Path, test_split: str, holdout: float | None) -> None:
     """Fail with the accepted layouts when a directory cannot give the splits asked for."""
     if not root.is_dir():
         return  # build_dataset names the problem
@@ -131,9 +147,13 @@ def _check_layout(root: Path, test_split: str, holdout: Optional[float]) -> None
         return
     if "train" in present and present != ["train"]:
         other = next(s for s in present if s != "train")
-        raise FileNotFoundError(f"--data {root} has no {test_split}/ split (it has {', '.join(p + '/' for p in present)}); pass --test-split {other}")
+        raise FileNotFoundError(
+            f"--data {root} has no {test_split}/ split (it has {', '.join(p + '/' for p in present)}); pass --test-split {other}"
+        )
     if present and "train" not in present:
-        raise FileNotFoundError(f"--data {root} has {', '.join(p + '/' for p in present)} but no train/; the training split must be {root}/train/<class>/<image>")
+        raise FileNotFoundError(
+            f"--data {root} has {', '.join(p + '/' for p in present)} but no train/; the training split must be {root}/train/<class>/<image>"
+        )
     raise FileNotFoundError(
         f"--data {root} has no held-out split: expected {root}/train/<class>/<image> beside {root}/val/<class>/<image> "
         f"(ImageNet layout, --test-split val) or {root}/test/<class>/<image> (--test-split test); move held-out images there, "
@@ -148,7 +168,9 @@ def _targets(dataset: Dataset) -> np.ndarray:
     return np.asarray(targets)
 
 
-def stratified_holdout(targets: Sequence[int] | np.ndarray, fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
+def stratified_holdout(
+    targets: Sequence[int] | np.ndarray, fraction: float, seed: int = 0
+) -> tuple[list[int], list[int]]:
     """Seeded, class-stratified ``(train indices, held-out indices)``, both sorted.
 
     Each class gives ``round(n_c * fraction)`` of its ``n_c`` samples, at least one and never
@@ -189,7 +211,9 @@ def align_classes(train: Dataset, test: Dataset, split: str) -> Dataset:
         return test
     unknown = sorted(set(test_classes) - set(train_classes))
     if unknown:
-        raise ValueError(f"the {split} split has classes the training split lacks: {', '.join(unknown[:5])}; both must use the same class folders")
+        raise ValueError(
+            f"the {split} split has classes the training split lacks: {', '.join(unknown[:5])}; both must use the same class folders"
+        )
     index = {c: i for i, c in enumerate(train_classes)}
     view = copy.copy(test)
     view.samples = [(path, index[test_classes[label]]) for path, label in test.samples]
@@ -201,7 +225,7 @@ def align_classes(train: Dataset, test: Dataset, split: str) -> Dataset:
 # ----------------------------------------------------------------------------- overlap
 
 
-def _paths(dataset: Dataset) -> Optional[list[str]]:
+def _paths(dataset: Dataset) -> list[str] | None:
     samples = getattr(dataset, "samples", None)
     return None if samples is None else [os.path.abspath(str(s[0])) for s in samples]
 

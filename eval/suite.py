@@ -17,7 +17,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 from bt_hub.common.presets import from_preset, preset_values
 from bt_hub.common.runs import claim_run_dir
@@ -38,17 +38,48 @@ class SuiteConfig(EvalConfig):
         "small": {"linear_preset": "small", "semi_preset": "small"},
     }
 
-    preset: str = field(default="paper", metadata={"help": "the protocols' presets, by name; --linear-preset / --semi-preset override them"})
-    linear_preset: str = field(default="imagenet", metadata={"help": "preset of the linear probe (bt-hub eval linear --help lists them)"})
-    semi_preset: str = field(default="paper", metadata={"help": "preset of the semi-supervised runs (bt-hub eval semi --help lists them)"})
-    full_linear: bool = field(default=False, metadata={"help": "run the paper's linear loop (augmentation, a backbone pass per epoch) instead of the cached probe"})
-    linear_epochs: Optional[int] = field(default=None, metadata={"help": "linear-probe epochs (default: the linear preset's)"})
-    knn_k: list[int] = field(default_factory=lambda: [20, 200], metadata={"help": "numbers of neighbours of the kNN protocol"})
-    fractions: list[int] = field(default_factory=lambda: [1, 10], metadata={"help": "label percentages of the semi-supervised runs (empty: skip them)", "nargs": "*"})
-    semi_epochs: Optional[int] = field(default=None, metadata={"help": "fine-tuning epochs (default: the semi preset's)"})
-    semi_batch_size: Optional[int] = field(default=None, metadata={"help": "fine-tuning batch size (default: the semi preset's; --batch-size is the feature-extraction batch)"})
-    subset_dir: Optional[str] = field(default=None, metadata={"help": "directory with SimCLR's 1percent.txt / 10percent.txt (ImageNet); without it subsets are seeded and class-balanced"})
-    voc07_devkit: Optional[str] = field(default=None, metadata={"help": "VOC devkit path: also run the VOC07 SVM protocol"})
+    preset: str = field(
+        default="paper",
+        metadata={"help": "the protocols' presets, by name; --linear-preset / --semi-preset override them"},
+    )
+    linear_preset: str = field(
+        default="imagenet", metadata={"help": "preset of the linear probe (bt-hub eval linear --help lists them)"}
+    )
+    semi_preset: str = field(
+        default="paper", metadata={"help": "preset of the semi-supervised runs (bt-hub eval semi --help lists them)"}
+    )
+    full_linear: bool = field(
+        default=False,
+        metadata={
+            "help": "run the paper's linear loop (augmentation, a backbone pass per epoch) instead of the cached probe"
+        },
+    )
+    linear_epochs: int | None = field(
+        default=None, metadata={"help": "linear-probe epochs (default: the linear preset's)"}
+    )
+    knn_k: list[int] = field(
+        default_factory=lambda: [20, 200], metadata={"help": "numbers of neighbours of the kNN protocol"}
+    )
+    fractions: list[int] = field(
+        default_factory=lambda: [1, 10],
+        metadata={"help": "label percentages of the semi-supervised runs (empty: skip them)", "nargs": "*"},
+    )
+    semi_epochs: int | None = field(default=None, metadata={"help": "fine-tuning epochs (default: the semi preset's)"})
+    semi_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "fine-tuning batch size (default: the semi preset's; --batch-size is the feature-extraction batch)"
+        },
+    )
+    subset_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "directory with SimCLR's 1percent.txt / 10percent.txt (ImageNet); without it subsets are seeded and class-balanced"
+        },
+    )
+    voc07_devkit: str | None = field(
+        default=None, metadata={"help": "VOC devkit path: also run the VOC07 SVM protocol"}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -59,7 +90,9 @@ class SuiteConfig(EvalConfig):
         if self.subset_dir is not None:
             for pct in self.fractions:
                 if not (Path(self.subset_dir) / f"{pct}percent.txt").is_file():
-                    raise ValueError(f"--subset-dir {self.subset_dir} has no {pct}percent.txt; expected SimCLR's published lists there")
+                    raise ValueError(
+                        f"--subset-dir {self.subset_dir} has no {pct}percent.txt; expected SimCLR's published lists there"
+                    )
 
 
 def _shared(config: SuiteConfig, out: Path, skip: tuple[str, ...] = (), **overrides: Any) -> dict[str, Any]:
@@ -80,18 +113,42 @@ def run(config: SuiteConfig) -> dict[str, Any]:
     out = claim_run_dir(config.out, overwrite=config.overwrite)
     cache_dir = config.cache_dir or str(out / "feature_cache")
     records = [knn.run(knn.KnnConfig(**_shared(config, out / "knn", cache_dir=cache_dir), k=list(config.knn_k)))]
-    records.append(linear.run(from_preset(
-        linear.LinearConfig, config.linear_preset, **_shared(config, out / "linear", cache_dir=cache_dir),
-        cached=not config.full_linear, **_given(epochs=config.linear_epochs),
-    )))
+    records.append(
+        linear.run(
+            from_preset(
+                linear.LinearConfig,
+                config.linear_preset,
+                **_shared(config, out / "linear", cache_dir=cache_dir),
+                cached=not config.full_linear,
+                **_given(epochs=config.linear_epochs),
+            )
+        )
+    )
     for pct in config.fractions:
-        subset = {"subset_file": str(Path(config.subset_dir) / f"{pct}percent.txt")} if config.subset_dir else {"fraction": pct}
-        records.append(semi_supervised.run(from_preset(
-            semi_supervised.SemiSupervisedConfig, config.semi_preset, **_shared(config, out / f"semi_{pct}percent", skip=("batch_size",)),
-            **subset, **_given(epochs=config.semi_epochs, batch_size=config.semi_batch_size),
-        )))
+        subset = (
+            {"subset_file": str(Path(config.subset_dir) / f"{pct}percent.txt")}
+            if config.subset_dir
+            else {"fraction": pct}
+        )
+        records.append(
+            semi_supervised.run(
+                from_preset(
+                    semi_supervised.SemiSupervisedConfig,
+                    config.semi_preset,
+                    **_shared(config, out / f"semi_{pct}percent", skip=("batch_size",)),
+                    **subset,
+                    **_given(epochs=config.semi_epochs, batch_size=config.semi_batch_size),
+                )
+            )
+        )
     if config.voc07_devkit:
         from bt_hub.eval import voc07_svm
 
-        records.append(voc07_svm.run(voc07_svm.Voc07SvmConfig(**_shared(config, out / "voc07_svm", skip=_SPLIT_FIELDS, data=config.voc07_devkit))))
+        records.append(
+            voc07_svm.run(
+                voc07_svm.Voc07SvmConfig(
+                    **_shared(config, out / "voc07_svm", skip=_SPLIT_FIELDS, data=config.voc07_devkit)
+                )
+            )
+        )
     return write_summary(out, records, time.perf_counter() - tick)

@@ -23,9 +23,10 @@ from __future__ import annotations
 import os
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 from PIL import Image
@@ -37,8 +38,26 @@ if TYPE_CHECKING:
     from torchvision import transforms
 
 VOC_CLASSES = (
-    "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
-    "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa", "train", "tvmonitor",
+    "aeroplane",
+    "bicycle",
+    "bird",
+    "boat",
+    "bottle",
+    "bus",
+    "car",
+    "cat",
+    "chair",
+    "cow",
+    "diningtable",
+    "dog",
+    "horse",
+    "motorbike",
+    "person",
+    "pottedplant",
+    "sheep",
+    "sofa",
+    "train",
+    "tvmonitor",
 )
 COSTS = (0.01, 0.1, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 50.0, 100.0, 1000.0)
 
@@ -51,7 +70,9 @@ def voc_root(path: str | os.PathLike) -> Path:
     for candidate in (path, path / "VOC2007", path / "VOCdevkit" / "VOC2007"):
         if (candidate / "ImageSets" / "Main").is_dir() and (candidate / "Annotations").is_dir():
             return candidate
-    raise FileNotFoundError(f"{path} is not a VOC devkit; expected VOC2007/ImageSets/Main/*.txt and VOC2007/Annotations/*.xml under it")
+    raise FileNotFoundError(
+        f"{path} is not a VOC devkit; expected VOC2007/ImageSets/Main/*.txt and VOC2007/Annotations/*.xml under it"
+    )
 
 
 def read_annotation(path: Path) -> list[tuple[str, bool]]:
@@ -78,7 +99,7 @@ class VocClassification:
         classes: class order; default: the VOC classes found in this split, then any others sorted.
     """
 
-    def __init__(self, path: str | os.PathLike, split: str, classes: Optional[Sequence[str]] = None) -> None:
+    def __init__(self, path: str | os.PathLike, split: str, classes: Sequence[str] | None = None) -> None:
         self.root = voc_root(path)
         list_file = self.root / "ImageSets" / "Main" / f"{split}.txt"
         if not list_file.is_file():
@@ -106,7 +127,7 @@ class VocClassification:
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> tuple[Image.Image, "torch.Tensor"]:
+    def __getitem__(self, index: int) -> tuple[Image.Image, torch.Tensor]:
         import torch
 
         path, target = self.samples[index]
@@ -114,18 +135,20 @@ class VocClassification:
             return img.convert("RGB"), torch.tensor(target, dtype=torch.int8)
 
 
-def voc07_transform(image_size: int = 224) -> "transforms.Compose":
+def voc07_transform(image_size: int = 224) -> transforms.Compose:
     """VISSL's VOC07 SVM transform: Resize(256) then Resize((224, 224)) (scaled with ``image_size``), normalised."""
     from torchvision import transforms
 
     from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD
 
-    return transforms.Compose([
-        transforms.Resize(round(image_size * 256 / 224)),
-        transforms.Resize((image_size, image_size)),
-        transforms.ToTensor(),
-        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])
+    return transforms.Compose(
+        [
+            transforms.Resize(round(image_size * 256 / 224)),
+            transforms.Resize((image_size, image_size)),
+            transforms.ToTensor(),
+            transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
 
 
 # ----------------------------------------------------------------------------- average precision
@@ -174,7 +197,16 @@ def l2_normalize(features: np.ndarray) -> np.ndarray:
 def _svm(cost: float, max_iter: int, seed: int) -> Any:
     from sklearn.svm import LinearSVC
 
-    return LinearSVC(C=cost, class_weight={1: 2, -1: 1}, loss="squared_hinge", penalty="l2", dual=True, tol=1e-4, max_iter=max_iter, random_state=seed)
+    return LinearSVC(
+        C=cost,
+        class_weight={1: 2, -1: 1},
+        loss="squared_hinge",
+        penalty="l2",
+        dual=True,
+        tol=1e-4,
+        max_iter=max_iter,
+        random_state=seed,
+    )
 
 
 def _train_targets(targets: np.ndarray, cls: int) -> np.ndarray:
@@ -193,7 +225,9 @@ def _fitted_svm(features: np.ndarray, y: np.ndarray, cost: float, max_iter: int,
         return _svm(cost, max_iter, seed).fit(features, y)
 
 
-def _fold_ap(features: np.ndarray, targets: np.ndarray, cls: int, cost: float, fold: int, folds: int, max_iter: int, seed: int) -> float:
+def _fold_ap(
+    features: np.ndarray, targets: np.ndarray, cls: int, cost: float, fold: int, folds: int, max_iter: int, seed: int
+) -> float:
     """Average precision on one cross-validation fold: the folds of scikit-learn's ``cv=folds`` (stratified, unshuffled)."""
     from sklearn.metrics import get_scorer
     from sklearn.model_selection import StratifiedKFold
@@ -204,7 +238,9 @@ def _fold_ap(features: np.ndarray, targets: np.ndarray, cls: int, cost: float, f
     return float(get_scorer("average_precision")(svm, features[test], y[test]))
 
 
-def _fit(features: np.ndarray, targets: np.ndarray, cls: int, cost: float, max_iter: int, seed: int) -> tuple[np.ndarray, float]:
+def _fit(
+    features: np.ndarray, targets: np.ndarray, cls: int, cost: float, max_iter: int, seed: int
+) -> tuple[np.ndarray, float]:
     svm = _fitted_svm(features, _train_targets(targets, cls), cost, max_iter, seed)
     return svm.coef_[0].copy(), float(svm.intercept_[0])
 
@@ -239,12 +275,19 @@ def svm_grid(
     for cls in range(num_classes):
         positives = int((targets[:, cls] == 1).sum())
         if positives < folds:
-            raise ValueError(f"class {cls} has {positives} positive training images; {folds}-fold cross-validation needs at least {folds}")
+            raise ValueError(
+                f"class {cls} has {positives} positive training images; {folds}-fold cross-validation needs at least {folds}"
+            )
     # one job per (class, cost, fold), the largest costs (the slowest fits) first, so that
     # no worker is left alone with a long fit at the end
-    grid = sorted(((cls, j, fold) for cls in range(num_classes) for j in range(len(costs)) for fold in range(folds)), key=lambda job: -costs[job[1]])
+    grid = sorted(
+        ((cls, j, fold) for cls in range(num_classes) for j in range(len(costs)) for fold in range(folds)),
+        key=lambda job: -costs[job[1]],
+    )
     parallel = Parallel(n_jobs=n_jobs, batch_size=1)
-    scores = parallel(delayed(_fold_ap)(features, targets, cls, costs[j], fold, folds, max_iter, seed) for cls, j, fold in grid)
+    scores = parallel(
+        delayed(_fold_ap)(features, targets, cls, costs[j], fold, folds, max_iter, seed) for cls, j, fold in grid
+    )
     fold_ap = np.zeros((num_classes, len(costs), folds))
     for (cls, j, fold), score in zip(grid, scores):
         fold_ap[cls, j, fold] = score
@@ -256,7 +299,9 @@ def svm_grid(
     return cv_ap, weights, biases, best
 
 
-def evaluate_svms(weights: np.ndarray, biases: np.ndarray, features: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def evaluate_svms(
+    weights: np.ndarray, biases: np.ndarray, features: np.ndarray, targets: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-class (all-point AP, 11-point AP) on test features; difficult-only images are left out per class."""
     scores = features @ weights.T + biases
     ap, ap11 = [], []
@@ -282,18 +327,29 @@ class Voc07SvmConfig(EvalConfig):
     RUN_FIELDS: ClassVar[tuple[str, ...]] = EvalConfig.RUN_FIELDS + ("batch_size", "n_jobs", "train_split")
 
     data: str = field(default="", metadata={"help": "the VOC devkit: VOCdevkit/, VOCdevkit/VOC2007/ or their parent"})
-    pool: Literal["voc_res5", "avg"] = field(default="voc_res5", metadata={"help": "'voc_res5' (2x2 pooled res5, 8192-d, VISSL) or 'avg' (2048-d)"})
+    pool: Literal["voc_res5", "avg"] = field(
+        default="voc_res5", metadata={"help": "'voc_res5' (2x2 pooled res5, 8192-d, VISSL) or 'avg' (2048-d)"}
+    )
     costs: list[float] = field(default_factory=lambda: list(COSTS), metadata={"help": "SVM costs C tried per class"})
     cv_folds: int = field(default=3, metadata={"help": "cross-validation folds that choose each class's cost (on AP)"})
     max_iter: int = field(default=2000, metadata={"help": "liblinear iterations per SVM fit"})
-    n_jobs: int = field(default=-1, metadata={"help": "parallel (class, cost) fits: -1 = all cores, 1 = sequential (same result)"})
+    n_jobs: int = field(
+        default=-1, metadata={"help": "parallel (class, cost) fits: -1 = all cores, 1 = sequential (same result)"}
+    )
     train_split: str = field(default="trainval", metadata={"help": "ImageSets/Main list the SVMs are trained on"})
-    test_split: str = field(default="test", metadata={"help": "ImageSets/Main list the SVMs are scored on (a devkit list name, unlike the val/test folders of the other protocols)"})
+    test_split: str = field(
+        default="test",
+        metadata={
+            "help": "ImageSets/Main list the SVMs are scored on (a devkit list name, unlike the val/test folders of the other protocols)"
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.data or self.data == "digits":
-            raise ValueError(f"--data must point to a VOC devkit (VOCdevkit/VOC2007 with ImageSets/Main, Annotations, JPEGImages), got {self.data!r}")
+            raise ValueError(
+                f"--data must point to a VOC devkit (VOCdevkit/VOC2007 with ImageSets/Main, Annotations, JPEGImages), got {self.data!r}"
+            )
         if not self.costs or any(c <= 0 for c in self.costs):
             raise ValueError(f"--costs must list positive numbers, got {self.costs}")
         if self.cv_folds < 2:
@@ -303,7 +359,9 @@ class Voc07SvmConfig(EvalConfig):
         if self.n_jobs == 0:
             raise ValueError("--n-jobs must be -1 (all cores) or a positive number of jobs, got 0")
         if self.holdout is not None:
-            raise ValueError("--holdout does not apply to VOC07: the devkit's ImageSets/Main lists give trainval and test")
+            raise ValueError(
+                "--holdout does not apply to VOC07: the devkit's ImageSets/Main lists give trainval and test"
+            )
 
 
 def run(config: Voc07SvmConfig) -> dict[str, Any]:
@@ -319,18 +377,39 @@ def run(config: Voc07SvmConfig) -> dict[str, Any]:
         local = replace(config, device=str(device))
         train = VocClassification(config.data, config.train_split)
         test = VocClassification(config.data, config.test_split, classes=train.classes)
-        info: dict[str, Any] = {"name": voc_root(config.data).name, "path": config.data, "fingerprint": dataset_fingerprint(voc_root(config.data)),
-                                "holdout": None, "overlap_check": check_disjoint(train, test)}
+        info: dict[str, Any] = {
+            "name": voc_root(config.data).name,
+            "path": config.data,
+            "fingerprint": dataset_fingerprint(voc_root(config.data)),
+            "holdout": None,
+            "overlap_check": check_disjoint(train, test),
+        }
         transform = voc07_transform(config.image_size)
         data = {}
         for name, split, dataset in (("train", config.train_split, train), ("test", config.test_split, test)):
             fingerprint = dataset_fingerprint(dataset)
             info[name] = {"split": split, "size": len(dataset), "fingerprint": fingerprint}
-            features, targets = features_for(local, backbone, dataset, weights_id=weights_id, dataset_id=fingerprint, split=split, transform=transform, pool=config.pool)
+            features, targets = features_for(
+                local,
+                backbone,
+                dataset,
+                weights_id=weights_id,
+                dataset_id=fingerprint,
+                split=split,
+                transform=transform,
+                pool=config.pool,
+            )
             data[name] = (l2_normalize(as_float32(features).numpy()), targets.numpy().astype(np.int8))
         record: dict[str, Any] = {}
         if is_main_process():
-            _, weights, biases, best = svm_grid(*data["train"], config.costs, folds=config.cv_folds, max_iter=config.max_iter, n_jobs=config.n_jobs, seed=config.seed)
+            _, weights, biases, best = svm_grid(
+                *data["train"],
+                config.costs,
+                folds=config.cv_folds,
+                max_iter=config.max_iter,
+                n_jobs=config.n_jobs,
+                seed=config.seed,
+            )
             ap, ap11 = evaluate_svms(weights, biases, *data["test"])
             scored = ~np.isnan(ap)
             metrics = {"mAP": 100.0 * float(ap[scored].mean()), "mAP_11point": 100.0 * float(ap11[scored].mean())}
@@ -343,8 +422,18 @@ def run(config: Voc07SvmConfig) -> dict[str, Any]:
                 "feature_dim": int(data["train"][0].shape[1]),
             }
             record = write_results(
-                config.out, protocol="voc07-svm", config=config, preset=None, mode="features", metrics=metrics, weights=config.weights,
-                weights_sha256=weights_id, dataset=info, seed=config.seed, wall_time_s=time.perf_counter() - tick, notes=notes,
+                config.out,
+                protocol="voc07-svm",
+                config=config,
+                preset=None,
+                mode="features",
+                metrics=metrics,
+                weights=config.weights,
+                weights_sha256=weights_id,
+                dataset=info,
+                seed=config.seed,
+                wall_time_s=time.perf_counter() - tick,
+                notes=notes,
                 paper_task="voc07_svm",
             )
         return record

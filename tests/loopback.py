@@ -28,7 +28,9 @@ class LoopbackFiles:
             def log_message(self, *args) -> None:
                 pass
 
-            def _send(self, code: int, body: bytes, length: int | None = None, content_type: str = "application/octet-stream") -> None:
+            def _send(
+                self, code: int, body: bytes, length: int | None = None, content_type: str = "application/octet-stream"
+            ) -> None:
                 self.send_response(code)
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body) if length is None else length))
@@ -99,7 +101,8 @@ class LoopbackHub:
                     return self._send(404, {"X-Error-Code": "RepoNotFound"}, b"{}", with_body)
                 repo, revision, filename = match.groups()
                 found = hub.repos[repo].get(revision) or next(
-                    (entry for entry in hub.repos[repo].values() if entry[0] == revision), None)
+                    (entry for entry in hub.repos[repo].values() if entry[0] == revision), None
+                )
                 if found is None:
                     return self._send(404, {"X-Error-Code": "RevisionNotFound"}, b"{}", with_body)
                 commit, files = found
@@ -107,7 +110,12 @@ class LoopbackHub:
                     return self._send(404, {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": commit}, b"{}", with_body)
                 body = files[filename]
                 etag = hashlib.sha256(body).hexdigest()
-                self._send(200, {"X-Repo-Commit": commit, "ETag": f'"{etag}"', "Content-Type": "application/octet-stream"}, body, with_body)
+                self._send(
+                    200,
+                    {"X-Repo-Commit": commit, "ETag": f'"{etag}"', "Content-Type": "application/octet-stream"},
+                    body,
+                    with_body,
+                )
 
             def do_HEAD(self) -> None:
                 self._resolve(with_body=False)

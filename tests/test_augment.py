@@ -24,7 +24,13 @@ from bt_hub.method.views import (
 )
 
 DRAWS = 2000
-DECISIONS = {"flip": "flip_p", "jitter": "jitter_p", "grayscale": "grayscale_p", "blur": "blur_p", "solarize": "solarize_p"}
+DECISIONS = {
+    "flip": "flip_p",
+    "jitter": "jitter_p",
+    "grayscale": "grayscale_p",
+    "blur": "blur_p",
+    "solarize": "solarize_p",
+}
 
 
 def _unnormalize(x: torch.Tensor) -> torch.Tensor:
@@ -201,7 +207,9 @@ def test_pil_path_and_tensor_path_agree_given_the_same_parameters():
     for view in (VIEW_A, VIEW_B):
         p = sample_view_params(n, view, torch.Generator().manual_seed(0), img.height, img.width)
         tensor_views = apply_view(batch.float() / 255, p, 24, view)
-        pil_views = torch.stack([apply_view_pil(img, {k: v[i : i + 1] for k, v in p.items()}, 24, view) for i in range(n)])
+        pil_views = torch.stack(
+            [apply_view_pil(img, {k: v[i : i + 1] for k, v in p.items()}, 24, view) for i in range(n)]
+        )
         # Bicubic vs roi_align resampling and PIL's uint8 rounding after each op: ~2/255 per pixel.
         assert (pil_views - tensor_views).abs().mean() < 0.06
         torch.testing.assert_close(pil_views.mean(dim=(0, 2, 3)), tensor_views.mean(dim=(0, 2, 3)), atol=0.03, rtol=0)

@@ -14,12 +14,19 @@ import torchvision
 from safetensors.torch import save_file
 
 from bt_hub import cli
+from bt_hub.method.model import BarlowTwins
 from bt_hub.weights import (
-    CheckpointError, ExportConfig, export, load_backbone, read_backbone_state_dict, save_detectron2, save_safetensors, to_detectron2,
+    CheckpointError,
+    ExportConfig,
+    export,
+    load_backbone,
+    read_backbone_state_dict,
+    save_detectron2,
+    save_safetensors,
+    to_detectron2,
     weights_fingerprint,
 )
 from bt_hub.weights.formats import infer_architecture, torchvision_to_detectron2_key
-from bt_hub.method.model import BarlowTwins
 
 torch.set_num_threads(2)
 
@@ -65,23 +72,60 @@ LAYOUTS = {
     # name: (file name, builder of the object saved, format description expected)
     "torchvision with fc": ("tv.pth", lambda s: s, "torchvision state dict"),
     "reference resnet50.pth": ("resnet50.pth", _backbone, "torchvision state dict"),
-    "reference checkpoint.pth": ("checkpoint.pth", lambda s: {
-        "epoch": 1000, "optimizer": {"state": {}, "param_groups": [{"lr": 0.2, "params": [0]}]},
-        "model": {**_prefixed(_backbone(s), "module.backbone."), "module.projector.0.weight": torch.ones(16, 2048),
-                  "module.projector.1.running_mean": torch.zeros(16), "module.bn.running_mean": torch.zeros(16)},
-    }, "under 'model.module.backbone.'"),
-    "VISSL trunk": ("model_final_checkpoint_phase999.torch", lambda s: {
-        "classy_state_dict": {"base_model": {"model": {
-            "trunk": _prefixed(_backbone(s), "_feature_blocks."), "heads": {"0.projection.weight": torch.ones(2, 2)},
-        }}}, "phase_idx": 999,
-    }, "VISSL trunk"),
-    "lightly backbone.": ("lightly.ckpt", lambda s: {"state_dict": {
-        **_prefixed(_backbone(s), "backbone."), "projection_head.layers.0.weight": torch.ones(4, 2048)}}, "under 'state_dict.backbone.'"),
-    "solo-learn backbone. + momentum": ("solo.ckpt", lambda s: {"state_dict": {
-        **_prefixed(_backbone(s), "backbone."), **_prefixed({k: v * 0 for k, v in _backbone(s).items()}, "momentum_backbone.")}},
-        "under 'state_dict.backbone.'"),
-    "Lightning model.backbone.": ("lightning.ckpt", lambda s: {"epoch": 3, "state_dict": _prefixed(_backbone(s), "model.backbone.")},
-                                  "under 'state_dict.model.backbone.'"),
+    "reference checkpoint.pth": (
+        "checkpoint.pth",
+        lambda s: {
+            "epoch": 1000,
+            "optimizer": {"state": {}, "param_groups": [{"lr": 0.2, "params": [0]}]},
+            "model": {
+                **_prefixed(_backbone(s), "module.backbone."),
+                "module.projector.0.weight": torch.ones(16, 2048),
+                "module.projector.1.running_mean": torch.zeros(16),
+                "module.bn.running_mean": torch.zeros(16),
+            },
+        },
+        "under 'model.module.backbone.'",
+    ),
+    "VISSL trunk": (
+        "model_final_checkpoint_phase999.torch",
+        lambda s: {
+            "classy_state_dict": {
+                "base_model": {
+                    "model": {
+                        "trunk": _prefixed(_backbone(s), "_feature_blocks."),
+                        "heads": {"0.projection.weight": torch.ones(2, 2)},
+                    }
+                }
+            },
+            "phase_idx": 999,
+        },
+        "VISSL trunk",
+    ),
+    "lightly backbone.": (
+        "lightly.ckpt",
+        lambda s: {
+            "state_dict": {
+                **_prefixed(_backbone(s), "backbone."),
+                "projection_head.layers.0.weight": torch.ones(4, 2048),
+            }
+        },
+        "under 'state_dict.backbone.'",
+    ),
+    "solo-learn backbone. + momentum": (
+        "solo.ckpt",
+        lambda s: {
+            "state_dict": {
+                **_prefixed(_backbone(s), "backbone."),
+                **_prefixed({k: v * 0 for k, v in _backbone(s).items()}, "momentum_backbone."),
+            }
+        },
+        "under 'state_dict.backbone.'",
+    ),
+    "Lightning model.backbone.": (
+        "lightning.ckpt",
+        lambda s: {"epoch": 3, "state_dict": _prefixed(_backbone(s), "model.backbone.")},
+        "under 'state_dict.model.backbone.'",
+    ),
     "encoder.": ("encoder.pth", lambda s: {"state_dict": _prefixed(s, "encoder.")}, "under 'state_dict.encoder.'"),
     "module.": ("ddp.pth", lambda s: _prefixed(s, "module."), "under 'module.'"),
 }
@@ -128,8 +172,10 @@ def test_run_directory_and_its_training_checkpoint_load(tmp_path):
     run.mkdir()
     save_file({k: v.contiguous() for k, v in state.items()}, run / "backbone.safetensors")
     (run / "config.json").write_text('{"architecture": "resnet18", "small_image_stem": true}')
-    torch.save({"model": bt.state_dict(), "optimizer": {}, "step": 5, "config": {}, "rng": {"torch": torch.get_rng_state()}},
-               run / "checkpoint.pth")
+    torch.save(
+        {"model": bt.state_dict(), "optimizer": {}, "step": 5, "config": {}, "rng": {"torch": torch.get_rng_state()}},
+        run / "checkpoint.pth",
+    )
     for source in (run, run / "checkpoint.pth"):
         model = load_backbone(source)
         assert model.conv1.kernel_size == (3, 3) and isinstance(model.maxpool, torch.nn.Identity)
@@ -219,7 +265,9 @@ def test_read_backbone_state_dict_reports_what_it_recognised(resnet50_state, tmp
     assert weights_fingerprint(tmp_path / "tv.pth") == hashlib.sha256((tmp_path / "tv.pth").read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("fmt,out", [("torchvision", "bt.pth"), ("safetensors", "bt.safetensors"), ("detectron2", "bt.pkl"), ("hf", "hf")])
+@pytest.mark.parametrize(
+    "fmt,out", [("torchvision", "bt.pth"), ("safetensors", "bt.safetensors"), ("detectron2", "bt.pkl"), ("hf", "hf")]
+)
 def test_export_round_trip_is_exact(fmt, out, resnet50_state, resnet50_file, tmp_path, capsys):
     written = export(ExportConfig(weights=str(resnet50_file), format=fmt, out=str(tmp_path / out)))
     _assert_same_backbone(load_backbone(written), resnet50_state)
@@ -233,8 +281,14 @@ def test_export_round_trip_is_exact(fmt, out, resnet50_state, resnet50_file, tmp
         assert payload["__author__"] and payload["matching_heuristics"] is True
         model = payload["model"]
         assert all(isinstance(v, np.ndarray) for v in model.values()) and not any("fc" in k for k in model)
-        for key in ("stem.conv1.weight", "stem.conv1.norm.running_var", "res2.0.conv1.norm.weight",
-                    "res3.0.shortcut.weight", "res5.2.conv3.norm.bias", "res4.0.shortcut.norm.running_mean"):
+        for key in (
+            "stem.conv1.weight",
+            "stem.conv1.norm.running_var",
+            "res2.0.conv1.norm.weight",
+            "res3.0.shortcut.weight",
+            "res5.2.conv3.norm.bias",
+            "res4.0.shortcut.norm.running_mean",
+        ):
             assert key in model
 
 
@@ -246,7 +300,9 @@ def test_cli_export_prints_hash_and_fails_with_one_line(resnet50_file, tmp_path,
     assert cli.main(["export", "--weights", str(tmp_path / "nope.pth"), "--out", str(tmp_path / "x.pth")]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"bt-hub export: error: weights {tmp_path / 'nope.pth'}: no such file or folder"
-    assert cli.main(["export", "--weights", str(source), "--format", "detectron2", "--out", str(tmp_path / "x.pth")]) == 2
+    assert (
+        cli.main(["export", "--weights", str(source), "--format", "detectron2", "--out", str(tmp_path / "x.pth")]) == 2
+    )
     assert "--out for --format detectron2 must end in .pkl" in capsys.readouterr().err
 
 
@@ -270,7 +326,11 @@ def test_exported_pkl_loads_into_detectron2_r50_c4_with_nothing_unloaded(resnet5
     for key, value in _backbone(resnet50_state).items():
         name = torchvision_to_detectron2_key(key)
         expected[("roi_heads." if name.startswith("res5.") else "backbone.") + name] = value
-    targets = [k for k in loaded if (k.startswith("backbone.") or k.startswith("roi_heads.res5.")) and not k.startswith("roi_heads.res5.norm.")]
+    targets = [
+        k
+        for k in loaded
+        if (k.startswith("backbone.") or k.startswith("roi_heads.res5.")) and not k.startswith("roi_heads.res5.norm.")
+    ]
     assert sorted(targets) == sorted(expected)
     unloaded = [k for k in targets if not torch.equal(loaded[k].cpu(), expected[k])]
     assert unloaded == []
@@ -280,5 +340,8 @@ def test_safetensors_files_are_byte_identical_across_saves(tmp_path):
     """Guards against safetensors writing metadata keys in random (hash map) order, which changed the sha256."""
     state = {"conv1.weight": torch.arange(6.0).reshape(1, 1, 2, 3)}
     meta = {"format": "pt", "architecture": "resnet50", "small_image_stem": "False", "source_format": "x"}
-    digests = {hashlib.sha256(save_safetensors(state, tmp_path / f"{i}.safetensors", meta).read_bytes()).hexdigest() for i in range(8)}
+    digests = {
+        hashlib.sha256(save_safetensors(state, tmp_path / f"{i}.safetensors", meta).read_bytes()).hexdigest()
+        for i in range(8)
+    }
     assert len(digests) == 1

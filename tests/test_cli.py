@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Literal
 
 import pytest
 
@@ -39,7 +39,9 @@ def test_unknown_command_is_one_clear_error(capsys):
     assert "unknown command 'pretrian'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("path,command", list(_all_commands()), ids=lambda x: " ".join(x) if isinstance(x, list) else "")
+@pytest.mark.parametrize(
+    "path,command", list(_all_commands()), ids=lambda x: " ".join(x) if isinstance(x, list) else ""
+)
 def test_every_subcommand_has_help_from_its_config_dataclass(path, command, capsys):
     module = importlib.import_module(command.module)
     config_cls = getattr(module, command.config)
@@ -58,7 +60,14 @@ def test_every_subcommand_has_help_from_its_config_dataclass(path, command, caps
 def test_every_protocol_module_in_eval_has_a_subcommand():
     routed = {command.module for _, command in _all_commands()}
     protocols = {"bt_hub.eval." + m.name for m in pkgutil.iter_modules(eval_pkg.__path__) if not m.ispkg}
-    protocols -= {"bt_hub.eval.config", "bt_hub.eval.features", "bt_hub.eval.report", "bt_hub.eval.classifier", "bt_hub.eval.splits", "bt_hub.eval.label_subsets"}
+    protocols -= {
+        "bt_hub.eval.config",
+        "bt_hub.eval.features",
+        "bt_hub.eval.report",
+        "bt_hub.eval.classifier",
+        "bt_hub.eval.splits",
+        "bt_hub.eval.label_subsets",
+    }
     assert protocols <= routed, f"eval modules without a bt-hub subcommand: {sorted(protocols - routed)}"
 
 
@@ -68,16 +77,20 @@ def test_add_dataclass_arguments_maps_types_presets_and_required():
         PRESETS: ClassVar[dict] = {"fast": {"epochs": 1}}
         data: str = dataclasses.field(metadata={"help": "dataset"})
         epochs: int = dataclasses.field(default=100, metadata={"help": "epochs"})
-        lr: Optional[float] = dataclasses.field(default=None, metadata={"help": "lr"})
+        lr: float | None = dataclasses.field(default=None, metadata={"help": "lr"})
         mode: Literal["a", "b"] = dataclasses.field(default="a", metadata={"help": "mode"})
         amp: bool = dataclasses.field(default=False, metadata={"help": "amp"})
         ks: list[int] = dataclasses.field(default_factory=lambda: [20, 200], metadata={"help": "ks"})
 
     parser = cli.argparse.ArgumentParser()
     cli.add_dataclass_arguments(parser, Demo)
-    config = cli.build_config(Demo, parser.parse_args(["--data", "x", "--preset", "fast", "--amp", "--ks", "1", "2", "--mode", "b"]))
+    config = cli.build_config(
+        Demo, parser.parse_args(["--data", "x", "--preset", "fast", "--amp", "--ks", "1", "2", "--mode", "b"])
+    )
     assert config == Demo(data="x", epochs=1, lr=None, mode="b", amp=True, ks=[1, 2])
-    config = cli.build_config(Demo, parser.parse_args(["--data", "x", "--preset", "fast", "--epochs", "7", "--lr", "0.5"]))
+    config = cli.build_config(
+        Demo, parser.parse_args(["--data", "x", "--preset", "fast", "--epochs", "7", "--lr", "0.5"])
+    )
     assert (config.epochs, config.lr) == (7, 0.5)
     with pytest.raises(SystemExit):
         parser.parse_args(["--epochs", "3"])
@@ -90,13 +103,17 @@ def _commands_with_presets():
 
     for path, command in _all_commands():
         config_cls = getattr(importlib.import_module(command.module), command.config)
-        flags = {f.name: f.metadata.get("flag", f.name) for f in dataclasses.fields(config_cls)}  # --arch sets the field backbone
+        flags = {
+            f.name: f.metadata.get("flag", f.name) for f in dataclasses.fields(config_cls)
+        }  # --arch sets the field backbone
         presets = {name: [flags[key] for key in values] for name, values in presets_of(config_cls).items()}
         if presets:
             yield path, presets
 
 
-@pytest.mark.parametrize("path,presets", list(_commands_with_presets()), ids=lambda x: " ".join(x) if isinstance(x, list) else "")
+@pytest.mark.parametrize(
+    "path,presets", list(_commands_with_presets()), ids=lambda x: " ".join(x) if isinstance(x, list) else ""
+)
 def test_every_preset_help_lists_what_the_preset_sets(path, presets, capsys):
     with pytest.raises(SystemExit):
         cli.main(path + ["--help"])
@@ -109,8 +126,8 @@ def test_every_preset_help_lists_what_the_preset_sets(path, presets, capsys):
 
 def test_one_preset_mechanism_builds_eval_and_pretrain_configs():
     from bt_hub.common.presets import from_preset, overrides
-    from bt_hub.train.pretrain import PretrainConfig
     from bt_hub.eval.semi_supervised import SemiSupervisedConfig
+    from bt_hub.train.pretrain import PretrainConfig
 
     parser = cli.argparse.ArgumentParser()
     cli.add_dataclass_arguments(parser, PretrainConfig)

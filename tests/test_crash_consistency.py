@@ -15,17 +15,37 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
 
 # 40 synthetic images, batch 8: 4 steps per epoch, 20 in all, a checkpoint after each (the fast test stops at 8).
 FLAGS = [
-    "--data", "synthetic:40", "--arch", "resnet18", "--small-image-stem", "--image-size", "8", "--projector", "32-32",
-    "--batch-size", "8", "--epochs", "5", "--warmup-epochs", "1", "--checkpoint-every", "1", "--log-every", "1",
-    "--seed", "3", "--probe-max-dim", "0",
+    "--data",
+    "synthetic:40",
+    "--arch",
+    "resnet18",
+    "--small-image-stem",
+    "--image-size",
+    "8",
+    "--projector",
+    "32-32",
+    "--batch-size",
+    "8",
+    "--epochs",
+    "5",
+    "--warmup-epochs",
+    "1",
+    "--checkpoint-every",
+    "1",
+    "--log-every",
+    "1",
+    "--seed",
+    "3",
+    "--probe-max-dim",
+    "0",
 ]
 TOTAL_STEPS, FAST_STEPS = 20, 8
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -70,14 +90,29 @@ def _kill_resumed_run(out: Path, moment: str, rng: random.Random, *extra: str) -
     ``checkpoint``: 0-20 ms after a checkpoint temp file appears. Returns whether the kill
     left a temp file behind (it cut a write short).
     """
-    metrics, before = out / "metrics.jsonl", (out / "metrics.jsonl").read_bytes() if (out / "metrics.jsonl").exists() else b""
+    metrics, before = (
+        out / "metrics.jsonl",
+        (out / "metrics.jsonl").read_bytes() if (out / "metrics.jsonl").exists() else b"",
+    )
     resumed_from = _checkpoint_step(out)
-    proc = subprocess.Popen(_cmd(out, "--resume", "auto", *extra), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        _cmd(out, "--resume", "auto", *extra),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         if moment == "startup":
             time.sleep(rng.uniform(0.0, 3.0))
         elif moment == "step":
-            _wait_for(lambda: metrics.exists() and metrics.read_bytes() != before and _last_logged_step(metrics) > resumed_from, proc, "a new step")
+            _wait_for(
+                lambda: (
+                    metrics.exists() and metrics.read_bytes() != before and _last_logged_step(metrics) > resumed_from
+                ),
+                proc,
+                "a new step",
+            )
             time.sleep(rng.uniform(0.0, 0.3))
         else:
             _wait_for(lambda: any(out.glob(".checkpoint.pth.*.tmp")), proc, "a checkpoint write")
@@ -105,7 +140,9 @@ def _assert_identical_runs(expected: Path, got: Path, steps: int) -> None:
     assert not [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])], "weights differ"
     assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()
     for key, state in a["optimizer"]["state"].items():
-        assert all(torch.equal(v, b["optimizer"]["state"][key][name]) for name, v in state.items()), f"optimizer state {key} differs"
+        assert all(torch.equal(v, b["optimizer"]["state"][key][name]) for name, v in state.items()), (
+            f"optimizer state {key} differs"
+        )
     backbone_a, backbone_b = (torch.load(d / "resnet18.pth", weights_only=True) for d in (expected, got))
     assert all(torch.equal(backbone_a[k], backbone_b[k]) for k in backbone_a)
     assert _metrics_without_timing(expected) == _metrics_without_timing(got)
@@ -154,7 +191,9 @@ def _alive(pid: int) -> bool:
 def test_killing_the_torchrun_agent_ends_its_workers_and_nothing_more_is_written(tmp_path):
     # item 9: the workers of a killed torchrun used to keep training and writing into --out
     out = tmp_path / "run"
-    agent = subprocess.Popen(_cmd(out, "--epochs", "100", launcher=TORCHRUN), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    agent = subprocess.Popen(
+        _cmd(out, "--epochs", "100", launcher=TORCHRUN), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     workers: list[int] = []
     try:
         _wait_for(lambda: _last_logged_step(out / "metrics.jsonl") >= 2, agent, "two logged steps")
@@ -182,8 +221,12 @@ def test_torchrun_max_restarts_resumes_a_killed_worker_from_the_checkpoint_bit_i
     # the elastic recipe of docs/pretraining.md: torchrun --max-restarts N ... --resume auto
     straight, elastic = tmp_path / "straight", tmp_path / "elastic"
     _run(_cmd(straight, launcher=TORCHRUN))
-    agent = subprocess.Popen(_cmd(elastic, "--resume", "auto", launcher=[*TORCHRUN, "--max-restarts", "1"]), env=_env(),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    agent = subprocess.Popen(
+        _cmd(elastic, "--resume", "auto", launcher=[*TORCHRUN, "--max-restarts", "1"]),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         _wait_for(lambda: _checkpoint_step(elastic) >= 6, agent, "the checkpoint of step 6")
         os.kill(max(_children(agent.pid)), signal.SIGKILL)

@@ -14,19 +14,37 @@ import pytest
 import torch
 
 from bt_hub import cli
-from bt_hub.weights import load_backbone
-from bt_hub.train.data import build_dataset
+from bt_hub.eval.features import extract_features
+from bt_hub.eval.knn import knn_search
 from bt_hub.method.loss import barlow_twins_loss
 from bt_hub.method.model import build_backbone
-from bt_hub.eval.features import extract_features
 from bt_hub.method.transforms import eval_transforms
-from bt_hub.eval.knn import knn_search
+from bt_hub.train.data import build_dataset
+from bt_hub.weights import load_backbone
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 PRETRAIN = [
-    "pretrain", "--data", "synthetic:64", "--arch", "resnet18", "--small-image-stem", "--image-size", "16",
-    "--projector", "256-256", "--batch-size", "16", "--epochs", "1", "--warmup-epochs", "1", "--log-every", "1", "--device", "cuda",
+    "pretrain",
+    "--data",
+    "synthetic:64",
+    "--arch",
+    "resnet18",
+    "--small-image-stem",
+    "--image-size",
+    "16",
+    "--projector",
+    "256-256",
+    "--batch-size",
+    "16",
+    "--epochs",
+    "1",
+    "--warmup-epochs",
+    "1",
+    "--log-every",
+    "1",
+    "--device",
+    "cuda",
 ]
 
 
@@ -90,8 +108,33 @@ def test_knn_on_cuda_finds_the_faiss_neighbours():
 
 def test_eval_all_on_cuda_writes_every_protocol(resnet18_weights, tmp_path):
     out = tmp_path / "all"
-    assert cli.main(["eval", "all", "--weights", str(resnet18_weights), "--data", "synthetic:60", "--image-size", "32", "--batch-size", "16",
-                     "--linear-epochs", "3", "--semi-epochs", "1", "--knn-k", "5", "--device", "cuda", "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "eval",
+                "all",
+                "--weights",
+                str(resnet18_weights),
+                "--data",
+                "synthetic:60",
+                "--image-size",
+                "32",
+                "--batch-size",
+                "16",
+                "--linear-epochs",
+                "3",
+                "--semi-epochs",
+                "1",
+                "--knn-k",
+                "5",
+                "--device",
+                "cuda",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     summary = json.loads((out / "results.json").read_text())
     assert [r["protocol"] for r in summary["results"]] == ["knn", "linear", "semi", "semi"]
     assert all(0 <= r["metrics"]["top1"] <= 100 for r in summary["results"])
@@ -99,15 +142,55 @@ def test_eval_all_on_cuda_writes_every_protocol(resnet18_weights, tmp_path):
 
 def test_full_linear_probe_on_cuda(resnet18_weights, tmp_path):
     out = tmp_path / "linear"
-    assert cli.main(["eval", "linear", "--weights", str(resnet18_weights), "--data", "synthetic:60", "--image-size", "32",
-                     "--batch-size", "16", "--epochs", "1", "--device", "cuda", "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "eval",
+                "linear",
+                "--weights",
+                str(resnet18_weights),
+                "--data",
+                "synthetic:60",
+                "--image-size",
+                "32",
+                "--batch-size",
+                "16",
+                "--epochs",
+                "1",
+                "--device",
+                "cuda",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     record = json.loads((out / "results.json").read_text())
     assert record["mode"] == "loop" and 0 <= record["metrics"]["top1"] <= 100
 
 
 def test_shortened_demo_on_cuda(tmp_path):
     out = tmp_path / "demo"
-    assert cli.main(["demo", "--out", str(out), "--device", "cuda", "--epochs", "1", "--max-steps", "4", "--semi-epochs", "1", "--linear-epochs", "10"]) == 0
+    assert (
+        cli.main(
+            [
+                "demo",
+                "--out",
+                str(out),
+                "--device",
+                "cuda",
+                "--epochs",
+                "1",
+                "--max-steps",
+                "4",
+                "--semi-epochs",
+                "1",
+                "--linear-epochs",
+                "10",
+            ]
+        )
+        == 0
+    )
     table = json.loads((out / "results.json").read_text())["table"]
     assert table["Barlow Twins (pretrained)"]["kNN"] > table["random init (same network)"]["kNN"]
     assert (out / "report.md").exists()

@@ -10,8 +10,16 @@ import pytest
 import torch
 from PIL import Image, JpegImagePlugin
 
-from bt_hub.method.views import VIEW_A, VIEW_B, BatchedTwoViews, apply_view, apply_view_pil, sample_view_params, to_float_rgb
 from bt_hub.cli import main as cli_main
+from bt_hub.method.views import (
+    VIEW_A,
+    VIEW_B,
+    BatchedTwoViews,
+    apply_view,
+    apply_view_pil,
+    sample_view_params,
+    to_float_rgb,
+)
 from bt_hub.train.decode import decode_images, device_decodable, read_encoded, resolve_decode
 
 SIZES = [(37, 53), (64, 48), (20, 90), (75, 75), (33, 41)]
@@ -69,7 +77,9 @@ def assert_decoded_like_pil(decoded: list[torch.Tensor], paths: list[Path]) -> N
         with Image.open(path) as img:
             subsampled = img.format == "JPEG" and JpegImagePlugin.get_sampling(img) > 0
         if subsampled:
-            assert diff.mean() <= 1.5 and (diff <= 4).float().mean() >= 0.99, f"{path.name}: mean {diff.mean():.2f}, max {diff.max():.0f}"
+            assert diff.mean() <= 1.5 and (diff <= 4).float().mean() >= 0.99, (
+                f"{path.name}: mean {diff.mean():.2f}, max {diff.max():.0f}"
+            )
         else:
             assert diff.max() <= 1, f"{path.name}: max {diff.max():.0f}"
 
@@ -77,7 +87,13 @@ def assert_decoded_like_pil(decoded: list[torch.Tensor], paths: list[Path]) -> N
 def test_device_decoder_takes_baseline_and_progressive_jpegs_and_leaves_cmyk_and_png_to_pil(tmp_path):
     files = write_images(tmp_path)
     decodable = {name: read_encoded(path).device_decodable for name, path in files.items()}
-    assert decodable == {**{f"rgb{i}": True for i in range(len(SIZES))}, "gray": True, "progressive": True, "cmyk": False, "png": False}
+    assert decodable == {
+        **{f"rgb{i}": True for i in range(len(SIZES))},
+        "gray": True,
+        "progressive": True,
+        "cmyk": False,
+        "png": False,
+    }
     assert not device_decodable(b"\xff\xd8\xff") and not device_decodable(b"GIF89a")
 
 
@@ -153,8 +169,35 @@ def test_decode_auto_is_device_only_for_batched_views_on_cuda_and_device_needs_b
 
 
 def _folder_pretrain(data: Path, out: Path, *extra: str) -> list[dict]:
-    code = cli_main(["pretrain", "--data", str(data), "--out", str(out), "--arch", "resnet18", "--small-image-stem", "--image-size", "16",
-                     "--projector", "32-32", "--batch-size", "6", "--epochs", "1", "--warmup-epochs", "1", "--views", "batched", "--log-every", "1", "--probe-max-dim", "32", *extra])
+    code = cli_main(
+        [
+            "pretrain",
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--arch",
+            "resnet18",
+            "--small-image-stem",
+            "--image-size",
+            "16",
+            "--projector",
+            "32-32",
+            "--batch-size",
+            "6",
+            "--epochs",
+            "1",
+            "--warmup-epochs",
+            "1",
+            "--views",
+            "batched",
+            "--log-every",
+            "1",
+            "--probe-max-dim",
+            "32",
+            *extra,
+        ]
+    )
     assert code == 0
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -201,7 +244,11 @@ def test_nvjpeg_batch_decode_equals_pil_and_falls_back_for_cmyk_png_and_a_reject
 def test_pretraining_on_cuda_decodes_files_on_the_gpu(tmp_path):
     for cls in ("a", "b"):
         write_images(tmp_path / "data" / cls)
-    rows = _folder_pretrain(tmp_path / "data", tmp_path / "run", "--device", "cuda", "--precision", "auto", "--num-workers", "2")
+    rows = _folder_pretrain(
+        tmp_path / "data", tmp_path / "run", "--device", "cuda", "--precision", "auto", "--num-workers", "2"
+    )
     assert len(rows) == 3 and all(np.isfinite(r["loss"]) for r in rows)
     recipe = json.loads((tmp_path / "run" / "config.json").read_text())["recipe"]
-    assert recipe["decode"] == "device" and recipe["precision"] == ("bf16" if torch.cuda.is_bf16_supported() else "fp32")
+    assert recipe["decode"] == "device" and recipe["precision"] == (
+        "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    )

@@ -35,11 +35,30 @@ def test_shortened_demo_writes_the_report_and_the_plots(short_demo):
 
 def test_the_cli_reproduces_the_demos_knn_linear_and_fine_tuning_numbers(short_demo, tmp_path):
     table = json.loads((short_demo / "results.json").read_text())["table"]["Barlow Twins (pretrained)"]
-    common = ["--weights", str(short_demo / "pretrain"), "--data", "digits", "--image-size", "8", "--test-split", "test"]
+    common = [
+        "--weights",
+        str(short_demo / "pretrain"),
+        "--data",
+        "digits",
+        "--image-size",
+        "8",
+        "--test-split",
+        "test",
+    ]
     commands = {
         "kNN": ["eval", "knn", "--k", "20", *common],
         "linear": ["eval", "linear", "--cached", "--epochs", "10", *common],
-        "10% labels": ["eval", "semi", "--preset", "small", "--fraction", "10", "--epochs", "3", *common],  # the demo's --semi-epochs
+        "10% labels": [
+            "eval",
+            "semi",
+            "--preset",
+            "small",
+            "--fraction",
+            "10",
+            "--epochs",
+            "3",
+            *common,
+        ],  # the demo's --semi-epochs
     }
     for column, argv in commands.items():
         assert cli.main([*argv, "--out", str(tmp_path / column)]) == 0
@@ -58,7 +77,11 @@ def test_barlow_twins_beats_the_random_init_network_on_knn_and_on_1_percent_labe
 def test_full_length_demo_beats_the_random_init_network_and_the_pixels_on_1_percent_labels(tmp_path):
     assert cli.main(["demo", "--out", str(tmp_path / "demo_out")]) == 0
     table = json.loads((tmp_path / "demo_out" / "results.json").read_text())["table"]
-    bt, random_init, pixels = table["Barlow Twins (pretrained)"], table["random init (same network)"], table["raw pixels"]
+    bt, random_init, pixels = (
+        table["Barlow Twins (pretrained)"],
+        table["random init (same network)"],
+        table["raw pixels"],
+    )
     # seed 0, 88 steps: kNN 86.4 vs 11.9; 1% labels 64.4 vs 21.7 (pixels 45.8)
     assert bt["kNN"] > random_init["kNN"] + 40.0
     assert bt["1% labels"] > random_init["1% labels"] + 20.0

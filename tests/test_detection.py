@@ -10,23 +10,21 @@ plain BN in a single CPU process (no process group), so it is not overridden her
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 pytest.importorskip("detectron2")
 
+from detection_settings import DETECTRON2_FAST as FAST  # noqa: E402
 from detectron2.checkpoint import DetectionCheckpointer  # noqa: E402
 from detectron2.modeling import build_model  # noqa: E402
 
-from detection_settings import DETECTRON2_FAST as FAST  # noqa: E402
 from bt_hub.eval.detection.config import CONFIGS, build_cfg, load_settings, resolve_config  # noqa: E402
-from bt_hub.eval.detection.synthetic import write_coco, write_voc  # noqa: E402
 from bt_hub.eval.detection.detect import prepare_weights  # noqa: E402
 from bt_hub.eval.detection.detectron2_engine.trainer import run_trial, unloaded_parameters  # noqa: E402
+from bt_hub.eval.detection.synthetic import write_coco, write_voc  # noqa: E402
 
 pytestmark = [pytest.mark.detectron2, pytest.mark.usefixtures("one_thread")]
-
 
 
 @pytest.mark.parametrize("alias", ["voc", "coco"])
@@ -35,12 +33,18 @@ def test_shipped_config_builds_on_cpu_and_loads_every_backbone_tensor(alias, bt_
     pkl, expected = prepare_weights(str(source), tmp_path)
     cfg = build_cfg(resolve_config(alias), [], weights=pkl, device="cpu", seed=0, output_dir=tmp_path)
     model = build_model(cfg)
-    assert isinstance(model.roi_heads.res5.norm, torch.nn.SyncBatchNorm) and model.roi_heads.res5.norm.num_features == 2048
+    assert (
+        isinstance(model.roi_heads.res5.norm, torch.nn.SyncBatchNorm) and model.roi_heads.res5.norm.num_features == 2048
+    )
     assert hasattr(model.roi_heads, "mask_head") == (alias == "coco")
     DetectionCheckpointer(model).load(pkl)
 
     assert unloaded_parameters(model, expected) == []
-    loaded = [k for k in model.state_dict() if k.startswith(("backbone.", "roi_heads.res5.")) and "res5.norm." not in k and "num_batches_tracked" not in k]
+    loaded = [
+        k
+        for k in model.state_dict()
+        if k.startswith(("backbone.", "roi_heads.res5.")) and "res5.norm." not in k and "num_batches_tracked" not in k
+    ]
     assert len(loaded) == len([k for k in expected if "num_batches_tracked" not in k]) == 265
     assert torch.equal(model.backbone.stem.conv1.weight, state["conv1.weight"])
     assert torch.equal(model.backbone.res4[5].conv2.norm.running_var, state["layer3.5.bn2.running_var"])
@@ -78,12 +82,17 @@ def test_detectron2_reads_every_yaml_value_as_the_torchvision_engine_does(alias,
 def test_class_count_that_does_not_match_the_data_is_refused(tmp_path):
     data = write_coco(tmp_path / "data", splits={"train2017": 2, "val2017": 1})
     cfg = build_cfg(resolve_config("coco"), FAST, weights="", device="cpu", seed=0, output_dir=tmp_path / "trial0")
-    with pytest.raises(ValueError, match=r"NUM_CLASSES is 80 but dataset coco_2017_val has 4 classes; pass `MODEL.ROI_HEADS.NUM_CLASSES 4`"):
+    with pytest.raises(
+        ValueError,
+        match=r"NUM_CLASSES is 80 but dataset coco_2017_val has 4 classes; pass `MODEL.ROI_HEADS.NUM_CLASSES 4`",
+    ):
         run_trial(cfg, str(data), None, False)
 
 
 def test_missing_devkit_year_is_named(tmp_path):
     data = write_voc(tmp_path / "data", splits={"2007": {"trainval": 2, "test": 1}})
     cfg = build_cfg(resolve_config("voc"), FAST, weights="", device="cpu", seed=0, output_dir=tmp_path / "trial0")
-    with pytest.raises(FileNotFoundError, match=r"dataset voc_2012_trainval needs .*VOC2012/ImageSets/Main/trainval.txt"):
+    with pytest.raises(
+        FileNotFoundError, match=r"dataset voc_2012_trainval needs .*VOC2012/ImageSets/Main/trainval.txt"
+    ):
         run_trial(cfg, str(data), None, False)

@@ -20,8 +20,16 @@ import yaml
 from bt_hub.cli import main as cli_main
 from bt_hub.eval.detection.config import CONFIGS, configs_dir, resolve_config
 from bt_hub.eval.detection.data import load_records, locate
-from bt_hub.eval.detection.synthetic import CLASSES, COLOURS, DetectionDataConfig, make_detection_data, rasterize, write_coco, write_voc
 from bt_hub.eval.detection.detect import PAPER_TASKS, aggregate_trials
+from bt_hub.eval.detection.synthetic import (
+    CLASSES,
+    COLOURS,
+    DetectionDataConfig,
+    make_detection_data,
+    rasterize,
+    write_coco,
+    write_voc,
+)
 
 PIXEL_MEAN = [123.675, 116.280, 103.530]
 PIXEL_STD = [58.395, 57.120, 57.375]
@@ -113,7 +121,12 @@ def test_every_non_default_value_has_a_comment_saying_where_it_comes_from():
         lines = path.read_text().splitlines()
         for i, line in enumerate(lines):
             stripped = line.strip()
-            if not stripped or stripped.startswith("#") or stripped.endswith(":") or stripped.startswith(("_BASE_", "VERSION")):
+            if (
+                not stripped
+                or stripped.startswith("#")
+                or stripped.endswith(":")
+                or stripped.startswith(("_BASE_", "VERSION"))
+            ):
                 continue
             above = [lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()]
             commented = "#" in line or any(a.startswith("#") for a in above[:3])
@@ -125,7 +138,9 @@ def test_aliases_resolve_to_shipped_files_and_unknown_configs_are_refused(tmp_pa
     own = tmp_path / "mine.yaml"
     own.write_text("_BASE_: x.yaml\n")
     assert resolve_config(str(own)) == own
-    with pytest.raises(FileNotFoundError, match="--config must be 'voc', 'coco', 'shapes-voc', 'shapes-coco' or a detectron2 YAML file"):
+    with pytest.raises(
+        FileNotFoundError, match="--config must be 'voc', 'coco', 'shapes-voc', 'shapes-coco' or a detectron2 YAML file"
+    ):
         resolve_config(str(tmp_path / "absent.yaml"))
 
 
@@ -134,16 +149,29 @@ def test_installation_check_configs_fit_the_generated_set(alias):
     cfg = _load(resolve_config(alias))
     assert cfg["MODEL"]["ROI_HEADS"]["NUM_CLASSES"] == len(CLASSES)
     assert cfg["MODEL"]["MASK_ON"] == (alias == "shapes-coco")
-    layout = {"shapes-voc": (["voc_2007_trainval"], ["voc_2007_test"]), "shapes-coco": (["coco_2017_train"], ["coco_2017_val"])}[alias]
+    layout = {
+        "shapes-voc": (["voc_2007_trainval"], ["voc_2007_test"]),
+        "shapes-coco": (["coco_2017_train"], ["coco_2017_val"]),
+    }[alias]
     assert (cfg["DATASETS"]["TRAIN"], cfg["DATASETS"]["TEST"]) == layout
     # the paper's model: only sizes (the anchors halved with the input), RoI/proposal counts and the schedule differ from the base
     base = _load(configs_dir() / "Base-RCNN-C4-BN.yaml")
-    for key in ("MODEL.ANCHOR_GENERATOR.ASPECT_RATIOS", "MODEL.ROI_HEADS.NAME", "MODEL.RESNETS.NORM", "MODEL.BACKBONE.FREEZE_AT", "MODEL.PIXEL_MEAN"):
+    for key in (
+        "MODEL.ANCHOR_GENERATOR.ASPECT_RATIOS",
+        "MODEL.ROI_HEADS.NAME",
+        "MODEL.RESNETS.NORM",
+        "MODEL.BACKBONE.FREEZE_AT",
+        "MODEL.PIXEL_MEAN",
+    ):
         assert _get(cfg, key) == _get(base, key), key
-    assert _get(cfg, "MODEL.ANCHOR_GENERATOR.SIZES") == [[side // 2 for side in _get(base, "MODEL.ANCHOR_GENERATOR.SIZES")[0]]]
+    assert _get(cfg, "MODEL.ANCHOR_GENERATOR.SIZES") == [
+        [side // 2 for side in _get(base, "MODEL.ANCHOR_GENERATOR.SIZES")[0]]
+    ]
 
 
-def test_detect_with_detectron2_engine_but_without_detectron2_fails_with_the_install_sentence(monkeypatch, capsys, tmp_path):
+def test_detect_with_detectron2_engine_but_without_detectron2_fails_with_the_install_sentence(
+    monkeypatch, capsys, tmp_path
+):
     monkeypatch.setitem(sys.modules, "detectron2", None)  # `import detectron2` now raises ImportError
     code = cli_main(["detect", "--engine", "detectron2", "--weights", str(tmp_path / "w.pth"), "--data", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
@@ -166,15 +194,25 @@ def test_detect_refuses_an_out_it_did_not_create_before_reading_anything(capsys,
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "results.json").write_text("my own notes")
-    code = cli_main(["detect", "--weights", "w.pth", "--data", str(tmp_path), "--config", "shapes-voc", "--out", str(mine)])
+    code = cli_main(
+        ["detect", "--weights", "w.pth", "--data", str(tmp_path), "--config", "shapes-voc", "--out", str(mine)]
+    )
     assert code == 2
     assert f"--out {mine} is not empty and was not created by bt-hub" in capsys.readouterr().err
-    assert (mine / "results.json").read_text() == "my own notes" and sorted(p.name for p in mine.iterdir()) == ["results.json"]
+    assert (mine / "results.json").read_text() == "my own notes" and sorted(p.name for p in mine.iterdir()) == [
+        "results.json"
+    ]
 
 
 def test_trials_report_mean_and_sample_std():
-    trials = [{"bbox_AP": 50.0, "bbox_AP50": 80.0}, {"bbox_AP": 52.0, "bbox_AP50": 82.0}, {"bbox_AP": 54.0, "bbox_AP50": 81.0}]
-    assert aggregate_trials(trials) == pytest.approx({"bbox_AP": 52.0, "bbox_AP_std": 2.0, "bbox_AP50": 81.0, "bbox_AP50_std": 1.0})
+    trials = [
+        {"bbox_AP": 50.0, "bbox_AP50": 80.0},
+        {"bbox_AP": 52.0, "bbox_AP50": 82.0},
+        {"bbox_AP": 54.0, "bbox_AP50": 81.0},
+    ]
+    assert aggregate_trials(trials) == pytest.approx(
+        {"bbox_AP": 52.0, "bbox_AP_std": 2.0, "bbox_AP50": 81.0, "bbox_AP50_std": 1.0}
+    )
     assert aggregate_trials(trials[:1]) == {"bbox_AP": 50.0, "bbox_AP50": 80.0}
 
 
@@ -226,7 +264,9 @@ def test_make_detection_data_writes_the_same_images_in_both_layouts(tmp_path):
         image = next(i for i in coco["images"] if i["id"] == ann["image_id"])
         pixels = np.asarray(Image.open(root / "val2017" / image["file_name"]).convert("RGB"), dtype=np.float32)
         inside = pixels[rasterize(ann["segmentation"][0], image["height"], image["width"])].mean(axis=0)
-        assert np.abs(inside - COLOURS[CLASSES[ann["category_id"] - 1]]).max() < 45, ann  # colour jitter 15 + JPEG at thin edges
+        assert np.abs(inside - COLOURS[CLASSES[ann["category_id"] - 1]]).max() < 45, (
+            ann
+        )  # colour jitter 15 + JPEG at thin edges
     # the same flags again leave the folder as it is; other contents are never overwritten
     assert make_detection_data(DetectionDataConfig(out=str(root), train=6, test=5, size=96, seed=2)) == root
     with pytest.raises(FileExistsError, match="is not an empty folder"):
@@ -237,17 +277,32 @@ def test_detection_results_get_the_papers_rows_in_the_report():
     from bt_hub.eval.report import render_table
 
     def record(preset, **metrics):
-        return {"protocol": "detect", "preset": preset, "paper_task": PAPER_TASKS.get(preset), "metrics": metrics,
-                "weights": {"name": "bt.pth", "fingerprint": "ab"}, "dataset": {"name": "d"}, "wall_time_s": 1.0}
+        return {
+            "protocol": "detect",
+            "preset": preset,
+            "paper_task": PAPER_TASKS.get(preset),
+            "metrics": metrics,
+            "weights": {"name": "bt.pth", "fingerprint": "ab"},
+            "dataset": {"name": "d"},
+            "wall_time_s": 1.0,
+        }
 
-    text = render_table([
-        record("voc", bbox_AP=50.0, bbox_AP50=80.0, bbox_AP75=55.0),
-        record("coco", bbox_AP=38.0, bbox_AP50=58.0, bbox_AP75=41.0, segm_AP=33.0, segm_AP50=55.0, segm_AP75=35.0),
-        record("shapes-voc", bbox_AP=60.0, bbox_AP50=90.0, bbox_AP75=70.0),
-    ])
+    text = render_table(
+        [
+            record("voc", bbox_AP=50.0, bbox_AP50=80.0, bbox_AP75=55.0),
+            record("coco", bbox_AP=38.0, bbox_AP50=58.0, bbox_AP75=41.0, segm_AP=33.0, segm_AP50=55.0, segm_AP75=35.0),
+            record("shapes-voc", bbox_AP=60.0, bbox_AP50=90.0, bbox_AP75=70.0),
+        ]
+    )
     voc, coco, other = text.split("### ")[1:]
     assert "VOC07+12 Faster R-CNN" in voc and "| box AP | box AP50 | box AP75 | Wall time (s) |" in voc
     assert "| 56.8 | 82.6 | 63.4 | — |" in voc and "| preset voc | bt.pth (ab) | d | 50.0 | 80.0 | 55.0 | 1.0 |" in voc
     assert "| mask AP | mask AP50 | mask AP75 |" in coco
-    assert "| 39.2 | 59.0 | 42.5 | 34.3 | 56.0 | 36.5 | — |" in coco and "| 38.0 | 58.0 | 41.0 | 33.0 | 55.0 | 35.0 | 1.0 |" in coco
-    assert "paper" not in other.split("|---")[1] and "| preset shapes-voc | bt.pth (ab) | d | 60.0 | 90.0 | 70.0 | 1.0 |" in other
+    assert (
+        "| 39.2 | 59.0 | 42.5 | 34.3 | 56.0 | 36.5 | — |" in coco
+        and "| 38.0 | 58.0 | 41.0 | 33.0 | 55.0 | 35.0 | 1.0 |" in coco
+    )
+    assert (
+        "paper" not in other.split("|---")[1]
+        and "| preset shapes-voc | bt.pth (ab) | d | 60.0 | 90.0 | 70.0 | 1.0 |" in other
+    )

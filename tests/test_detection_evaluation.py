@@ -8,8 +8,9 @@ is importable, for detectron2 (its own PascalVOCDetectionEvaluator / COCOEvaluat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -35,7 +36,9 @@ def _evaluator(engine: str) -> Callable[..., dict[str, dict[str, float]]]:
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    return make_detection_data(DetectionDataConfig(out=str(tmp_path_factory.mktemp("shapes")), train=1, test=30, size=96, seed=7))
+    return make_detection_data(
+        DetectionDataConfig(out=str(tmp_path_factory.mktemp("shapes")), train=1, test=30, size=96, seed=7)
+    )
 
 
 def _ground_truth(root: Path, layout: str) -> tuple[list[Any], dict[Any, dict[str, Any]]]:
@@ -93,7 +96,9 @@ def test_planted_errors_score_the_ap_worked_out_by_hand(engine, layout, root):
     for cls in (SHIFTED, SWAPPED, SWAPPED_TO):
         assert any((r.labels == cls).any() for r in records), f"the test split has no {CLASSES[cls]}"
     planted = _planted(truth)
-    ious = np.concatenate([np.diag(box_iou(planted[r.image_id]["boxes"], r.boxes))[r.labels == SHIFTED] for r in records])
+    ious = np.concatenate(
+        [np.diag(box_iou(planted[r.image_id]["boxes"], r.boxes))[r.labels == SHIFTED] for r in records]
+    )
     assert ious == pytest.approx(PLANTED_IOU)
     k = len(CLASSES)
     result = _evaluator(engine)(root, LAYOUTS[layout], planted, with_masks=layout == "coco")
@@ -143,17 +148,30 @@ def test_voc_evaluator_ignores_difficult_objects_and_counts_duplicates_as_false_
     for preds in (truth, without):
         assert voc_evaluate(records, preds, len(CLASSES), use_07_metric=False)["bbox"]["AP"] == pytest.approx(100.0)
     # a second, lower-scored copy of every box is a false positive ranked after every true positive
-    doubled = {k: {"boxes": np.concatenate([p["boxes"]] * 2), "scores": np.concatenate([p["scores"], p["scores"] / 2]),
-                   "labels": np.concatenate([p["labels"]] * 2)} for k, p in truth.items()}
+    doubled = {
+        k: {
+            "boxes": np.concatenate([p["boxes"]] * 2),
+            "scores": np.concatenate([p["scores"], p["scores"] / 2]),
+            "labels": np.concatenate([p["labels"]] * 2),
+        }
+        for k, p in truth.items()
+    }
     assert voc_evaluate(records, doubled, len(CLASSES), use_07_metric=True)["bbox"]["AP"] == pytest.approx(100.0)
     # a box far from everything, ranked above all n true positives of its class: precision k / (k + 1)
     # at recall k / n rises with k, so the interpolated precision (the best at any higher recall) is
     # n / (n + 1) everywhere and that is the class's all-point AP
     cls = int(first.labels[1])
     n = sum(int(((r.labels == cls) & ~r.difficult).sum()) for r in records)
-    stray = {**truth, first.image_id: {"boxes": np.concatenate([truth[first.image_id]["boxes"], [[0.0, 0.0, 1.0, 1.0]]]),
-                                       "scores": np.concatenate([truth[first.image_id]["scores"], [2.0]]),
-                                       "labels": np.concatenate([truth[first.image_id]["labels"], [cls]])}}
+    stray = {
+        **truth,
+        first.image_id: {
+            "boxes": np.concatenate([truth[first.image_id]["boxes"], [[0.0, 0.0, 1.0, 1.0]]]),
+            "scores": np.concatenate([truth[first.image_id]["scores"], [2.0]]),
+            "labels": np.concatenate([truth[first.image_id]["labels"], [cls]]),
+        },
+    }
     per_class = [100.0] * len(CLASSES)
     per_class[cls] = 100 * n / (n + 1)
-    assert voc_evaluate(records, stray, len(CLASSES), use_07_metric=False)["bbox"]["AP50"] == pytest.approx(np.mean(per_class))
+    assert voc_evaluate(records, stray, len(CLASSES), use_07_metric=False)["bbox"]["AP50"] == pytest.approx(
+        np.mean(per_class)
+    )

@@ -16,17 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from detection_settings import DETECTRON2_FAST, FAST
 from torch import nn
 from torchvision.models.detection import FasterRCNN, MaskRCNN
 
 from bt_hub.cli import main as cli_main
-from detection_settings import DETECTRON2_FAST, FAST
-from bt_hub.method.model import build_backbone
 from bt_hub.eval.detection.config import FLAG_OWNED_KEYS, load_settings, resolve_config, scale_to_world_size
-from bt_hub.eval.detection.synthetic import DetectionDataConfig, make_detection_data
-from bt_hub.eval.detection.torchvision_engine.model import build_c4_model, c4_backbone_state_dict, unloaded_backbone_tensors
-from bt_hub.eval.detection.torchvision_engine.trainer import lr_factor, param_groups
 from bt_hub.eval.detection.detect import resolve_engine
+from bt_hub.eval.detection.synthetic import DetectionDataConfig, make_detection_data
+from bt_hub.eval.detection.torchvision_engine.model import (
+    build_c4_model,
+    c4_backbone_state_dict,
+    unloaded_backbone_tensors,
+)
+from bt_hub.eval.detection.torchvision_engine.trainer import lr_factor, param_groups
+from bt_hub.method.model import build_backbone
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,7 +53,15 @@ def test_shipped_config_builds_the_papers_c4_model(alias):
     classes = {"voc": 20, "coco": 80}[alias]
     assert type(model) is {"voc": FasterRCNN, "coco": MaskRCNN}[alias]
     # trunk conv1..layer3 (1024 channels, stride 16); res5 is the box head, with the extra BatchNorm
-    assert [n for n, _ in model.backbone.named_children()] == ["conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3"]
+    assert [n for n, _ in model.backbone.named_children()] == [
+        "conv1",
+        "bn1",
+        "relu",
+        "maxpool",
+        "layer1",
+        "layer2",
+        "layer3",
+    ]
     assert model.backbone(torch.zeros(1, 3, 64, 96)).shape == (1, 1024, 4, 6)
     head = model.roi_heads.box_head
     assert len(head.res5) == 3 and head.res5[0].conv3.out_channels == 2048
@@ -62,26 +74,44 @@ def test_shipped_config_builds_the_papers_c4_model(alias):
     # RPN: 0.3/0.7 IoU, 256 anchors half positive, NMS 0.7, top-k 12000/2000 (train) and 6000/1000 (test)
     rpn = model.rpn
     assert (rpn.proposal_matcher.low_threshold, rpn.proposal_matcher.high_threshold) == (0.3, 0.7)
-    assert (rpn.fg_bg_sampler.batch_size_per_image, rpn.fg_bg_sampler.positive_fraction, rpn.nms_thresh) == (256, 0.5, 0.7)
-    assert rpn._pre_nms_top_n == {"training": 12000, "testing": 6000} and rpn._post_nms_top_n == {"training": 2000, "testing": 1000}
+    assert (rpn.fg_bg_sampler.batch_size_per_image, rpn.fg_bg_sampler.positive_fraction, rpn.nms_thresh) == (
+        256,
+        0.5,
+        0.7,
+    )
+    assert rpn._pre_nms_top_n == {"training": 12000, "testing": 6000} and rpn._post_nms_top_n == {
+        "training": 2000,
+        "testing": 1000,
+    }
     # RoIs: 512 per image, a quarter foreground at IoU 0.5; RoIAlign aligned=True 14x14, adaptive sampling
     roi = model.roi_heads
     assert (roi.fg_bg_sampler.batch_size_per_image, roi.fg_bg_sampler.positive_fraction) == (512, 0.25)
     assert roi.proposal_matcher.high_threshold == roi.proposal_matcher.low_threshold == 0.5
-    assert roi.box_roi_pool.aligned and roi.box_roi_pool.output_size == (14, 14) and roi.box_roi_pool.sampling_ratio == 0
+    assert (
+        roi.box_roi_pool.aligned and roi.box_roi_pool.output_size == (14, 14) and roi.box_roi_pool.sampling_ratio == 0
+    )
     assert roi.box_coder.weights == (10.0, 10.0, 5.0, 5.0)
     assert (roi.score_thresh, roi.nms_thresh, roi.detections_per_img) == (0.05, 0.5, 100)
-    assert roi.box_predictor.cls_score.out_features == classes + 1 and roi.box_predictor.bbox_pred.out_features == 4 * (classes + 1)
+    assert roi.box_predictor.cls_score.out_features == classes + 1 and roi.box_predictor.bbox_pred.out_features == 4 * (
+        classes + 1
+    )
     if alias == "coco":  # the mask branch shares res5: 2x2 deconvolution 2048 -> 256, 1x1 predictor
         deconv, _, predictor = roi.mask_predictor
-        assert (deconv.in_channels, deconv.out_channels, deconv.kernel_size, deconv.stride) == (2048, 256, (2, 2), (2, 2))
+        assert (deconv.in_channels, deconv.out_channels, deconv.kernel_size, deconv.stride) == (
+            2048,
+            256,
+            (2, 2),
+            (2, 2),
+        )
         assert (predictor.in_channels, predictor.out_channels, predictor.kernel_size) == (256, classes + 1, (1, 1))
         assert not list(roi.mask_roi_pool.parameters()) and not list(roi.mask_head.parameters())
     else:
         assert roi.mask_predictor is None
     # torchvision pixel mean/std; detectron2's separate train sizes (drawn per image) and test size
     transform = model.transform
-    assert transform.image_mean == pytest.approx([0.485, 0.456, 0.406]) and transform.image_std == pytest.approx([0.229, 0.224, 0.225])
+    assert transform.image_mean == pytest.approx([0.485, 0.456, 0.406]) and transform.image_std == pytest.approx(
+        [0.229, 0.224, 0.225]
+    )
     assert (transform.min_size, transform.max_size) == ({"voc": VOC_TRAIN_SIZES, "coco": COCO_TRAIN_SIZES}[alias], 1333)
     model.eval()
     assert (transform.min_size, transform.max_size) == ((800,), 1333)
@@ -92,8 +122,13 @@ def test_shipped_config_builds_the_papers_c4_model(alias):
 
 def test_every_exported_backbone_tensor_loads_into_the_model(bt_weights, tmp_path):
     source, state = bt_weights
-    assert cli_main(["export", "--weights", str(source), "--format", "torchvision", "--out", str(tmp_path / "tv.pth")]) == 0
-    assert cli_main(["export", "--weights", str(source), "--format", "detectron2", "--out", str(tmp_path / "d2.pkl")]) == 0
+    assert (
+        cli_main(["export", "--weights", str(source), "--format", "torchvision", "--out", str(tmp_path / "tv.pth")])
+        == 0
+    )
+    assert (
+        cli_main(["export", "--weights", str(source), "--format", "detectron2", "--out", str(tmp_path / "d2.pkl")]) == 0
+    )
     from bt_hub.weights import load_backbone
 
     settings = load_settings(resolve_config("coco"))
@@ -107,19 +142,29 @@ def test_every_exported_backbone_tensor_loads_into_the_model(bt_weights, tmp_pat
     with torch.no_grad():
         model.backbone.layer3[5].bn2.running_var.add_(1.0)
     assert unloaded_backbone_tensors(model, state) == ["layer3.5.bn2.running_var"]
-    assert unloaded_backbone_tensors(model, {k: v for k, v in state.items() if k != "conv1.weight"}) == ["conv1.weight", "layer3.5.bn2.running_var"]
+    assert unloaded_backbone_tensors(model, {k: v for k, v in state.items() if k != "conv1.weight"}) == [
+        "conv1.weight",
+        "layer3.5.bn2.running_var",
+    ]
 
 
 def test_mask_branch_reuses_the_res5_rows_of_the_box_branch_in_training():
     torch.manual_seed(0)
-    settings = load_settings(resolve_config("shapes-coco"), FAST[:8] + ["MODEL.ROI_HEADS.BATCH_SIZE_PER_IMAGE", "16", "MODEL.ROI_BOX_HEAD.POOLER_RESOLUTION", "4"])
+    settings = load_settings(
+        resolve_config("shapes-coco"),
+        FAST[:8] + ["MODEL.ROI_HEADS.BATCH_SIZE_PER_IMAGE", "16", "MODEL.ROI_BOX_HEAD.POOLER_RESOLUTION", "4"],
+    )
     model = build_c4_model(settings, build_backbone("resnet50"))
     calls, mask_inputs = [], []
     model.roi_heads.box_head.res5.register_forward_hook(lambda m, i, o: calls.append(o))
     model.roi_heads.mask_predictor.register_forward_hook(lambda m, i, o: mask_inputs.append(i[0]))
     masks = torch.zeros(2, 64, 64, dtype=torch.uint8)
     masks[0, 4:30, 4:30] = masks[1, 30:60, 20:50] = 1
-    target = {"boxes": torch.tensor([[4.0, 4, 30, 30], [20, 30, 50, 60]]), "labels": torch.tensor([1, 3]), "masks": masks}
+    target = {
+        "boxes": torch.tensor([[4.0, 4, 30, 30], [20, 30, 50, 60]]),
+        "labels": torch.tensor([1, 3]),
+        "masks": masks,
+    }
     losses = model([torch.rand(3, 64, 64)], [target])
     assert set(losses) == {"loss_classifier", "loss_box_reg", "loss_mask", "loss_objectness", "loss_rpn_box_reg"}
     (box_maps,) = calls  # res5 ran once, on the sampled RoIs
@@ -150,23 +195,46 @@ def _detectron2_importable() -> bool:
     return True
 
 
-ENGINES = ["torchvision", pytest.param("detectron2", marks=pytest.mark.skipif(not _detectron2_importable(), reason="needs detectron2"))]
+ENGINES = [
+    "torchvision",
+    pytest.param("detectron2", marks=pytest.mark.skipif(not _detectron2_importable(), reason="needs detectron2")),
+]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("alias", ["shapes-voc", "shapes-coco"])
-def test_detect_trains_with_falling_loss_and_writes_the_same_results_record_on_each_engine(engine, alias, r50_weights, tmp_path):
+def test_detect_trains_with_falling_loss_and_writes_the_same_results_record_on_each_engine(
+    engine, alias, r50_weights, tmp_path
+):
     data = make_detection_data(DetectionDataConfig(out=str(tmp_path / "data"), train=2, test=2, size=64, seed=1))
     out = tmp_path / "out"
     opts = DETECTRON2_FAST if engine == "detectron2" else FAST
-    code = cli_main(["detect", "--engine", engine, "--weights", str(r50_weights), "--data", str(data), "--config", alias,
-                     "--out", str(out), "--seed", "3", *opts])
+    code = cli_main(
+        [
+            "detect",
+            "--engine",
+            engine,
+            "--weights",
+            str(r50_weights),
+            "--data",
+            str(data),
+            "--config",
+            alias,
+            "--out",
+            str(out),
+            "--seed",
+            "3",
+            *opts,
+        ]
+    )
     assert code == 0
     # the same two images every step: the RPN's objectness loss (and the mask loss) fall within 8 steps; the RoI
     # losses may rise at first, as better proposals bring more foreground RoIs
     rows = _rows(out / "trial0")
     assert len(rows) == 8 and all(math.isfinite(r["total_loss"]) for r in rows)
-    assert {"loss_cls", "loss_box_reg", "loss_rpn_cls", "loss_rpn_loc"} <= set(rows[0]) and ("loss_mask" in rows[0]) == (alias == "shapes-coco")
+    assert {"loss_cls", "loss_box_reg", "loss_rpn_cls", "loss_rpn_loc"} <= set(rows[0]) and (
+        "loss_mask" in rows[0]
+    ) == (alias == "shapes-coco")
     assert _falls([r["loss_rpn_cls"] for r in rows], 0.85), rows
     if alias == "shapes-coco":
         assert _falls([r["loss_mask"] for r in rows], 0.95), rows
@@ -197,7 +265,9 @@ def test_auto_engine_falls_back_to_torchvision_without_detectron2(monkeypatch):
 
 
 def test_torchvision_engine_refuses_detectron2_launcher_flags(capsys, tmp_path):
-    code = cli_main(["detect", "--engine", "torchvision", "--weights", "w.pth", "--data", str(tmp_path), "--num-gpus", "2"])
+    code = cli_main(
+        ["detect", "--engine", "torchvision", "--weights", "w.pth", "--data", str(tmp_path), "--num-gpus", "2"]
+    )
     assert code == 2
     assert "--engine torchvision runs one process per GPU under torchrun" in capsys.readouterr().err
 
@@ -205,7 +275,9 @@ def test_torchvision_engine_refuses_detectron2_launcher_flags(capsys, tmp_path):
 def test_schedule_and_weight_decay_follow_detectron2():
     voc = load_settings(resolve_config("voc"))
     # linear warm-up from 0.333 over 1000 iterations, then x0.1 at 18k and at 22k
-    assert [lr_factor(i, voc) for i in (0, 500, 1000, 17999, 18000, 22000, 23999)] == pytest.approx([0.333, 0.6665, 1, 1, 0.1, 0.01, 0.01])
+    assert [lr_factor(i, voc) for i in (0, 500, 1000, 17999, 18000, 22000, 23999)] == pytest.approx(
+        [0.333, 0.6665, 1, 1, 0.1, 0.01, 0.01]
+    )
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, 2))
     decayed, norms = param_groups(model, 1e-4, 0.0)
     assert (decayed["weight_decay"], norms["weight_decay"]) == (1e-4, 0.0)
@@ -215,7 +287,12 @@ def test_schedule_and_weight_decay_follow_detectron2():
 def test_world_size_rescaling_keeps_two_images_per_process():
     voc = load_settings(resolve_config("voc"))
     four = scale_to_world_size(voc, 4)
-    assert (four["SOLVER.IMS_PER_BATCH"], four["SOLVER.MAX_ITER"], four["SOLVER.STEPS"], four["SOLVER.WARMUP_ITERS"]) == (8, 48000, [36000, 44000], 2000)
+    assert (
+        four["SOLVER.IMS_PER_BATCH"],
+        four["SOLVER.MAX_ITER"],
+        four["SOLVER.STEPS"],
+        four["SOLVER.WARMUP_ITERS"],
+    ) == (8, 48000, [36000, 44000], 2000)
     assert four["SOLVER.BASE_LR"] == pytest.approx(0.05)
     assert scale_to_world_size(voc, 8).tree == voc.tree
     kept = load_settings(resolve_config("voc"), ["SOLVER.REFERENCE_WORLD_SIZE", "0"])
@@ -223,8 +300,14 @@ def test_world_size_rescaling_keeps_two_images_per_process():
 
 
 def test_opts_are_parsed_like_detectron2_and_checked_against_the_yaml(tmp_path):
-    settings = load_settings(resolve_config("voc"), ["INPUT.MIN_SIZE_TRAIN", "(96, 128)", "SOLVER.BASE_LR", "1", "MODEL.RESNETS.NORM", "BN"])
-    assert settings["INPUT.MIN_SIZE_TRAIN"] == [96, 128] and settings["SOLVER.BASE_LR"] == 1.0 and settings["MODEL.RESNETS.NORM"] == "BN"
+    settings = load_settings(
+        resolve_config("voc"), ["INPUT.MIN_SIZE_TRAIN", "(96, 128)", "SOLVER.BASE_LR", "1", "MODEL.RESNETS.NORM", "BN"]
+    )
+    assert (
+        settings["INPUT.MIN_SIZE_TRAIN"] == [96, 128]
+        and settings["SOLVER.BASE_LR"] == 1.0
+        and settings["MODEL.RESNETS.NORM"] == "BN"
+    )
     with pytest.raises(ValueError, match="opts key SOLVER.NOT_A_KEY is not set in the config"):
         load_settings(resolve_config("voc"), ["SOLVER.NOT_A_KEY", "1"])
     key = next(iter(FLAG_OWNED_KEYS))
@@ -234,10 +317,15 @@ def test_opts_are_parsed_like_detectron2_and_checked_against_the_yaml(tmp_path):
     partial.write_text(f"_BASE_: {resolve_config('voc')}\n")
     settings = load_settings(partial)
     del settings.tree["MODEL"]["RPN"]["NMS_THRESH"]
-    with pytest.raises(ValueError, match=r"partial.yaml has no MODEL.RPN.NMS_THRESH; the torchvision engine reads every setting from the YAML"):
+    with pytest.raises(
+        ValueError,
+        match=r"partial.yaml has no MODEL.RPN.NMS_THRESH; the torchvision engine reads every setting from the YAML",
+    ):
         build_c4_model(settings, build_backbone("resnet50"))
     with pytest.raises(ValueError, match="MODEL.BACKBONE.FREEZE_AT is 2 .* the torchvision engine implements only 0"):
-        build_c4_model(load_settings(resolve_config("voc"), ["MODEL.BACKBONE.FREEZE_AT", "2"]), build_backbone("resnet50"))
+        build_c4_model(
+            load_settings(resolve_config("voc"), ["MODEL.BACKBONE.FREEZE_AT", "2"]), build_backbone("resnet50")
+        )
 
 
 TORCHRUN_TIMEOUT_S = 900
@@ -252,9 +340,30 @@ def test_torchrun_two_gloo_processes_train_with_global_batchnorm_and_write_one_r
     source = r50_weights
     data = make_detection_data(DetectionDataConfig(out=str(tmp_path / "data"), train=8, test=2, size=64, seed=1))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "bt_hub.cli", "detect",
-           "--engine", "torchvision", "--weights", str(source), "--data", str(data), "--config", "shapes-voc", "--out", str(out),
-           *FAST, "SOLVER.MAX_ITER", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "bt_hub.cli",
+        "detect",
+        "--engine",
+        "torchvision",
+        "--weights",
+        str(source),
+        "--data",
+        str(data),
+        "--config",
+        "shapes-voc",
+        "--out",
+        str(out),
+        *FAST,
+        "SOLVER.MAX_ITER",
+        "3",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -40,7 +40,11 @@ def _equal(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> bool:
 
 
 def _leftovers(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name.startswith(".partial-") or p.suffix in (".partial", ".tmp"))
+    return sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*")
+        if p.name.startswith(".partial-") or p.suffix in (".partial", ".tmp")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +102,9 @@ def test_truncated_body_is_never_cached_and_the_attempt_is_retried(torch_home, w
     assert not cache_path(url).exists() and _leftovers(torch_home) == []
 
 
-def test_a_failed_attempt_is_retried_and_then_cached_and_a_killed_downloads_leftovers_are_removed(torch_home, weights_a_b):
+def test_a_failed_attempt_is_retried_and_then_cached_and_a_killed_downloads_leftovers_are_removed(
+    torch_home, weights_a_b
+):
     (data_a, _), _ = weights_a_b
     server = LoopbackFiles({"/busy/resnet18.pth": ("flaky", data_a)})
     url = f"{server.url}/busy/resnet18.pth"
@@ -122,7 +128,9 @@ def test_server_that_never_answers_is_bounded_by_the_timeout(torch_home, monkeyp
     server = LoopbackFiles({"/slow/resnet18.pth": ("hang", None)})
     url = f"{server.url}/slow/resnet18.pth"
     outcome: list[BaseException] = []
-    worker = threading.Thread(target=lambda: outcome.append(_raised(lambda: download(url, progress=False))), daemon=True)
+    worker = threading.Thread(
+        target=lambda: outcome.append(_raised(lambda: download(url, progress=False))), daemon=True
+    )
     start = time.monotonic()
     worker.start()
     worker.join(30)  # a guard so a regression fails instead of hanging the suite
@@ -188,7 +196,9 @@ def test_hub_failures_offline_name_the_spec(tmp_path):
         f"DownloadError | hf://nobody/nothing: model.safetensors is not in the Hugging Face cache ({tmp_path / 'hf' / 'hub'}) "
         "and HF_HUB_OFFLINE=1 is set; connect once without HF_HUB_OFFLINE to fill the cache, or point HF_HOME at a cache that holds it"
     ), offline.stderr[-2000:]
-    assert lines[1].startswith("DownloadError | weights 'nobody/nothing' are no file or folder here, and the Hub lookup failed: hf://nobody/nothing:")
+    assert lines[1].startswith(
+        "DownloadError | weights 'nobody/nothing' are no file or folder here, and the Hub lookup failed: hf://nobody/nothing:"
+    )
 
 
 def test_an_html_page_served_instead_of_weights_is_refused_and_not_cached(torch_home):

@@ -7,8 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-from bt_hub.train.data import ArrayImageDataset
-from bt_hub.method.model import build_backbone
 from bt_hub.eval.features import (
     FeatureCache,
     as_float32,
@@ -17,14 +15,18 @@ from bt_hub.eval.features import (
     module_fingerprint,
     train_transform,
 )
+from bt_hub.method.model import build_backbone
 from bt_hub.method.transforms import eval_transforms
+from bt_hub.train.data import ArrayImageDataset
 
 torch.set_num_threads(2)
 
 
 def _dataset(n: int = 10, size: int = 8, seed: int = 0) -> ArrayImageDataset:
     rng = np.random.default_rng(seed)
-    return ArrayImageDataset(rng.integers(0, 256, (n, size, size, 3), dtype=np.uint8), np.arange(n) % 3, ["a", "b", "c"])
+    return ArrayImageDataset(
+        rng.integers(0, 256, (n, size, size, 3), dtype=np.uint8), np.arange(n) % 3, ["a", "b", "c"]
+    )
 
 
 class MeanColour(nn.Module):
@@ -60,7 +62,11 @@ def test_voc_res5_pool_is_8192_dimensional_at_224_and_averages_6x6_windows_of_re
     assert res5.shape == (1, 8192)
     with torch.no_grad():
         backbone.eval()  # extraction restored training mode
-        m = backbone.layer4(backbone.layer3(backbone.layer2(backbone.layer1(backbone.maxpool(backbone.relu(backbone.bn1(backbone.conv1(x))))))))
+        m = backbone.layer4(
+            backbone.layer3(
+                backbone.layer2(backbone.layer1(backbone.maxpool(backbone.relu(backbone.bn1(backbone.conv1(x))))))
+            )
+        )
     assert m.shape[-2:] == (7, 7)
     grid = res5[0].view(2048, 2, 2)  # channel-major flatten of the 2x2 map, as VISSL
     torch.testing.assert_close(grid[:, 0, 0], m[0, :, :6, :6].mean(dim=(1, 2)))
@@ -69,7 +75,9 @@ def test_voc_res5_pool_is_8192_dimensional_at_224_and_averages_6x6_windows_of_re
 
 def test_voc_res5_pool_rejects_a_res5_map_smaller_than_6x6():
     with pytest.raises(ValueError, match="at least 6x6"):
-        extract_features(build_backbone("resnet18"), [(torch.randn(3, 64, 64), 0)], transform=lambda t: t, pool="voc_res5")
+        extract_features(
+            build_backbone("resnet18"), [(torch.randn(3, 64, 64), 0)], transform=lambda t: t, pool="voc_res5"
+        )
 
 
 def test_extraction_restores_training_mode_and_uses_eval_mode_inside():
@@ -171,7 +179,15 @@ def _ddp_worker(rank: int, init_file: str, out_dir: str) -> None:
         feats, labels = extract_features(MeanColour(), data, transform=_to_tensor, batch_size=2)
         cache = FeatureCache(Path(out_dir) / "cache", "w", dataset_fingerprint(data))
         cached, cached_labels = extract_features(MeanColour(), data, transform=_to_tensor, batch_size=2, cache=cache)
-        torch.save({"feats": feats, "labels": labels, "cached": torch.from_numpy(np.array(cached)), "cached_labels": cached_labels}, Path(out_dir) / f"rank{rank}.pt")
+        torch.save(
+            {
+                "feats": feats,
+                "labels": labels,
+                "cached": torch.from_numpy(np.array(cached)),
+                "cached_labels": cached_labels,
+            },
+            Path(out_dir) / f"rank{rank}.pt",
+        )
     except BaseException:
         (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
@@ -240,7 +256,9 @@ def test_cli_cache_recomputes_for_another_image_size_or_weights_and_reuses_other
         for c in ("a", "b"):
             (tmp_path / "data" / split / c).mkdir(parents=True)
             for i in range(3):
-                Image.fromarray(rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)).save(tmp_path / "data" / split / c / f"{i}.png")
+                Image.fromarray(rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)).save(
+                    tmp_path / "data" / split / c / f"{i}.png"
+                )
     weights = {}
     for seed in (0, 1):
         torch.manual_seed(seed)
@@ -249,8 +267,22 @@ def test_cli_cache_recomputes_for_another_image_size_or_weights_and_reuses_other
     cache = tmp_path / "cache"
 
     def knn(seed: int, size: int, out: str) -> dict:
-        argv = ["eval", "knn", "--weights", str(weights[seed]), "--data", str(tmp_path / "data"), "--image-size", str(size),
-                "--k", "1", "--cache-dir", str(cache), "--out", str(tmp_path / out)]
+        argv = [
+            "eval",
+            "knn",
+            "--weights",
+            str(weights[seed]),
+            "--data",
+            str(tmp_path / "data"),
+            "--image-size",
+            str(size),
+            "--k",
+            "1",
+            "--cache-dir",
+            str(cache),
+            "--out",
+            str(tmp_path / out),
+        ]
         assert cli.main(argv) == 0
         return json.loads((tmp_path / out / "results.json").read_text())
 

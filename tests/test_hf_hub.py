@@ -14,9 +14,10 @@ import torchvision
 
 pytest.importorskip("huggingface_hub")
 
-from bt_hub.weights import from_pretrained, push_to_hub, save_pretrained  # noqa: E402
-from bt_hub.method.model import BarlowTwins  # noqa: E402
 from loopback import LoopbackHub  # noqa: E402
+
+from bt_hub.method.model import BarlowTwins  # noqa: E402
+from bt_hub.weights import from_pretrained, push_to_hub, save_pretrained  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(2)
@@ -27,8 +28,13 @@ def _folder_files(folder: Path) -> dict[str, bytes]:
 
 
 def _run(script: str, env: dict[str, str]) -> str:
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, **env, "PYTHONPATH": str(REPO_ROOT)})
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env, "PYTHONPATH": str(REPO_ROOT)},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -53,8 +59,15 @@ def test_weights_load_through_the_real_client_then_offline_with_a_pinned_revisio
         backbone.fc = torch.nn.Identity()
         backbone.load_state_dict(state)
         folders[name] = _folder_files(save_pretrained(backbone, tmp_path / name, name="bt/barlowtwins-resnet50"))
-    hub = LoopbackHub({"bt/barlowtwins-resnet50": {"main": ("a" * 40, folders["main"]), "v1": ("b" * 40, folders["v1"])}})
-    env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": "0"}
+    hub = LoopbackHub(
+        {"bt/barlowtwins-resnet50": {"main": ("a" * 40, folders["main"]), "v1": ("b" * 40, folders["v1"])}}
+    )
+    env = {
+        "HF_ENDPOINT": hub.url,
+        "HF_HOME": str(tmp_path / "hf_home"),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_OFFLINE": "0",
+    }
     try:
         online = _run(LOAD_SCRIPT % str(tmp_path / "online.pt"), env)
     finally:
@@ -76,8 +89,17 @@ def test_push_to_hub_uploads_exactly_the_save_pretrained_folder(tmp_path, monkey
     torch.manual_seed(0)
     model = BarlowTwins("resnet18", "16-16")
     results = tmp_path / "results.json"
-    results.write_text(json.dumps({"protocol": "linear", "preset": "paper", "dataset": "imagenet",
-                                   "metrics": {"top1": 73.5, "top5": 91.0}, "weights_sha256": "0" * 64}))
+    results.write_text(
+        json.dumps(
+            {
+                "protocol": "linear",
+                "preset": "paper",
+                "dataset": "imagenet",
+                "metrics": {"top1": 73.5, "top5": 91.0},
+                "weights_sha256": "0" * 64,
+            }
+        )
+    )
     uploads = []
 
     def record_upload(self, *, repo_id, folder_path, **kwargs):
@@ -102,8 +124,10 @@ def test_model_card_and_config_carry_metadata_recipe_and_results(tmp_path):
     torch.manual_seed(0)
     model = BarlowTwins("resnet18", "16-16")
     run_config = {"dataset": "imagenet", "epochs": 1000, "recipe": {"batch_size": 2048, "optimizer": "LARS"}}
-    results = [{"protocol": "linear", "preset": "paper", "dataset": "imagenet", "metrics": {"top1": 73.5, "top5": 91.0}},
-               {"protocol": "voc07-svm", "dataset": "voc2007", "metrics": {"mAP": 86.2}}]
+    results = [
+        {"protocol": "linear", "preset": "paper", "dataset": "imagenet", "metrics": {"top1": 73.5, "top5": 91.0}},
+        {"protocol": "voc07-svm", "dataset": "voc2007", "metrics": {"mAP": 86.2}},
+    ]
     folder = save_pretrained(model, tmp_path / "card", config=run_config, results=results, name="bt/card")
     import huggingface_hub
 
@@ -113,7 +137,11 @@ def test_model_card_and_config_carry_metadata_recipe_and_results(tmp_path):
     assert {"barlow-twins", "self-supervised-learning", "image-feature-extraction"} <= set(data["tags"])
     assert data["datasets"] == ["imagenet"]
     metrics = {(r.task_name, r.metric_type): r.metric_value for r in card.data.eval_results}
-    assert metrics == {("linear (preset paper)", "top1"): 73.5, ("linear (preset paper)", "top5"): 91.0, ("voc07-svm", "mAP"): 86.2}
+    assert metrics == {
+        ("linear (preset paper)", "top1"): 73.5,
+        ("linear (preset paper)", "top5"): 91.0,
+        ("voc07-svm", "mAP"): 86.2,
+    }
     assert 'from_pretrained("bt/card")' in card.text and "| epochs | 1000 |" in card.text
     config = json.loads((folder / "config.json").read_text())
     assert config["architecture"] == "resnet18" and config["projector"] == "16-16" and config["epochs"] == 1000
@@ -135,7 +163,10 @@ def test_from_pretrained_is_strict_and_round_trips_backbone_and_projector(tmp_pa
     state = load_file(folder / "model.safetensors")
     del state["layer4.1.bn2.weight"]
     save_file(state, folder / "model.safetensors")
-    with pytest.raises(ValueError, match=r"model.safetensors does not fit resnet18: 1 keys are missing, first \['layer4.1.bn2.weight'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.safetensors does not fit resnet18: 1 keys are missing, first \['layer4.1.bn2.weight'\]",
+    ):
         from_pretrained(folder)
 
 

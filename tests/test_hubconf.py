@@ -64,7 +64,10 @@ def _same_backbone(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> bo
 
 def test_file_whose_hash_prefix_does_not_match_is_refused(served, hub_dir):
     url = f"{served['url']}/forged-deadbeef.pth"
-    with pytest.raises(DownloadError, match=r"forged-deadbeef.pth has sha256 [0-9a-f]{16}\.\.\., not the hash prefix in its file name deadbeef, so it was refused"):
+    with pytest.raises(
+        DownloadError,
+        match=r"forged-deadbeef.pth has sha256 [0-9a-f]{16}\.\.\., not the hash prefix in its file name deadbeef, so it was refused",
+    ):
         torch.hub.load(str(REPO_ROOT), "resnet50", source="local", weights=url, progress=False)
     assert not cache_path(url).exists() and list(cache_path(url).parent.iterdir()) == []
 
@@ -83,7 +86,9 @@ def test_weights_from_url_land_in_the_hub_cache_and_load_again_offline(served, h
 def test_named_weights_resolve_to_the_reference_release_through_the_cache(tmp_path, hub_dir):
     record = get_weights("barlowtwins-in1k")
     assert record is BarlowTwinsWeights.DEFAULT is BarlowTwinsWeights.IN1K_EP1000
-    assert record.url == ("https://dl.fbaipublicfiles.com/barlowtwins/ep1000_bs2048_lrw0.2_lrb0.0048_lambd0.0051/resnet50.pth")
+    assert record.url == (
+        "https://dl.fbaipublicfiles.com/barlowtwins/ep1000_bs2048_lrw0.2_lrb0.0048_lambd0.0051/resnet50.pth"
+    )
     assert record.sha256 is None and record.meta["release"]["imagenet_linear"] == {"top1": 73.5, "top5": 91.0}
     assert get_weights("barlowtwins-in1k-full").has_projector
     state = {k: v for k, v in torchvision.models.resnet50().state_dict().items() if not k.startswith("fc.")}
@@ -91,7 +96,9 @@ def test_named_weights_resolve_to_the_reference_release_through_the_cache(tmp_pa
     torch.save(state, record.cache_path())  # as if downloaded before
     model = torch.hub.load(str(REPO_ROOT), "resnet50", source="local", weights="DEFAULT")
     assert _same_backbone(model, state)
-    with pytest.raises(ValueError, match="weights 'barlowtwins-in1k-typo' are unknown; registered names: barlowtwins-in1k, "):
+    with pytest.raises(
+        ValueError, match="weights 'barlowtwins-in1k-typo' are unknown; registered names: barlowtwins-in1k, "
+    ):
         get_weights("barlowtwins-in1k-typo")
 
 
@@ -104,7 +111,10 @@ def test_weights_none_gives_the_architecture_with_identity_fc():
 def test_barlow_twins_entry_loads_backbone_and_projector_from_a_reference_checkpoint(tmp_path):
     torch.manual_seed(0)
     reference = BarlowTwins("resnet18", "32-32")
-    torch.save({"epoch": 1, "model": {"module." + k: v for k, v in reference.state_dict().items()}}, tmp_path / "checkpoint.pth")
+    torch.save(
+        {"epoch": 1, "model": {"module." + k: v for k, v in reference.state_dict().items()}},
+        tmp_path / "checkpoint.pth",
+    )
     model = torch.hub.load(str(REPO_ROOT), "barlow_twins", source="local", weights=str(tmp_path / "checkpoint.pth"))
     assert model.config["projector"] == "32-32" and model.config["backbone"] == "resnet18"
     assert all(torch.equal(model.state_dict()[k], v) for k, v in reference.state_dict().items())
@@ -120,8 +130,12 @@ def test_kwargs_contradicting_the_weights_raise_naming_both(tmp_path):
     with torch.device("meta"):
         state = torchvision.models.resnet50().state_dict()
     torch.save({k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}, tmp_path / "r50.pth")
-    with pytest.raises(ValueError, match="small_image_stem=True contradicts the weights .*r50.pth, which have small_image_stem=False"):
-        torch.hub.load(str(REPO_ROOT), "resnet50", source="local", weights=str(tmp_path / "r50.pth"), small_image_stem=True)
+    with pytest.raises(
+        ValueError, match="small_image_stem=True contradicts the weights .*r50.pth, which have small_image_stem=False"
+    ):
+        torch.hub.load(
+            str(REPO_ROOT), "resnet50", source="local", weights=str(tmp_path / "r50.pth"), small_image_stem=True
+        )
 
 
 def test_hubconf_works_from_a_checkout_without_bt_hub_installed(tmp_path):
@@ -132,7 +146,11 @@ def test_hubconf_works_from_a_checkout_without_bt_hub_installed(tmp_path):
         "import torch; m = torch.hub.load(%r, 'resnet50', source='local', weights=None);"
         "print(type(m.fc).__name__, 'bt_hub' in sys.modules)"
     ) % (sysconfig.get_paths()["purelib"], str(REPO_ROOT))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a worktree on PYTHONPATH would make bt_hub importable
-    result = subprocess.run([sys.executable, "-S", "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    env = {
+        k: v for k, v in os.environ.items() if k != "PYTHONPATH"
+    }  # a worktree on PYTHONPATH would make bt_hub importable
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["Identity", "True"]

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from bt_hub import cli
-from bt_hub.method.model import build_backbone
 from bt_hub.eval.knn import knn_classify, knn_search, knn_vote, resolve_backend
+from bt_hub.method.model import build_backbone
 
 torch.set_num_threads(2)
 
@@ -50,7 +50,9 @@ def test_search_in_train_chunks_equals_brute_force_neighbours(backend):
 @pytest.mark.parametrize("k", [1, 20, 200])
 def test_faiss_knn_accuracy_equals_brute_force_torch(k):
     train_x, train_y, test_x, test_y = _random_problem()
-    ours = knn_classify(train_x, train_y, test_x, test_y, k=k, temperature=0.07, num_classes=7, query_batch=32, train_chunk=100)
+    ours = knn_classify(
+        train_x, train_y, test_x, test_y, k=k, temperature=0.07, num_classes=7, query_batch=32, train_chunk=100
+    )
     ref = brute_force_knn(train_x, train_y, test_x, test_y, k, 0.07, 7)
     assert ours == pytest.approx(ref)
     assert 20 < ours["top1"] < 100  # a real problem, not a trivial one
@@ -68,7 +70,10 @@ def test_memmapped_float16_features_give_the_same_neighbours(tmp_path):
 
 def test_separable_features_are_classified_perfectly_and_shuffled_labels_are_not():
     train_x, train_y, test_x, test_y = _random_problem(classes=5)
-    train_x, test_x = F.one_hot(train_y, 5).float() + 0.01 * train_x[:, :5], F.one_hot(test_y, 5).float() + 0.01 * test_x[:, :5]
+    train_x, test_x = (
+        F.one_hot(train_y, 5).float() + 0.01 * train_x[:, :5],
+        F.one_hot(test_y, 5).float() + 0.01 * test_x[:, :5],
+    )
     assert knn_classify(train_x, train_y, test_x, test_y, k=20)["top1"] == 100.0
     shuffled = train_y[torch.randperm(len(train_y), generator=torch.Generator().manual_seed(1))]
     assert knn_classify(train_x, shuffled, test_x, test_y, k=20)["top1"] < 50.0
@@ -89,7 +94,11 @@ def test_k_larger_than_the_training_set_is_rejected():
 
 
 def test_auto_backend_is_faiss_on_the_cpu_and_torch_on_cuda_and_unknown_ones_are_refused():
-    assert (resolve_backend("auto", "cpu"), resolve_backend("auto", "cuda:0"), resolve_backend("torch", "cpu")) == ("faiss", "torch", "torch")
+    assert (resolve_backend("auto", "cpu"), resolve_backend("auto", "cuda:0"), resolve_backend("torch", "cpu")) == (
+        "faiss",
+        "torch",
+        "torch",
+    )
     with pytest.raises(ValueError, match="kNN backend 'annoy' is unknown"):
         knn_search(torch.randn(5, 3), torch.randn(2, 3), 2, backend="annoy")
 
@@ -99,8 +108,25 @@ def test_cli_knn_end_to_end_writes_results_json(tmp_path):
     torch.manual_seed(0)
     torch.save(build_backbone("resnet18", small_image_stem=True).state_dict(), weights)
     out = tmp_path / "out"
-    argv = ["eval", "knn", "--weights", str(weights), "--data", "synthetic:60", "--out", str(out), "--image-size", "16",
-            "--batch-size", "32", "--k", "5", "20", "--cache-dir", str(tmp_path / "cache")]
+    argv = [
+        "eval",
+        "knn",
+        "--weights",
+        str(weights),
+        "--data",
+        "synthetic:60",
+        "--out",
+        str(out),
+        "--image-size",
+        "16",
+        "--batch-size",
+        "32",
+        "--k",
+        "5",
+        "20",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
     assert cli.main(argv) == 0
     result = json.loads((out / "results.json").read_text())
     assert result["protocol"] == "knn" and result["hyperparameters"]["k"] == [5, 20]

@@ -49,7 +49,9 @@ def _colours(root, swap_test_labels=False, train=8, val=4, size=8):
             folder = root / split / f"c{(c + 1) % 3 if swap_test_labels and split == 'val' else c}"
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(n):
-                Image.fromarray(np.clip(PALETTE[c] + rng.normal(0, 20, (size, size, 3)), 0, 255).astype(np.uint8)).save(folder / f"{split}{i}.png")
+                Image.fromarray(np.clip(PALETTE[c] + rng.normal(0, 20, (size, size, 3)), 0, 255).astype(np.uint8)).save(
+                    folder / f"{split}{i}.png"
+                )
     return root
 
 
@@ -72,9 +74,26 @@ def test_knn_finds_the_planted_neighbours_and_prints_its_table(weights, tmp_path
 
 
 def test_cached_linear_probe_separates_colours_and_fails_on_swapped_labels(weights, tmp_path):
-    common = ["eval", "linear", "--cached", "--weights", str(weights), "--image-size", "8", "--epochs", "30", "--batch-size", "8"]
+    common = [
+        "eval",
+        "linear",
+        "--cached",
+        "--weights",
+        str(weights),
+        "--image-size",
+        "8",
+        "--epochs",
+        "30",
+        "--batch-size",
+        "8",
+    ]
     assert _run([*common, "--data", str(_colours(tmp_path / "right"))], tmp_path / "a")["metrics"]["top1"] == 100.0
-    assert _run([*common, "--data", str(_colours(tmp_path / "swapped", swap_test_labels=True))], tmp_path / "b")["metrics"]["top1"] == 0.0
+    assert (
+        _run([*common, "--data", str(_colours(tmp_path / "swapped", swap_test_labels=True))], tmp_path / "b")[
+            "metrics"
+        ]["top1"]
+        == 0.0
+    )
 
 
 def test_linear_loop_and_transfer_separate_colours(weights, tmp_path):
@@ -87,9 +106,28 @@ def test_linear_loop_and_transfer_separate_colours(weights, tmp_path):
 
 
 def test_semi_supervised_fine_tuning_separates_colours_with_half_the_labels(weights, tmp_path):
-    record = _run(["eval", "semi", "--preset", "small", "--fraction", "50", "--epochs", "3", "--weights", str(weights),
-                   "--data", str(_colours(tmp_path / "data")), "--image-size", "8"], tmp_path / "semi")
+    record = _run(
+        [
+            "eval",
+            "semi",
+            "--preset",
+            "small",
+            "--fraction",
+            "50",
+            "--epochs",
+            "3",
+            "--weights",
+            str(weights),
+            "--data",
+            str(_colours(tmp_path / "data")),
+            "--image-size",
+            "8",
+        ],
+        tmp_path / "semi",
+    )
     assert record["labels"]["count"] == 12 and record["metrics"]["top1"] == 100.0
     assert (record["hyperparameters"]["crop_scale_min"], record["hyperparameters"]["flip"]) == (0.4, False)
-    assert record["warnings"] == ["preset 'small' assumes at least 4 batches per epoch (12 training images in batches of 32 make 1); "
-                                  "its hyper-parameters may not fit: see --help for the other presets (paper, reference) or set the flags"]
+    assert record["warnings"] == [
+        "preset 'small' assumes at least 4 batches per epoch (12 training images in batches of 32 make 1); "
+        "its hyper-parameters may not fit: see --help for the other presets (paper, reference) or set the flags"
+    ]

@@ -44,7 +44,11 @@ def package_modules() -> dict[str, Path]:
     """Every module of the installed ``bt_hub`` package, by dotted name, with its source file."""
     modules = {}
     # an editable install maps eval/ and detection_configs/ into bt_hub without a folder inside it
-    for package in (bt_hub, importlib.import_module("bt_hub.eval"), importlib.import_module("bt_hub.detection_configs")):
+    for package in (
+        bt_hub,
+        importlib.import_module("bt_hub.eval"),
+        importlib.import_module("bt_hub.detection_configs"),
+    ):
         modules[package.__name__] = Path(package.__file__)
         for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
             spec = importlib.util.find_spec(info.name)
@@ -166,7 +170,9 @@ def test_importing_the_method_loads_neither_training_nor_weights_nor_evaluation(
 def test_the_installed_package_exposes_bt_hub_only_and_no_generic_top_level_name(tmp_path, generic_name):
     run = subprocess.run([sys.executable, "-c", f"import {generic_name}"], capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode != 0 and f"No module named '{generic_name}'" in run.stderr
-    nested = subprocess.run([sys.executable, "-c", f"import bt_hub.{generic_name}"], capture_output=True, text=True, cwd=tmp_path)
+    nested = subprocess.run(
+        [sys.executable, "-c", f"import bt_hub.{generic_name}"], capture_output=True, text=True, cwd=tmp_path
+    )
     assert nested.returncode == 0, nested.stderr
 
 
@@ -179,7 +185,7 @@ def test_the_eval_folder_of_a_checkout_refuses_to_import_as_a_top_level_package(
 def test_the_records_know_no_protocol_preset():
     source = Path(importlib.util.find_spec("bt_hub.common.records").origin).read_text(encoding="utf-8")
     for preset in ("imagenet", "places205", "inat18", '"paper"', '"voc"', '"coco"'):
-        assert f'preset == {preset}' not in source and "preset in (" not in source
+        assert f"preset == {preset}" not in source and "preset in (" not in source
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ import torch
 from PIL import Image
 
 from bt_hub import cli
-from bt_hub.method.model import build_backbone
 from bt_hub.common.presets import from_preset
 from bt_hub.eval.classifier import (
     evaluate_features,
@@ -23,18 +22,46 @@ from bt_hub.eval.classifier import (
     train_on_features,
 )
 from bt_hub.eval.linear import FrozenBackboneClassifier, LinearConfig, TransferConfig, equally_spaced_milestones
+from bt_hub.method.model import build_backbone
 
-RESULT_FIELDS = {"schema", "protocol", "mode", "preset", "overrides", "hyperparameters", "weights", "dataset", "seed", "metrics",
-                 "wall_time_s", "versions", "warnings"}
+RESULT_FIELDS = {
+    "schema",
+    "protocol",
+    "mode",
+    "preset",
+    "overrides",
+    "hyperparameters",
+    "weights",
+    "dataset",
+    "seed",
+    "metrics",
+    "wall_time_s",
+    "versions",
+    "warnings",
+}
 
 
 def test_presets_carry_the_protocol_numbers():
     # docs/protocols.md §2: the paper's probe and PIRL's transfer settings
     imagenet = LinearConfig(weights="w")
-    assert (imagenet.lr, imagenet.weight_decay, imagenet.momentum, imagenet.epochs, imagenet.batch_size, imagenet.schedule) == (0.3, 1e-6, 0.9, 100, 256, "cosine")
+    assert (
+        imagenet.lr,
+        imagenet.weight_decay,
+        imagenet.momentum,
+        imagenet.epochs,
+        imagenet.batch_size,
+        imagenet.schedule,
+    ) == (0.3, 1e-6, 0.9, 100, 256, "cosine")
     assert (imagenet.crop_scale_min, imagenet.flip, imagenet.preset) == (0.08, True, "imagenet")
     places = from_preset(TransferConfig, weights="w")
-    assert (places.preset, places.lr, places.weight_decay, places.epochs, places.schedule, places.gamma) == ("places205", 0.01, 5e-4, 14, "step", 0.1)
+    assert (places.preset, places.lr, places.weight_decay, places.epochs, places.schedule, places.gamma) == (
+        "places205",
+        0.01,
+        5e-4,
+        14,
+        "step",
+        0.1,
+    )
     assert places.milestones == [5, 9]
     inat = from_preset(TransferConfig, "inat18", weights="w")
     assert (inat.epochs, inat.milestones) == (84, [28, 56])
@@ -48,7 +75,9 @@ def test_cosine_schedule_per_epoch_without_warmup_and_step_drops():
     assert lr_factor(0, 100, "cosine") == 1.0
     assert lr_factor(50, 100, "cosine") == pytest.approx(0.5)
     assert lr_factor(99, 100, "cosine") == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.99)))
-    assert [lr_factor(e, 20, "step", [12, 16], 0.2) for e in (11, 12, 15, 16, 19)] == pytest.approx([1, 0.2, 0.2, 0.04, 0.04])
+    assert [lr_factor(e, 20, "step", [12, 16], 0.2) for e in (11, 12, 15, 16, 19)] == pytest.approx(
+        [1, 0.2, 0.2, 0.04, 0.04]
+    )
     assert equally_spaced_milestones(14) == [5, 9] and equally_spaced_milestones(84) == [28, 56]
 
 
@@ -79,7 +108,9 @@ def test_probe_on_features_that_separate_the_classes_reaches_100_percent():
     test_x = test_x + 0.1 * torch.randn_like(test_x)
     fc = train_on_features(train_x, train_y, 10, epochs=30, batch_size=64, lr=0.3, weight_decay=1e-6, progress=False)
     assert evaluate_features(fc, test_x, test_y)["top1"] == 100.0
-    shuffled = train_on_features(train_x, train_y[torch.randperm(len(train_y))], 10, epochs=30, batch_size=64, progress=False)
+    shuffled = train_on_features(
+        train_x, train_y[torch.randperm(len(train_y))], 10, epochs=30, batch_size=64, progress=False
+    )
     assert evaluate_features(shuffled, test_x, test_y)["top1"] < 40.0
 
 
@@ -95,15 +126,27 @@ def test_memmapped_features_train_the_same_classifier_as_a_tensor(tmp_path):
 
 def test_cached_probe_trains_the_same_classifier_as_the_loop_over_the_same_inputs():
     images, labels = _separable(13, 4, 3 * 4 * 4, seed=3)
-    backbone = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-                                   torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()).eval()
+    backbone = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+    ).eval()
     data = torch.utils.data.TensorDataset(images.view(-1, 3, 4, 4), labels)
     hyper = {"momentum": 0.9, "weight_decay": 1e-4, "schedule": "cosine", "milestones": [], "gamma": 1.0}
     torch.manual_seed(5)
     fc = make_classifier(8, 4)
     loader = make_loader(data, 16, shuffle=True, seed=5, num_workers=0, device=torch.device("cpu"))
-    train_classifier(FrozenBackboneClassifier(backbone, fc), [{"params": list(fc.parameters()), "lr": 0.3}], loader, epochs=3,
-                     device=torch.device("cpu"), desc="loop", **hyper)
+    train_classifier(
+        FrozenBackboneClassifier(backbone, fc),
+        [{"params": list(fc.parameters()), "lr": 0.3}],
+        loader,
+        epochs=3,
+        device=torch.device("cpu"),
+        desc="loop",
+        **hyper,
+    )
     with torch.no_grad():
         features = backbone(data.tensors[0])
     cached = train_on_features(features, labels, 4, epochs=3, batch_size=16, lr=0.3, seed=5, progress=False, **hyper)
@@ -120,7 +163,9 @@ def test_frozen_backbone_keeps_weights_and_bn_statistics_while_the_classifier_le
     model.train()
     assert not backbone.training and model.fc.training
     w0 = model.fc.weight.clone()
-    loss = torch.nn.functional.cross_entropy(model(torch.randn(8, 3, 32, 32) * 3 + 1), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]))
+    loss = torch.nn.functional.cross_entropy(
+        model(torch.randn(8, 3, 32, 32) * 3 + 1), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    )
     loss.backward()
     optimizer.step()
     assert not torch.equal(model.fc.weight, w0)
@@ -134,17 +179,51 @@ def _read(out):
 
 
 def test_cli_linear_full_and_cached_write_results(resnet18_weights, tmp_path):
-    common = ["--weights", str(resnet18_weights), "--data", "synthetic:60", "--image-size", "32", "--batch-size", "32", "--seed", "1"]
+    common = [
+        "--weights",
+        str(resnet18_weights),
+        "--data",
+        "synthetic:60",
+        "--image-size",
+        "32",
+        "--batch-size",
+        "32",
+        "--seed",
+        "1",
+    ]
     assert cli.main(["eval", "linear", *common, "--epochs", "1", "--out", str(tmp_path / "full")]) == 0
     full = _read(tmp_path / "full")
-    assert (full["protocol"], full["preset"], full["hyperparameters"]["lr"], full["hyperparameters"]["epochs"]) == ("linear", "imagenet", 0.3, 1)
+    assert (full["protocol"], full["preset"], full["hyperparameters"]["lr"], full["hyperparameters"]["epochs"]) == (
+        "linear",
+        "imagenet",
+        0.3,
+        1,
+    )
     assert (full["mode"], full["mode_description"]) == ("loop", "paper loop with augmentation")
     assert full["overrides"]["epochs"] == {"value": 1, "preset": 100}
     assert 0 <= full["metrics"]["top1"] <= full["metrics"]["top5"] <= 100
     cache = tmp_path / "cache"
-    assert cli.main(["eval", "linear", *common, "--epochs", "5", "--cached", "--cache-dir", str(cache), "--out", str(tmp_path / "cached")]) == 0
+    assert (
+        cli.main(
+            [
+                "eval",
+                "linear",
+                *common,
+                "--epochs",
+                "5",
+                "--cached",
+                "--cache-dir",
+                str(cache),
+                "--out",
+                str(tmp_path / "cached"),
+            ]
+        )
+        == 0
+    )
     cached = _read(tmp_path / "cached")
-    assert cached["mode_description"] == "cached features, no augmentation" and cached["hyperparameters"]["cached"] is True
+    assert (
+        cached["mode_description"] == "cached features, no augmentation" and cached["hyperparameters"]["cached"] is True
+    )
     assert cached["weights"] == full["weights"] and cached["dataset"]["fingerprint"] == full["dataset"]["fingerprint"]
     assert len(list(cache.glob("*.features.npy"))) == 2
     assert "Linear evaluation" in (tmp_path / "cached" / "results.md").read_text()
@@ -156,12 +235,40 @@ def test_cli_transfer_takes_an_imagefolder_by_path_with_the_pirl_preset(resnet18
         for c in ("a", "b"):
             (tmp_path / "data" / split / c).mkdir(parents=True)
             for i in range(4):
-                Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(tmp_path / "data" / split / c / f"{i}.png")
+                Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(
+                    tmp_path / "data" / split / c / f"{i}.png"
+                )
     out = tmp_path / "out"
-    assert cli.main(["eval", "transfer", "--preset", "inat18", "--weights", str(resnet18_weights), "--data", str(tmp_path / "data"),
-                     "--image-size", "32", "--epochs", "1", "--batch-size", "8", "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "eval",
+                "transfer",
+                "--preset",
+                "inat18",
+                "--weights",
+                str(resnet18_weights),
+                "--data",
+                str(tmp_path / "data"),
+                "--image-size",
+                "32",
+                "--epochs",
+                "1",
+                "--batch-size",
+                "8",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     record = _read(out)
-    assert (record["protocol"], record["preset"], record["hyperparameters"]["lr"], record["hyperparameters"]["milestones"]) == ("transfer", "inat18", 0.01, [28, 56])
+    assert (
+        record["protocol"],
+        record["preset"],
+        record["hyperparameters"]["lr"],
+        record["hyperparameters"]["milestones"],
+    ) == ("transfer", "inat18", 0.01, [28, 56])
     assert "iNat18" in (out / "results.md").read_text()
 
 
@@ -172,15 +279,50 @@ def test_cli_rejects_bad_milestones_in_one_line(resnet18_weights, capsys):
 
 def test_cli_eval_all_runs_every_protocol_sharing_one_feature_cache(resnet18_weights, tmp_path):
     out = tmp_path / "all"
-    assert cli.main(["eval", "all", "--weights", str(resnet18_weights), "--data", "synthetic:60", "--image-size", "32", "--batch-size", "16",
-                     "--linear-epochs", "3", "--semi-epochs", "1", "--knn-k", "5", "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "eval",
+                "all",
+                "--weights",
+                str(resnet18_weights),
+                "--data",
+                "synthetic:60",
+                "--image-size",
+                "32",
+                "--batch-size",
+                "16",
+                "--linear-epochs",
+                "3",
+                "--semi-epochs",
+                "1",
+                "--knn-k",
+                "5",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     summary = json.loads((out / "results.json").read_text())
-    assert [(r["protocol"], r["hyperparameters"].get("fraction")) for r in summary["results"]] == [("knn", None), ("linear", None), ("semi", 1), ("semi", 10)]
+    assert [(r["protocol"], r["hyperparameters"].get("fraction")) for r in summary["results"]] == [
+        ("knn", None),
+        ("linear", None),
+        ("semi", 1),
+        ("semi", 10),
+    ]
     assert summary["results"][1]["mode"] == "cached"
-    assert len(list((out / "feature_cache").glob("*.features.npy"))) == 2  # train and test, computed once for kNN and linear
+    assert (
+        len(list((out / "feature_cache").glob("*.features.npy"))) == 2
+    )  # train and test, computed once for kNN and linear
     table = (out / "results.md").read_text()
     assert all(title in table for title in ("Linear evaluation", "Semi-supervised", "Weighted kNN"))
     assert all((out / sub / "results.json").exists() for sub in ("knn", "linear", "semi_1percent", "semi_10percent"))
     from bt_hub.common.records import read_records
 
-    assert [r["protocol"] for r in read_records([out / "results.json"])] == ["knn", "linear", "semi", "semi"]  # what push --results reads
+    assert [r["protocol"] for r in read_records([out / "results.json"])] == [
+        "knn",
+        "linear",
+        "semi",
+        "semi",
+    ]  # what push --results reads

@@ -145,7 +145,9 @@ def test_auto_uses_gram_exactly_when_2n_is_below_d(monkeypatch):
     calls = []
     for name in ("dense_terms", "gram_terms"):
         original = getattr(loss_module, name)
-        monkeypatch.setattr(loss_module, name, lambda a, b, n, _f=original, _name=name: calls.append(_name) or _f(a, b, n))
+        monkeypatch.setattr(
+            loss_module, name, lambda a, b, n, _f=original, _name=name: calls.append(_name) or _f(a, b, n)
+        )
     barlow_twins_loss(*_pair(8, 17))
     barlow_twins_loss(*_pair(8, 16))
     assert calls == ["gram_terms", "dense_terms"]

@@ -42,8 +42,12 @@ class TinyTwins(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.backbone = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
-        self.projector = nn.Sequential(nn.Linear(4, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, EMBED_DIM, bias=False))
+        self.backbone = nn.Sequential(
+            nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()
+        )
+        self.projector = nn.Sequential(
+            nn.Linear(4, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, EMBED_DIM, bias=False)
+        )
 
     def forward(self, y_a: torch.Tensor, y_b: torch.Tensor, method: str = "auto", reference_grad_scale: bool = False):
         z_a, z_b = self.projector(self.backbone(y_a)), self.projector(self.backbone(y_b))
@@ -62,7 +66,7 @@ class ReferenceTwins(TinyTwins):
         c = self.bn(z_a).T @ self.bn(z_b) / N_GLOBAL
         torch.distributed.all_reduce(c)
         on_diag = torch.diagonal(c).add(-1).pow(2).sum()
-        off_diag = (c.pow(2).sum() - torch.diagonal(c).pow(2).sum())
+        off_diag = c.pow(2).sum() - torch.diagonal(c).pow(2).sum()
         return on_diag + LAMBD * off_diag
 
 
@@ -94,7 +98,9 @@ def _worker(rank: int, world_size: int, init_file: str, inputs_path: str, out_di
     """One rank: its own shard through a DDP-wrapped model with global-batch BatchNorm; results to a file."""
     try:
         torch.set_num_threads(1)
-        torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        )
         inputs = torch.load(inputs_path, weights_only=True)
         shard = slice(rank * N_GLOBAL // world_size, (rank + 1) * N_GLOBAL // world_size)
         y_a, y_b = inputs["y_a"][shard], inputs["y_b"][shard]

@@ -12,14 +12,33 @@ import torch
 
 import bt_hub.train.precision as precision
 from bt_hub.cli import main as cli_main
+from bt_hub.common.progress import LineProgress, progress
 from bt_hub.method.knn import knn_vote, nearest_neighbours
 from bt_hub.train.monitor import KnnMonitor, monitor_sets
-from bt_hub.common.progress import LineProgress, progress
 
 # the demo's recipe on the 8-px digits: kNN climbs from ~15% to ~65% in five steps
 DIGITS = [
-    "pretrain", "--preset", "digits", "--image-size", "8", "--projector", "128-128-32", "--lambd", "0.1", "--batch-size", "64",
-    "--lr-weights", "8", "--lr-biases", "0.192", "--crop-scale-min", "0.4", "--warmup-epochs", "1", "--probe-max-dim", "0",
+    "pretrain",
+    "--preset",
+    "digits",
+    "--image-size",
+    "8",
+    "--projector",
+    "128-128-32",
+    "--lambd",
+    "0.1",
+    "--batch-size",
+    "64",
+    "--lr-weights",
+    "8",
+    "--lr-biases",
+    "0.192",
+    "--crop-scale-min",
+    "0.4",
+    "--warmup-epochs",
+    "1",
+    "--probe-max-dim",
+    "0",
 ]
 
 
@@ -29,7 +48,21 @@ def monitored_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("monitor") / "run"
     stderr, sys.stderr = sys.stderr, io.StringIO()
     try:
-        code = cli_main([*DIGITS, "--out", str(out), "--max-steps", "10", "--monitor-knn", "5", "--log-every", "5", "--probe-max-dim", "32"])
+        code = cli_main(
+            [
+                *DIGITS,
+                "--out",
+                str(out),
+                "--max-steps",
+                "10",
+                "--monitor-knn",
+                "5",
+                "--log-every",
+                "5",
+                "--probe-max-dim",
+                "32",
+            ]
+        )
         lines = sys.stderr.getvalue()
     finally:
         sys.stderr = stderr
@@ -61,7 +94,11 @@ def test_line_progress_writes_every_n_steps_and_the_last_one_on_close():
     bar.set_postfix(loss="1.5")
     bar.close()
     lines = stream.getvalue().splitlines()
-    assert [line.split(",")[0] for line in lines] == ["job: 3/7 step (43%)", "job: 6/7 step (86%)", "job: 7/7 step (100%)"]
+    assert [line.split(",")[0] for line in lines] == [
+        "job: 3/7 step (43%)",
+        "job: 6/7 step (86%)",
+        "job: 7/7 step (100%)",
+    ]
     assert lines[-1].endswith("loss=1.5")
     assert isinstance(progress(None, "x", total=5, stream=stream), LineProgress)
 
@@ -133,14 +170,29 @@ def test_precision_auto_is_bf16_only_where_the_hardware_computes_it(monkeypatch,
 def test_precision_auto_is_recorded_resolved_and_a_resume_with_auto_accepts_it(tmp_path, monkeypatch):
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     out = tmp_path / "run"
-    tiny = ["--preset", "digits", "--image-size", "8", "--projector", "16-16", "--batch-size", "32", "--probe-max-dim", "0", "--out", str(out)]
+    tiny = [
+        "--preset",
+        "digits",
+        "--image-size",
+        "8",
+        "--projector",
+        "16-16",
+        "--batch-size",
+        "32",
+        "--probe-max-dim",
+        "0",
+        "--out",
+        str(out),
+    ]
     assert cli_main(["pretrain", *tiny, "--max-steps", "1"]) == 0
     assert json.loads((out / "run.json").read_text())["config"]["precision"] == "bf16"
     assert "--precision" not in json.loads((out / "run.json").read_text())["command"]
     assert json.loads((out / "config.json").read_text())["recipe"]["precision"] == "bf16"
     assert cli_main(["pretrain", *tiny, "--max-steps", "2", "--resume", "auto"]) == 0
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset())
-    assert cli_main(["pretrain", *tiny, "--max-steps", "3", "--resume", "auto"]) == 2  # auto is fp32 now: not the checkpoint's recipe
+    assert (
+        cli_main(["pretrain", *tiny, "--max-steps", "3", "--resume", "auto"]) == 2
+    )  # auto is fp32 now: not the checkpoint's recipe
 
 
 def test_report_draws_the_loss_the_cross_correlations_and_the_knn_curve_of_a_run(monitored_run, tmp_path, capsys):
@@ -161,8 +213,27 @@ def test_cifar_preset_learns_on_the_digits_at_32_px_within_the_first_epoch(tmp_p
     Seed 0, 2 CPU threads: 60.0 -> 72.0 learning, 60.0 -> 69.0 at LR 0; the preset's 10 warm-up
     epochs keep the LR at a tenth of its peak here, so most of the early rise is BN statistics.
     """
-    common = ["pretrain", "--preset", "cifar", "--data", "digits", "--image-size", "32", "--batch-size", "64", "--max-steps", "20",
-              "--monitor-knn", "20", "--monitor-size", "400", "--log-every", "10", "--probe-max-dim", "0"]
+    common = [
+        "pretrain",
+        "--preset",
+        "cifar",
+        "--data",
+        "digits",
+        "--image-size",
+        "32",
+        "--batch-size",
+        "64",
+        "--max-steps",
+        "20",
+        "--monitor-knn",
+        "20",
+        "--monitor-size",
+        "400",
+        "--log-every",
+        "10",
+        "--probe-max-dim",
+        "0",
+    ]
     knn = {}
     for name, extra in (("learning", []), ("frozen", ["--lr-weights", "0", "--lr-biases", "0"])):
         assert cli_main([*common, *extra, "--out", str(tmp_path / name)]) == 0

@@ -16,9 +16,35 @@ pytestmark = pytest.mark.ddp
 
 # PIL views are seeded per (seed, epoch, index), so both layouts see the same views of the same images.
 FLAGS = [
-    "--data", "synthetic:40", "--arch", "resnet18", "--small-image-stem", "--image-size", "8", "--projector", "32-32",
-    "--batch-size", "8", "--epochs", "2", "--warmup-epochs", "0", "--lr-weights", "2.0", "--max-steps", "3",
-    "--views", "pil", "--precision", "fp32", "--seed", "3", "--probe-max-dim", "0", "--checkpoint-every", "0",
+    "--data",
+    "synthetic:40",
+    "--arch",
+    "resnet18",
+    "--small-image-stem",
+    "--image-size",
+    "8",
+    "--projector",
+    "32-32",
+    "--batch-size",
+    "8",
+    "--epochs",
+    "2",
+    "--warmup-epochs",
+    "0",
+    "--lr-weights",
+    "2.0",
+    "--max-steps",
+    "3",
+    "--views",
+    "pil",
+    "--precision",
+    "fp32",
+    "--seed",
+    "3",
+    "--probe-max-dim",
+    "0",
+    "--checkpoint-every",
+    "0",
 ]
 
 
@@ -34,16 +60,47 @@ def _env() -> dict[str, str]:
 
 def test_two_nodes_on_loopback_give_the_weights_of_one_process_on_the_concatenated_batch(tmp_path):
     single = tmp_path / "single"
-    done = subprocess.run([sys.executable, "-m", "bt_hub.cli", "pretrain", *FLAGS, "--out", str(single)], env=_env(), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "bt_hub.cli", "pretrain", *FLAGS, "--out", str(single)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
     port, nodes = _free_port(), tmp_path / "nodes"
     launchers = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bt-hub-test", "--local-addr", "127.0.0.1",
-             "-m", "bt_hub.cli", "pretrain", *FLAGS, "--out", str(nodes)],
-            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--node-rank",
+                str(rank),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "bt-hub-test",
+                "--local-addr",
+                "127.0.0.1",
+                "-m",
+                "bt_hub.cli",
+                "pretrain",
+                *FLAGS,
+                "--out",
+                str(nodes),
+            ],
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for rank in (0, 1)
     ]
@@ -63,6 +120,8 @@ def test_two_nodes_on_loopback_give_the_weights_of_one_process_on_the_concatenat
             torch.testing.assert_close(b["model"][key], value, rtol=1e-4, atol=1e-5, msg=key)
         else:
             assert torch.equal(b["model"][key], value), key
-    losses = [[json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (single, nodes)]
+    losses = [
+        [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (single, nodes)
+    ]
     assert losses[0] == pytest.approx(losses[1], rel=1e-4)
     assert Path(nodes / "resnet18.pth").exists()

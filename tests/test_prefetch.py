@@ -13,7 +13,12 @@ import bt_hub.train.pretrain as pretrain_module
 from bt_hub.cli import main as cli_main
 from bt_hub.train.prefetch import Prefetcher
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+    ),
+]
 
 
 def _prepare(item: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,9 +66,33 @@ def test_leaving_the_loop_early_stops_an_endless_source():
 @pytest.mark.parametrize("device", DEVICES)
 def test_pretraining_with_batches_prepared_ahead_equals_preparing_them_in_the_loop(tmp_path, monkeypatch, device):
     """The training loop itself, with the prefetch thread forced on (the CPU prepares in the loop otherwise)."""
-    flags = ["--data", "synthetic:24", "--arch", "resnet18", "--small-image-stem", "--image-size", "16", "--projector", "32-32",
-             "--batch-size", "8", "--epochs", "2", "--warmup-epochs", "1", "--views", "batched", "--log-every", "1",
-             "--probe-max-dim", "0", "--device", device, "--precision", "fp32"]
+    flags = [
+        "--data",
+        "synthetic:24",
+        "--arch",
+        "resnet18",
+        "--small-image-stem",
+        "--image-size",
+        "16",
+        "--projector",
+        "32-32",
+        "--batch-size",
+        "8",
+        "--epochs",
+        "2",
+        "--warmup-epochs",
+        "1",
+        "--views",
+        "batched",
+        "--log-every",
+        "1",
+        "--probe-max-dim",
+        "0",
+        "--device",
+        device,
+        "--precision",
+        "fp32",
+    ]
     assert cli_main(["pretrain", *flags, "--out", str(tmp_path / "inline")]) == 0
 
     class Ahead(Prefetcher):
@@ -72,9 +101,15 @@ def test_pretraining_with_batches_prepared_ahead_equals_preparing_them_in_the_lo
 
     monkeypatch.setattr(pretrain_module, "Prefetcher", Ahead)
     assert cli_main(["pretrain", *flags, "--out", str(tmp_path / "ahead")]) == 0
-    losses = [[json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in ("inline", "ahead")]
+    losses = [
+        [json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        for run in ("inline", "ahead")
+    ]
     assert len(losses[0]) == 4 and losses[0] == losses[1]  # 2 epochs of the 2 full batches of the training split
-    weights = [torch.load(tmp_path / run / "resnet18.pth", map_location="cpu", weights_only=True) for run in ("inline", "ahead")]
+    weights = [
+        torch.load(tmp_path / run / "resnet18.pth", map_location="cpu", weights_only=True)
+        for run in ("inline", "ahead")
+    ]
     if device == "cpu":
         assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     else:  # cudnn.benchmark may pick other kernels in each run: equal losses, weights equal to float rounding

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from cli_output import one_sentence
 
 from bt_hub.cli import main as cli_main
@@ -25,9 +24,29 @@ from bt_hub.train.pretrain import PretrainConfig, pretrain, view_pair
 
 # 32 synthetic training images, batch 8: 4 steps per epoch, 8 in all; checkpoints at 3 (mid-epoch), 4, 6 (mid-epoch), 8.
 TINY = [
-    "--data", "synthetic:40", "--arch", "resnet18", "--small-image-stem", "--image-size", "8",
-    "--projector", "64-64", "--batch-size", "8", "--epochs", "2", "--warmup-epochs", "1",
-    "--checkpoint-every", "3", "--log-every", "1", "--seed", "7", "--probe-max-dim", "0",
+    "--data",
+    "synthetic:40",
+    "--arch",
+    "resnet18",
+    "--small-image-stem",
+    "--image-size",
+    "8",
+    "--projector",
+    "64-64",
+    "--batch-size",
+    "8",
+    "--epochs",
+    "2",
+    "--warmup-epochs",
+    "1",
+    "--checkpoint-every",
+    "3",
+    "--log-every",
+    "1",
+    "--seed",
+    "7",
+    "--probe-max-dim",
+    "0",
 ]
 STEPS_PER_EPOCH, TOTAL_STEPS = 4, 8
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -112,33 +131,80 @@ def test_pretrain_on_digits_writes_torchvision_and_safetensors_backbones(tmp_pat
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    code = cli_main([
-        "pretrain", "--data", "digits", "--out", str(out), "--arch", "resnet18", "--small-image-stem",
-        "--image-size", "8", "--projector", "32-32", "--batch-size", "32", "--epochs", "1", "--warmup-epochs", "1", "--max-steps", "2", "--probe-max-dim", "64",
-        "--views", "batched", "--log-every", "1",
-    ])
+    code = cli_main(
+        [
+            "pretrain",
+            "--data",
+            "digits",
+            "--out",
+            str(out),
+            "--arch",
+            "resnet18",
+            "--small-image-stem",
+            "--image-size",
+            "8",
+            "--projector",
+            "32-32",
+            "--batch-size",
+            "32",
+            "--epochs",
+            "1",
+            "--warmup-epochs",
+            "1",
+            "--max-steps",
+            "2",
+            "--probe-max-dim",
+            "64",
+            "--views",
+            "batched",
+            "--log-every",
+            "1",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["lr_weights"] == 0.0 and rows[1]["lr_weights"] > 0  # warm-up starts at 0
     assert all(np.isfinite(r["loss"]) and r["embedding_std"] > 0 for r in rows)
     state = torch.load(out / "resnet18.pth", weights_only=True)
-    assert "conv1.weight" in state and "layer1.0.bn1.running_mean" in state and not any(k.startswith("fc.") for k in state)
+    assert (
+        "conv1.weight" in state and "layer1.0.bn1.running_mean" in state and not any(k.startswith("fc.") for k in state)
+    )
     net = build_backbone("resnet18", small_image_stem=True)
     net.load_state_dict(state, strict=True)
     tensors = load_file(out / "backbone.safetensors")
     assert tensors.keys() == state.keys() and all(torch.equal(tensors[k], state[k]) for k in state)
     config = json.loads((out / "config.json").read_text())
-    assert (config["architecture"], config["small_image_stem"], config["projector"], config["dataset"]) == ("resnet18", True, "32-32", "digits")
+    assert (config["architecture"], config["small_image_stem"], config["projector"], config["dataset"]) == (
+        "resnet18",
+        True,
+        "32-32",
+        "digits",
+    )
     assert config["steps"] == 2 and config["recipe"]["batch_size"] == 32
     start, end = np.load(out / "cross_correlation_start.npy"), np.load(out / "cross_correlation_end.npy")
     assert start.shape == end.shape == (32, 32) and not np.array_equal(start, end)
 
 
 def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(tmp_path):
-    config = PretrainConfig(data="synthetic:40", out=str(tmp_path), backbone="resnet18", small_image_stem=True, image_size=8,
-                            projector="16-16", batch_size=8, epochs=2, warmup_epochs=0, lr_biases=1e36, checkpoint_every=1, probe_max_dim=0)
-    with pytest.raises(RuntimeError, match=r"the loss became nan at step (\d+); training stopped and the last good checkpoint .*checkpoint.pth \(step"):
+    config = PretrainConfig(
+        data="synthetic:40",
+        out=str(tmp_path),
+        backbone="resnet18",
+        small_image_stem=True,
+        image_size=8,
+        projector="16-16",
+        batch_size=8,
+        epochs=2,
+        warmup_epochs=0,
+        lr_biases=1e36,
+        checkpoint_every=1,
+        probe_max_dim=0,
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"the loss became nan at step (\d+); training stopped and the last good checkpoint .*checkpoint.pth \(step",
+    ):
         pretrain(config)
     state = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
     assert state["step"] >= 1 and all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
@@ -153,10 +219,26 @@ def _all_finite(state: dict) -> bool:
 def test_a_diverging_run_keeps_only_an_all_finite_checkpoint_and_resuming_it_stops_again_clearly(tmp_path, capsys):
     # item 14: the "kept" checkpoint used to hold non-finite BatchNorm running_var tensors
     out = tmp_path / "run"
-    flags = ["pretrain", *TINY, "--projector", "16-16", "--warmup-epochs", "0", "--lr-weights", "1e9", "--checkpoint-every", "1", "--out", str(out)]
+    flags = [
+        "pretrain",
+        *TINY,
+        "--projector",
+        "16-16",
+        "--warmup-epochs",
+        "0",
+        "--lr-weights",
+        "1e9",
+        "--checkpoint-every",
+        "1",
+        "--out",
+        str(out),
+    ]
     assert cli_main(flags) == 2
     err = one_sentence(capsys.readouterr().err)
-    found = re.search(r"at step (\d+); training stopped and the last good checkpoint (\S+) \(step (\d+), every tensor finite\) is kept", err)
+    found = re.search(
+        r"at step (\d+); training stopped and the last good checkpoint (\S+) \(step (\d+), every tensor finite\) is kept",
+        err,
+    )
     assert found, err
     assert Path(found[2]) == out / "checkpoint.pth" and int(found[3]) == int(found[1]) - 1
     state = torch.load(out / "checkpoint.pth", weights_only=True)
@@ -184,13 +266,18 @@ def test_resume_without_a_checkpoint_restarts_the_metrics_and_a_cut_last_line_is
         path.write_bytes(b"partial")
     capsys.readouterr()
     assert cli_main(["pretrain", *TINY, "--out", str(out), "--max-steps", "4", "--resume", "auto"]) == 0
-    warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bt-hub pretrain: warning: ")]  # one line each
+    warned = [
+        line for line in capsys.readouterr().err.splitlines() if line.startswith("bt-hub pretrain: warning: ")
+    ]  # one line each
     assert len(warned) == 1 and "metrics.jsonl: dropped its last line, cut short by an interrupted write" in warned[0]
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
     assert not any(p.exists() for p in leftovers) and all(p.exists() for p in users)
     record = json.loads((out / "run.json").read_text())
     assert record["config"]["max_steps"] == 2 and {"command", "started", "host", "git_sha"} <= set(record)
-    assert [(r["resumed_from_step"], r["config"]) for r in record["resumes"]] == [(0, {"max_steps": 3, "resume": "auto"}), (3, {"max_steps": 4, "resume": "auto"})]
+    assert [(r["resumed_from_step"], r["config"]) for r in record["resumes"]] == [
+        (0, {"max_steps": 3, "resume": "auto"}),
+        (3, {"max_steps": 4, "resume": "auto"}),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -203,8 +290,14 @@ def test_resume_without_a_checkpoint_restarts_the_metrics_and_a_cut_last_line_is
         (["--batch-size", "4096"], "--batch-size 4096 is larger than the 32 training images of --data synthetic:40"),
         (["--resume", "/no/such/checkpoint.pth"], "checkpoint /no/such/checkpoint.pth does not exist"),
         # item 15: schedules that cannot be what was meant
-        (["--warmup-epochs", "50", "--epochs", "1"], "--warmup-epochs 50 is longer than the whole schedule (--epochs 1)"),
-        (["--max-steps", "100"], "--max-steps 100 is more than the 8 steps of the schedule (--epochs 2 x 4 steps per epoch)"),
+        (
+            ["--warmup-epochs", "50", "--epochs", "1"],
+            "--warmup-epochs 50 is longer than the whole schedule (--epochs 1)",
+        ),
+        (
+            ["--max-steps", "100"],
+            "--max-steps 100 is more than the 8 steps of the schedule (--epochs 2 x 4 steps per epoch)",
+        ),
     ],
 )
 def test_bad_paths_and_flags_are_one_sentence_errors_naming_them(tmp_path, capsys, flags, message):
@@ -217,21 +310,34 @@ def test_bad_paths_and_flags_are_one_sentence_errors_naming_them(tmp_path, capsy
 def test_existing_run_is_not_overwritten_and_resume_checks_the_recipe(tmp_path, capsys):
     out = tmp_path / "run"
     assert cli_main(["pretrain", *TINY, "--projector", "16-16", "--out", str(out), "--max-steps", "2"]) == 0
-    assert cli_main(["pretrain", *TINY, "--projector", "16-16", "--out", str(out), "--resume", "auto", "--max-steps", "1"]) == 2
+    assert (
+        cli_main(["pretrain", *TINY, "--projector", "16-16", "--out", str(out), "--resume", "auto", "--max-steps", "1"])
+        == 2
+    )
     assert "--max-steps 1 is before step 2 of the checkpoint being resumed" in capsys.readouterr().err
     assert cli_main(["pretrain", *TINY, "--projector", "16-16", "--out", str(out)]) == 2
     assert f"--out {out} already holds checkpoint.pth; pass --resume auto" in capsys.readouterr().err
-    assert cli_main(["pretrain", *TINY, "--projector", "16-16", "--out", str(out), "--resume", "auto", "--seed", "8"]) == 2
+    assert (
+        cli_main(["pretrain", *TINY, "--projector", "16-16", "--out", str(out), "--resume", "auto", "--seed", "8"]) == 2
+    )
     assert "--seed is 8 but checkpoint" in capsys.readouterr().err
-    assert cli_main(["pretrain", *TINY, "--projector", "16-16", "--out", str(out), "--resume", "auto", "--no-flip"]) == 2
+    assert (
+        cli_main(["pretrain", *TINY, "--projector", "16-16", "--out", str(out), "--resume", "auto", "--no-flip"]) == 2
+    )
     assert "--flip is False but checkpoint" in capsys.readouterr().err
 
 
 def test_views_follow_crop_scale_min_no_flip_and_no_blur_and_keep_the_rest_of_the_paper():
     paper = view_pair(PretrainConfig())
-    assert paper == (dataclasses.replace(VIEW_A, crop_scale=(0.08, 1.0)), dataclasses.replace(VIEW_B, crop_scale=(0.08, 1.0)))
+    assert paper == (
+        dataclasses.replace(VIEW_A, crop_scale=(0.08, 1.0)),
+        dataclasses.replace(VIEW_B, crop_scale=(0.08, 1.0)),
+    )
     tiny = view_pair(PretrainConfig(crop_scale_min=0.4, flip=False, blur=False))
     for ours, theirs in zip(tiny, paper):
         assert (ours.crop_scale, ours.flip_p, ours.blur_p) == ((0.4, 1.0), 0.0, 0.0)
-        assert dataclasses.replace(ours, crop_scale=theirs.crop_scale, flip_p=theirs.flip_p, blur_p=theirs.blur_p) == theirs
+        assert (
+            dataclasses.replace(ours, crop_scale=theirs.crop_scale, flip_p=theirs.flip_p, blur_p=theirs.blur_p)
+            == theirs
+        )
     assert PretrainConfig.PRESETS["digits"]["flip"] is False and PretrainConfig.PRESETS["digits"]["blur"] is False

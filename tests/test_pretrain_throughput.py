@@ -9,14 +9,46 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--device", "cpu", "--arch", "resnet18", "--image-size", "32", "--projector", "64-64", "--batch-size", "8",
-        "--warmup", "1", "--steps", "2", "--jpeg-size", "64x48", "--workers", "1", "--precision", "fp32"]
+TINY = [
+    "--device",
+    "cpu",
+    "--arch",
+    "resnet18",
+    "--image-size",
+    "32",
+    "--projector",
+    "64-64",
+    "--batch-size",
+    "8",
+    "--warmup",
+    "1",
+    "--steps",
+    "2",
+    "--jpeg-size",
+    "64x48",
+    "--workers",
+    "1",
+    "--precision",
+    "fp32",
+]
 
 
 def test_throughput_benchmark_prints_the_three_rows_and_their_ratios(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "2", "OUT": str(tmp_path / "out")}
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "pretrain_throughput.py"), *TINY, "--data-dir", str(tmp_path / "jpegs")],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "pretrain_throughput.py"),
+            *TINY,
+            "--data-dir",
+            str(tmp_path / "jpegs"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "out" / "throughput.json").read_text())
     rows = result["images_per_s"]

@@ -16,8 +16,22 @@ from bt_hub.eval.detection import detect
 from bt_hub.eval.report import render_table, write_results, write_summary
 
 FIELDS = {
-    "schema", "protocol", "mode", "mode_description", "preset", "overrides", "hyperparameters", "weights", "dataset",
-    "seed", "metrics", "wall_time_s", "timestamp", "versions", "warnings", "paper_task",
+    "schema",
+    "protocol",
+    "mode",
+    "mode_description",
+    "preset",
+    "overrides",
+    "hyperparameters",
+    "weights",
+    "dataset",
+    "seed",
+    "metrics",
+    "wall_time_s",
+    "timestamp",
+    "versions",
+    "warnings",
+    "paper_task",
 }
 
 
@@ -34,16 +48,28 @@ class FakeConfig:
 
 
 SPLITS = {
-    "name": "digits", "path": "digits", "fingerprint": "f" * 64, "holdout": None,
-    "train": {"split": "train", "size": 1437, "fingerprint": "a" * 64}, "test": {"split": "val", "size": 360, "fingerprint": "b" * 64},
+    "name": "digits",
+    "path": "digits",
+    "fingerprint": "f" * 64,
+    "holdout": None,
+    "train": {"split": "train", "size": 1437, "fingerprint": "a" * 64},
+    "test": {"split": "val", "size": 360, "fingerprint": "b" * 64},
     "overlap_check": {"shared_files": 0, "sampled": 64, "identical": 0},
 }
 
 
 def _write(out, config=None, **overrides):
     kwargs = dict(
-        protocol="linear", config=config or FakeConfig(), preset="imagenet", mode="loop", metrics={"top1": 71.25, "top5": 90.04},
-        weights="/home/me/secret/w.safetensors", weights_sha256="abcdef0123456789", dataset=SPLITS, seed=3, wall_time_s=12.5,
+        protocol="linear",
+        config=config or FakeConfig(),
+        preset="imagenet",
+        mode="loop",
+        metrics={"top1": 71.25, "top5": 90.04},
+        weights="/home/me/secret/w.safetensors",
+        weights_sha256="abcdef0123456789",
+        dataset=SPLITS,
+        seed=3,
+        wall_time_s=12.5,
     )
     kwargs.update(overrides)
     kwargs.setdefault("paper_task", _paper_task(kwargs["protocol"], kwargs["preset"], kwargs.get("labels")))
@@ -62,9 +88,15 @@ def _paper_task(protocol, preset, labels=None):
 
 
 def test_each_protocol_declares_the_paper_rows_it_follows_and_the_records_check_the_key(tmp_path):
-    assert linear.PAPER_TASKS == {"imagenet": "imagenet_linear", "places205": "places205_linear", "inat18": "inat18_linear"}
+    assert linear.PAPER_TASKS == {
+        "imagenet": "imagenet_linear",
+        "places205": "places205_linear",
+        "inat18": "inat18_linear",
+    }
     assert _paper_task("semi", "paper", {"fraction": 10}) == "semi_supervised_10pct"
-    assert _paper_task("semi", "paper", {"fraction": 50}) is None and _paper_task("semi", "small", {"fraction": 1}) is None
+    assert (
+        _paper_task("semi", "paper", {"fraction": 50}) is None and _paper_task("semi", "small", {"fraction": 1}) is None
+    )
     assert _paper_task("detect", "coco") == "coco_mask_rcnn_c4_1x" and _paper_task("detect", "shapes-voc") is None
     with pytest.raises(ValueError, match="paper_task 'imagenet' is unknown"):
         _write(tmp_path, paper_task="imagenet")
@@ -111,10 +143,15 @@ def test_a_value_changed_from_the_preset_is_named_in_results_md_and_the_card(tmp
 
 def test_tables_round_to_one_decimal_and_show_the_paper_row_only_for_its_own_protocol(tmp_path):
     _write(tmp_path)  # the paper's ImageNet probe
-    _write(tmp_path, config=from_preset(FakeConfig, "short"), preset="small")  # not the paper's protocol: no paper row of its own
+    _write(
+        tmp_path, config=from_preset(FakeConfig, "short"), preset="small"
+    )  # not the paper's protocol: no paper row of its own
     md = (tmp_path / "results.md").read_text()
     assert md.count("| Barlow Twins paper (ResNet-50, 1000 epochs) |") == 1
-    assert "| Barlow Twins paper (ResNet-50, 1000 epochs) | preset imagenet; paper loop with augmentation | paper's | ImageNet | 73.2 | 91.0 | — |" in md
+    assert (
+        "| Barlow Twins paper (ResNet-50, 1000 epochs) | preset imagenet; paper loop with augmentation | paper's | ImageNet | 73.2 | 91.0 | — |"
+        in md
+    )
     assert "| 71.2 | 90.0 | 12.5 |" in md and "71.25" not in md
     card = card_table([json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()])
     assert "| Top-1 | 71.2 | 73.2 |" in card and card.count("| Top-1 | 71.2 | — |") == 1
@@ -122,20 +159,46 @@ def test_tables_round_to_one_decimal_and_show_the_paper_row_only_for_its_own_pro
 
 def test_semi_rows_say_which_label_fraction_and_get_that_fractions_paper_row(tmp_path):
     for pct in (1, 10):
-        _write(tmp_path, protocol="semi", preset="paper", labels={"fraction": pct, "source": "seeded", "seed": 0, "count": pct * 10},
-               metrics={"top1": 40.0 + pct, "top5": 70.0})
+        _write(
+            tmp_path,
+            protocol="semi",
+            preset="paper",
+            labels={"fraction": pct, "source": "seeded", "seed": 0, "count": pct * 10},
+            metrics={"top1": 40.0 + pct, "top5": 70.0},
+        )
     md = (tmp_path / "results.md").read_text()
-    assert "1% labels (SimCLR list 1percent.txt); preset paper; paper loop with augmentation | paper's | ImageNet | 55.0 | 79.2 |" in md
-    assert "10% labels (SimCLR list 10percent.txt); preset paper; paper loop with augmentation | paper's | ImageNet | 69.7 | 89.3 |" in md
-    assert "| ours: semi | 1% labels (seeded class-balanced, seed 0); preset paper; paper loop with augmentation |" in md
-    assert "| ours: semi | 10% labels (seeded class-balanced, seed 0); preset paper; paper loop with augmentation |" in md
+    assert (
+        "1% labels (SimCLR list 1percent.txt); preset paper; paper loop with augmentation | paper's | ImageNet | 55.0 | 79.2 |"
+        in md
+    )
+    assert (
+        "10% labels (SimCLR list 10percent.txt); preset paper; paper loop with augmentation | paper's | ImageNet | 69.7 | 89.3 |"
+        in md
+    )
+    assert (
+        "| ours: semi | 1% labels (seeded class-balanced, seed 0); preset paper; paper loop with augmentation |" in md
+    )
+    assert (
+        "| ours: semi | 10% labels (seeded class-balanced, seed 0); preset paper; paper loop with augmentation |" in md
+    )
     records = read_records([tmp_path / "results.jsonl"])
     assert ["1% labels" in setting(r) for r in records] == [True, False]
 
 
 def test_transfer_presets_land_in_the_transfer_table_with_their_paper_row():
-    base = {"weights": {"name": "w", "fingerprint": ""}, "dataset": {"name": "inat"}, "wall_time_s": 1.0, "mode": "loop"}
-    record = {**base, "protocol": "transfer", "preset": "inat18", "paper_task": _paper_task("transfer", "inat18"), "metrics": {"top1": 30.0}}
+    base = {
+        "weights": {"name": "w", "fingerprint": ""},
+        "dataset": {"name": "inat"},
+        "wall_time_s": 1.0,
+        "mode": "loop",
+    }
+    record = {
+        **base,
+        "protocol": "transfer",
+        "preset": "inat18",
+        "paper_task": _paper_task("transfer", "inat18"),
+        "metrics": {"top1": 30.0},
+    }
     md = render_table([record])
     lines = md.splitlines()
     assert lines[0] == "### Transfer to other classification tasks (paper Table 3)"
@@ -157,7 +220,10 @@ def test_non_numeric_metrics_are_rejected_naming_them(tmp_path):
 
 
 def test_eval_all_summary_is_read_as_its_records_by_push_and_the_card(tmp_path):
-    records = [_write(tmp_path / "a"), _write(tmp_path / "b", protocol="knn", preset=None, mode="features", metrics={"top1": 50.0})]
+    records = [
+        _write(tmp_path / "a"),
+        _write(tmp_path / "b", protocol="knn", preset=None, mode="features", metrics={"top1": 50.0}),
+    ]
     write_summary(tmp_path / "all", records, 30.0)
     read = read_records([tmp_path / "all" / "results.json"])
     assert [r["protocol"] for r in read] == ["linear", "knn"]
@@ -171,15 +237,28 @@ def test_push_and_save_pretrained_accept_eval_all_results(tmp_path):
     pytest.importorskip("huggingface_hub")
     import torch
 
-    from bt_hub.weights import save_pretrained
     from bt_hub.method.model import BarlowTwins
+    from bt_hub.weights import save_pretrained
 
-    records = [_write(tmp_path / "a"), _write(tmp_path / "b", protocol="semi", preset="paper", labels={"fraction": 1, "source": "seeded", "seed": 0, "count": 5})]
+    records = [
+        _write(tmp_path / "a"),
+        _write(
+            tmp_path / "b",
+            protocol="semi",
+            preset="paper",
+            labels={"fraction": 1, "source": "seeded", "seed": 0, "count": 5},
+        ),
+    ]
     write_summary(tmp_path / "all", records, 30.0)
     torch.manual_seed(0)
-    folder = save_pretrained(BarlowTwins("resnet18", "16-16"), tmp_path / "card", results=[tmp_path / "all" / "results.json"], name="bt/card")
+    folder = save_pretrained(
+        BarlowTwins("resnet18", "16-16"), tmp_path / "card", results=[tmp_path / "all" / "results.json"], name="bt/card"
+    )
     card = (folder / "README.md").read_text()
-    assert "| semi | 1% labels (seeded class-balanced, seed 0); preset paper; paper loop with augmentation | digits | Top-1 | 71.2 | 55.0 |" in card
+    assert (
+        "| semi | 1% labels (seeded class-balanced, seed 0); preset paper; paper loop with augmentation | digits | Top-1 | 71.2 | 55.0 |"
+        in card
+    )
     assert "| linear | preset imagenet; paper loop with augmentation | digits | Top-1 | 71.2 | 73.2 |" in card
 
 

@@ -12,18 +12,36 @@ import textwrap
 
 import pytest
 import torch
-
 from cli_output import one_sentence
 
 from bt_hub.cli import main as cli_main
-from bt_hub.common.runs import MARKER_NAME, RunDir, RunLock, claim_run_dir, read_jsonl
 from bt_hub.common.files import WriteError, atomic_torch_save, atomic_write_text
+from bt_hub.common.runs import MARKER_NAME, RunDir, RunLock, claim_run_dir, read_jsonl
 
 # 32 synthetic images, batch 8: 4 steps per epoch; --max-steps keeps each run to a few steps.
 TINY = [
-    "pretrain", "--data", "synthetic:40", "--arch", "resnet18", "--small-image-stem", "--image-size", "8",
-    "--projector", "16-16", "--batch-size", "8", "--epochs", "2", "--warmup-epochs", "1", "--log-every", "1",
-    "--seed", "7", "--probe-max-dim", "0",
+    "pretrain",
+    "--data",
+    "synthetic:40",
+    "--arch",
+    "resnet18",
+    "--small-image-stem",
+    "--image-size",
+    "8",
+    "--projector",
+    "16-16",
+    "--batch-size",
+    "8",
+    "--epochs",
+    "2",
+    "--warmup-epochs",
+    "1",
+    "--log-every",
+    "1",
+    "--seed",
+    "7",
+    "--probe-max-dim",
+    "0",
 ]
 
 
@@ -61,7 +79,11 @@ def test_out_that_is_a_file_fails_in_one_sentence_before_the_model_is_built(tmp_
 
     target = tmp_path / "run"
     target.write_text("a file")
-    monkeypatch.setattr(bt_hub.train.pretrain, "BarlowTwins", lambda *a, **k: pytest.fail("the model was built before --out was checked"))
+    monkeypatch.setattr(
+        bt_hub.train.pretrain,
+        "BarlowTwins",
+        lambda *a, **k: pytest.fail("the model was built before --out was checked"),
+    )
     assert cli_main([*TINY, "--out", str(target)]) == 2
     assert f"--out {target} is an existing file; expected a directory" in _error(capsys)
     assert cli_main([*TINY, "--out", str(target / "sub")]) == 2
@@ -74,14 +96,20 @@ def test_a_second_run_into_a_locked_directory_fails_at_once_naming_the_holder(tm
     out = tmp_path / "run"
     claim_run_dir(out)
     holder = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
             import sys, time
             from bt_hub.common.runs import RunLock
             lock = RunLock({str(out)!r})
             print("locked", flush=True)
             time.sleep(120)
-        """)],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -145,7 +173,10 @@ def test_disk_full_while_checkpointing_is_one_sentence_and_keeps_the_previous_ch
     monkeypatch.setattr(os, "fdopen", fdopen)
     assert cli_main([*TINY, "--out", str(out), "--checkpoint-every", "1"]) == 2
     err = _error(capsys)
-    assert f"could not write {out / 'checkpoint.pth'}: no space is left on the device; free space on the file system of {out}" in err
+    assert (
+        f"could not write {out / 'checkpoint.pth'}: no space is left on the device; free space on the file system of {out}"
+        in err
+    )
     assert "the previous checkpoint.pth is unchanged" in err and "enforce fail" not in err
     assert torch.load(out / "checkpoint.pth", weights_only=True)["step"] == 2
     assert not list(out.glob(".*.tmp"))
@@ -168,10 +199,17 @@ def test_a_file_over_the_size_limit_is_one_sentence_and_keeps_the_previous_file(
         except WriteError as err:
             print(err)
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert done.stdout.strip() == (f"could not write {target}: the file is larger than this process may write (ulimit -f); "
-                                   "raise the limit and run again (the previous checkpoint.pth is unchanged)"), done.stderr
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.stdout.strip() == (
+        f"could not write {target}: the file is larger than this process may write (ulimit -f); "
+        "raise the limit and run again (the previous checkpoint.pth is unchanged)"
+    ), done.stderr
     assert target.read_bytes() == b"previous" and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pth"]
 
 
@@ -187,7 +225,10 @@ def test_disk_full_while_logging_is_one_sentence_and_leaves_the_log_whole(tmp_pa
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "write", half_then_full)
-    with pytest.raises(WriteError, match=r"could not write .*metrics.jsonl: no space is left on the device; free space on the file system of"):
+    with pytest.raises(
+        WriteError,
+        match=r"could not write .*metrics.jsonl: no space is left on the device; free space on the file system of",
+    ):
         run.log({"step": 2, "loss": 0.5})
     monkeypatch.undo()
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
@@ -204,14 +245,27 @@ def test_a_partial_last_metrics_line_is_dropped_with_a_warning_and_earlier_damag
         read_jsonl(path)
 
 
-def test_eval_refuses_a_foreign_directory_before_loading_weights_and_accepts_its_own(tmp_path, capsys, resnet18_weights):
+def test_eval_refuses_a_foreign_directory_before_loading_weights_and_accepts_its_own(
+    tmp_path, capsys, resnet18_weights
+):
     # item 6 for eval: the --out of every protocol goes through the same check
     from bt_hub.eval.knn import KnnConfig
 
     out = tmp_path / "mine"
     out.mkdir()
     (out / "results.md").write_text("my own notes")
-    common = ["--weights", str(resnet18_weights), "--data", "synthetic:40", "--image-size", "16", "--batch-size", "20", "--k", "5"]
+    common = [
+        "--weights",
+        str(resnet18_weights),
+        "--data",
+        "synthetic:40",
+        "--image-size",
+        "16",
+        "--batch-size",
+        "20",
+        "--k",
+        "5",
+    ]
     assert cli_main(["eval", "knn", *common, "--out", str(out)]) == 2
     assert f"--out {out} is not empty and was not created by bt-hub" in _error(capsys)
     assert (out / "results.md").read_text() == "my own notes"
@@ -236,7 +290,9 @@ def test_run_json_keeps_the_first_run_and_appends_each_resume(tmp_path):
     first = json.loads((tmp_path / "run" / "run.json").read_text())
     run.start({"lr": 0.1, "max_steps": 5}, 2)
     record = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert {k: record[k] for k in ("command", "started", "host", "config")} == {k: first[k] for k in ("command", "started", "host", "config")}
+    assert {k: record[k] for k in ("command", "started", "host", "config")} == {
+        k: first[k] for k in ("command", "started", "host", "config")
+    }
     (resume,) = record["resumes"]
     assert resume["resumed_from_step"] == 2 and resume["config"] == {"max_steps": 5}
     assert {"command", "started", "host", "pid", "bt_hub_version"} <= set(resume)

@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from bt_hub import cli
-from bt_hub.train.data import ImageFolderDataset
 from bt_hub.eval.splits import check_disjoint, indices_sha256, load_splits, stratified_holdout
+from bt_hub.train.data import ImageFolderDataset
 
 PROTOCOLS = ["knn", "linear", "semi", "transfer", "all"]
 
@@ -35,7 +35,10 @@ def weights(small_stem_weights):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_a_flat_folder_is_refused_by_every_protocol_naming_the_layouts_and_holdout(protocol, weights, tmp_path, capsys):
     flat = _folder(tmp_path / "flat")
-    assert cli.main(["eval", protocol, "--weights", str(weights), "--data", str(flat), "--out", str(tmp_path / "out")]) == 2
+    assert (
+        cli.main(["eval", protocol, "--weights", str(weights), "--data", str(flat), "--out", str(tmp_path / "out")])
+        == 2
+    )
     err = capsys.readouterr().err
     assert f"--data {flat} has no held-out split" in err
     assert f"{flat}/val/<class>/<image>" in err and "--holdout 0.2" in err
@@ -76,15 +79,35 @@ def test_cli_holdout_on_a_flat_folder_is_recorded_and_seed_stable(weights, tmp_p
     flat = _folder(tmp_path / "flat", per_class=10)
     records = []
     for seed, out in ((0, "a"), (0, "b"), (1, "c")):
-        argv = ["eval", "knn", "--weights", str(weights), "--data", str(flat), "--holdout", "0.2", "--seed", str(seed),
-                "--image-size", "8", "--k", "3", "--out", str(tmp_path / out)]
+        argv = [
+            "eval",
+            "knn",
+            "--weights",
+            str(weights),
+            "--data",
+            str(flat),
+            "--holdout",
+            "0.2",
+            "--seed",
+            str(seed),
+            "--image-size",
+            "8",
+            "--k",
+            "3",
+            "--out",
+            str(tmp_path / out),
+        ]
         assert cli.main(argv) == 0
         records.append(json.loads((tmp_path / out / "results.json").read_text()))
     holdout = records[0]["dataset"]["holdout"]
     assert (holdout["fraction"], holdout["seed"], holdout["train_size"], holdout["test_size"]) == (0.2, 0, 24, 6)
     _, held = stratified_holdout(ImageFolderDataset(flat).targets, 0.2, seed=0)
     assert holdout["test_indices_sha256"] == indices_sha256(held)
-    assert records[0]["dataset"]["test"] == {"split": "holdout", "size": 6, "fingerprint": records[0]["dataset"]["test"]["fingerprint"]}
+    assert records[0]["dataset"]["test"] == {
+        "split": "holdout",
+        "size": 6,
+        "fingerprint": records[0]["dataset"]["test"]["fingerprint"],
+    }
     assert records[1]["dataset"]["holdout"] == holdout
     assert records[2]["dataset"]["holdout"]["test_indices_sha256"] != holdout["test_indices_sha256"]
     assert "test: held-out 20% of train (seed 0)" in (tmp_path / "a" / "results.md").read_text()
@@ -93,7 +116,12 @@ def test_cli_holdout_on_a_flat_folder_is_recorded_and_seed_stable(weights, tmp_p
 def test_a_test_split_with_the_training_images_is_refused(weights, tmp_path, capsys):
     _folder(tmp_path / "d" / "train")
     shutil.copytree(tmp_path / "d" / "train", tmp_path / "d" / "val")
-    assert cli.main(["eval", "knn", "--weights", str(weights), "--data", str(tmp_path / "d"), "--out", str(tmp_path / "out")]) == 2
+    assert (
+        cli.main(
+            ["eval", "knn", "--weights", str(weights), "--data", str(tmp_path / "d"), "--out", str(tmp_path / "out")]
+        )
+        == 2
+    )
     assert "15 of 15 sampled test images are byte-identical to training images" in capsys.readouterr().err
 
 
@@ -114,7 +142,11 @@ def test_a_few_duplicates_are_tolerated_and_recorded(tmp_path):
     _folder(tmp_path / "d" / "val", per_class=10, seed=1)
     shutil.copy(tmp_path / "d" / "train" / "a" / "a0.png", tmp_path / "d" / "val" / "a" / "dup.png")
     check = load_splits(str(tmp_path / "d")).info["overlap_check"]
-    assert check == {"shared_files": 0, "sampled": 31, "identical": 1}  # ImageNet's val holds a few copies of train images too
+    assert check == {
+        "shared_files": 0,
+        "sampled": 31,
+        "identical": 1,
+    }  # ImageNet's val holds a few copies of train images too
 
 
 def test_test_labels_follow_the_training_class_order(tmp_path):

@@ -10,7 +10,6 @@ import torch
 from voc_devkit import write_synthetic_devkit
 
 from bt_hub import cli
-from bt_hub.method.model import build_backbone
 from bt_hub.eval.voc07_svm import (
     VocClassification,
     average_precision,
@@ -19,6 +18,7 @@ from bt_hub.eval.voc07_svm import (
     svm_grid,
     voc07_11point_ap,
 )
+from bt_hub.method.model import build_backbone
 
 torch.set_num_threads(2)
 
@@ -54,7 +54,12 @@ def _handmade_devkit(root):
     """Four test images for class 'cat': present, difficult-only, absent, present (in that order)."""
     voc = root / "VOC2007"
     write_synthetic_devkit(root, ("cat", "dog"), trainval=6, test=4, image_size=8, seed=0)
-    objects = {"000006": [("cat", 0)], "000007": [("cat", 1), ("dog", 0)], "000008": [("dog", 0)], "000009": [("dog", 1), ("cat", 0), ("cat", 1)]}
+    objects = {
+        "000006": [("cat", 0)],
+        "000007": [("cat", 1), ("dog", 0)],
+        "000008": [("dog", 0)],
+        "000009": [("dog", 1), ("cat", 0), ("cat", 1)],
+    }
     for image_id, objs in objects.items():
         body = "".join(f"<object><name>{n}</name><difficult>{d}</difficult></object>" for n, d in objs)
         (voc / "Annotations" / f"{image_id}.xml").write_text(f"<annotation>{body}</annotation>")
@@ -107,7 +112,9 @@ def test_grid_picks_each_class_best_cross_validated_cost_and_difficult_trains_as
     from sklearn.svm import LinearSVC
 
     labels = np.where(targets[:, 0] == 1, 1, -1)  # difficult (-1) and absent (0) are both negatives
-    ref = LinearSVC(C=best[0], class_weight={1: 2, -1: 1}, dual=True, tol=1e-4, max_iter=2000, random_state=0).fit(features, labels)
+    ref = LinearSVC(C=best[0], class_weight={1: 2, -1: 1}, dual=True, tol=1e-4, max_iter=2000, random_state=0).fit(
+        features, labels
+    )
     np.testing.assert_allclose(weights[0], ref.coef_[0])
     assert biases[0] == pytest.approx(ref.intercept_[0])
 
@@ -119,8 +126,26 @@ def test_cli_voc07_svm_end_to_end_writes_results_json(tmp_path):
     torch.manual_seed(0)
     torch.save(build_backbone("resnet18").state_dict(), weights)
     out = tmp_path / "out"
-    argv = ["eval", "voc07-svm", "--weights", str(weights), "--data", str(devkit), "--out", str(out),
-            "--image-size", "176", "--batch-size", "18", "--costs", "0.1", "1", "10", "--n-jobs", "1"]
+    argv = [
+        "eval",
+        "voc07-svm",
+        "--weights",
+        str(weights),
+        "--data",
+        str(devkit),
+        "--out",
+        str(out),
+        "--image-size",
+        "176",
+        "--batch-size",
+        "18",
+        "--costs",
+        "0.1",
+        "1",
+        "10",
+        "--n-jobs",
+        "1",
+    ]
     assert cli.main(argv) == 0
     result = json.loads((out / "results.json").read_text())
     assert result["protocol"] == "voc07-svm"
@@ -130,7 +155,10 @@ def test_cli_voc07_svm_end_to_end_writes_results_json(tmp_path):
     assert 40.0 < result["metrics"]["mAP"] <= 100.0  # colour blocks are easy: well above chance
     md = (out / "results.md").read_text()
     assert "| ours: voc07-svm | frozen features, no training; image_size 176 (default 224)" in md
-    assert "| Barlow Twins paper (ResNet-50, 1000 epochs) | frozen features, no training | paper's | VOC2007 | 86.2 |" in md
+    assert (
+        "| Barlow Twins paper (ResNet-50, 1000 epochs) | frozen features, no training | paper's | VOC2007 | 86.2 |"
+        in md
+    )
 
 
 def test_cli_voc07_svm_needs_a_devkit(tmp_path, capsys):

@@ -21,9 +21,17 @@ import torch
 import torchvision
 
 from bt_hub import cli
-from bt_hub.method.model import BarlowTwins, build_backbone
-from bt_hub.weights import BarlowTwinsWeights, CheckpointError, barlow_twins, get_weights, list_weights, resolve, save_pretrained
 from bt_hub.common.files import file_sha256
+from bt_hub.method.model import BarlowTwins, build_backbone
+from bt_hub.weights import (
+    BarlowTwinsWeights,
+    CheckpointError,
+    barlow_twins,
+    get_weights,
+    list_weights,
+    resolve,
+    save_pretrained,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(2)
@@ -71,10 +79,25 @@ def test_weights_list_names_every_registered_weight_and_its_cache_path(offline_t
         assert Path(row[4]) == get_weights(name).cache_path() and Path(row[4]).is_relative_to(offline_torch_home)
 
 
-def test_eval_and_detect_with_a_registered_name_read_the_listed_cache_path_offline(offline_torch_home, resnet50_state, tmp_path, capsys):
+def test_eval_and_detect_with_a_registered_name_read_the_listed_cache_path_offline(
+    offline_torch_home, resnet50_state, tmp_path, capsys
+):
     path = _seed_default(capsys, resnet50_state)
     out = tmp_path / "knn"
-    argv = ["eval", "knn", "--weights", "barlowtwins-in1k", "--data", "synthetic:40", "--image-size", "16", "--k", "5", "--out", str(out)]
+    argv = [
+        "eval",
+        "knn",
+        "--weights",
+        "barlowtwins-in1k",
+        "--data",
+        "synthetic:40",
+        "--image-size",
+        "16",
+        "--k",
+        "5",
+        "--out",
+        str(out),
+    ]
     assert cli.main(argv) == 0, capsys.readouterr().err
     result = json.loads((out / "results.json").read_text())
     assert result["weights"] == {"name": "barlowtwins-in1k", "fingerprint": file_sha256(path)}
@@ -84,7 +107,9 @@ def test_eval_and_detect_with_a_registered_name_read_the_listed_cache_path_offli
     assert Path(pkl) == tmp_path / "detect" / "weights.pkl" and "res5.2.conv3.norm.running_var" in tensors
 
 
-def test_unknown_names_list_the_registered_ones_and_missing_paths_are_no_hub_errors(offline_torch_home, tmp_path, capsys):
+def test_unknown_names_list_the_registered_ones_and_missing_paths_are_no_hub_errors(
+    offline_torch_home, tmp_path, capsys
+):
     assert cli.main(["eval", "knn", "--weights", "barlowtwins-in1k-typo", "--out", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err.strip() == (
         "bt-hub eval knn: error: weights 'barlowtwins-in1k-typo' name no file or folder, URL, Hub repo (org/name) or registered "
@@ -95,7 +120,11 @@ def test_unknown_names_list_the_registered_ones_and_missing_paths_are_no_hub_err
             resolve(typo)
     for command in (["export", "--out", str(tmp_path / "x.pth")], ["push", "--repo-id", "bt/x"]):
         assert cli.main(command + ["--weights", "./hf_r5O"]) == 2
-        assert capsys.readouterr().err.strip().endswith(f"weights ./hf_r5O: no such file or folder ({Path.cwd() / 'hf_r5O'})")
+        assert (
+            capsys.readouterr()
+            .err.strip()
+            .endswith(f"weights ./hf_r5O: no such file or folder ({Path.cwd() / 'hf_r5O'})")
+        )
 
 
 def test_a_local_folder_wins_over_a_hub_id_of_the_same_spelling(tmp_path, monkeypatch):
@@ -105,9 +134,13 @@ def test_a_local_folder_wins_over_a_hub_id_of_the_same_spelling(tmp_path, monkey
     assert resolve("org/name").path == Path("org/name/model.safetensors")
 
 
-def test_legacy_pretrained_true_warns_and_loads_the_default_weights_from_the_cache(offline_torch_home, resnet50_state, capsys):
+def test_legacy_pretrained_true_warns_and_loads_the_default_weights_from_the_cache(
+    offline_torch_home, resnet50_state, capsys
+):
     _seed_default(capsys, resnet50_state)
-    with pytest.warns(FutureWarning, match=r'resnet50\(pretrained=True\) is deprecated; use resnet50\(weights="barlowtwins-in1k"\)'):
+    with pytest.warns(
+        FutureWarning, match=r'resnet50\(pretrained=True\) is deprecated; use resnet50\(weights="barlowtwins-in1k"\)'
+    ):
         model = torch.hub.load(str(REPO_ROOT), "resnet50", source="local", pretrained=True)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in resnet50_state.items())
     assert model.weights_info["weights"] == "barlowtwins-in1k"
@@ -121,7 +154,9 @@ def test_legacy_pretrained_true_warns_and_loads_the_default_weights_from_the_cac
 def test_weights_none_is_the_default_and_never_touches_the_network(offline_torch_home):
     model = torch.hub.load(str(REPO_ROOT), "resnet50", source="local")
     assert isinstance(model.fc, torch.nn.Identity) and not hasattr(model, "weights_info")
-    assert model.eval()(model.transforms(torchvision.transforms.functional.to_pil_image(torch.rand(3, 300, 260)))[None]).shape == (1, 2048)
+    assert model.eval()(
+        model.transforms(torchvision.transforms.functional.to_pil_image(torch.rand(3, 300, 260)))[None]
+    ).shape == (1, 2048)
     assert not any(offline_torch_home.rglob("*.pth"))
     with pytest.raises(TypeError, match=r"resnet50\(\) got unexpected keyword arguments \['num_classes'\]"):
         torch.hub.load(str(REPO_ROOT), "resnet50", source="local", num_classes=10)
@@ -132,7 +167,10 @@ def test_enum_members_expose_url_transforms_meta_and_the_state_dict(offline_torc
     member = BarlowTwinsWeights.DEFAULT
     assert member is BarlowTwinsWeights.IN1K_EP1000
     assert member.url.endswith("/ep1000_bs2048_lrw0.2_lrb0.0048_lambd0.0051/resnet50.pth")
-    assert member.meta["paper"]["imagenet_linear"] == {"top1": 73.2, "top5": 91.0} and member.meta["recipe"]["lambd"] == 0.0051
+    assert (
+        member.meta["paper"]["imagenet_linear"] == {"top1": 73.2, "top5": 91.0}
+        and member.meta["recipe"]["lambd"] == 0.0051
+    )
     sizes = [(type(t).__name__, getattr(t, "size", None)) for t in member.transforms().transforms]
     assert sizes[:2] == [("Resize", 256), ("CenterCrop", (224, 224))]
     state = member.get_state_dict(progress=False)
@@ -169,8 +207,19 @@ def _tiny_run(tmp_path: Path) -> tuple[Path, BarlowTwins]:
                 module.running_var.uniform_(0.5, 1.5)
     run = tmp_path / "run"
     save_safetensors(model.backbone.state_dict(), run / "backbone.safetensors", {"architecture": "resnet18"})
-    (run / "config.json").write_text(json.dumps({"architecture": "resnet18", "small_image_stem": True, "projector": "32-16",
-                                                 "lambd": 0.1, "image_size": 16, "epochs": 3, "dataset": "digits"}))
+    (run / "config.json").write_text(
+        json.dumps(
+            {
+                "architecture": "resnet18",
+                "small_image_stem": True,
+                "projector": "32-16",
+                "lambd": 0.1,
+                "image_size": 16,
+                "epochs": 3,
+                "dataset": "digits",
+            }
+        )
+    )
     torch.save({"model": model.state_dict(), "optimizer": {}, "step": 9}, run / "checkpoint.pth")
     return run, model.eval()
 
@@ -180,7 +229,24 @@ def test_export_hf_of_a_run_keeps_the_projector_and_lambda_and_the_card_its_name
     results = tmp_path / "results.json"
     results.write_text(json.dumps({"protocol": "knn", "dataset": "digits", "metrics": {"top1": 88.6}}))
     out = tmp_path / "hf"
-    assert cli.main(["export", "--weights", str(run), "--format", "hf", "--out", str(out), "--name", "bt/digits", "--results", str(results)]) == 0
+    assert (
+        cli.main(
+            [
+                "export",
+                "--weights",
+                str(run),
+                "--format",
+                "hf",
+                "--out",
+                str(out),
+                "--name",
+                "bt/digits",
+                "--results",
+                str(results),
+            ]
+        )
+        == 0
+    )
     assert "projector.safetensors" in capsys.readouterr().out
     loaded = barlow_twins(weights=out).eval()
     assert loaded.lambd == 0.1 and loaded.config["projector"] == "32-16"
@@ -233,15 +299,30 @@ def test_a_bare_hub_id_works_in_eval_and_barlow_twins_through_a_loopback_hub(tmp
     folder = save_pretrained(str(run), tmp_path / "folder", name="bt/digits")
     files = {p.name: p.read_bytes() for p in folder.iterdir()}
     hub = LoopbackHub({"bt/digits": {"main": ("c" * 40, files)}})
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),
+        "HF_ENDPOINT": hub.url,
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_OFFLINE": "0",
+    }
     try:
-        result = subprocess.run([sys.executable, "-c", HUB_SCRIPT, str(tmp_path / "knn")], capture_output=True, text=True, timeout=600, env=env)
+        result = subprocess.run(
+            [sys.executable, "-c", HUB_SCRIPT, str(tmp_path / "knn")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
     finally:
         hub.stop()
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.splitlines()[0]) == {"lambd": 0.1, "projector": "32-16"}
     record = json.loads((tmp_path / "knn" / "results.json").read_text())
-    assert record["weights"] == {"name": "bt/digits", "fingerprint": hashlib.sha256(files["model.safetensors"]).hexdigest()}
+    assert record["weights"] == {
+        "name": "bt/digits",
+        "fingerprint": hashlib.sha256(files["model.safetensors"]).hexdigest(),
+    }
     assert ("GET", "/bt/digits/resolve/main/projector.safetensors") in hub.requests
 
 

@@ -28,13 +28,16 @@ def resnet18_file(tmp_path) -> Path:
 
 # --------------------------------------------------------------------------- 7: export never overwrites silently
 
+
 @pytest.mark.parametrize("fmt,name", [("safetensors", "bt.safetensors"), ("detectron2", "bt.pkl")])
 def test_export_refuses_an_existing_file_unless_forced(fmt, name, resnet18_file, tmp_path, capsys):
     target = tmp_path / name
     target.write_bytes(b"the user's own file")
     argv = ["export", "--weights", str(resnet18_file), "--format", fmt, "--out", str(target)]
     assert cli.main(argv) == 2
-    assert capsys.readouterr().err.strip() == f"bt-hub export: error: {target} already exists; pass --force to replace it"
+    assert (
+        capsys.readouterr().err.strip() == f"bt-hub export: error: {target} already exists; pass --force to replace it"
+    )
     assert target.read_bytes() == b"the user's own file"
     assert cli.main(argv + ["--force"]) == 0
     assert load_backbone(target).weights_info["architecture"] == "resnet18"
@@ -46,7 +49,9 @@ def test_export_torchvision_refuses_the_hash_named_file_it_would_write(resnet18_
     written = next(tmp_path.glob("bt-*.pth"))
     capsys.readouterr()
     assert cli.main(argv) == 2
-    assert capsys.readouterr().err.strip() == f"bt-hub export: error: {written} already exists; pass --force to replace it"
+    assert (
+        capsys.readouterr().err.strip() == f"bt-hub export: error: {written} already exists; pass --force to replace it"
+    )
     assert cli.main(argv + ["--force"]) == 0
 
 
@@ -56,11 +61,21 @@ def test_export_hf_keeps_files_bt_hub_did_not_write_even_with_force(resnet18_fil
     (out / "README.md").write_text("# my notes about this model\n")
     argv = ["export", "--weights", str(resnet18_file), "--format", "hf", "--out", str(out)]
     assert cli.main(argv) == 2
-    assert capsys.readouterr().err.strip().endswith(
-        f"folder {out} is not empty; pass --force to replace the files bt_hub wrote there (other files are kept)")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            f"folder {out} is not empty; pass --force to replace the files bt_hub wrote there (other files are kept)"
+        )
+    )
     assert cli.main(argv + ["--force"]) == 2
-    assert capsys.readouterr().err.strip().endswith(
-        f"{out / 'README.md'} was not written by bt_hub, so even --force does not replace it; move it away or export to another folder")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            f"{out / 'README.md'} was not written by bt_hub, so even --force does not replace it; move it away or export to another folder"
+        )
+    )
     assert sorted(p.name for p in out.iterdir()) == ["README.md"]
     assert (out / "README.md").read_text() == "# my notes about this model\n"
 
@@ -69,10 +84,13 @@ def test_export_hf_keeps_files_bt_hub_did_not_write_even_with_force(resnet18_fil
     (out / "notes.txt").write_text("kept")
     assert cli.main(argv + ["--force"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors", "notes.txt"]
-    assert (out / "notes.txt").read_text() == "kept" and "projector" not in json.loads((out / "config.json").read_text())
+    assert (out / "notes.txt").read_text() == "kept" and "projector" not in json.loads(
+        (out / "config.json").read_text()
+    )
 
 
 # --------------------------------------------------------------------------- 14: non-finite weights are refused on load
+
 
 @pytest.fixture
 def diverged_file(tmp_path) -> Path:
@@ -98,12 +116,33 @@ def test_non_finite_weights_are_refused_by_load_backbone_unless_allowed(diverged
 
 
 def test_eval_and_export_refuse_non_finite_weights_and_the_flag_allows_them(diverged_file, tmp_path, capsys):
-    knn = ["eval", "knn", "--weights", str(diverged_file), "--data", "synthetic:20", "--image-size", "8", "--k", "3", "--out", str(tmp_path / "knn")]
+    knn = [
+        "eval",
+        "knn",
+        "--weights",
+        str(diverged_file),
+        "--data",
+        "synthetic:20",
+        "--image-size",
+        "8",
+        "--k",
+        "3",
+        "--out",
+        str(tmp_path / "knn"),
+    ]
     assert cli.main(knn) == 2
     assert "holds NaN or inf in 2 tensors, first ['layer1.0.bn1.running_var'" in capsys.readouterr().err
     assert not (tmp_path / "knn" / "results.json").exists()
     assert cli.main(knn + ["--allow-non-finite"]) == 0
-    export = ["export", "--weights", str(diverged_file), "--format", "safetensors", "--out", str(tmp_path / "x.safetensors")]
+    export = [
+        "export",
+        "--weights",
+        str(diverged_file),
+        "--format",
+        "safetensors",
+        "--out",
+        str(tmp_path / "x.safetensors"),
+    ]
     assert cli.main(export) == 2 and not (tmp_path / "x.safetensors").exists()
     assert "holds NaN or inf" in capsys.readouterr().err
     assert cli.main(export + ["--allow-non-finite"]) == 0
@@ -115,18 +154,27 @@ def test_a_projector_with_nan_is_refused_too(tmp_path):
     state = model.state_dict()
     state["projector.1.running_var"][0] = float("nan")
     torch.save({"model": state}, tmp_path / "checkpoint.pth")
-    with pytest.raises(CheckpointError, match=r"checkpoint.pth holds NaN or inf in 1 tensor, first \['1.running_var'\]"):
+    with pytest.raises(
+        CheckpointError, match=r"checkpoint.pth holds NaN or inf in 1 tensor, first \['1.running_var'\]"
+    ):
         barlow_twins(weights=str(tmp_path / "checkpoint.pth"))
 
 
 # --------------------------------------------------------------------------- 18, 19: what a file is, said plainly
 
-@pytest.mark.parametrize("content,looks", [
-    (b"<!DOCTYPE html>\n<html><head><title>404</title></head></html>\n", "looks like HTML, perhaps an error or login page saved in its place"),
-    (b"  <html><body>Sign in</body></html>", "looks like HTML, perhaps an error or login page saved in its place"),
-    (bytes(range(7, 250)) * 3, "unrecognised bytes"),
-    (b"version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 102\n", "looks like text"),
-])
+
+@pytest.mark.parametrize(
+    "content,looks",
+    [
+        (
+            b"<!DOCTYPE html>\n<html><head><title>404</title></head></html>\n",
+            "looks like HTML, perhaps an error or login page saved in its place",
+        ),
+        (b"  <html><body>Sign in</body></html>", "looks like HTML, perhaps an error or login page saved in its place"),
+        (bytes(range(7, 250)) * 3, "unrecognised bytes"),
+        (b"version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 102\n", "looks like text"),
+    ],
+)
 def test_files_that_are_no_checkpoint_say_what_they_look_like(content, looks, tmp_path):
     """Defect 18: random bytes or an HTML page in a .pth were reported as 'holds pickled code'."""
     path = tmp_path / "resnet50.pth"
@@ -148,7 +196,9 @@ def test_pickled_code_is_refused_in_plain_words_without_torchs_weights_only_advi
     """Defect 19: a refused checkpoint showed torch's text suggesting to re-run with weights_only=False."""
     marker = tmp_path / "executed"
     zipped = tmp_path / "checkpoint.pth"
-    torch.save({"model": {"conv1.weight": _Payload(marker)}, "optimizer": {}, "step": 1, "config": {}, "rng": {}}, zipped)
+    torch.save(
+        {"model": {"conv1.weight": _Payload(marker)}, "optimizer": {}, "step": 1, "config": {}, "rng": {}}, zipped
+    )
     plain = tmp_path / "plain.pth"
     with open(plain, "wb") as f:
         pickle.dump({"model": _Payload(marker)}, f, protocol=4)
@@ -156,7 +206,9 @@ def test_pickled_code_is_refused_in_plain_words_without_torchs_weights_only_advi
         with pytest.raises(CheckpointError) as err:
             read(path)
         text = str(err.value)
-        assert text == (f"weights file {path} holds pickled code ('posix.system'), so bt_hub refuses to load it; "
-                        "only tensors, arrays and plain containers are read")
+        assert text == (
+            f"weights file {path} holds pickled code ('posix.system'), so bt_hub refuses to load it; "
+            "only tensors, arrays and plain containers are read"
+        )
         assert err.value.__cause__ is None and err.value.__suppress_context__
     assert not marker.exists()

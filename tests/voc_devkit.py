@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 from PIL import Image
 
 
-def write_synthetic_devkit(root: str | os.PathLike, classes: Sequence[str] = ("cat", "dog", "car"), *, trainval: int = 24, test: int = 24, image_size: int = 32, seed: int = 0) -> Path:
+def write_synthetic_devkit(
+    root: str | os.PathLike,
+    classes: Sequence[str] = ("cat", "dog", "car"),
+    *,
+    trainval: int = 24,
+    test: int = 24,
+    image_size: int = 32,
+    seed: int = 0,
+) -> Path:
     """A tiny VOC2007-format devkit: each image shows one colour block per class it contains; some objects are difficult.
 
     Returns the ``VOC2007`` directory.
@@ -29,8 +37,12 @@ def write_synthetic_devkit(root: str | os.PathLike, classes: Sequence[str] = ("c
             for j in present:
                 y, x = rng.integers(0, image_size // 2, size=2)
                 image[y : y + image_size // 2, x : x + image_size // 2] = colours[j]
-                objects.append(f"<object><name>{classes[j]}</name><difficult>{int(rng.random() < 0.15)}</difficult></object>")
+                objects.append(
+                    f"<object><name>{classes[j]}</name><difficult>{int(rng.random() < 0.15)}</difficult></object>"
+                )
             Image.fromarray(np.clip(image, 0, 255).astype(np.uint8)).save(voc / "JPEGImages" / f"{image_id}.jpg")
-            (voc / "Annotations" / f"{image_id}.xml").write_text(f"<annotation><filename>{image_id}.jpg</filename>{''.join(objects)}</annotation>")
+            (voc / "Annotations" / f"{image_id}.xml").write_text(
+                f"<annotation><filename>{image_id}.jpg</filename>{''.join(objects)}</annotation>"
+            )
         (voc / "ImageSets" / "Main" / f"{split}.txt").write_text("\n".join(ids) + "\n")
     return voc

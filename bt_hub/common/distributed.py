@@ -14,7 +14,7 @@ import ctypes
 import os
 import signal
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -86,7 +86,9 @@ def init_distributed(device: str = "cpu") -> torch.device:
             # torchrun keeps one store across --max-restarts, where a restarted group would read the dead
             # group's addresses (connection refused, or a hang): each attempt gets its own keys
             store, rank, world = next(dist.rendezvous("env://"))
-            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"bt_hub/attempt_{attempt}", store), rank=rank, world_size=world)
+            dist.init_process_group(
+                backend=backend, store=dist.PrefixStore(f"bt_hub/attempt_{attempt}", store), rank=rank, world_size=world
+            )
     return dev
 
 
@@ -214,7 +216,9 @@ def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
 
 def _to_global_batchnorm(module: nn.Module) -> nn.Module:
     if isinstance(module, _BatchNorm) and not isinstance(module, (GlobalBatchNorm, nn.SyncBatchNorm)):
-        out = GlobalBatchNorm(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+        out = GlobalBatchNorm(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+        )
         if module.affine:
             out.weight, out.bias = module.weight, module.bias
         if module.track_running_stats:

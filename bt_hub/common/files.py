@@ -23,8 +23,9 @@ import re
 import secrets
 import warnings
 import zipfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 import torch
 
@@ -51,7 +52,7 @@ def write_failure(path: Path, err: OSError) -> WriteError:
     return WriteError(f"could not write {path}: {fix} ({kept})")
 
 
-def _os_error(err: BaseException) -> Optional[OSError]:
+def _os_error(err: BaseException) -> OSError | None:
     """The OSError behind ``err``: itself, or one torch wrapped (torch.save reports it as a RuntimeError)."""
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
@@ -81,7 +82,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[io.BufferedWriter], N
             previous file at ``path`` (if any) is untouched and no temp file is left.
     """
     path = Path(path)
-    tmp: Optional[Path] = None
+    tmp: Path | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp, fd = _open_temp(path)
@@ -190,8 +191,17 @@ def _pickled_globals(path: Path) -> list[str]:
     return found
 
 
-_SAFE_GLOBAL_PREFIXES = ("torch.", "collections.OrderedDict", "builtins.set", "builtins.frozenset", "_codecs.encode",
-                         "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype")
+_SAFE_GLOBAL_PREFIXES = (
+    "torch.",
+    "collections.OrderedDict",
+    "builtins.set",
+    "builtins.frozenset",
+    "_codecs.encode",
+    "numpy.core.multiarray._reconstruct",
+    "numpy._core.multiarray._reconstruct",
+    "numpy.ndarray",
+    "numpy.dtype",
+)
 
 
 def read_file(path: Path) -> Any:
@@ -234,7 +244,9 @@ def _explain(path: Path, head: bytes, kind: str, err: Exception) -> CheckpointEr
     """Why ``path`` did not load: not a checkpoint, pickled code, or damaged."""
     looks = _not_a_checkpoint(head) if kind != "safetensors file" or head.lstrip().startswith(b"<") else None
     if looks:
-        return CheckpointError(f"weights file {path} is not a {'safetensors file' if kind == 'safetensors file' else 'torch checkpoint'} ({looks})")
+        return CheckpointError(
+            f"weights file {path} is not a {'safetensors file' if kind == 'safetensors file' else 'torch checkpoint'} ({looks})"
+        )
     code = re.search(r"GLOBAL ([\w.]+)|global '([\w.]+)' is forbidden", str(err))
     if code:
         return _code_refused(path, code.group(1) or code.group(2))
@@ -293,7 +305,9 @@ def _sorted_metadata(data: bytes) -> bytes:
     return data[:8] + text.ljust(size, b" ") + data[8 + size :]
 
 
-def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Optional[Mapping[str, str]] = None) -> Path:
+def write_safetensors(
+    tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None
+) -> Path:
     """Write tensors as safetensors atomically, marked ``written_by: bt_hub`` in the metadata (sorted, so reproducible)."""
     from safetensors.torch import save
 

@@ -9,9 +9,10 @@ From what ``bt-hub pretrain`` writes: ``loss.png`` (the loss and its two parts p
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -22,8 +23,14 @@ from bt_hub.common.files import atomic_write
 class ReportConfig:
     """``bt-hub report``: draw a pretraining run's curves and matrices as PNG files."""
 
-    run_dir: str = field(metadata={"help": "a bt-hub pretrain run directory (metrics.jsonl, run.json, cross_correlation_*.npy)", "positional": True, "nargs": None})
-    out: Optional[str] = field(default=None, metadata={"help": "where the PNG files go (default: RUN_DIR/report)"})
+    run_dir: str = field(
+        metadata={
+            "help": "a bt-hub pretrain run directory (metrics.jsonl, run.json, cross_correlation_*.npy)",
+            "positional": True,
+            "nargs": None,
+        }
+    )
+    out: str | None = field(default=None, metadata={"help": "where the PNG files go (default: RUN_DIR/report)"})
 
 
 def _pyplot() -> Any:
@@ -75,7 +82,9 @@ def plot_cross_correlations(matrices: dict[str, np.ndarray]) -> Any:
     fig, axes = plt.subplots(1, len(matrices), figsize=(4.2 * len(matrices), 3.8), squeeze=False)
     for ax, (when, c) in zip(axes[0], matrices.items()):
         im = ax.imshow(c, cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
-        ax.set_title(f"C at the {when}: mean diag {np.diag(c).mean():.2f}, mean |off| {off_diagonal_mean(c):.3f}", fontsize=8)
+        ax.set_title(
+            f"C at the {when}: mean diag {np.diag(c).mean():.2f}, mean |off| {off_diagonal_mean(c):.3f}", fontsize=8
+        )
         ax.set_xticks([]), ax.set_yticks([])
     fig.colorbar(im, ax=list(axes[0]), shrink=0.8)
     return fig
@@ -115,7 +124,11 @@ def run_plots(run_dir: str | Path, out: str | Path, lambd: float | None = None) 
     written = []
     if any("loss" in r for r in rows):
         written.append(save_png(plot_losses(rows, lambd), out / "loss.png"))
-    matrices = {t: np.load(run_dir / f"cross_correlation_{t}.npy") for t in ("start", "end") if (run_dir / f"cross_correlation_{t}.npy").exists()}
+    matrices = {
+        t: np.load(run_dir / f"cross_correlation_{t}.npy")
+        for t in ("start", "end")
+        if (run_dir / f"cross_correlation_{t}.npy").exists()
+    }
     if matrices:
         written.append(save_png(plot_cross_correlations(matrices), out / "cross_correlation.png"))
     if any("knn_top1" in r for r in rows):

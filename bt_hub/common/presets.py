@@ -18,7 +18,8 @@ value a run changed from its preset, so results can say so.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Optional, TypeVar
+from collections.abc import Iterable
+from typing import Any, TypeVar
 
 C = TypeVar("C")
 
@@ -28,7 +29,7 @@ def presets_of(cls: type) -> dict[str, dict[str, Any]]:
     return dict(getattr(cls, "PRESETS", None) or {})
 
 
-def default_preset(cls: type) -> Optional[str]:
+def default_preset(cls: type) -> str | None:
     """The preset used when none is named: the ``preset`` field's default, else None (the plain defaults)."""
     for f in dataclasses.fields(cls):
         if f.name == "preset" and f.default is not dataclasses.MISSING:
@@ -52,7 +53,7 @@ def preset_values(cls: type, name: str) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, list) else v for k, v in presets[name].items()}
 
 
-def from_preset(cls: type[C], name: Optional[str] = None, /, **given: Any) -> C:
+def from_preset(cls: type[C], name: str | None = None, /, **given: Any) -> C:
     """A ``cls`` config: dataclass defaults, then preset ``name`` (default: ``default_preset(cls)``), then ``given``."""
     name = name if name is not None else default_preset(cls)
     values = preset_values(cls, name) if name is not None else {}
@@ -62,7 +63,7 @@ def from_preset(cls: type[C], name: Optional[str] = None, /, **given: Any) -> C:
     return cls(**values)
 
 
-def baseline(cls: type, name: Optional[str]) -> dict[str, Any]:
+def baseline(cls: type, name: str | None) -> dict[str, Any]:
     """Every field's value under preset ``name`` alone (fields without a default are left out)."""
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
@@ -106,7 +107,9 @@ def describe_presets(cls: type) -> str:
 
     ``paper: the defaults; small: --lr-classifier 0.05 --schedule cosine --no-flip``.
     """
-    flags = {f.name: f.metadata.get("flag", f.name) for f in dataclasses.fields(cls)}  # a field may have a flag of another name
+    flags = {
+        f.name: f.metadata.get("flag", f.name) for f in dataclasses.fields(cls)
+    }  # a field may have a flag of another name
     parts = []
     for name, values in presets_of(cls).items():
         settings = " ".join(_as_flag(flags.get(k, k), v) for k, v in values.items()) or "the defaults"

@@ -15,7 +15,8 @@ import math
 import os
 import sys
 import time
-from typing import IO, Any, Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
+from typing import IO, Any
 
 from tqdm import tqdm
 
@@ -38,8 +39,17 @@ class LineProgress:
         iterable: what iterating over the object yields (counting one step per item).
     """
 
-    def __init__(self, total: Optional[int], desc: str, *, initial: int = 0, unit: str = "it", every: int = 10,
-                 file: Optional[IO[str]] = None, iterable: Optional[Iterable[Any]] = None) -> None:
+    def __init__(
+        self,
+        total: int | None,
+        desc: str,
+        *,
+        initial: int = 0,
+        unit: str = "it",
+        every: int = 10,
+        file: IO[str] | None = None,
+        iterable: Iterable[Any] | None = None,
+    ) -> None:
         if every <= 0:
             raise ValueError(f"every must be positive, got {every}")
         self.total, self.desc, self.n, self.unit, self.every = total, desc, initial, unit, every
@@ -91,15 +101,15 @@ class LineProgress:
 
 
 def progress(
-    iterable: Optional[Iterable[Any]],
+    iterable: Iterable[Any] | None,
     desc: str,
     *,
-    total: Optional[int] = None,
+    total: int | None = None,
     initial: int = 0,
     unit: str = "it",
-    every: Optional[int] = None,
+    every: int | None = None,
     leave: bool = True,
-    stream: Optional[IO[str]] = None,
+    stream: IO[str] | None = None,
 ) -> Any:
     """Report the progress of ``iterable`` (or of manual ``update`` calls when it is None) under the name ``desc``.
 
@@ -123,12 +133,16 @@ def progress(
     if not is_main_process():
         return silent
     if _is_terminal(stream):
-        return tqdm(iterable, desc=desc, total=total, initial=initial, unit=unit, leave=leave, file=stream, dynamic_ncols=True)
+        return tqdm(
+            iterable, desc=desc, total=total, initial=initial, unit=unit, leave=leave, file=stream, dynamic_ncols=True
+        )
     if every is None:
         try:
             percent = float(os.environ.get(PERCENT_ENV, EVERY_PERCENT))
         except ValueError:
-            raise ValueError(f"{PERCENT_ENV}={os.environ[PERCENT_ENV]!r} is not a number of percent (0 silences the progress lines)") from None
+            raise ValueError(
+                f"{PERCENT_ENV}={os.environ[PERCENT_ENV]!r} is not a number of percent (0 silences the progress lines)"
+            ) from None
         if percent <= 0:
             return silent
         every = max(1, math.ceil((total or 0) * percent / 100))

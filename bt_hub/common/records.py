@@ -29,8 +29,9 @@ import math
 import os
 import platform
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any
 
 from bt_hub.common.runs import config_dict, git_state, package_version
 
@@ -38,8 +39,12 @@ SCHEMA = "bt_hub.common.records/2"
 RESULT_FILES = ("results.json", "results.jsonl", "results.md")
 
 PROTOCOLS = {
-    "linear": "linear probe", "transfer": "linear transfer", "semi": "semi-supervised fine-tuning",
-    "knn": "weighted kNN", "voc07-svm": "VOC07 linear SVMs", "detect": "detection transfer",
+    "linear": "linear probe",
+    "transfer": "linear transfer",
+    "semi": "semi-supervised fine-tuning",
+    "knn": "weighted kNN",
+    "voc07-svm": "VOC07 linear SVMs",
+    "detect": "detection transfer",
 }
 MODES = {
     "cached": "cached features, no augmentation",
@@ -47,8 +52,15 @@ MODES = {
     "features": "frozen features, no training",
 }
 METRIC_LABELS = {
-    "top1": "Top-1", "top5": "Top-5", "mAP": "mAP", "mAP_11point": "mAP (11-point)",
-    **{f"{task}_{m}": f"{kind} {m}" for task, kind in (("bbox", "box"), ("segm", "mask")) for m in ("AP", "AP50", "AP75")},
+    "top1": "Top-1",
+    "top5": "Top-5",
+    "mAP": "mAP",
+    "mAP_11point": "mAP (11-point)",
+    **{
+        f"{task}_{m}": f"{kind} {m}"
+        for task, kind in (("bbox", "box"), ("segm", "mask"))
+        for m in ("AP", "AP50", "AP75")
+    },
 }
 
 # The paper's Barlow Twins numbers (ResNet-50, 1000 epochs; Tables 1-4 of Zbontar et al., 2021).
@@ -62,18 +74,32 @@ PAPER_RESULTS: dict[str, dict[str, float]] = {
     "inat18_linear": {"top1": 46.5},
     "voc07+12_faster_rcnn_c4": {"bbox_AP": 56.8, "bbox_AP50": 82.6, "bbox_AP75": 63.4},
     "coco_mask_rcnn_c4_1x": {
-        "bbox_AP": 39.2, "bbox_AP50": 59.0, "bbox_AP75": 42.5, "segm_AP": 34.3, "segm_AP50": 56.0, "segm_AP75": 36.5,
+        "bbox_AP": 39.2,
+        "bbox_AP50": 59.0,
+        "bbox_AP75": 42.5,
+        "segm_AP": 34.3,
+        "segm_AP50": 56.0,
+        "segm_AP75": 36.5,
     },
 }
 # (dataset, setting in the words of ``setting``) of each paper number, for its row beside ours.
 PAPER_SETTINGS = {
     "imagenet_linear": ("ImageNet", "preset imagenet; paper loop with augmentation"),
-    "semi_supervised_1pct": ("ImageNet", "1% labels (SimCLR list 1percent.txt); preset paper; paper loop with augmentation"),
-    "semi_supervised_10pct": ("ImageNet", "10% labels (SimCLR list 10percent.txt); preset paper; paper loop with augmentation"),
+    "semi_supervised_1pct": (
+        "ImageNet",
+        "1% labels (SimCLR list 1percent.txt); preset paper; paper loop with augmentation",
+    ),
+    "semi_supervised_10pct": (
+        "ImageNet",
+        "10% labels (SimCLR list 10percent.txt); preset paper; paper loop with augmentation",
+    ),
     "places205_linear": ("Places-205", "preset places205; paper loop with augmentation"),
     "voc07_svm": ("VOC2007", "frozen features, no training"),
     "inat18_linear": ("iNat18", "preset inat18; paper loop with augmentation"),
-    "voc07+12_faster_rcnn_c4": ("VOC07+12 (test: VOC07 test)", "preset voc; Faster R-CNN R50-C4, 24k iterations, 5 trials"),
+    "voc07+12_faster_rcnn_c4": (
+        "VOC07+12 (test: VOC07 test)",
+        "preset voc; Faster R-CNN R50-C4, 24k iterations, 5 trials",
+    ),
     "coco_mask_rcnn_c4_1x": ("COCO 2017 (test: val2017)", "preset coco; Mask R-CNN R50-C4, 1x schedule"),
 }
 
@@ -98,8 +124,12 @@ def versions() -> dict[str, Any]:
     import torchvision
 
     return {
-        "bt_hub": package_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
-        "numpy": numpy.__version__, "python": platform.python_version(), **git_state(),
+        "bt_hub": package_version(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "numpy": numpy.__version__,
+        "python": platform.python_version(),
+        **git_state(),
     }
 
 
@@ -108,17 +138,17 @@ def make_record(
     protocol: str,
     metrics: Mapping[str, float],
     config: Any,
-    preset: Optional[str],
-    mode: Optional[str],
+    preset: str | None,
+    mode: str | None,
     weights: Mapping[str, Any],
     dataset: Mapping[str, Any],
     seed: int,
     wall_time_s: float,
-    overrides: Optional[Mapping[str, Any]] = None,
-    labels: Optional[Mapping[str, Any]] = None,
+    overrides: Mapping[str, Any] | None = None,
+    labels: Mapping[str, Any] | None = None,
     warnings: Sequence[str] = (),
-    notes: Optional[Mapping[str, Any]] = None,
-    paper_task: Optional[str] = None,
+    notes: Mapping[str, Any] | None = None,
+    paper_task: str | None = None,
 ) -> Record:
     """A results record (see the module docstring); raises on metrics that are not flat numbers."""
     bad = {k: v for k, v in metrics.items() if not isinstance(v, (int, float)) or isinstance(v, bool)}
@@ -163,11 +193,13 @@ def records_in(data: Any, source: str = "results") -> list[Record]:
     rows = data if isinstance(data, list) else [data]
     for row in rows:
         if not isinstance(row, Mapping) or not isinstance(row.get("metrics"), Mapping):
-            raise ValueError(f"{source} holds an entry without a 'metrics' object; expected the results.json or results.jsonl that bt-hub eval writes")
+            raise ValueError(
+                f"{source} holds an entry without a 'metrics' object; expected the results.json or results.jsonl that bt-hub eval writes"
+            )
     return [dict(r) for r in rows]
 
 
-def read_records(sources: Iterable[Union[str, os.PathLike, Mapping[str, Any]]]) -> list[Record]:
+def read_records(sources: Iterable[str | os.PathLike | Mapping[str, Any]]) -> list[Record]:
     """Records from ``results.json`` (one run, or ``eval all``'s summary), ``results.jsonl`` files or dicts."""
     records: list[Record] = []
     for source in sources:
@@ -205,7 +237,7 @@ def metric_label(name: str) -> str:
     return METRIC_LABELS.get(name, name)
 
 
-def label_fraction(record: Mapping[str, Any]) -> Optional[float]:
+def label_fraction(record: Mapping[str, Any]) -> float | None:
     """The label percentage of a semi-supervised record (1, 10, ...), None for other protocols."""
     labels = record.get("labels") or {}
     if labels.get("fraction") is not None:
@@ -226,7 +258,11 @@ def labels_text(record: Mapping[str, Any]) -> str:
     source = labels.get("source")
     if source == "list":
         published = labels.get("published")
-        source = f"SimCLR list {published}" if published else f"list {labels.get('file')}, sha256 {str(labels.get('sha256'))[:8]}"
+        source = (
+            f"SimCLR list {published}"
+            if published
+            else f"list {labels.get('file')}, sha256 {str(labels.get('sha256'))[:8]}"
+        )
     elif source == "seeded":
         source = f"seeded class-balanced, seed {labels.get('seed')}"
     return f"{_number(pct)}% labels" + (f" ({source})" if source else "")
@@ -279,7 +315,7 @@ def weights_label(record: Mapping[str, Any]) -> str:
     return f"{Path(str(name or '')).name} ({str(fingerprint or '')[:8]})"
 
 
-def paper_task(record: Mapping[str, Any]) -> Optional[str]:
+def paper_task(record: Mapping[str, Any]) -> str | None:
     """The key of ``PAPER_RESULTS`` of the paper's protocol this record follows (its protocol decided), else None."""
     task = record.get("paper_task")
     return task if task in PAPER_RESULTS else None
@@ -302,7 +338,7 @@ def _value(value: Any) -> str:
 # ----------------------------------------------------------------------------- rendering
 
 
-def summary_text(records: Sequence[Mapping[str, Any]], written: Sequence[Union[str, os.PathLike]] = ()) -> str:
+def summary_text(records: Sequence[Mapping[str, Any]], written: Sequence[str | os.PathLike] = ()) -> str:
     """The short table ``bt-hub eval`` prints at the end: one row per run, then the files written."""
     rows = [("protocol", "setting", "data", "metrics")]
     for r in records:
@@ -320,7 +356,14 @@ def card_table(records: Sequence[Mapping[str, Any]]) -> str:
     for r in records:
         paper = PAPER_RESULTS.get(paper_task(r) or "", {})
         for metric, value in (r.get("metrics") or {}).items():
-            cells = [str(r.get("protocol", "")), setting(r) or "—", data_label(r) or "—", metric_label(metric), fmt(value), fmt(paper.get(metric))]
+            cells = [
+                str(r.get("protocol", "")),
+                setting(r) or "—",
+                data_label(r) or "—",
+                metric_label(metric),
+                fmt(value),
+                fmt(paper.get(metric)),
+            ]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     if len(lines) == 2:
         lines.append("| (none given) | | | | | |")

@@ -26,10 +26,11 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
-from bt_hub.common.files import WriteError, TEMP_FILE, atomic_write_json, atomic_write_text, read_json, write_failure
+
+from bt_hub.common.files import TEMP_FILE, WriteError, atomic_write_json, atomic_write_text, read_json, write_failure
 
 MARKER_NAME = ".bt_hub_run"
 LOCK_NAME = ".bt_hub_run.lock"
@@ -74,7 +75,9 @@ def is_bt_hub_dir(path: str | os.PathLike) -> bool:
     path = Path(path)
     if (path / MARKER_NAME).is_file():
         return True
-    return any(isinstance(r := read_json(path / name), dict) and "bt_hub_version" in r for name in ("run.json", "results.json"))
+    return any(
+        isinstance(r := read_json(path / name), dict) and "bt_hub_version" in r for name in ("run.json", "results.json")
+    )
 
 
 def check_run_dir(path: str | os.PathLike, *, overwrite: bool = False, flag: str = "--out") -> Path:
@@ -88,7 +91,9 @@ def check_run_dir(path: str | os.PathLike, *, overwrite: bool = False, flag: str
     for ancestor in (path, *path.parents):
         if ancestor.exists() and not ancestor.is_dir():
             where = "is an existing file" if ancestor == path else f"lies under {ancestor}, which is a file"
-            raise ValueError(f"{flag} {path} {where}; expected a directory for the run's outputs: choose another {flag}")
+            raise ValueError(
+                f"{flag} {path} {where}; expected a directory for the run's outputs: choose another {flag}"
+            )
         if ancestor.exists():
             break
     if not overwrite and path.is_dir() and any(path.iterdir()) and not is_bt_hub_dir(path):
@@ -108,7 +113,15 @@ def claim_run_dir(path: str | os.PathLike, *, overwrite: bool = False, flag: str
     try:  # written in place, not atomically: its existence is what counts, even if a crash cuts its text short
         path.mkdir(parents=True, exist_ok=True)
         with open(marker, "x", encoding="utf-8") as f:
-            json.dump({"created_by": "bt_hub", "bt_hub_version": package_version(), "created": _now(), "host": socket.gethostname()}, f)
+            json.dump(
+                {
+                    "created_by": "bt_hub",
+                    "bt_hub_version": package_version(),
+                    "created": _now(),
+                    "host": socket.gethostname(),
+                },
+                f,
+            )
     except FileExistsError:
         pass
     except OSError as err:
@@ -148,12 +161,21 @@ class RunLock:
         except BlockingIOError:
             holder = read_json(self.path) or {}
             os.close(fd)
-            who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
-            raise RunDirBusyError(f"{flag} {directory} is in use by another bt-hub run ({who}); wait for it to end or stop it, or choose another {flag}") from None
+            who = (
+                f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
+            )
+            raise RunDirBusyError(
+                f"{flag} {directory} is in use by another bt-hub run ({who}); wait for it to end or stop it, or choose another {flag}"
+            ) from None
         with contextlib.suppress(OSError):  # who holds it is a courtesy to the next caller; the lock is what counts
             os.ftruncate(fd, 0)
-            os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": _now(), "command": sys.argv}).encode())
-        self._fd: Optional[int] = fd
+            os.write(
+                fd,
+                json.dumps(
+                    {"pid": os.getpid(), "host": socket.gethostname(), "started": _now(), "command": sys.argv}
+                ).encode(),
+            )
+        self._fd: int | None = fd
 
     def release(self) -> None:
         """Drop the lock (also done by the kernel when the process ends)."""
@@ -167,7 +189,14 @@ def _now() -> str:
 
 
 def _start_record() -> dict[str, Any]:
-    return {"command": sys.argv, "started": _now(), "host": socket.gethostname(), "pid": os.getpid(), "bt_hub_version": package_version(), **git_state()}
+    return {
+        "command": sys.argv,
+        "started": _now(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "bt_hub_version": package_version(),
+        **git_state(),
+    }
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -188,9 +217,13 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
             rows.append(json.loads(line))
         except ValueError:
             if n == len(lines):
-                warnings.warn(f"{path}: dropped its last line, cut short by an interrupted write ({line[:40]!r}...)", stacklevel=2)
+                warnings.warn(
+                    f"{path}: dropped its last line, cut short by an interrupted write ({line[:40]!r}...)", stacklevel=2
+                )
                 break
-            raise ValueError(f"{path} line {n} is not JSON; fix or delete that line (expected one JSON object per line)") from None
+            raise ValueError(
+                f"{path} line {n} is not JSON; fix or delete that line (expected one JSON object per line)"
+            ) from None
     return rows
 
 
@@ -205,15 +238,25 @@ class RunDir:
         lock: hold the directory's :class:`RunLock` until :meth:`close` and remove stale temp files.
     """
 
-    def __init__(self, path: str | os.PathLike, config: Any = None, *, write: bool = True, overwrite: Optional[bool] = None, lock: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        config: Any = None,
+        *,
+        write: bool = True,
+        overwrite: bool | None = None,
+        lock: bool = False,
+    ) -> None:
         self.path = Path(path)
         self.write = write
-        self._lock: Optional[RunLock] = None
+        self._lock: RunLock | None = None
         self._started = False
         self._new = not self.path.exists()  # created by this claim: removed again if the run fails before it starts
         if not write:
             return
-        claim_run_dir(self.path, overwrite=bool(getattr(config, "overwrite", False)) if overwrite is None else overwrite)
+        claim_run_dir(
+            self.path, overwrite=bool(getattr(config, "overwrite", False)) if overwrite is None else overwrite
+        )
         if lock:
             self._lock = RunLock(self.path)
             remove_stale_temp_files(self.path)
@@ -221,7 +264,7 @@ class RunDir:
             self.start(config)
 
     @classmethod
-    def for_training(cls, path: str | os.PathLike, *, overwrite: bool = False) -> "RunDir":
+    def for_training(cls, path: str | os.PathLike, *, overwrite: bool = False) -> RunDir:
         """Called by every rank: the main process claims and locks ``path``; if that fails, every rank raises the same error."""
         from bt_hub.common.distributed import broadcast_object, is_main_process
 
@@ -236,7 +279,7 @@ class RunDir:
             raise error
         return run if run is not None else cls(path, write=False)
 
-    def start(self, config: Any, step: Optional[int] = None) -> None:
+    def start(self, config: Any, step: int | None = None) -> None:
         """Record this start in ``run.json``; with ``step`` (the step the run continues from) cut ``metrics.jsonl`` back to it.
 
         The first start writes the whole record; each later one is appended to its
@@ -277,7 +320,7 @@ class RunDir:
             try:
                 view = memoryview(data)
                 while view:
-                    view = view[os.write(fd, view):]
+                    view = view[os.write(fd, view) :]
             except OSError as err:
                 with contextlib.suppress(OSError):
                     os.ftruncate(fd, size)
@@ -291,10 +334,10 @@ class RunDir:
             self._lock.release()
             self._lock = None
 
-    def __enter__(self) -> "RunDir":
+    def __enter__(self) -> RunDir:
         return self
 
-    def __exit__(self, exc_type: Optional[type], *exc: object) -> None:
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
         self.close()
         if exc_type is not None and self.write and self._new and not self._started:
             self._discard()

@@ -8,7 +8,7 @@ The backbone is a plain torchvision ResNet with ``zero_init_residual=True`` and
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -49,7 +49,9 @@ def parse_projector(spec: str) -> list[int]:
     except ValueError:
         sizes = []
     if not sizes or any(s <= 0 for s in sizes):
-        raise ValueError(f"projector {spec!r} is malformed; expected positive widths joined by '-', e.g. '8192-8192-8192'")
+        raise ValueError(
+            f"projector {spec!r} is malformed; expected positive widths joined by '-', e.g. '8192-8192-8192'"
+        )
     return sizes
 
 

@@ -10,7 +10,8 @@ global step only, so a resumed run recovers it from the step counter.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,7 +25,9 @@ def excluded_from_adaptation(p: torch.Tensor) -> bool:
 def trust_ratio(param_norm: torch.Tensor, update_norm: torch.Tensor, eta: float) -> torch.Tensor:
     """η‖p‖ / ‖g + wd·p‖, or 1 when either norm is 0."""
     one = torch.ones_like(param_norm)
-    ratio = torch.where(update_norm > 0, eta * param_norm / update_norm.clamp_min(torch.finfo(update_norm.dtype).tiny), one)
+    ratio = torch.where(
+        update_norm > 0, eta * param_norm / update_norm.clamp_min(torch.finfo(update_norm.dtype).tiny), one
+    )
     return torch.where(param_norm > 0, ratio, one)
 
 
@@ -48,7 +51,9 @@ class LARS(torch.optim.Optimizer):
         eta: float = 0.001,
     ) -> None:
         if lr < 0 or weight_decay < 0 or not 0 <= momentum < 1 or eta <= 0:
-            raise ValueError(f"LARS needs lr >= 0, weight_decay >= 0, 0 <= momentum < 1 and eta > 0; got {lr}, {weight_decay}, {momentum}, {eta}")
+            raise ValueError(
+                f"LARS needs lr >= 0, weight_decay >= 0, 0 <= momentum < 1 and eta > 0; got {lr}, {weight_decay}, {momentum}, {eta}"
+            )
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, eta=eta))
 
     @torch.no_grad()
@@ -75,7 +80,9 @@ class LARS(torch.optim.Optimizer):
         return loss
 
 
-def param_groups(model: nn.Module, lr_weights: float, lr_biases: float, weight_decay: float = 1e-6) -> list[dict[str, Any]]:
+def param_groups(
+    model: nn.Module, lr_weights: float, lr_biases: float, weight_decay: float = 1e-6
+) -> list[dict[str, Any]]:
     """Two groups split by ``ndim``: weights (index 0) and biases/BN (index 1, weight decay 0).
 
     ``lr_weights`` / ``lr_biases`` are the base rates (× batch/256 is applied by the schedule).
@@ -111,7 +118,9 @@ def scaled_lr(base_lr: float, batch_size: int) -> float:
     return base_lr * batch_size / 256
 
 
-def set_learning_rates(optimizer: torch.optim.Optimizer, step: int, total_steps: int, warmup_steps: int, batch_size: int) -> list[float]:
+def set_learning_rates(
+    optimizer: torch.optim.Optimizer, step: int, total_steps: int, warmup_steps: int, batch_size: int
+) -> list[float]:
     """Set every group's ``lr`` from its ``base_lr`` for this step; return the rates set."""
     rates = []
     for group in optimizer.param_groups:

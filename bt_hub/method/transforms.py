@@ -7,7 +7,8 @@ normalise with the same ImageNet statistics.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torchvision import transforms as T
@@ -23,19 +24,21 @@ def normalize(x: torch.Tensor) -> torch.Tensor:
     return (x - mean) / std
 
 
-def eval_transforms(image_size: int = 224, resize_size: Optional[int] = None) -> T.Compose:
+def eval_transforms(image_size: int = 224, resize_size: int | None = None) -> T.Compose:
     """The evaluation preprocessing: Resize(image_size·256/224) -> CenterCrop(image_size) -> tensor -> normalised.
 
     At 224 px that is the paper's Resize(256) + CenterCrop(224).
     """
-    return T.Compose([
-        T.Resize(resize_size or round(image_size * 256 / 224), interpolation=T.InterpolationMode.BILINEAR),
-        T.CenterCrop(image_size),
-        T.ToTensor(),
-        T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])
+    return T.Compose(
+        [
+            T.Resize(resize_size or round(image_size * 256 / 224), interpolation=T.InterpolationMode.BILINEAR),
+            T.CenterCrop(image_size),
+            T.ToTensor(),
+            T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
 
 
-def transforms_for(config: Optional[Mapping[str, Any]]) -> T.Compose:
+def transforms_for(config: Mapping[str, Any] | None) -> T.Compose:
     """The evaluation transforms of weights whose run config says ``image_size`` (224 when it does not)."""
     return eval_transforms(int((config or {}).get("image_size") or 224))

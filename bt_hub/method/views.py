@@ -20,8 +20,8 @@ at least 3 px; σ ~ U(0.1, 2.0) in output pixels.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as nnf
@@ -65,7 +65,12 @@ def blur_kernel_size(size: int) -> int:
 
 
 def _crop_boxes(
-    batch_size: int, height: int | torch.Tensor, width: int | torch.Tensor, view: ViewParams, generator: torch.Generator | None, device: torch.device
+    batch_size: int,
+    height: int | torch.Tensor,
+    width: int | torch.Tensor,
+    view: ViewParams,
+    generator: torch.Generator | None,
+    device: torch.device,
 ) -> dict[str, torch.Tensor]:
     """RandomResizedCrop boxes, torchvision's algorithm vectorised: first of 10 valid tries, else centre.
 
@@ -93,7 +98,12 @@ def _crop_boxes(
     too_tall, too_wide = in_ratio < view.crop_ratio[0], in_ratio > view.crop_ratio[1]
     fw = torch.where(too_wide, torch.round(height * view.crop_ratio[1]), width)
     fh = torch.where(too_tall, torch.round(width / view.crop_ratio[0]), height)
-    fallback = (torch.div(height - fh, 2, rounding_mode="floor"), torch.div(width - fw, 2, rounding_mode="floor"), fh, fw)
+    fallback = (
+        torch.div(height - fh, 2, rounding_mode="floor"),
+        torch.div(width - fw, 2, rounding_mode="floor"),
+        fh,
+        fw,
+    )
     found = valid.any(dim=1)
     top, left, h, w = (torch.where(found, p, f).long() for p, f in zip(pick, fallback))
     return {"top": top, "left": left, "height": h, "width": w}
@@ -277,7 +287,13 @@ def apply_view(images: torch.Tensor, p: dict[str, torch.Tensor], size: int, view
     p = {k: v.to(images.device) for k, v in p.items()}
     top, left = p["top"].to(images.dtype), p["left"].to(images.dtype)
     boxes = torch.stack(
-        (torch.arange(len(top), device=images.device, dtype=images.dtype), left, top, left + p["width"], top + p["height"]),
+        (
+            torch.arange(len(top), device=images.device, dtype=images.dtype),
+            left,
+            top,
+            left + p["width"],
+            top + p["height"],
+        ),
         dim=1,
     )
     x = roi_align(images, boxes, output_size=(size, size), spatial_scale=1.0, sampling_ratio=-1, aligned=True)
@@ -299,7 +315,9 @@ def to_float_rgb(images: torch.Tensor) -> torch.Tensor:
     return x.expand(-1, 3, -1, -1).contiguous() if x.shape[1] == 1 else x.contiguous()
 
 
-def crop_to_views(images: Sequence[torch.Tensor], params: Sequence[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+def crop_to_views(
+    images: Sequence[torch.Tensor], params: Sequence[dict[str, torch.Tensor]]
+) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
     """Images of different sizes -> one padded uint8 batch of the regions the views read, and shifted boxes.
 
     Each image is cut to the union of its views' crop boxes plus the one pixel beyond them
@@ -338,11 +356,19 @@ class BatchedTwoViews(_TwoViews):
         views: the two views' parameters, ``(VIEW_A, VIEW_B)`` by default.
     """
 
-    def sample(self, batch_size: int, height: int | torch.Tensor, width: int | torch.Tensor, generator: torch.Generator | None = None) -> tuple[dict, dict]:
+    def sample(
+        self,
+        batch_size: int,
+        height: int | torch.Tensor,
+        width: int | torch.Tensor,
+        generator: torch.Generator | None = None,
+    ) -> tuple[dict, dict]:
         """Both views' parameters for a batch (what ``__call__`` draws); sizes are ints or one per image."""
         return tuple(sample_view_params(batch_size, v, generator, height, width) for v in self.views)
 
-    def __call__(self, images: torch.Tensor | Sequence[torch.Tensor], generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, images: torch.Tensor | Sequence[torch.Tensor], generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Two normalised float32 views, B x 3 x size x size, on the images' device.
 
         For a list of images pass a CPU generator (or none): the boxes are then cut

@@ -19,8 +19,9 @@ one entry used by pretraining and the evaluation protocols:
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,7 +61,9 @@ def _upsample_gray(images: np.ndarray, image_size: int) -> np.ndarray:
     return t.expand(-1, 3, -1, -1).permute(0, 2, 3, 1).contiguous().numpy()
 
 
-def load_digits_split(seed: int = 0, test_fraction: float = 0.2, image_size: int = 32) -> tuple[ArrayImageDataset, ArrayImageDataset]:
+def load_digits_split(
+    seed: int = 0, test_fraction: float = 0.2, image_size: int = 32
+) -> tuple[ArrayImageDataset, ArrayImageDataset]:
     """scikit-learn's handwritten digits, upsampled, as a seeded stratified (train, test) split.
 
     Args:
@@ -85,10 +88,14 @@ def load_digits_split(seed: int = 0, test_fraction: float = 0.2, image_size: int
     )
 
 
-def synthetic_dataset(num_samples: int = 512, image_size: int = 32, num_classes: int = 10, seed: int = 0) -> ArrayImageDataset:
+def synthetic_dataset(
+    num_samples: int = 512, image_size: int = 32, num_classes: int = 10, seed: int = 0
+) -> ArrayImageDataset:
     """Seeded class-structured images: each class is a coloured oriented stripe pattern plus noise."""
     if num_samples <= 0 or image_size <= 0 or num_classes <= 0:
-        raise ValueError(f"synthetic data needs positive num_samples, image_size and num_classes; got {num_samples}, {image_size}, {num_classes}")
+        raise ValueError(
+            f"synthetic data needs positive num_samples, image_size and num_classes; got {num_samples}, {image_size}, {num_classes}"
+        )
     rng = np.random.default_rng(seed)
     labels = np.arange(num_samples) % num_classes
     rng.shuffle(labels)
@@ -119,10 +126,14 @@ class ImageFolderDataset(Dataset):
         if not self.root.exists():
             raise FileNotFoundError(f"data directory {self.root} does not exist")
         if not self.root.is_dir():
-            raise NotADirectoryError(f"data path {self.root} is not a directory; expected an ImageFolder tree (class/image.png)")
+            raise NotADirectoryError(
+                f"data path {self.root} is not a directory; expected an ImageFolder tree (class/image.png)"
+            )
         self.classes = sorted(d.name for d in self.root.iterdir() if d.is_dir() and not d.name.startswith("."))
         if not self.classes:
-            raise ValueError(f"data directory {self.root} has no class subdirectories; expected an ImageFolder tree (class/image.png)")
+            raise ValueError(
+                f"data directory {self.root} has no class subdirectories; expected an ImageFolder tree (class/image.png)"
+            )
         self.samples: list[tuple[Path, int]] = []
         for label, name in enumerate(self.classes):
             for dirpath, _, filenames in sorted(os.walk(self.root / name, followlinks=True)):
@@ -130,7 +141,9 @@ class ImageFolderDataset(Dataset):
                     if fname.lower().endswith(IMAGE_EXTENSIONS):
                         self.samples.append((Path(dirpath) / fname, label))
         if not self.samples:
-            raise ValueError(f"data directory {self.root} contains no images (looked for {', '.join(IMAGE_EXTENSIONS)}) in its class subdirectories")
+            raise ValueError(
+                f"data directory {self.root} contains no images (looked for {', '.join(IMAGE_EXTENSIONS)}) in its class subdirectories"
+            )
         self.targets = [label for _, label in self.samples]
         self.image_size = image_size
 
@@ -205,7 +218,9 @@ def build_dataset(
         try:
             n = int(spec.split(":", 1)[1]) if ":" in spec else 512
         except ValueError:
-            raise ValueError(f"data {spec!r} is malformed; expected 'synthetic' or 'synthetic:N' with N an integer") from None
+            raise ValueError(
+                f"data {spec!r} is malformed; expected 'synthetic' or 'synthetic:N' with N an integer"
+            ) from None
         full = synthetic_dataset(n, image_size or 32, seed=seed)
         n_test = int(round(n * test_fraction))
         if split == "train":
@@ -213,5 +228,7 @@ def build_dataset(
         return ArrayImageDataset(full.images[:n_test], np.array(full.targets[:n_test]), full.classes)
     root = Path(spec).expanduser()
     if not root.exists():
-        raise FileNotFoundError(f"data directory {root} does not exist (expected 'digits', 'synthetic[:N]' or a path to an ImageFolder tree)")
+        raise FileNotFoundError(
+            f"data directory {root} does not exist (expected 'digits', 'synthetic[:N]' or a path to an ImageFolder tree)"
+        )
     return ImageFolderDataset(_folder_for_split(root, split), image_size=image_size)

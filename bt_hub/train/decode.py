@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -84,7 +85,9 @@ def decode_on_cpu(item: EncodedImage) -> torch.Tensor:
         with Image.open(Path(item.path)) as img:
             return to_uint8_tensor(img)
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
-        raise OSError(f"image {item.path} is corrupt or unreadable ({type(err).__name__}: {err}); remove or replace it") from err
+        raise OSError(
+            f"image {item.path} is corrupt or unreadable ({type(err).__name__}: {err}); remove or replace it"
+        ) from err
 
 
 def _decode_jpegs(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

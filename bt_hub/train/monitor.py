@@ -18,10 +18,10 @@ import torchvision.transforms.v2.functional as F
 from PIL import Image
 from torch import nn
 
+from bt_hub.common.optional import require
+from bt_hub.method.knn import knn_vote, nearest_neighbours
 from bt_hub.method.transforms import normalize
 from bt_hub.train.data import ImageFolderDataset, build_dataset, to_uint8_tensor
-from bt_hub.method.knn import knn_vote, nearest_neighbours
-from bt_hub.common.optional import require
 from bt_hub.train.resume import seeded_generator
 
 MONITOR_K = 20
@@ -42,7 +42,9 @@ def _stack(dataset: Any, indices: torch.Tensor, size: int) -> tuple[torch.Tensor
     return torch.stack([_square(image, size) for image, _ in items]), torch.tensor([label for _, label in items])
 
 
-def monitor_sets(data: str, image_size: int, seed: int, bank_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def monitor_sets(
+    data: str, image_size: int, seed: int, bank_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(bank images, bank labels, query images, query labels) of ``data``, uint8, seeded.
 
     The bank is a random subset of the training split; the queries come from the held-out
@@ -52,7 +54,11 @@ def monitor_sets(data: str, image_size: int, seed: int, bank_size: int) -> tuple
     in_memory = data == "digits" or data.startswith("synthetic")
     train = build_dataset(data, "train", image_size=image_size if in_memory else None, seed=seed)
     held_out = build_dataset(data, "val", image_size=image_size if in_memory else None, seed=seed)
-    same = isinstance(train, ImageFolderDataset) and isinstance(held_out, ImageFolderDataset) and train.root == held_out.root
+    same = (
+        isinstance(train, ImageFolderDataset)
+        and isinstance(held_out, ImageFolderDataset)
+        and train.root == held_out.root
+    )
     queries = max(1, min(MAX_QUERIES, bank_size // 4))
     order = torch.randperm(len(train), generator=seeded_generator(seed, MONITOR_SEED_KEY))
     if same:
@@ -61,7 +67,9 @@ def monitor_sets(data: str, image_size: int, seed: int, bank_size: int) -> tuple
         bank_idx = order[:bank_size]
         query_idx = torch.randperm(len(held_out), generator=seeded_generator(seed, MONITOR_SEED_KEY, 1))[:queries]
     if len(bank_idx) < MONITOR_K:
-        raise ValueError(f"--monitor-data {data} gives {len(bank_idx)} bank images; the kNN monitor needs at least {MONITOR_K}")
+        raise ValueError(
+            f"--monitor-data {data} gives {len(bank_idx)} bank images; the kNN monitor needs at least {MONITOR_K}"
+        )
     bank, bank_labels = _stack(train, bank_idx, image_size)
     query, query_labels = _stack(held_out if not same else train, query_idx, image_size)
     return bank, bank_labels, query, query_labels
@@ -76,13 +84,22 @@ class KnnMonitor:
         batch_size: images per forward pass.
     """
 
-    def __init__(self, bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor, query_labels: torch.Tensor, batch_size: int = 256) -> None:
+    def __init__(
+        self,
+        bank: torch.Tensor,
+        bank_labels: torch.Tensor,
+        queries: torch.Tensor,
+        query_labels: torch.Tensor,
+        batch_size: int = 256,
+    ) -> None:
         self.bank, self.bank_labels, self.queries, self.query_labels = bank, bank_labels, queries, query_labels
         self.batch_size = batch_size
         self.num_classes = int(max(bank_labels.max(), query_labels.max())) + 1
 
     @torch.no_grad()
-    def _features(self, backbone: nn.Module, images: torch.Tensor, device: torch.device, amp_dtype: torch.dtype | None) -> torch.Tensor:
+    def _features(
+        self, backbone: nn.Module, images: torch.Tensor, device: torch.device, amp_dtype: torch.dtype | None
+    ) -> torch.Tensor:
         feats = []
         for start in range(0, len(images), self.batch_size):
             x = normalize(images[start : start + self.batch_size].to(device, non_blocking=True).float().div_(255))
@@ -102,7 +119,9 @@ class KnnMonitor:
             backbone.train(was_training)
         k = min(MONITOR_K, len(bank))
         sims, idx = nearest_neighbours(bank, queries, k)
-        return knn_vote(sims.cpu(), idx.cpu(), self.bank_labels, self.query_labels, k, MONITOR_TEMPERATURE, self.num_classes)["top1"]
+        return knn_vote(
+            sims.cpu(), idx.cpu(), self.bank_labels, self.query_labels, k, MONITOR_TEMPERATURE, self.num_classes
+        )["top1"]
 
 
 class TensorBoardScalars:

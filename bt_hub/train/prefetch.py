@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -37,7 +38,9 @@ class Prefetcher:
         depth: how many prepared results may wait.
     """
 
-    def __init__(self, items: Iterable[Any], prepare: Callable[[Any], Any], device: torch.device, depth: int = 2) -> None:
+    def __init__(
+        self, items: Iterable[Any], prepare: Callable[[Any], Any], device: torch.device, depth: int = 2
+    ) -> None:
         self._items, self._prepare, self._device = items, prepare, torch.device(device)
         self._inline: Iterator[Any] | None = None
         self._thread: threading.Thread | None = None

@@ -18,7 +18,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -26,29 +26,60 @@ import torch.nn.functional as nnf
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from bt_hub.method.views import VIEW_A, VIEW_B, BatchedTwoViews, TwoViewTransform, ViewParams
-
-from bt_hub.train.data import build_dataset, to_uint8_tensor
-from bt_hub.train.decode import collate_list, read_encoded, resolve_decode, to_device_images
-from bt_hub.common.distributed import barrier, cleanup_distributed, convert_sync_batchnorm, get_rank, get_world_size, init_distributed, is_main_process
+from bt_hub.common.distributed import (
+    barrier,
+    cleanup_distributed,
+    convert_sync_batchnorm,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_main_process,
+)
+from bt_hub.common.files import atomic_torch_save, atomic_write, atomic_write_json, write_safetensors
+from bt_hub.common.progress import progress
+from bt_hub.common.runs import RunDir
 from bt_hub.method.loss import EPS, LossTerms, barlow_twins_loss
 from bt_hub.method.model import BACKBONES, BarlowTwins, parse_projector
-from bt_hub.train.monitor import KnnMonitor, TensorBoardScalars, monitor_sets
 from bt_hub.method.optim import LARS, param_groups, set_learning_rates
+from bt_hub.method.views import VIEW_A, VIEW_B, BatchedTwoViews, TwoViewTransform, ViewParams
+from bt_hub.train.data import build_dataset, to_uint8_tensor
+from bt_hub.train.decode import collate_list, read_encoded, resolve_decode, to_device_images
+from bt_hub.train.monitor import KnnMonitor, TensorBoardScalars, monitor_sets
 from bt_hub.train.precision import autocast_dtype, resolve_precision
 from bt_hub.train.prefetch import Prefetcher
-from bt_hub.common.progress import progress
 from bt_hub.train.resume import (
-    CHECKPOINT_NAME, EpochBatchSampler, derive_seed, load_checkpoint, save_checkpoint, seeded_generator, set_rng_state, training_stopped,
+    CHECKPOINT_NAME,
+    EpochBatchSampler,
+    derive_seed,
+    load_checkpoint,
+    save_checkpoint,
+    seeded_generator,
+    set_rng_state,
+    training_stopped,
 )
-from bt_hub.common.runs import RunDir
-from bt_hub.common.files import atomic_torch_save, atomic_write, atomic_write_json, write_safetensors
 
 # Settings a resumed run must share with its checkpoint (the rest may change, e.g. --max-steps).
 RESUME_INVARIANTS = (
-    "data", "backbone", "projector", "lambd", "small_image_stem", "image_size", "epochs", "batch_size",
-    "lr_weights", "lr_biases", "weight_decay", "warmup_epochs", "loss_method", "reference_grad_scale",
-    "precision", "views", "seed", "crop_scale_min", "flip", "blur",
+    "data",
+    "backbone",
+    "projector",
+    "lambd",
+    "small_image_stem",
+    "image_size",
+    "epochs",
+    "batch_size",
+    "lr_weights",
+    "lr_biases",
+    "weight_decay",
+    "warmup_epochs",
+    "loss_method",
+    "reference_grad_scale",
+    "precision",
+    "views",
+    "seed",
+    "crop_scale_min",
+    "flip",
+    "blur",
 )
 PROBE_SIZE = 256
 
@@ -60,9 +91,17 @@ class PretrainConfig:
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "reference": {},
         "digits": {
-            "data": "digits", "backbone": "resnet18", "small_image_stem": True, "projector": "512-512-512",
-            "image_size": 16, "epochs": 10, "batch_size": 128, "warmup_epochs": 1, "views": "batched",
-            "flip": False, "blur": False,
+            "data": "digits",
+            "backbone": "resnet18",
+            "small_image_stem": True,
+            "projector": "512-512-512",
+            "image_size": 16,
+            "epochs": 10,
+            "batch_size": 128,
+            "warmup_epochs": 1,
+            "views": "batched",
+            "flip": False,
+            "blur": False,
         },
         # 28-64 px data (CIFAR-10/100, STL-10 downscaled): solo-learn's CIFAR recipe
         # (scripts/pretrain/cifar/barlow.yaml + augmentations/asymmetric.yaml: ResNet-18 with a
@@ -73,55 +112,152 @@ class PretrainConfig:
         # 0.1 = 1e-3. lightly's CIFAR-10 benchmark (docs/.../cifar10_benchmark.py) also trains
         # its Barlow Twins ResNet-18 with a 2048-d projector, batch 128-512 and no blur.
         "cifar": {
-            "backbone": "resnet18", "small_image_stem": True, "projector": "2048-2048-2048", "image_size": 32,
-            "batch_size": 256, "lr_weights": 6.0, "lr_biases": 0.03, "weight_decay": 1e-3, "warmup_epochs": 10,
-            "epochs": 1000, "blur": False, "views": "batched",
+            "backbone": "resnet18",
+            "small_image_stem": True,
+            "projector": "2048-2048-2048",
+            "image_size": 32,
+            "batch_size": 256,
+            "lr_weights": 6.0,
+            "lr_biases": 0.03,
+            "weight_decay": 1e-3,
+            "warmup_epochs": 10,
+            "epochs": 1000,
+            "blur": False,
+            "views": "batched",
         },
     }
 
-    data: str = field(default="digits", metadata={"help": "'digits' (embedded), 'synthetic[:N]', or an ImageFolder / ImageNet directory"})
+    data: str = field(
+        default="digits",
+        metadata={"help": "'digits' (embedded), 'synthetic[:N]', or an ImageFolder / ImageNet directory"},
+    )
     out: str = field(default="runs/pretrain", metadata={"help": "run directory (checkpoint, metrics, final weights)"})
-    overwrite: bool = field(default=False, metadata={"help": "write into an --out that is not empty and was not created by bt-hub (same-named files are replaced)"})
-    backbone: Literal["resnet18", "resnet34", "resnet50", "resnet101"] = field(default="resnet50", metadata={"help": "torchvision ResNet", "flag": "arch", "aliases": ("backbone",)})
+    overwrite: bool = field(
+        default=False,
+        metadata={
+            "help": "write into an --out that is not empty and was not created by bt-hub (same-named files are replaced)"
+        },
+    )
+    backbone: Literal["resnet18", "resnet34", "resnet50", "resnet101"] = field(
+        default="resnet50", metadata={"help": "torchvision ResNet", "flag": "arch", "aliases": ("backbone",)}
+    )
     projector: str = field(default="8192-8192-8192", metadata={"help": "projector widths joined by '-'"})
     lambd: float = field(default=0.0051, metadata={"help": "weight of the redundancy-reduction term"})
     small_image_stem: bool = field(default=False, metadata={"help": "3x3 stem without max-pool, for 32-px images"})
     image_size: int = field(default=224, metadata={"help": "side of the views in pixels"})
-    crop_scale_min: float = field(default=0.08, metadata={"help": "smallest area fraction of the views' random resized crop (paper: 0.08; tiny images such as the 8-px digits want more)"})
-    flip: bool = field(default=True, metadata={"help": "random horizontal flips in both views (paper: p = 0.5); --no-flip for images that are not mirror-symmetric, such as digits"})
-    blur: bool = field(default=True, metadata={"help": "Gaussian blur in the views (paper: p = 1.0 / 0.1, σ in [0.1, 2] px); --no-blur for tiny images, where even the 3x3 kernel smears every stroke"})
+    crop_scale_min: float = field(
+        default=0.08,
+        metadata={
+            "help": "smallest area fraction of the views' random resized crop (paper: 0.08; tiny images such as the 8-px digits want more)"
+        },
+    )
+    flip: bool = field(
+        default=True,
+        metadata={
+            "help": "random horizontal flips in both views (paper: p = 0.5); --no-flip for images that are not mirror-symmetric, such as digits"
+        },
+    )
+    blur: bool = field(
+        default=True,
+        metadata={
+            "help": "Gaussian blur in the views (paper: p = 1.0 / 0.1, σ in [0.1, 2] px); --no-blur for tiny images, where even the 3x3 kernel smears every stroke"
+        },
+    )
     epochs: int = field(default=1000, metadata={"help": "epochs of the schedule"})
     batch_size: int = field(default=2048, metadata={"help": "global batch size (all processes together)"})
     lr_weights: float = field(default=0.2, metadata={"help": "base LR of weights, × batch/256"})
     lr_biases: float = field(default=0.0048, metadata={"help": "base LR of biases and BN parameters, × batch/256"})
     weight_decay: float = field(default=1e-6, metadata={"help": "LARS weight decay (not on biases/BN)"})
     warmup_epochs: int = field(default=10, metadata={"help": "linear warm-up epochs before the cosine decay"})
-    loss_method: Literal["auto", "dense", "gram"] = field(default="auto", metadata={"help": "loss form: D x D, N x N, or the cheaper"})
-    reference_grad_scale: bool = field(default=False, metadata={"help": "reproduce the reference code's 1/world_size gradients"})
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = field(default="auto", metadata={"help": "autocast dtype (fp16 only on CUDA, with a GradScaler); auto: bf16 on GPUs with bf16 and on CPUs with avx512_bf16/AMX, fp32 elsewhere (the choice is recorded in run.json and config.json)"})
+    loss_method: Literal["auto", "dense", "gram"] = field(
+        default="auto", metadata={"help": "loss form: D x D, N x N, or the cheaper"}
+    )
+    reference_grad_scale: bool = field(
+        default=False, metadata={"help": "reproduce the reference code's 1/world_size gradients"}
+    )
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = field(
+        default="auto",
+        metadata={
+            "help": "autocast dtype (fp16 only on CUDA, with a GradScaler); auto: bf16 on GPUs with bf16 and on CPUs with avx512_bf16/AMX, fp32 elsewhere (the choice is recorded in run.json and config.json)"
+        },
+    )
     channels_last: bool = field(default=False, metadata={"help": "channels-last memory format for the backbone"})
-    compile: bool = field(default=False, metadata={"help": "torch.compile the forward pass and the loss (compiles for a minute or more at the start)"})
-    views: Literal["pil", "batched"] = field(default="pil", metadata={"help": "augment per image in loader workers (pil) or per batch on the device (batched)"})
-    decode: Literal["auto", "device", "workers"] = field(default="auto", metadata={"help": "image files with --views batched: workers read bytes and the device decodes the batch (device), or workers decode with PIL (workers); auto: device on CUDA"})
+    compile: bool = field(
+        default=False,
+        metadata={"help": "torch.compile the forward pass and the loss (compiles for a minute or more at the start)"},
+    )
+    views: Literal["pil", "batched"] = field(
+        default="pil",
+        metadata={"help": "augment per image in loader workers (pil) or per batch on the device (batched)"},
+    )
+    decode: Literal["auto", "device", "workers"] = field(
+        default="auto",
+        metadata={
+            "help": "image files with --views batched: workers read bytes and the device decodes the batch (device), or workers decode with PIL (workers); auto: device on CUDA"
+        },
+    )
     num_workers: int = field(default=0, metadata={"help": "data-loader worker processes per rank"})
-    checkpoint_every: int = field(default=500, metadata={"help": "steps between checkpoints (one is also written at each epoch end); 0: epoch ends only"})
-    resume: Optional[str] = field(default=None, metadata={"help": "'auto': continue OUT/checkpoint.pth if present; or a checkpoint path"})
+    checkpoint_every: int = field(
+        default=500,
+        metadata={"help": "steps between checkpoints (one is also written at each epoch end); 0: epoch ends only"},
+    )
+    resume: str | None = field(
+        default=None, metadata={"help": "'auto': continue OUT/checkpoint.pth if present; or a checkpoint path"}
+    )
     seed: int = field(default=0, metadata={"help": "seed of initialisation, data order and views"})
-    device: str = field(default="cpu", metadata={"help": "'cpu' or 'cuda' (torchrun: each rank takes its LOCAL_RANK GPU)"})
-    max_steps: int = field(default=0, metadata={"help": "stop after this many steps in all (0: the whole schedule); the schedule is unchanged"})
-    log_every: int = field(default=10, metadata={"help": "steps between metrics lines (and progress lines when not on a terminal)"})
-    monitor_knn: int = field(default=0, metadata={"help": "every this many steps, weighted kNN top-1 (k = 20, T = 0.07) of the backbone's features on a small labelled bank, logged and shown in the progress bar (0: off)"})
-    monitor_data: Optional[str] = field(default=None, metadata={"help": "labelled data of the kNN monitor (as --data; its train split is the bank, its val/test split the queries); default: --data's training and held-out splits"})
-    monitor_size: int = field(default=2000, metadata={"help": "bank images of the kNN monitor (queries: a quarter of it, at most 500)"})
-    tensorboard: bool = field(default=False, metadata={"help": "also write the metrics as TensorBoard scalars to OUT/tensorboard (needs the tensorboard package)"})
-    probe_max_dim: int = field(default=2048, metadata={"help": "record the probe batch's cross-correlation when the projector output is at most this wide"})
+    device: str = field(
+        default="cpu", metadata={"help": "'cpu' or 'cuda' (torchrun: each rank takes its LOCAL_RANK GPU)"}
+    )
+    max_steps: int = field(
+        default=0,
+        metadata={"help": "stop after this many steps in all (0: the whole schedule); the schedule is unchanged"},
+    )
+    log_every: int = field(
+        default=10, metadata={"help": "steps between metrics lines (and progress lines when not on a terminal)"}
+    )
+    monitor_knn: int = field(
+        default=0,
+        metadata={
+            "help": "every this many steps, weighted kNN top-1 (k = 20, T = 0.07) of the backbone's features on a small labelled bank, logged and shown in the progress bar (0: off)"
+        },
+    )
+    monitor_data: str | None = field(
+        default=None,
+        metadata={
+            "help": "labelled data of the kNN monitor (as --data; its train split is the bank, its val/test split the queries); default: --data's training and held-out splits"
+        },
+    )
+    monitor_size: int = field(
+        default=2000, metadata={"help": "bank images of the kNN monitor (queries: a quarter of it, at most 500)"}
+    )
+    tensorboard: bool = field(
+        default=False,
+        metadata={
+            "help": "also write the metrics as TensorBoard scalars to OUT/tensorboard (needs the tensorboard package)"
+        },
+    )
+    probe_max_dim: int = field(
+        default=2048,
+        metadata={"help": "record the probe batch's cross-correlation when the projector output is at most this wide"},
+    )
 
     def __post_init__(self) -> None:
         positive = ("image_size", "epochs", "batch_size", "log_every", "monitor_size")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("lambd", "lr_weights", "lr_biases", "weight_decay", "warmup_epochs", "num_workers", "checkpoint_every", "max_steps", "probe_max_dim", "monitor_knn"):
+        for name in (
+            "lambd",
+            "lr_weights",
+            "lr_biases",
+            "weight_decay",
+            "warmup_epochs",
+            "num_workers",
+            "checkpoint_every",
+            "max_steps",
+            "probe_max_dim",
+            "monitor_knn",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be non-negative, got {getattr(self, name)}")
         if not 0 < self.crop_scale_min <= 1:
@@ -139,17 +275,23 @@ class PretrainConfig:
         if self.precision == "fp16" and not self.device.startswith("cuda"):
             raise ValueError("--precision fp16 needs --device cuda; use bf16 on CPU")
         if self.warmup_epochs > self.epochs:
-            raise ValueError(f"--warmup-epochs {self.warmup_epochs} is longer than the whole schedule (--epochs {self.epochs}); lower --warmup-epochs or raise --epochs")
+            raise ValueError(
+                f"--warmup-epochs {self.warmup_epochs} is longer than the whole schedule (--epochs {self.epochs}); lower --warmup-epochs or raise --epochs"
+            )
 
     def schedule_steps(self, steps_per_epoch: int, start: int = 0) -> tuple[int, int, int]:
         """(total, warm-up, last) steps; refuses a ``--max-steps`` beyond the schedule or before the resumed ``start``."""
         total = self.epochs * steps_per_epoch
         if self.max_steps > total:
-            raise ValueError(f"--max-steps {self.max_steps} is more than the {total} steps of the schedule (--epochs {self.epochs} x {steps_per_epoch} "
-                             "steps per epoch); raise --epochs or lower --max-steps")
+            raise ValueError(
+                f"--max-steps {self.max_steps} is more than the {total} steps of the schedule (--epochs {self.epochs} x {steps_per_epoch} "
+                "steps per epoch); raise --epochs or lower --max-steps"
+            )
         last = self.max_steps or total
         if start > last:
-            raise ValueError(f"--max-steps {self.max_steps} is before step {start} of the checkpoint being resumed; raise --max-steps")
+            raise ValueError(
+                f"--max-steps {self.max_steps} is before step {start} of the checkpoint being resumed; raise --max-steps"
+            )
         return total, self.warmup_epochs * steps_per_epoch, last
         resolve_decode(self.decode, self.device, self.views)
 
@@ -163,7 +305,9 @@ class _TrainStep(nn.Module):
 
     def forward(self, y_a: torch.Tensor, y_b: torch.Tensor) -> tuple[LossTerms, torch.Tensor]:
         z_a, z_b = self.model.embed(y_a), self.model.embed(y_b)
-        terms = barlow_twins_loss(z_a, z_b, self.model.lambd, self.model.loss_method, reference_grad_scale=self.model.reference_grad_scale)
+        terms = barlow_twins_loss(
+            z_a, z_b, self.model.lambd, self.model.loss_method, reference_grad_scale=self.model.reference_grad_scale
+        )
         # std over the batch of L2-normalised embeddings: ~1/sqrt(D) when healthy, 0 on collapse
         spread = nnf.normalize(z_a.detach().float(), dim=1).std(dim=0).mean()
         return terms, spread
@@ -172,8 +316,16 @@ class _TrainStep(nn.Module):
 class _ViewDataset(Dataset):
     """Items keyed by (epoch, index): two seeded PIL views, or for batched views the uint8 image or the file's bytes."""
 
-    def __init__(self, dataset: Dataset, image_size: int, seed: int, batched: bool, views: tuple[ViewParams, ViewParams] = (VIEW_A, VIEW_B),
-                 files: bool = False, encoded: bool = False) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        image_size: int,
+        seed: int,
+        batched: bool,
+        views: tuple[ViewParams, ViewParams] = (VIEW_A, VIEW_B),
+        files: bool = False,
+        encoded: bool = False,
+    ) -> None:
         self.dataset, self.seed, self.batched, self.encoded = dataset, seed, batched, encoded
         self.file_items = batched and files  # images of their own sizes: batches are lists
         self.transform = TwoViewTransform(image_size, views)
@@ -201,9 +353,13 @@ def view_pair(config: PretrainConfig) -> tuple[ViewParams, ViewParams]:
     return dataclasses.replace(VIEW_A, **changes), dataclasses.replace(VIEW_B, **changes)
 
 
-def _views(batch: Any, step: int, config: PretrainConfig, device: torch.device, batched: BatchedTwoViews | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _views(
+    batch: Any, step: int, config: PretrainConfig, device: torch.device, batched: BatchedTwoViews | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The two view batches on the device (batched views are drawn per (seed, step, rank))."""
-    if batched is not None and isinstance(batch, list):  # image files of their own sizes: boxes drawn on the CPU, images decoded on the device
+    if batched is not None and isinstance(
+        batch, list
+    ):  # image files of their own sizes: boxes drawn on the CPU, images decoded on the device
         y_a, y_b = batched(to_device_images(batch, device), generator=seeded_generator(config.seed, step, get_rank()))
     elif batched is not None:
         images = batch.to(device, non_blocking=True)
@@ -235,7 +391,9 @@ def _save_probe(path: Path, model: BarlowTwins, probe: tuple[torch.Tensor, torch
         atomic_write(path, lambda f: np.save(f, c))
 
 
-def _probe_views(views: _ViewDataset, config: PretrainConfig, device: torch.device, batched: BatchedTwoViews | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _probe_views(
+    views: _ViewDataset, config: PretrainConfig, device: torch.device, batched: BatchedTwoViews | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Views of the first images of the dataset, seeded apart from training (epoch key -1)."""
     if parse_projector(config.projector)[-1] > config.probe_max_dim:
         return None
@@ -254,7 +412,9 @@ def _resume_state(config: PretrainConfig, out: Path) -> dict[str, Any] | None:
     own = out / CHECKPOINT_NAME
     if config.resume is None:
         if own.exists():
-            raise ValueError(f"--out {out} already holds {CHECKPOINT_NAME}; pass --resume auto to continue it or choose another --out")
+            raise ValueError(
+                f"--out {out} already holds {CHECKPOINT_NAME}; pass --resume auto to continue it or choose another --out"
+            )
         return None
     if config.resume == "auto":
         if not own.exists():
@@ -272,30 +432,48 @@ def _resume_state(config: PretrainConfig, out: Path) -> dict[str, Any] | None:
 
 def write_backbone(out: Path, model: BarlowTwins, config: PretrainConfig, step: int, num_samples: int) -> None:
     """``<backbone>.pth`` (torchvision keys, no fc), ``backbone.safetensors`` and ``config.json``."""
-    state = {k: v.detach().cpu().contiguous().clone() for k, v in model.backbone.state_dict().items() if not k.startswith("fc.")}
+    state = {
+        k: v.detach().cpu().contiguous().clone()
+        for k, v in model.backbone.state_dict().items()
+        if not k.startswith("fc.")
+    }
     atomic_torch_save(state, out / f"{config.backbone}.pth")
     meta = {"architecture": config.backbone, "small_image_stem": str(config.small_image_stem)}
     write_safetensors(state, out / "backbone.safetensors", metadata=meta)
-    atomic_write_json(out / "config.json", {
-        "architecture": config.backbone,
-        "feature_dim": model.backbone.feature_dim,
-        "small_image_stem": config.small_image_stem,
-        "projector": config.projector,
-        "lambd": config.lambd,
-        "image_size": config.image_size,
-        "dataset": config.data,
-        "num_samples": num_samples,
-        "epochs": config.epochs,
-        "steps": step,
-        "recipe": {
-            "optimizer": "LARS", "batch_size": config.batch_size, "lr_weights": config.lr_weights, "lr_biases": config.lr_biases,
-            "weight_decay": config.weight_decay, "warmup_epochs": config.warmup_epochs, "loss_method": config.loss_method,
-            "precision": config.precision, "views": config.views, "decode": config.decode, "compile": config.compile, "seed": config.seed,
-            "reference_grad_scale": config.reference_grad_scale,
-            "crop_scale_min": config.crop_scale_min, "flip": config.flip, "blur": config.blur,
+    atomic_write_json(
+        out / "config.json",
+        {
+            "architecture": config.backbone,
+            "feature_dim": model.backbone.feature_dim,
+            "small_image_stem": config.small_image_stem,
+            "projector": config.projector,
+            "lambd": config.lambd,
+            "image_size": config.image_size,
+            "dataset": config.data,
+            "num_samples": num_samples,
+            "epochs": config.epochs,
+            "steps": step,
+            "recipe": {
+                "optimizer": "LARS",
+                "batch_size": config.batch_size,
+                "lr_weights": config.lr_weights,
+                "lr_biases": config.lr_biases,
+                "weight_decay": config.weight_decay,
+                "warmup_epochs": config.warmup_epochs,
+                "loss_method": config.loss_method,
+                "precision": config.precision,
+                "views": config.views,
+                "decode": config.decode,
+                "compile": config.compile,
+                "seed": config.seed,
+                "reference_grad_scale": config.reference_grad_scale,
+                "crop_scale_min": config.crop_scale_min,
+                "flip": config.flip,
+                "blur": config.blur,
+            },
+            "format": "torchvision",
         },
-        "format": "torchvision",
-    })
+    )
 
 
 def pretrain(config: PretrainConfig) -> Path:
@@ -309,7 +487,11 @@ def pretrain(config: PretrainConfig) -> Path:
 
 
 def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
-    config = dataclasses.replace(config, precision=resolve_precision(config.precision, device), decode=resolve_decode(config.decode, device, config.views))
+    config = dataclasses.replace(
+        config,
+        precision=resolve_precision(config.precision, device),
+        decode=resolve_decode(config.decode, device, config.views),
+    )
     rank, world = get_rank(), get_world_size()
     out = Path(config.out)
     if config.batch_size % world:
@@ -319,7 +501,9 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
     dataset = build_dataset(config.data, "train", image_size=None if is_dir else config.image_size, seed=config.seed)
     steps_per_epoch = len(dataset) // config.batch_size
     if steps_per_epoch == 0:
-        raise ValueError(f"--batch-size {config.batch_size} is larger than the {len(dataset)} training images of --data {config.data}")
+        raise ValueError(
+            f"--batch-size {config.batch_size} is larger than the {len(dataset)} training images of --data {config.data}"
+        )
     total_steps, warmup_steps, last_step = config.schedule_steps(steps_per_epoch, int(state["step"]) if state else 0)
 
     if device.type == "cuda":
@@ -327,11 +511,19 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
     torch.manual_seed(config.seed)
     np.random.seed(config.seed % 2**32)
     random.seed(config.seed)
-    model = BarlowTwins(config.backbone, config.projector, config.lambd, small_image_stem=config.small_image_stem,
-                        loss_method=config.loss_method, reference_grad_scale=config.reference_grad_scale).to(device)
+    model = BarlowTwins(
+        config.backbone,
+        config.projector,
+        config.lambd,
+        small_image_stem=config.small_image_stem,
+        loss_method=config.loss_method,
+        reference_grad_scale=config.reference_grad_scale,
+    ).to(device)
     if config.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = LARS(param_groups(model, config.lr_weights, config.lr_biases, config.weight_decay), weight_decay=config.weight_decay)
+    optimizer = LARS(
+        param_groups(model, config.lr_weights, config.lr_biases, config.weight_decay), weight_decay=config.weight_decay
+    )
     scaler = torch.amp.GradScaler("cuda", enabled=config.precision == "fp16")
     step = 0
     if state is not None:
@@ -345,7 +537,9 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
     step_module: nn.Module = _TrainStep(model)
     if world > 1:
         step_module = convert_sync_batchnorm(step_module)  # SyncBatchNorm on CUDA, GlobalBatchNorm on CPU/gloo
-        step_module = nn.parallel.DistributedDataParallel(step_module, device_ids=[device.index] if device.type == "cuda" else None)
+        step_module = nn.parallel.DistributedDataParallel(
+            step_module, device_ids=[device.index] if device.type == "cuda" else None
+        )
     if config.compile:
         step_module = torch.compile(step_module)
     amp_dtype = autocast_dtype(config.precision)
@@ -353,13 +547,27 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
     run.start(config, step)
     view_params = view_pair(config)
     batched = BatchedTwoViews(config.image_size, view_params) if config.views == "batched" else None
-    views = _ViewDataset(dataset, config.image_size, config.seed, batched is not None, view_params, files=is_dir, encoded=is_dir and config.decode == "device")
+    views = _ViewDataset(
+        dataset,
+        config.image_size,
+        config.seed,
+        batched is not None,
+        view_params,
+        files=is_dir,
+        encoded=is_dir and config.decode == "device",
+    )
     probe = _probe_views(views, config, device, batched) if is_main_process() else None
     if step == 0 and is_main_process():
         _save_probe(out / "cross_correlation_start.npy", model, probe)
 
     checkpoint_path = out / CHECKPOINT_NAME
-    monitor = KnnMonitor(*monitor_sets(config.monitor_data or config.data, config.image_size, config.seed, config.monitor_size)) if config.monitor_knn and is_main_process() else None
+    monitor = (
+        KnnMonitor(
+            *monitor_sets(config.monitor_data or config.data, config.image_size, config.seed, config.monitor_size)
+        )
+        if config.monitor_knn and is_main_process()
+        else None
+    )
     scalars = TensorBoardScalars(out / "tensorboard") if config.tensorboard and is_main_process() else None
     bar = progress(None, "pretrain", total=last_step, initial=step, unit="step", every=config.log_every)
     postfix: dict[str, str] = {}
@@ -369,14 +577,25 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
     model.train()
     while step < last_step:
         epoch = step // steps_per_epoch
-        sampler = EpochBatchSampler(len(dataset), config.batch_size, config.seed, epoch, step % steps_per_epoch, rank, world)
-        loader = DataLoader(views, batch_sampler=sampler, num_workers=config.num_workers, pin_memory=device.type == "cuda",
-                            collate_fn=collate_list if views.file_items else None,
-                            generator=torch.Generator().manual_seed(derive_seed(config.seed, epoch, rank)))
+        sampler = EpochBatchSampler(
+            len(dataset), config.batch_size, config.seed, epoch, step % steps_per_epoch, rank, world
+        )
+        loader = DataLoader(
+            views,
+            batch_sampler=sampler,
+            num_workers=config.num_workers,
+            pin_memory=device.type == "cuda",
+            collate_fn=collate_list if views.file_items else None,
+            generator=torch.Generator().manual_seed(derive_seed(config.seed, epoch, rank)),
+        )
         tick, tick_step = time.perf_counter(), step
         # on CUDA the next batches are decoded and viewed on a side stream while this step trains
-        with Prefetcher(enumerate(loader, step), lambda item: _views(item[1], item[0], config, device, batched), device,
-                        depth=2 if device.type == "cuda" else 0) as batches:
+        with Prefetcher(
+            enumerate(loader, step),
+            lambda item: _views(item[1], item[0], config, device, batched),
+            device,
+            depth=2 if device.type == "cuda" else 0,
+        ) as batches:
             for y_a, y_b in batches:
                 rates = set_learning_rates(optimizer, step, total_steps, warmup_steps, config.batch_size)
                 with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
@@ -392,11 +611,18 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
                 row: dict[str, Any] = {}
                 if step % config.log_every == 0 or step == last_step:
                     now = time.perf_counter()
-                    row.update({
-                        "epoch": epoch, "lr_weights": rates[0], "lr_biases": rates[1], "loss": loss,
-                        "invariance": float(terms.invariance_term), "redundancy": float(terms.redundancy_term),
-                        "embedding_std": float(spread), "pairs_per_s": config.batch_size * (step - tick_step) / max(now - tick, 1e-9),
-                    })
+                    row.update(
+                        {
+                            "epoch": epoch,
+                            "lr_weights": rates[0],
+                            "lr_biases": rates[1],
+                            "loss": loss,
+                            "invariance": float(terms.invariance_term),
+                            "redundancy": float(terms.redundancy_term),
+                            "embedding_std": float(spread),
+                            "pairs_per_s": config.batch_size * (step - tick_step) / max(now - tick, 1e-9),
+                        }
+                    )
                     tick, tick_step = now, step
                 if monitor is not None and (step % config.monitor_knn == 0 or step == last_step):
                     row["knn_top1"] = monitor(model.backbone, device, amp_dtype)
@@ -407,10 +633,21 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
                         scalars.log({"step": step, **row})
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4g}", epoch=epoch, **postfix)
-                if step % steps_per_epoch == 0 or step == last_step or (config.checkpoint_every and step % config.checkpoint_every == 0):
+                if (
+                    step % steps_per_epoch == 0
+                    or step == last_step
+                    or (config.checkpoint_every and step % config.checkpoint_every == 0)
+                ):
                     if is_main_process():
-                        save_checkpoint(checkpoint_path, model=model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
-                                        step=step, epoch=step // steps_per_epoch, config=dataclasses.asdict(config))
+                        save_checkpoint(
+                            checkpoint_path,
+                            model=model.state_dict(),
+                            optimizer=optimizer.state_dict(),
+                            scaler=scaler.state_dict(),
+                            step=step,
+                            epoch=step // steps_per_epoch,
+                            config=dataclasses.asdict(config),
+                        )
                     barrier()
                 if step >= last_step:
                     break

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
-from bt_hub.common.files import atomic_torch_save
-from bt_hub.common.files import non_finite_tensors, read_file
+from bt_hub.common.files import atomic_torch_save, non_finite_tensors, read_file
 
 CHECKPOINT_NAME = "checkpoint.pth"
 
@@ -57,7 +57,16 @@ class EpochBatchSampler:
         world_size: number of processes.
     """
 
-    def __init__(self, num_samples: int, batch_size: int, seed: int, epoch: int, start: int = 0, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        seed: int,
+        epoch: int,
+        start: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         if batch_size % world_size:
             raise ValueError(f"--batch-size {batch_size} is not a multiple of the {world_size} processes")
         self.order = epoch_permutation(num_samples, seed, epoch).tolist()
@@ -80,7 +89,13 @@ def rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "numpy": [
+            np_state[0],
+            torch.from_numpy(np_state[1].astype(np.int64)),
+            int(np_state[2]),
+            int(np_state[3]),
+            float(np_state[4]),
+        ],
         "python": random.getstate(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -110,8 +125,10 @@ def training_stopped(checkpoint: str | os.PathLike, step: int, what: str) -> str
             kept = f"{checkpoint} is kept but could not be read back"
     else:
         kept = "no checkpoint was written yet"
-    return (f"{what} at step {step}; training stopped and {kept}; resuming with the same flags diverges again (training is "
-            "deterministic), so start a new --out with a lower --lr-weights / --lr-biases or a longer --warmup-epochs")
+    return (
+        f"{what} at step {step}; training stopped and {kept}; resuming with the same flags diverges again (training is "
+        "deterministic), so start a new --out with a lower --lr-weights / --lr-biases or a longer --warmup-epochs"
+    )
 
 
 def save_checkpoint(path: str | os.PathLike, **state: Any) -> Path:
@@ -124,7 +141,13 @@ def save_checkpoint(path: str | os.PathLike, **state: Any) -> Path:
     bad = non_finite_tensors({"model": state.get("model", {}), "optimizer": state.get("optimizer", {})})
     if bad:
         shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        raise RuntimeError(training_stopped(path, int(state.get("step", -1)), f"{len(bad)} tensor{'s' if len(bad) > 1 else ''} of the training state became NaN or inf ({shown})"))
+        raise RuntimeError(
+            training_stopped(
+                path,
+                int(state.get("step", -1)),
+                f"{len(bad)} tensor{'s' if len(bad) > 1 else ''} of the training state became NaN or inf ({shown})",
+            )
+        )
     return atomic_torch_save({**state, "rng": rng_state()}, path)
 
 

@@ -12,30 +12,38 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 from torch import nn
 
-from bt_hub.method.model import BarlowTwins, build_backbone
-from bt_hub.weights.formats import projector_spec
 from bt_hub.common.files import CheckpointError
-from bt_hub.weights.load import load_backbone, read_projector_state_dict
+from bt_hub.method.model import BarlowTwins, build_backbone
 from bt_hub.method.transforms import eval_transforms
+from bt_hub.weights.formats import projector_spec
+from bt_hub.weights.load import load_backbone, read_projector_state_dict
 from bt_hub.weights.registry import RECIPE, BarlowTwinsWeights, find_weights
 from bt_hub.weights.sources import WeightsSource
 
 __all__ = ["barlow_twins", "resnet50"]
 
 
-def _legacy_pretrained(builder: str, weights: Optional[WeightsSource], kwargs: dict[str, Any], default: BarlowTwinsWeights) -> Optional[WeightsSource]:
+def _legacy_pretrained(
+    builder: str, weights: WeightsSource | None, kwargs: dict[str, Any], default: BarlowTwinsWeights
+) -> WeightsSource | None:
     """``weights`` after turning a deprecated ``pretrained=True/False`` into its record (with a warning)."""
     if "pretrained" not in kwargs:
         return weights
     pretrained = kwargs.pop("pretrained")
     if weights is not None:
-        raise ValueError(f"{builder}() got both weights={weights!r} and the deprecated pretrained={pretrained!r}; pass weights only")
+        raise ValueError(
+            f"{builder}() got both weights={weights!r} and the deprecated pretrained={pretrained!r}; pass weights only"
+        )
     new = f'weights="{default.short_name}"' if pretrained else "weights=None"
-    warnings.warn(f"{builder}(pretrained={pretrained!r}) is deprecated; use {builder}({new}) (the same result)", FutureWarning, stacklevel=3)
+    warnings.warn(
+        f"{builder}(pretrained={pretrained!r}) is deprecated; use {builder}({new}) (the same result)",
+        FutureWarning,
+        stacklevel=3,
+    )
     return default if pretrained else None
 
 
@@ -44,7 +52,7 @@ def _no_more(builder: str, kwargs: dict[str, Any], accepted: str) -> None:
         raise TypeError(f"{builder}() got unexpected keyword arguments {sorted(kwargs)}; it accepts {accepted}")
 
 
-def resnet50(*, weights: Optional[WeightsSource] = None, progress: bool = True, **kwargs: Any) -> nn.Module:
+def resnet50(*, weights: WeightsSource | None = None, progress: bool = True, **kwargs: Any) -> nn.Module:
     """ResNet-50 (torchvision layout) with Barlow Twins weights and ``fc = Identity``: 2048-d features.
 
     Barlow Twins: Self-Supervised Learning via Redundancy Reduction (Zbontar et al., ICML 2021,
@@ -69,11 +77,15 @@ def resnet50(*, weights: Optional[WeightsSource] = None, progress: bool = True, 
     model = load_backbone(weights, arch="resnet50", progress=progress, allow_non_finite=allow_non_finite)
     stored = model.weights_info["small_image_stem"]
     if small is not None and bool(small) != stored:
-        raise ValueError(f"small_image_stem={small} contradicts the weights {model.weights_info['file']}, which have small_image_stem={stored}")
+        raise ValueError(
+            f"small_image_stem={small} contradicts the weights {model.weights_info['file']}, which have small_image_stem={stored}"
+        )
     return model
 
 
-def barlow_twins(*, weights: Optional[WeightsSource] = None, progress: bool = True, lambd: Optional[float] = None, **kwargs: Any) -> BarlowTwins:
+def barlow_twins(
+    *, weights: WeightsSource | None = None, progress: bool = True, lambd: float | None = None, **kwargs: Any
+) -> BarlowTwins:
     """The whole Barlow Twins model (backbone + projector + λ) from weights that carry the projector.
 
     Args:
@@ -97,19 +109,29 @@ def barlow_twins(*, weights: Optional[WeightsSource] = None, progress: bool = Tr
     if member is None and not os.path.exists(os.fspath(weights)):
         member = find_weights(os.fspath(weights))
     if member is not None and not member.has_projector:
-        raise CheckpointError(f"weights {member.short_name} carry no projector; use resnet50(weights=...) for the backbone, "
-                              f"or barlow_twins(weights=\"{BarlowTwinsWeights.IN1K_LJNG_FULL.short_name}\")")
+        raise CheckpointError(
+            f"weights {member.short_name} carry no projector; use resnet50(weights=...) for the backbone, "
+            f'or barlow_twins(weights="{BarlowTwinsWeights.IN1K_LJNG_FULL.short_name}")'
+        )
     projector = read_projector_state_dict(weights, progress=progress, allow_non_finite=allow_non_finite)
     backbone = load_backbone(weights, progress=progress, allow_non_finite=allow_non_finite)
     if not projector:
-        raise CheckpointError(f"weights {backbone.weights_info['file']} carry no projector; use resnet50(weights=...) for the backbone alone")
+        raise CheckpointError(
+            f"weights {backbone.weights_info['file']} carry no projector; use resnet50(weights=...) for the backbone alone"
+        )
     config = backbone.weights_info.get("config") or {}
     lambd = float(config.get("lambd", RECIPE["lambd"])) if lambd is None else lambd
-    model = BarlowTwins(backbone.weights_info["architecture"], projector_spec(projector), lambd,
-                        small_image_stem=backbone.weights_info["small_image_stem"])
+    model = BarlowTwins(
+        backbone.weights_info["architecture"],
+        projector_spec(projector),
+        lambd,
+        small_image_stem=backbone.weights_info["small_image_stem"],
+    )
     model.backbone = backbone
     try:
         model.projector.load_state_dict(projector, strict=True)
     except RuntimeError as err:
-        raise CheckpointError(f"projector weights of {backbone.weights_info['file']} do not fit {projector_spec(projector)}: {str(err).splitlines()[0]}") from None
+        raise CheckpointError(
+            f"projector weights of {backbone.weights_info['file']} do not fit {projector_spec(projector)}: {str(err).splitlines()[0]}"
+        ) from None
     return model

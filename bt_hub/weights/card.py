@@ -9,7 +9,8 @@ table is rendered by ``results_section`` alone.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from torchvision import transforms as T
 
@@ -21,7 +22,12 @@ TAGS = ["barlow-twins", "self-supervised-learning", "image-feature-extraction", 
 # timm builds ResNet(**model_args): this argument, unknown to timm, makes it refuse a small-stem folder by name.
 SMALL_STEM_TIMM_ARG = "bt_hub_small_image_stem"
 # Protocol name (as eval/ writes it) -> Hugging Face task type.
-_TASKS = {"detect": "object-detection", "detection": "object-detection", "voc07+12": "object-detection", "coco": "object-detection"}
+_TASKS = {
+    "detect": "object-detection",
+    "detection": "object-detection",
+    "voc07+12": "object-detection",
+    "coco": "object-detection",
+}
 
 
 def _eval_results(rows: list[dict[str, Any]]) -> list[Any]:
@@ -34,10 +40,17 @@ def _eval_results(rows: list[dict[str, Any]]) -> list[Any]:
         task_type = _TASKS.get(protocol.split("-")[0], "image-classification")
         for metric, value in (row.get("metrics") or {}).items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                out.append(hf.EvalResult(
-                    task_type=task_type, task_name=task_label(row), dataset_type=dataset_name, dataset_name=dataset_name,
-                    metric_type=metric, metric_name=metric, metric_value=round(float(value), 1),
-                ))
+                out.append(
+                    hf.EvalResult(
+                        task_type=task_type,
+                        task_name=task_label(row),
+                        dataset_type=dataset_name,
+                        dataset_name=dataset_name,
+                        metric_type=metric,
+                        metric_name=metric,
+                        metric_value=round(float(value), 1),
+                    )
+                )
     return out
 
 
@@ -62,9 +75,17 @@ def timm_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         "num_classes": 0,
         "num_features": config["feature_dim"],
         "pretrained_cfg": {
-            "tag": "barlowtwins", "input_size": [3, crop, crop], "interpolation": "bilinear", "crop_pct": round(crop / resize, 4),
-            "crop_mode": "center", "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD), "num_classes": 0,
-            "pool_size": [math.ceil(crop / (8 if small else 32))] * 2, "first_conv": "conv1", "classifier": "fc",
+            "tag": "barlowtwins",
+            "input_size": [3, crop, crop],
+            "interpolation": "bilinear",
+            "crop_pct": round(crop / resize, 4),
+            "crop_mode": "center",
+            "mean": list(IMAGENET_MEAN),
+            "std": list(IMAGENET_STD),
+            "num_classes": 0,
+            "pool_size": [math.ceil(crop / (8 if small else 32))] * 2,
+            "first_conv": "conv1",
+            "classifier": "fc",
         },
     }
     if small:
@@ -105,15 +126,21 @@ def _usage(config: Mapping[str, Any], repo: str) -> str:
     return "\n".join(lines)
 
 
-def model_card(config: Mapping[str, Any], results: list[dict[str, Any]], *, name: Optional[str], license: str = "apache-2.0") -> str:
+def model_card(
+    config: Mapping[str, Any], results: list[dict[str, Any]], *, name: str | None, license: str = "apache-2.0"
+) -> str:
     """The README.md of a Hugging Face folder: YAML metadata, usage, preprocessing, recipe and results."""
     hf = require("huggingface_hub", "writing a model card")
     dataset = config.get("dataset")
     small = bool(config.get("small_image_stem"))
     data = hf.ModelCardData(
-        library_name="bt_hub", license=license, tags=[t for t in TAGS if t != "timm" or not small],
-        pipeline_tag="image-feature-extraction", datasets=[str(dataset)] if dataset else None,
-        model_name=name, eval_results=_eval_results(results) or None,
+        library_name="bt_hub",
+        license=license,
+        tags=[t for t in TAGS if t != "timm" or not small],
+        pipeline_tag="image-feature-extraction",
+        datasets=[str(dataset)] if dataset else None,
+        model_name=name,
+        eval_results=_eval_results(results) or None,
     )
     arch = config.get("architecture", "resnet50")
     resize, crop = preprocessing(config)
@@ -129,7 +156,7 @@ def model_card(config: Mapping[str, Any], results: list[dict[str, Any]], *, name
 
 A {arch} backbone with {stem}, pretrained with Barlow Twins (Zbontar, Jing, Misra, LeCun, Deny: *Barlow Twins:
 Self-Supervised Learning via Redundancy Reduction*, ICML 2021, https://arxiv.org/abs/2103.03230).
-torchvision parameter names, `fc = Identity`: the output is a {config.get('feature_dim', 2048)}-d feature vector, not class scores.
+torchvision parameter names, `fc = Identity`: the output is a {config.get("feature_dim", 2048)}-d feature vector, not class scores.
 
 Preprocessing (the weights' own evaluation transforms, `backbone.transforms`): resize to {resize} (bilinear),
 centre crop {crop}, ImageNet mean {list(IMAGENET_MEAN)}, std {list(IMAGENET_STD)}.

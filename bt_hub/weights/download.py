@@ -30,14 +30,12 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Optional
 from urllib.parse import urlparse
 
 import torch
 from tqdm import tqdm
 
-from bt_hub.common.files import CheckpointError, read_file
-from bt_hub.common.files import file_sha256
+from bt_hub.common.files import CheckpointError, file_sha256, read_file
 
 TIMEOUT_ENV = "BT_HUB_DOWNLOAD_TIMEOUT"
 RETRIES_ENV = "BT_HUB_DOWNLOAD_RETRIES"
@@ -55,7 +53,7 @@ class _Retryable(Exception):
     """An attempt failed in a way another attempt may not (timeout, dropped connection, 5xx, short body)."""
 
 
-def cache_path(url: str, file_name: Optional[str] = None) -> Path:
+def cache_path(url: str, file_name: str | None = None) -> Path:
     """Where ``url`` is (or will be) cached: ``<hub dir>/checkpoints/bt_hub/<sha256(url)[:16]>/<file name>``."""
     name = file_name or os.path.basename(urlparse(url).path)
     if not name or name in (".", ".."):
@@ -64,7 +62,7 @@ def cache_path(url: str, file_name: Optional[str] = None) -> Path:
     return Path(torch.hub.get_dir()) / "checkpoints" / "bt_hub" / key / name
 
 
-def expected_hash(file_name: str, sha256: Optional[str] = None) -> tuple[Optional[str], str]:
+def expected_hash(file_name: str, sha256: str | None = None) -> tuple[str | None, str]:
     """The hash (or hash prefix) a file must have and where that comes from."""
     if sha256:
         return sha256.lower(), "registered sha256"
@@ -72,7 +70,7 @@ def expected_hash(file_name: str, sha256: Optional[str] = None) -> tuple[Optiona
     return (match.group(1), "hash prefix in its file name") if match else (None, "")
 
 
-def _setting(name: str, given: Optional[float], default: float) -> float:
+def _setting(name: str, given: float | None, default: float) -> float:
     if given is not None:
         return float(given)
     text = os.environ.get(name)
@@ -88,11 +86,13 @@ def _setting(name: str, given: Optional[float], default: float) -> float:
 
 
 def _fixes(url: str, path: Path) -> str:
-    return (f"nothing was cached at {path}; retry, or download {url} yourself and place the file at that path "
-            f"(TORCH_HOME, now {os.environ.get('TORCH_HOME', 'unset')}, moves the cache)")
+    return (
+        f"nothing was cached at {path}; retry, or download {url} yourself and place the file at that path "
+        f"(TORCH_HOME, now {os.environ.get('TORCH_HOME', 'unset')}, moves the cache)"
+    )
 
 
-def _check_cached(path: Path, url: str, sha256: Optional[str]) -> None:
+def _check_cached(path: Path, url: str, sha256: str | None) -> None:
     expected, origin = expected_hash(path.name, sha256)
     if expected is None:
         return
@@ -107,11 +107,11 @@ def _check_cached(path: Path, url: str, sha256: Optional[str]) -> None:
 def download(
     url: str,
     *,
-    file_name: Optional[str] = None,
-    sha256: Optional[str] = None,
+    file_name: str | None = None,
+    sha256: str | None = None,
     progress: bool = True,
-    timeout: Optional[float] = None,
-    retries: Optional[int] = None,
+    timeout: float | None = None,
+    retries: int | None = None,
 ) -> Path:
     """The cached, verified local copy of ``url``, downloaded first if it is not cached.
 
@@ -170,8 +170,16 @@ def _fetch(url: str, partial: Path, timeout: float, progress: bool) -> None:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             expected = response.headers.get("Content-Length")
             size = 0
-            with open(partial, "wb") as f, tqdm(total=int(expected) if expected else None, unit="B", unit_scale=True,
-                                                  desc=partial.name, disable=None if progress else True) as bar:
+            with (
+                open(partial, "wb") as f,
+                tqdm(
+                    total=int(expected) if expected else None,
+                    unit="B",
+                    unit_scale=True,
+                    desc=partial.name,
+                    disable=None if progress else True,
+                ) as bar,
+            ):
                 while block := response.read(_CHUNK):
                     f.write(block)
                     size += len(block)
@@ -179,7 +187,9 @@ def _fetch(url: str, partial: Path, timeout: float, progress: bool) -> None:
     except urllib.error.HTTPError as err:
         if err.code >= 500 or err.code in (408, 429):
             raise _Retryable(f"HTTP {err.code} {err.reason}") from None
-        raise DownloadError(f"download of {url} failed: HTTP {err.code} {err.reason}; {_fixes(url, _final(partial))}") from None
+        raise DownloadError(
+            f"download of {url} failed: HTTP {err.code} {err.reason}; {_fixes(url, _final(partial))}"
+        ) from None
     except (TimeoutError, ConnectionError, http.client.HTTPException, urllib.error.URLError, OSError) as err:
         raise _Retryable(_describe(err, timeout)) from None
     if expected is not None and size != int(expected):
@@ -201,7 +211,7 @@ def _final(partial: Path) -> Path:
     return partial.parent.parent / partial.name
 
 
-def _verify(partial: Path, url: str, target: Path, sha256: Optional[str]) -> None:
+def _verify(partial: Path, url: str, target: Path, sha256: str | None) -> None:
     """Hash and parse checks of a complete download (not retried: the server would send the same bytes)."""
     expected, origin = expected_hash(target.name, sha256)
     if expected is not None:
@@ -218,7 +228,7 @@ def _verify(partial: Path, url: str, target: Path, sha256: Optional[str]) -> Non
         raise DownloadError(f"download of {url} was refused: it {what}; {_fixes(url, target)}") from None
 
 
-def hf_download(spec: str, filename: str, *, required: bool = True) -> Optional[Path]:
+def hf_download(spec: str, filename: str, *, required: bool = True) -> Path | None:
     """``filename`` of the Hub repo ``org/name[@revision]``, through huggingface_hub's cache.
 
     Returns None for a missing optional file (absent from the repo, or not cached while offline).
@@ -239,7 +249,9 @@ def hf_download(spec: str, filename: str, *, required: bool = True) -> Optional[
     except errors.LocalEntryNotFoundError:
         if not required:
             return None
-        offline = "HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE else f"the Hub at {endpoint} could not be reached"
+        offline = (
+            "HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE else f"the Hub at {endpoint} could not be reached"
+        )
         raise DownloadError(
             f"{where}: {filename} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {offline}; "
             "connect once without HF_HUB_OFFLINE to fill the cache, or point HF_HOME at a cache that holds it"
@@ -247,7 +259,9 @@ def hf_download(spec: str, filename: str, *, required: bool = True) -> Optional[
     except getattr(errors, "RemoteEntryNotFoundError", errors.EntryNotFoundError):
         if not required:
             return None
-        raise DownloadError(f"{where}: the repo has no file {filename} (a bt_hub folder holds model.safetensors and config.json)") from None
+        raise DownloadError(
+            f"{where}: the repo has no file {filename} (a bt_hub folder holds model.safetensors and config.json)"
+        ) from None
     except errors.RevisionNotFoundError:
         raise DownloadError(f"{where}: the repo {repo_id} at {endpoint} has no revision {revision!r}") from None
     except errors.RepositoryNotFoundError:

@@ -16,22 +16,28 @@ import json
 import os
 import pickle
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping, Optional, Union
+from typing import Any, Literal
 
 import torch
 
+from bt_hub.common.files import atomic_write, atomic_write_json, atomic_write_text, write_safetensors
 from bt_hub.common.records import read_records
 from bt_hub.common.runs import package_version
-from bt_hub.common.files import atomic_write, atomic_write_json, atomic_write_text
 from bt_hub.weights.card import model_card, timm_fields
 from bt_hub.weights.formats import infer_architecture, projector_spec, torchvision_to_detectron2_key
 from bt_hub.weights.load import load_backbone, read_projector_state_dict
-from bt_hub.common.files import write_safetensors
 
 __all__ = [
-    "ExportConfig", "HF_FOLDER_FILES", "export", "save_detectron2", "save_hf_folder", "save_safetensors", "save_torchvision",
+    "ExportConfig",
+    "HF_FOLDER_FILES",
+    "export",
+    "save_detectron2",
+    "save_hf_folder",
+    "save_safetensors",
+    "save_torchvision",
     "to_detectron2",
 ]
 
@@ -45,24 +51,27 @@ def _backbone_only(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 # --------------------------------------------------------------------------- single files
 
+
 def to_detectron2(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """The detectron2 pickle payload (docs/protocols.md §3) for a torchvision-named ResNet state dict."""
     model = {torchvision_to_detectron2_key(k): v.numpy() for k, v in _backbone_only(state_dict).items()}
     return {"model": model, "__author__": "bt_hub", "matching_heuristics": True}
 
 
-def save_detectron2(state_dict: Mapping[str, torch.Tensor], path: Union[str, os.PathLike]) -> Path:
+def save_detectron2(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike) -> Path:
     """Write ``to_detectron2(state_dict)`` as a ``.pkl`` that detectron2's ``MODEL.WEIGHTS`` loads."""
     payload = to_detectron2(state_dict)
     return atomic_write(path, lambda f: pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def save_safetensors(state_dict: Mapping[str, torch.Tensor], path: Union[str, os.PathLike], metadata: Optional[Mapping[str, str]] = None) -> Path:
+def save_safetensors(
+    state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None
+) -> Path:
     """Write the weights (no ``fc``) as safetensors, marked ``written_by: bt_hub`` in the metadata."""
     return write_safetensors(_backbone_only(state_dict), path, metadata)
 
 
-def _torchvision_bytes(state_dict: Mapping[str, torch.Tensor], path: Union[str, os.PathLike]) -> tuple[Path, bytes, str]:
+def _torchvision_bytes(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike) -> tuple[Path, bytes, str]:
     buffer = io.BytesIO()
     torch.save(_backbone_only(state_dict), buffer)
     data = buffer.getvalue()
@@ -72,7 +81,7 @@ def _torchvision_bytes(state_dict: Mapping[str, torch.Tensor], path: Union[str, 
     return path.with_name(f"{stem}-{sha[:8]}.pth"), data, sha
 
 
-def save_torchvision(state_dict: Mapping[str, torch.Tensor], path: Union[str, os.PathLike]) -> tuple[Path, str]:
+def save_torchvision(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike) -> tuple[Path, str]:
     """Write a torchvision ``.pth`` named ``<stem>-<first 8 hex of its sha256>.pth`` (torch.hub's convention).
 
     Returns:
@@ -84,6 +93,7 @@ def save_torchvision(state_dict: Mapping[str, torch.Tensor], path: Union[str, os
 
 
 # --------------------------------------------------------------------------- Hugging Face folder
+
 
 def _written_by_bt_hub(path: Path) -> bool:
     """Whether bt_hub wrote this file of a Hugging Face folder (see the module docstring)."""
@@ -109,7 +119,9 @@ def check_hf_target(folder: Path, *, force: bool) -> None:
     if not folder.is_dir() or not any(folder.iterdir()):
         return
     if not force:
-        raise FileExistsError(f"folder {folder} is not empty; pass --force to replace the files bt_hub wrote there (other files are kept)")
+        raise FileExistsError(
+            f"folder {folder} is not empty; pass --force to replace the files bt_hub wrote there (other files are kept)"
+        )
     foreign = [name for name in HF_FOLDER_FILES if (folder / name).exists() and not _written_by_bt_hub(folder / name)]
     if foreign:
         raise FileExistsError(
@@ -120,12 +132,12 @@ def check_hf_target(folder: Path, *, force: bool) -> None:
 
 def save_hf_folder(
     backbone_state: Mapping[str, torch.Tensor],
-    folder: Union[str, os.PathLike],
+    folder: str | os.PathLike,
     *,
-    projector: Optional[Mapping[str, torch.Tensor]] = None,
-    config: Optional[Mapping[str, Any]] = None,
-    results: Iterable[Union[str, os.PathLike, Mapping[str, Any]]] = (),
-    name: Optional[str] = None,
+    projector: Mapping[str, torch.Tensor] | None = None,
+    config: Mapping[str, Any] | None = None,
+    results: Iterable[str | os.PathLike | Mapping[str, Any]] = (),
+    name: str | None = None,
     license: str = "apache-2.0",
     force: bool = True,
 ) -> Path:
@@ -146,8 +158,14 @@ def save_hf_folder(
     rows = read_records(results)
     state = _backbone_only(backbone_state)
     arch, small = infer_architecture(state, str(folder))
-    ours = {**dict(config or {}), "architecture": arch, "small_image_stem": small, "feature_dim": FEATURE_DIMS[arch],
-            "format": "torchvision", "bt_hub_version": package_version()}
+    ours = {
+        **dict(config or {}),
+        "architecture": arch,
+        "small_image_stem": small,
+        "feature_dim": FEATURE_DIMS[arch],
+        "format": "torchvision",
+        "bt_hub_version": package_version(),
+    }
     ours.pop("backbone", None)
     ours.pop("projector", None)
     if projector:
@@ -165,20 +183,44 @@ def save_hf_folder(
 
 # --------------------------------------------------------------------------- bt-hub export
 
+
 @dataclass
 class ExportConfig:
     """Flags of ``bt-hub export``."""
 
-    weights: str = field(metadata={"help": "weights to convert: a registered name, file, folder (run directory, Hugging Face folder), URL, hf://org/name[@rev] or org/name"})
-    out: str = field(metadata={"help": "output: a file (torchvision: '<name>.pth' gets '-<sha256 prefix>' appended), or a folder for hf"})
-    format: Literal["torchvision", "safetensors", "detectron2", "hf"] = field(
-        default="torchvision", metadata={"help": "torchvision .pth, safetensors, detectron2 .pkl, or a Hugging Face folder"}
+    weights: str = field(
+        metadata={
+            "help": "weights to convert: a registered name, file, folder (run directory, Hugging Face folder), URL, hf://org/name[@rev] or org/name"
+        }
     )
-    arch: Optional[str] = field(default=None, metadata={"help": "resnet18/34/50/101; by default from config.json or the keys"})
-    name: Optional[str] = field(default=None, metadata={"help": "hf only: the model's Hub id for the card, e.g. org/barlowtwins-r50"})
-    results: list[str] = field(default_factory=list, metadata={"help": "hf only: evaluation results for the card: results.json of bt-hub eval or eval all, or a results.jsonl"})
-    force: bool = field(default=False, metadata={"help": "replace an existing target (in an hf folder only the files bt_hub wrote; others are kept)"})
-    allow_non_finite: bool = field(default=False, metadata={"help": "convert weights holding NaN or inf (for forensics; refused otherwise)"})
+    out: str = field(
+        metadata={
+            "help": "output: a file (torchvision: '<name>.pth' gets '-<sha256 prefix>' appended), or a folder for hf"
+        }
+    )
+    format: Literal["torchvision", "safetensors", "detectron2", "hf"] = field(
+        default="torchvision",
+        metadata={"help": "torchvision .pth, safetensors, detectron2 .pkl, or a Hugging Face folder"},
+    )
+    arch: str | None = field(
+        default=None, metadata={"help": "resnet18/34/50/101; by default from config.json or the keys"}
+    )
+    name: str | None = field(
+        default=None, metadata={"help": "hf only: the model's Hub id for the card, e.g. org/barlowtwins-r50"}
+    )
+    results: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "hf only: evaluation results for the card: results.json of bt-hub eval or eval all, or a results.jsonl"
+        },
+    )
+    force: bool = field(
+        default=False,
+        metadata={"help": "replace an existing target (in an hf folder only the files bt_hub wrote; others are kept)"},
+    )
+    allow_non_finite: bool = field(
+        default=False, metadata={"help": "convert weights holding NaN or inf (for forensics; refused otherwise)"}
+    )
 
     def __post_init__(self) -> None:
         if not self.weights:
@@ -197,7 +239,9 @@ class ExportConfig:
 
 def _refuse_existing(path: Path, force: bool) -> None:
     if path.is_dir():
-        raise FileExistsError(f"--out {path} is a folder; only --format hf writes folders, the other formats write a file")
+        raise FileExistsError(
+            f"--out {path} is a folder; only --format hf writes folders, the other formats write a file"
+        )
     if path.exists() and not force:
         raise FileExistsError(f"{path} already exists; pass --force to replace it")
 
@@ -216,13 +260,24 @@ def export(config: ExportConfig) -> Path:
         return target
     if config.format == "hf":
         projector = read_projector_state_dict(config.weights, allow_non_finite=config.allow_non_finite)
-        path = save_hf_folder(state, out, projector=projector, config=info.get("config"), results=config.results,
-                              name=config.name, force=config.force)
+        path = save_hf_folder(
+            state,
+            out,
+            projector=projector,
+            config=info.get("config"),
+            results=config.results,
+            name=config.name,
+            force=config.force,
+        )
         print(f"wrote {path} ({', '.join(n for n in HF_FOLDER_FILES if (path / n).exists())})")
         return path
     _refuse_existing(out, config.force)
     if config.format == "safetensors":
-        meta = {"architecture": info["architecture"], "small_image_stem": str(info["small_image_stem"]), "source_format": info["format"]}
+        meta = {
+            "architecture": info["architecture"],
+            "small_image_stem": str(info["small_image_stem"]),
+            "source_format": info["format"],
+        }
         path = save_safetensors(state, out, meta)
     else:
         path = save_detectron2(state, out)

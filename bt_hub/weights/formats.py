@@ -8,10 +8,12 @@ undoing the detectron2 and VISSL renames.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
+
 from bt_hub.common.files import CheckpointError, non_finite_tensors, read_file
 
 # Block counts per stage and block type of the architectures build_backbone knows.
@@ -32,6 +34,7 @@ _SECONDARY_MARKERS = ("momentum", "teacher", "encoder_k", "target", "ema")
 
 
 # --------------------------------------------------------------------------- flattening
+
 
 def _as_tensor(value: Any) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor):
@@ -61,6 +64,7 @@ def flatten_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 
 # --------------------------------------------------------------------------- detectron2 names
 
+
 def torchvision_to_detectron2_key(key: str) -> str:
     """``layer1.0.bn1.weight`` -> ``res2.0.conv1.norm.weight`` (detectron2's convert-torchvision-to-d2)."""
     if not key.startswith("layer"):
@@ -80,10 +84,11 @@ def detectron2_to_torchvision_key(key: str) -> str:
         key = key.replace(f"conv{t}.norm", f"bn{t}")
     for t in (1, 2, 3, 4):
         key = key.replace(f"res{t + 1}.", f"layer{t}.")
-    return key[len("stem."):] if key.startswith("stem.") else key
+    return key[len("stem.") :] if key.startswith("stem.") else key
 
 
 # --------------------------------------------------------------------------- finding the backbone
+
 
 def _candidates(flat: Mapping[str, torch.Tensor]) -> list[tuple[str, str]]:
     """(prefix, layout) pairs under which a ResNet stem and first stage sit."""
@@ -96,8 +101,11 @@ def _candidates(flat: Mapping[str, torch.Tensor]) -> list[tuple[str, str]]:
         ):
             if key.endswith(suffix):
                 prefix = key[: -len(suffix)]
-                probe = {"torchvision": "layer1.0.conv1.weight", "vissl": "_feature_blocks.layer1.0.conv1.weight",
-                         "detectron2": "res2.0.conv1.weight"}[layout]
+                probe = {
+                    "torchvision": "layer1.0.conv1.weight",
+                    "vissl": "_feature_blocks.layer1.0.conv1.weight",
+                    "detectron2": "res2.0.conv1.weight",
+                }[layout]
                 if prefix + probe in flat and (prefix, layout) not in found:
                     found.append((prefix, layout))
     return found
@@ -134,11 +142,11 @@ def extract_backbone(obj: Any, source: str) -> tuple[dict[str, torch.Tensor], di
     for key, tensor in flat.items():
         if not key.startswith(prefix):
             continue
-        name = key[len(prefix):]
+        name = key[len(prefix) :]
         if layout == "vissl":
             if not name.startswith("_feature_blocks."):
                 continue
-            name = name[len("_feature_blocks."):]
+            name = name[len("_feature_blocks.") :]
         elif layout == "detectron2":
             if not (name.startswith("stem.") or re.match(r"res[2-5]\.", name)):
                 continue
@@ -152,7 +160,9 @@ def extract_backbone(obj: Any, source: str) -> tuple[dict[str, torch.Tensor], di
                 name = key.split("roi_heads.", 1)[1]
                 state[detectron2_to_torchvision_key(name)] = tensor
     names = {
-        "torchvision": "torchvision state dict", "vissl": "VISSL trunk", "detectron2": "detectron2 weights",
+        "torchvision": "torchvision state dict",
+        "vissl": "VISSL trunk",
+        "detectron2": "detectron2 weights",
     }
     described = names[layout] + (f" under '{prefix}'" if prefix else "")
     used = {prefix + k for k in state}
@@ -166,7 +176,7 @@ def _is_backbone_copy(key: str, prefix: str, layout: str) -> bool:
     if layout == "vissl":
         return key.startswith(prefix + "_feature_blocks.") and not key.endswith(("fc.weight", "fc.bias"))
     if layout == "detectron2":
-        name = key[len(prefix):] if key.startswith(prefix) else key
+        name = key[len(prefix) :] if key.startswith(prefix) else key
         return name.startswith("stem.") or bool(re.match(r"res[2-5]\.", name)) or ".res5." in key
     return False
 
@@ -178,16 +188,21 @@ def extract_projector(obj: Any) -> dict[str, torch.Tensor]:
     if not prefixes:
         return {}
     prefix = prefixes[0]
-    return {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix) and re.match(r"\d+\.", k[len(prefix):])}
+    return {
+        k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix) and re.match(r"\d+\.", k[len(prefix) :])
+    }
 
 
 def projector_spec(projector: Mapping[str, torch.Tensor]) -> str:
     """The ``"8192-8192-8192"`` spec of projector weights (the widths of its Linear layers)."""
-    linears = sorted((int(k.split(".")[0]), v.shape[0]) for k, v in projector.items() if k.endswith(".weight") and v.ndim == 2)
+    linears = sorted(
+        (int(k.split(".")[0]), v.shape[0]) for k, v in projector.items() if k.endswith(".weight") and v.ndim == 2
+    )
     return "-".join(str(width) for _, width in linears)
 
 
 # --------------------------------------------------------------------------- architecture
+
 
 def infer_architecture(state: Mapping[str, torch.Tensor], source: str) -> tuple[str, bool]:
     """``(arch, small_image_stem)`` from a torchvision-named state dict's keys and shapes."""
@@ -214,7 +229,11 @@ def check_fits(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.T
     """
     missing = [k for k in expected if k not in state and not k.endswith("num_batches_tracked")]
     unexpected = [k for k in state if k not in expected]
-    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    wrong = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    ]
     if not (missing or unexpected or wrong):
         return
     problems = []

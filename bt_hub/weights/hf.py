@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Union
 
 import torch
 from torch import nn
 
-from bt_hub.method.model import BarlowTwins
 from bt_hub.common.optional import require
+from bt_hub.method.model import BarlowTwins
 from bt_hub.weights.export import save_hf_folder
 from bt_hub.weights.load import load_backbone, read_projector_state_dict
 
@@ -33,11 +34,11 @@ ModelLike = Union[nn.Module, str, os.PathLike]
 
 def save_pretrained(
     model_or_backbone: ModelLike,
-    save_directory: Union[str, os.PathLike],
+    save_directory: str | os.PathLike,
     *,
-    config: Optional[Mapping[str, Any]] = None,
-    results: Iterable[Union[str, os.PathLike, Mapping[str, Any]]] = (),
-    name: Optional[str] = None,
+    config: Mapping[str, Any] | None = None,
+    results: Iterable[str | os.PathLike | Mapping[str, Any]] = (),
+    name: str | None = None,
     license: str = "apache-2.0",
     force: bool = True,
 ) -> Path:
@@ -66,11 +67,19 @@ def save_pretrained(
         backbone = load_backbone(model_or_backbone)
         projector = read_projector_state_dict(model_or_backbone)
         config = {**(backbone.weights_info.get("config") or {}), **(config or {})}
-    return save_hf_folder(backbone.state_dict(), save_directory, projector=projector, config=config, results=results,
-                          name=name, license=license, force=force)
+    return save_hf_folder(
+        backbone.state_dict(),
+        save_directory,
+        projector=projector,
+        config=config,
+        results=results,
+        name=name,
+        license=license,
+        force=force,
+    )
 
 
-def hub_source(repo_id_or_dir: Union[str, os.PathLike], revision: Optional[str] = None) -> str:
+def hub_source(repo_id_or_dir: str | os.PathLike, revision: str | None = None) -> str:
     """The ``resolve`` spelling of a Hub id or local folder, pinned to ``revision`` when one is given."""
     text = os.fspath(repo_id_or_dir)
     if revision is None:
@@ -81,7 +90,11 @@ def hub_source(repo_id_or_dir: Union[str, os.PathLike], revision: Optional[str] 
 
 
 def from_pretrained(
-    repo_id_or_dir: Union[str, os.PathLike], revision: Optional[str] = None, *, map_location: str = "cpu", allow_non_finite: bool = False
+    repo_id_or_dir: str | os.PathLike,
+    revision: str | None = None,
+    *,
+    map_location: str = "cpu",
+    allow_non_finite: bool = False,
 ) -> nn.Module:
     """The backbone of a Hugging Face repo or folder, loaded strictly (``fc = Identity``, with ``transforms``).
 
@@ -91,21 +104,23 @@ def from_pretrained(
         map_location: device of the returned network.
         allow_non_finite: load weights holding NaN or inf (for forensics only).
     """
-    return load_backbone(hub_source(repo_id_or_dir, revision), map_location=map_location, allow_non_finite=allow_non_finite)
+    return load_backbone(
+        hub_source(repo_id_or_dir, revision), map_location=map_location, allow_non_finite=allow_non_finite
+    )
 
 
 def push_to_hub(
     model_or_backbone: ModelLike,
     repo_id: str,
     *,
-    private: Optional[bool] = None,
-    token: Optional[str] = None,
-    revision: Optional[str] = None,
+    private: bool | None = None,
+    token: str | None = None,
+    revision: str | None = None,
     commit_message: str = "Upload Barlow Twins weights with bt_hub",
-    config: Optional[Mapping[str, Any]] = None,
-    results: Iterable[Union[str, os.PathLike, Mapping[str, Any]]] = (),
+    config: Mapping[str, Any] | None = None,
+    results: Iterable[str | os.PathLike | Mapping[str, Any]] = (),
     license: str = "apache-2.0",
-    endpoint: Optional[str] = None,
+    endpoint: str | None = None,
 ) -> Any:
     """Create ``repo_id`` if needed and upload the ``save_pretrained`` folder as one commit.
 
@@ -115,7 +130,14 @@ def push_to_hub(
     hf = require("huggingface_hub", "pushing to the Hugging Face Hub")
     api = hf.HfApi(endpoint=endpoint, token=token)
     with tempfile.TemporaryDirectory(prefix="bt_hub_push_") as tmp:
-        folder = save_pretrained(model_or_backbone, Path(tmp) / repo_id.split("/")[-1], config=config, results=results, name=repo_id, license=license)
+        folder = save_pretrained(
+            model_or_backbone,
+            Path(tmp) / repo_id.split("/")[-1],
+            config=config,
+            results=results,
+            name=repo_id,
+            license=license,
+        )
         api.create_repo(repo_id, private=private, exist_ok=True)
         return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message, revision=revision)
 
@@ -124,12 +146,21 @@ def push_to_hub(
 class PushConfig:
     """Flags of ``bt-hub push``."""
 
-    weights: str = field(metadata={"help": "weights to publish: a registered name, run directory, file, Hugging Face folder, URL, hf://org/name or org/name"})
+    weights: str = field(
+        metadata={
+            "help": "weights to publish: a registered name, run directory, file, Hugging Face folder, URL, hf://org/name or org/name"
+        }
+    )
     repo_id: str = field(metadata={"help": "Hub repository, 'org/name' (created if missing)"})
     private: bool = field(default=False, metadata={"help": "create the repository as private"})
-    token: Optional[str] = field(default=None, metadata={"help": "Hub token (default: HF_TOKEN or the cached login)"})
-    revision: Optional[str] = field(default=None, metadata={"help": "branch to commit to (default: main)"})
-    results: list[str] = field(default_factory=list, metadata={"help": "evaluation results for the model card: results.json of bt-hub eval or eval all, or a results.jsonl"})
+    token: str | None = field(default=None, metadata={"help": "Hub token (default: HF_TOKEN or the cached login)"})
+    revision: str | None = field(default=None, metadata={"help": "branch to commit to (default: main)"})
+    results: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "evaluation results for the model card: results.json of bt-hub eval or eval all, or a results.jsonl"
+        },
+    )
     license: str = field(default="apache-2.0", metadata={"help": "license in the model card"})
     commit_message: str = field(default="Upload Barlow Twins weights with bt_hub", metadata={"help": "commit message"})
 
@@ -143,7 +174,15 @@ class PushConfig:
 
 def push(config: PushConfig) -> Any:
     """``bt-hub push``: upload the weights with config.json and a model card; print the commit URL."""
-    info = push_to_hub(config.weights, config.repo_id, private=config.private, token=config.token, revision=config.revision,
-                       commit_message=config.commit_message, results=config.results, license=config.license)
+    info = push_to_hub(
+        config.weights,
+        config.repo_id,
+        private=config.private,
+        token=config.token,
+        revision=config.revision,
+        commit_message=config.commit_message,
+        results=config.results,
+        license=config.license,
+    )
     print(f"pushed {config.weights} to {getattr(info, 'commit_url', config.repo_id)}")
     return info

@@ -9,16 +9,16 @@ preprocessing: the registered record's, else from the run's ``config.json``).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
+from bt_hub.common.files import CheckpointError, file_sha256, read_file
 from bt_hub.method.model import build_backbone
-from bt_hub.common.files import file_sha256
-from bt_hub.weights.formats import check_finite, check_fits, extract_projector, infer_architecture, read_backbone
-from bt_hub.common.files import CheckpointError, read_file
 from bt_hub.method.transforms import transforms_for
+from bt_hub.weights.formats import check_finite, check_fits, extract_projector, infer_architecture, read_backbone
 from bt_hub.weights.registry import get_weights
 from bt_hub.weights.sources import WeightsSource, resolve
 
@@ -49,7 +49,9 @@ def weights_fingerprint(source: WeightsSource) -> str:
     return file_sha256(resolve(source, progress=False).path)
 
 
-def _architecture(state: Mapping[str, torch.Tensor], info: Mapping[str, Any], arch: Optional[str], small: Optional[bool]) -> tuple[str, bool]:
+def _architecture(
+    state: Mapping[str, torch.Tensor], info: Mapping[str, Any], arch: str | None, small: bool | None
+) -> tuple[str, bool]:
     config = info.get("config") or {}
     inferred_arch, inferred_small = None, None
     try:
@@ -66,8 +68,8 @@ def _architecture(state: Mapping[str, torch.Tensor], info: Mapping[str, Any], ar
 def load_backbone(
     source: WeightsSource,
     *,
-    arch: Optional[str] = None,
-    small_image_stem: Optional[bool] = None,
+    arch: str | None = None,
+    small_image_stem: bool | None = None,
     map_location: str | torch.device = "cpu",
     progress: bool = True,
     allow_non_finite: bool = False,
@@ -105,7 +107,9 @@ def load_backbone(
     return model.to(map_location)
 
 
-def read_projector_state_dict(source: WeightsSource, *, progress: bool = True, allow_non_finite: bool = False) -> dict[str, torch.Tensor]:
+def read_projector_state_dict(
+    source: WeightsSource, *, progress: bool = True, allow_non_finite: bool = False
+) -> dict[str, torch.Tensor]:
     """The projector weights of ``source`` (``Sequential`` keys ``0.weight`` ...), or ``{}`` when it has none.
 
     Beside a ``.safetensors`` backbone, ``projector.safetensors`` (Hugging Face folder) and

@@ -12,10 +12,11 @@ exposes it as torchvision's ``WeightsEnum`` does: ``.url``, ``.transforms()``, `
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 from torchvision import transforms as T
@@ -27,8 +28,14 @@ from bt_hub.weights.formats import read_backbone
 
 # docs/protocols.md §1: the recipe of the released ResNet-50.
 RECIPE = {
-    "dataset": "ImageNet-1k (train, no labels)", "epochs": 1000, "batch_size": 2048, "optimizer": "LARS",
-    "lr_weights": 0.2, "lr_biases": 0.0048, "lambd": 0.0051, "projector": "8192-8192-8192",
+    "dataset": "ImageNet-1k (train, no labels)",
+    "epochs": 1000,
+    "batch_size": 2048,
+    "optimizer": "LARS",
+    "lr_weights": 0.2,
+    "lr_biases": 0.0048,
+    "lambd": 0.0051,
+    "projector": "8192-8192-8192",
     "code": "https://github.com/facebookresearch/barlowtwins",
 }
 _REFERENCE = "https://dl.fbaipublicfiles.com/barlowtwins"
@@ -51,15 +58,19 @@ class Weights:
 
     short_name: str
     url: str
-    file_name: Optional[str]
-    sha256: Optional[str]
+    file_name: str | None
+    sha256: str | None
     architecture: str
     has_projector: bool
     transforms: Callable[..., Any]
     meta: dict[str, Any] = field(hash=False, compare=False)
 
 
-_RESNET50_META = {"paper": PAPER_RESULTS, "release": {"imagenet_linear": {"top1": 73.5, "top5": 91.0}}, "recipe": RECIPE}
+_RESNET50_META = {
+    "paper": PAPER_RESULTS,
+    "release": {"imagenet_linear": {"top1": 73.5, "top5": 91.0}},
+    "recipe": RECIPE,
+}
 
 
 class BarlowTwinsWeights(enum.Enum):
@@ -73,8 +84,11 @@ class BarlowTwinsWeights(enum.Enum):
         architecture="resnet50",
         has_projector=False,
         transforms=partial(eval_transforms, 224),
-        meta={**_RESNET50_META, "num_params": 23_508_032,
-              "docs": "The reference release (facebookresearch/barlowtwins hubconf), backbone only, BN statistics included."},
+        meta={
+            **_RESNET50_META,
+            "num_params": 23_508_032,
+            "docs": "The reference release (facebookresearch/barlowtwins hubconf), backbone only, BN statistics included.",
+        },
     )
     IN1K_LJNG = Weights(
         short_name="barlowtwins-in1k-ljng",
@@ -84,7 +98,11 @@ class BarlowTwinsWeights(enum.Enum):
         architecture="resnet50",
         has_projector=False,
         transforms=partial(eval_transforms, 224),
-        meta={**_RESNET50_META, "num_params": 23_508_032, "docs": "The newer reference release (README link), backbone only."},
+        meta={
+            **_RESNET50_META,
+            "num_params": 23_508_032,
+            "docs": "The newer reference release (README link), backbone only.",
+        },
     )
     IN1K_LJNG_FULL = Weights(
         short_name="barlowtwins-in1k-full",
@@ -94,13 +112,16 @@ class BarlowTwinsWeights(enum.Enum):
         architecture="resnet50",
         has_projector=True,
         transforms=partial(eval_transforms, 224),
-        meta={**_RESNET50_META, "num_params": 23_508_032,
-              "docs": "The reference full checkpoint: backbone, 8192-8192-8192 projector and optimiser state."},
+        meta={
+            **_RESNET50_META,
+            "num_params": 23_508_032,
+            "docs": "The reference full checkpoint: backbone, 8192-8192-8192 projector and optimiser state.",
+        },
     )
     DEFAULT = IN1K_EP1000
 
     @classmethod
-    def verify(cls, obj: Union["BarlowTwinsWeights", str, None]) -> Optional["BarlowTwinsWeights"]:
+    def verify(cls, obj: BarlowTwinsWeights | str | None) -> BarlowTwinsWeights | None:
         """The member ``obj`` names: a member, its short name, its member name or ``BarlowTwinsWeights.NAME``.
 
         Raises:
@@ -126,14 +147,14 @@ class BarlowTwinsWeights(enum.Enum):
         """The evaluation transforms these weights expect."""
         return self.value.transforms()
 
-    def cache_path(self) -> Optional[Path]:
+    def cache_path(self) -> Path | None:
         """Where the download cache keeps the file (under ``$TORCH_HOME``); None for Hub-hosted weights."""
         return None if self.url.startswith("hf://") else cache_path(self.url, self.value.file_name)
 
     def get_state_dict(self, progress: bool = True, *, allow_non_finite: bool = False) -> dict[str, torch.Tensor]:
         """The backbone state dict (torchvision names, no ``fc``), downloaded and verified once, then read from the cache."""
         if self.url.startswith("hf://"):
-            path = hf_download(self.url[len("hf://"):], "model.safetensors")
+            path = hf_download(self.url[len("hf://") :], "model.safetensors")
         else:
             path = download(self.url, file_name=self.value.file_name, sha256=self.sha256, progress=progress)
         return read_backbone(path, allow_non_finite=allow_non_finite)[0]
@@ -144,7 +165,7 @@ def list_weights() -> list[str]:
     return [member.short_name for member in BarlowTwinsWeights]
 
 
-def find_weights(name: str) -> Optional[BarlowTwinsWeights]:
+def find_weights(name: str) -> BarlowTwinsWeights | None:
     """The member called ``name`` (short, member or dotted name), or None."""
     for member in BarlowTwinsWeights:
         if name == member.short_name:
@@ -165,7 +186,7 @@ class ListWeightsConfig:
     """Flags of ``bt-hub weights list`` (none)."""
 
 
-def weights_table(config: Optional[ListWeightsConfig] = None) -> str:
+def weights_table(config: ListWeightsConfig | None = None) -> str:
     """``bt-hub weights list``: one line per registered weight: name, architecture, cached?, URL, cache path.
 
     The cache path is where the loaders read the file (put it there by hand to work offline).
@@ -173,13 +194,29 @@ def weights_table(config: Optional[ListWeightsConfig] = None) -> str:
     rows = [("name", "architecture", "cached", "url", "cache path")]
     for member in BarlowTwinsWeights:
         path = member.cache_path()
-        rows.append((member.short_name, member.architecture, "yes" if path is not None and path.is_file() else "no",
-                     member.url, str(path) if path is not None else "(Hugging Face cache, HF_HOME)"))
+        rows.append(
+            (
+                member.short_name,
+                member.architecture,
+                "yes" if path is not None and path.is_file() else "no",
+                member.url,
+                str(path) if path is not None else "(Hugging Face cache, HF_HOME)",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths)) + "  " + row[4] for row in rows)
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths)) + "  " + row[4] for row in rows
+    )
 
 
 __all__ = [
-    "PAPER_RESULTS", "RECIPE", "BarlowTwinsWeights", "Weights",
-    "ListWeightsConfig", "find_weights", "get_weights", "list_weights", "weights_table",
+    "PAPER_RESULTS",
+    "RECIPE",
+    "BarlowTwinsWeights",
+    "Weights",
+    "ListWeightsConfig",
+    "find_weights",
+    "get_weights",
+    "list_weights",
+    "weights_table",
 ]

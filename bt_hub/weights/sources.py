@@ -21,10 +21,10 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union, cast
+from typing import Any, Union, cast
 
-from bt_hub.weights.download import DownloadError, download, hf_download
 from bt_hub.common.files import CheckpointError
+from bt_hub.weights.download import DownloadError, download, hf_download
 from bt_hub.weights.registry import BarlowTwinsWeights, Weights, find_weights, list_weights
 
 WeightsSource = Union[BarlowTwinsWeights, str, os.PathLike]
@@ -48,8 +48,8 @@ class ResolvedWeights:
 
     source: str
     path: Path
-    config: Optional[dict[str, Any]]
-    record: Optional[Weights]
+    config: dict[str, Any] | None
+    record: Weights | None
 
 
 def resolve(source: WeightsSource, *, progress: bool = True, projector: bool = False) -> ResolvedWeights:
@@ -68,7 +68,7 @@ def resolve(source: WeightsSource, *, progress: bool = True, projector: bool = F
         return _from_record(source, progress, projector)
     text = os.fspath(source)
     if text.startswith("hf://"):
-        return _from_hub(text, text[len("hf://"):], None, projector)
+        return _from_hub(text, text[len("hf://") :], None, projector)
     if text.startswith(("http://", "https://")):
         return ResolvedWeights(text, download(text, progress=progress), None, None)
     path = Path(text).expanduser()
@@ -103,17 +103,19 @@ def looks_like_path(text: str) -> bool:
 def _from_record(member: BarlowTwinsWeights, progress: bool, projector: bool) -> ResolvedWeights:
     record = member.value
     if record.url.startswith("hf://"):
-        return _from_hub(record.short_name, record.url[len("hf://"):], record, projector)
+        return _from_hub(record.short_name, record.url[len("hf://") :], record, projector)
     path = download(record.url, file_name=record.file_name, sha256=record.sha256, progress=progress)
     return ResolvedWeights(record.short_name, path, None, record)
 
 
-def _from_hub(text: str, spec: str, record: Optional[Weights], projector: bool, *, bare: bool = False) -> ResolvedWeights:
+def _from_hub(text: str, spec: str, record: Weights | None, projector: bool, *, bare: bool = False) -> ResolvedWeights:
     try:
         weights = cast(Path, hf_download(spec, "model.safetensors"))
     except DownloadError as err:
         if bare:
-            raise DownloadError(f"weights {text!r} are no file or folder here, and the Hub lookup failed: {err}") from None
+            raise DownloadError(
+                f"weights {text!r} are no file or folder here, and the Hub lookup failed: {err}"
+            ) from None
         raise
     hf_download(spec, "config.json", required=False)
     if projector:
@@ -133,7 +135,7 @@ def _from_path(path: Path, text: str) -> ResolvedWeights:
     return ResolvedWeights(text, path, config, None)
 
 
-def read_config(path: Path) -> Optional[dict[str, Any]]:
+def read_config(path: Path) -> dict[str, Any] | None:
     """A ``config.json`` as a dict, or None when there is none."""
     if not path.is_file():
         return None

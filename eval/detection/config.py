@@ -12,8 +12,9 @@ from __future__ import annotations
 import ast
 import copy
 import importlib.resources
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 
@@ -50,7 +51,9 @@ def resolve_config(name_or_path: str) -> Path:
     path = Path(name_or_path).expanduser()
     if not path.is_file():
         aliases = ", ".join(f"'{a}'" for a in CONFIGS)
-        raise FileNotFoundError(f"--config must be {aliases} or a detectron2 YAML file, got {name_or_path!r} (no such file)")
+        raise FileNotFoundError(
+            f"--config must be {aliases} or a detectron2 YAML file, got {name_or_path!r} (no such file)"
+        )
     return path
 
 
@@ -64,7 +67,9 @@ def _check_opts(opts: Sequence[str]) -> list[str]:
     return opts
 
 
-def build_cfg(path: str | Path, opts: Sequence[str], *, weights: str, device: str, seed: int, output_dir: str | Path) -> Any:
+def build_cfg(
+    path: str | Path, opts: Sequence[str], *, weights: str, device: str, seed: int, output_dir: str | Path
+) -> Any:
     """A frozen detectron2 ``CfgNode``: defaults, then the YAML, then the flags, then ``opts``.
 
     Args:
@@ -125,7 +130,7 @@ class Settings:
         except ValueError:
             return default
 
-    def replace(self, values: dict[str, Any]) -> "Settings":
+    def replace(self, values: dict[str, Any]) -> Settings:
         """A copy with ``{dotted key: value}`` set (the keys must exist)."""
         tree = copy.deepcopy(self.tree)
         for key, value in values.items():
@@ -177,7 +182,9 @@ def load_settings(path: str | Path, opts: Sequence[str] = ()) -> Settings:
     for key, text in zip(opts[0::2], opts[1::2]):
         old, new = settings.get(key, KeyError), _parse_value(text)
         if old is KeyError:
-            raise ValueError(f"opts key {key} is not set in the config {path}; the torchvision engine accepts only keys the YAML sets")
+            raise ValueError(
+                f"opts key {key} is not set in the config {path}; the torchvision engine accepts only keys the YAML sets"
+            )
         values[key] = float(new) if isinstance(old, float) and isinstance(new, int) else new
     return settings.replace(values)
 
@@ -198,12 +205,14 @@ def scale_to_world_size(settings: Settings, world_size: int) -> Settings:
     if batch % world_size:
         raise ValueError(f"SOLVER.IMS_PER_BATCH scaled to {batch} images does not split over {world_size} processes")
     iters = lambda v: int(round(v / scale))  # noqa: E731
-    return settings.replace({
-        "SOLVER.IMS_PER_BATCH": batch,
-        "SOLVER.BASE_LR": settings["SOLVER.BASE_LR"] * scale,
-        "SOLVER.MAX_ITER": iters(settings["SOLVER.MAX_ITER"]),
-        "SOLVER.WARMUP_ITERS": iters(settings["SOLVER.WARMUP_ITERS"]),
-        "SOLVER.STEPS": [iters(s) for s in settings["SOLVER.STEPS"]],
-        "SOLVER.CHECKPOINT_PERIOD": iters(settings["SOLVER.CHECKPOINT_PERIOD"]),
-        "SOLVER.REFERENCE_WORLD_SIZE": world_size,
-    })
+    return settings.replace(
+        {
+            "SOLVER.IMS_PER_BATCH": batch,
+            "SOLVER.BASE_LR": settings["SOLVER.BASE_LR"] * scale,
+            "SOLVER.MAX_ITER": iters(settings["SOLVER.MAX_ITER"]),
+            "SOLVER.WARMUP_ITERS": iters(settings["SOLVER.WARMUP_ITERS"]),
+            "SOLVER.STEPS": [iters(s) for s in settings["SOLVER.STEPS"]],
+            "SOLVER.CHECKPOINT_PERIOD": iters(settings["SOLVER.CHECKPOINT_PERIOD"]),
+            "SOLVER.REFERENCE_WORLD_SIZE": world_size,
+        }
+    )

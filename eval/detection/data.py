@@ -20,7 +20,7 @@ import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,8 +33,26 @@ __all__ = ["VOC_CLASSES", "DatasetLocation", "DetectionDataset", "Record", "load
 
 # PASCAL VOC's 20 classes in the devkit's order.
 VOC_CLASSES = (
-    "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
-    "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa", "train", "tvmonitor",
+    "aeroplane",
+    "bicycle",
+    "bird",
+    "boat",
+    "bottle",
+    "bus",
+    "car",
+    "cat",
+    "chair",
+    "cow",
+    "diningtable",
+    "dog",
+    "horse",
+    "motorbike",
+    "person",
+    "pottedplant",
+    "sheep",
+    "sofa",
+    "train",
+    "tvmonitor",
 )
 _VOC = re.compile(r"^voc_(\d{4})_(\w+)$")
 _COCO = re.compile(r"^coco_(\d{4})_(train|val|test|minival|valminusminival)$")
@@ -49,7 +67,7 @@ class DatasetLocation:
     year: int
     split: str
     dirname: Path
-    json_file: Optional[Path] = None
+    json_file: Path | None = None
 
 
 @dataclass
@@ -121,16 +139,18 @@ def _voc_records(loc: DatasetLocation, class_names: tuple[str, ...]) -> list[Rec
             boxes.append([xmin - 1.0, ymin - 1.0, xmax, ymax])  # 1-based inclusive -> continuous
             labels.append(index[name])
             difficult.append(obj.findtext("difficult", "0").strip() == "1")
-        records.append(Record(
-            image_id=file_id,
-            file_name=str(loc.dirname / "JPEGImages" / f"{file_id}.jpg"),
-            height=int(tree.findtext("size/height")),
-            width=int(tree.findtext("size/width")),
-            boxes=np.asarray(boxes, dtype=np.float32).reshape(-1, 4),
-            labels=np.asarray(labels, dtype=np.int64),
-            difficult=np.asarray(difficult, dtype=bool),
-            iscrowd=np.zeros(len(labels), dtype=bool),
-        ))
+        records.append(
+            Record(
+                image_id=file_id,
+                file_name=str(loc.dirname / "JPEGImages" / f"{file_id}.jpg"),
+                height=int(tree.findtext("size/height")),
+                width=int(tree.findtext("size/width")),
+                boxes=np.asarray(boxes, dtype=np.float32).reshape(-1, 4),
+                labels=np.asarray(labels, dtype=np.int64),
+                difficult=np.asarray(difficult, dtype=bool),
+                iscrowd=np.zeros(len(labels), dtype=bool),
+            )
+        )
     return records
 
 
@@ -153,21 +173,23 @@ def _coco_records(loc: DatasetLocation) -> tuple[list[Record], tuple[str, ...], 
         info = coco.imgs[image_id]
         anns = coco.imgToAnns.get(image_id, [])
         boxes = [[a["bbox"][0], a["bbox"][1], a["bbox"][0] + a["bbox"][2], a["bbox"][1] + a["bbox"][3]] for a in anns]
-        records.append(Record(
-            image_id=image_id,
-            file_name=str(loc.dirname / info["file_name"]),
-            height=int(info["height"]),
-            width=int(info["width"]),
-            boxes=np.asarray(boxes, dtype=np.float32).reshape(-1, 4),
-            labels=np.asarray([index[a["category_id"]] for a in anns], dtype=np.int64),
-            difficult=np.zeros(len(anns), dtype=bool),
-            iscrowd=np.asarray([bool(a.get("iscrowd", 0)) for a in anns], dtype=bool),
-            segmentations=[a.get("segmentation") for a in anns],
-        ))
+        records.append(
+            Record(
+                image_id=image_id,
+                file_name=str(loc.dirname / info["file_name"]),
+                height=int(info["height"]),
+                width=int(info["width"]),
+                boxes=np.asarray(boxes, dtype=np.float32).reshape(-1, 4),
+                labels=np.asarray([index[a["category_id"]] for a in anns], dtype=np.int64),
+                difficult=np.zeros(len(anns), dtype=bool),
+                iscrowd=np.asarray([bool(a.get("iscrowd", 0)) for a in anns], dtype=bool),
+                segmentations=[a.get("segmentation") for a in anns],
+            )
+        )
     return records, tuple(coco.cats[c]["name"] for c in cat_ids), cat_ids
 
 
-def load_records(loc: DatasetLocation) -> tuple[list[Record], tuple[str, ...], Optional[list[int]]]:
+def load_records(loc: DatasetLocation) -> tuple[list[Record], tuple[str, ...], list[int] | None]:
     """The records of a located dataset, its class names and (COCO) the category id of each class."""
     if loc.kind == "voc":
         names = voc_class_names(loc.dirname)
@@ -182,7 +204,9 @@ def masks_of(record: Record, keep: np.ndarray) -> np.ndarray:
     for i in np.flatnonzero(keep):
         seg = record.segmentations[i] if i < len(record.segmentations) else None
         if seg is None:
-            raise ValueError(f"{record.file_name}: object {i} has no segmentation; mask training needs COCO-layout data with masks")
+            raise ValueError(
+                f"{record.file_name}: object {i} has no segmentation; mask training needs COCO-layout data with masks"
+            )
         if isinstance(seg, list):
             rle = mask_util.merge(mask_util.frPyObjects(seg, record.height, record.width))
         elif isinstance(seg.get("counts"), list):
@@ -212,9 +236,17 @@ class DetectionDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         record = self.records[index]
         with Image.open(record.file_name) as img:
-            image = torch.from_numpy(np.asarray(img.convert("RGB"), dtype=np.uint8).copy()).permute(2, 0, 1).float().div_(255)
+            image = (
+                torch.from_numpy(np.asarray(img.convert("RGB"), dtype=np.uint8).copy())
+                .permute(2, 0, 1)
+                .float()
+                .div_(255)
+            )
         keep = ~record.iscrowd
-        target = {"boxes": torch.from_numpy(record.boxes[keep]).float(), "labels": torch.from_numpy(record.labels[keep] + 1)}
+        target = {
+            "boxes": torch.from_numpy(record.boxes[keep]).float(),
+            "labels": torch.from_numpy(record.labels[keep] + 1),
+        }
         if self.with_masks:
             target["masks"] = torch.from_numpy(masks_of(record, keep))
         if self.flip and torch.rand(()) < 0.5:

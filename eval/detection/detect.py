@@ -17,7 +17,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, ClassVar, Literal
 
 from bt_hub.common.optional import require
 from bt_hub.common.runs import check_run_dir, claim_run_dir
@@ -35,33 +35,96 @@ PAPER_TASKS = {"voc": "voc07+12_faster_rcnn_c4", "coco": "coco_mask_rcnn_c4_1x"}
 class DetectConfig:
     """Flags of ``bt-hub detect``; defaults are the paper's runs (docs/protocols.md §3)."""
 
-    weights: str = field(metadata={"help": "backbone weights: a detectron2 .pkl, or anything load_backbone reads (converted to .pkl in --out)"})
-    data: str = field(metadata={"help": "data root: VOC2007/ and VOC2012/ devkits (voc), or annotations/instances_{train,val}2017.json + train2017/ + val2017/ (coco)"})
-    config: str = field(default="voc", metadata={"help": "'voc' (Faster R-CNN, VOC07+12, 24k), 'coco' (Mask R-CNN, COCO 1x), 'shapes-voc' / 'shapes-coco' (the installation check on make-detection-data output) or a YAML path"})
-    engine: Literal["auto", "torchvision", "detectron2"] = field(default="auto", metadata={"help": "detectron2, or torchvision's Faster/Mask R-CNN built as the same C4 model; auto: detectron2 when importable, else torchvision"})
-    out: str = field(default="runs/detect", metadata={"help": "output directory: results.json, weights.pkl, trial<k>/ (config.yaml, metrics.jsonl, checkpoints, log)"})
-    overwrite: bool = field(default=False, metadata={"help": "write into a non-empty --out that bt-hub did not create (files of the same names are replaced)"})
-    num_gpus: int = field(default=1, metadata={"help": "detectron2: processes per machine (one per GPU); batch, lr and iterations rescale linearly from the configs' 8 (SOLVER.REFERENCE_WORLD_SIZE). torchvision: run under torchrun instead"})
+    weights: str = field(
+        metadata={
+            "help": "backbone weights: a detectron2 .pkl, or anything load_backbone reads (converted to .pkl in --out)"
+        }
+    )
+    data: str = field(
+        metadata={
+            "help": "data root: VOC2007/ and VOC2012/ devkits (voc), or annotations/instances_{train,val}2017.json + train2017/ + val2017/ (coco)"
+        }
+    )
+    config: str = field(
+        default="voc",
+        metadata={
+            "help": "'voc' (Faster R-CNN, VOC07+12, 24k), 'coco' (Mask R-CNN, COCO 1x), 'shapes-voc' / 'shapes-coco' (the installation check on make-detection-data output) or a YAML path"
+        },
+    )
+    engine: Literal["auto", "torchvision", "detectron2"] = field(
+        default="auto",
+        metadata={
+            "help": "detectron2, or torchvision's Faster/Mask R-CNN built as the same C4 model; auto: detectron2 when importable, else torchvision"
+        },
+    )
+    out: str = field(
+        default="runs/detect",
+        metadata={
+            "help": "output directory: results.json, weights.pkl, trial<k>/ (config.yaml, metrics.jsonl, checkpoints, log)"
+        },
+    )
+    overwrite: bool = field(
+        default=False,
+        metadata={
+            "help": "write into a non-empty --out that bt-hub did not create (files of the same names are replaced)"
+        },
+    )
+    num_gpus: int = field(
+        default=1,
+        metadata={
+            "help": "detectron2: processes per machine (one per GPU); batch, lr and iterations rescale linearly from the configs' 8 (SOLVER.REFERENCE_WORLD_SIZE). torchvision: run under torchrun instead"
+        },
+    )
     num_machines: int = field(default=1, metadata={"help": "machines in the job"})
     machine_rank: int = field(default=0, metadata={"help": "this machine's rank (0 writes results.json)"})
-    dist_url: str = field(default="auto", metadata={"help": "rendezvous URL, e.g. tcp://HOST:PORT; 'auto' picks a free local port (one machine only)"})
-    trials: int = field(default=1, metadata={"help": "independent runs with seeds seed..seed+K-1; results are mean and std (MoCo averages 5 on VOC)"})
+    dist_url: str = field(
+        default="auto",
+        metadata={"help": "rendezvous URL, e.g. tcp://HOST:PORT; 'auto' picks a free local port (one machine only)"},
+    )
+    trials: int = field(
+        default=1,
+        metadata={
+            "help": "independent runs with seeds seed..seed+K-1; results are mean and std (MoCo averages 5 on VOC)"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed of the first trial"})
     device: str = field(default="cpu", metadata={"help": "'cpu' or 'cuda' (MODEL.DEVICE)"})
     resume: bool = field(default=False, metadata={"help": "continue each trial from the last checkpoint in its folder"})
-    opts: list[str] = field(default_factory=list, metadata={"help": "detectron2 overrides KEY VALUE ..., e.g. SOLVER.IMS_PER_BATCH 8", "positional": True})
+    opts: list[str] = field(
+        default_factory=list,
+        metadata={"help": "detectron2 overrides KEY VALUE ..., e.g. SOLVER.IMS_PER_BATCH 8", "positional": True},
+    )
 
     ALIASES: ClassVar[tuple[str, ...]] = tuple(CONFIGS)
-    RUN_FIELDS: ClassVar[tuple[str, ...]] = ("weights", "data", "config", "out", "overwrite", "device", "seed", "resume", "num_gpus", "num_machines", "machine_rank", "dist_url")
+    RUN_FIELDS: ClassVar[tuple[str, ...]] = (
+        "weights",
+        "data",
+        "config",
+        "out",
+        "overwrite",
+        "device",
+        "seed",
+        "resume",
+        "num_gpus",
+        "num_machines",
+        "machine_rank",
+        "dist_url",
+    )
 
     def __post_init__(self) -> None:
-        for flag, value, low in (("--num-gpus", self.num_gpus, 1), ("--num-machines", self.num_machines, 1), ("--trials", self.trials, 1)):
+        for flag, value, low in (
+            ("--num-gpus", self.num_gpus, 1),
+            ("--num-machines", self.num_machines, 1),
+            ("--trials", self.trials, 1),
+        ):
             if value < low:
                 raise ValueError(f"{flag} must be >= {low}, got {value}")
         if not 0 <= self.machine_rank < self.num_machines:
             raise ValueError(f"--machine-rank must be in [0, {self.num_machines}), got {self.machine_rank}")
         if self.num_machines > 1 and not self.dist_url.startswith("tcp://"):
-            raise ValueError(f"--dist-url must be tcp://HOST:PORT of machine 0 when --num-machines > 1, got {self.dist_url!r}")
+            raise ValueError(
+                f"--dist-url must be tcp://HOST:PORT of machine 0 when --num-machines > 1, got {self.dist_url!r}"
+            )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device must be 'cpu' or 'cuda', got {self.device!r}")
         if not str(self.weights).strip():
@@ -110,7 +173,7 @@ def aggregate_trials(trials: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def main(config: DetectConfig) -> Optional[dict[str, Any]]:
+def main(config: DetectConfig) -> dict[str, Any] | None:
     """Run ``config.trials`` detection transfers and write ``results.json`` (machine / rank 0).
 
     Returns:
@@ -129,18 +192,21 @@ def main(config: DetectConfig) -> Optional[dict[str, Any]]:
     return _write(config, engine, yaml_path, trials, start)
 
 
-def _detectron2_trials(config: DetectConfig, yaml_path: Path, out: Path) -> Optional[list[dict[str, Any]]]:
+def _detectron2_trials(config: DetectConfig, yaml_path: Path, out: Path) -> list[dict[str, Any]] | None:
     require("detectron2", INSTALL_PURPOSE)
     from detectron2.engine import launch
 
     from bt_hub.eval.detection.config import build_cfg
-    from bt_hub.eval.detection.evaluation import TRIAL_METRICS
     from bt_hub.eval.detection.detectron2_engine.trainer import run_trial
+    from bt_hub.eval.detection.evaluation import TRIAL_METRICS
 
     weights, expected = prepare_weights(config.weights, out)
     seeds = [config.seed + k for k in range(config.trials)]
     trial_dirs = [out / f"trial{k}" for k in range(config.trials)]
-    cfgs = [build_cfg(yaml_path, config.opts, weights=weights, device=config.device, seed=s, output_dir=d) for s, d in zip(seeds, trial_dirs)]
+    cfgs = [
+        build_cfg(yaml_path, config.opts, weights=weights, device=config.device, seed=s, output_dir=d)
+        for s, d in zip(seeds, trial_dirs)
+    ]
     for cfg in cfgs:
         launch(
             run_trial,
@@ -148,23 +214,28 @@ def _detectron2_trials(config: DetectConfig, yaml_path: Path, out: Path) -> Opti
             num_machines=config.num_machines,
             machine_rank=config.machine_rank,
             dist_url=config.dist_url,
-            args=(cfg, str(Path(config.data).expanduser().resolve()), None if config.resume else expected, config.resume),
+            args=(
+                cfg,
+                str(Path(config.data).expanduser().resolve()),
+                None if config.resume else expected,
+                config.resume,
+            ),
         )
     if config.machine_rank != 0:
         return None
     return [json.loads((d / TRIAL_METRICS).read_text()) for d in trial_dirs]
 
 
-def _torchvision_trials(config: DetectConfig, yaml_path: Path, out: Path) -> Optional[list[dict[str, Any]]]:
+def _torchvision_trials(config: DetectConfig, yaml_path: Path, out: Path) -> list[dict[str, Any]] | None:
     if (config.num_gpus, config.num_machines, config.machine_rank, config.dist_url) != (1, 1, 0, "auto"):
         raise ValueError(
             "--engine torchvision runs one process per GPU under torchrun (torchrun --nproc-per-node N -m bt_hub.cli "
             "detect --engine torchvision ...); --num-gpus, --num-machines, --machine-rank and --dist-url are detectron2's launcher flags"
         )
-    from bt_hub.weights import load_backbone, read_backbone_state_dict
     from bt_hub.common.distributed import is_main_process, process_group
     from bt_hub.eval.detection.config import load_settings
     from bt_hub.eval.detection.torchvision_engine.trainer import run_trial
+    from bt_hub.weights import load_backbone, read_backbone_state_dict
 
     settings = load_settings(yaml_path, config.opts)
     arch = f"resnet{settings['MODEL.RESNETS.DEPTH']}"
@@ -174,23 +245,40 @@ def _torchvision_trials(config: DetectConfig, yaml_path: Path, out: Path) -> Opt
     with process_group(config.device) as device:
         for k in range(config.trials):
             resnet = load_backbone(config.weights, arch=arch, small_image_stem=False)
-            trials.append(run_trial(settings, data_root=data_root, resnet=resnet, expected=None if config.resume else expected,
-                                    out=out / f"trial{k}", seed=config.seed + k, device=device, resume=config.resume))
+            trials.append(
+                run_trial(
+                    settings,
+                    data_root=data_root,
+                    resnet=resnet,
+                    expected=None if config.resume else expected,
+                    out=out / f"trial{k}",
+                    seed=config.seed + k,
+                    device=device,
+                    resume=config.resume,
+                )
+            )
         main_process = is_main_process()
     return trials if main_process else None
 
 
-def _write(config: DetectConfig, engine: str, yaml_path: Path, trials: list[dict[str, Any]], start: float) -> dict[str, Any]:
-    from bt_hub.weights import weights_fingerprint
+def _write(
+    config: DetectConfig, engine: str, yaml_path: Path, trials: list[dict[str, Any]], start: float
+) -> dict[str, Any]:
     from bt_hub.eval.features import dataset_fingerprint
     from bt_hub.eval.report import write_results
+    from bt_hub.weights import weights_fingerprint
 
     preset = config.config if config.config in DetectConfig.ALIASES else yaml_path.stem
     return write_results(
         config.out,
         protocol="detect",
         preset=preset,
-        config={**dataclasses.asdict(config), "engine": engine, "config_file": str(yaml_path), "resolved_config": trials[0]["config"]},
+        config={
+            **dataclasses.asdict(config),
+            "engine": engine,
+            "config_file": str(yaml_path),
+            "resolved_config": trials[0]["config"],
+        },
         metrics=aggregate_trials([t["metrics"] for t in trials]),
         weights=config.weights,
         weights_sha256=weights_fingerprint(config.weights),

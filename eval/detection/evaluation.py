@@ -12,14 +12,24 @@ from __future__ import annotations
 import contextlib
 import io
 from collections import defaultdict
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from bt_hub.common.optional import require
 from bt_hub.eval.detection.data import Record
 
-__all__ = ["REPORTED", "TRIAL_METRICS", "box_iou", "coco_evaluate", "encode_masks", "flatten_metrics", "voc_ap", "voc_evaluate"]
+__all__ = [
+    "REPORTED",
+    "TRIAL_METRICS",
+    "box_iou",
+    "coco_evaluate",
+    "encode_masks",
+    "flatten_metrics",
+    "voc_ap",
+    "voc_evaluate",
+]
 
 VOC_IOU_THRESHOLDS = tuple(t / 100 for t in range(50, 100, 5))
 # The metrics a trial reports (per task: bbox_AP, segm_AP75, ...) and the file each trial writes them to.
@@ -41,7 +51,10 @@ def flatten_metrics(results: Mapping[str, Any], prefix: str = "") -> dict[str, f
 
 def box_iou(boxes: np.ndarray, others: np.ndarray) -> np.ndarray:
     """IoU matrix of XYXY boxes in continuous coordinates (N x M)."""
-    boxes, others = np.asarray(boxes, dtype=np.float64).reshape(-1, 4), np.asarray(others, dtype=np.float64).reshape(-1, 4)
+    boxes, others = (
+        np.asarray(boxes, dtype=np.float64).reshape(-1, 4),
+        np.asarray(others, dtype=np.float64).reshape(-1, 4),
+    )
     lt = np.maximum(boxes[:, None, :2], others[None, :, :2])
     rb = np.minimum(boxes[:, None, 2:], others[None, :, 2:])
     inter = np.prod(np.clip(rb - lt, 0, None), axis=2)
@@ -58,7 +71,9 @@ def voc_ap(recall: np.ndarray, precision: np.ndarray, use_07_metric: bool) -> fl
     summed over the recall steps.
     """
     if use_07_metric:
-        return float(np.mean([precision[recall >= t].max() if np.any(recall >= t) else 0.0 for t in np.linspace(0, 1, 11)]))
+        return float(
+            np.mean([precision[recall >= t].max() if np.any(recall >= t) else 0.0 for t in np.linspace(0, 1, 11)])
+        )
     mrec = np.concatenate(([0.0], recall, [1.0]))
     mpre = np.concatenate(([0.0], precision, [0.0]))
     mpre = np.maximum.accumulate(mpre[::-1])[::-1]
@@ -66,7 +81,13 @@ def voc_ap(recall: np.ndarray, precision: np.ndarray, use_07_metric: bool) -> fl
     return float(np.sum((mrec[steps + 1] - mrec[steps]) * mpre[steps + 1]))
 
 
-def _class_ap(records: Sequence[Record], predictions: Mapping[Any, Mapping[str, np.ndarray]], cls: int, thresholds: Sequence[float], use_07_metric: bool) -> Optional[np.ndarray]:
+def _class_ap(
+    records: Sequence[Record],
+    predictions: Mapping[Any, Mapping[str, np.ndarray]],
+    cls: int,
+    thresholds: Sequence[float],
+    use_07_metric: bool,
+) -> np.ndarray | None:
     """AP of one class at each IoU threshold, as the devkit computes it; None when it has no ground truth."""
     gt = {}
     for r in records:
@@ -75,8 +96,13 @@ def _class_ap(records: Sequence[Record], predictions: Mapping[Any, Mapping[str, 
     npos = int(sum((~d).sum() for _, d in gt.values()))
     if npos == 0:
         return None
-    dets = [(float(s), image_id, b) for image_id, p in predictions.items() if image_id in gt
-            for b, s, c in zip(np.asarray(p["boxes"]).reshape(-1, 4), p["scores"], p["labels"]) if int(c) == cls]
+    dets = [
+        (float(s), image_id, b)
+        for image_id, p in predictions.items()
+        if image_id in gt
+        for b, s, c in zip(np.asarray(p["boxes"]).reshape(-1, 4), p["scores"], p["labels"])
+        if int(c) == cls
+    ]
     dets.sort(key=lambda d: -d[0])
     aps = []
     for thr in thresholds:
@@ -102,7 +128,13 @@ def _class_ap(records: Sequence[Record], predictions: Mapping[Any, Mapping[str, 
     return np.asarray(aps) * 100
 
 
-def voc_evaluate(records: Sequence[Record], predictions: Mapping[Any, Mapping[str, np.ndarray]], num_classes: int, *, use_07_metric: bool) -> dict[str, dict[str, float]]:
+def voc_evaluate(
+    records: Sequence[Record],
+    predictions: Mapping[Any, Mapping[str, np.ndarray]],
+    num_classes: int,
+    *,
+    use_07_metric: bool,
+) -> dict[str, dict[str, float]]:
     """PASCAL VOC box AP (percent): ``{"bbox": {"AP", "AP50", "AP75"}}``.
 
     Each class's AP follows the devkit: detections sorted by score, a detection is a true
@@ -112,7 +144,11 @@ def voc_evaluate(records: Sequence[Record], predictions: Mapping[Any, Mapping[st
     left out of the mean (detectron2 counts them as 0).
     """
     per_class = [_class_ap(records, predictions, c, VOC_IOU_THRESHOLDS, use_07_metric) for c in range(num_classes)]
-    present = np.stack([ap for ap in per_class if ap is not None]) if any(ap is not None for ap in per_class) else np.zeros((1, len(VOC_IOU_THRESHOLDS)))
+    present = (
+        np.stack([ap for ap in per_class if ap is not None])
+        if any(ap is not None for ap in per_class)
+        else np.zeros((1, len(VOC_IOU_THRESHOLDS)))
+    )
     by_threshold = present.mean(axis=0)
     return {"bbox": {"AP": float(by_threshold.mean()), "AP50": float(by_threshold[0]), "AP75": float(by_threshold[5])}}
 
@@ -129,7 +165,9 @@ def encode_masks(masks: Any) -> list[dict[str, Any]]:
     return rles
 
 
-def coco_evaluate(coco_gt: Any, predictions: Mapping[Any, Mapping[str, Any]], category_ids: Sequence[int], *, with_masks: bool) -> dict[str, dict[str, float]]:
+def coco_evaluate(
+    coco_gt: Any, predictions: Mapping[Any, Mapping[str, Any]], category_ids: Sequence[int], *, with_masks: bool
+) -> dict[str, dict[str, float]]:
     """COCO box (and mask) AP / AP50 / AP75 in percent, computed by pycocotools' ``COCOeval``.
 
     Args:
@@ -145,7 +183,12 @@ def coco_evaluate(coco_gt: Any, predictions: Mapping[Any, Mapping[str, Any]], ca
         xywh = np.concatenate([boxes[:, :2], boxes[:, 2:] - boxes[:, :2]], axis=1)
         rles = encode_masks(p["masks"]) if with_masks else [None] * len(boxes)
         for box, score, label, rle in zip(xywh, p["scores"], p["labels"], rles):
-            row = {"image_id": image_id, "category_id": int(category_ids[int(label)]), "bbox": [float(v) for v in box], "score": float(score)}
+            row = {
+                "image_id": image_id,
+                "category_id": int(category_ids[int(label)]),
+                "bbox": [float(v) for v in box],
+                "score": float(score),
+            }
             if rle is not None:
                 row["segmentation"] = rle
             results.append(row)
@@ -161,5 +204,8 @@ def coco_evaluate(coco_gt: Any, predictions: Mapping[Any, Mapping[str, Any]], ca
             evaluator.accumulate()
             evaluator.summarize()
         stats = evaluator.stats
-        out[iou_type] = {name: float(stats[i] * 100) if stats[i] >= 0 else float("nan") for i, name in enumerate(("AP", "AP50", "AP75"))}
+        out[iou_type] = {
+            name: float(stats[i] * 100) if stats[i] >= 0 else float("nan")
+            for i, name in enumerate(("AP", "AP50", "AP75"))
+        }
     return dict(out)

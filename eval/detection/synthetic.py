@@ -20,22 +20,32 @@ an installation"); one that does not is broken, not unlucky.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
-from bt_hub.common.optional import require
 from bt_hub.common.files import atomic_write, atomic_write_json, atomic_write_text, read_json
+from bt_hub.common.optional import require
 
 CLASSES = ("square", "disc", "triangle", "cross")
 COLOURS = {"square": (225, 45, 45), "disc": (40, 205, 70), "triangle": (55, 95, 240), "cross": (240, 215, 35)}
 CLASSES_FILE = "classes.txt"
 MARKER = "bt_hub_detection_data.json"
 
-__all__ = ["CLASSES", "CLASSES_FILE", "DetectionDataConfig", "Shape", "draw_image", "make_detection_data", "write_coco", "write_voc"]
+__all__ = [
+    "CLASSES",
+    "CLASSES_FILE",
+    "DetectionDataConfig",
+    "Shape",
+    "draw_image",
+    "make_detection_data",
+    "write_coco",
+    "write_voc",
+]
 
 
 @dataclass(frozen=True)
@@ -57,8 +67,20 @@ def _polygon(kind: str, box: tuple[int, int, int, int]) -> tuple[float, ...]:
         pts = [(cx, y0), (x1, y1), (x0, y1)]
     elif kind == "cross":
         a, b = w / 3, h / 3
-        pts = [(x0 + a, y0), (x1 - a, y0), (x1 - a, y0 + b), (x1, y0 + b), (x1, y1 - b), (x1 - a, y1 - b),
-               (x1 - a, y1), (x0 + a, y1), (x0 + a, y1 - b), (x0, y1 - b), (x0, y0 + b), (x0 + a, y0 + b)]
+        pts = [
+            (x0 + a, y0),
+            (x1 - a, y0),
+            (x1 - a, y0 + b),
+            (x1, y0 + b),
+            (x1, y1 - b),
+            (x1 - a, y1 - b),
+            (x1 - a, y1),
+            (x0 + a, y1),
+            (x0 + a, y1 - b),
+            (x0, y1 - b),
+            (x0, y0 + b),
+            (x0 + a, y0 + b),
+        ]
     else:
         angles = [2 * math.pi * k / 24 for k in range(24)]
         pts = [(cx + w / 2 * math.cos(t), cy + h / 2 * math.sin(t)) for t in angles]
@@ -76,14 +98,19 @@ def rasterize(polygon: Sequence[float], height: int, width: int) -> np.ndarray:
 def _texture(rng: np.random.Generator, size: int) -> np.ndarray:
     """A grey canvas: coarse blotches plus fine grain, kept darker than every object colour."""
     coarse = rng.uniform(50, 130, size=(max(2, size // 16),) * 2 + (1,)).astype(np.float32)
-    blotches = np.asarray(Image.fromarray(coarse[..., 0].astype(np.uint8)).resize((size, size), Image.BILINEAR), dtype=np.float32)
+    blotches = np.asarray(
+        Image.fromarray(coarse[..., 0].astype(np.uint8)).resize((size, size), Image.BILINEAR), dtype=np.float32
+    )
     tint = rng.uniform(-12, 12, size=3).astype(np.float32)
     grain = rng.normal(0, 10, size=(size, size, 3)).astype(np.float32)
     return np.clip(blotches[..., None] + tint + grain, 0, 255)
 
 
 def _overlaps(box: Sequence[int], others: Sequence[Shape], gap: int = 2) -> bool:
-    return any(box[0] < o.box[2] + gap and o.box[0] < box[2] + gap and box[1] < o.box[3] + gap and o.box[1] < box[3] + gap for o in others)
+    return any(
+        box[0] < o.box[2] + gap and o.box[0] < box[2] + gap and box[1] < o.box[3] + gap and o.box[1] < box[3] + gap
+        for o in others
+    )
 
 
 def draw_image(rng: np.random.Generator, size: int, max_objects: int = 5) -> tuple[Image.Image, list[Shape]]:
@@ -224,7 +251,13 @@ def write_coco(
                 )
         atomic_write_json(
             root / "annotations" / f"instances_{split}.json",
-            {"images": images, "annotations": annotations, "categories": categories, "info": {"description": "bt_hub generated shapes"}, "licenses": []},
+            {
+                "images": images,
+                "annotations": annotations,
+                "categories": categories,
+                "info": {"description": "bt_hub generated shapes"},
+                "licenses": [],
+            },
         )
     return root
 
@@ -233,7 +266,11 @@ def write_coco(
 class DetectionDataConfig:
     """Flags of ``bt-hub make-detection-data``."""
 
-    out: str = field(metadata={"help": "new or empty folder to write into (VOC2007/ devkit + COCO annotations/, train2017/, val2017/)"})
+    out: str = field(
+        metadata={
+            "help": "new or empty folder to write into (VOC2007/ devkit + COCO annotations/, train2017/, val2017/)"
+        }
+    )
     train: int = field(default=600, metadata={"help": "training images (VOC2007 trainval = COCO train2017)"})
     test: int = field(default=100, metadata={"help": "held-out images (VOC2007 test = COCO val2017)"})
     size: int = field(default=128, metadata={"help": "image side in pixels"})
@@ -260,10 +297,12 @@ def make_detection_data(config: DetectionDataConfig) -> Path:
     if marker.is_file() and read_json(marker) == record:
         return root
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise FileExistsError(f"--out {root} is not an empty folder; make-detection-data writes only into a new or empty folder")
-    write_voc(root, splits={"2007": {"trainval": config.train, "test": config.test}}, size=config.size, seed=config.seed)
+        raise FileExistsError(
+            f"--out {root} is not an empty folder; make-detection-data writes only into a new or empty folder"
+        )
+    write_voc(
+        root, splits={"2007": {"trainval": config.train, "test": config.test}}, size=config.size, seed=config.seed
+    )
     write_coco(root, splits={"train2017": config.train, "val2017": config.test}, size=config.size, seed=config.seed)
     atomic_write_json(marker, record)
     return root
-
-

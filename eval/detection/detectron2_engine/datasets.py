@@ -18,8 +18,8 @@ Other names are left as they are if already registered (a caller's own datasets)
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from detectron2.data import DatasetCatalog, MetadataCatalog
 from detectron2.data.datasets import register_coco_instances
@@ -41,7 +41,9 @@ def _register_voc(loc: DatasetLocation) -> None:
     class_names = list(voc_class_names(loc.dirname))
     dirname, split = str(loc.dirname), loc.split
     DatasetCatalog.register(loc.name, lambda: load_voc_instances(dirname, split, class_names))
-    MetadataCatalog.get(loc.name).set(thing_classes=class_names, dirname=dirname, year=loc.year, split=split, evaluator_type="pascal_voc")
+    MetadataCatalog.get(loc.name).set(
+        thing_classes=class_names, dirname=dirname, year=loc.year, split=split, evaluator_type="pascal_voc"
+    )
 
 
 def _register_coco(loc: DatasetLocation) -> None:
@@ -65,7 +67,9 @@ def register_datasets(names: Iterable[str], root: str | Path) -> None:
         except ValueError:
             if name in DatasetCatalog.list():
                 continue
-            raise ValueError(f"dataset {name!r} in the config is neither voc_<year>_<split>, coco_<year>_<split> nor registered") from None
+            raise ValueError(
+                f"dataset {name!r} in the config is neither voc_<year>_<split>, coco_<year>_<split> nor registered"
+            ) from None
         (_register_voc if loc.kind == "voc" else _register_coco)(loc)
 
 

@@ -7,21 +7,22 @@ after checking that detectron2 is installed (and inside each launched process).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 from detectron2.config import CfgNode
+from detectron2.data import MetadataCatalog
 from detectron2.engine import DefaultTrainer, HookBase, hooks
 from detectron2.evaluation import COCOEvaluator, DatasetEvaluator, PascalVOCDetectionEvaluator
-from detectron2.data import MetadataCatalog
 from detectron2.utils import comm
-from detectron2.utils.logger import setup_logger
 from detectron2.utils.env import seed_all_rng
+from detectron2.utils.logger import setup_logger
 
-from bt_hub.common.runs import RunDir
 from bt_hub.common.files import atomic_write_json, atomic_write_text
+from bt_hub.common.runs import RunDir
 from bt_hub.eval.detection.detectron2_engine import roi_heads  # noqa: F401  (registers Res5ROIHeadsExtraNorm)
 from bt_hub.eval.detection.detectron2_engine.datasets import num_classes, register_datasets
 from bt_hub.eval.detection.evaluation import REPORTED, TRIAL_METRICS, flatten_metrics
@@ -39,7 +40,13 @@ class LossLog(HookBase):
         it = self.trainer.iter
         latest = self.trainer.storage.latest()
         row = {"iter": it}
-        row.update({k: float(v) for k, (v, i) in latest.items() if i == it and (k.startswith("loss") or k in ("total_loss", "lr", "time"))})
+        row.update(
+            {
+                k: float(v)
+                for k, (v, i) in latest.items()
+                if i == it and (k.startswith("loss") or k in ("total_loss", "lr", "time"))
+            }
+        )
         self.run_dir.log(row)
 
 
@@ -66,7 +73,9 @@ class Trainer(DefaultTrainer):
         return kept
 
 
-def _evaluator(dataset_name: str, *, output_dir: str | None = None, tasks: tuple[str, ...] | None = None) -> DatasetEvaluator:
+def _evaluator(
+    dataset_name: str, *, output_dir: str | None = None, tasks: tuple[str, ...] | None = None
+) -> DatasetEvaluator:
     kind = MetadataCatalog.get(dataset_name).get("evaluator_type")
     if kind == "pascal_voc":
         return PascalVOCDetectionEvaluator(dataset_name)
@@ -75,7 +84,9 @@ def _evaluator(dataset_name: str, *, output_dir: str | None = None, tasks: tuple
     raise ValueError(f"dataset {dataset_name!r} has no VOC or COCO evaluator (metadata evaluator_type {kind!r})")
 
 
-def evaluate_dataset(data_root: str | Path, dataset_name: str, predictions: Mapping[Any, Mapping[str, Any]], *, with_masks: bool) -> dict[str, dict[str, float]]:
+def evaluate_dataset(
+    data_root: str | Path, dataset_name: str, predictions: Mapping[Any, Mapping[str, Any]], *, with_masks: bool
+) -> dict[str, dict[str, float]]:
     """detectron2's own evaluator of ``dataset_name`` (under ``data_root``) on given predictions.
 
     ``predictions`` are per image id as ``bt_hub.eval.detection.evaluation`` describes them (XYXY
@@ -102,9 +113,16 @@ def evaluate_dataset(data_root: str | Path, dataset_name: str, predictions: Mapp
         instances.pred_classes = torch.as_tensor(np.asarray(p["labels"], dtype=np.int64))
         if with_masks:
             masks = p["masks"]
-            masks = np.stack([mask_util.decode(m) for m in masks]) if isinstance(masks, list) and masks else np.asarray(masks)
+            masks = (
+                np.stack([mask_util.decode(m) for m in masks])
+                if isinstance(masks, list) and masks
+                else np.asarray(masks)
+            )
             instances.pred_masks = torch.as_tensor(masks.reshape(-1, record["height"], record["width"]).astype(bool))
-        evaluator.process([{"image_id": record["image_id"], "height": record["height"], "width": record["width"]}], [{"instances": instances}])
+        evaluator.process(
+            [{"image_id": record["image_id"], "height": record["height"], "width": record["width"]}],
+            [{"instances": instances}],
+        )
     return evaluator.evaluate()
 
 

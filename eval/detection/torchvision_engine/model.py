@@ -22,7 +22,8 @@ As detectron2's ``GeneralizedRCNN`` + ``Res5ROIHeads`` (+ MoCo's extra norm):
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,9 +63,11 @@ class RoIAlignC4(MultiScaleRoIAlign):
     def __init__(self, resolution: int, sampling_ratio: int, aligned: bool) -> None:
         super().__init__(["0"], resolution, sampling_ratio)
         self.aligned = aligned
-        self.last_boxes: Optional[list[torch.Tensor]] = None
+        self.last_boxes: list[torch.Tensor] | None = None
 
-    def forward(self, x: dict[str, torch.Tensor], boxes: list[torch.Tensor], image_shapes: list[tuple[int, int]]) -> torch.Tensor:
+    def forward(
+        self, x: dict[str, torch.Tensor], boxes: list[torch.Tensor], image_shapes: list[tuple[int, int]]
+    ) -> torch.Tensor:
         """N x C x R x R features of every box (all images' boxes in order)."""
         if self.training:
             self.last_boxes = [b.detach() for b in boxes]
@@ -83,7 +86,7 @@ class Res5Head(nn.Module):
         channels = layer4[-1].conv3.out_channels
         self.norm = nn.BatchNorm2d(channels) if extra_norm else nn.Identity()
         self.out_channels = channels
-        self.last_maps: Optional[torch.Tensor] = None
+        self.last_maps: torch.Tensor | None = None
 
     def maps(self, x: torch.Tensor) -> torch.Tensor:
         """The res5 feature maps of pooled RoI features (R x R -> R/2 x R/2)."""
@@ -109,7 +112,9 @@ class Res5MaskFeatures(MultiScaleRoIAlign):
         super().__init__(["0"], pooler.output_size, pooler.sampling_ratio)
         self._shared = (pooler, head)
 
-    def forward(self, x: dict[str, torch.Tensor], boxes: list[torch.Tensor], image_shapes: list[tuple[int, int]]) -> torch.Tensor:
+    def forward(
+        self, x: dict[str, torch.Tensor], boxes: list[torch.Tensor], image_shapes: list[tuple[int, int]]
+    ) -> torch.Tensor:
         """res5 maps of ``boxes`` (N x 2048 x R/2 x R/2)."""
         pooler, head = self._shared
         if not self.training:
@@ -132,7 +137,11 @@ class C4MaskPredictor(nn.Sequential):
     """2x2 stride-2 deconvolution + ReLU + 1x1 convolution to one mask logit map per class."""
 
     def __init__(self, in_channels: int, conv_dim: int, num_classes: int) -> None:
-        super().__init__(nn.ConvTranspose2d(in_channels, conv_dim, 2, stride=2), nn.ReLU(inplace=True), nn.Conv2d(conv_dim, num_classes, 1))
+        super().__init__(
+            nn.ConvTranspose2d(in_channels, conv_dim, 2, stride=2),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(conv_dim, num_classes, 1),
+        )
         nn.init.kaiming_normal_(self[0].weight, mode="fan_out", nonlinearity="relu")
         nn.init.normal_(self[2].weight, std=0.001)
         nn.init.zeros_(self[0].bias)
@@ -150,7 +159,7 @@ class C4Transform(GeneralizedRCNNTransform):
         super().__init__(train[0], train[1], mean, std, size_divisible=1)
         self.sizes = {True: train, False: test}
 
-    def train(self, mode: bool = True) -> "C4Transform":
+    def train(self, mode: bool = True) -> C4Transform:
         """Switch between the training sizes (drawn per image) and the test size."""
         self.min_size, self.max_size = self.sizes[mode]
         return super().train(mode)
@@ -173,15 +182,25 @@ def _check_supported(s: Settings) -> None:
         if (list(got) if isinstance(value, list) else got) != value:
             raise ValueError(f"{key} is {s[key]!r} in {s.source}; the torchvision engine implements only {value!r}")
     if s["MODEL.RESNETS.DEPTH"] not in (50, 101):
-        raise ValueError(f"MODEL.RESNETS.DEPTH is {s['MODEL.RESNETS.DEPTH']} in {s.source}; the torchvision engine builds ResNet-50 or -101")
+        raise ValueError(
+            f"MODEL.RESNETS.DEPTH is {s['MODEL.RESNETS.DEPTH']} in {s.source}; the torchvision engine builds ResNet-50 or -101"
+        )
     if s["MODEL.RESNETS.NORM"] not in SUPPORTED_NORMS:
-        raise ValueError(f"MODEL.RESNETS.NORM is {s['MODEL.RESNETS.NORM']!r} in {s.source}; the torchvision engine supports {', '.join(SUPPORTED_NORMS)}")
+        raise ValueError(
+            f"MODEL.RESNETS.NORM is {s['MODEL.RESNETS.NORM']!r} in {s.source}; the torchvision engine supports {', '.join(SUPPORTED_NORMS)}"
+        )
     if s["MODEL.ROI_HEADS.NAME"] not in ("Res5ROIHeadsExtraNorm", "Res5ROIHeads"):
-        raise ValueError(f"MODEL.ROI_HEADS.NAME is {s['MODEL.ROI_HEADS.NAME']!r} in {s.source}; the torchvision engine builds the C4 heads Res5ROIHeads(ExtraNorm)")
+        raise ValueError(
+            f"MODEL.ROI_HEADS.NAME is {s['MODEL.ROI_HEADS.NAME']!r} in {s.source}; the torchvision engine builds the C4 heads Res5ROIHeads(ExtraNorm)"
+        )
     if s["MODEL.ROI_BOX_HEAD.POOLER_TYPE"] not in ("ROIAlignV2", "ROIAlign"):
-        raise ValueError(f"MODEL.ROI_BOX_HEAD.POOLER_TYPE is {s['MODEL.ROI_BOX_HEAD.POOLER_TYPE']!r} in {s.source}; expected ROIAlignV2 or ROIAlign")
+        raise ValueError(
+            f"MODEL.ROI_BOX_HEAD.POOLER_TYPE is {s['MODEL.ROI_BOX_HEAD.POOLER_TYPE']!r} in {s.source}; expected ROIAlignV2 or ROIAlign"
+        )
     if len(s["MODEL.ANCHOR_GENERATOR.SIZES"]) != 1 or len(s["MODEL.ANCHOR_GENERATOR.ASPECT_RATIOS"]) != 1:
-        raise ValueError(f"MODEL.ANCHOR_GENERATOR in {s.source} must describe one feature map (C4), e.g. SIZES [[32, 64, 128, 256, 512]]")
+        raise ValueError(
+            f"MODEL.ANCHOR_GENERATOR in {s.source} must describe one feature map (C4), e.g. SIZES [[32, 64, 128, 256, 512]]"
+        )
 
 
 def build_c4_model(settings: Settings, resnet: nn.Module) -> FasterRCNN:
@@ -201,8 +220,11 @@ def build_c4_model(settings: Settings, resnet: nn.Module) -> FasterRCNN:
     _check_supported(s)
     num_classes = int(s["MODEL.ROI_HEADS.NUM_CLASSES"]) + 1  # torchvision's class 0 is the background
     trunk = C4Trunk(resnet)
-    pooler = RoIAlignC4(int(s["MODEL.ROI_BOX_HEAD.POOLER_RESOLUTION"]), int(s["MODEL.ROI_BOX_HEAD.POOLER_SAMPLING_RATIO"]),
-                        aligned=s["MODEL.ROI_BOX_HEAD.POOLER_TYPE"] == "ROIAlignV2")
+    pooler = RoIAlignC4(
+        int(s["MODEL.ROI_BOX_HEAD.POOLER_RESOLUTION"]),
+        int(s["MODEL.ROI_BOX_HEAD.POOLER_SAMPLING_RATIO"]),
+        aligned=s["MODEL.ROI_BOX_HEAD.POOLER_TYPE"] == "ROIAlignV2",
+    )
     head = Res5Head(resnet.layer4, extra_norm=s["MODEL.ROI_HEADS.NAME"] == "Res5ROIHeadsExtraNorm")
     predictor = FastRCNNPredictor(head.out_channels, num_classes)
     nn.init.normal_(predictor.cls_score.weight, std=0.01)
@@ -239,8 +261,11 @@ def build_c4_model(settings: Settings, resnet: nn.Module) -> FasterRCNN:
     )
     if s["MODEL.MASK_ON"]:
         model: FasterRCNN = MaskRCNN(
-            trunk, mask_roi_pool=Res5MaskFeatures(pooler, head), mask_head=nn.Identity(),
-            mask_predictor=C4MaskPredictor(head.out_channels, int(s["MODEL.ROI_MASK_HEAD.CONV_DIM"]), num_classes), **common,
+            trunk,
+            mask_roi_pool=Res5MaskFeatures(pooler, head),
+            mask_head=nn.Identity(),
+            mask_predictor=C4MaskPredictor(head.out_channels, int(s["MODEL.ROI_MASK_HEAD.CONV_DIM"]), num_classes),
+            **common,
         )
     else:
         model = FasterRCNN(trunk, **common)
@@ -254,9 +279,9 @@ def c4_backbone_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, tensor in model.state_dict().items():
         if name.startswith("backbone."):
-            out[name[len("backbone."):]] = tensor
+            out[name[len("backbone.") :]] = tensor
         elif name.startswith("roi_heads.box_head.res5."):
-            out["layer4." + name[len("roi_heads.box_head.res5."):]] = tensor
+            out["layer4." + name[len("roi_heads.box_head.res5.") :]] = tensor
     return out
 
 
@@ -268,6 +293,10 @@ def unloaded_backbone_tensors(model: nn.Module, expected: Mapping[str, torch.Ten
     ``expected`` that the model lacks is reported too.
     """
     ours = c4_backbone_state_dict(model)
-    bad = [k for k, v in ours.items() if k not in expected or not torch.equal(v.detach().cpu(), expected[k].to(v.dtype).cpu())]
+    bad = [
+        k
+        for k, v in ours.items()
+        if k not in expected or not torch.equal(v.detach().cpu(), expected[k].to(v.dtype).cpu())
+    ]
     bad += [k for k in expected if not k.startswith("fc.") and k not in ours]
     return bad

@@ -15,8 +15,9 @@ import bisect
 import itertools
 import math
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,19 +26,39 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, Sampler
 
-from bt_hub.common.distributed import all_gather_objects, barrier, convert_sync_batchnorm, get_rank, get_world_size, is_distributed, is_main_process
-from bt_hub.common.runs import RunDir
+from bt_hub.common.distributed import (
+    all_gather_objects,
+    barrier,
+    convert_sync_batchnorm,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    is_main_process,
+)
 from bt_hub.common.files import atomic_torch_save, atomic_write_json, atomic_write_text
+from bt_hub.common.runs import RunDir
 from bt_hub.eval.detection.config import Settings, scale_to_world_size
 from bt_hub.eval.detection.data import DetectionDataset, Record, coco_api, load_records, locate
-from bt_hub.eval.detection.evaluation import REPORTED, TRIAL_METRICS, coco_evaluate, encode_masks, flatten_metrics, voc_evaluate
+from bt_hub.eval.detection.evaluation import (
+    REPORTED,
+    TRIAL_METRICS,
+    coco_evaluate,
+    encode_masks,
+    flatten_metrics,
+    voc_evaluate,
+)
 from bt_hub.eval.detection.torchvision_engine.model import build_c4_model, unloaded_backbone_tensors
 
 __all__ = ["LOSS_NAMES", "evaluate_dataset", "lr_factor", "param_groups", "precise_bn", "predict", "run_trial"]
 
 # torchvision's loss names -> detectron2's (metrics.jsonl reads the same for both engines).
-LOSS_NAMES = {"loss_classifier": "loss_cls", "loss_box_reg": "loss_box_reg", "loss_objectness": "loss_rpn_cls",
-              "loss_rpn_box_reg": "loss_rpn_loc", "loss_mask": "loss_mask"}
+LOSS_NAMES = {
+    "loss_classifier": "loss_cls",
+    "loss_box_reg": "loss_box_reg",
+    "loss_objectness": "loss_rpn_cls",
+    "loss_rpn_box_reg": "loss_rpn_loc",
+    "loss_mask": "loss_mask",
+}
 CHECKPOINT = "checkpoint.pth"
 
 
@@ -53,7 +74,12 @@ def lr_factor(iteration: int, settings: Settings) -> float:
 
 def param_groups(model: nn.Module, weight_decay: float, weight_decay_norm: float) -> list[dict[str, Any]]:
     """Parameters of norm layers (weight decay ``weight_decay_norm``) and all others."""
-    norm_ids = {id(p) for m in model.modules() if isinstance(m, (_BatchNorm, nn.GroupNorm, nn.LayerNorm)) for p in m.parameters(recurse=False)}
+    norm_ids = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, (_BatchNorm, nn.GroupNorm, nn.LayerNorm))
+        for p in m.parameters(recurse=False)
+    }
     params = [p for p in model.parameters() if p.requires_grad]
     return [
         {"params": [p for p in params if id(p) not in norm_ids], "weight_decay": weight_decay},
@@ -70,7 +96,7 @@ class EndlessShuffle(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator().manual_seed(self.seed)
         while True:
-            yield from torch.randperm(self.size, generator=generator)[self.rank::self.world_size].tolist()
+            yield from torch.randperm(self.size, generator=generator)[self.rank :: self.world_size].tolist()
 
 
 def _collate(batch: list[Any]) -> tuple[list[Any], list[Any]]:
@@ -78,17 +104,26 @@ def _collate(batch: list[Any]) -> tuple[list[Any], list[Any]]:
     return list(images), list(targets)
 
 
-def _batches(records: list[Record], settings: Settings, *, with_masks: bool, seed: int) -> Iterator[tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]]:
+def _batches(
+    records: list[Record], settings: Settings, *, with_masks: bool, seed: int
+) -> Iterator[tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]]:
     """The endless training stream of this rank: (images, targets) of ``IMS_PER_BATCH / world`` images."""
     world = get_world_size()
     per_rank = int(settings["SOLVER.IMS_PER_BATCH"]) // world
     dataset = DetectionDataset(records, with_masks=with_masks, flip=True)
-    loader = DataLoader(dataset, batch_size=per_rank, sampler=EndlessShuffle(len(records), seed, get_rank(), world),
-                        num_workers=int(settings["DATALOADER.NUM_WORKERS"]), collate_fn=_collate)
+    loader = DataLoader(
+        dataset,
+        batch_size=per_rank,
+        sampler=EndlessShuffle(len(records), seed, get_rank(), world),
+        num_workers=int(settings["DATALOADER.NUM_WORKERS"]),
+        collate_fn=_collate,
+    )
     return iter(loader)
 
 
-def _to(images: list[torch.Tensor], targets: list[dict[str, torch.Tensor]], device: torch.device) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+def _to(
+    images: list[torch.Tensor], targets: list[dict[str, torch.Tensor]], device: torch.device
+) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     return [i.to(device) for i in images], [{k: v.to(device) for k, v in t.items()} for t in targets]
 
 
@@ -112,7 +147,9 @@ def precise_bn(model: nn.Module, batches: Iterator[Any], num_iter: int, device: 
 
 
 @torch.no_grad()
-def predict(model: nn.Module, records: list[Record], device: torch.device, *, with_masks: bool) -> dict[Any, dict[str, Any]]:
+def predict(
+    model: nn.Module, records: list[Record], device: torch.device, *, with_masks: bool
+) -> dict[Any, dict[str, Any]]:
     """This rank's share of ``records`` run through the model in eval mode, one image at a time.
 
     Returns:
@@ -125,14 +162,20 @@ def predict(model: nn.Module, records: list[Record], device: torch.device, *, wi
     for index in range(get_rank(), len(records), get_world_size()):
         image, _ = dataset[index]
         (result,) = model([image.to(device)])
-        p = {"boxes": result["boxes"].cpu().numpy(), "scores": result["scores"].cpu().numpy(), "labels": result["labels"].cpu().numpy() - 1}
+        p = {
+            "boxes": result["boxes"].cpu().numpy(),
+            "scores": result["scores"].cpu().numpy(),
+            "labels": result["labels"].cpu().numpy() - 1,
+        }
         if with_masks:
             p["masks"] = encode_masks((result["masks"][:, 0] >= 0.5).cpu().numpy())
         out[records[index].image_id] = p
     return out
 
 
-def evaluate_dataset(data_root: str | Path, dataset_name: str, predictions: Mapping[Any, Mapping[str, Any]], *, with_masks: bool) -> dict[str, dict[str, float]]:
+def evaluate_dataset(
+    data_root: str | Path, dataset_name: str, predictions: Mapping[Any, Mapping[str, Any]], *, with_masks: bool
+) -> dict[str, dict[str, float]]:
     """Metrics of ``predictions`` on a named dataset: VOC AP (11-point for VOC2007, as the devkit) or COCO AP.
 
     Returns:
@@ -150,11 +193,15 @@ def _training_records(settings: Settings, data_root: str) -> tuple[list[Record],
     for name in settings["DATASETS.TRAIN"]:
         part, part_names, _ = load_records(locate(name, data_root))
         if names is not None and part_names != names:
-            raise ValueError(f"the training datasets {settings['DATASETS.TRAIN']} have different class lists: {list(names)} and {list(part_names)}")
+            raise ValueError(
+                f"the training datasets {settings['DATASETS.TRAIN']} have different class lists: {list(names)} and {list(part_names)}"
+            )
         records += [r for r in part if (~r.iscrowd).any()]  # detectron2's FILTER_EMPTY_ANNOTATIONS
         names = part_names
     if not records:
-        raise ValueError(f"the training datasets {settings['DATASETS.TRAIN']} under --data {data_root} have no annotated image")
+        raise ValueError(
+            f"the training datasets {settings['DATASETS.TRAIN']} under --data {data_root} have no annotated image"
+        )
     return records, names
 
 
@@ -169,8 +216,17 @@ def _check_classes(settings: Settings, data_root: str) -> None:
             )
 
 
-def run_trial(settings: Settings, *, data_root: str, resnet: nn.Module, expected: Optional[Mapping[str, torch.Tensor]],
-              out: Path, seed: int, device: torch.device, resume: bool) -> Optional[dict[str, Any]]:
+def run_trial(
+    settings: Settings,
+    *,
+    data_root: str,
+    resnet: nn.Module,
+    expected: Mapping[str, torch.Tensor] | None,
+    out: Path,
+    seed: int,
+    device: torch.device,
+    resume: bool,
+) -> dict[str, Any] | None:
     """Train and evaluate one seed in this process (one of the torchrun processes, or alone).
 
     Args:
@@ -203,12 +259,17 @@ def run_trial(settings: Settings, *, data_root: str, resnet: nn.Module, expected
     if expected is not None:
         bad = unloaded_backbone_tensors(model, expected)
         if bad:
-            raise ValueError(f"--weights left {len(bad)} backbone tensors unloaded (first: {', '.join(bad[:3])}); expected a torchvision ResNet")
+            raise ValueError(
+                f"--weights left {len(bad)} backbone tensors unloaded (first: {', '.join(bad[:3])}); expected a torchvision ResNet"
+            )
     model.to(device)
     if is_distributed() and settings["MODEL.RESNETS.NORM"] in ("SyncBN", "naiveSyncBN"):
         model = convert_sync_batchnorm(model)
-    optimizer = torch.optim.SGD(param_groups(model, settings["SOLVER.WEIGHT_DECAY"], settings["SOLVER.WEIGHT_DECAY_NORM"]),
-                                lr=settings["SOLVER.BASE_LR"], momentum=settings["SOLVER.MOMENTUM"])
+    optimizer = torch.optim.SGD(
+        param_groups(model, settings["SOLVER.WEIGHT_DECAY"], settings["SOLVER.WEIGHT_DECAY_NORM"]),
+        lr=settings["SOLVER.BASE_LR"],
+        momentum=settings["SOLVER.MOMENTUM"],
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: lr_factor(it, settings))
     start = 0
     if resume and (out / CHECKPOINT).is_file():
@@ -217,7 +278,11 @@ def run_trial(settings: Settings, *, data_root: str, resnet: nn.Module, expected
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start = int(state["iter"])
-    trained = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) if is_distributed() else model
+    trained = (
+        nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if is_distributed()
+        else model
+    )
 
     run_dir = RunDir(out, config=settings.tree, write=is_main_process())
     if is_main_process():
@@ -230,7 +295,9 @@ def run_trial(settings: Settings, *, data_root: str, resnet: nn.Module, expected
         losses = trained(*_to(*next(batches), device))
         total = sum(losses.values())
         if not math.isfinite(float(total.detach())):
-            raise FloatingPointError(f"the loss became infinite or NaN at iteration {it}: {({k: float(v.detach()) for k, v in losses.items()})}")
+            raise FloatingPointError(
+                f"the loss became infinite or NaN at iteration {it}: { ({k: float(v.detach()) for k, v in losses.items()}) }"
+            )
         optimizer.zero_grad(set_to_none=True)
         total.backward()
         optimizer.step()
@@ -241,11 +308,18 @@ def run_trial(settings: Settings, *, data_root: str, resnet: nn.Module, expected
         if (period and (it + 1) % period == 0) or it + 1 == max_iter:
             _save(model, optimizer, scheduler, it + 1, out)
     if settings["TEST.PRECISE_BN.ENABLED"]:
-        precise_bn(model, _batches(records, settings, with_masks=with_masks, seed=seed + 1_000_003), int(settings["TEST.PRECISE_BN.NUM_ITER"]), device)
+        precise_bn(
+            model,
+            _batches(records, settings, with_masks=with_masks, seed=seed + 1_000_003),
+            int(settings["TEST.PRECISE_BN.NUM_ITER"]),
+            device,
+        )
 
     results = {}
     for name in settings["DATASETS.TEST"]:
-        shards = all_gather_objects(predict(model, load_records(locate(name, data_root))[0], device, with_masks=with_masks))
+        shards = all_gather_objects(
+            predict(model, load_records(locate(name, data_root))[0], device, with_masks=with_masks)
+        )
         if is_main_process():
             predictions = {k: v for shard in shards for k, v in shard.items()}
             results[name] = evaluate_dataset(data_root, name, predictions, with_masks=with_masks)
@@ -261,4 +335,12 @@ def run_trial(settings: Settings, *, data_root: str, resnet: nn.Module, expected
 
 def _save(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, iteration: int, out: Path) -> None:
     if is_main_process():
-        atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "iter": iteration}, out / CHECKPOINT)
+        atomic_torch_save(
+            {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "iter": iteration,
+            },
+            out / CHECKPOINT,
+        )
