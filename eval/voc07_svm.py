@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 from PIL import Image
 
+from bt_hub.eval.average_precision import average_precision, voc07_11point_ap
 from bt_hub.eval.config import EvalConfig
 
 if TYPE_CHECKING:
@@ -149,40 +150,6 @@ def voc07_transform(image_size: int = 224) -> transforms.Compose:
             transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
         ]
     )
-
-
-# ----------------------------------------------------------------------------- average precision
-
-
-def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
-    """All-point interpolated AP (VISSL's ``calculate_ap``): sum over recall steps of the max precision to the right.
-
-    Args:
-        scores: one score per sample, higher = more confident.
-        labels: > 0 positive, <= 0 negative (leave difficult samples out beforehand).
-    """
-    recall, precision = _precision_recall(scores, labels)
-    mrec = np.concatenate([[0.0], recall, [1.0]])
-    mpre = np.concatenate([[0.0], precision, [0.0]])
-    mpre = np.maximum.accumulate(mpre[::-1])[::-1]
-    steps = np.where(mrec[1:] != mrec[:-1])[0] + 1
-    return float(np.sum((mrec[steps] - mrec[steps - 1]) * mpre[steps]))
-
-
-def voc07_11point_ap(scores: np.ndarray, labels: np.ndarray) -> float:
-    """The VOC2007 11-point AP: mean over recall thresholds 0, 0.1, ..., 1 of the max precision at recall >= t."""
-    recall, precision = _precision_recall(scores, labels)
-    return float(np.mean([precision[recall >= t].max() if np.any(recall >= t) else 0.0 for t in np.linspace(0, 1, 11)]))
-
-
-def _precision_recall(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    scores, positive = np.asarray(scores, dtype=np.float64), np.asarray(labels) > 0
-    if positive.sum() == 0:
-        raise ValueError("average precision needs at least one positive sample")
-    order = np.argsort(-scores, kind="stable")
-    tp = np.cumsum(positive[order])
-    fp = np.cumsum(~positive[order])
-    return tp / positive.sum(), tp / (tp + fp)
 
 
 # ----------------------------------------------------------------------------- the SVM grid

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from bt_hub.common.optional import require
+from bt_hub.eval.average_precision import ap_from_curve
 from bt_hub.eval.detection.data import Record
 
 __all__ = [
@@ -64,21 +65,8 @@ def box_iou(boxes: np.ndarray, others: np.ndarray) -> np.ndarray:
 
 
 def voc_ap(recall: np.ndarray, precision: np.ndarray, use_07_metric: bool) -> float:
-    """Area under a precision/recall curve: VOC2007's 11-point mean, or the all-point area (VOC2010+).
-
-    11-point: the mean over t = 0, 0.1, ..., 1 of the best precision at recall >= t (0 if none).
-    All-point: precision is made monotone (the best precision at any higher recall), then
-    summed over the recall steps.
-    """
-    if use_07_metric:
-        return float(
-            np.mean([precision[recall >= t].max() if np.any(recall >= t) else 0.0 for t in np.linspace(0, 1, 11)])
-        )
-    mrec = np.concatenate(([0.0], recall, [1.0]))
-    mpre = np.concatenate(([0.0], precision, [0.0]))
-    mpre = np.maximum.accumulate(mpre[::-1])[::-1]
-    steps = np.flatnonzero(mrec[1:] != mrec[:-1])
-    return float(np.sum((mrec[steps + 1] - mrec[steps]) * mpre[steps + 1]))
+    """The devkit's AP of a precision/recall curve: 11-point for VOC2007, else all-point (``ap_from_curve``)."""
+    return ap_from_curve(recall, precision, eleven_point=use_07_metric)
 
 
 def _class_ap(
