@@ -194,7 +194,8 @@ def _training_records(settings: Settings, data_root: str) -> tuple[list[Record],
         part, part_names, _ = load_records(locate(name, data_root))
         if names is not None and part_names != names:
             raise ValueError(
-                f"the training datasets {settings['DATASETS.TRAIN']} have different class lists: {list(names)} and {list(part_names)}"
+                f"the training datasets {settings['DATASETS.TRAIN']} have different class lists: "
+                f"{list(names)} and {list(part_names)}"
             )
         records += [r for r in part if (~r.iscrowd).any()]  # detectron2's FILTER_EMPTY_ANNOTATIONS
         names = part_names
@@ -249,64 +250,20 @@ def run_trial(
         FloatingPointError: the loss became infinite or NaN.
     """
     settings = scale_to_world_size(settings, get_world_size())
-    torch.manual_seed(seed + get_rank())
-    np.random.seed((seed + get_rank()) % 2**32)
+    _seed_this_rank(seed)
     records, _ = _training_records(settings, data_root)
     _check_classes(settings, data_root)
     with_masks = bool(settings["MODEL.MASK_ON"])
 
-    model = build_c4_model(settings, resnet)
-    if expected is not None:
-        bad = unloaded_backbone_tensors(model, expected)
-        if bad:
-            raise ValueError(
-                f"--weights left {len(bad)} backbone tensors unloaded (first: {', '.join(bad[:3])}); expected a torchvision ResNet"
-            )
-    model.to(device)
-    if is_distributed() and settings["MODEL.RESNETS.NORM"] in ("SyncBN", "naiveSyncBN"):
-        model = convert_sync_batchnorm(model)
-    optimizer = torch.optim.SGD(
-        param_groups(model, settings["SOLVER.WEIGHT_DECAY"], settings["SOLVER.WEIGHT_DECAY_NORM"]),
-        lr=settings["SOLVER.BASE_LR"],
-        momentum=settings["SOLVER.MOMENTUM"],
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: lr_factor(it, settings))
-    start = 0
-    if resume and (out / CHECKPOINT).is_file():
-        state = torch.load(out / CHECKPOINT, map_location=device, weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start = int(state["iter"])
-    trained = (
-        nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-        if is_distributed()
-        else model
-    )
-
-    run_dir = RunDir(out, config=settings.tree, write=is_main_process())
-    if is_main_process():
-        atomic_write_text(out / "config.yaml", yaml.safe_dump(settings.tree, sort_keys=False))
+    model = _model(settings, resnet, expected, device)
+    optimizer, scheduler = _optimizer(model, settings)
+    start = _resume(out / CHECKPOINT, model, optimizer, scheduler, device) if resume else 0
+    trained = _distributed(model, device)
+    run_dir = _open_trial_dir(out, settings)
     batches = _batches(records, settings, with_masks=with_masks, seed=seed + start)
-    max_iter, period = int(settings["SOLVER.MAX_ITER"]), int(settings["SOLVER.CHECKPOINT_PERIOD"])
-    trained.train()
-    for it in range(start, max_iter):
-        tic = time.perf_counter()
-        losses = trained(*_to(*next(batches), device))
-        total = sum(losses.values())
-        if not math.isfinite(float(total.detach())):
-            raise FloatingPointError(
-                f"the loss became infinite or NaN at iteration {it}: { ({k: float(v.detach()) for k, v in losses.items()}) }"
-            )
-        optimizer.zero_grad(set_to_none=True)
-        total.backward()
-        optimizer.step()
-        lr = optimizer.param_groups[0]["lr"]
-        scheduler.step()
-        row = {"iter": it, "total_loss": float(total.detach()), "lr": lr, "time": time.perf_counter() - tic}
-        run_dir.log({**row, **{LOSS_NAMES.get(k, k): float(v.detach()) for k, v in losses.items()}})
-        if (period and (it + 1) % period == 0) or it + 1 == max_iter:
-            _save(model, optimizer, scheduler, it + 1, out)
+    _train(
+        trained, model, optimizer, scheduler, batches, settings, start=start, run_dir=run_dir, out=out, device=device
+    )
     if settings["TEST.PRECISE_BN.ENABLED"]:
         precise_bn(
             model,
@@ -315,22 +272,130 @@ def run_trial(
             device,
         )
 
-    results = {}
-    for name in settings["DATASETS.TEST"]:
-        shards = all_gather_objects(
-            predict(model, load_records(locate(name, data_root))[0], device, with_masks=with_masks)
-        )
-        if is_main_process():
-            predictions = {k: v for shard in shards for k, v in shard.items()}
-            results[name] = evaluate_dataset(data_root, name, predictions, with_masks=with_masks)
+    results = _evaluate(model, settings, data_root, device, with_masks=with_masks)
     barrier()
     if not is_main_process():
         return None
-    results = results[settings["DATASETS.TEST"][0]] if len(results) == 1 else results
-    metrics = {k: v for k, v in flatten_metrics(results).items() if k.rsplit("_", 1)[-1] in REPORTED}
-    trial = {"seed": seed, "metrics": metrics, "config": settings.tree}
-    atomic_write_json(out / TRIAL_METRICS, trial)
-    return trial
+    return _write_trial(results, settings, seed, out)
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def _seed_this_rank(seed: int) -> None:
+    """Seed torch and numpy with ``seed`` + this process's rank."""
+    torch.manual_seed(seed + get_rank())
+    np.random.seed((seed + get_rank()) % 2**32)
+
+
+def _model(
+    settings: Settings, resnet: nn.Module, expected: Mapping[str, torch.Tensor] | None, device: torch.device
+) -> nn.Module:
+    """The C4 model on ``device`` built around ``resnet`` (checked against ``expected``), SyncBN under torchrun."""
+    model = build_c4_model(settings, resnet)
+    if expected is not None:
+        bad = unloaded_backbone_tensors(model, expected)
+        if bad:
+            raise ValueError(
+                f"--weights left {len(bad)} backbone tensors unloaded (first: {', '.join(bad[:3])}); "
+                "expected a torchvision ResNet"
+            )
+    model.to(device)
+    if is_distributed() and settings["MODEL.RESNETS.NORM"] in ("SyncBN", "naiveSyncBN"):
+        model = convert_sync_batchnorm(model)
+    return model
+
+
+def _optimizer(model: nn.Module, settings: Settings) -> tuple[torch.optim.Optimizer, Any]:
+    """SGD with momentum over ``param_groups`` and its warm-up-and-steps schedule (``lr_factor``)."""
+    optimizer = torch.optim.SGD(
+        param_groups(model, settings["SOLVER.WEIGHT_DECAY"], settings["SOLVER.WEIGHT_DECAY_NORM"]),
+        lr=settings["SOLVER.BASE_LR"],
+        momentum=settings["SOLVER.MOMENTUM"],
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: lr_factor(it, settings))
+    return optimizer, scheduler
+
+
+def _resume(
+    checkpoint: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, device: torch.device
+) -> int:
+    """Load model, optimizer and schedule from ``checkpoint`` when it exists; the iteration to go on from (0 if not)."""
+    if not checkpoint.is_file():
+        return 0
+    state = torch.load(checkpoint, map_location=device, weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return int(state["iter"])
+
+
+def _distributed(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` wrapped in DistributedDataParallel under torchrun, else ``model`` itself."""
+    if not is_distributed():
+        return model
+    return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def _open_trial_dir(out: Path, settings: Settings) -> RunDir:
+    """The trial's run directory (``run.json``, ``metrics.jsonl``); the main process also writes ``config.yaml``."""
+    run_dir = RunDir(out, config=settings.tree, write=is_main_process())
+    if is_main_process():
+        atomic_write_text(out / "config.yaml", yaml.safe_dump(settings.tree, sort_keys=False))
+    return run_dir
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _train(
+    trained: nn.Module,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    batches: Iterator[Any],
+    settings: Settings,
+    *,
+    start: int,
+    run_dir: RunDir,
+    out: Path,
+    device: torch.device,
+) -> None:
+    """Iterations ``start`` to ``MAX_ITER``: a row of ``metrics.jsonl`` each, a checkpoint every period and at the end.
+
+    ``trained`` is what runs the batches (``model``, or its DistributedDataParallel wrapper);
+    ``model`` is what the checkpoints hold.
+    """
+    max_iter, period = int(settings["SOLVER.MAX_ITER"]), int(settings["SOLVER.CHECKPOINT_PERIOD"])
+    trained.train()
+    for it in range(start, max_iter):
+        run_dir.log(_step(trained, optimizer, scheduler, next(batches), it, device))
+        if (period and (it + 1) % period == 0) or it + 1 == max_iter:
+            _save(model, optimizer, scheduler, it + 1, out)
+
+
+def _step(
+    trained: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    batch: tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]],
+    it: int,
+    device: torch.device,
+) -> dict[str, float]:
+    """One SGD step on ``batch``; its ``metrics.jsonl`` row (losses under detectron2's names, lr, time)."""
+    tic = time.perf_counter()
+    losses = trained(*_to(*batch, device))
+    total = sum(losses.values())
+    if not math.isfinite(float(total.detach())):
+        values = {k: float(v.detach()) for k, v in losses.items()}
+        raise FloatingPointError(f"the loss became infinite or NaN at iteration {it}: {values}")
+    optimizer.zero_grad(set_to_none=True)
+    total.backward()
+    optimizer.step()
+    lr = optimizer.param_groups[0]["lr"]
+    scheduler.step()
+    row = {"iter": it, "total_loss": float(total.detach()), "lr": lr, "time": time.perf_counter() - tic}
+    return {**row, **{LOSS_NAMES.get(k, k): float(v.detach()) for k, v in losses.items()}}
 
 
 def _save(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, iteration: int, out: Path) -> None:
@@ -344,3 +409,35 @@ def _save(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, it
             },
             out / CHECKPOINT,
         )
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def _evaluate(
+    model: nn.Module, settings: Settings, data_root: str, device: torch.device, *, with_masks: bool
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Every test dataset's metrics by name: each rank predicts its share, the main process scores; {} on the others."""
+    results = {}
+    for name in settings["DATASETS.TEST"]:
+        shards = all_gather_objects(
+            predict(model, load_records(locate(name, data_root))[0], device, with_masks=with_masks)
+        )
+        if is_main_process():
+            predictions = {k: v for shard in shards for k, v in shard.items()}
+            results[name] = evaluate_dataset(data_root, name, predictions, with_masks=with_masks)
+    return results
+
+
+def _write_trial(
+    results: Mapping[str, dict[str, dict[str, float]]], settings: Settings, seed: int, out: Path
+) -> dict[str, Any]:
+    """``{"seed", "metrics", "config"}`` with the metrics in ``REPORTED``, also written as ``trial_metrics.json``.
+
+    One test dataset reports its metrics unprefixed (``bbox_AP``), several prefix them with its name.
+    """
+    results = results[settings["DATASETS.TEST"][0]] if len(results) == 1 else results
+    metrics = {k: v for k, v in flatten_metrics(results).items() if k.rsplit("_", 1)[-1] in REPORTED}
+    trial = {"seed": seed, "metrics": metrics, "config": settings.tree}
+    atomic_write_json(out / TRIAL_METRICS, trial)
+    return trial
