@@ -213,7 +213,8 @@ def _res5_pool(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
     x = backbone.layer4(backbone.layer3(backbone.layer2(backbone.layer1(x))))
     if min(x.shape[-2:]) < 6:
         raise ValueError(
-            f"pool 'voc_res5' needs a res5 map of at least 6x6, got {tuple(x.shape[-2:])}; use a larger --image-size (224 gives 7x7)"
+            f"pool 'voc_res5' needs a res5 map of at least 6x6, got {tuple(x.shape[-2:])}; "
+            "use a larger --image-size (224 gives 7x7)"
         )
     return torch.flatten(nn.functional.avg_pool2d(x, kernel_size=6, stride=1), 1)
 

@@ -181,7 +181,10 @@ class KnnConfig(EvalConfig):
     backend: Literal["auto", "faiss", "torch"] = field(
         default="auto",
         metadata={
-            "help": "faiss (exact IndexFlatIP, CPU) or torch (matrix product + top-k on --device); auto: torch on CUDA, faiss on the CPU"
+            "help": (
+                "faiss (exact IndexFlatIP, CPU) or torch (matrix product + top-k on --device); auto: torch on "
+                "CUDA, faiss on the CPU"
+            )
         },
     )
 

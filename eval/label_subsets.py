@@ -78,7 +78,8 @@ def read_subset_file(path: str | os.PathLike) -> SubsetList:
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(
-            f"subset file {path} does not exist; expected a SimCLR-format list such as 1percent.txt ({PUBLISHED_URL.format(name='1percent.txt')})"
+            f"subset file {path} does not exist; expected a SimCLR-format list such as 1percent.txt "
+            f"({PUBLISHED_URL.format(name='1percent.txt')})"
         )
     sha = file_sha256(path)
     names = tuple(line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
@@ -101,8 +102,8 @@ def dataset_file_names(dataset: object) -> list[str]:
     samples = getattr(dataset, "samples", None)
     if samples is None:
         raise ValueError(
-            f"a subset file needs a dataset of image files (ImageFolder / ImageNet layout), got {type(dataset).__name__}; "
-            "use --fraction for a seeded class-balanced subset instead"
+            "a subset file needs a dataset of image files (ImageFolder / ImageNet layout), "
+            f"got {type(dataset).__name__}; use --fraction for a seeded class-balanced subset instead"
         )
     return [os.path.basename(str(s[0])) for s in samples]
 
@@ -119,7 +120,8 @@ def indices_from_list(dataset: object, subset: SubsetList) -> list[int]:
         shown = ", ".join(missing[:SHOWN_MISSING])
         more = f" and {len(missing) - SHOWN_MISSING} more" if len(missing) > SHOWN_MISSING else ""
         raise ValueError(
-            f"subset file {subset.path} names {len(missing)} of its {len(subset.names)} files that are not in the dataset: {shown}{more}"
+            f"subset file {subset.path} names {len(missing)} of its {len(subset.names)} files "
+            f"that are not in the dataset: {shown}{more}"
         )
     return sorted({position[os.path.basename(n)] for n in subset.names})
 

@@ -132,7 +132,10 @@ class LinearConfig(EvalConfig):
     cached: bool = field(
         default=False,
         metadata={
-            "help": "fast mode: train the same classifier on cached test-transform features (no augmentation, no backbone pass per epoch); results say 'cached features, no augmentation'"
+            "help": (
+                "fast mode: train the same classifier on cached test-transform features (no augmentation, no "
+                "backbone pass per epoch); results say 'cached features, no augmentation'"
+            )
         },
     )
 

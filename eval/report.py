@@ -67,7 +67,10 @@ FAMILIES: dict[str, Family] = {
 
 
 def family_of(result: Mapping[str, Any]) -> str:
-    """The table a result belongs to (``linear``, ``semi``, ``transfer``, ``detect_voc`` / ``detect_coco`` / ``detect``, ``knn`` or its protocol)."""
+    """The table a result belongs to.
+
+    One of ``linear``, ``semi``, ``transfer``, ``detect_voc`` / ``detect_coco`` / ``detect``, ``knn`` or its protocol.
+    """
     protocol = str(result.get("protocol", ""))
     if protocol == "linear" and result.get("preset") in ("places205", "inat18"):
         return "transfer"

@@ -130,7 +130,10 @@ class SemiSupervisedConfig(EvalConfig):
     fraction: int | None = field(
         default=None,
         metadata={
-            "help": "percent of the labels, class-balanced and seeded (1 or 10 in the paper); default 1 unless --subset-file is given"
+            "help": (
+                "percent of the labels, class-balanced and seeded (1 or 10 in the paper); default 1 unless "
+                "--subset-file is given"
+            )
         },
     )
     subset_file: str | None = field(
@@ -169,7 +172,8 @@ class SemiSupervisedConfig(EvalConfig):
             raise ValueError(f"--epochs must be positive, got {self.epochs}")
         if self.lr_backbone < 0 or self.lr_classifier <= 0:
             raise ValueError(
-                f"--lr-backbone must be >= 0 and --lr-classifier positive, got {self.lr_backbone} and {self.lr_classifier}"
+                "--lr-backbone must be >= 0 and --lr-classifier positive, "
+                f"got {self.lr_backbone} and {self.lr_classifier}"
             )
         if sorted(self.milestones) != list(self.milestones) or any(m <= 0 for m in self.milestones):
             raise ValueError(f"--milestones must be increasing positive epochs, got {self.milestones}")

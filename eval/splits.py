@@ -66,7 +66,7 @@ class Splits:
 
 
 def splits_for(config: Any) -> Splits:
-    """``load_splits`` with a protocol config's ``--data``, ``--test-split``, ``--holdout``, ``--seed`` and ``--image-size``."""
+    """``load_splits`` with a protocol config's --data, --test-split, --holdout, --seed and --image-size."""
     return load_splits(
         config.data,
         test_split=config.test_split,
@@ -148,15 +148,18 @@ def _check_layout(root: Path, test_split: str, holdout: float | None) -> None:
     if "train" in present and present != ["train"]:
         other = next(s for s in present if s != "train")
         raise FileNotFoundError(
-            f"--data {root} has no {test_split}/ split (it has {', '.join(p + '/' for p in present)}); pass --test-split {other}"
+            f"--data {root} has no {test_split}/ split (it has {', '.join(p + '/' for p in present)}); "
+            f"pass --test-split {other}"
         )
     if present and "train" not in present:
         raise FileNotFoundError(
-            f"--data {root} has {', '.join(p + '/' for p in present)} but no train/; the training split must be {root}/train/<class>/<image>"
+            f"--data {root} has {', '.join(p + '/' for p in present)} but no train/; "
+            f"the training split must be {root}/train/<class>/<image>"
         )
     raise FileNotFoundError(
         f"--data {root} has no held-out split: expected {root}/train/<class>/<image> beside {root}/val/<class>/<image> "
-        f"(ImageNet layout, --test-split val) or {root}/test/<class>/<image> (--test-split test); move held-out images there, "
+        f"(ImageNet layout, --test-split val) or {root}/test/<class>/<image> (--test-split test); "
+        "move held-out images there, "
         "or pass --holdout 0.2 to score on a seeded, class-stratified 20% of the images (recorded in results.json)"
     )
 
@@ -212,7 +215,8 @@ def align_classes(train: Dataset, test: Dataset, split: str) -> Dataset:
     unknown = sorted(set(test_classes) - set(train_classes))
     if unknown:
         raise ValueError(
-            f"the {split} split has classes the training split lacks: {', '.join(unknown[:5])}; both must use the same class folders"
+            f"the {split} split has classes the training split lacks: {', '.join(unknown[:5])}; "
+            "both must use the same class folders"
         )
     index = {c: i for i, c in enumerate(train_classes)}
     view = copy.copy(test)
@@ -249,7 +253,8 @@ def check_disjoint(train: Dataset, test: Dataset, sample: int = OVERLAP_SAMPLE) 
         shared = set(train_paths) & set(test_paths)
         if shared:
             raise ValueError(
-                f"the test split shares {len(shared)} of its {len(test_paths)} files with the training split (e.g. {min(shared)}); "
+                f"the test split shares {len(shared)} of its {len(test_paths)} files with the training split "
+                f"(e.g. {min(shared)}); "
                 "scoring on training images inflates every metric: give a disjoint held-out split or --holdout"
             )
     picked = sorted(np.random.default_rng(0).permutation(len(test))[: min(sample, len(test))].tolist())

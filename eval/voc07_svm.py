@@ -195,7 +195,10 @@ def _fitted_svm(features: np.ndarray, y: np.ndarray, cost: float, max_iter: int,
 def _fold_ap(
     features: np.ndarray, targets: np.ndarray, cls: int, cost: float, fold: int, folds: int, max_iter: int, seed: int
 ) -> float:
-    """Average precision on one cross-validation fold: the folds of scikit-learn's ``cv=folds`` (stratified, unshuffled)."""
+    """Average precision on one cross-validation fold.
+
+    The folds are scikit-learn's for ``cv=folds`` (stratified, unshuffled).
+    """
     from sklearn.metrics import get_scorer
     from sklearn.model_selection import StratifiedKFold
 
@@ -243,7 +246,8 @@ def svm_grid(
         positives = int((targets[:, cls] == 1).sum())
         if positives < folds:
             raise ValueError(
-                f"class {cls} has {positives} positive training images; {folds}-fold cross-validation needs at least {folds}"
+                f"class {cls} has {positives} positive training images; "
+                f"{folds}-fold cross-validation needs at least {folds}"
             )
     # one job per (class, cost, fold), the largest costs (the slowest fits) first, so that
     # no worker is left alone with a long fit at the end
@@ -307,7 +311,10 @@ class Voc07SvmConfig(EvalConfig):
     test_split: str = field(
         default="test",
         metadata={
-            "help": "ImageSets/Main list the SVMs are scored on (a devkit list name, unlike the val/test folders of the other protocols)"
+            "help": (
+                "ImageSets/Main list the SVMs are scored on (a devkit list name, unlike the val/test folders of "
+                "the other protocols)"
+            )
         },
     )
 
@@ -315,7 +322,8 @@ class Voc07SvmConfig(EvalConfig):
         super().__post_init__()
         if not self.data or self.data == "digits":
             raise ValueError(
-                f"--data must point to a VOC devkit (VOCdevkit/VOC2007 with ImageSets/Main, Annotations, JPEGImages), got {self.data!r}"
+                "--data must point to a VOC devkit (VOCdevkit/VOC2007 with ImageSets/Main, Annotations, JPEGImages), "
+                f"got {self.data!r}"
             )
         if not self.costs or any(c <= 0 for c in self.costs):
             raise ValueError(f"--costs must list positive numbers, got {self.costs}")

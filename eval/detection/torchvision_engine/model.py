@@ -183,23 +183,28 @@ def _check_supported(s: Settings) -> None:
             raise ValueError(f"{key} is {s[key]!r} in {s.source}; the torchvision engine implements only {value!r}")
     if s["MODEL.RESNETS.DEPTH"] not in (50, 101):
         raise ValueError(
-            f"MODEL.RESNETS.DEPTH is {s['MODEL.RESNETS.DEPTH']} in {s.source}; the torchvision engine builds ResNet-50 or -101"
+            f"MODEL.RESNETS.DEPTH is {s['MODEL.RESNETS.DEPTH']} in {s.source}; "
+            "the torchvision engine builds ResNet-50 or -101"
         )
     if s["MODEL.RESNETS.NORM"] not in SUPPORTED_NORMS:
         raise ValueError(
-            f"MODEL.RESNETS.NORM is {s['MODEL.RESNETS.NORM']!r} in {s.source}; the torchvision engine supports {', '.join(SUPPORTED_NORMS)}"
+            f"MODEL.RESNETS.NORM is {s['MODEL.RESNETS.NORM']!r} in {s.source}; "
+            f"the torchvision engine supports {', '.join(SUPPORTED_NORMS)}"
         )
     if s["MODEL.ROI_HEADS.NAME"] not in ("Res5ROIHeadsExtraNorm", "Res5ROIHeads"):
         raise ValueError(
-            f"MODEL.ROI_HEADS.NAME is {s['MODEL.ROI_HEADS.NAME']!r} in {s.source}; the torchvision engine builds the C4 heads Res5ROIHeads(ExtraNorm)"
+            f"MODEL.ROI_HEADS.NAME is {s['MODEL.ROI_HEADS.NAME']!r} in {s.source}; "
+            "the torchvision engine builds the C4 heads Res5ROIHeads(ExtraNorm)"
         )
     if s["MODEL.ROI_BOX_HEAD.POOLER_TYPE"] not in ("ROIAlignV2", "ROIAlign"):
         raise ValueError(
-            f"MODEL.ROI_BOX_HEAD.POOLER_TYPE is {s['MODEL.ROI_BOX_HEAD.POOLER_TYPE']!r} in {s.source}; expected ROIAlignV2 or ROIAlign"
+            f"MODEL.ROI_BOX_HEAD.POOLER_TYPE is {s['MODEL.ROI_BOX_HEAD.POOLER_TYPE']!r} in {s.source}; "
+            "expected ROIAlignV2 or ROIAlign"
         )
     if len(s["MODEL.ANCHOR_GENERATOR.SIZES"]) != 1 or len(s["MODEL.ANCHOR_GENERATOR.ASPECT_RATIOS"]) != 1:
         raise ValueError(
-            f"MODEL.ANCHOR_GENERATOR in {s.source} must describe one feature map (C4), e.g. SIZES [[32, 64, 128, 256, 512]]"
+            f"MODEL.ANCHOR_GENERATOR in {s.source} must describe one feature map (C4), "
+            "e.g. SIZES [[32, 64, 128, 256, 512]]"
         )
 
 
