@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
@@ -19,26 +22,83 @@ def _no_leftover_process_group():
         torch.distributed.destroy_process_group()
 
 
-@pytest.fixture(scope="session")
-def resnet18_weights(tmp_path_factory) -> Path:
-    """A seeded random-init ResNet-18 backbone saved as a plain torchvision state dict."""
-    from bt_hub.method.model import build_backbone
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("weights") / "resnet18.pth"
-    torch.save(build_backbone("resnet18").state_dict(), path)
-    return path
+@pytest.fixture(scope="session", autouse=True)
+def _two_torch_threads():
+    """Two torch threads for every test: the machines running the suite have few cores, shared with other jobs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
-def small_stem_weights(tmp_path_factory) -> Path:
-    """A seeded random-init ResNet-18 with the 3x3 small-image stem (fast on 8-px images)."""
+def seeded_weights(tmp_path_factory) -> Callable[..., Path]:
+    """Factory: a random-init backbone built right after ``torch.manual_seed(seed)``, saved once per session as a
+    plain torchvision state dict named ``<arch>.pth`` (``<arch>_small_stem.pth`` with the 3x3 small-image stem).
+
+    Tests only read these files; one that changes weights copies them first.
+    """
     from bt_hub.method.model import build_backbone
 
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("weights") / "resnet18_small_stem.pth"
-    torch.save(build_backbone("resnet18", small_image_stem=True).state_dict(), path)
-    return path
+    made: dict[tuple[str, int, bool], Path] = {}
+
+    def make(arch: str = "resnet18", *, seed: int = 0, small_image_stem: bool = False) -> Path:
+        key = (arch, seed, small_image_stem)
+        if key not in made:
+            torch.manual_seed(seed)
+            stem = "_small_stem" if small_image_stem else ""
+            path = tmp_path_factory.mktemp(f"weights_seed{seed}") / f"{arch}{stem}.pth"
+            torch.save(build_backbone(arch, small_image_stem=small_image_stem).state_dict(), path)
+            made[key] = path
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def resnet18_weights(seeded_weights) -> Path:
+    """A seeded (0) random-init ResNet-18 backbone saved as a plain torchvision state dict."""
+    return seeded_weights("resnet18")
+
+
+@pytest.fixture(scope="session")
+def small_stem_weights(seeded_weights) -> Path:
+    """A seeded (0) random-init ResNet-18 with the 3x3 small-image stem (fast on 8-px images)."""
+    return seeded_weights("resnet18", small_image_stem=True)
+
+
+def make_image_folder(
+    root: Path,
+    classes: Sequence[str] = ("a", "b"),
+    per_class: int = 3,
+    size: int | tuple[int, int] = 8,
+    *,
+    splits: Sequence[str] = ("train", "val"),
+    seed: int = 0,
+    suffix: str = ".png",
+) -> Path:
+    """A class-per-folder tree of random RGB PNG files: ``root/<split>/<class>/<class>_<i><suffix>`` for each split
+    (``root/<class>/...`` when ``splits`` is empty). ``size`` is an int (square) or ``(height, width)``.
+
+    One random generator, seeded by ``seed``, draws every image in order, so two splits of one call never share
+    an image, and two calls with the same arguments make byte-identical files. Returns ``root``.
+    """
+    height, width = (size, size) if isinstance(size, int) else size
+    rng = np.random.default_rng(seed)
+    for split in splits or ("",):
+        for c in classes:
+            folder = root / split / c
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                image = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+                Image.fromarray(image).save(folder / f"{c}_{i}{suffix}", format="PNG")
+    return root
+
+
+@pytest.fixture
+def image_folder() -> Callable[..., Path]:
+    """Factory fixture for :func:`make_image_folder` (tiny ImageFolder trees on disk)."""
+    return make_image_folder
 
 
 @pytest.fixture

@@ -28,8 +28,6 @@ from bt_hub.weights import (
 )
 from bt_hub.weights.formats import infer_architecture, torchvision_to_detectron2_key
 
-torch.set_num_threads(2)
-
 
 @pytest.fixture(scope="module")
 def resnet50_state() -> dict[str, torch.Tensor]:

@@ -2,22 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
-from PIL import Image
 
 from bt_hub.train.data import WithIndex, build_dataset, load_digits_split, synthetic_dataset, to_uint8_tensor
-
-
-def _png_tree(root: Path, classes=("cat", "dog"), per_class=3, size=10) -> Path:
-    rng = np.random.default_rng(0)
-    for c in classes:
-        (root / c).mkdir(parents=True)
-        for i in range(per_class):
-            Image.fromarray(rng.integers(0, 255, (size, size + 2, 3), dtype=np.uint8)).save(root / c / f"{i}.png")
-    return root
 
 
 def test_digits_are_upsampled_rgb_images_with_ten_stratified_classes():
@@ -54,8 +42,8 @@ def test_synthetic_images_are_seeded_and_class_structured():
     assert (nearest == labels).mean() > 0.9
 
 
-def test_image_folder_reads_a_tree_of_png_files(tmp_path):
-    root = _png_tree(tmp_path / "data")
+def test_image_folder_reads_a_tree_of_png_files(image_folder, tmp_path):
+    root = image_folder(tmp_path / "data", classes=("cat", "dog"), size=(10, 12), splits=())
     ds = build_dataset(root, "train", image_size=None)
     assert ds.classes == ["cat", "dog"] and len(ds) == 6 and ds.targets == [0, 0, 0, 1, 1, 1]
     image, label = ds[4]
@@ -66,17 +54,17 @@ def test_image_folder_reads_a_tree_of_png_files(tmp_path):
     assert (label, index) == (1, 5)
 
 
-def test_imagenet_layout_picks_the_split_subdirectory(tmp_path):
-    _png_tree(tmp_path / "train", per_class=2)
-    _png_tree(tmp_path / "val", classes=("cat", "dog", "eel"), per_class=1)
+def test_imagenet_layout_picks_the_split_subdirectory(image_folder, tmp_path):
+    image_folder(tmp_path, classes=("cat", "dog"), per_class=2, splits=("train",))
+    image_folder(tmp_path, classes=("cat", "dog", "eel"), per_class=1, splits=("val",), seed=1)
     assert len(build_dataset(tmp_path, "train", image_size=None)) == 4
     assert len(build_dataset(tmp_path, "val", image_size=None)) == 3
     with pytest.raises(FileNotFoundError, match=r"has no test/ subdirectory \(it has train/, val/\)"):
         build_dataset(tmp_path, "test", image_size=None)  # a split is never another one under its name
 
 
-def test_a_flat_imagefolder_is_a_training_split_only(tmp_path):
-    _png_tree(tmp_path, per_class=2)
+def test_a_flat_imagefolder_is_a_training_split_only(image_folder, tmp_path):
+    image_folder(tmp_path, classes=("cat", "dog"), per_class=2, splits=())
     assert len(build_dataset(tmp_path, "train", image_size=None)) == 4
     with pytest.raises(FileNotFoundError, match="has no val/ subdirectory"):
         build_dataset(tmp_path, "val", image_size=None)
@@ -99,9 +87,9 @@ def test_directory_without_images_is_one_sentence_naming_the_path(tmp_path):
         build_dataset(tmp_path)
 
 
-def test_corrupt_image_names_the_file(tmp_path):
-    root = _png_tree(tmp_path, per_class=1)
-    bad = root / "cat" / "0.png"
+def test_corrupt_image_names_the_file(image_folder, tmp_path):
+    root = image_folder(tmp_path, classes=("cat", "dog"), per_class=1, splits=())
+    bad = root / "cat" / "cat_0.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
     ds = build_dataset(root, image_size=None)
     with pytest.raises(OSError, match=f"image {bad} is corrupt or unreadable"):

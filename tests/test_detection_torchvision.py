@@ -39,12 +39,12 @@ COCO_TRAIN_SIZES = (640, 672, 704, 736, 768, 800)
 
 
 @pytest.fixture(scope="module")
-def r50_weights(tmp_path_factory) -> Path:
-    """A seeded, freshly initialised torchvision ResNet-50 (what a training run starts from in the installation check of docs/detection.md)."""
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("weights") / "resnet50.pth"
-    torch.save(build_backbone("resnet50").state_dict(), path)
-    return path
+def r50_weights(seeded_weights) -> Path:
+    """A seeded, freshly initialised torchvision ResNet-50.
+
+    This is what a training run starts from in the installation check of docs/detection.md.
+    """
+    return seeded_weights("resnet50")
 
 
 @pytest.mark.parametrize("alias", ["voc", "coco"])

@@ -20,7 +20,6 @@ from bt_hub.method.model import build_backbone
 from bt_hub.weights import DownloadError, cache_path, download, load_backbone
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-torch.set_num_threads(2)
 
 
 def _weights_bytes(seed: int) -> tuple[bytes, dict[str, torch.Tensor]]:

@@ -19,8 +19,6 @@ from bt_hub.method.model import build_backbone
 from bt_hub.method.transforms import eval_transforms
 from bt_hub.train.data import ArrayImageDataset
 
-torch.set_num_threads(2)
-
 
 def _dataset(n: int = 10, size: int = 8, seed: int = 0) -> ArrayImageDataset:
     rng = np.random.default_rng(seed)
@@ -244,26 +242,15 @@ def test_another_pool_with_the_same_cache_runs_the_model_again(tmp_path):
     assert len(list(tmp_path.glob("*.features.npy"))) == 2
 
 
-def test_cli_cache_recomputes_for_another_image_size_or_weights_and_reuses_otherwise(tmp_path):
+def test_cli_cache_recomputes_for_another_image_size_or_weights_and_reuses_otherwise(
+    image_folder, seeded_weights, tmp_path
+):
     import json
-
-    from PIL import Image
 
     from bt_hub import cli
 
-    rng = np.random.default_rng(0)
-    for split in ("train", "val"):
-        for c in ("a", "b"):
-            (tmp_path / "data" / split / c).mkdir(parents=True)
-            for i in range(3):
-                Image.fromarray(rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)).save(
-                    tmp_path / "data" / split / c / f"{i}.png"
-                )
-    weights = {}
-    for seed in (0, 1):
-        torch.manual_seed(seed)
-        weights[seed] = tmp_path / f"w{seed}.pth"
-        torch.save(build_backbone("resnet18", small_image_stem=True).state_dict(), weights[seed])
+    image_folder(tmp_path / "data", classes=("a", "b"), per_class=3, size=12)
+    weights = {seed: seeded_weights("resnet18", seed=seed, small_image_stem=True) for seed in (0, 1)}
     cache = tmp_path / "cache"
 
     def knn(seed: int, size: int, out: str) -> dict:

@@ -20,7 +20,6 @@ from bt_hub.method.model import BarlowTwins  # noqa: E402
 from bt_hub.weights import from_pretrained, push_to_hub, save_pretrained  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-torch.set_num_threads(2)
 
 
 def _folder_files(folder: Path) -> dict[str, bytes]:

@@ -20,7 +20,6 @@ from bt_hub.method.model import BarlowTwins
 from bt_hub.weights import BarlowTwinsWeights, CheckpointError, DownloadError, cache_path, get_weights
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-torch.set_num_threads(2)
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):

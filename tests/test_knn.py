@@ -11,9 +11,6 @@ import torch.nn.functional as F
 
 from bt_hub import cli
 from bt_hub.eval.knn import knn_classify, knn_search, knn_vote, resolve_backend
-from bt_hub.method.model import build_backbone
-
-torch.set_num_threads(2)
 
 
 def brute_force_knn(train_x, train_y, test_x, test_y, k, temperature, num_classes):
@@ -103,10 +100,8 @@ def test_auto_backend_is_faiss_on_the_cpu_and_torch_on_cuda_and_unknown_ones_are
         knn_search(torch.randn(5, 3), torch.randn(2, 3), 2, backend="annoy")
 
 
-def test_cli_knn_end_to_end_writes_results_json(tmp_path):
-    weights = tmp_path / "resnet18.pth"
-    torch.manual_seed(0)
-    torch.save(build_backbone("resnet18", small_image_stem=True).state_dict(), weights)
+def test_cli_knn_end_to_end_writes_results_json(small_stem_weights, tmp_path):
+    weights = small_stem_weights
     out = tmp_path / "out"
     argv = [
         "eval",

@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from bt_hub import cli
 from bt_hub.common.presets import from_preset
@@ -229,15 +228,8 @@ def test_cli_linear_full_and_cached_write_results(resnet18_weights, tmp_path):
     assert "Linear evaluation" in (tmp_path / "cached" / "results.md").read_text()
 
 
-def test_cli_transfer_takes_an_imagefolder_by_path_with_the_pirl_preset(resnet18_weights, tmp_path):
-    rng = np.random.default_rng(0)
-    for split in ("train", "val"):
-        for c in ("a", "b"):
-            (tmp_path / "data" / split / c).mkdir(parents=True)
-            for i in range(4):
-                Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(
-                    tmp_path / "data" / split / c / f"{i}.png"
-                )
+def test_cli_transfer_takes_an_imagefolder_by_path_with_the_pirl_preset(resnet18_weights, image_folder, tmp_path):
+    image_folder(tmp_path / "data", classes=("a", "b"), per_class=4, size=20)
     out = tmp_path / "out"
     assert (
         cli.main(

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from torch.utils.data import TensorDataset
 
 from bt_hub import cli
@@ -131,24 +129,14 @@ def test_cli_semi_with_a_balanced_fraction_writes_results(resnet18_weights, tmp_
     assert "10% labels (seeded class-balanced, seed 0)" in (out / "results.md").read_text()
 
 
-def _imagenet_like(root, per_class=3):
-    rng = np.random.default_rng(0)
-    names = []
-    for split in ("train", "val"):
-        for wnid in ("n01440764", "n01443537"):
-            (root / split / wnid).mkdir(parents=True)
-            for i in range(per_class):
-                name = f"{wnid}_{i}.JPEG"
-                Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(
-                    root / split / wnid / name, format="PNG"
-                )
-                if split == "train":
-                    names.append(name)
-    return names
+def _imagenet_like(image_folder, root, per_class=3):
+    """An ImageNet-named tree (PNG bytes under <wnid>_<i>.JPEG names); returns the training files' names."""
+    image_folder(root, classes=("n01440764", "n01443537"), per_class=per_class, size=20, suffix=".JPEG")
+    return [path.name for path in sorted((root / "train").glob("*/*.JPEG"))]
 
 
-def test_cli_semi_with_a_subset_file_uses_the_listed_images(resnet18_weights, tmp_path):
-    names = _imagenet_like(tmp_path / "imagenet")
+def test_cli_semi_with_a_subset_file_uses_the_listed_images(resnet18_weights, image_folder, tmp_path):
+    names = _imagenet_like(image_folder, tmp_path / "imagenet")
     listing = tmp_path / "mine.txt"
     listing.write_text("\n".join([names[0], names[4]]) + "\n")
     out = tmp_path / "out"
@@ -184,8 +172,8 @@ def test_cli_semi_with_a_subset_file_uses_the_listed_images(resnet18_weights, tm
     )
 
 
-def test_cli_semi_rejects_a_list_naming_absent_files(resnet18_weights, tmp_path, capsys):
-    names = _imagenet_like(tmp_path / "imagenet")
+def test_cli_semi_rejects_a_list_naming_absent_files(resnet18_weights, image_folder, tmp_path, capsys):
+    names = _imagenet_like(image_folder, tmp_path / "imagenet")
     listing = tmp_path / "mine.txt"
     listing.write_text("\n".join([names[0], "n01440764_999.JPEG", "n09999999_1.JPEG"]) + "\n")
     assert (

@@ -9,7 +9,6 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from bt_hub import cli
 from bt_hub.eval.splits import check_disjoint, indices_sha256, load_splits, stratified_holdout
@@ -18,23 +17,26 @@ from bt_hub.train.data import ImageFolderDataset
 PROTOCOLS = ["knn", "linear", "semi", "transfer", "all"]
 
 
-def _folder(root, classes=("a", "b", "c"), per_class=5, size=8, seed=0):
-    rng = np.random.default_rng(seed)
-    for c in classes:
-        (root / c).mkdir(parents=True, exist_ok=True)
-        for i in range(per_class):
-            Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(root / c / f"{c}{i}.png")
-    return root
-
-
 @pytest.fixture
 def weights(small_stem_weights):
     return small_stem_weights
 
 
+@pytest.fixture
+def folder(image_folder):
+    """One flat class-per-folder tree of 8-px images (this file's default: three classes of five)."""
+
+    def make(root, classes=("a", "b", "c"), per_class=5, seed=0):
+        return image_folder(root, classes, per_class, 8, splits=(), seed=seed)
+
+    return make
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_a_flat_folder_is_refused_by_every_protocol_naming_the_layouts_and_holdout(protocol, weights, tmp_path, capsys):
-    flat = _folder(tmp_path / "flat")
+def test_a_flat_folder_is_refused_by_every_protocol_naming_the_layouts_and_holdout(
+    folder, protocol, weights, tmp_path, capsys
+):
+    flat = folder(tmp_path / "flat")
     assert (
         cli.main(["eval", protocol, "--weights", str(weights), "--data", str(flat), "--out", str(tmp_path / "out")])
         == 2
@@ -58,9 +60,9 @@ def test_test_split_flag_is_the_same_on_every_protocol():
     assert specs == {("Literal['val', 'test']", "val")}
 
 
-def test_a_missing_test_split_names_the_one_that_exists(tmp_path):
-    _folder(tmp_path / "d" / "train")
-    _folder(tmp_path / "d" / "test", seed=1)
+def test_a_missing_test_split_names_the_one_that_exists(folder, tmp_path):
+    folder(tmp_path / "d" / "train")
+    folder(tmp_path / "d" / "test", seed=1)
     with pytest.raises(FileNotFoundError, match=r"has no val/ split \(it has train/, test/\); pass --test-split test"):
         load_splits(str(tmp_path / "d"))
     assert load_splits(str(tmp_path / "d"), test_split="test").info["test"]["split"] == "test"
@@ -75,8 +77,8 @@ def test_holdout_is_disjoint_stratified_and_seed_stable():
     assert held != stratified_holdout(targets, 0.2, seed=4)[1]
 
 
-def test_cli_holdout_on_a_flat_folder_is_recorded_and_seed_stable(weights, tmp_path):
-    flat = _folder(tmp_path / "flat", per_class=10)
+def test_cli_holdout_on_a_flat_folder_is_recorded_and_seed_stable(folder, weights, tmp_path):
+    flat = folder(tmp_path / "flat", per_class=10)
     records = []
     for seed, out in ((0, "a"), (0, "b"), (1, "c")):
         argv = [
@@ -113,8 +115,8 @@ def test_cli_holdout_on_a_flat_folder_is_recorded_and_seed_stable(weights, tmp_p
     assert "test: held-out 20% of train (seed 0)" in (tmp_path / "a" / "results.md").read_text()
 
 
-def test_a_test_split_with_the_training_images_is_refused(weights, tmp_path, capsys):
-    _folder(tmp_path / "d" / "train")
+def test_a_test_split_with_the_training_images_is_refused(folder, weights, tmp_path, capsys):
+    folder(tmp_path / "d" / "train")
     shutil.copytree(tmp_path / "d" / "train", tmp_path / "d" / "val")
     assert (
         cli.main(
@@ -137,10 +139,10 @@ def test_shared_paths_are_refused():
         check_disjoint(Files(["/d/a.png", "/d/b.png"]), Files(["/d/b.png", "/d/c.png"]))
 
 
-def test_a_few_duplicates_are_tolerated_and_recorded(tmp_path):
-    _folder(tmp_path / "d" / "train", per_class=10)
-    _folder(tmp_path / "d" / "val", per_class=10, seed=1)
-    shutil.copy(tmp_path / "d" / "train" / "a" / "a0.png", tmp_path / "d" / "val" / "a" / "dup.png")
+def test_a_few_duplicates_are_tolerated_and_recorded(folder, tmp_path):
+    folder(tmp_path / "d" / "train", per_class=10)
+    folder(tmp_path / "d" / "val", per_class=10, seed=1)
+    shutil.copy(tmp_path / "d" / "train" / "a" / "a_0.png", tmp_path / "d" / "val" / "a" / "dup.png")
     check = load_splits(str(tmp_path / "d")).info["overlap_check"]
     assert check == {
         "shared_files": 0,
@@ -149,12 +151,12 @@ def test_a_few_duplicates_are_tolerated_and_recorded(tmp_path):
     }  # ImageNet's val holds a few copies of train images too
 
 
-def test_test_labels_follow_the_training_class_order(tmp_path):
-    _folder(tmp_path / "d" / "train", classes=("a", "b", "c"))
-    _folder(tmp_path / "d" / "val", classes=("a", "c"), seed=1)
+def test_test_labels_follow_the_training_class_order(folder, tmp_path):
+    folder(tmp_path / "d" / "train", classes=("a", "b", "c"))
+    folder(tmp_path / "d" / "val", classes=("a", "c"), seed=1)
     splits = load_splits(str(tmp_path / "d"))
     assert splits.test.classes == ["a", "b", "c"]
     assert sorted(set(splits.test.targets)) == [0, 2]  # 'c' keeps label 2, not val/'s own index 1
-    _folder(tmp_path / "d" / "val", classes=("zebra",), seed=2)
+    folder(tmp_path / "d" / "val", classes=("zebra",), seed=2)
     with pytest.raises(ValueError, match="classes the training split lacks: zebra"):
         load_splits(str(tmp_path / "d"))

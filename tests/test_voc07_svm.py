@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from voc_devkit import write_synthetic_devkit
 
 from bt_hub import cli
@@ -18,9 +17,6 @@ from bt_hub.eval.voc07_svm import (
     svm_grid,
     voc07_11point_ap,
 )
-from bt_hub.method.model import build_backbone
-
-torch.set_num_threads(2)
 
 # ranking: + - + - +  (scores 0.9 .. 0.5)
 # precision at each positive: 1/1, 2/3, 3/5 at recall 1/3, 2/3, 1
@@ -119,12 +115,10 @@ def test_grid_picks_each_class_best_cross_validated_cost_and_difficult_trains_as
     assert biases[0] == pytest.approx(ref.intercept_[0])
 
 
-def test_cli_voc07_svm_end_to_end_writes_results_json(tmp_path):
+def test_cli_voc07_svm_end_to_end_writes_results_json(resnet18_weights, tmp_path):
     devkit = tmp_path / "VOCdevkit"
     write_synthetic_devkit(devkit, ("cat", "dog", "car"), trainval=21, test=15, image_size=32, seed=1)
-    weights = tmp_path / "r18.pth"
-    torch.manual_seed(0)
-    torch.save(build_backbone("resnet18").state_dict(), weights)
+    weights = resnet18_weights
     out = tmp_path / "out"
     argv = [
         "eval",

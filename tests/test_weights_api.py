@@ -34,7 +34,6 @@ from bt_hub.weights import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-torch.set_num_threads(2)
 
 
 @pytest.fixture

@@ -15,15 +15,10 @@ from bt_hub.method.model import BarlowTwins, build_backbone
 from bt_hub.train.resume import load_checkpoint
 from bt_hub.weights import CheckpointError, barlow_twins, load_backbone, save_pretrained
 
-torch.set_num_threads(2)
-
 
 @pytest.fixture
-def resnet18_file(tmp_path) -> Path:
-    torch.manual_seed(0)
-    path = tmp_path / "resnet18.pth"
-    torch.save(build_backbone("resnet18", small_image_stem=True).state_dict(), path)
-    return path
+def resnet18_file(small_stem_weights) -> Path:
+    return small_stem_weights
 
 
 # --------------------------------------------------------------------------- 7: export never overwrites silently
