@@ -159,7 +159,8 @@ def _crash_and_resume(out: Path, moments: list[str], seed: int, *extra: str) -> 
 
 
 def test_two_sigkills_one_inside_a_checkpoint_write_then_resume_end_bit_identical(tmp_path):
-    # items 10 and 11 under real kills: metrics lines after the checkpoint and temp files of cut writes
+    # Guards, under real kills: metrics lines logged after the last checkpoint were kept (so resumed runs
+    # duplicated them), and the temp files of writes cut by a kill were never removed.
     stop = ("--max-steps", str(FAST_STEPS))
     _run(_cmd(tmp_path / "uninterrupted", *stop))
     assert _crash_and_resume(tmp_path / "run", ["checkpoint", "step"], 0, *stop) >= 1
@@ -189,7 +190,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.ddp
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_killing_the_torchrun_agent_ends_its_workers_and_nothing_more_is_written(tmp_path):
-    # item 9: the workers of a killed torchrun used to keep training and writing into --out
+    # Guards: the workers of a killed torchrun agent kept training and writing into --out.
     out = tmp_path / "run"
     agent = subprocess.Popen(
         _cmd(out, "--epochs", "100", launcher=TORCHRUN), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE

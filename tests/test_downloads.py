@@ -52,7 +52,7 @@ def weights_a_b():
 
 
 def test_same_file_name_under_two_urls_are_two_cache_entries(torch_home, weights_a_b):
-    """Defect 1: the cache was keyed by file name, so .../b/resnet18.pth silently returned .../a's weights."""
+    """Guards: the cache was keyed by file name, so .../b/resnet18.pth silently returned .../a's weights."""
     (data_a, state_a), (data_b, state_b) = weights_a_b
     server = LoopbackFiles({"/a/resnet18.pth": data_a, "/b/resnet18.pth": data_b})
     try:
@@ -66,7 +66,7 @@ def test_same_file_name_under_two_urls_are_two_cache_entries(torch_home, weights
 
 
 def test_hash_named_cached_file_is_checked_again_on_every_load(torch_home, weights_a_b):
-    """Defect 2: replacing the bytes of a cached name-<sha8>.pth went unnoticed."""
+    """Guards: replacing the bytes of a cached name-<sha8>.pth went unnoticed."""
     (data_a, state_a), (data_b, _) = weights_a_b
     name = _hash_named(data_a)
     server = LoopbackFiles({name: data_a})
@@ -85,7 +85,7 @@ def test_hash_named_cached_file_is_checked_again_on_every_load(torch_home, weigh
 
 
 def test_truncated_body_is_never_cached_and_the_attempt_is_retried(torch_home, weights_a_b):
-    """Defect 3: a server that sent half the body left a truncated file that every later load reused."""
+    """Guards: a server that sent half the body left a truncated file that every later load reused."""
     (data_a, _), _ = weights_a_b
     server = LoopbackFiles({"/half/resnet18.pth": ("half", data_a)})
     url = f"{server.url}/half/resnet18.pth"
@@ -121,7 +121,7 @@ def test_a_failed_attempt_is_retried_and_then_cached_and_a_killed_downloads_left
 
 
 def test_server_that_never_answers_is_bounded_by_the_timeout(torch_home, monkeypatch):
-    """Defect 4: a server that accepted the connection and never answered hung the command forever."""
+    """Guards: a server that accepted the connection and never answered hung the command forever."""
     monkeypatch.setenv("BT_HUB_DOWNLOAD_TIMEOUT", "0.5")
     monkeypatch.setenv("BT_HUB_DOWNLOAD_RETRIES", "1")
     server = LoopbackFiles({"/slow/resnet18.pth": ("hang", None)})
@@ -156,7 +156,7 @@ def _closed_port() -> int:
 
 
 def test_http_errors_and_refused_connections_name_the_url_the_cache_path_and_the_fix(torch_home):
-    """Defect 5: a bare 'HTTP Error 404' / URLError named neither the URL nor the cache path."""
+    """Guards: a bare 'HTTP Error 404' / URLError named neither the URL nor the cache path."""
     server = LoopbackFiles({})
     missing = f"{server.url}/missing/resnet18.pth"
     try:
@@ -187,7 +187,7 @@ for spec in ("hf://nobody/nothing", "nobody/nothing"):
 
 
 def test_hub_failures_offline_name_the_spec(tmp_path):
-    """Defect 5: hf://nobody/nothing offline said 'An error happened while trying to locate the file on the Hub'."""
+    """Guards: hf://nobody/nothing offline said 'An error happened while trying to locate the file on the Hub'."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     offline = subprocess.run([sys.executable, "-c", HF_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
     lines = offline.stdout.strip().splitlines()

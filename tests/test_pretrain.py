@@ -217,7 +217,7 @@ def _all_finite(state: dict) -> bool:
 
 
 def test_a_diverging_run_keeps_only_an_all_finite_checkpoint_and_resuming_it_stops_again_clearly(tmp_path, capsys):
-    # item 14: the "kept" checkpoint used to hold non-finite BatchNorm running_var tensors
+    # Guards: the checkpoint kept from a diverging run held non-finite BatchNorm running_var tensors.
     out = tmp_path / "run"
     flags = [
         "pretrain",
@@ -250,8 +250,8 @@ def test_a_diverging_run_keeps_only_an_all_finite_checkpoint_and_resuming_it_sto
 
 
 def test_resume_without_a_checkpoint_restarts_the_metrics_and_a_cut_last_line_is_dropped(tmp_path, capsys):
-    # items 10, 11, 12: duplicated metrics after a kill before the first checkpoint; "Unterminated string" on a cut line;
-    # temp files of interrupted writes never removed; run.json rewritten by every resume
+    # Guards: metrics duplicated after a kill before the first checkpoint; "Unterminated string" on a cut last line;
+    # temp files of interrupted writes never removed; run.json rewritten by every resume.
     out = tmp_path / "run"
     assert cli_main(["pretrain", *TINY, "--out", str(out), "--max-steps", "2"]) == 0
     for name in ("checkpoint.pth", "resnet18.pth"):  # as if killed after logging two steps, before any checkpoint
@@ -289,7 +289,8 @@ def test_resume_without_a_checkpoint_restarts_the_metrics_and_a_cut_last_line_is
         (["--precision", "fp16"], "--precision fp16 needs --device cuda"),
         (["--batch-size", "4096"], "--batch-size 4096 is larger than the 32 training images of --data synthetic:40"),
         (["--resume", "/no/such/checkpoint.pth"], "checkpoint /no/such/checkpoint.pth does not exist"),
-        # item 15: schedules that cannot be what was meant
+        # Guards: schedules that cannot be what was meant (a warm-up longer than the run, more steps than the
+        # schedule has) were accepted.
         (
             ["--warmup-epochs", "50", "--epochs", "1"],
             "--warmup-epochs 50 is longer than the whole schedule (--epochs 1)",

@@ -50,7 +50,7 @@ def _error(capsys) -> str:
 
 
 def test_pretrain_refuses_a_non_empty_directory_it_did_not_create_and_touches_nothing(tmp_path, capsys):
-    # item 6: a user's own resnet18.pth / config.json / metrics.jsonl used to be overwritten or appended to
+    # Guards: a user's own resnet18.pth / config.json / metrics.jsonl in --out were overwritten or appended to.
     out = tmp_path / "mine"
     out.mkdir()
     files = {"resnet18.pth": b"my weights", "config.json": b'{"mine": true}', "metrics.jsonl": b'{"step": 99}\n'}
@@ -74,7 +74,7 @@ def test_pretrain_with_overwrite_adopts_the_directory_and_a_second_run_may_resum
 
 
 def test_out_that_is_a_file_fails_in_one_sentence_before_the_model_is_built(tmp_path, capsys, monkeypatch):
-    # item 17: was "[Errno 17] File exists", and only after the model had been built
+    # Guards: an --out that is a file failed with "[Errno 17] File exists", and only after the model was built.
     import bt_hub.train.pretrain
 
     target = tmp_path / "run"
@@ -92,7 +92,7 @@ def test_out_that_is_a_file_fails_in_one_sentence_before_the_model_is_built(tmp_
 
 
 def test_a_second_run_into_a_locked_directory_fails_at_once_naming_the_holder(tmp_path, capsys):
-    # item 8: two runs into one --out used to interleave metrics and mix run.json and weights
+    # Guards: two runs into one --out interleaved their metrics and mixed their run.json and weights.
     out = tmp_path / "run"
     claim_run_dir(out)
     holder = subprocess.Popen(
@@ -125,7 +125,7 @@ def test_a_second_run_into_a_locked_directory_fails_at_once_naming_the_holder(tm
 
 
 def test_atomic_writes_follow_the_umask(tmp_path):
-    # item 13: everything atomic_write produced was 0600
+    # Guards: every file atomic_write produced was mode 0600, whatever the umask.
     old = os.umask(0o022)
     try:
         assert stat.S_IMODE(atomic_write_text(tmp_path / "a.txt", "x").stat().st_mode) == 0o644
@@ -158,7 +158,8 @@ class _FullDisk:
 
 
 def test_disk_full_while_checkpointing_is_one_sentence_and_keeps_the_previous_checkpoint(tmp_path, capsys, monkeypatch):
-    # item 16: was "[enforce fail at inline_container.cc:672] . unexpected pos ..."
+    # Guards: a full disk while checkpointing failed with torch's
+    # "[enforce fail at inline_container.cc:672] . unexpected pos ...".
     out = tmp_path / "run"
     real_fdopen, saves = os.fdopen, []
 
@@ -186,7 +187,8 @@ def test_disk_full_while_checkpointing_is_one_sentence_and_keeps_the_previous_ch
 
 
 def test_a_file_over_the_size_limit_is_one_sentence_and_keeps_the_previous_file(tmp_path):
-    # item 16 with a real kernel refusal (EFBIG under ulimit -f) instead of a patched write
+    # Guards: as above, a failed checkpoint write was torch's raw error; here the kernel itself refuses the write
+    # (EFBIG under ulimit -f) instead of a patched write.
     target = tmp_path / "checkpoint.pth"
     target.write_bytes(b"previous")
     script = textwrap.dedent(f"""
@@ -214,7 +216,7 @@ def test_a_file_over_the_size_limit_is_one_sentence_and_keeps_the_previous_file(
 
 
 def test_disk_full_while_logging_is_one_sentence_and_leaves_the_log_whole(tmp_path, monkeypatch):
-    # item 16: was a raw "[Errno 28] No space left on device"
+    # Guards: a full disk while logging metrics failed with a raw "[Errno 28] No space left on device".
     run = RunDir(tmp_path / "run")
     run.log({"step": 1, "loss": 1.0})
     real_write = os.write
@@ -235,7 +237,7 @@ def test_disk_full_while_logging_is_one_sentence_and_leaves_the_log_whole(tmp_pa
 
 
 def test_a_partial_last_metrics_line_is_dropped_with_a_warning_and_earlier_damage_is_named(tmp_path):
-    # item 10: a partial last line (e.g. disk full) made --resume auto fail with "Unterminated string starting at ..."
+    # Guards: a partial last metrics line (e.g. disk full) made --resume auto fail with "Unterminated string ...".
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')
     with pytest.warns(UserWarning, match="dropped its last line"):
@@ -248,7 +250,8 @@ def test_a_partial_last_metrics_line_is_dropped_with_a_warning_and_earlier_damag
 def test_eval_refuses_a_foreign_directory_before_loading_weights_and_accepts_its_own(
     tmp_path, capsys, resnet18_weights
 ):
-    # item 6 for eval: the --out of every protocol goes through the same check
+    # Guards: eval protocols wrote into a user's own non-empty --out; every protocol's --out goes through the
+    # same check as pretrain's.
     from bt_hub.eval.knn import KnnConfig
 
     out = tmp_path / "mine"
@@ -277,14 +280,14 @@ def test_eval_refuses_a_foreign_directory_before_loading_weights_and_accepts_its
 
 
 def test_eval_on_cuda_without_cuda_fails_up_front_in_one_sentence(monkeypatch, capsys):
-    # item 20: was torch's raw "Found no NVIDIA driver", late
+    # Guards: --device cuda without CUDA failed late, with torch's raw "Found no NVIDIA driver".
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli_main(["eval", "knn", "--weights", "nothing-loaded.pth", "--device", "cuda"]) == 2
     assert "--device cuda was asked for but CUDA is not available; use --device cpu" in _error(capsys)
 
 
 def test_run_json_keeps_the_first_run_and_appends_each_resume(tmp_path):
-    # item 12: every resume used to rewrite run.json, losing the original command, start time and host
+    # Guards: every resume rewrote run.json, losing the original command, start time and host.
     run = RunDir(tmp_path / "run")
     run.start({"lr": 0.1, "max_steps": 2}, 0)
     first = json.loads((tmp_path / "run" / "run.json").read_text())

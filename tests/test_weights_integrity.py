@@ -21,7 +21,7 @@ def resnet18_file(small_stem_weights) -> Path:
     return small_stem_weights
 
 
-# --------------------------------------------------------------------------- 7: export never overwrites silently
+# ---------------------------------------------------------------- export never overwrites a file silently
 
 
 @pytest.mark.parametrize("fmt,name", [("safetensors", "bt.safetensors"), ("detectron2", "bt.pkl")])
@@ -84,7 +84,7 @@ def test_export_hf_keeps_files_bt_hub_did_not_write_even_with_force(resnet18_fil
     )
 
 
-# --------------------------------------------------------------------------- 14: non-finite weights are refused on load
+# ---------------------------------------------------------------- non-finite weights are refused on load
 
 
 @pytest.fixture
@@ -155,7 +155,7 @@ def test_a_projector_with_nan_is_refused_too(tmp_path):
         barlow_twins(weights=str(tmp_path / "checkpoint.pth"))
 
 
-# --------------------------------------------------------------------------- 18, 19: what a file is, said plainly
+# ---------------------------------------------------------------- what a file is, said plainly
 
 
 @pytest.mark.parametrize(
@@ -171,7 +171,7 @@ def test_a_projector_with_nan_is_refused_too(tmp_path):
     ],
 )
 def test_files_that_are_no_checkpoint_say_what_they_look_like(content, looks, tmp_path):
-    """Defect 18: random bytes or an HTML page in a .pth were reported as 'holds pickled code'."""
+    """Guards: random bytes or an HTML page saved as a .pth were reported as 'holds pickled code'."""
     path = tmp_path / "resnet50.pth"
     path.write_bytes(content)
     with pytest.raises(CheckpointError) as err:
@@ -188,7 +188,7 @@ class _Payload:
 
 
 def test_pickled_code_is_refused_in_plain_words_without_torchs_weights_only_advice(tmp_path):
-    """Defect 19: a refused checkpoint showed torch's text suggesting to re-run with weights_only=False."""
+    """Guards: a refused checkpoint showed torch's own text suggesting to re-run with weights_only=False."""
     marker = tmp_path / "executed"
     zipped = tmp_path / "checkpoint.pth"
     torch.save(
