@@ -1,9 +1,12 @@
 """Detection installation check, both engines on the same data and budget: AP, seconds per iteration, CPU time.
 
-    python benchmarks/detection_engines.py --out /tmp/detcheck                       # torchvision, then detectron2 if importable
+    # torchvision, then detectron2 if importable
+    python benchmarks/detection_engines.py --out /tmp/detcheck
     python benchmarks/detection_engines.py --out /tmp/detcheck --engines torchvision --config shapes-coco
-    python benchmarks/detection_engines.py --out /tmp/detgpu --device cuda                       # the same on a GPU
-    python benchmarks/detection_engines.py --out /tmp/detseed1 --data-seed 1 --weights-seed 1   # other shapes, other weights
+    # the same on a GPU
+    python benchmarks/detection_engines.py --out /tmp/detgpu --device cuda
+    # other shapes, other weights
+    python benchmarks/detection_engines.py --out /tmp/detseed1 --data-seed 1 --weights-seed 1
 
 Writes the generated shapes (``bt-hub make-detection-data``, 600 train / 100 test images of
 128 px) and a seeded random ResNet-50 exported with ``bt-hub export``, then runs

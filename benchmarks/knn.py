@@ -86,7 +86,8 @@ def main() -> None:
         args.train, args.queries, args.dim, args.classes, args.seed, args.noise
     )
     print(
-        f"bank {args.train} x {args.dim}, {args.queries} queries, {args.classes} classes, k = {args.k}, T = {args.temperature}"
+        f"bank {args.train} x {args.dim}, {args.queries} queries, {args.classes} classes, "
+        f"k = {args.k}, T = {args.temperature}"
     )
 
     runs = {
@@ -121,13 +122,13 @@ def main() -> None:
     print("| method | seconds | top-1 | top-5 | speed-up |")
     print("|---|---|---|---|---|")
     print(
-        f"| scikit-learn KNeighborsClassifier(brute, {args.sklearn_metric}) | {ref_s:.2f} | {ref['top1']:.2f} | {ref['top5']:.2f} | 1.0x |"
+        f"| scikit-learn KNeighborsClassifier(brute, {args.sklearn_metric}) | {ref_s:.2f} | "
+        f"{ref['top1']:.2f} | {ref['top5']:.2f} | 1.0x |"
     )
     for name, (result, seconds) in ours.items():
         print(f"| {name} | {seconds:.2f} | {result['top1']:.2f} | {result['top5']:.2f} | {ref_s / seconds:.1f}x |")
-    print(
-        f"\nlargest top-1 difference from scikit-learn: {max(abs(r['top1'] - ref['top1']) for r, _ in ours.values()):.3f} pt"
-    )
+    largest = max(abs(r["top1"] - ref["top1"]) for r, _ in ours.values())
+    print(f"\nlargest top-1 difference from scikit-learn: {largest:.3f} pt")
 
 
 if __name__ == "__main__":

@@ -120,13 +120,16 @@ def main() -> None:
         f"| paper loop (frozen backbone, RandomResizedCrop + flip) | — | {paper_epoch:.3f} | 1.0× | {paper_top1:.1f} |"
     )
     print(
-        f"| loop on the test-transform images (no augmentation) | — | {plain_epoch:.3f} | {paper_epoch / plain_epoch:.1f}× | {plain_top1:.1f} |"
+        f"| loop on the test-transform images (no augmentation) | — | {plain_epoch:.3f} | "
+        f"{paper_epoch / plain_epoch:.1f}× | {plain_top1:.1f} |"
     )
     print(
-        f"| cached (test-transform features, no augmentation) | {extraction:.2f} | {cached_epoch:.4f} | {paper_epoch / cached_epoch:.0f}× | {cached_top1:.1f} |"
+        f"| cached (test-transform features, no augmentation) | {extraction:.2f} | {cached_epoch:.4f} | "
+        f"{paper_epoch / cached_epoch:.0f}× | {cached_top1:.1f} |"
     )
     print(
-        f"\ncached vs the loop on the same images: {cached_top1 - plain_top1:+.1f} pt; vs the paper loop: {cached_top1 - paper_top1:+.1f} pt"
+        f"\ncached vs the loop on the same images: {cached_top1 - plain_top1:+.1f} pt; "
+        f"vs the paper loop: {cached_top1 - paper_top1:+.1f} pt"
     )
 
 

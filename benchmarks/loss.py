@@ -177,13 +177,18 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
-        name = f"CPU ({os.cpu_count()} cores), {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f} at start"
+        name = (
+            f"CPU ({os.cpu_count()} cores), {torch.get_num_threads()} threads, "
+            f"load average {os.getloadavg()[0]:.1f} at start"
+        )
     print(
-        f"# Barlow Twins loss, forward + backward, fp32 inputs; {name}; torch {torch.__version__}; median of {args.repeats}"
+        f"# Barlow Twins loss, forward + backward, fp32 inputs; {name}; torch {torch.__version__}; "
+        f"median of {args.repeats}"
     )
     print()
     print(
-        "| N | D | ours | reference s | ours s | speed-up | reference extra MiB | ours extra MiB | memory ratio | rel. loss diff |"
+        "| N | D | ours | reference s | ours s | speed-up | reference extra MiB | ours extra MiB | memory ratio "
+        "| rel. loss diff |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     flop_rate = None

@@ -218,7 +218,8 @@ def main() -> None:
             if k >= args.warmup:
                 times[p.name].append(seconds)
     print(
-        f"ResNet-18 small stem, {args.image_size} px, {args.pairs} pairs, projector {args.projector}, device {args.device}, "
+        f"ResNet-18 small stem, {args.image_size} px, {args.pairs} pairs, projector {args.projector}, "
+        f"device {args.device}, "
         f"threads {torch.get_num_threads()}, median of {args.timed_steps} steps after {args.warmup} warm-up"
     )
     print(f"{'step':<56}{'s/step':>10}{'pairs/s':>10}{'speed-up':>10}")
@@ -228,7 +229,10 @@ def main() -> None:
         label = (
             p.name
             if not p.ours
-            else f"bt_hub ({args.precision}, {'channels-last' if args.channels_last else 'NCHW'}, loss {args.loss_method}{', compiled' if args.compile else ''})"
+            else (
+                f"bt_hub ({args.precision}, {'channels-last' if args.channels_last else 'NCHW'}, "
+                f"loss {args.loss_method}{', compiled' if args.compile else ''})"
+            )
         )
         print(f"{label:<56}{med:>10.3f}{args.pairs / med:>10.1f}{ref / med:>9.2f}x")
     if args.profile:

@@ -280,8 +280,10 @@ def main() -> None:
     mean_kb = statistics.mean(f.stat().st_size for f in files[:UNIQUE_IMAGES]) / 1024
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     header = (
-        f"{args.arch}, {args.image_size} px, projector {args.projector}, batch {args.batch_size}, {name}, precision {precision}, "
-        f"{'channels-last' if args.channels_last else 'NCHW'}, {args.workers} workers, {len(files)} JPEGs {width}x{height} q90 "
+        f"{args.arch}, {args.image_size} px, projector {args.projector}, batch {args.batch_size}, {name}, "
+        f"precision {precision}, "
+        f"{'channels-last' if args.channels_last else 'NCHW'}, {args.workers} workers, "
+        f"{len(files)} JPEGs {width}x{height} q90 "
         f"(mean {mean_kb:.0f} KB, made in {time.perf_counter() - tick:.0f} s); torch {torch.__version__}; "
         f"{args.steps} timed steps after {args.warmup}"
     )

@@ -62,7 +62,8 @@ def main() -> None:
     ]
     config_class = {semi_supervised: semi_supervised.SemiSupervisedConfig, linear: linear.LinearConfig}
     print(
-        f"digits: held-out {args.holdout:.0%} of the training split (seed {args.seed}), {args.image_size} px, weights {args.weights}, "
+        f"digits: held-out {args.holdout:.0%} of the training split (seed {args.seed}), {args.image_size} px, "
+        f"weights {args.weights}, "
         f"{args.threads} threads\n"
     )
     print("| protocol | recipe | held-out top-1 | s |")

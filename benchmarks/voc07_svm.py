@@ -1,6 +1,6 @@
 """The VOC07 SVM grid: parallel (joblib processes) vs sequential, same features, same result.
 
-    python benchmarks/voc07_svm.py                                      # VOC07 size: 5011 / 4952 x 8192, 20 classes, 11 costs
+    python benchmarks/voc07_svm.py                                # VOC07 size: 5011 / 4952 x 8192, 20 classes, 11 costs
     python benchmarks/voc07_svm.py --train 1000 --test 1000 --dim 1024 --classes 6 --costs 0.1 1 10
 
 Features are seeded multi-label Gaussians shaped like VOC07 res5 features (about 1.5
@@ -53,7 +53,8 @@ def main() -> None:
     train_x, train_y = make_features(args.train, args.dim, args.classes, args.seed)
     test_x, test_y = make_features(args.test, args.dim, args.classes, args.seed + 1)
     print(
-        f"trainval {args.train}, test {args.test}, dim {args.dim}, {args.classes} classes, {len(args.costs)} costs -> {args.classes * len(args.costs) * 3} (class, cost, fold) CV jobs"
+        f"trainval {args.train}, test {args.test}, dim {args.dim}, {args.classes} classes, {len(args.costs)} costs "
+        f"-> {args.classes * len(args.costs) * 3} (class, cost, fold) CV jobs"
     )
 
     from joblib import Parallel, delayed

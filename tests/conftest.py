@@ -136,7 +136,10 @@ def bt_weights(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
 
 @pytest.fixture
 def one_thread():
-    """One torch thread (the detection tests): on a loaded machine, waiting OpenMP threads spin and multiply the CPU time."""
+    """One torch thread (the detection tests).
+
+    On a loaded machine, waiting OpenMP threads spin and multiply the CPU time.
+    """
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -1,4 +1,6 @@
-"""Crash consistency of ``bt-hub pretrain``: SIGKILLs at seeded random moments, torchrun's agent killed, elastic restarts.
+"""Crash consistency of ``bt-hub pretrain``.
+
+SIGKILLs at seeded random moments, torchrun's agent killed, elastic restarts.
 
 Every interrupted run, continued with ``--resume auto``, must end bit-identical (weights,
 optimiser state) to an uninterrupted one, with the same ``metrics.jsonl`` (the timing
@@ -151,7 +153,10 @@ def _assert_identical_runs(expected: Path, got: Path, steps: int) -> None:
 
 
 def _crash_and_resume(out: Path, moments: list[str], seed: int, *extra: str) -> int:
-    """Kill a run at each of ``moments`` (resuming it each time), then let it finish; return the kills that cut a write."""
+    """Kill a run at each of ``moments`` (resuming it each time), then let it finish.
+
+    Returns how many of the kills cut a write.
+    """
     rng = random.Random(seed)
     cut = sum(_kill_resumed_run(out, moment, rng, *extra) for moment in moments)
     _run(_cmd(out, "--resume", "auto", *extra))

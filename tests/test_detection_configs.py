@@ -154,7 +154,8 @@ def test_installation_check_configs_fit_the_generated_set(alias):
         "shapes-coco": (["coco_2017_train"], ["coco_2017_val"]),
     }[alias]
     assert (cfg["DATASETS"]["TRAIN"], cfg["DATASETS"]["TEST"]) == layout
-    # the paper's model: only sizes (the anchors halved with the input), RoI/proposal counts and the schedule differ from the base
+    # the paper's model: only sizes (the anchors halved with the input), RoI/proposal counts and the schedule
+    # differ from the base
     base = _load(configs_dir() / "Base-RCNN-C4-BN.yaml")
     for key in (
         "MODEL.ANCHOR_GENERATOR.ASPECT_RATIOS",

@@ -1,4 +1,7 @@
-"""The download cache against loopback servers: keyed by URL, verified before it is kept, bounded in time, clear when it fails."""
+"""The download cache against loopback servers.
+
+Keyed by URL, verified before it is kept, bounded in time, clear when it fails.
+"""
 
 from __future__ import annotations
 
@@ -165,7 +168,8 @@ def test_http_errors_and_refused_connections_name_the_url_the_cache_path_and_the
     finally:
         server.stop()
     assert str(err.value) == (
-        f"download of {missing} failed: HTTP 404 Not Found; nothing was cached at {cache_path(missing)}; retry, or download "
+        f"download of {missing} failed: HTTP 404 Not Found; nothing was cached at {cache_path(missing)}; "
+        "retry, or download "
         f"{missing} yourself and place the file at that path (TORCH_HOME, now {torch_home}, moves the cache)"
     )
     assert server.hits["/missing/resnet18.pth"] == 1  # a 404 is not retried
@@ -192,8 +196,10 @@ def test_hub_failures_offline_name_the_spec(tmp_path):
     offline = subprocess.run([sys.executable, "-c", HF_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
     lines = offline.stdout.strip().splitlines()
     assert lines[0] == (
-        f"DownloadError | hf://nobody/nothing: model.safetensors is not in the Hugging Face cache ({tmp_path / 'hf' / 'hub'}) "
-        "and HF_HUB_OFFLINE=1 is set; connect once without HF_HUB_OFFLINE to fill the cache, or point HF_HOME at a cache that holds it"
+        "DownloadError | hf://nobody/nothing: model.safetensors is not in the Hugging Face cache "
+        f"({tmp_path / 'hf' / 'hub'}) "
+        "and HF_HUB_OFFLINE=1 is set; connect once without HF_HUB_OFFLINE to fill the cache, "
+        "or point HF_HOME at a cache that holds it"
     ), offline.stderr[-2000:]
     assert lines[1].startswith(
         "DownloadError | weights 'nobody/nothing' are no file or folder here, and the Hub lookup failed: hf://nobody/nothing:"
@@ -210,7 +216,8 @@ def test_an_html_page_served_instead_of_weights_is_refused_and_not_cached(torch_
     finally:
         server.stop()
     assert str(err.value).startswith(
-        f"download of {url} was refused: it is not a torch checkpoint (looks like HTML, perhaps an error or login page saved in its place); "
+        f"download of {url} was refused: it is not a torch checkpoint "
+        "(looks like HTML, perhaps an error or login page saved in its place); "
         f"nothing was cached at {cache_path(url)}"
     )
     assert not cache_path(url).exists() and _leftovers(torch_home) == []

@@ -65,7 +65,10 @@ def test_file_whose_hash_prefix_does_not_match_is_refused(served, hub_dir):
     url = f"{served['url']}/forged-deadbeef.pth"
     with pytest.raises(
         DownloadError,
-        match=r"forged-deadbeef.pth has sha256 [0-9a-f]{16}\.\.\., not the hash prefix in its file name deadbeef, so it was refused",
+        match=(
+            r"forged-deadbeef.pth has sha256 [0-9a-f]{16}\.\.\., "
+            r"not the hash prefix in its file name deadbeef, so it was refused"
+        ),
     ):
         torch.hub.load(str(REPO_ROOT), "resnet50", source="local", weights=url, progress=False)
     assert not cache_path(url).exists() and list(cache_path(url).parent.iterdir()) == []
@@ -140,11 +143,11 @@ def test_kwargs_contradicting_the_weights_raise_naming_both(tmp_path):
 def test_hubconf_works_from_a_checkout_without_bt_hub_installed(tmp_path):
     """site-packages is put on sys.path without its .pth files, so the editable install of bt_hub is invisible."""
     script = (
-        "import sys, importlib.util; sys.path.append(%r);"
+        f"import sys, importlib.util; sys.path.append({sysconfig.get_paths()['purelib']!r});"
         "assert importlib.util.find_spec('bt_hub') is None, 'bt_hub is importable';"
-        "import torch; m = torch.hub.load(%r, 'resnet50', source='local', weights=None);"
+        f"import torch; m = torch.hub.load({str(REPO_ROOT)!r}, 'resnet50', source='local', weights=None);"
         "print(type(m.fc).__name__, 'bt_hub' in sys.modules)"
-    ) % (sysconfig.get_paths()["purelib"], str(REPO_ROOT))
+    )
     env = {
         k: v for k, v in os.environ.items() if k != "PYTHONPATH"
     }  # a worktree on PYTHONPATH would make bt_hub importable

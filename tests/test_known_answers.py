@@ -26,7 +26,10 @@ def weights(small_stem_weights):
 
 
 def _planted(root, move_test_labels=False, per_class=6, size=8):
-    """train/: noise images; val/: a near-copy (pixels +-2) of every other training image, in its class (or the next)."""
+    """train/: noise images; val/: a near-copy (pixels +-2) of every other training image.
+
+    Each copy is in its class (or the next one, with ``move_test_labels``).
+    """
     rng = np.random.default_rng(0)
     for c in range(3):
         for i in range(per_class):

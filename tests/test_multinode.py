@@ -1,4 +1,7 @@
-"""Two torchrun "nodes" on loopback (c10d rendezvous, one gloo process each) train like one process on the whole batch."""
+"""Two torchrun "nodes" on loopback train like one process on the whole batch.
+
+c10d rendezvous, one gloo process each.
+"""
 
 from __future__ import annotations
 

@@ -203,7 +203,10 @@ def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(
     )
     with pytest.raises(
         RuntimeError,
-        match=r"the loss became nan at step (\d+); training stopped and the last good checkpoint .*checkpoint.pth \(step",
+        match=(
+            r"the loss became nan at step (\d+); training stopped and the last good checkpoint "
+            r".*checkpoint.pth \(step"
+        ),
     ):
         pretrain(config)
     state = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
@@ -236,7 +239,8 @@ def test_a_diverging_run_keeps_only_an_all_finite_checkpoint_and_resuming_it_sto
     assert cli_main(flags) == 2
     err = one_sentence(capsys.readouterr().err)
     found = re.search(
-        r"at step (\d+); training stopped and the last good checkpoint (\S+) \(step (\d+), every tensor finite\) is kept",
+        r"at step (\d+); training stopped and the last good checkpoint (\S+) "
+        r"\(step (\d+), every tensor finite\) is kept",
         err,
     )
     assert found, err

@@ -149,8 +149,8 @@ def test_tables_round_to_one_decimal_and_show_the_paper_row_only_for_its_own_pro
     md = (tmp_path / "results.md").read_text()
     assert md.count("| Barlow Twins paper (ResNet-50, 1000 epochs) |") == 1
     assert (
-        "| Barlow Twins paper (ResNet-50, 1000 epochs) | preset imagenet; paper loop with augmentation | paper's | ImageNet | 73.2 | 91.0 | — |"
-        in md
+        "| Barlow Twins paper (ResNet-50, 1000 epochs) | preset imagenet; paper loop with augmentation "
+        "| paper's | ImageNet | 73.2 | 91.0 | — |" in md
     )
     assert "| 71.2 | 90.0 | 12.5 |" in md and "71.25" not in md
     card = card_table([json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()])
@@ -168,12 +168,12 @@ def test_semi_rows_say_which_label_fraction_and_get_that_fractions_paper_row(tmp
         )
     md = (tmp_path / "results.md").read_text()
     assert (
-        "1% labels (SimCLR list 1percent.txt); preset paper; paper loop with augmentation | paper's | ImageNet | 55.0 | 79.2 |"
-        in md
+        "1% labels (SimCLR list 1percent.txt); preset paper; paper loop with augmentation "
+        "| paper's | ImageNet | 55.0 | 79.2 |" in md
     )
     assert (
-        "10% labels (SimCLR list 10percent.txt); preset paper; paper loop with augmentation | paper's | ImageNet | 69.7 | 89.3 |"
-        in md
+        "10% labels (SimCLR list 10percent.txt); preset paper; paper loop with augmentation "
+        "| paper's | ImageNet | 69.7 | 89.3 |" in md
     )
     assert (
         "| ours: semi | 1% labels (seeded class-balanced, seed 0); preset paper; paper loop with augmentation |" in md
@@ -256,8 +256,8 @@ def test_push_and_save_pretrained_accept_eval_all_results(tmp_path):
     )
     card = (folder / "README.md").read_text()
     assert (
-        "| semi | 1% labels (seeded class-balanced, seed 0); preset paper; paper loop with augmentation | digits | Top-1 | 71.2 | 55.0 |"
-        in card
+        "| semi | 1% labels (seeded class-balanced, seed 0); preset paper; paper loop with augmentation "
+        "| digits | Top-1 | 71.2 | 55.0 |" in card
     )
     assert "| linear | preset imagenet; paper loop with augmentation | digits | Top-1 | 71.2 | 73.2 |" in card
 

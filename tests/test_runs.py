@@ -1,4 +1,7 @@
-"""bt_hub.common.runs: run-directory ownership and lock, atomic writes (umask, disk full), run.json and metrics.jsonl."""
+"""bt_hub.common.runs: run-directory ownership and lock, atomic writes (umask, disk full).
+
+Also run.json and metrics.jsonl.
+"""
 
 from __future__ import annotations
 
@@ -175,8 +178,8 @@ def test_disk_full_while_checkpointing_is_one_sentence_and_keeps_the_previous_ch
     assert cli_main([*TINY, "--out", str(out), "--checkpoint-every", "1"]) == 2
     err = _error(capsys)
     assert (
-        f"could not write {out / 'checkpoint.pth'}: no space is left on the device; free space on the file system of {out}"
-        in err
+        f"could not write {out / 'checkpoint.pth'}: no space is left on the device; "
+        f"free space on the file system of {out}" in err
     )
     assert "the previous checkpoint.pth is unchanged" in err and "enforce fail" not in err
     assert torch.load(out / "checkpoint.pth", weights_only=True)["step"] == 2

@@ -220,10 +220,12 @@ def test_milestones_that_never_fire_are_a_warning():
     from bt_hub.eval.config import schedule_warnings
 
     assert schedule_warnings(SemiSupervisedConfig(weights="w", epochs=5)) == [
-        "--milestones 12 16 never fire in 5 epochs, so the LR never drops there: lower --milestones or use --schedule cosine"
+        "--milestones 12 16 never fire in 5 epochs, so the LR never drops there: "
+        "lower --milestones or use --schedule cosine"
     ]
     assert schedule_warnings(SemiSupervisedConfig(weights="w", epochs=14)) == [
-        "--milestones 16 never fire in 14 epochs, so the LR never drops there: lower --milestones or use --schedule cosine"
+        "--milestones 16 never fire in 14 epochs, so the LR never drops there: "
+        "lower --milestones or use --schedule cosine"
     ]
     assert schedule_warnings(SemiSupervisedConfig(weights="w")) == []
     assert schedule_warnings(from_preset(SemiSupervisedConfig, "small", weights="w", epochs=5)) == []  # cosine

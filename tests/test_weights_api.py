@@ -111,7 +111,8 @@ def test_unknown_names_list_the_registered_ones_and_missing_paths_are_no_hub_err
 ):
     assert cli.main(["eval", "knn", "--weights", "barlowtwins-in1k-typo", "--out", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err.strip() == (
-        "bt-hub eval knn: error: weights 'barlowtwins-in1k-typo' name no file or folder, URL, Hub repo (org/name) or registered "
+        "bt-hub eval knn: error: weights 'barlowtwins-in1k-typo' name no file or folder, URL, "
+        "Hub repo (org/name) or registered "
         "weights; registered names: barlowtwins-in1k, barlowtwins-in1k-ljng, barlowtwins-in1k-full"
     )
     for typo in ("./hf_r5O", "runs/pretrain/backbone.safetensors", "~/weights.pth", "missing.pth"):
@@ -286,7 +287,8 @@ from bt_hub import cli
 from bt_hub.weights import barlow_twins
 model = barlow_twins(weights="bt/digits")
 print(json.dumps({"lambd": model.lambd, "projector": model.config["projector"]}))
-sys.exit(cli.main(["eval", "knn", "--weights", "bt/digits", "--data", "synthetic:40", "--image-size", "16", "--k", "5", "--out", sys.argv[1]]))
+sys.exit(cli.main(["eval", "knn", "--weights", "bt/digits", "--data", "synthetic:40", \
+"--image-size", "16", "--k", "5", "--out", sys.argv[1]]))
 """
 
 

@@ -1,4 +1,7 @@
-"""Weights files that are wrong never load silently: existing export targets, NaN/inf tensors, non-checkpoints, pickled code."""
+"""Weights files that are wrong never load silently.
+
+Existing export targets, NaN/inf tensors, non-checkpoints, pickled code.
+"""
 
 from __future__ import annotations
 
@@ -68,7 +71,8 @@ def test_export_hf_keeps_files_bt_hub_did_not_write_even_with_force(resnet18_fil
         capsys.readouterr()
         .err.strip()
         .endswith(
-            f"{out / 'README.md'} was not written by bt_hub, so even --force does not replace it; move it away or export to another folder"
+            f"{out / 'README.md'} was not written by bt_hub, so even --force does not replace it; "
+            "move it away or export to another folder"
         )
     )
     assert sorted(p.name for p in out.iterdir()) == ["README.md"]
@@ -103,7 +107,8 @@ def test_non_finite_weights_are_refused_by_load_backbone_unless_allowed(diverged
     with pytest.raises(CheckpointError) as err:
         load_backbone(diverged_file)
     assert str(err.value) == (
-        f"weights file {diverged_file} holds NaN or inf in 2 tensors, first ['layer1.0.bn1.running_var', 'layer3.1.bn2.running_var'], "
+        f"weights file {diverged_file} holds NaN or inf in 2 tensors, "
+        "first ['layer1.0.bn1.running_var', 'layer3.1.bn2.running_var'], "
         "so bt_hub refuses to load it (pass --allow-non-finite / allow_non_finite=True to inspect such weights anyway)"
     )
     model = load_backbone(diverged_file, allow_non_finite=True)

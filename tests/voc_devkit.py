@@ -19,7 +19,9 @@ def write_synthetic_devkit(
     image_size: int = 32,
     seed: int = 0,
 ) -> Path:
-    """A tiny VOC2007-format devkit: each image shows one colour block per class it contains; some objects are difficult.
+    """A tiny VOC2007-format devkit.
+
+    Each image shows one colour block per class it contains; some objects are difficult.
 
     Returns the ``VOC2007`` directory.
     """
