@@ -47,7 +47,7 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
         "bt_hub.train.pretrain", "PretrainConfig", "pretrain", "pretrain a backbone with the Barlow Twins loss"
     ),
     "report": Command(
-        "bt_hub.common.plots",
+        "bt_hub.train.plots",
         "ReportConfig",
         "report",
         "draw a pretraining run's loss, cross-correlation matrices and kNN curve as PNG files",
@@ -236,6 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(_overview(path, table))
         return 0 if rest else 2
+    from bt_hub.common.config import torch_threads  # torch loads with the command's module, not for --help
+
     module = importlib.import_module(command.module)
     config_cls = getattr(module, command.config)
     parser = argparse.ArgumentParser(prog="bt-hub " + " ".join(path), description=command.help)
@@ -246,7 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.showwarning = _print_warning(prefix)
             config = build_config(config_cls, namespace)
-            result = getattr(module, command.function)(config)
+            with torch_threads(getattr(config, "threads", 0)):
+                result = getattr(module, command.function)(config)
     except (ValueError, OSError, ImportError, RuntimeError) as err:
         if os.environ.get("BT_HUB_DEBUG"):
             raise
@@ -255,11 +258,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = _summary(result, getattr(config, "out", None))
     if summary:
         print(summary)
-    elif isinstance(result, str):
-        print(result)
-    elif isinstance(result, list):  # files written (bt-hub report)
-        print("\n".join(str(item) for item in result))
+    elif result is not None and os.environ.get("RANK", "0") == "0":
+        print(_describe(result, config))
     return 0
+
+
+def _describe(result: Any, config: Any) -> str:
+    """What a command returned, in words: text as it is, files written (with their sha256), a Hub commit."""
+    if isinstance(result, str):
+        return result
+    if isinstance(result, list):  # files written (bt-hub report)
+        return "\n".join(str(item) for item in result)
+    if isinstance(result, Path) and result.is_dir():
+        files = sorted(p.name for p in result.iterdir() if p.is_file() and not p.name.startswith("."))
+        return f"wrote {result} ({', '.join(files)})"
+    if isinstance(result, Path):
+        from bt_hub.common.files import file_sha256
+
+        return f"wrote {result} (sha256 {file_sha256(result)})"
+    if hasattr(result, "commit_url"):  # huggingface_hub's CommitInfo (bt-hub push)
+        return f"pushed {config.weights} to {result.commit_url}"
+    return str(result)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-import torch
-
+from bt_hub.common.config import RunConfig, out_field
 from bt_hub.common.presets import preset_values
 from bt_hub.common.runs import check_run_dir
+from bt_hub.method.model import ARCHITECTURES
 
 
 class PresetWarning(UserWarning):
@@ -25,89 +25,82 @@ class PresetWarning(UserWarning):
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(RunConfig):
     """Weights, data, output and compute settings shared by all protocols."""
 
-    # Fields that say where or how a run executes, not what it computes: results do not list
-    # them as changes from the preset (the record holds them all under "hyperparameters").
-    RUN_FIELDS: ClassVar[tuple[str, ...]] = (
+    RUN_FIELDS: ClassVar[tuple[str, ...]] = RunConfig.RUN_FIELDS + (
         "weights",
         "data",
-        "out",
-        "device",
         "num_workers",
         "cache_dir",
         "cache_dtype",
-        "seed",
         "test_split",
         "holdout",
-        "overwrite",
         "allow_non_finite",
     )
 
     weights: str = field(
         metadata={
-            "help": "weights to evaluate: a registered name (bt-hub weights list), file, folder (run directory, Hugging Face folder), URL, hf://org/name[@rev] or org/name"
+            "help": "weights to evaluate: a registered name (bt-hub weights list), file, folder (run directory, "
+            "Hugging Face folder), URL, hf://org/name[@rev] or org/name"
         }
     )
     data: str = field(
         default="digits",
         metadata={
-            "help": "dataset: 'digits' (embedded), 'synthetic[:N]', or a directory with train/ beside val/ or test/ (ImageFolder class folders in each)"
+            "help": "dataset: 'digits' (embedded), 'synthetic[:N]', or a directory with train/ beside val/ or test/ "
+            "(ImageFolder class folders in each)"
         },
     )
-    out: str = field(
-        default="runs/eval",
-        metadata={
-            "help": "output directory: results.json (this run), results.jsonl (every run), results.md and the protocol's logs go here"
-        },
-    )
-    overwrite: bool = field(
-        default=False,
-        metadata={
-            "help": "write into an --out that is not empty and was not created by bt-hub (same-named files are replaced)"
-        },
+    out: str = out_field(
+        "runs/eval",
+        "output directory: results.json (this run), results.jsonl (every run), results.md and the protocol's logs go here",
     )
     arch: str | None = field(
         default=None,
-        metadata={"help": "backbone architecture (resnet18/34/50/101); overrides what the checkpoint implies"},
+        metadata={
+            "help": "backbone architecture; overrides what the checkpoint implies",
+            "choices": tuple(ARCHITECTURES),
+        },
     )
     small_image_stem: bool | None = field(
         default=None, metadata={"help": "3x3 stem without max-pool (32-px data); default: what the checkpoint implies"}
     )
-    device: str = field(default="cpu", metadata={"help": "'cpu' or 'cuda' (autocast is used on CUDA)"})
     batch_size: int = field(
         default=256,
         metadata={
-            "help": "images per batch: of feature extraction, and the training batch of linear, transfer and semi (global under torchrun)"
+            "help": "images per batch: of feature extraction, and the training batch of linear, transfer and semi "
+            "(global under torchrun)"
         },
     )
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes"})
     image_size: int = field(
         default=224,
         metadata={
-            "help": "crop side; the test transform is Resize(image_size*256/224) + CenterCrop(image_size); digits and synthetic are drawn at this size"
+            "help": "crop side; the test transform is Resize(image_size*256/224) + CenterCrop(image_size); digits "
+            "and synthetic are drawn at this size"
         },
-    )
-    seed: int = field(
-        default=0, metadata={"help": "seed of every random choice (data split, holdout, initialisation, sampling)"}
     )
     test_split: Literal["val", "test"] = field(
         default="val",
         metadata={
-            "help": "held-out split of a directory --data: val/ (ImageNet layout) or test/; digits and synthetic hold out one part under both names"
+            "help": "held-out split of a directory --data: val/ (ImageNet layout) or test/; digits and synthetic hold "
+            "out one part under both names"
         },
     )
     holdout: float | None = field(
         default=None,
         metadata={
-            "help": "score on a seeded, class-stratified FRACTION of the training split instead of --test-split (a flat ImageFolder; or tuning without touching the test split); the held-out indices' sha256 goes into results.json"
+            "help": "score on a seeded, class-stratified FRACTION of the training split instead of --test-split (a "
+            "flat ImageFolder; or tuning without touching the test split); the held-out indices' sha256 goes into "
+            "results.json"
         },
     )
     cache_dir: str | None = field(
         default=None,
         metadata={
-            "help": "feature cache directory; a second protocol on the same weights, data and transform reuses the features"
+            "help": "feature cache directory; a second protocol on the same weights, data and transform reuses the "
+            "features"
         },
     )
     cache_dtype: Literal["float32", "float16"] = field(
@@ -125,12 +118,9 @@ class EvalConfig:
                 raise ValueError(f"{flag} must be positive, got {value}")
         if self.num_workers < 0:
             raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
-        if not (self.device == "cpu" or self.device.startswith("cuda") or self.device == "mps"):
-            raise ValueError(f"--device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        super().__post_init__()
         if self.cache_dtype not in ("float32", "float16"):
             raise ValueError(f"--cache-dtype must be 'float32' or 'float16', got {self.cache_dtype!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"--device {self.device} was asked for but CUDA is not available; use --device cpu")
         if self.holdout is not None and not 0 < self.holdout < 1:
             raise ValueError(f"--holdout must be a fraction in (0, 1), e.g. 0.2, got {self.holdout}")
         preset = getattr(self, "preset", None)

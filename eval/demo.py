@@ -27,10 +27,10 @@ import torch
 from torch import nn
 from torch.utils.data import Subset
 
+from bt_hub.common.config import RunConfig, out_field
 from bt_hub.common.files import atomic_write_json, atomic_write_text
-from bt_hub.common.plots import plot_accuracy_bars, run_plots, save_png
-from bt_hub.common.presets import baseline
-from bt_hub.common.runs import package_version
+from bt_hub.common.presets import baseline, from_preset, preset_values
+from bt_hub.common.runs import claim_run_dir, package_version
 from bt_hub.eval.classifier import evaluate_features, train_on_features
 from bt_hub.eval.features import TransformedDataset, extract_features, train_transform
 from bt_hub.eval.knn import knn_classify
@@ -38,14 +38,15 @@ from bt_hub.eval.label_subsets import balanced_subset_indices
 from bt_hub.eval.linear import LinearConfig
 from bt_hub.eval.semi_supervised import SemiSupervisedConfig, finetune
 from bt_hub.eval.splits import load_splits
-from bt_hub.method.model import build_backbone
+from bt_hub.method.model import ARCHITECTURES, build_backbone
 from bt_hub.method.transforms import eval_transforms
+from bt_hub.train.plots import plot_accuracy_bars, run_plots, save_png
 from bt_hub.train.pretrain import PretrainConfig, pretrain
 from bt_hub.weights import load_backbone
 
 FRACTIONS = (1, 10)
-LAMBD = 0.1
-LR_BIAS_RATIO = 0.0048 / 0.2  # the paper's biases : weights LR
+# The pretraining recipe is the `digits` preset of bt-hub pretrain; the demo's flags default to it.
+DIGITS = preset_values(PretrainConfig, "digits")
 COLUMNS = ("kNN", "linear", "1% labels", "10% labels")
 LINEAR = {
     k: v
@@ -57,51 +58,59 @@ SMALL = baseline(SemiSupervisedConfig, "small")
 
 
 @dataclass
-class DemoConfig:
+class DemoConfig(RunConfig):
     """Flags of ``bt-hub demo``; the defaults finish in about five minutes on two CPU cores."""
 
-    out: str = field(
-        default="demo_out", metadata={"help": "output directory: report.md, PNG plots, results.json, pretrain/"}
+    out: str = out_field("demo_out", "output directory: report.md, PNG plots, results.json, pretrain/")
+    # the demo's timings are stated for two threads
+    threads: int = field(
+        default=2, kw_only=True, metadata={"help": "CPU threads of torch in this process (0: torch's default)"}
     )
-    seed: int = field(
-        default=0, metadata={"help": "seed of the data split, initialisation, views and every evaluation"}
-    )
-    epochs: int = field(default=4, metadata={"help": "pretraining epochs"})
+    epochs: int = field(default=DIGITS["epochs"], metadata={"help": "pretraining epochs"})
     max_steps: int = field(
         default=0,
         metadata={"help": "stop pretraining after this many steps (0: all epochs); the schedule is unchanged"},
     )
-    batch_size: int = field(default=64, metadata={"help": "pretraining batch size (small: more steps in a short run)"})
+    batch_size: int = field(
+        default=DIGITS["batch_size"], metadata={"help": "pretraining batch size (small: more steps in a short run)"}
+    )
     lr_weights: float = field(
-        default=8.0,
+        default=DIGITS["lr_weights"],
         metadata={"help": "LARS base LR of the weights, × batch/256 (paper: 0.2, far too slow for 88 steps)"},
     )
     crop_scale_min: float = field(
-        default=0.4,
+        default=DIGITS["crop_scale_min"],
         metadata={
             "help": "smallest area fraction of the random crops in pretraining and fine-tuning (paper: 0.08, which can erase an 8-px digit)"
         },
     )
     image_size: int = field(
-        default=8, metadata={"help": "side of the digit images and views in pixels (the originals are 8x8)"}
+        default=DIGITS["image_size"],
+        metadata={"help": "side of the digit images and views in pixels (the originals are 8x8)"},
     )
     backbone: str = field(
-        default="resnet18", metadata={"help": "torchvision ResNet", "flag": "arch", "aliases": ("backbone",)}
+        default=DIGITS["backbone"],
+        metadata={
+            "help": "torchvision ResNet",
+            "flag": "arch",
+            "aliases": ("backbone",),
+            "choices": tuple(ARCHITECTURES),
+        },
     )
     small_image_stem: bool = field(
-        default=True,
+        default=DIGITS["small_image_stem"],
         metadata={
             "help": "3x3 stem without max-pool (the standard 7x7/2 stem + max-pool keeps too little of a 16-px digit)"
         },
     )
     projector: str = field(
-        default="128-128-32",
+        default=DIGITS["projector"],
         metadata={
             "help": "projector widths joined by '-' (a 32-d output: a batch of 64 can estimate a 32 x 32 cross-correlation of full rank)"
         },
     )
-    lambd: float = field(default=LAMBD, metadata={"help": "weight of the redundancy-reduction term"})
-    warmup_epochs: int = field(default=1, metadata={"help": "LARS warm-up epochs"})
+    lambd: float = field(default=DIGITS["lambd"], metadata={"help": "weight of the redundancy-reduction term"})
+    warmup_epochs: int = field(default=DIGITS["warmup_epochs"], metadata={"help": "LARS warm-up epochs"})
     knn_k: int = field(default=20, metadata={"help": "neighbours of the weighted kNN (T = 0.07)"})
     linear_epochs: int = field(
         default=100, metadata={"help": "epochs of the cached linear probe (paper: 100, lr 0.3, cosine)"}
@@ -122,10 +131,9 @@ class DemoConfig:
             "help": "classifier LR of the fine-tuning (paper: 0.5, set for batches of 256 over 1,000 classes; on ten digits it swamps the pretrained backbone)"
         },
     )
-    threads: int = field(default=2, metadata={"help": "CPU threads for torch (0: torch's default)"})
-    device: str = field(default="cpu", metadata={"help": "'cpu' or 'cuda'"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0 < self.crop_scale_min <= 1:
             raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
         for name in (
@@ -141,7 +149,7 @@ class DemoConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("max_steps", "warmup_epochs", "threads"):
+        for name in ("max_steps", "warmup_epochs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be non-negative, got {getattr(self, name)}")
 
@@ -156,8 +164,9 @@ def _pretrain(config: DemoConfig, directory: Path) -> Path:
             raise ValueError(f"{directory} exists and is not a previous demo's pretraining run; choose another --out")
         shutil.rmtree(directory)
     return pretrain(
-        PretrainConfig(
-            data="digits",
+        from_preset(
+            PretrainConfig,
+            "digits",
             out=str(directory),
             backbone=config.backbone,
             projector=config.projector,
@@ -165,14 +174,11 @@ def _pretrain(config: DemoConfig, directory: Path) -> Path:
             small_image_stem=config.small_image_stem,
             image_size=config.image_size,
             crop_scale_min=config.crop_scale_min,
-            flip=False,
-            blur=False,  # digits are not mirror-symmetric, and a blur smears 8-px strokes away
             lr_weights=config.lr_weights,
-            lr_biases=config.lr_weights * LR_BIAS_RATIO,
+            lr_biases=config.lr_weights * DIGITS["lr_biases"] / DIGITS["lr_weights"],
             epochs=config.epochs,
             batch_size=config.batch_size,
             warmup_epochs=min(config.warmup_epochs, config.epochs),
-            views="batched",
             seed=config.seed,
             device=config.device,
             max_steps=config.max_steps,
@@ -258,7 +264,7 @@ def _finetune_on_subsets(
 
 
 def _plots(out: Path, pretrain_dir: Path, table: dict[str, dict[str, float]], lambd: float) -> list[str]:
-    """loss.png, cross_correlation.png (bt_hub.common.plots, as ``bt-hub report`` draws them) and accuracy.png; returns the names written."""
+    """loss.png, cross_correlation.png (bt_hub.train.plots, as ``bt-hub report`` draws them) and accuracy.png; returns the names written."""
     written = run_plots(pretrain_dir, out, lambd=lambd)
     written.append(save_png(plot_accuracy_bars(table, COLUMNS, "Held-out digits accuracy"), out / "accuracy.png"))
     return [path.name for path in written]
@@ -309,9 +315,7 @@ def _report(
 
 def run_demo(config: DemoConfig) -> dict[str, Any]:
     """Pretrain on digits, score against random init and pixels, write the report; return the numbers."""
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    out = Path(config.out)
+    out = claim_run_dir(config.out, overwrite=config.overwrite)
     timings: dict[str, float] = {}
     tick = start = time.perf_counter()
     pretrain_dir = _pretrain(config, out / "pretrain")

@@ -128,6 +128,10 @@ def gram_terms(a: torch.Tensor, b: torch.Tensor, n: int) -> tuple[torch.Tensor, 
     return invariance, redundancy
 
 
+# λ, the weight of the redundancy-reduction term: the reference code's 0.0051 (the paper rounds it to 5e-3).
+LAMBD = 0.0051
+
+
 def _scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
     """Same value as ``x``; gradient multiplied by ``factor``."""
     return x * factor + x.detach() * (1.0 - factor)
@@ -136,7 +140,7 @@ def _scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
 def barlow_twins_loss(
     z_a: torch.Tensor,
     z_b: torch.Tensor,
-    lambd: float = 0.0051,
+    lambd: float = LAMBD,
     method: str = "auto",
     *,
     reference_grad_scale: bool = False,

@@ -9,18 +9,31 @@ The backbone is a plain torchvision ResNet with ``zero_init_residual=True`` and
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torchvision.models import resnet
 
-from bt_hub.method.loss import LossTerms, barlow_twins_loss
+from bt_hub.method.loss import LAMBD, LossTerms, barlow_twins_loss
 
-BACKBONES: dict[str, Callable[..., resnet.ResNet]] = {
-    "resnet18": resnet.resnet18,
-    "resnet34": resnet.resnet34,
-    "resnet50": resnet.resnet50,
-    "resnet101": resnet.resnet101,
+
+@dataclass(frozen=True)
+class Architecture:
+    """A backbone bt_hub builds: torchvision's builder, blocks per stage, block type, feature width."""
+
+    builder: Callable[..., resnet.ResNet]
+    layers: tuple[int, int, int, int]
+    block: str
+    feature_dim: int
+
+
+# The one list of architectures: builders, checkpoint reading, exports and the CLI's choices read it.
+ARCHITECTURES: dict[str, Architecture] = {
+    "resnet18": Architecture(resnet.resnet18, (2, 2, 2, 2), "basic", 512),
+    "resnet34": Architecture(resnet.resnet34, (3, 4, 6, 3), "basic", 512),
+    "resnet50": Architecture(resnet.resnet50, (3, 4, 6, 3), "bottleneck", 2048),
+    "resnet101": Architecture(resnet.resnet101, (3, 4, 23, 3), "bottleneck", 2048),
 }
 
 
@@ -28,12 +41,12 @@ def build_backbone(name: str = "resnet50", *, small_image_stem: bool = False) ->
     """A torchvision ResNet with zero-initialised residual BNs and ``fc = Identity``.
 
     Args:
-        name: one of ``BACKBONES`` (resnet18, resnet34, resnet50, resnet101).
+        name: one of ``ARCHITECTURES`` (resnet18, resnet34, resnet50, resnet101).
         small_image_stem: replace the 7x7/2 conv and max-pool by a 3x3/1 conv, for 32-px data.
     """
-    if name not in BACKBONES:
-        raise ValueError(f"backbone {name!r} is unknown; expected one of {sorted(BACKBONES)}")
-    net = BACKBONES[name](weights=None, zero_init_residual=True)
+    if name not in ARCHITECTURES:
+        raise ValueError(f"backbone {name!r} is unknown; expected one of {sorted(ARCHITECTURES)}")
+    net = ARCHITECTURES[name].builder(weights=None, zero_init_residual=True)
     if small_image_stem:
         net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
         net.maxpool = nn.Identity()
@@ -82,7 +95,7 @@ class BarlowTwins(nn.Module):
         self,
         backbone: str = "resnet50",
         projector: str = "8192-8192-8192",
-        lambd: float = 0.0051,
+        lambd: float = LAMBD,
         *,
         small_image_stem: bool = False,
         loss_method: str = "auto",

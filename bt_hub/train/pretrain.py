@@ -26,6 +26,7 @@ import torch.nn.functional as nnf
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from bt_hub.common.config import RunConfig, out_field
 from bt_hub.common.distributed import (
     barrier,
     cleanup_distributed,
@@ -38,8 +39,8 @@ from bt_hub.common.distributed import (
 from bt_hub.common.files import atomic_torch_save, atomic_write, atomic_write_json, write_safetensors
 from bt_hub.common.progress import progress
 from bt_hub.common.runs import RunDir
-from bt_hub.method.loss import EPS, LossTerms, barlow_twins_loss
-from bt_hub.method.model import BACKBONES, BarlowTwins, parse_projector
+from bt_hub.method.loss import EPS, LAMBD, LossTerms, barlow_twins_loss
+from bt_hub.method.model import ARCHITECTURES, BarlowTwins, parse_projector
 from bt_hub.method.optim import LARS, param_groups, set_learning_rates
 from bt_hub.method.views import VIEW_A, VIEW_B, BatchedTwoViews, TwoViewTransform, ViewParams
 from bt_hub.train.data import build_dataset, to_uint8_tensor
@@ -85,23 +86,31 @@ PROBE_SIZE = 256
 
 
 @dataclass
-class PretrainConfig:
+class PretrainConfig(RunConfig):
     """Flags of ``bt-hub pretrain``; defaults are the paper's recipe (docs/protocols.md §1)."""
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "reference": {},
+        # The 8-px digits (bt-hub demo pretrains with exactly this): a 32-d output, so that a batch
+        # of 64 estimates a full-rank 32 x 32 cross-correlation; LR 8 (the paper's 0.2 is far too
+        # slow for ~90 steps), biases at the paper's biases : weights ratio; larger crops, no flips
+        # (digits are not mirror-symmetric) and no blur (it smears 8-px strokes away).
         "digits": {
             "data": "digits",
             "backbone": "resnet18",
             "small_image_stem": True,
-            "projector": "512-512-512",
-            "image_size": 16,
-            "epochs": 10,
-            "batch_size": 128,
-            "warmup_epochs": 1,
-            "views": "batched",
+            "projector": "128-128-32",
+            "lambd": 0.1,
+            "image_size": 8,
+            "crop_scale_min": 0.4,
             "flip": False,
             "blur": False,
+            "epochs": 4,
+            "batch_size": 64,
+            "lr_weights": 8.0,
+            "lr_biases": 8.0 * (0.0048 / 0.2),
+            "warmup_epochs": 1,
+            "views": "batched",
         },
         # 28-64 px data (CIFAR-10/100, STL-10 downscaled): solo-learn's CIFAR recipe
         # (scripts/pretrain/cifar/barlow.yaml + augmentations/asymmetric.yaml: ResNet-18 with a
@@ -131,18 +140,18 @@ class PretrainConfig:
         default="digits",
         metadata={"help": "'digits' (embedded), 'synthetic[:N]', or an ImageFolder / ImageNet directory"},
     )
-    out: str = field(default="runs/pretrain", metadata={"help": "run directory (checkpoint, metrics, final weights)"})
-    overwrite: bool = field(
-        default=False,
+    out: str = out_field("runs/pretrain", "run directory (checkpoint, metrics, final weights)")
+    backbone: str = field(
+        default="resnet50",
         metadata={
-            "help": "write into an --out that is not empty and was not created by bt-hub (same-named files are replaced)"
+            "help": "torchvision ResNet",
+            "flag": "arch",
+            "aliases": ("backbone",),
+            "choices": tuple(ARCHITECTURES),
         },
     )
-    backbone: Literal["resnet18", "resnet34", "resnet50", "resnet101"] = field(
-        default="resnet50", metadata={"help": "torchvision ResNet", "flag": "arch", "aliases": ("backbone",)}
-    )
     projector: str = field(default="8192-8192-8192", metadata={"help": "projector widths joined by '-'"})
-    lambd: float = field(default=0.0051, metadata={"help": "weight of the redundancy-reduction term"})
+    lambd: float = field(default=LAMBD, metadata={"help": "weight of the redundancy-reduction term"})
     small_image_stem: bool = field(default=False, metadata={"help": "3x3 stem without max-pool, for 32-px images"})
     image_size: int = field(default=224, metadata={"help": "side of the views in pixels"})
     crop_scale_min: float = field(
@@ -204,10 +213,6 @@ class PretrainConfig:
     resume: str | None = field(
         default=None, metadata={"help": "'auto': continue OUT/checkpoint.pth if present; or a checkpoint path"}
     )
-    seed: int = field(default=0, metadata={"help": "seed of initialisation, data order and views"})
-    device: str = field(
-        default="cpu", metadata={"help": "'cpu' or 'cuda' (torchrun: each rank takes its LOCAL_RANK GPU)"}
-    )
     max_steps: int = field(
         default=0,
         metadata={"help": "stop after this many steps in all (0: the whole schedule); the schedule is unchanged"},
@@ -266,17 +271,15 @@ class PretrainConfig:
             parse_projector(self.projector)
         except ValueError as err:
             raise ValueError(f"--projector: {err}") from None
-        if self.backbone not in BACKBONES:
-            raise ValueError(f"--arch {self.backbone!r} is unknown; expected one of {sorted(BACKBONES)}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"--device {self.device!r} is unknown; expected 'cpu' or 'cuda'")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"--device {self.device} was asked for but CUDA is not available")
+        if self.backbone not in ARCHITECTURES:
+            raise ValueError(f"--arch {self.backbone!r} is unknown; expected one of {sorted(ARCHITECTURES)}")
+        super().__post_init__()
         if self.precision == "fp16" and not self.device.startswith("cuda"):
             raise ValueError("--precision fp16 needs --device cuda; use bf16 on CPU")
         if self.warmup_epochs > self.epochs:
             raise ValueError(
-                f"--warmup-epochs {self.warmup_epochs} is longer than the whole schedule (--epochs {self.epochs}); lower --warmup-epochs or raise --epochs"
+                f"--warmup-epochs {self.warmup_epochs} is longer than the whole schedule (--epochs {self.epochs}); "
+                "lower --warmup-epochs or raise --epochs"
             )
 
     def schedule_steps(self, steps_per_epoch: int, start: int = 0) -> tuple[int, int, int]:

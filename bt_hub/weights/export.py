@@ -26,6 +26,7 @@ import torch
 from bt_hub.common.files import atomic_write, atomic_write_json, atomic_write_text, write_safetensors
 from bt_hub.common.records import read_records
 from bt_hub.common.runs import package_version
+from bt_hub.method.model import ARCHITECTURES
 from bt_hub.weights.card import model_card, timm_fields
 from bt_hub.weights.formats import infer_architecture, projector_spec, torchvision_to_detectron2_key
 from bt_hub.weights.load import load_backbone, read_projector_state_dict
@@ -42,7 +43,6 @@ __all__ = [
 ]
 
 HF_FOLDER_FILES = ("model.safetensors", "projector.safetensors", "config.json", "README.md")
-FEATURE_DIMS = {"resnet18": 512, "resnet34": 512, "resnet50": 2048, "resnet101": 2048}
 
 
 def _backbone_only(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -162,7 +162,7 @@ def save_hf_folder(
         **dict(config or {}),
         "architecture": arch,
         "small_image_stem": small,
-        "feature_dim": FEATURE_DIMS[arch],
+        "feature_dim": ARCHITECTURES[arch].feature_dim,
         "format": "torchvision",
         "bt_hub_version": package_version(),
     }
@@ -203,7 +203,8 @@ class ExportConfig:
         metadata={"help": "torchvision .pth, safetensors, detectron2 .pkl, or a Hugging Face folder"},
     )
     arch: str | None = field(
-        default=None, metadata={"help": "resnet18/34/50/101; by default from config.json or the keys"}
+        default=None,
+        metadata={"help": "architecture; by default from config.json or the keys", "choices": tuple(ARCHITECTURES)},
     )
     name: str | None = field(
         default=None, metadata={"help": "hf only: the model's Hub id for the card, e.g. org/barlowtwins-r50"}
@@ -247,16 +248,15 @@ def _refuse_existing(path: Path, force: bool) -> None:
 
 
 def export(config: ExportConfig) -> Path:
-    """Convert ``config.weights`` to ``config.format`` at ``config.out``; print what was written (and the hash)."""
+    """Convert ``config.weights`` to ``config.format`` at ``config.out``; return the file or folder written."""
     backbone = load_backbone(config.weights, arch=config.arch, allow_non_finite=config.allow_non_finite)
     state = backbone.state_dict()
     info = backbone.weights_info
     out = Path(config.out)
     if config.format == "torchvision":
-        target, data, sha = _torchvision_bytes(state, out)
+        target, data, _ = _torchvision_bytes(state, out)
         _refuse_existing(target, config.force)
         atomic_write(target, lambda f: f.write(data))
-        print(f"wrote {target} (sha256 {sha})")
         return target
     if config.format == "hf":
         projector = read_projector_state_dict(config.weights, allow_non_finite=config.allow_non_finite)
@@ -269,7 +269,6 @@ def export(config: ExportConfig) -> Path:
             name=config.name,
             force=config.force,
         )
-        print(f"wrote {path} ({', '.join(n for n in HF_FOLDER_FILES if (path / n).exists())})")
         return path
     _refuse_existing(out, config.force)
     if config.format == "safetensors":
@@ -281,5 +280,4 @@ def export(config: ExportConfig) -> Path:
         path = save_safetensors(state, out, meta)
     else:
         path = save_detectron2(state, out)
-    print(f"wrote {path}")
     return path

@@ -15,14 +15,7 @@ from typing import Any
 import torch
 
 from bt_hub.common.files import CheckpointError, non_finite_tensors, read_file
-
-# Block counts per stage and block type of the architectures build_backbone knows.
-ARCHITECTURES: dict[str, tuple[tuple[int, ...], str]] = {
-    "resnet18": ((2, 2, 2, 2), "basic"),
-    "resnet34": ((3, 4, 6, 3), "basic"),
-    "resnet50": ((3, 4, 6, 3), "bottleneck"),
-    "resnet101": ((3, 4, 23, 3), "bottleneck"),
-}
+from bt_hub.method.model import ARCHITECTURES
 
 # Prefix segments that mark "the backbone" when one file holds several ResNets.
 _BACKBONE_MARKERS = ("backbone", "trunk", "encoder", "encoder_q", "student", "bottom_up", "res5")
@@ -211,8 +204,8 @@ def infer_architecture(state: Mapping[str, torch.Tensor], source: str) -> tuple[
         indices = {int(m.group(1)) for k in state if (m := re.match(rf"layer{stage}\.(\d+)\.", k))}
         blocks.append(max(indices) + 1 if indices else 0)
     kind = "bottleneck" if "layer1.0.conv3.weight" in state else "basic"
-    for arch, (layers, block) in ARCHITECTURES.items():
-        if tuple(blocks) == layers and block == kind:
+    for arch, spec in ARCHITECTURES.items():
+        if tuple(blocks) == spec.layers and spec.block == kind:
             conv1 = state.get("conv1.weight")
             small = conv1 is not None and tuple(conv1.shape[-2:]) == (3, 3)
             return arch, small

@@ -173,7 +173,7 @@ class PushConfig:
 
 
 def push(config: PushConfig) -> Any:
-    """``bt-hub push``: upload the weights with config.json and a model card; print the commit URL."""
+    """``bt-hub push``: upload the weights with config.json and a model card; return the Hub's commit info."""
     info = push_to_hub(
         config.weights,
         config.repo_id,
@@ -184,5 +184,4 @@ def push(config: PushConfig) -> Any:
         results=config.results,
         license=config.license,
     )
-    print(f"pushed {config.weights} to {getattr(info, 'commit_url', config.repo_id)}")
     return info

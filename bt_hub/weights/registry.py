@@ -22,6 +22,7 @@ import torch
 from torchvision import transforms as T
 
 from bt_hub.common.records import PAPER_RESULTS
+from bt_hub.method.loss import LAMBD
 from bt_hub.method.transforms import eval_transforms
 from bt_hub.weights.download import cache_path, download, hf_download
 from bt_hub.weights.formats import read_backbone
@@ -34,7 +35,7 @@ RECIPE = {
     "optimizer": "LARS",
     "lr_weights": 0.2,
     "lr_biases": 0.0048,
-    "lambd": 0.0051,
+    "lambd": LAMBD,
     "projector": "8192-8192-8192",
     "code": "https://github.com/facebookresearch/barlowtwins",
 }

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from bt_hub.common.config import RunConfig, out_field
 from bt_hub.common.optional import require
 from bt_hub.common.runs import check_run_dir, claim_run_dir
 from bt_hub.eval.detection.config import CONFIGS
@@ -32,7 +33,7 @@ PAPER_TASKS = {"voc": "voc07+12_faster_rcnn_c4", "coco": "coco_mask_rcnn_c4_1x"}
 
 
 @dataclass
-class DetectConfig:
+class DetectConfig(RunConfig):
     """Flags of ``bt-hub detect``; defaults are the paper's runs (docs/protocols.md §3)."""
 
     weights: str = field(
@@ -57,17 +58,9 @@ class DetectConfig:
             "help": "detectron2, or torchvision's Faster/Mask R-CNN built as the same C4 model; auto: detectron2 when importable, else torchvision"
         },
     )
-    out: str = field(
-        default="runs/detect",
-        metadata={
-            "help": "output directory: results.json, weights.pkl, trial<k>/ (config.yaml, metrics.jsonl, checkpoints, log)"
-        },
-    )
-    overwrite: bool = field(
-        default=False,
-        metadata={
-            "help": "write into a non-empty --out that bt-hub did not create (files of the same names are replaced)"
-        },
+    out: str = out_field(
+        "runs/detect",
+        "output directory: results.json, weights.pkl, trial<k>/ (config.yaml, metrics.jsonl, checkpoints, log)",
     )
     num_gpus: int = field(
         default=1,
@@ -87,8 +80,6 @@ class DetectConfig:
             "help": "independent runs with seeds seed..seed+K-1; results are mean and std (MoCo averages 5 on VOC)"
         },
     )
-    seed: int = field(default=0, metadata={"help": "seed of the first trial"})
-    device: str = field(default="cpu", metadata={"help": "'cpu' or 'cuda' (MODEL.DEVICE)"})
     resume: bool = field(default=False, metadata={"help": "continue each trial from the last checkpoint in its folder"})
     opts: list[str] = field(
         default_factory=list,
@@ -96,14 +87,10 @@ class DetectConfig:
     )
 
     ALIASES: ClassVar[tuple[str, ...]] = tuple(CONFIGS)
-    RUN_FIELDS: ClassVar[tuple[str, ...]] = (
+    RUN_FIELDS: ClassVar[tuple[str, ...]] = RunConfig.RUN_FIELDS + (
         "weights",
         "data",
         "config",
-        "out",
-        "overwrite",
-        "device",
-        "seed",
         "resume",
         "num_gpus",
         "num_machines",
@@ -125,8 +112,7 @@ class DetectConfig:
             raise ValueError(
                 f"--dist-url must be tcp://HOST:PORT of machine 0 when --num-machines > 1, got {self.dist_url!r}"
             )
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"--device must be 'cpu' or 'cuda', got {self.device!r}")
+        super().__post_init__()
         if not str(self.weights).strip():
             raise ValueError("--weights must name a checkpoint, got an empty string")
         if self.engine not in ENGINES:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from bt_hub.common.files import atomic_write
+from bt_hub.method.loss import LAMBD
 
 
 @dataclass
@@ -120,7 +121,7 @@ def run_plots(run_dir: str | Path, out: str | Path, lambd: float | None = None) 
     rows = read_metrics(run_dir)
     if lambd is None:
         record = run_dir / "run.json"
-        lambd = json.loads(record.read_text())["config"]["lambd"] if record.is_file() else 0.0051
+        lambd = json.loads(record.read_text())["config"]["lambd"] if record.is_file() else LAMBD
     written = []
     if any("loss" in r for r in rows):
         written.append(save_png(plot_losses(rows, lambd), out / "loss.png"))
