@@ -21,7 +21,10 @@ from bt_hub.method.model import ARCHITECTURES
 
 
 class PresetWarning(UserWarning):
-    """A preset's assumptions (classes, image size, batches per epoch) are far from the data's, or its schedule idles."""
+    """A preset's assumptions are far from the data's, or its schedule idles.
+
+    The assumptions: classes, image size, batches per epoch.
+    """
 
 
 @dataclass
@@ -54,7 +57,8 @@ class EvalConfig(RunConfig):
     )
     out: str = out_field(
         "runs/eval",
-        "output directory: results.json (this run), results.jsonl (every run), results.md and the protocol's logs go here",
+        "output directory: results.json (this run), results.jsonl (every run), results.md "
+        "and the protocol's logs go here",
     )
     arch: str | None = field(
         default=None,
@@ -157,7 +161,8 @@ def preset_warnings(config: Any, *, num_classes: int, train_images: int, image_s
     steps = -(-train_images // config.batch_size)
     if steps < 4:
         found.append(
-            f"at least 4 batches per epoch ({train_images} training images in batches of {config.batch_size} make {steps})"
+            f"at least 4 batches per epoch "
+            f"({train_images} training images in batches of {config.batch_size} make {steps})"
         )
     if not found:
         return []
@@ -183,7 +188,10 @@ def schedule_warnings(config: Any) -> list[str]:
 
 
 def warn_about_settings(config: Any, *, num_classes: int, train_images: int, image_side: int | None) -> list[str]:
-    """``preset_warnings`` and ``schedule_warnings`` of a run, each issued as a ``PresetWarning``; returns them for the results."""
+    """``preset_warnings`` and ``schedule_warnings`` of a run, each issued as a ``PresetWarning``.
+
+    Returns them for the results.
+    """
     messages = preset_warnings(config, num_classes=num_classes, train_images=train_images, image_side=image_side)
     messages += schedule_warnings(config)
     for message in messages:

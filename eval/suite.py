@@ -74,7 +74,8 @@ class SuiteConfig(EvalConfig):
     subset_dir: str | None = field(
         default=None,
         metadata={
-            "help": "directory with SimCLR's 1percent.txt / 10percent.txt (ImageNet); without it subsets are seeded and class-balanced"
+            "help": "directory with SimCLR's 1percent.txt / 10percent.txt (ImageNet); "
+            "without it subsets are seeded and class-balanced"
         },
     )
     voc07_devkit: str | None = field(
@@ -91,7 +92,8 @@ class SuiteConfig(EvalConfig):
             for pct in self.fractions:
                 if not (Path(self.subset_dir) / f"{pct}percent.txt").is_file():
                     raise ValueError(
-                        f"--subset-dir {self.subset_dir} has no {pct}percent.txt; expected SimCLR's published lists there"
+                        f"--subset-dir {self.subset_dir} has no {pct}percent.txt; "
+                        "expected SimCLR's published lists there"
                     )
 
 

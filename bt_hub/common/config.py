@@ -29,7 +29,7 @@ def check_device(device: str) -> None:
 
 
 def out_field(default: str, help: str) -> Any:
-    """The ``out`` field of a command: its own default folder and what it writes there (keyword-only, as in the base)."""
+    """The ``out`` field of a command: its default folder and what it writes there (keyword-only, as in the base)."""
     return field(default=default, kw_only=True, metadata={"help": help})
 
 

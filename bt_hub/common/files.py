@@ -244,9 +244,8 @@ def _explain(path: Path, head: bytes, kind: str, err: Exception) -> CheckpointEr
     """Why ``path`` did not load: not a checkpoint, pickled code, or damaged."""
     looks = _not_a_checkpoint(head) if kind != "safetensors file" or head.lstrip().startswith(b"<") else None
     if looks:
-        return CheckpointError(
-            f"weights file {path} is not a {'safetensors file' if kind == 'safetensors file' else 'torch checkpoint'} ({looks})"
-        )
+        what = "safetensors file" if kind == "safetensors file" else "torch checkpoint"
+        return CheckpointError(f"weights file {path} is not a {what} ({looks})")
     code = re.search(r"GLOBAL ([\w.]+)|global '([\w.]+)' is forbidden", str(err))
     if code:
         return _code_refused(path, code.group(1) or code.group(2))
@@ -308,7 +307,10 @@ def _sorted_metadata(data: bytes) -> bytes:
 def write_safetensors(
     tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None
 ) -> Path:
-    """Write tensors as safetensors atomically, marked ``written_by: bt_hub`` in the metadata (sorted, so reproducible)."""
+    """Write tensors as safetensors atomically, marked ``written_by: bt_hub`` in the metadata.
+
+    The metadata is sorted, so the file is reproducible.
+    """
     from safetensors.torch import save
 
     data = _sorted_metadata(save(dict(tensors), metadata={**(metadata or {}), **WRITTEN_BY}))

@@ -71,7 +71,7 @@ class LineProgress:
         self.postfix = values
 
     def update(self, n: int = 1) -> None:
-        """Count ``n`` steps; write a line when a multiple of ``every`` (or, without a total, a power of two) is reached."""
+        """Count ``n`` steps; write a line on reaching a multiple of ``every`` (or, without a total, a power of two)."""
         before, self.n = self.n, self.n + n
         if self.total is None:
             crossed = self.n.bit_length() > before.bit_length()

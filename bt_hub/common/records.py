@@ -194,7 +194,8 @@ def records_in(data: Any, source: str = "results") -> list[Record]:
     for row in rows:
         if not isinstance(row, Mapping) or not isinstance(row.get("metrics"), Mapping):
             raise ValueError(
-                f"{source} holds an entry without a 'metrics' object; expected the results.json or results.jsonl that bt-hub eval writes"
+                f"{source} holds an entry without a 'metrics' object; "
+                "expected the results.json or results.jsonl that bt-hub eval writes"
             )
     return [dict(r) for r in rows]
 

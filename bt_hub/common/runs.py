@@ -98,8 +98,8 @@ def check_run_dir(path: str | os.PathLike, *, overwrite: bool = False, flag: str
             break
     if not overwrite and path.is_dir() and any(path.iterdir()) and not is_bt_hub_dir(path):
         raise ValueError(
-            f"{flag} {path} is not empty and was not created by bt-hub (it has no {MARKER_NAME}); choose another {flag}, "
-            "or pass --overwrite to write into it anyway (files of the same names are replaced)"
+            f"{flag} {path} is not empty and was not created by bt-hub (it has no {MARKER_NAME}); "
+            f"choose another {flag}, or pass --overwrite to write into it anyway (files of the same names are replaced)"
         )
     return path
 
@@ -165,7 +165,8 @@ class RunLock:
                 f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
             )
             raise RunDirBusyError(
-                f"{flag} {directory} is in use by another bt-hub run ({who}); wait for it to end or stop it, or choose another {flag}"
+                f"{flag} {directory} is in use by another bt-hub run ({who}); "
+                f"wait for it to end or stop it, or choose another {flag}"
             ) from None
         with contextlib.suppress(OSError):  # who holds it is a courtesy to the next caller; the lock is what counts
             os.ftruncate(fd, 0)
@@ -265,7 +266,10 @@ class RunDir:
 
     @classmethod
     def for_training(cls, path: str | os.PathLike, *, overwrite: bool = False) -> RunDir:
-        """Called by every rank: the main process claims and locks ``path``; if that fails, every rank raises the same error."""
+        """Called by every rank: the main process claims and locks ``path``.
+
+        If that fails, every rank raises the same error.
+        """
         from bt_hub.common.distributed import broadcast_object, is_main_process
 
         run, error = None, None
@@ -280,7 +284,7 @@ class RunDir:
         return run if run is not None else cls(path, write=False)
 
     def start(self, config: Any, step: int | None = None) -> None:
-        """Record this start in ``run.json``; with ``step`` (the step the run continues from) cut ``metrics.jsonl`` back to it.
+        """Record this start in ``run.json``; with ``step`` (the step it resumes from) cut ``metrics.jsonl`` back to it.
 
         The first start writes the whole record; each later one is appended to its
         ``resumes`` list with the step it resumed from, so the original run is never lost.

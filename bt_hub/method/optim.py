@@ -52,7 +52,8 @@ class LARS(torch.optim.Optimizer):
     ) -> None:
         if lr < 0 or weight_decay < 0 or not 0 <= momentum < 1 or eta <= 0:
             raise ValueError(
-                f"LARS needs lr >= 0, weight_decay >= 0, 0 <= momentum < 1 and eta > 0; got {lr}, {weight_decay}, {momentum}, {eta}"
+                "LARS needs lr >= 0, weight_decay >= 0, 0 <= momentum < 1 and eta > 0; "
+                f"got {lr}, {weight_decay}, {momentum}, {eta}"
             )
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, eta=eta))
 

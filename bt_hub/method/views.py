@@ -334,8 +334,8 @@ def crop_to_views(
     right = torch.minimum(torch.stack([p["left"] + p["width"] for p in params]).amax(0) + 1, widths)
     rows, cols = bottom - top, right - left
     batch = images[0].new_zeros((len(images), 3, int(rows.max()) + 1, int(cols.max()) + 1))
-    for i, (im, t, b, l, r) in enumerate(zip(images, top.tolist(), bottom.tolist(), left.tolist(), right.tolist())):
-        batch[i, :, : b - t, : r - l] = im[:, t:b, l:r]  # a 1-channel image broadcasts to RGB
+    for i, (im, y0, y1, x0, x1) in enumerate(zip(images, top.tolist(), bottom.tolist(), left.tolist(), right.tolist())):
+        batch[i, :, : y1 - y0, : x1 - x0] = im[:, y0:y1, x0:x1]  # a 1-channel image broadcasts to RGB
     index = torch.arange(len(images), device=batch.device)
     rows_d, cols_d = rows.to(batch.device), cols.to(batch.device)
     batch[index, :, :, cols_d] = batch[index, :, :, cols_d - 1]

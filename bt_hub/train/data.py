@@ -94,7 +94,8 @@ def synthetic_dataset(
     """Seeded class-structured images: each class is a coloured oriented stripe pattern plus noise."""
     if num_samples <= 0 or image_size <= 0 or num_classes <= 0:
         raise ValueError(
-            f"synthetic data needs positive num_samples, image_size and num_classes; got {num_samples}, {image_size}, {num_classes}"
+            "synthetic data needs positive num_samples, image_size and num_classes; "
+            f"got {num_samples}, {image_size}, {num_classes}"
         )
     rng = np.random.default_rng(seed)
     labels = np.arange(num_samples) % num_classes
@@ -132,7 +133,8 @@ class ImageFolderDataset(Dataset):
         self.classes = sorted(d.name for d in self.root.iterdir() if d.is_dir() and not d.name.startswith("."))
         if not self.classes:
             raise ValueError(
-                f"data directory {self.root} has no class subdirectories; expected an ImageFolder tree (class/image.png)"
+                f"data directory {self.root} has no class subdirectories; "
+                "expected an ImageFolder tree (class/image.png)"
             )
         self.samples: list[tuple[Path, int]] = []
         for label, name in enumerate(self.classes):
@@ -142,7 +144,8 @@ class ImageFolderDataset(Dataset):
                         self.samples.append((Path(dirpath) / fname, label))
         if not self.samples:
             raise ValueError(
-                f"data directory {self.root} contains no images (looked for {', '.join(IMAGE_EXTENSIONS)}) in its class subdirectories"
+                f"data directory {self.root} contains no images "
+                f"(looked for {', '.join(IMAGE_EXTENSIONS)}) in its class subdirectories"
             )
         self.targets = [label for _, label in self.samples]
         self.image_size = image_size
@@ -184,8 +187,8 @@ def _folder_for_split(root: Path, split: str) -> Path:
         return root
     present = ", ".join(f"{s}/" for s in SPLITS if (root / s).is_dir()) or "no split subdirectories"
     raise FileNotFoundError(
-        f"data directory {root} has no {split}/ subdirectory (it has {present}); a held-out split must be a folder of its own, "
-        f"{root}/{split}/<class>/<image>, disjoint from {root}/train/"
+        f"data directory {root} has no {split}/ subdirectory (it has {present}); "
+        f"a held-out split must be a folder of its own, {root}/{split}/<class>/<image>, disjoint from {root}/train/"
     )
 
 
@@ -229,6 +232,7 @@ def build_dataset(
     root = Path(spec).expanduser()
     if not root.exists():
         raise FileNotFoundError(
-            f"data directory {root} does not exist (expected 'digits', 'synthetic[:N]' or a path to an ImageFolder tree)"
+            f"data directory {root} does not exist "
+            "(expected 'digits', 'synthetic[:N]' or a path to an ImageFolder tree)"
         )
     return ImageFolderDataset(_folder_for_split(root, split), image_size=image_size)

@@ -78,7 +78,7 @@ def off_diagonal_mean(c: np.ndarray) -> float:
 
 
 def plot_cross_correlations(matrices: dict[str, np.ndarray]) -> Any:
-    """The cross-correlation matrices side by side (-1 blue .. 1 red), titled with their diagonal and off-diagonal means."""
+    """Cross-correlation matrices side by side (-1 blue .. 1 red), titled with their diagonal and off-diagonal means."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(matrices), figsize=(4.2 * len(matrices), 3.8), squeeze=False)
     for ax, (when, c) in zip(axes[0], matrices.items()):
@@ -138,7 +138,10 @@ def run_plots(run_dir: str | Path, out: str | Path, lambd: float | None = None) 
 
 
 def report(config: ReportConfig) -> list[Path]:
-    """``bt-hub report``: the plots of ``config.run_dir`` into ``config.out`` (default RUN_DIR/report); returns the files."""
+    """``bt-hub report``: the plots of ``config.run_dir`` into ``config.out``; returns the files.
+
+    ``config.out`` defaults to RUN_DIR/report.
+    """
     run_dir = Path(config.run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")

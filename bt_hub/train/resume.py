@@ -152,7 +152,10 @@ def save_checkpoint(path: str | os.PathLike, **state: Any) -> Path:
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a checkpoint written by ``save_checkpoint`` (``weights_only=True``, through the safe reader of bt_hub.weights)."""
+    """Read a checkpoint written by ``save_checkpoint``.
+
+    With ``weights_only=True``, through the safe reader of bt_hub.weights.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")

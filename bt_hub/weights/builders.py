@@ -78,7 +78,8 @@ def resnet50(*, weights: WeightsSource | None = None, progress: bool = True, **k
     stored = model.weights_info["small_image_stem"]
     if small is not None and bool(small) != stored:
         raise ValueError(
-            f"small_image_stem={small} contradicts the weights {model.weights_info['file']}, which have small_image_stem={stored}"
+            f"small_image_stem={small} contradicts the weights {model.weights_info['file']}, "
+            f"which have small_image_stem={stored}"
         )
     return model
 
@@ -117,7 +118,8 @@ def barlow_twins(
     backbone = load_backbone(weights, progress=progress, allow_non_finite=allow_non_finite)
     if not projector:
         raise CheckpointError(
-            f"weights {backbone.weights_info['file']} carry no projector; use resnet50(weights=...) for the backbone alone"
+            f"weights {backbone.weights_info['file']} carry no projector; "
+            "use resnet50(weights=...) for the backbone alone"
         )
     config = backbone.weights_info.get("config") or {}
     lambd = float(config.get("lambd", RECIPE["lambd"])) if lambd is None else lambd
@@ -132,6 +134,7 @@ def barlow_twins(
         model.projector.load_state_dict(projector, strict=True)
     except RuntimeError as err:
         raise CheckpointError(
-            f"projector weights of {backbone.weights_info['file']} do not fit {projector_spec(projector)}: {str(err).splitlines()[0]}"
+            f"projector weights of {backbone.weights_info['file']} do not fit {projector_spec(projector)}: "
+            f"{str(err).splitlines()[0]}"
         ) from None
     return model

@@ -143,6 +143,7 @@ def model_card(
         eval_results=_eval_results(results) or None,
     )
     arch = config.get("architecture", "resnet50")
+    dim = config.get("feature_dim", 2048)
     resize, crop = preprocessing(config)
     stem = "bt_hub's small-image stem (3x3 stride-1 convolution, no max-pool)" if small else "torchvision's 7x7 stem"
     recipe = {k: config[k] for k in ("dataset", "epochs", "projector", "lambd", "image_size") if k in config}
@@ -156,7 +157,7 @@ def model_card(
 
 A {arch} backbone with {stem}, pretrained with Barlow Twins (Zbontar, Jing, Misra, LeCun, Deny: *Barlow Twins:
 Self-Supervised Learning via Redundancy Reduction*, ICML 2021, https://arxiv.org/abs/2103.03230).
-torchvision parameter names, `fc = Identity`: the output is a {config.get("feature_dim", 2048)}-d feature vector, not class scores.
+torchvision parameter names, `fc = Identity`: the output is a {dim}-d feature vector, not class scores.
 
 Preprocessing (the weights' own evaluation transforms, `backbone.transforms`): resize to {resize} (bilinear),
 centre crop {crop}, ImageNet mean {list(IMAGENET_MEAN)}, std {list(IMAGENET_STD)}.

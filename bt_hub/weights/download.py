@@ -156,7 +156,10 @@ def download(
 
 
 def _remove_stale_staging(folder: Path, idle_s: float = 3600.0) -> None:
-    """Delete staging folders of downloads killed mid-way (nothing written for an hour; a live one writes every few seconds)."""
+    """Delete staging folders of downloads killed mid-way (nothing written to them for an hour).
+
+    A live download writes every few seconds.
+    """
     for staging in folder.glob(".partial-*"):
         newest = max((p.stat().st_mtime for p in staging.rglob("*")), default=staging.stat().st_mtime)
         if time.time() - newest > idle_s:
@@ -272,5 +275,6 @@ def hf_download(spec: str, filename: str, *, required: bool = True) -> Path | No
     except (errors.HfHubHTTPError, OSError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise DownloadError(
-            f"{where}: {filename} could not be fetched from {endpoint} ({first}); retry, or set HF_HUB_OFFLINE=1 to use the cache"
+            f"{where}: {filename} could not be fetched from {endpoint} ({first}); "
+            "retry, or set HF_HUB_OFFLINE=1 to use the cache"
         ) from None

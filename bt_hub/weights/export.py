@@ -113,7 +113,7 @@ def _written_by_bt_hub(path: Path) -> bool:
 
 
 def check_hf_target(folder: Path, *, force: bool) -> None:
-    """Refuse a folder that exists and is not empty (unless ``force``) or that holds a file of ours bt_hub did not write."""
+    """Refuse a folder that is not empty (unless ``force``) or that holds a file of ours bt_hub did not write."""
     if folder.exists() and not folder.is_dir():
         raise FileExistsError(f"--out {folder} is a file; a Hugging Face export needs a folder")
     if not folder.is_dir() or not any(folder.iterdir()):
@@ -190,7 +190,8 @@ class ExportConfig:
 
     weights: str = field(
         metadata={
-            "help": "weights to convert: a registered name, file, folder (run directory, Hugging Face folder), URL, hf://org/name[@rev] or org/name"
+            "help": "weights to convert: a registered name, file, folder (run directory, Hugging Face folder), URL, "
+            "hf://org/name[@rev] or org/name"
         }
     )
     out: str = field(
@@ -212,7 +213,8 @@ class ExportConfig:
     results: list[str] = field(
         default_factory=list,
         metadata={
-            "help": "hf only: evaluation results for the card: results.json of bt-hub eval or eval all, or a results.jsonl"
+            "help": "hf only: evaluation results for the card: results.json of bt-hub eval or eval all, "
+            "or a results.jsonl"
         },
     )
     force: bool = field(

@@ -1,8 +1,9 @@
 """Key layouts of ResNet checkpoints in the wild (docs/protocols.md §1, §3).
 
-Files are read by ``bt_hub.common.files.read_file``, which never executes code. Every nested tensor is flattened to a dotted key (``state_dict.model.backbone.conv1.weight``);
-the backbone is then the one prefix under which a torchvision ResNet's keys sit, after
-undoing the detectron2 and VISSL renames.
+Files are read by ``bt_hub.common.files.read_file``, which never executes code. Every nested
+tensor is flattened to a dotted key (``state_dict.model.backbone.conv1.weight``); the backbone
+is then the one prefix under which a torchvision ResNet's keys sit, after undoing the
+detectron2 and VISSL renames.
 """
 
 from __future__ import annotations
@@ -255,7 +256,8 @@ def check_finite(state: Mapping[str, torch.Tensor], source: str, *, allow: bool 
     bad = non_finite_tensors(state)
     if bad and not allow:
         raise CheckpointError(
-            f"weights file {source} holds NaN or inf in {len(bad)} tensor{'s' if len(bad) > 1 else ''}, first {bad[:5]}, so bt_hub refuses to load it "
+            f"weights file {source} holds NaN or inf in {len(bad)} tensor{'s' if len(bad) > 1 else ''}, "
+            f"first {bad[:5]}, so bt_hub refuses to load it "
             "(pass --allow-non-finite / allow_non_finite=True to inspect such weights anyway)"
         )
 

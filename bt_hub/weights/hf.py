@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from bt_hub.weights.load import load_backbone, read_projector_state_dict
 
 __all__ = ["PushConfig", "from_pretrained", "push", "push_to_hub", "save_pretrained"]
 
-ModelLike = Union[nn.Module, str, os.PathLike]
+ModelLike = nn.Module | str | os.PathLike
 
 
 def save_pretrained(
@@ -148,7 +148,8 @@ class PushConfig:
 
     weights: str = field(
         metadata={
-            "help": "weights to publish: a registered name, run directory, file, Hugging Face folder, URL, hf://org/name or org/name"
+            "help": "weights to publish: a registered name, run directory, file, Hugging Face folder, URL, "
+            "hf://org/name or org/name"
         }
     )
     repo_id: str = field(metadata={"help": "Hub repository, 'org/name' (created if missing)"})

@@ -88,7 +88,9 @@ class BarlowTwinsWeights(enum.Enum):
         meta={
             **_RESNET50_META,
             "num_params": 23_508_032,
-            "docs": "The reference release (facebookresearch/barlowtwins hubconf), backbone only, BN statistics included.",
+            "docs": (
+                "The reference release (facebookresearch/barlowtwins hubconf), backbone only, BN statistics included."
+            ),
         },
     )
     IN1K_LJNG = Weights(
@@ -139,7 +141,10 @@ class BarlowTwinsWeights(enum.Enum):
         return found
 
     def __getattr__(self, name: str) -> Any:
-        """``short_name``, ``url``, ``file_name``, ``sha256``, ``architecture``, ``has_projector``, ``meta``: the record's fields."""
+        """The record's fields, as attributes.
+
+        ``short_name``, ``url``, ``file_name``, ``sha256``, ``architecture``, ``has_projector``, ``meta``.
+        """
         if name in Weights.__dataclass_fields__ and name != "transforms":
             return getattr(self.value, name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
@@ -153,7 +158,10 @@ class BarlowTwinsWeights(enum.Enum):
         return None if self.url.startswith("hf://") else cache_path(self.url, self.value.file_name)
 
     def get_state_dict(self, progress: bool = True, *, allow_non_finite: bool = False) -> dict[str, torch.Tensor]:
-        """The backbone state dict (torchvision names, no ``fc``), downloaded and verified once, then read from the cache."""
+        """The backbone state dict (torchvision names, no ``fc``).
+
+        Downloaded and verified once, then read from the cache.
+        """
         if self.url.startswith("hf://"):
             path = hf_download(self.url[len("hf://") :], "model.safetensors")
         else:

@@ -21,13 +21,13 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union, cast
+from typing import Any, cast
 
 from bt_hub.common.files import CheckpointError
 from bt_hub.weights.download import DownloadError, download, hf_download
 from bt_hub.weights.registry import BarlowTwinsWeights, Weights, find_weights, list_weights
 
-WeightsSource = Union[BarlowTwinsWeights, str, os.PathLike]
+WeightsSource = BarlowTwinsWeights | str | os.PathLike
 
 # Files a folder may hold, in the order they are preferred (then <architecture>.pth, checkpoint.pth).
 FOLDER_FILES = ("model.safetensors", "backbone.safetensors")

@@ -183,7 +183,8 @@ def load_settings(path: str | Path, opts: Sequence[str] = ()) -> Settings:
         old, new = settings.get(key, KeyError), _parse_value(text)
         if old is KeyError:
             raise ValueError(
-                f"opts key {key} is not set in the config {path}; the torchvision engine accepts only keys the YAML sets"
+                f"opts key {key} is not set in the config {path}; "
+                "the torchvision engine accepts only keys the YAML sets"
             )
         values[key] = float(new) if isinstance(old, float) and isinstance(new, int) else new
     return settings.replace(values)
