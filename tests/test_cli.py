@@ -67,6 +67,7 @@ def test_every_protocol_module_in_eval_has_a_subcommand():
         "bt_hub.eval.classifier",
         "bt_hub.eval.splits",
         "bt_hub.eval.label_subsets",
+        "bt_hub.eval.average_precision",
     }
     assert protocols <= routed, f"eval modules without a bt-hub subcommand: {sorted(protocols - routed)}"
 

@@ -92,7 +92,8 @@ def test_demo_rejects_a_directory_it_did_not_write(tmp_path, capsys):
     (tmp_path / "pretrain").mkdir(parents=True)
     (tmp_path / "pretrain" / "notes.txt").write_text("mine")
     assert cli.main(["demo", "--out", str(tmp_path), *SHORT]) == 2
-    assert "is not a previous demo's pretraining run" in capsys.readouterr().err
+    # the ownership rule of every command: a folder bt_hub did not create needs --overwrite
+    assert "is not empty and was not created by bt-hub" in capsys.readouterr().err
     assert (tmp_path / "pretrain" / "notes.txt").read_text() == "mine"
 
 
@@ -104,3 +105,20 @@ def test_demo_is_deterministic_for_a_seed(tmp_path):
         assert cli.main(["demo", "--out", str(tmp_path / run), *tiny]) == 0
         tables.append(json.loads((tmp_path / run / "results.json").read_text())["table"])
     assert tables[0] == tables[1]
+
+
+def test_the_demo_pretrains_with_the_digits_preset_of_bt_hub_pretrain(tmp_path, monkeypatch):
+    # Guards: the demo and `bt-hub pretrain --preset digits` carried two different digits recipes.
+    from bt_hub.eval import demo
+    from bt_hub.train.pretrain import PretrainConfig
+
+    seen = {}
+
+    def capture(config):
+        seen["config"] = config
+        return tmp_path
+
+    monkeypatch.setattr(demo, "pretrain", capture)
+    demo._pretrain(demo.DemoConfig(out=str(tmp_path / "d")), tmp_path / "d" / "pretrain")
+    for key, value in PretrainConfig.PRESETS["digits"].items():
+        assert getattr(seen["config"], key) == value, key

@@ -281,6 +281,7 @@ class PretrainConfig(RunConfig):
                 f"--warmup-epochs {self.warmup_epochs} is longer than the whole schedule (--epochs {self.epochs}); "
                 "lower --warmup-epochs or raise --epochs"
             )
+        resolve_decode(self.decode, self.device, self.views)  # an impossible --decode / --views pair fails here
 
     def schedule_steps(self, steps_per_epoch: int, start: int = 0) -> tuple[int, int, int]:
         """(total, warm-up, last) steps; refuses a ``--max-steps`` beyond the schedule or before the resumed ``start``."""
@@ -296,7 +297,6 @@ class PretrainConfig(RunConfig):
                 f"--max-steps {self.max_steps} is before step {start} of the checkpoint being resumed; raise --max-steps"
             )
         return total, self.warmup_epochs * steps_per_epoch, last
-        resolve_decode(self.decode, self.device, self.views)
 
 
 class _TrainStep(nn.Module):
@@ -495,7 +495,7 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
         precision=resolve_precision(config.precision, device),
         decode=resolve_decode(config.decode, device, config.views),
     )
-    rank, world = get_rank(), get_world_size()
+    world = get_world_size()
     out = Path(config.out)
     if config.batch_size % world:
         raise ValueError(f"--batch-size {config.batch_size} is not a multiple of the {world} processes")
@@ -505,10 +505,166 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
     steps_per_epoch = len(dataset) // config.batch_size
     if steps_per_epoch == 0:
         raise ValueError(
-            f"--batch-size {config.batch_size} is larger than the {len(dataset)} training images of --data {config.data}"
+            f"--batch-size {config.batch_size} is larger than the {len(dataset)} training images of "
+            f"--data {config.data}"
         )
     total_steps, warmup_steps, last_step = config.schedule_steps(steps_per_epoch, int(state["step"]) if state else 0)
 
+    model, optimizer, scaler, step = _seeded_model(config, device, state)
+    step_module = _wrapped(model, config, device, world)  # before the probe, as the probe must see the wrapped BNs
+    amp_dtype = autocast_dtype(config.precision)
+    run.start(config, step)
+    view_params = view_pair(config)
+    batched = BatchedTwoViews(config.image_size, view_params) if config.views == "batched" else None
+    views = _ViewDataset(
+        dataset,
+        config.image_size,
+        config.seed,
+        batched is not None,
+        view_params,
+        files=is_dir,
+        encoded=is_dir and config.decode == "device",
+    )
+    probe = _probe_views(views, config, device, batched) if is_main_process() else None
+    if step == 0 and is_main_process():
+        _save_probe(out / "cross_correlation_start.npy", model, probe)
+    loop = _Loop(
+        config=config,
+        device=device,
+        run=run,
+        model=model,
+        optimizer=optimizer,
+        scaler=scaler,
+        step_module=step_module,
+        amp_dtype=amp_dtype,
+        views=views,
+        batched=batched,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+        warmup_steps=warmup_steps,
+        last_step=last_step,
+        monitor=_knn_monitor(config),
+        scalars=TensorBoardScalars(out / "tensorboard") if config.tensorboard and is_main_process() else None,
+    )
+    step = _run_loop(loop, step)
+    if is_main_process():
+        _save_probe(out / "cross_correlation_end.npy", model, probe)
+        write_backbone(out, model, config, step, len(dataset))
+    barrier()
+    return out
+
+
+@dataclass
+class _Loop:
+    """What the training loop works with, built once by ``_train``."""
+
+    config: PretrainConfig
+    device: torch.device
+    run: RunDir
+    model: BarlowTwins
+    optimizer: LARS
+    scaler: torch.amp.GradScaler
+    step_module: nn.Module
+    amp_dtype: torch.dtype | None
+    views: _ViewDataset
+    batched: BatchedTwoViews | None
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+    last_step: int
+    monitor: KnnMonitor | None
+    scalars: TensorBoardScalars | None
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return Path(self.config.out) / CHECKPOINT_NAME
+
+
+def _run_loop(loop: _Loop, step: int) -> int:
+    """Train from ``step`` to ``loop.last_step``: log, monitor and checkpoint on the way; return the last step."""
+    config, device, model = loop.config, loop.device, loop.model
+    bar = progress(None, "pretrain", total=loop.last_step, initial=step, unit="step", every=config.log_every)
+    postfix: dict[str, str] = {}
+    if loop.monitor is not None and step == 0:
+        postfix["knn"] = f"{loop.monitor(model.backbone, device, loop.amp_dtype):.1f}"
+        loop.run.log({"step": 0, "knn_top1": float(postfix["knn"])})
+    model.train()
+    while step < loop.last_step:
+        epoch = step // loop.steps_per_epoch
+        loader = _epoch_loader(loop.views, config, epoch, step % loop.steps_per_epoch, device)
+        tick, tick_step = time.perf_counter(), step
+        # on CUDA the next batches are decoded and viewed on a side stream while this step trains
+        with Prefetcher(
+            enumerate(loader, step),
+            lambda item: _views(item[1], item[0], config, device, loop.batched),
+            device,
+            depth=2 if device.type == "cuda" else 0,
+        ) as batches:
+            for y_a, y_b in batches:
+                rates, terms, spread = _optimizer_step(loop, y_a, y_b, step)
+                step += 1
+                row: dict[str, Any] = {}
+                if step % config.log_every == 0 or step == loop.last_step:
+                    now = time.perf_counter()
+                    pairs_per_s = config.batch_size * (step - tick_step) / max(now - tick, 1e-9)
+                    row.update(_metrics_row(epoch, rates, terms, spread, pairs_per_s))
+                    tick, tick_step = now, step
+                if loop.monitor is not None and (step % config.monitor_knn == 0 or step == loop.last_step):
+                    row["knn_top1"] = loop.monitor(model.backbone, device, loop.amp_dtype)
+                    postfix["knn"] = f"{row['knn_top1']:.1f}"
+                if row:
+                    loop.run.log({"step": step, **row})
+                    if loop.scalars is not None:
+                        loop.scalars.log({"step": step, **row})
+                bar.update(1)
+                bar.set_postfix(loss=f"{float(terms.loss):.4g}", epoch=epoch, **postfix)
+                if _checkpoint_due(step, loop.steps_per_epoch, loop.last_step, config.checkpoint_every):
+                    _checkpoint(loop, step)
+                if step >= loop.last_step:
+                    break
+    bar.close()
+    if loop.scalars is not None:
+        loop.scalars.close()
+    return step
+
+
+def _optimizer_step(
+    loop: _Loop, y_a: torch.Tensor, y_b: torch.Tensor, step: int
+) -> tuple[list[float], LossTerms, torch.Tensor]:
+    """One LARS step on a pair of view batches at this step's LRs; the rates, loss terms and embedding spread."""
+    rates = set_learning_rates(loop.optimizer, step, loop.total_steps, loop.warmup_steps, loop.config.batch_size)
+    amp_dtype = loop.amp_dtype
+    with torch.autocast(loop.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        terms, spread = loop.step_module(y_a, y_b)
+    loss = float(terms.loss.detach())
+    if not math.isfinite(loss):
+        raise RuntimeError(training_stopped(loop.checkpoint_path, step + 1, f"the loss became {loss}"))
+    loop.optimizer.zero_grad(set_to_none=True)
+    loop.scaler.scale(terms.loss).backward()
+    loop.scaler.step(loop.optimizer)
+    loop.scaler.update()
+    return rates, terms, spread
+
+
+def _checkpoint(loop: _Loop, step: int) -> None:
+    """The full checkpoint of ``step`` (written by the main process; every rank waits for it)."""
+    if is_main_process():
+        save_checkpoint(
+            loop.checkpoint_path,
+            model=loop.model.state_dict(),
+            optimizer=loop.optimizer.state_dict(),
+            scaler=loop.scaler.state_dict(),
+            step=step,
+            epoch=step // loop.steps_per_epoch,
+            config=dataclasses.asdict(loop.config),
+        )
+    barrier()
+
+
+def _seeded_model(
+    config: PretrainConfig, device: torch.device, state: dict[str, Any] | None
+) -> tuple[BarlowTwins, LARS, torch.amp.GradScaler, int]:
+    """The model, LARS and the loss scaler, seeded by ``--seed`` and restored from ``state``; the step to start at."""
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick its fastest kernels, as the reference does
     torch.manual_seed(config.seed)
@@ -528,15 +684,18 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
         param_groups(model, config.lr_weights, config.lr_biases, config.weight_decay), weight_decay=config.weight_decay
     )
     scaler = torch.amp.GradScaler("cuda", enabled=config.precision == "fp16")
-    step = 0
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if "scaler" in state:
-            scaler.load_state_dict(state["scaler"])
-        step = int(state["step"])
-        set_rng_state(state["rng"])
+    if state is None:
+        return model, optimizer, scaler, 0
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if "scaler" in state:
+        scaler.load_state_dict(state["scaler"])
+    set_rng_state(state["rng"])
+    return model, optimizer, scaler, int(state["step"])
 
+
+def _wrapped(model: BarlowTwins, config: PretrainConfig, device: torch.device, world: int) -> nn.Module:
+    """What the loop calls: the views through the model and the loss, under DDP and ``torch.compile`` when asked."""
     step_module: nn.Module = _TrainStep(model)
     if world > 1:
         step_module = convert_sync_batchnorm(step_module)  # SyncBatchNorm on CUDA, GlobalBatchNorm on CPU/gloo
@@ -545,120 +704,50 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
         )
     if config.compile:
         step_module = torch.compile(step_module)
-    amp_dtype = autocast_dtype(config.precision)
+    return step_module
 
-    run.start(config, step)
-    view_params = view_pair(config)
-    batched = BatchedTwoViews(config.image_size, view_params) if config.views == "batched" else None
-    views = _ViewDataset(
-        dataset,
-        config.image_size,
-        config.seed,
-        batched is not None,
-        view_params,
-        files=is_dir,
-        encoded=is_dir and config.decode == "device",
-    )
-    probe = _probe_views(views, config, device, batched) if is_main_process() else None
-    if step == 0 and is_main_process():
-        _save_probe(out / "cross_correlation_start.npy", model, probe)
 
-    checkpoint_path = out / CHECKPOINT_NAME
-    monitor = (
-        KnnMonitor(
-            *monitor_sets(config.monitor_data or config.data, config.image_size, config.seed, config.monitor_size)
-        )
-        if config.monitor_knn and is_main_process()
-        else None
+def _knn_monitor(config: PretrainConfig) -> KnnMonitor | None:
+    """The kNN monitor of ``--monitor-knn`` on the main process, else None."""
+    if not (config.monitor_knn and is_main_process()):
+        return None
+    return KnnMonitor(
+        *monitor_sets(config.monitor_data or config.data, config.image_size, config.seed, config.monitor_size)
     )
-    scalars = TensorBoardScalars(out / "tensorboard") if config.tensorboard and is_main_process() else None
-    bar = progress(None, "pretrain", total=last_step, initial=step, unit="step", every=config.log_every)
-    postfix: dict[str, str] = {}
-    if monitor is not None and step == 0:
-        postfix["knn"] = f"{monitor(model.backbone, device, amp_dtype):.1f}"
-        run.log({"step": 0, "knn_top1": float(postfix["knn"])})
-    model.train()
-    while step < last_step:
-        epoch = step // steps_per_epoch
-        sampler = EpochBatchSampler(
-            len(dataset), config.batch_size, config.seed, epoch, step % steps_per_epoch, rank, world
-        )
-        loader = DataLoader(
-            views,
-            batch_sampler=sampler,
-            num_workers=config.num_workers,
-            pin_memory=device.type == "cuda",
-            collate_fn=collate_list if views.file_items else None,
-            generator=torch.Generator().manual_seed(derive_seed(config.seed, epoch, rank)),
-        )
-        tick, tick_step = time.perf_counter(), step
-        # on CUDA the next batches are decoded and viewed on a side stream while this step trains
-        with Prefetcher(
-            enumerate(loader, step),
-            lambda item: _views(item[1], item[0], config, device, batched),
-            device,
-            depth=2 if device.type == "cuda" else 0,
-        ) as batches:
-            for y_a, y_b in batches:
-                rates = set_learning_rates(optimizer, step, total_steps, warmup_steps, config.batch_size)
-                with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-                    terms, spread = step_module(y_a, y_b)
-                loss = float(terms.loss.detach())
-                if not math.isfinite(loss):
-                    raise RuntimeError(training_stopped(checkpoint_path, step + 1, f"the loss became {loss}"))
-                optimizer.zero_grad(set_to_none=True)
-                scaler.scale(terms.loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-                step += 1
-                row: dict[str, Any] = {}
-                if step % config.log_every == 0 or step == last_step:
-                    now = time.perf_counter()
-                    row.update(
-                        {
-                            "epoch": epoch,
-                            "lr_weights": rates[0],
-                            "lr_biases": rates[1],
-                            "loss": loss,
-                            "invariance": float(terms.invariance_term),
-                            "redundancy": float(terms.redundancy_term),
-                            "embedding_std": float(spread),
-                            "pairs_per_s": config.batch_size * (step - tick_step) / max(now - tick, 1e-9),
-                        }
-                    )
-                    tick, tick_step = now, step
-                if monitor is not None and (step % config.monitor_knn == 0 or step == last_step):
-                    row["knn_top1"] = monitor(model.backbone, device, amp_dtype)
-                    postfix["knn"] = f"{row['knn_top1']:.1f}"
-                if row:
-                    run.log({"step": step, **row})
-                    if scalars is not None:
-                        scalars.log({"step": step, **row})
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4g}", epoch=epoch, **postfix)
-                if (
-                    step % steps_per_epoch == 0
-                    or step == last_step
-                    or (config.checkpoint_every and step % config.checkpoint_every == 0)
-                ):
-                    if is_main_process():
-                        save_checkpoint(
-                            checkpoint_path,
-                            model=model.state_dict(),
-                            optimizer=optimizer.state_dict(),
-                            scaler=scaler.state_dict(),
-                            step=step,
-                            epoch=step // steps_per_epoch,
-                            config=dataclasses.asdict(config),
-                        )
-                    barrier()
-                if step >= last_step:
-                    break
-    bar.close()
-    if scalars is not None:
-        scalars.close()
-    if is_main_process():
-        _save_probe(out / "cross_correlation_end.npy", model, probe)
-        write_backbone(out, model, config, step, len(dataset))
-    barrier()
-    return out
+
+
+def _epoch_loader(
+    views: _ViewDataset, config: PretrainConfig, epoch: int, start: int, device: torch.device
+) -> DataLoader:
+    """This rank's batches of ``epoch`` from step ``start`` within it, in the seeded order (exact resume)."""
+    rank, world = get_rank(), get_world_size()
+    sampler = EpochBatchSampler(len(views), config.batch_size, config.seed, epoch, start, rank, world)
+    return DataLoader(
+        views,
+        batch_sampler=sampler,
+        num_workers=config.num_workers,
+        pin_memory=device.type == "cuda",
+        collate_fn=collate_list if views.file_items else None,
+        generator=torch.Generator().manual_seed(derive_seed(config.seed, epoch, rank)),
+    )
+
+
+def _metrics_row(
+    epoch: int, rates: list[float], terms: LossTerms, spread: torch.Tensor, pairs_per_s: float
+) -> dict[str, Any]:
+    """One ``metrics.jsonl`` row of the loop: LRs, the loss and its two terms, the embeddings' spread, speed."""
+    return {
+        "epoch": epoch,
+        "lr_weights": rates[0],
+        "lr_biases": rates[1],
+        "loss": float(terms.loss.detach()),
+        "invariance": float(terms.invariance_term),
+        "redundancy": float(terms.redundancy_term),
+        "embedding_std": float(spread),
+        "pairs_per_s": pairs_per_s,
+    }
+
+
+def _checkpoint_due(step: int, steps_per_epoch: int, last_step: int, every: int) -> bool:
+    """A checkpoint at each epoch end, at the last step, and every ``--checkpoint-every`` steps."""
+    return step % steps_per_epoch == 0 or step == last_step or bool(every and step % every == 0)

@@ -1,0 +1,53 @@
+"""RunConfig: the fields every command that runs shares, and the one device check."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from bt_hub.common.config import RunConfig, check_device
+from bt_hub.eval.demo import DemoConfig
+from bt_hub.eval.detection.detect import DetectConfig
+from bt_hub.eval.knn import KnnConfig
+from bt_hub.train.pretrain import PretrainConfig
+
+COMMANDS = {
+    PretrainConfig: {},
+    KnnConfig: {"weights": "w.pth"},
+    DetectConfig: {"weights": "w.pth", "data": "root"},
+    DemoConfig: {},
+}
+
+
+@pytest.mark.parametrize("config_cls", list(COMMANDS), ids=lambda c: c.__name__)
+def test_every_run_command_shares_one_declaration_of_the_run_fields(config_cls):
+    assert issubclass(config_cls, RunConfig)
+    base = {f.name: f for f in dataclasses.fields(RunConfig)}
+    # out (each command's own folder) and the demo's threads (its timings assume 2) only change the default
+    for field in dataclasses.fields(config_cls):
+        if field.name in base and field.name not in ("out", "threads"):
+            assert field is base[field.name], field.name
+    assert set(RunConfig.RUN_FIELDS) <= set(config_cls.RUN_FIELDS)
+
+
+@pytest.mark.parametrize("config_cls", list(COMMANDS), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("device", ["mps", "gpu", "cuda:x", ""])
+def test_every_command_refuses_an_unknown_device_in_the_same_sentence(config_cls, device, tmp_path):
+    # Guards: eval accepted --device mps without saying so, and pretrain and detect each had their own wording.
+    with pytest.raises(ValueError, match=rf"^--device must be 'cpu', 'cuda' or 'cuda:N', got '{device}'$"):
+        config_cls(out=str(tmp_path / "o"), device=device, **COMMANDS[config_cls])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is missing")
+@pytest.mark.parametrize("config_cls", list(COMMANDS), ids=lambda c: c.__name__)
+def test_every_command_refuses_cuda_where_there_is_none(config_cls, tmp_path):
+    with pytest.raises(ValueError, match="--device cuda was asked for but CUDA is not available; use --device cpu"):
+        config_cls(out=str(tmp_path / "o"), device="cuda", **COMMANDS[config_cls])
+
+
+def test_check_device_accepts_cpu_and_refuses_negative_threads(tmp_path):
+    check_device("cpu")
+    with pytest.raises(ValueError, match="--threads must be non-negative, got -1"):
+        PretrainConfig(out=str(tmp_path / "o"), threads=-1)
