@@ -81,7 +81,8 @@ class DemoConfig(RunConfig):
     crop_scale_min: float = field(
         default=DIGITS["crop_scale_min"],
         metadata={
-            "help": "smallest area fraction of the random crops in pretraining and fine-tuning (paper: 0.08, which can erase an 8-px digit)"
+            "help": "smallest area fraction of the random crops in pretraining and fine-tuning (paper: 0.08, which "
+            "can erase an 8-px digit)"
         },
     )
     image_size: int = field(
@@ -106,7 +107,8 @@ class DemoConfig(RunConfig):
     projector: str = field(
         default=DIGITS["projector"],
         metadata={
-            "help": "projector widths joined by '-' (a 32-d output: a batch of 64 can estimate a 32 x 32 cross-correlation of full rank)"
+            "help": "projector widths joined by '-' (a 32-d output: a batch of 64 can estimate a 32 x 32 "
+            "cross-correlation of full rank)"
         },
     )
     lambd: float = field(default=DIGITS["lambd"], metadata={"help": "weight of the redundancy-reduction term"})
@@ -118,7 +120,8 @@ class DemoConfig(RunConfig):
     semi_epochs: int = field(
         default=10,
         metadata={
-            "help": "fine-tuning epochs on 10% of the labels; 1% gets 10x as many, so both see as many images (cosine LR)"
+            "help": "fine-tuning epochs on 10% of the labels; 1% gets 10x as many, so both see as many images "
+            "(cosine LR)"
         },
     )
     semi_batch_size: int = field(
@@ -128,7 +131,8 @@ class DemoConfig(RunConfig):
     semi_lr_classifier: float = field(
         default=SMALL["lr_classifier"],
         metadata={
-            "help": "classifier LR of the fine-tuning (paper: 0.5, set for batches of 256 over 1,000 classes; on ten digits it swamps the pretrained backbone)"
+            "help": "classifier LR of the fine-tuning (paper: 0.5, set for batches of 256 over 1,000 classes; on ten "
+            "digits it swamps the pretrained backbone)"
         },
     )
 
@@ -264,7 +268,7 @@ def _finetune_on_subsets(
 
 
 def _plots(out: Path, pretrain_dir: Path, table: dict[str, dict[str, float]], lambd: float) -> list[str]:
-    """loss.png, cross_correlation.png (bt_hub.train.plots, as ``bt-hub report`` draws them) and accuracy.png; returns the names written."""
+    """loss.png, cross_correlation.png (as ``bt-hub report`` draws them) and accuracy.png; the names written."""
     written = run_plots(pretrain_dir, out, lambd=lambd)
     written.append(save_png(plot_accuracy_bars(table, COLUMNS, "Held-out digits accuracy"), out / "accuracy.png"))
     return [path.name for path in written]
@@ -281,10 +285,13 @@ def _report(
     lines = [
         "# Barlow Twins demo on the digits",
         "",
-        f"bt_hub {package_version()}, seed {config.seed}. A {config.backbone}{' (3x3 stem)' if config.small_image_stem else ''} pretrained with the Barlow Twins loss for "
+        f"bt_hub {package_version()}, seed {config.seed}. A "
+        f"{config.backbone}{' (3x3 stem)' if config.small_image_stem else ''} pretrained with the Barlow Twins loss "
+        "for "
         f"{config.epochs} epochs"
         + (f" (stopped at step {config.max_steps})" if config.max_steps else "")
-        + f" on the 1,437 training digits at {config.image_size} px, projector {config.projector}, λ = {config.lambd}, batch {config.batch_size}, "
+        + f" on the 1,437 training digits at {config.image_size} px, projector {config.projector}, λ = "
+        f"{config.lambd}, batch {config.batch_size}, "
         f"LARS base LR {config.lr_weights}, crops of ≥ {config.crop_scale_min:.0%} of the area, no flip, no blur; "
         "scored on the 360 held-out digits (top-1 %).",
         "",
@@ -296,11 +303,16 @@ def _report(
     lines += [
         "",
         f"- **kNN**: weighted vote of the {config.knn_k} nearest training digits, cosine similarity, T = 0.07.",
-        f"- **linear**: the paper's linear probe (SGD lr 0.3, cosine, wd 1e-6, fc ~ N(0, 0.01)) for {config.linear_epochs} epochs on cached frozen features (no augmentation).",
-        f"- **1% / 10% labels**: {len(subsets[1])} / {len(subsets[10])} labelled training digits (seeded, class-balanced). Networks are fine-tuned with the "
-        f"paper's semi-supervised recipe (lr backbone 0.002, no wd) with a classifier LR of {config.semi_lr_classifier} (paper: 0.5), cosine, batch {config.semi_batch_size}, "
-        f"for {config.semi_epochs} epochs on 10% and {config.semi_epochs * 10} on 1% (the same number of images), crops of ≥ {config.crop_scale_min:.0%} of the area, no flip; "
-        "pixels get a linear classifier; *supervised from scratch* trains the random-init network with lr 0.1 for all layers, cosine, wd 5e-4.",
+        "- **linear**: the paper's linear probe (SGD lr 0.3, cosine, wd 1e-6, fc ~ N(0, 0.01)) for "
+        f"{config.linear_epochs} epochs on cached frozen features (no augmentation).",
+        f"- **1% / 10% labels**: {len(subsets[1])} / {len(subsets[10])} labelled training digits (seeded, "
+        "class-balanced). Networks are fine-tuned with the "
+        "paper's semi-supervised recipe (lr backbone 0.002, no wd) with a classifier LR of "
+        f"{config.semi_lr_classifier} (paper: 0.5), cosine, batch {config.semi_batch_size}, "
+        f"for {config.semi_epochs} epochs on 10% and {config.semi_epochs * 10} on 1% (the same number of images), "
+        f"crops of ≥ {config.crop_scale_min:.0%} of the area, no flip; "
+        "pixels get a linear classifier; *supervised from scratch* trains the random-init network with lr 0.1 for "
+        "all layers, cosine, wd 5e-4.",
         "",
         "## Timings (s)",
         "",

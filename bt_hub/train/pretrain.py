@@ -157,19 +157,22 @@ class PretrainConfig(RunConfig):
     crop_scale_min: float = field(
         default=0.08,
         metadata={
-            "help": "smallest area fraction of the views' random resized crop (paper: 0.08; tiny images such as the 8-px digits want more)"
+            "help": "smallest area fraction of the views' random resized crop (paper: 0.08; tiny images such as the "
+            "8-px digits want more)"
         },
     )
     flip: bool = field(
         default=True,
         metadata={
-            "help": "random horizontal flips in both views (paper: p = 0.5); --no-flip for images that are not mirror-symmetric, such as digits"
+            "help": "random horizontal flips in both views (paper: p = 0.5); --no-flip for images that are not "
+            "mirror-symmetric, such as digits"
         },
     )
     blur: bool = field(
         default=True,
         metadata={
-            "help": "Gaussian blur in the views (paper: p = 1.0 / 0.1, σ in [0.1, 2] px); --no-blur for tiny images, where even the 3x3 kernel smears every stroke"
+            "help": "Gaussian blur in the views (paper: p = 1.0 / 0.1, σ in [0.1, 2] px); --no-blur for tiny images, "
+            "where even the 3x3 kernel smears every stroke"
         },
     )
     epochs: int = field(default=1000, metadata={"help": "epochs of the schedule"})
@@ -187,7 +190,8 @@ class PretrainConfig(RunConfig):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = field(
         default="auto",
         metadata={
-            "help": "autocast dtype (fp16 only on CUDA, with a GradScaler); auto: bf16 on GPUs with bf16 and on CPUs with avx512_bf16/AMX, fp32 elsewhere (the choice is recorded in run.json and config.json)"
+            "help": "autocast dtype (fp16 only on CUDA, with a GradScaler); auto: bf16 on GPUs with bf16 and on CPUs "
+            "with avx512_bf16/AMX, fp32 elsewhere (the choice is recorded in run.json and config.json)"
         },
     )
     channels_last: bool = field(default=False, metadata={"help": "channels-last memory format for the backbone"})
@@ -202,7 +206,8 @@ class PretrainConfig(RunConfig):
     decode: Literal["auto", "device", "workers"] = field(
         default="auto",
         metadata={
-            "help": "image files with --views batched: workers read bytes and the device decodes the batch (device), or workers decode with PIL (workers); auto: device on CUDA"
+            "help": "image files with --views batched: workers read bytes and the device decodes the batch (device), "
+            "or workers decode with PIL (workers); auto: device on CUDA"
         },
     )
     num_workers: int = field(default=0, metadata={"help": "data-loader worker processes per rank"})
@@ -223,13 +228,15 @@ class PretrainConfig(RunConfig):
     monitor_knn: int = field(
         default=0,
         metadata={
-            "help": "every this many steps, weighted kNN top-1 (k = 20, T = 0.07) of the backbone's features on a small labelled bank, logged and shown in the progress bar (0: off)"
+            "help": "every this many steps, weighted kNN top-1 (k = 20, T = 0.07) of the backbone's features on a "
+            "small labelled bank, logged and shown in the progress bar (0: off)"
         },
     )
     monitor_data: str | None = field(
         default=None,
         metadata={
-            "help": "labelled data of the kNN monitor (as --data; its train split is the bank, its val/test split the queries); default: --data's training and held-out splits"
+            "help": "labelled data of the kNN monitor (as --data; its train split is the bank, its val/test split "
+            "the queries); default: --data's training and held-out splits"
         },
     )
     monitor_size: int = field(
@@ -284,17 +291,19 @@ class PretrainConfig(RunConfig):
         resolve_decode(self.decode, self.device, self.views)  # an impossible --decode / --views pair fails here
 
     def schedule_steps(self, steps_per_epoch: int, start: int = 0) -> tuple[int, int, int]:
-        """(total, warm-up, last) steps; refuses a ``--max-steps`` beyond the schedule or before the resumed ``start``."""
+        """(total, warm-up, last) steps; refuses a ``--max-steps`` past the schedule or before the resumed ``start``."""
         total = self.epochs * steps_per_epoch
         if self.max_steps > total:
             raise ValueError(
-                f"--max-steps {self.max_steps} is more than the {total} steps of the schedule (--epochs {self.epochs} x {steps_per_epoch} "
+                f"--max-steps {self.max_steps} is more than the {total} steps of the schedule (--epochs "
+                f"{self.epochs} x {steps_per_epoch} "
                 "steps per epoch); raise --epochs or lower --max-steps"
             )
         last = self.max_steps or total
         if start > last:
             raise ValueError(
-                f"--max-steps {self.max_steps} is before step {start} of the checkpoint being resumed; raise --max-steps"
+                f"--max-steps {self.max_steps} is before step {start} of the checkpoint being resumed; raise "
+                "--max-steps"
             )
         return total, self.warmup_epochs * steps_per_epoch, last
 
@@ -416,7 +425,8 @@ def _resume_state(config: PretrainConfig, out: Path) -> dict[str, Any] | None:
     if config.resume is None:
         if own.exists():
             raise ValueError(
-                f"--out {out} already holds {CHECKPOINT_NAME}; pass --resume auto to continue it or choose another --out"
+                f"--out {out} already holds {CHECKPOINT_NAME}; pass --resume auto to continue it or choose another "
+                "--out"
             )
         return None
     if config.resume == "auto":

@@ -43,19 +43,22 @@ class DetectConfig(RunConfig):
     )
     data: str = field(
         metadata={
-            "help": "data root: VOC2007/ and VOC2012/ devkits (voc), or annotations/instances_{train,val}2017.json + train2017/ + val2017/ (coco)"
+            "help": "data root: VOC2007/ and VOC2012/ devkits (voc), or annotations/instances_{train,val}2017.json + "
+            "train2017/ + val2017/ (coco)"
         }
     )
     config: str = field(
         default="voc",
         metadata={
-            "help": "'voc' (Faster R-CNN, VOC07+12, 24k), 'coco' (Mask R-CNN, COCO 1x), 'shapes-voc' / 'shapes-coco' (the installation check on make-detection-data output) or a YAML path"
+            "help": "'voc' (Faster R-CNN, VOC07+12, 24k), 'coco' (Mask R-CNN, COCO 1x), 'shapes-voc' / 'shapes-coco' "
+            "(the installation check on make-detection-data output) or a YAML path"
         },
     )
     engine: Literal["auto", "torchvision", "detectron2"] = field(
         default="auto",
         metadata={
-            "help": "detectron2, or torchvision's Faster/Mask R-CNN built as the same C4 model; auto: detectron2 when importable, else torchvision"
+            "help": "detectron2, or torchvision's Faster/Mask R-CNN built as the same C4 model; auto: detectron2 "
+            "when importable, else torchvision"
         },
     )
     out: str = out_field(
@@ -65,7 +68,8 @@ class DetectConfig(RunConfig):
     num_gpus: int = field(
         default=1,
         metadata={
-            "help": "detectron2: processes per machine (one per GPU); batch, lr and iterations rescale linearly from the configs' 8 (SOLVER.REFERENCE_WORLD_SIZE). torchvision: run under torchrun instead"
+            "help": "detectron2: processes per machine (one per GPU); batch, lr and iterations rescale linearly from "
+            "the configs' 8 (SOLVER.REFERENCE_WORLD_SIZE). torchvision: run under torchrun instead"
         },
     )
     num_machines: int = field(default=1, metadata={"help": "machines in the job"})
@@ -216,7 +220,8 @@ def _torchvision_trials(config: DetectConfig, yaml_path: Path, out: Path) -> lis
     if (config.num_gpus, config.num_machines, config.machine_rank, config.dist_url) != (1, 1, 0, "auto"):
         raise ValueError(
             "--engine torchvision runs one process per GPU under torchrun (torchrun --nproc-per-node N -m bt_hub.cli "
-            "detect --engine torchvision ...); --num-gpus, --num-machines, --machine-rank and --dist-url are detectron2's launcher flags"
+            "detect --engine torchvision ...); --num-gpus, --num-machines, --machine-rank and --dist-url are "
+            "detectron2's launcher flags"
         )
     from bt_hub.common.distributed import is_main_process, process_group
     from bt_hub.eval.detection.config import load_settings
