@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     import torch
     from torchvision import transforms
 
+# PASCAL VOC's 20 classes in the devkit's order (the detection transfer reads the same list).
 VOC_CLASSES = (
     "aeroplane",
     "bicycle",

@@ -2,7 +2,7 @@
 
 One record per evaluation run (``bt-hub eval``), a JSON object::
 
-    schema          "bt_hub.common.records/2"
+    schema          "bt_hub.results/3" (3: the record says which paper row it follows, paper_task)
     protocol        linear | semi | transfer | knn | voc07-svm | detect | ...
     mode            cached | loop | features (MODES gives the words: "cached features, no augmentation", ...)
     preset          the preset the run started from (None when the protocol has none)
@@ -35,7 +35,7 @@ from typing import Any
 
 from bt_hub.common.runs import config_dict, git_state, package_version
 
-SCHEMA = "bt_hub.common.records/2"
+SCHEMA = "bt_hub.results/3"
 RESULT_FILES = ("results.json", "results.jsonl", "results.md")
 
 PROTOCOLS = {

@@ -28,32 +28,10 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from bt_hub.common.optional import require
+from bt_hub.eval.voc07_svm import VOC_CLASSES  # the 20 PASCAL VOC classes, one list for both protocols
 
 __all__ = ["VOC_CLASSES", "DatasetLocation", "DetectionDataset", "Record", "load_records", "locate", "voc_class_names"]
 
-# PASCAL VOC's 20 classes in the devkit's order.
-VOC_CLASSES = (
-    "aeroplane",
-    "bicycle",
-    "bird",
-    "boat",
-    "bottle",
-    "bus",
-    "car",
-    "cat",
-    "chair",
-    "cow",
-    "diningtable",
-    "dog",
-    "horse",
-    "motorbike",
-    "person",
-    "pottedplant",
-    "sheep",
-    "sofa",
-    "train",
-    "tvmonitor",
-)
 _VOC = re.compile(r"^voc_(\d{4})_(\w+)$")
 _COCO = re.compile(r"^coco_(\d{4})_(train|val|test|minival|valminusminival)$")
 
