@@ -258,12 +258,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = _summary(result, getattr(config, "out", None))
     if summary:
         print(summary)
-    elif result is not None and os.environ.get("RANK", "0") == "0":
-        print(_describe(result, config))
+    elif os.environ.get("RANK", "0") == "0" and (described := _describe(result, config)) is not None:
+        print(described)
     return 0
 
 
-def _describe(result: Any, config: Any) -> str:
+def _describe(result: Any, config: Any) -> str | None:
     """What a command returned, in words: text as it is, files written (with their sha256), a Hub commit."""
     if isinstance(result, str):
         return result
@@ -278,7 +278,7 @@ def _describe(result: Any, config: Any) -> str:
         return f"wrote {result} (sha256 {file_sha256(result)})"
     if hasattr(result, "commit_url"):  # huggingface_hub's CommitInfo (bt-hub push)
         return f"pushed {config.weights} to {result.commit_url}"
-    return str(result)
+    return None  # a command that writes its own report (bt-hub demo) returns data for Python callers
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import pkgutil
 from typing import ClassVar, Literal
@@ -139,3 +140,15 @@ def test_one_preset_mechanism_builds_eval_and_pretrain_configs():
     assert overrides(semi, ignore=SemiSupervisedConfig.RUN_FIELDS) == {"lr_classifier": {"value": 0.1, "preset": 0.05}}
     with pytest.raises(ValueError, match="--preset 'tiny' is unknown; expected one of paper, reference, small"):
         from_preset(SemiSupervisedConfig, "tiny", weights="w")
+
+
+def test_the_cli_describes_what_a_command_returned_and_prints_nothing_for_plain_data(tmp_path):
+    # Guards: export and push printed from inside the library; now they return and the CLI says what was written.
+    weights = tmp_path / "w.pth"
+    weights.write_bytes(b"weights")
+    assert cli._describe(weights, None) == f"wrote {weights} (sha256 {hashlib.sha256(b'weights').hexdigest()})"
+    (tmp_path / "folder").mkdir()
+    for name in ("config.json", "model.safetensors", ".hidden"):
+        (tmp_path / "folder" / name).write_text("x")
+    assert cli._describe(tmp_path / "folder", None) == f"wrote {tmp_path / 'folder'} (config.json, model.safetensors)"
+    assert cli._describe({"table": {}}, None) is None and cli._describe(["a.png", "b.png"], None) == "a.png\nb.png"
