@@ -282,17 +282,15 @@ def _report(
     subsets: dict[int, list[int]],
     pretrain_dir: Path,
 ) -> str:
+    stem = " (3x3 stem)" if config.small_image_stem else ""
+    stopped = f" (stopped at step {config.max_steps})" if config.max_steps else ""
     lines = [
         "# Barlow Twins demo on the digits",
         "",
-        f"bt_hub {package_version()}, seed {config.seed}. A "
-        f"{config.backbone}{' (3x3 stem)' if config.small_image_stem else ''} pretrained with the Barlow Twins loss "
-        "for "
-        f"{config.epochs} epochs"
-        + (f" (stopped at step {config.max_steps})" if config.max_steps else "")
-        + f" on the 1,437 training digits at {config.image_size} px, projector {config.projector}, λ = "
-        f"{config.lambd}, batch {config.batch_size}, "
-        f"LARS base LR {config.lr_weights}, crops of ≥ {config.crop_scale_min:.0%} of the area, no flip, no blur; "
+        f"bt_hub {package_version()}, seed {config.seed}. A {config.backbone}{stem} pretrained with the Barlow Twins "
+        f"loss for {config.epochs} epochs{stopped} on the 1,437 training digits at {config.image_size} px, "
+        f"projector {config.projector}, λ = {config.lambd}, batch {config.batch_size}, LARS base LR "
+        f"{config.lr_weights}, crops of ≥ {config.crop_scale_min:.0%} of the area, no flip, no blur; "
         "scored on the 360 held-out digits (top-1 %).",
         "",
         "| representation | " + " | ".join(COLUMNS) + " |",
