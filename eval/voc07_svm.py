@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 from PIL import Image
 
+from bt_hub.common.images import open_rgb
 from bt_hub.eval.average_precision import average_precision, voc07_11point_ap
 from bt_hub.eval.config import EvalConfig
 
@@ -133,8 +134,7 @@ class VocClassification:
         import torch
 
         path, target = self.samples[index]
-        with Image.open(path) as img:
-            return img.convert("RGB"), torch.tensor(target, dtype=torch.int8)
+        return open_rgb(path), torch.tensor(target, dtype=torch.int8)
 
 
 def voc07_transform(image_size: int = 224) -> transforms.Compose:

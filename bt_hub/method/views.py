@@ -29,6 +29,7 @@ import torchvision.transforms.v2.functional as F
 from PIL import Image
 from torchvision.ops import roi_align
 
+from bt_hub.common.images import to_rgb
 from bt_hub.method.transforms import normalize
 
 GRAY_WEIGHTS = (0.2989, 0.587, 0.114)
@@ -204,8 +205,7 @@ class TwoViewTransform(_TwoViews):
         """Two views of ``img`` (any PIL mode; grayscale is replicated to RGB)."""
         if not isinstance(img, Image.Image):
             raise TypeError(f"TwoViewTransform expects a PIL image, got {type(img).__name__}")
-        if img.mode != "RGB":
-            img = img.convert("RGB")
+        img = to_rgb(img)
         params = self.sample(img.height, img.width, generator)
         return tuple(apply_view_pil(img, p, self.size, v) for p, v in zip(params, self.views))
 

@@ -25,16 +25,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from torch.utils.data import Dataset
+
+from bt_hub.common.images import open_rgb, to_rgb
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 SPLITS = ("train", "val", "test")
 
 
-def to_uint8_tensor(image: Image.Image) -> torch.Tensor:
-    """An RGB PIL image as a C x H x W uint8 tensor."""
-    array = np.asarray(image.convert("RGB"), dtype=np.uint8)
+def to_uint8_tensor(image: Image.Image, source: str = "<in memory>") -> torch.Tensor:
+    """A PIL image of any mode as a 3 x H x W uint8 RGB tensor (:func:`bt_hub.common.images.to_rgb`)."""
+    array = np.asarray(to_rgb(image, source), dtype=np.uint8)
     return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
 
@@ -155,11 +157,7 @@ class ImageFolderDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[Image.Image, int]:
         path, label = self.samples[index]
-        try:
-            with Image.open(path) as img:
-                image = img.convert("RGB")
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
-            raise OSError(f"image {path} is corrupt or unreadable ({type(err).__name__}: {err})") from err
+        image = open_rgb(path)
         if self.image_size is not None and image.size != (self.image_size, self.image_size):
             image = image.resize((self.image_size, self.image_size), Image.Resampling.BICUBIC)
         return image, label

@@ -16,13 +16,12 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
 
+from bt_hub.common.images import open_rgb
 from bt_hub.train.data import to_uint8_tensor
 
 DECODE_MODES = ("auto", "device", "workers")
@@ -81,13 +80,7 @@ def collate_list(items: Sequence[Any]) -> list[Any]:
 
 def decode_on_cpu(item: EncodedImage) -> torch.Tensor:
     """PIL's RGB decode of one file (the workers' decoder) as a 3 x H x W uint8 tensor."""
-    try:
-        with Image.open(Path(item.path)) as img:
-            return to_uint8_tensor(img)
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
-        raise OSError(
-            f"image {item.path} is corrupt or unreadable ({type(err).__name__}: {err}); remove or replace it"
-        ) from err
+    return to_uint8_tensor(open_rgb(item.path))
 
 
 def _decode_jpegs(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import Dataset
 
+from bt_hub.common.images import open_rgb
 from bt_hub.common.optional import require
 from bt_hub.eval.voc07_svm import VOC_CLASSES  # the 20 PASCAL VOC classes, one list for both protocols
 
@@ -213,13 +213,8 @@ class DetectionDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         record = self.records[index]
-        with Image.open(record.file_name) as img:
-            image = (
-                torch.from_numpy(np.asarray(img.convert("RGB"), dtype=np.uint8).copy())
-                .permute(2, 0, 1)
-                .float()
-                .div_(255)
-            )
+        image = torch.from_numpy(np.asarray(open_rgb(record.file_name), dtype=np.uint8).copy()).permute(2, 0, 1)
+        image = image.float().div_(255)
         keep = ~record.iscrowd
         target = {
             "boxes": torch.from_numpy(record.boxes[keep]).float(),
