@@ -274,6 +274,41 @@ def test_make_detection_data_writes_the_same_images_in_both_layouts(tmp_path):
         make_detection_data(DetectionDataConfig(out=str(root), train=7, test=5, size=96, seed=2))
 
 
+def test_interrupted_make_detection_data_leaves_out_untouched_and_a_rerun_clears_its_partial_folder(
+    tmp_path, monkeypatch
+):
+    import bt_hub.eval.detection.synthetic as synthetic
+
+    out, config = tmp_path / "shapes", DetectionDataConfig(out=str(tmp_path / "shapes"), train=3, test=2, size=64)
+    out.mkdir()  # an empty --out is allowed, and stays empty until the set is complete
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(synthetic, "write_coco", interrupted)  # after the VOC devkit, before the COCO files
+    with pytest.raises(KeyboardInterrupt):
+        make_detection_data(config)
+    partial = tmp_path / ".shapes.bt_hub-partial"
+    assert list(out.iterdir()) == [] and (partial / "VOC2007" / "JPEGImages").is_dir()
+    monkeypatch.undo()
+    with pytest.warns(UserWarning, match=r"removed .*\.shapes\.bt_hub-partial, the partial output of an interrupted"):
+        assert make_detection_data(config) == out
+    assert not partial.exists() and sorted(p.name for p in out.iterdir()) == [
+        "VOC2007",
+        "annotations",
+        "bt_hub_detection_data.json",
+        "train2017",
+        "val2017",
+    ]
+    assert len(list((out / "val2017").iterdir())) == 2
+    # a folder of the partial name that bt_hub did not make is never removed
+    (tmp_path / ".other.bt_hub-partial").mkdir()
+    (tmp_path / ".other.bt_hub-partial" / "mine.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match=r"\.other\.bt_hub-partial exists but is not a partial output"):
+        make_detection_data(DetectionDataConfig(out=str(tmp_path / "other"), train=3, test=2, size=64))
+    assert (tmp_path / ".other.bt_hub-partial" / "mine.txt").read_text() == "keep"
+
+
 def test_detection_results_get_the_papers_rows_in_the_report():
     from bt_hub.eval.report import render_table
 

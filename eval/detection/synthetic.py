@@ -20,6 +20,9 @@ an installation"); one that does not is broken, not unlucky.
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,6 +38,10 @@ CLASSES = ("square", "disc", "triangle", "cross")
 COLOURS = {"square": (225, 45, 45), "disc": (40, 205, 70), "triangle": (55, 95, 240), "cross": (240, 215, 35)}
 CLASSES_FILE = "classes.txt"
 MARKER = "bt_hub_detection_data.json"
+# make-detection-data writes into ``.<out name>.bt_hub-partial/`` beside ``--out`` and renames it into place at
+# the end; this file, written first, marks such a folder as bt_hub's own (so only bt_hub's is ever removed).
+PARTIAL_SUFFIX = ".bt_hub-partial"
+PARTIAL_MARKER = "bt_hub_detection_data.partial.json"
 
 __all__ = [
     "CLASSES",
@@ -285,12 +292,16 @@ class DetectionDataConfig:
 def make_detection_data(config: DetectionDataConfig) -> Path:
     """Write the generated set in both layouts under ``config.out`` (see the module doc).
 
-    A folder that already holds the same set (same flags) is left as it is.
+    A folder that already holds the same set (same flags) is left as it is. The set is written
+    into ``.<out name>.bt_hub-partial/`` beside ``--out`` and renamed into place once complete,
+    so an interrupted run never leaves a half-written ``--out``; the next run removes the
+    partial folder it left (one warning line).
 
     Raises:
-        FileExistsError: ``--out`` holds other files (nothing is overwritten).
+        FileExistsError: ``--out`` holds other files, or a folder of the partial folder's name is
+            not bt_hub's (nothing is overwritten or removed).
     """
-    root = Path(config.out).expanduser()
+    root = Path(config.out).expanduser().resolve()
     record: dict[str, Any] = {**asdict(config), "classes": list(CLASSES), "layouts": ["voc2007", "coco2017"]}
     record.pop("out")
     marker = root / MARKER
@@ -300,9 +311,31 @@ def make_detection_data(config: DetectionDataConfig) -> Path:
         raise FileExistsError(
             f"--out {root} is not an empty folder; make-detection-data writes only into a new or empty folder"
         )
+    partial = _clear_partial(root)
+    atomic_write_json(partial / PARTIAL_MARKER, record)
     write_voc(
-        root, splits={"2007": {"trainval": config.train, "test": config.test}}, size=config.size, seed=config.seed
+        partial, splits={"2007": {"trainval": config.train, "test": config.test}}, size=config.size, seed=config.seed
     )
-    write_coco(root, splits={"train2017": config.train, "val2017": config.test}, size=config.size, seed=config.seed)
-    atomic_write_json(marker, record)
+    write_coco(partial, splits={"train2017": config.train, "val2017": config.test}, size=config.size, seed=config.seed)
+    atomic_write_json(partial / MARKER, record)
+    (partial / PARTIAL_MARKER).unlink()
+    os.replace(partial, root)  # replaces an empty --out folder, as the rename of a file would
     return root
+
+
+def _clear_partial(root: Path) -> Path:
+    """The partial folder of ``root``, emptied of what an interrupted run left there (only if bt_hub made it).
+
+    Raises:
+        FileExistsError: a folder of that name exists without bt_hub's partial marker.
+    """
+    partial = root.parent / f".{root.name}{PARTIAL_SUFFIX}"
+    if partial.is_symlink() or partial.exists():
+        if partial.is_symlink() or not (partial / PARTIAL_MARKER).is_file():
+            raise FileExistsError(
+                f"{partial} exists but is not a partial output of make-detection-data (no {PARTIAL_MARKER}); "
+                "move it away and run again"
+            )
+        shutil.rmtree(partial)
+        warnings.warn(f"removed {partial}, the partial output of an interrupted make-detection-data", stacklevel=3)
+    return partial
