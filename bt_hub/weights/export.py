@@ -1,5 +1,9 @@
 """Write backbone weights as torchvision ``.pth``, safetensors, detectron2 ``.pkl`` or a Hugging Face folder.
 
+A small-image-stem backbone (3x3 ``conv1``, no max-pool) is refused for torchvision ``.pth`` and
+detectron2 ``.pkl``: both libraries build a 7x7 ``conv1`` with a max-pool, so such a file would not
+load there. safetensors and the Hugging Face folder carry the stem (its config.json says so).
+
 ``bt-hub export`` refuses a target that exists unless ``--force``. Even with ``--force`` a
 Hugging Face folder keeps every file bt_hub did not write: only ``model.safetensors``,
 ``projector.safetensors``, ``config.json`` and ``README.md`` are replaced, and each only when
@@ -49,11 +53,28 @@ def _backbone_only(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return {k: v.detach().cpu().contiguous() for k, v in state.items() if not k.startswith("fc.")}
 
 
+def _standard_stem_only(state: Mapping[str, torch.Tensor], target: str, library: str) -> None:
+    """Refuse weights whose ``conv1`` is not torchvision's 7x7 for a ``target`` that ``library`` loads."""
+    conv1 = state.get("conv1.weight")
+    if conv1 is not None and tuple(conv1.shape[-2:]) != (7, 7):
+        kernel = "x".join(str(n) for n in conv1.shape[-2:])
+        raise ValueError(
+            f"{target} cannot carry bt_hub's small-image stem ({kernel} conv1, no max-pool): {library} builds a 7x7 "
+            "conv1 and a max-pool, so the file would not load there; export these weights as safetensors or a "
+            "Hugging Face folder (--format safetensors / --format hf), which carry the small stem"
+        )
+
+
 # --------------------------------------------------------------------------- single files
 
 
 def to_detectron2(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """The detectron2 pickle payload (docs/protocols.md §3) for a torchvision-named ResNet state dict."""
+    """The detectron2 pickle payload (docs/protocols.md §3) for a torchvision-named ResNet state dict.
+
+    Raises:
+        ValueError: a small-image-stem backbone, which detectron2's ResNet cannot load.
+    """
+    _standard_stem_only(state_dict, "a detectron2 .pkl", "detectron2's ResNet")
     model = {torchvision_to_detectron2_key(k): v.numpy() for k, v in _backbone_only(state_dict).items()}
     return {"model": model, "__author__": "bt_hub", "matching_heuristics": True}
 
@@ -72,6 +93,7 @@ def save_safetensors(
 
 
 def _torchvision_bytes(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike) -> tuple[Path, bytes, str]:
+    _standard_stem_only(state_dict, "a torchvision .pth", "torchvision's resnet")
     buffer = io.BytesIO()
     torch.save(_backbone_only(state_dict), buffer)
     data = buffer.getvalue()
@@ -86,6 +108,9 @@ def save_torchvision(state_dict: Mapping[str, torch.Tensor], path: str | os.Path
 
     Returns:
         ``(path written, full sha256)``.
+
+    Raises:
+        ValueError: a small-image-stem backbone, which torchvision's resnet cannot load.
     """
     target, data, sha = _torchvision_bytes(state_dict, path)
     atomic_write(target, lambda f: f.write(data))
