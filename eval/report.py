@@ -11,14 +11,18 @@ beside ours only where the run follows the paper's protocol for that number.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bt_hub.common.files import atomic_write_json, atomic_write_text
+from bt_hub.common.files import WriteError, atomic_write_json, atomic_write_text, write_failure
 from bt_hub.common.presets import overrides
 from bt_hub.common.records import (
     PAPER_NAME,
@@ -28,9 +32,13 @@ from bt_hub.common.records import (
     Record,
     data_label,
     fmt,
+    fmt_mean_std,
+    group_by_seed,
     make_record,
+    mean_std,
     metric_label,
     paper_task,
+    seeds_text,
     setting,
     weights_label,
 )
@@ -87,24 +95,35 @@ def _row(cells: Sequence[str]) -> str:
     return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
 
+def _run_key(record: Mapping[str, Any]) -> tuple[str, ...]:
+    """What makes two records the same run but for the seed: protocol, setting, weights and data."""
+    return (str(record.get("protocol")), setting(record), weights_label(record), data_label(record))
+
+
 def _table(name: str, rows: list[Mapping[str, Any]]) -> str:
     family = FAMILIES.get(name, Family(name, ()))
     shown = [m for m in family.metrics if any(m in (r.get("metrics") or {}) for r in rows)]
     shown += [m for r in rows for m in (r.get("metrics") or {}) if m not in family.metrics and m not in family.hidden]
     shown = list(dict.fromkeys(shown))
-    header = ["Run", "Setting", "Weights", "Data"] + [metric_label(m) for m in shown] + ["Wall time (s)"]
+    header = ["Run", "Setting", "Weights", "Data", "Seeds"] + [metric_label(m) for m in shown] + ["Wall time (s)"]
     lines = [f"### {family.title}", "", _row(header), "|" + "---|" * len(header)]
     tasks = list(dict.fromkeys(paper_task(r) for r in rows))  # our rows grouped by the paper number they match
     for task in tasks:
         if task in PAPER_RESULTS:
             data, words = PAPER_SETTINGS[task]
             lines.append(
-                _row([PAPER_NAME, words, "paper's", data] + [fmt(PAPER_RESULTS[task].get(m)) for m in shown] + ["—"])
+                _row(
+                    [PAPER_NAME, words, "paper's", data, "—"] + [fmt(PAPER_RESULTS[task].get(m)) for m in shown] + ["—"]
+                )
             )
-        for r in (r for r in rows if paper_task(r) == task):
-            metrics = r.get("metrics") or {}
-            cells = [f"ours: {r.get('protocol')}", setting(r) or "—", weights_label(r), data_label(r) or "—"]
-            lines.append(_row(cells + [fmt(metrics.get(m)) for m in shown] + [fmt(r.get("wall_time_s"))]))
+        for runs in group_by_seed([r for r in rows if paper_task(r) == task], _run_key):
+            first = runs[0]
+            cells = [f"ours: {first.get('protocol')}", setting(first) or "—", weights_label(first)]
+            cells += [data_label(first) or "—", seeds_text(len(runs))]
+            cells += [fmt_mean_std([(r.get("metrics") or {}).get(m) for r in runs]) for m in shown]
+            times = [r.get("wall_time_s") for r in runs]
+            wall = mean_std(times)[0] if all(fmt(t) != "—" for t in times) else None
+            lines.append(_row(cells + [fmt(wall)]))
     return "\n".join(lines)
 
 
@@ -123,7 +142,9 @@ def render_markdown(results: list[Mapping[str, Any]]) -> str:
         "# Evaluation results\n\n"
         + render_table(results)
         + "\nMetrics in percent, rounded to 0.1. *Setting* names the preset, the mode and every hyper-parameter "
-        "changed from the preset; the full records (splits, fingerprints, versions) are in results.jsonl.\n"
+        "changed from the preset; runs that differ only in their seed share a row: mean ± sample standard deviation "
+        "(n - 1) over the *Seeds* column's count, one value when there is 1 seed; the full records (per-seed values, "
+        "splits, fingerprints, versions) are in results.jsonl.\n"
     )
 
 
@@ -145,13 +166,42 @@ def load_results(out_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def append_results(out_dir: str | Path, records: Sequence[Record]) -> list[Record]:
-    """Append records to ``results.jsonl`` and rewrite ``results.md`` from the whole history; return it."""
+    """Append records to ``results.jsonl`` and rewrite ``results.md`` from the whole history; return it.
+
+    The records go in with one ``write`` on a descriptor opened ``O_APPEND | O_NOFOLLOW`` and
+    locked (``flock``) until ``results.md`` is rewritten, so processes appending to one folder
+    at once keep every record, each on a line of its own, and ``results.md`` shows them all.
+
+    Raises:
+        WriteError: ``results.jsonl`` is a symbolic link, or could not be written (it is left as it was).
+    """
     out = Path(out_dir)
-    history = load_results(out) + list(records)
-    atomic_write_text(
-        out / "results.jsonl", "".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in history)
-    )
-    atomic_write_text(out / "results.md", render_markdown(history))
+    path = out / "results.jsonl"
+    data = "".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in records).encode("utf-8")
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise WriteError(
+                f"{path} is a symbolic link; bt_hub appends results only to a regular file: remove the link or "
+                "choose another --out"
+            ) from None
+        raise write_failure(path, err) from err
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        size = os.fstat(fd).st_size
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.EIO, "the records were written only in part")
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise write_failure(path, err) from err
+        history = load_results(out)
+        atomic_write_text(out / "results.md", render_markdown(history))
+    finally:
+        os.close(fd)  # releases the lock
     return history
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from bt_hub import cli
 from bt_hub.common.presets import from_preset
+from bt_hub.eval import linear
 from bt_hub.eval.classifier import (
     evaluate_features,
     lr_factor,
@@ -20,7 +22,15 @@ from bt_hub.eval.classifier import (
     train_classifier,
     train_on_features,
 )
-from bt_hub.eval.linear import FrozenBackboneClassifier, LinearConfig, TransferConfig, equally_spaced_milestones
+from bt_hub.eval.linear import (
+    FrozenBackboneClassifier,
+    LinearConfig,
+    TransferConfig,
+    equally_spaced_milestones,
+    grid_probe,
+    score_heads,
+    train_heads,
+)
 from bt_hub.method.model import build_backbone
 
 RESULT_FIELDS = {
@@ -190,7 +200,10 @@ def test_cli_linear_full_and_cached_write_results(resnet18_weights, tmp_path):
         "--seed",
         "1",
     ]
-    assert cli.main(["eval", "linear", *common, "--epochs", "1", "--out", str(tmp_path / "full")]) == 0
+    assert (
+        cli.main(["eval", "linear", *common, "--search", "fixed", "--epochs", "1", "--out", str(tmp_path / "full")])
+        == 0
+    )
     full = _read(tmp_path / "full")
     assert (full["protocol"], full["preset"], full["hyperparameters"]["lr"], full["hyperparameters"]["epochs"]) == (
         "linear",
@@ -211,6 +224,8 @@ def test_cli_linear_full_and_cached_write_results(resnet18_weights, tmp_path):
                 "--epochs",
                 "5",
                 "--cached",
+                "--search",
+                "fixed",
                 "--cache-dir",
                 str(cache),
                 "--out",
@@ -238,6 +253,8 @@ def test_cli_transfer_takes_an_imagefolder_by_path_with_the_pirl_preset(resnet18
                 "transfer",
                 "--preset",
                 "inat18",
+                "--search",
+                "fixed",
                 "--weights",
                 str(resnet18_weights),
                 "--data",
@@ -318,3 +335,115 @@ def test_cli_eval_all_runs_every_protocol_sharing_one_feature_cache(resnet18_wei
         "semi",
         "semi",
     ]  # what push --results reads
+
+
+# ----------------------------------------------------------------------------- the grid of heads
+
+
+def test_one_head_of_the_grid_is_exactly_the_papers_cached_classifier():
+    x, y = _separable(30, 5, 24, seed=4)
+    hyper = {"epochs": 4, "batch_size": 32, "seed": 3, "momentum": 0.9, "schedule": "cosine"}
+    alone = train_on_features(x, y, 5, lr=0.3, weight_decay=1e-3, progress=False, **hyper)
+    heads = train_heads(x, y, 5, lrs=[0.3], weight_decays=[1e-3], progress=False, **hyper)
+    torch.testing.assert_close(heads.weight[0], alone.weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(heads.bias[0], alone.bias, rtol=1e-5, atol=1e-6)
+    assert score_heads(heads, x, y)[0]["top1"] == evaluate_features(alone, x, y)["top1"]
+
+
+def test_every_head_of_a_grid_equals_that_head_trained_alone():
+    x, y = _separable(30, 4, 16, seed=5)
+    lrs, wds = [0.01, 0.3, 3.0], [0.0, 1e-2, 1e-3]
+    together = train_heads(x, y, 4, lrs=lrs, weight_decays=wds, epochs=3, batch_size=16, seed=1, progress=False)
+    for k, (lr, wd) in enumerate(zip(lrs, wds)):
+        alone = train_heads(x, y, 4, lrs=[lr], weight_decays=[wd], epochs=3, batch_size=16, seed=1, progress=False)
+        torch.testing.assert_close(together.weight[k], alone.weight[0], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(together.weight[0], together.weight[2])
+
+
+def test_grid_chooses_on_a_seeded_validation_split_of_the_training_data_never_the_test_split():
+    train_x, train_y = _separable(40, 5, 16, seed=6)
+    test_x, test_y = _separable(20, 5, 16, seed=7)
+    hyper = {"epochs": 5, "batch_size": 32, "progress": False}
+    found = grid_probe(train_x, train_y, test_x, test_y, 5, seed=2, **hyper)
+    # the test labels take no part in the choice: scrambling them changes the test score only
+    scrambled = grid_probe(train_x, train_y, test_x, test_y[torch.randperm(len(test_y))], 5, seed=2, **hyper)
+    assert scrambled["chosen"] == found["chosen"] and scrambled["grid"] == found["grid"]
+    assert len(found["grid"]) == 12 and {(h["lr"], h["weight_decay"]) for h in found["grid"]} == {
+        (lr, wd) for lr in linear.GRID_LRS for wd in linear.GRID_WEIGHT_DECAYS
+    }
+    best = max(h["val_top1"] for h in found["grid"])
+    assert found["chosen"]["val_top1"] == best
+    validation = found["validation"]
+    assert (validation["train_size"], validation["val_size"], validation["seed"]) == (160, 40, 2)
+    again = grid_probe(train_x, train_y, test_x, test_y, 5, seed=2, **hyper)["validation"]
+    other = grid_probe(train_x, train_y, test_x, test_y, 5, seed=3, **hyper)["validation"]
+    assert again == validation and other["val_indices_sha256"] != validation["val_indices_sha256"]
+
+
+def test_a_diverging_head_is_reported_and_never_chosen_and_a_diverged_grid_is_refused():
+    x, y = _separable(20, 3, 8, seed=8)
+    x = x * 1e19  # float32 logits overflow after one step of LR 100, not of LR 1e-30
+    found = grid_probe(x, y, x, y, 3, lrs=[1e-30, 100.0], weight_decays=[0.0], epochs=3, batch_size=16, progress=False)
+    diverged = [h for h in found["grid"] if h["lr"] == 100.0][0]
+    assert diverged["val_top1"] is None and diverged["diverged_epoch"] is not None
+    assert found["chosen"]["lr"] == 1e-30
+    with pytest.raises(linear.NonFiniteLoss, match="every head of the linear grid diverged"):
+        grid_probe(x, y, x, y, 3, lrs=[100.0], weight_decays=[0.0], epochs=3, batch_size=16, progress=False)
+
+
+def test_the_grid_is_the_default_except_on_the_data_a_paper_preset_was_set_for():
+    config = LinearConfig(weights="w")
+    assert not config.uses_grid(1000) and config.uses_grid(10)
+    assert from_preset(TransferConfig, weights="w").uses_grid(10)
+    assert not from_preset(TransferConfig, weights="w").uses_grid(205)
+    assert LinearConfig(weights="w", search="grid").uses_grid(1000)
+    assert not LinearConfig(weights="w", search="fixed").uses_grid(10)
+
+
+def test_cli_linear_on_digits_like_data_runs_the_grid_and_records_it(resnet18_weights, tmp_path):
+    out = tmp_path / "grid"
+    common = ["--weights", str(resnet18_weights), "--data", "synthetic:60", "--image-size", "32"]
+    assert cli.main(["eval", "linear", *common, "--epochs", "3", "--batch-size", "16", "--out", str(out)]) == 0
+    record = _read(out)
+    notes = record["notes"]
+    assert notes["search"] == "grid" and len(notes["grid"]) == 12 and record["mode"] == "cached"
+    assert notes["chosen"]["lr"] in linear.GRID_LRS and notes["validation"]["source_split"] == "train"
+    assert record["paper_task"] is None  # the grid is not the paper's recipe: no paper row beside it
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--lr", "1e30"], "--lr must be in (0, 100]"),
+        (["--lr", "nan"], "--lr must be in (0, 100]"),
+        (["--lr", "0"], "--lr must be in (0, 100]"),
+        (["--lr-grid", "0.1", "inf"], "--lr-grid must be in (0, 100]"),
+        (["--weight-decay", "-1"], "--weight-decay must be in [0, 1)"),
+        (["--weight-decay-grid", "2"], "--weight-decay-grid must be in [0, 1)"),
+        (["--momentum", "1.5"], "--momentum must be in [0, 1)"),
+        (["--epochs", "0"], "--epochs must be an integer in [1, 100000]"),
+        (["--batch-size", "0"], "--batch-size must be positive"),
+        (["--val-fraction", "0.9"], "--val-fraction must be in (0, 0.5]"),
+        (["--gamma", "0"], "--gamma must be in (0, 1]"),
+    ],
+)
+def test_cli_rejects_probe_settings_out_of_range_in_one_line(resnet18_weights, tmp_path, capsys, flags, message):
+    # guards `--cached --lr 1e30`, which trained silently to 15.4% top-1
+    out = tmp_path / "out"
+    assert cli.main(["eval", "linear", "--weights", str(resnet18_weights), "--cached", *flags, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_cli_fixed_probe_stops_in_one_sentence_when_its_loss_becomes_non_finite(
+    resnet18_weights, tmp_path, capsys, monkeypatch
+):
+    real = linear.features_for
+    monkeypatch.setattr(linear, "features_for", lambda *a, **k: (lambda f: (f[0] * 1e30, f[1]))(real(*a, **k)))
+    args = ["eval", "linear", "--weights", str(resnet18_weights), "--data", "synthetic:40", "--image-size", "32"]
+    args += ["--cached", "--search", "fixed", "--lr", "50", "--epochs", "2", "--out", str(tmp_path / "out")]
+    assert cli.main(args) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line or "Traceback" in line]
+    assert len(errors) == 1 and re.search(r"training loss became non-finite in epoch \d+ with --lr 50", errors[0])
+    assert not (tmp_path / "out" / "results.json").exists()

@@ -123,6 +123,57 @@ def test_two_runs_into_one_out_leave_two_records_and_results_json_is_the_latest(
     assert (tmp_path / "results.md").read_text().count("| ours: linear |") == 2
 
 
+def test_runs_that_differ_only_in_their_seed_share_a_row_with_mean_std_and_the_seed_count(tmp_path):
+    for seed, top1 in ((0, 70.0), (1, 72.0), (2, 77.0)):
+        _write(tmp_path, seed=seed, metrics={"top1": top1, "top5": 90.0})
+    _write(tmp_path, seed=0, mode="cached", metrics={"top1": 50.0, "top5": 80.0})
+    md = (tmp_path / "results.md").read_text()
+    # mean 73.0, sample standard deviation sqrt(((-3)^2 + (-1)^2 + 4^2) / 2) = sqrt(13) = 3.6
+    assert "| 3 seeds | 73.0 ± 3.6 | 90.0 ± 0.0 | 12.5 |" in md
+    assert "| 1 seed | 50.0 | 80.0 | 12.5 |" in md and md.count("| ours: linear |") == 2
+    _write(tmp_path, seed=1, metrics={"top1": 10.0, "top5": 20.0})  # seed 1 again: a new row, nothing dropped
+    md = (tmp_path / "results.md").read_text()
+    assert "| 3 seeds | 73.0 ± 3.6 |" in md and "| 1 seed | 10.0 | 20.0 |" in md
+
+
+def _append_many(out, worker, count):
+    from bt_hub.eval.report import append_results
+
+    for i in range(count):
+        record = {"protocol": "knn", "seed": i, "metrics": {"top1": float(i)}, "weights": {"name": f"w{worker}"}}
+        append_results(out, [record])
+
+
+def test_concurrent_appenders_keep_every_record_on_a_line_of_its_own(tmp_path):
+    # guards the read-change-rewrite of results.jsonl that lost 31 to 60 of 90 records under 6 writers
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    workers = [context.Process(target=_append_many, args=(tmp_path, w, 15)) for w in range(6)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert [worker.exitcode for worker in workers] == [0] * 6
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert sorted((r["weights"]["name"], r["seed"]) for r in records) == sorted(
+        (f"w{w}", i) for w in range(6) for i in range(15)
+    )
+    assert (tmp_path / "results.md").read_text().count("| 15 seeds |") == 6  # the last rewrite saw all 90
+
+
+def test_results_jsonl_that_is_a_symlink_is_refused_and_its_target_left_alone(tmp_path):
+    target = tmp_path / "notes.txt"
+    target.write_text("mine\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.jsonl").symlink_to(target)
+    with pytest.raises(OSError, match="results.jsonl is a symbolic link"):
+        _write(out)
+    assert target.read_text() == "mine\n"
+
+
 def test_cached_and_loop_runs_render_differently(tmp_path):
     _write(tmp_path, mode="loop")
     _write(tmp_path, mode="cached")
@@ -150,7 +201,7 @@ def test_tables_round_to_one_decimal_and_show_the_paper_row_only_for_its_own_pro
     assert md.count("| Barlow Twins paper (ResNet-50, 1000 epochs) |") == 1
     assert (
         "| Barlow Twins paper (ResNet-50, 1000 epochs) | preset imagenet; paper loop with augmentation "
-        "| paper's | ImageNet | 73.2 | 91.0 | — |" in md
+        "| paper's | ImageNet | — | 73.2 | 91.0 | — |" in md
     )
     assert "| 71.2 | 90.0 | 12.5 |" in md and "71.25" not in md
     card = card_table([json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()])
@@ -169,11 +220,11 @@ def test_semi_rows_say_which_label_fraction_and_get_that_fractions_paper_row(tmp
     md = (tmp_path / "results.md").read_text()
     assert (
         "1% labels (SimCLR list 1percent.txt); preset paper; paper loop with augmentation "
-        "| paper's | ImageNet | 55.0 | 79.2 |" in md
+        "| paper's | ImageNet | — | 55.0 | 79.2 |" in md
     )
     assert (
         "10% labels (SimCLR list 10percent.txt); preset paper; paper loop with augmentation "
-        "| paper's | ImageNet | 69.7 | 89.3 |" in md
+        "| paper's | ImageNet | — | 69.7 | 89.3 |" in md
     )
     assert (
         "| ours: semi | 1% labels (seeded class-balanced, seed 0); preset paper; paper loop with augmentation |" in md
@@ -202,15 +253,15 @@ def test_transfer_presets_land_in_the_transfer_table_with_their_paper_row():
     md = render_table([record])
     lines = md.splitlines()
     assert lines[0] == "### Transfer to other classification tasks (paper Table 3)"
-    assert lines[2] == "| Run | Setting | Weights | Data | Top-1 | Wall time (s) |"
-    assert lines[4].endswith("| iNat18 | 46.5 | — |") and lines[5].endswith("| inat | 30.0 | 1.0 |")
+    assert lines[2] == "| Run | Setting | Weights | Data | Seeds | Top-1 | Wall time (s) |"
+    assert lines[4].endswith("| iNat18 | — | 46.5 | — |") and lines[5].endswith("| inat | 1 seed | 30.0 | 1.0 |")
 
 
 def test_unknown_protocols_get_a_table_of_their_own_metrics():
     md = render_table([{"protocol": "retrieval", "metrics": {"recall_at_1": 12.0}, "wall_time_s": 2.0}])
     assert md.splitlines()[0] == "### retrieval"
-    assert md.splitlines()[2] == "| Run | Setting | Weights | Data | recall_at_1 | Wall time (s) |"
-    assert md.splitlines()[-1].endswith("| 12.0 | 2.0 |")
+    assert md.splitlines()[2] == "| Run | Setting | Weights | Data | Seeds | recall_at_1 | Wall time (s) |"
+    assert md.splitlines()[-1].endswith("| 1 seed | 12.0 | 2.0 |")
 
 
 def test_non_numeric_metrics_are_rejected_naming_them(tmp_path):

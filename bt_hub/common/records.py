@@ -29,7 +29,7 @@ import math
 import os
 import platform
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -334,6 +334,53 @@ def _value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_value(v) for v in value) + "]"
     return str(value)
+
+
+# ----------------------------------------------------------------------------- seeds
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1 in the denominator; 0 for one value) of per-seed values."""
+    if not values:
+        raise ValueError("mean_std needs at least one value")
+    n = len(values)
+    mean = sum(values) / n
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+
+
+def fmt_mean_std(values: Sequence[Any]) -> str:
+    """``71.2 ± 0.4`` over several seeds, ``71.2`` for one; '—' when a value is missing or not finite."""
+    if not values or any(fmt(v) == "—" for v in values):
+        return "—"
+    if len(values) == 1:
+        return fmt(values[0])
+    mean, std = mean_std([float(v) for v in values])
+    return f"{mean:.1f} ± {std:.1f}"
+
+
+def seeds_text(count: int) -> str:
+    """``1 seed``, ``3 seeds``."""
+    return f"{count} seed" + ("" if count == 1 else "s")
+
+
+def group_by_seed(
+    records: Sequence[Mapping[str, Any]], key: Callable[[Mapping[str, Any]], Hashable]
+) -> list[list[Mapping[str, Any]]]:
+    """Records that differ only in their seed, grouped by ``key``, in order of first appearance.
+
+    A group holds each seed once: a seed met again under the same key starts a new group, so
+    running seeds 0, 1, 2 twice gives two groups of three and no record is dropped or counted twice.
+    """
+    groups: list[list[Mapping[str, Any]]] = []
+    latest: dict[Hashable, list[Mapping[str, Any]]] = {}
+    for record in records:
+        k = key(record)
+        group = latest.get(k)
+        if group is None or any(r.get("seed") == record.get("seed") for r in group):
+            group = latest[k] = []
+            groups.append(group)
+        group.append(record)
+    return groups
 
 
 # ----------------------------------------------------------------------------- rendering
