@@ -28,6 +28,7 @@ import json
 import math
 import os
 import platform
+import re
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -101,6 +102,19 @@ PAPER_SETTINGS = {
         "preset voc; Faster R-CNN R50-C4, 24k iterations, 5 trials",
     ),
     "coco_mask_rcnn_c4_1x": ("COCO 2017 (test: val2017)", "preset coco; Mask R-CNN R50-C4, 1x schedule"),
+}
+# The folder names (lower case, letters and digits only) of each paper number's dataset, and the size of the
+# test split the paper scored on: the paper's number sits beside ours only on that data (``paper_comparable``).
+_IMAGENET = ("imagenet", "imagenet1k", "in1k", "ilsvrc", "ilsvrc2012", "imagenet2012")
+PAPER_DATASETS: dict[str, tuple[tuple[str, ...], int]] = {
+    "imagenet_linear": (_IMAGENET, 50000),
+    "semi_supervised_1pct": (_IMAGENET, 50000),
+    "semi_supervised_10pct": (_IMAGENET, 50000),
+    "places205_linear": (("places205", "places"), 20500),
+    "voc07_svm": (("voc2007", "voc07"), 4952),
+    "inat18_linear": (("inat18", "inat2018", "inaturalist2018", "inaturalist"), 24426),
+    "voc07+12_faster_rcnn_c4": (("voc", "vocdevkit", "voc0712", "voc2007", "voc2012"), 4952),
+    "coco_mask_rcnn_c4_1x": (("coco", "coco2017", "mscoco"), 5000),
 }
 
 Record = dict[str, Any]
@@ -322,6 +336,24 @@ def paper_task(record: Mapping[str, Any]) -> str | None:
     return task if task in PAPER_RESULTS else None
 
 
+def paper_comparable(record: Mapping[str, Any]) -> str | None:
+    """``paper_task`` when the data is the paper's too (``PAPER_DATASETS``: folder name, test split size), else None.
+
+    A run on the paper's protocol but other data (a preset imagenet probe on the digits, a held-out part
+    of ImageNet's train split, a 10-class ImageNet subset) gets no paper number beside it.
+    """
+    task = paper_task(record)
+    if task is None:
+        return None
+    names, test_size = PAPER_DATASETS[task]
+    dataset = record.get("dataset")
+    info = dataset if isinstance(dataset, Mapping) else {"name": Path(str(dataset or "")).name}
+    size = (info.get("test") or {}).get("size")
+    if re.sub(r"[^a-z0-9]", "", str(info.get("name") or "").lower()) not in names or info.get("holdout"):
+        return None
+    return task if size is None or size == test_size else None
+
+
 def _number(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
@@ -383,6 +415,23 @@ def group_by_seed(
     return groups
 
 
+def seed_free_setting(record: Mapping[str, Any]) -> str:
+    """``setting`` without what the run's seed chose: a seeded label subset or held-out split drawn with that seed."""
+    seed = record.get("seed")
+    labels = dict(record.get("labels") or {})
+    if labels.get("source") == "seeded" and labels.get("seed") == seed:
+        labels["source"] = "seeded class-balanced, one subset per seed"
+    dataset = record.get("dataset")
+    if isinstance(dataset, Mapping) and (dataset.get("holdout") or {}).get("seed") == seed:
+        dataset = {**dataset, "holdout": {**dataset["holdout"], "seed": "of each run"}}
+    return setting({**record, "labels": labels, "dataset": dataset})
+
+
+def seed_group_key(record: Mapping[str, Any]) -> tuple[str, str, str, str]:
+    """``group_by_seed``'s key for runs that differ only in their seed: (weights, protocol, dataset, setting)."""
+    return weights_label(record), str(record.get("protocol", "")), data_label(record), seed_free_setting(record)
+
+
 # ----------------------------------------------------------------------------- rendering
 
 
@@ -399,20 +448,28 @@ def summary_text(records: Sequence[Mapping[str, Any]], written: Sequence[str | o
 
 
 def card_table(records: Sequence[Mapping[str, Any]]) -> str:
-    """A markdown table for the model card: one row per run and metric, the paper's value beside ours."""
-    lines = ["| protocol | setting | data | metric | ours | paper |", "|---|---|---|---|---|---|"]
-    for r in records:
-        paper = PAPER_RESULTS.get(paper_task(r) or "", {})
-        for metric, value in (r.get("metrics") or {}).items():
+    """A markdown table for the model card: one row per run and metric, with the paper's value where it applies.
+
+    Runs that differ only in their seed (``seed_group_key``) share a row: ours is the mean ± sample standard
+    deviation over them, beside the number of seeds ("1 seed" for one run). The paper column is filled only
+    where protocol and data are the paper's (``paper_comparable``).
+    """
+    lines = ["| protocol | setting | data | metric | ours | seeds | paper |", "|---|---|---|---|---|---|---|"]
+    for group in group_by_seed(records, seed_group_key):
+        first = group[0]
+        paper = PAPER_RESULTS.get(paper_comparable(first) or "", {})
+        for metric in dict.fromkeys(m for r in group for m in r.get("metrics") or {}):
+            values = [r["metrics"][metric] for r in group if metric in (r.get("metrics") or {})]
             cells = [
-                str(r.get("protocol", "")),
-                setting(r) or "—",
-                data_label(r) or "—",
+                str(first.get("protocol", "")),
+                seed_free_setting(first) or "—",
+                data_label(first) or "—",
                 metric_label(metric),
-                fmt(value),
+                fmt_mean_std(values),
+                seeds_text(len(values)),
                 fmt(paper.get(metric)),
             ]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     if len(lines) == 2:
-        lines.append("| (none given) | | | | | |")
+        lines.append("| (none given) | | | | | | |")
     return "\n".join(lines)

@@ -1,9 +1,12 @@
 """The model card (README.md) and the timm fields of a Hugging Face folder's config.json.
 
 The card's preprocessing is read from the weights' own evaluation transforms (image size
-from the run's config), and a small-image-stem backbone, which timm's ResNet cannot build,
-is said to be a bt_hub-only layout with the bt_hub line that loads it. The evaluation
-table is rendered by ``results_section`` alone.
+from the run's config), and timm's ``crop_pct`` is chosen so that timm's eval transform resizes
+to exactly the same side; a small-image-stem backbone, which timm's ResNet cannot build, is said
+to be a bt_hub-only layout with the bt_hub line that loads it. The training length is the steps
+and epochs run against the schedule's. Results are grouped as ``bt_hub.common.records`` groups
+them (runs that differ only in their seed share one entry, mean ± std): one model-index entry
+per group, and the evaluation table rendered by ``results_section`` alone.
 """
 
 from __future__ import annotations
@@ -12,10 +15,21 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import yaml
 from torchvision import transforms as T
 
 from bt_hub.common.optional import require
-from bt_hub.common.records import card_table, data_label, task_label
+from bt_hub.common.records import (
+    card_table,
+    data_label,
+    display_path,
+    group_by_seed,
+    mean_std,
+    metric_label,
+    seed_free_setting,
+    seed_group_key,
+    seeds_text,
+)
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, transforms_for
 
 TAGS = ["barlow-twins", "self-supervised-learning", "image-feature-extraction", "pytorch", "timm", "bt_hub"]
@@ -30,28 +44,47 @@ _TASKS = {
 }
 
 
-def _eval_results(rows: list[dict[str, Any]]) -> list[Any]:
-    """The card's model-index entries: one per run and metric, named by what the run was (bt_hub.common.records)."""
-    hf = require("huggingface_hub", "writing a model card")
-    out = []
-    for row in rows:
-        protocol = str(row.get("protocol", "evaluation"))
-        dataset_name = data_label(row) or "unknown"
-        task_type = _TASKS.get(protocol.split("-")[0], "image-classification")
-        for metric, value in (row.get("metrics") or {}).items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                out.append(
-                    hf.EvalResult(
-                        task_type=task_type,
-                        task_name=task_label(row),
-                        dataset_type=dataset_name,
-                        dataset_name=dataset_name,
-                        metric_type=metric,
-                        metric_name=metric,
-                        metric_value=round(float(value), 1),
-                    )
-                )
-    return out
+def model_index(rows: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """The card's ``model-index``: one entry per protocol, setting and dataset, its metrics averaged over seeds.
+
+    huggingface_hub's ``EvalResult`` merges every entry of the same task type and dataset into one
+    (so a kNN and a linear probe on the same data would share one task name); this writes the
+    Hub's model-index schema directly: task type and name, dataset name, type and split, metrics
+    with type, value and name.
+    """
+    results = []
+    for group in group_by_seed(rows, seed_group_key):
+        first = group[0]
+        protocol = str(first.get("protocol", "evaluation"))
+        dataset = first.get("dataset")
+        info = dataset if isinstance(dataset, Mapping) else {"name": display_path(dataset)}
+        split = (info.get("test") or {}).get("split")
+        metrics = []
+        for metric in dict.fromkeys(m for r in group for m in r.get("metrics") or {}):
+            values = [r["metrics"][metric] for r in group if metric in (r.get("metrics") or {})]
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+                continue
+            mean, std = mean_std([float(v) for v in values])
+            spread = f"mean ± {std:.1f} std over {seeds_text(len(values))}" if len(values) > 1 else seeds_text(1)
+            metrics.append({"type": metric, "value": round(mean, 1), "name": f"{metric_label(metric)} ({spread})"})
+        if not metrics:
+            continue
+        setting = seed_free_setting(first)
+        results.append(
+            {
+                "task": {
+                    "type": _TASKS.get(protocol.split("-")[0], "image-classification"),
+                    "name": f"{protocol} ({setting})" if setting else protocol,
+                },
+                "dataset": {
+                    "name": data_label(first) or "unknown",
+                    "type": str(info.get("name") or "unknown"),
+                    **({"split": str(split)} if split else {}),
+                },
+                "metrics": metrics,
+            }
+        )
+    return [{"name": name, "results": results}] if results else []
 
 
 def results_section(results: list[dict[str, Any]]) -> str:
@@ -67,8 +100,21 @@ def preprocessing(config: Mapping[str, Any]) -> tuple[int, int]:
     return int(resize if isinstance(resize, int) else resize[0]), int(crop[0])
 
 
+def timm_crop_pct(resize: int, crop: int) -> float:
+    """The ``crop_pct`` for which timm's eval transform resizes to ``resize`` (timm takes floor(crop / crop_pct)).
+
+    ``crop / resize`` itself can land a hair below ``resize`` in floating point (and rounded to 4
+    digits it gave timm Resize(36) where bt_hub uses Resize(37) at 32 px); half a pixel more is exact.
+    """
+    pct = crop / resize
+    return pct if math.floor(crop / pct) == resize else crop / (resize + 0.5)
+
+
 def timm_fields(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields timm reads from config.json (its ResNets use torchvision's parameter names)."""
+    """The fields timm reads from config.json (its ResNets use torchvision's parameter names).
+
+    ``create_transform(**resolve_data_config(model=...))`` on these fields gives bt_hub's own eval transform.
+    """
     resize, crop = preprocessing(config)
     small = bool(config.get("small_image_stem"))
     fields: dict[str, Any] = {
@@ -78,7 +124,7 @@ def timm_fields(config: Mapping[str, Any]) -> dict[str, Any]:
             "tag": "barlowtwins",
             "input_size": [3, crop, crop],
             "interpolation": "bilinear",
-            "crop_pct": round(crop / resize, 4),
+            "crop_pct": timm_crop_pct(resize, crop),
             "crop_mode": "center",
             "mean": list(IMAGENET_MEAN),
             "std": list(IMAGENET_STD),
@@ -91,6 +137,28 @@ def timm_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     if small:
         fields["model_args"] = {SMALL_STEM_TIMM_ARG: True}
     return fields
+
+
+def training_length(config: Mapping[str, Any]) -> str | None:
+    """``20 of 110 steps (1.82 of 10 epochs, 11 steps per epoch); stopped before the end of the schedule``.
+
+    Read from a run's config.json: ``steps`` done, ``epochs`` of the schedule, ``num_samples`` and the
+    recipe's ``batch_size`` (steps per epoch = samples // batch, as pretraining counts them).
+    """
+    epochs, steps = config.get("epochs"), config.get("steps")
+    batch, samples = (config.get("recipe") or {}).get("batch_size"), config.get("num_samples")
+    per_epoch = samples // batch if isinstance(samples, int) and isinstance(batch, int) and batch > 0 else 0
+    if epochs is None and steps is None:
+        return None
+    if steps is None:
+        return f"{epochs} epochs planned (the steps done are not recorded)"
+    if epochs is None or per_epoch <= 0:
+        planned = f" of {epochs} epochs planned" if epochs is not None else ""
+        return f"{steps} steps{planned} (the steps per epoch are not recorded)"
+    planned = int(epochs) * per_epoch
+    done_epochs = f"{steps / per_epoch:.2f}".rstrip("0").rstrip(".")
+    text = f"{steps} of {planned} steps ({done_epochs} of {epochs} epochs, {per_epoch} steps per epoch)"
+    return text + ("; stopped before the end of the schedule" if steps < planned else "")
 
 
 def _usage(config: Mapping[str, Any], repo: str) -> str:
@@ -133,24 +201,30 @@ def model_card(
     hf = require("huggingface_hub", "writing a model card")
     dataset = config.get("dataset")
     small = bool(config.get("small_image_stem"))
+    arch = config.get("architecture", "resnet50")
     data = hf.ModelCardData(
         library_name="bt_hub",
         license=license,
         tags=[t for t in TAGS if t != "timm" or not small],
         pipeline_tag="image-feature-extraction",
-        datasets=[str(dataset)] if dataset else None,
+        datasets=[str(display_path(dataset))] if dataset else None,
         model_name=name,
-        eval_results=_eval_results(results) or None,
-    )
-    arch = config.get("architecture", "resnet50")
+    ).to_dict()
+    index = model_index(results, name or f"Barlow Twins {arch}")
+    if index:
+        data["model-index"] = index
     dim = config.get("feature_dim", 2048)
     resize, crop = preprocessing(config)
     stem = "bt_hub's small-image stem (3x3 stride-1 convolution, no max-pool)" if small else "torchvision's 7x7 stem"
-    recipe = {k: config[k] for k in ("dataset", "epochs", "projector", "lambd", "image_size") if k in config}
+    recipe = {k: config[k] for k in ("dataset", "projector", "lambd", "image_size") if k in config}
+    if "dataset" in recipe:
+        recipe["dataset"] = display_path(recipe["dataset"])
+    if (length := training_length(config)) is not None:
+        recipe["training length"] = length
     recipe.update(config.get("recipe") or {})
     recipe_rows = "\n".join(f"| {k} | {v} |" for k, v in recipe.items()) or "| (not recorded) | |"
     return f"""---
-{data.to_yaml()}
+{yaml.safe_dump(data, sort_keys=False, allow_unicode=True).strip()}
 ---
 
 # {name or f"Barlow Twins {arch}"}
