@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +17,10 @@ pytest.importorskip("huggingface_hub")
 
 from loopback import LoopbackHub  # noqa: E402
 
-from bt_hub.method.model import BarlowTwins  # noqa: E402
-from bt_hub.weights import from_pretrained, push_to_hub, save_pretrained  # noqa: E402
+from bt_hub import cli  # noqa: E402
+from bt_hub.method.model import BarlowTwins, build_backbone  # noqa: E402
+from bt_hub.weights import CheckpointError, from_pretrained, push_to_hub, save_pretrained  # noqa: E402
+from bt_hub.weights.hf import PushError  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,7 +144,8 @@ def test_model_card_and_config_carry_metadata_recipe_and_results(tmp_path):
         ("linear (preset paper)", "top5"): 91.0,
         ("voc07-svm", "mAP"): 86.2,
     }
-    assert 'from_pretrained("bt/card")' in card.text and "| epochs | 1000 |" in card.text
+    assert 'from_pretrained("bt/card")' in card.text
+    assert "| training length | 1000 epochs planned (the steps done are not recorded) |" in card.text
     config = json.loads((folder / "config.json").read_text())
     assert config["architecture"] == "resnet18" and config["projector"] == "16-16" and config["epochs"] == 1000
     assert config["num_classes"] == 0 and config["pretrained_cfg"]["classifier"] == "fc"
@@ -187,3 +191,141 @@ def test_saved_folder_loads_in_timm_local_dir_with_the_same_features(tmp_path):
         expected, got = ours(images), theirs(images)
     assert got.shape == (2, 512) and expected.abs().max() > 0
     assert torch.allclose(got, expected, atol=1e-5)
+
+
+# ------------------------------------------------------------------ from_pretrained: PyTorchModelHubMixin's options
+
+OPTIONS_SCRIPT = """
+import json, sys, urllib.error, urllib.request
+import torch
+from bt_hub.weights import DownloadError, from_pretrained
+
+url, tmp = sys.argv[1], sys.argv[2]
+
+
+def mark(name):
+    try:
+        urllib.request.urlopen(f"{url}/marker/{name}")
+    except urllib.error.HTTPError:
+        pass
+
+
+out, states = {}, {}
+states["revision"] = from_pretrained("bt/rev", revision="v1", cache_dir=f"{tmp}/cache_rev").state_dict()
+out["cache_dir_file"] = str(from_pretrained("bt/cache", cache_dir=f"{tmp}/cache_dir").weights_info["file"])
+from_pretrained("bt/tok", cache_dir=f"{tmp}/cache_tok", token="hf_secret")
+for force in (False, False, True):
+    from_pretrained("bt/force", cache_dir=f"{tmp}/cache_force", force_download=force)
+try:
+    from_pretrained("bt/local", cache_dir=f"{tmp}/cache_local", local_files_only=True)
+except DownloadError as err:
+    out["local_error"] = str(err)
+mark("local-first")
+from_pretrained("bt/local", cache_dir=f"{tmp}/cache_local")
+mark("local-downloaded")
+states["local"] = from_pretrained("bt/local", cache_dir=f"{tmp}/cache_local", local_files_only=True).state_dict()
+mark("local-end")
+torch.save(states, f"{tmp}/states.pt")
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def hub_options(tmp_path_factory):
+    """A child process calls from_pretrained with each Hub option against a loopback Hub; requests and headers kept."""
+    tmp = tmp_path_factory.mktemp("hub_options")
+    torch.manual_seed(0)
+    main, v1 = build_backbone("resnet18"), build_backbone("resnet18")
+    files = {name: _folder_files(save_pretrained(m, tmp / name)) for name, m in (("main", main), ("v1", v1))}
+    repos = {f"bt/{r}": {"main": ("a" * 40, files["main"])} for r in ("cache", "tok", "force", "local")}
+    repos["bt/rev"] = {"main": ("a" * 40, files["main"]), "v1": ("b" * 40, files["v1"])}
+    hub = LoopbackHub(repos)
+    auth: list[tuple[str, str | None]] = []
+
+    class Recording(hub.server.RequestHandlerClass):
+        def _resolve(self, with_body: bool) -> None:
+            auth.append((self.path, self.headers.get("Authorization")))
+            super()._resolve(with_body)
+
+    hub.server.RequestHandlerClass = Recording
+    env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp / "hf_home"), HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_OFFLINE="0")
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", OPTIONS_SCRIPT, hub.url, str(tmp)], capture_output=True, text=True, env=env
+        )
+    finally:
+        hub.stop()
+    assert result.returncode == 0, result.stderr[-3000:]
+    states = torch.load(tmp / "states.pt", weights_only=True)
+    return {"out": json.loads(result.stdout), "states": states, "hub": hub, "auth": auth, "tmp": tmp, "v1": v1}
+
+
+def test_from_pretrained_revision_loads_that_revision(hub_options):
+    assert ("GET", "/bt/rev/resolve/v1/model.safetensors") in hub_options["hub"].requests
+    loaded, expected = hub_options["states"]["revision"], hub_options["v1"].state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+
+
+def test_from_pretrained_cache_dir_keeps_the_files_there(hub_options):
+    tmp = hub_options["tmp"]
+    assert hub_options["out"]["cache_dir_file"].startswith(str(tmp / "cache_dir") + os.sep)
+    assert not (tmp / "hf_home" / "hub" / "models--bt--cache").exists()
+
+
+def test_from_pretrained_token_is_sent_to_the_hub(hub_options):
+    sent = {header for path, header in hub_options["auth"] if path.startswith("/bt/tok/")}
+    assert sent == {"Bearer hf_secret"}
+    assert {header for path, header in hub_options["auth"] if path.startswith("/bt/force/")} == {None}
+
+
+def test_from_pretrained_force_download_fetches_a_cached_file_again(hub_options):
+    gets = [r for r in hub_options["hub"].requests if r == ("GET", "/bt/force/resolve/main/model.safetensors")]
+    assert len(gets) == 2  # the first call and the forced one; the second call read the cache
+
+
+def test_from_pretrained_local_files_only_never_asks_the_hub(hub_options):
+    paths = [path for _, path in hub_options["hub"].requests]
+    first, downloaded, end = (paths.index(f"/marker/local-{m}") for m in ("first", "downloaded", "end"))
+    assert not any(p.startswith("/bt/local/") for p in paths[:first] + paths[downloaded:end])
+    assert any(p.startswith("/bt/local/") for p in paths[first:downloaded])
+    assert hub_options["out"]["local_error"] == (
+        f"hf://bt/local: model.safetensors is not in the Hugging Face cache {hub_options['tmp'] / 'cache_local'} "
+        "and local_files_only=True; call once without local_files_only to fill the cache"
+    )
+    assert hub_options["states"]["local"].keys() == hub_options["states"]["revision"].keys()
+
+
+def test_from_pretrained_of_a_missing_path_is_no_such_file_without_a_hub_lookup(tmp_path):
+    with pytest.raises(CheckpointError, match="no such file or folder"):
+        from_pretrained(str(tmp_path / "nope"))
+
+
+# ------------------------------------------------------------------ push without a Hub
+
+
+def _closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def test_push_without_a_reachable_hub_is_one_sentence_naming_endpoint_repo_and_fix(tmp_path, monkeypatch, capsys):
+    """Guards against the 72-line connection traceback of bt-hub push without a network."""
+    import huggingface_hub.constants
+
+    endpoint = _closed_port_url()
+    folder = save_pretrained(build_backbone("resnet18"), tmp_path / "hf")
+    with pytest.raises(PushError) as raised:
+        push_to_hub(folder, "bt/pushed", token="hf_test", endpoint=endpoint)
+    message = str(raised.value)
+    assert message.startswith(f"could not reach the Hugging Face Hub at {endpoint} to push bt/pushed (")
+    assert "Connection refused" in message and "\n" not in message
+    assert message.endswith("check the network connection, or HF_ENDPOINT if you use a mirror; nothing was uploaded")
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+    assert cli.main(["push", "--weights", str(folder), "--repo-id", "bt/pushed", "--token", "hf_test"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"bt-hub push: error: could not reach the Hugging Face Hub at {endpoint} to push bt/pushed")

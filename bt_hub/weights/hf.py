@@ -6,8 +6,12 @@ stem, projector widths, λ, recipe, dataset, epochs; timm's: ``num_classes: 0``,
 ``pretrained_cfg``, so ``timm.create_model("hf-hub:org/name", pretrained=True, num_classes=0)``
 loads a standard-stem backbone) and ``README.md``, the model card (``bt_hub.weights.card``).
 ``BarlowTwins.save_pretrained`` / ``BarlowTwins.from_pretrained`` / ``push_to_hub`` follow
-huggingface_hub's ``ModelHubMixin`` contract through these functions. Loading is strict
-(the mixin defaults to ``strict=False``; this module does not use it).
+huggingface_hub's ``ModelHubMixin`` contract through these functions: ``from_pretrained`` takes
+exactly ``PyTorchModelHubMixin.from_pretrained``'s Hub options (``revision``, ``cache_dir``,
+``force_download``, ``local_files_only``, ``token``) and passes them to ``hf_hub_download``.
+Loading is strict (the mixin defaults to ``strict=False``; this module does not use it). A push
+that cannot reach the Hub, or that the Hub refuses, is one ``PushError`` sentence naming the
+endpoint, the repo and the fix.
 """
 
 from __future__ import annotations
@@ -24,10 +28,17 @@ from torch import nn
 
 from bt_hub.common.optional import require
 from bt_hub.method.model import BarlowTwins
+from bt_hub.weights.download import DownloadError
 from bt_hub.weights.export import save_hf_folder
 from bt_hub.weights.load import load_backbone, read_projector_state_dict
+from bt_hub.weights.sources import looks_like_path
 
-__all__ = ["PushConfig", "from_pretrained", "push", "push_to_hub", "save_pretrained"]
+__all__ = ["PushConfig", "PushError", "from_pretrained", "push", "push_to_hub", "save_pretrained"]
+
+
+class PushError(OSError):
+    """An upload to the Hugging Face Hub failed; the message names the endpoint, the repo and the fix."""
+
 
 ModelLike = nn.Module | str | os.PathLike
 
@@ -79,34 +90,82 @@ def save_pretrained(
     )
 
 
-def hub_source(repo_id_or_dir: str | os.PathLike, revision: str | None = None) -> str:
-    """The ``resolve`` spelling of a Hub id or local folder, pinned to ``revision`` when one is given."""
-    text = os.fspath(repo_id_or_dir)
-    if revision is None:
-        return text
-    if Path(text).expanduser().exists():
-        raise ValueError(f"revision={revision!r} applies to Hub repos, but {text} is a local file or folder")
-    return f"hf://{text.removeprefix('hf://')}@{revision}"
+def _hub_file(repo_id: str, filename: str, revision: str | None, options: Mapping[str, Any]) -> Path:
+    """``filename`` of a Hub repo via huggingface_hub's cache, with the mixin's ``options``; one sentence on failure."""
+    purpose = "loading weights from the Hugging Face Hub"
+    hf = require("huggingface_hub", purpose)
+    errors, constants = require("huggingface_hub.errors", purpose), require("huggingface_hub.constants", purpose)
+    where = f"hf://{repo_id}" + (f"@{revision}" if revision else "")
+    try:
+        return Path(hf.hf_hub_download(repo_id, filename, revision=revision, **options))
+    except errors.LocalEntryNotFoundError:
+        cache = options.get("cache_dir") or constants.HF_HUB_CACHE
+        if options.get("local_files_only"):
+            why, fix = "local_files_only=True", "call once without local_files_only to fill the cache"
+        elif constants.HF_HUB_OFFLINE:
+            why, fix = "HF_HUB_OFFLINE=1 is set", "connect once without HF_HUB_OFFLINE to fill the cache"
+        else:
+            why, fix = f"the Hub at {constants.ENDPOINT} could not be reached", "check the network or HF_ENDPOINT"
+        raise DownloadError(f"{where}: {filename} is not in the Hugging Face cache {cache} and {why}; {fix}") from None
+    except errors.RevisionNotFoundError:
+        raise DownloadError(f"{where}: the repo at {constants.ENDPOINT} has no revision {revision!r}") from None
+    except errors.RepositoryNotFoundError:
+        raise DownloadError(
+            f"{where}: the Hub at {constants.ENDPOINT} has no repo {repo_id} that you may read (check the name; a "
+            "private repo needs token=..., HF_TOKEN or `hf auth login`)"
+        ) from None
+    except (errors.EntryNotFoundError, errors.HfHubHTTPError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DownloadError(f"{where}: {filename} could not be fetched from {constants.ENDPOINT} ({first})") from None
 
 
 def from_pretrained(
     repo_id_or_dir: str | os.PathLike,
     revision: str | None = None,
     *,
+    cache_dir: str | os.PathLike | None = None,
+    force_download: bool = False,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
     map_location: str = "cpu",
     allow_non_finite: bool = False,
 ) -> nn.Module:
     """The backbone of a Hugging Face repo or folder, loaded strictly (``fc = Identity``, with ``transforms``).
 
+    The Hub options are ``PyTorchModelHubMixin.from_pretrained``'s, passed to ``hf_hub_download``;
+    a local folder needs none of them (``revision`` is refused there: it cannot be honoured).
+
     Args:
-        repo_id_or_dir: ``org/name`` on the Hub (cached; ``HF_HUB_OFFLINE=1`` reads the cache only) or a local folder.
+        repo_id_or_dir: ``org/name`` (or ``hf://org/name[@revision]``) on the Hub, or a local folder.
         revision: branch, tag or commit of the Hub repo.
+        cache_dir: the Hugging Face cache to use instead of ``HF_HUB_CACHE``.
+        force_download: fetch the files again even when they are cached.
+        local_files_only: read the cache only, never the network.
+        token: Hub token (``False``: none); by default ``HF_TOKEN`` or the cached login.
         map_location: device of the returned network.
         allow_non_finite: load weights holding NaN or inf (for forensics only).
+
+    Raises:
+        DownloadError: a Hub file that could not be fetched (one sentence naming ``hf://org/name``).
+        CheckpointError: weights that do not load strictly.
     """
-    return load_backbone(
-        hub_source(repo_id_or_dir, revision), map_location=map_location, allow_non_finite=allow_non_finite
-    )
+    text = os.fspath(repo_id_or_dir)
+    if Path(text).expanduser().exists() or looks_like_path(text):
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} applies to Hub repos, but {text} is a local file or folder")
+        return load_backbone(text, map_location=map_location, allow_non_finite=allow_non_finite)
+    repo_id, _, pinned = text.removeprefix("hf://").partition("@")
+    if pinned and revision is not None and pinned != revision:
+        raise ValueError(f"{text} pins revision {pinned!r}, which contradicts revision={revision!r}")
+    options = {
+        "cache_dir": cache_dir,
+        "force_download": force_download,
+        "local_files_only": local_files_only,
+        "token": token,
+    }
+    weights = _hub_file(repo_id, "model.safetensors", revision or pinned or None, options)
+    _hub_file(repo_id, "config.json", revision or pinned or None, options)
+    return load_backbone(weights.parent, map_location=map_location, allow_non_finite=allow_non_finite)
 
 
 def push_to_hub(
@@ -128,7 +187,11 @@ def push_to_hub(
         huggingface_hub's ``CommitInfo``.
     """
     hf = require("huggingface_hub", "pushing to the Hugging Face Hub")
+    errors = require("huggingface_hub.errors", "pushing to the Hugging Face Hub")
     api = hf.HfApi(endpoint=endpoint, token=token)
+    # huggingface_hub's HfHubHTTPError derives from its HTTP client's error class (requests', httpx's or
+    # httpx2's, by version), whose connection errors are not OSErrors.
+    failures = (OSError, *(c for c in errors.HfHubHTTPError.__bases__ if c is not OSError))
     with tempfile.TemporaryDirectory(prefix="bt_hub_push_") as tmp:
         folder = save_pretrained(
             model_or_backbone,
@@ -138,8 +201,28 @@ def push_to_hub(
             name=repo_id,
             license=license,
         )
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message, revision=revision)
+        try:
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            return api.upload_folder(
+                repo_id=repo_id, folder_path=folder, commit_message=commit_message, revision=revision
+            )
+        except failures as err:
+            raise _push_error(err, repo_id, api.endpoint, errors) from None
+
+
+def _push_error(err: BaseException, repo_id: str, endpoint: str, errors: Any) -> PushError:
+    """One sentence for a failed push: what the Hub said (or that it was not reached) and what to do."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    status = getattr(getattr(err, "response", None), "status_code", None)
+    if isinstance(err, errors.HfHubHTTPError) and status in (401, 403):
+        fix = f"check the token (--token, HF_TOKEN or `hf auth login`) and that it may write to {repo_id}"
+        return PushError(f"the Hub at {endpoint} refused to push {repo_id} ({first}); {fix}; nothing was uploaded")
+    if isinstance(err, errors.HfHubHTTPError) and status is not None:
+        return PushError(f"the Hub at {endpoint} refused to push {repo_id} ({first}); nothing was uploaded")
+    return PushError(
+        f"could not reach the Hugging Face Hub at {endpoint} to push {repo_id} ({first}); check the network "
+        "connection, or HF_ENDPOINT if you use a mirror; nothing was uploaded"
+    )
 
 
 @dataclass
