@@ -19,6 +19,12 @@ from bt_hub.common.presets import preset_values
 from bt_hub.common.runs import check_run_dir
 from bt_hub.method.model import ARCHITECTURES
 
+DEFAULT_IMAGE_SIZE = 224  # the paper's crop, used when neither --image-size nor the weights' config.json gives one
+
+
+class EvalWarning(UserWarning):
+    """A run setting that is allowed but doubtful, or something the run repaired (one line each)."""
+
 
 class PresetWarning(UserWarning):
     """A preset's assumptions are far from the data's, or its schedule idles.
@@ -40,6 +46,11 @@ class EvalConfig(RunConfig):
         "test_split",
         "holdout",
         "allow_non_finite",
+        "image_size",
+        "image_size_from",
+        "features",
+        "precision",
+        "decode",
     )
 
     weights: str = field(
@@ -78,11 +89,12 @@ class EvalConfig(RunConfig):
         },
     )
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes"})
-    image_size: int = field(
-        default=224,
+    image_size: int | None = field(
+        default=None,
         metadata={
             "help": "crop side; the test transform is Resize(image_size*256/224) + CenterCrop(image_size); digits "
-            "and synthetic are drawn at this size"
+            f"and synthetic are drawn at this size (default: the image_size of the weights' config.json, run and "
+            f"Hugging Face folders, else {DEFAULT_IMAGE_SIZE})"
         },
     )
     test_split: Literal["val", "test"] = field(
@@ -113,16 +125,37 @@ class EvalConfig(RunConfig):
     allow_non_finite: bool = field(
         default=False, metadata={"help": "evaluate weights holding NaN or inf (for forensics; refused otherwise)"}
     )
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = field(
+        default="auto",
+        metadata={
+            "help": "autocast dtype of feature extraction; auto: bf16 on GPUs with bf16 and on CPUs with "
+            "avx512_bf16/AMX, fp32 elsewhere (the choice is recorded in results.json)"
+        },
+    )
+    decode: Literal["auto", "device", "workers"] = field(
+        default="auto",
+        metadata={
+            "help": "feature extraction's input pipeline: 'device' (workers read bytes, --device decodes, resizes, "
+            "crops and normalises the batch, as pretraining does) or 'workers' (PIL per image in the workers); "
+            "auto: device on CUDA, workers on the CPU (recorded)"
+        },
+    )
+    # Filled in by the run and recorded with the hyper-parameters, never flags: where image_size came from
+    # ("weights config.json", "--image-size" or "default") and, per split, "computed" or "cached <key>".
+    image_size_from: str = field(default="", init=False)
+    features: dict[str, str] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         if not str(self.weights).strip():
             raise ValueError("--weights must name a checkpoint, got an empty string")
         for flag, value in (("--batch-size", self.batch_size), ("--image-size", self.image_size)):
-            if value <= 0:
+            if value is not None and value <= 0:
                 raise ValueError(f"{flag} must be positive, got {value}")
         if self.num_workers < 0:
             raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
         super().__post_init__()
+        if self.precision == "fp16" and not self.device.startswith("cuda"):
+            raise ValueError("--precision fp16 needs --device cuda; use bf16 on the CPU")
         if self.cache_dtype not in ("float32", "float16"):
             raise ValueError(f"--cache-dtype must be 'float32' or 'float16', got {self.cache_dtype!r}")
         if self.holdout is not None and not 0 < self.holdout < 1:
@@ -154,7 +187,8 @@ def preset_warnings(config: Any, *, num_classes: int, train_images: int, image_s
     classes = assumes.get("num_classes")
     if classes and not classes / 10 <= num_classes <= classes * 10:
         found.append(f"{classes} classes (the data has {num_classes})")
-    side = min(config.image_size, image_side or config.image_size)
+    size = config.image_size or DEFAULT_IMAGE_SIZE
+    side = min(size, image_side or size)
     expected = assumes.get("image_size")
     if expected and not expected / 3 <= side <= expected * 3:
         found.append(f"images of about {expected} px (the data's are {side} px)")

@@ -1,7 +1,11 @@
 """One frozen-backbone feature extractor shared by every protocol, with an on-disk cache.
 
-``extract_features`` runs the backbone in eval mode without gradients (autocast on
-CUDA) over a dataset in its own order and returns ``(features, labels)``. Pools:
+``extract_features`` runs the backbone in eval mode without gradients, channels-last, in
+the precision asked for (fp32, or bf16 / fp16 autocast) over a dataset in its own order and
+returns ``(features, labels)``. Images are preprocessed either per image by PIL in the
+loader's workers, or as the pretraining pipeline does (``DeviceEvalTransform``): workers read
+bytes, the device decodes the batch and resizes, crops and normalises it, the next batch
+prepared on a side stream on CUDA. Pools:
 
 - ``"avg"``: the backbone's output (global average pool of res5; 2048-d for ResNet-50).
 - ``"voc_res5"``: VISSL's VOC07 feature: the res5 map (7x7 at 224 px) through
@@ -15,10 +19,12 @@ gathered back in dataset order, so every rank ends with the full, ordered featur
 With a ``FeatureCache`` the features are streamed into ``<key>.features.npy`` (float32 or
 float16) and returned as a read-only memmap; the key hashes everything that changes the
 features: the weights fingerprint, the architecture they were loaded into, the dataset
-fingerprint, the transform (so the image size), the pool, the dtype and the precision (CUDA
-autocast or float32), so a second protocol that asks for the same features loads them
-instead of running the model, and any other request computes its own. Either way,
-``np.asarray(features[a:b], dtype=np.float32)`` reads rows ``a:b``.
+fingerprint, the transform (so the image size and where it runs), the pool, the dtype and
+the precision, so a second protocol that asks for the same features loads them instead of
+running the model, and any other request computes its own. Each file's size, sha256, shape
+and dtype are recorded when it is written and checked before it is read: a file that fails
+is computed again, with one warning. Either way, ``np.asarray(features[a:b],
+dtype=np.float32)`` reads rows ``a:b``.
 """
 
 from __future__ import annotations
@@ -28,15 +34,16 @@ import io
 import json
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision import transforms
 
 from bt_hub.common.distributed import (
@@ -51,10 +58,12 @@ from bt_hub.common.distributed import (
 from bt_hub.common.files import atomic_write, atomic_write_json, file_sha256
 from bt_hub.common.progress import progress
 from bt_hub.common.runs import claim_run_dir
-from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transforms
-
-if TYPE_CHECKING:
-    from bt_hub.eval.config import EvalConfig
+from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalConfig, EvalWarning
+from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms
+from bt_hub.train.data import to_uint8_tensor
+from bt_hub.train.decode import EncodedImage, read_encoded, to_device_images
+from bt_hub.train.precision import autocast_dtype, resolve_precision
+from bt_hub.train.prefetch import Prefetcher
 
 Pool = Literal["avg", "voc_res5"]
 
@@ -181,7 +190,7 @@ class FeatureCache:
     dataset: str
     model: str = ""
 
-    def key(self, transform: str, pool: str, dtype: str, precision: str = "float32") -> str:
+    def key(self, transform: str, pool: str, dtype: str, precision: str = "fp32") -> str:
         """The file stem for features of these weights, model and data under a transform, pool, dtype and precision."""
         record = {
             "weights": self.weights,
@@ -238,47 +247,90 @@ def _global_batches(n: int, batch_size: int, world_size: int, rank: int) -> list
     return batches
 
 
+class EncodedItems(Dataset):
+    """``(undecoded image, label)`` of a dataset, for the device path: a file's bytes, or in-memory pixels.
+
+    File-backed datasets (a ``samples`` list of ``(path, label)``) give ``read_encoded(path)``: the
+    workers read bytes and decode nothing. Others give their image as a 3 x H x W uint8 tensor.
+    """
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+        self.samples = getattr(dataset, "samples", None)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[EncodedImage | torch.Tensor, Any]:
+        if self.samples is not None:
+            path, label = self.samples[index][:2]
+            return read_encoded(path), label
+        image, label = self.dataset[index][:2]
+        return (image if isinstance(image, torch.Tensor) else to_uint8_tensor(image)), label
+
+
+def _collate_encoded(items: list[tuple[Any, Any]]) -> tuple[list[Any], torch.Tensor]:
+    return [item[0] for item in items], default_collate([item[1] for item in items])
+
+
 def iter_feature_batches(
     backbone: nn.Module,
     dataset: Dataset,
     *,
-    transform: Callable[[Any], torch.Tensor],
+    transform: Callable[[Any], torch.Tensor] | DeviceEvalTransform,
     pool: Pool = "avg",
     batch_size: int = 256,
     device: str | torch.device = "cpu",
     num_workers: int = 0,
     desc: str = "features",
+    precision: str = "fp32",
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield ``(features float32 [b, F], labels [b, ...])`` on CPU, consecutive chunks in dataset order.
 
-    ``desc`` names the progress report (``features train``, ``features test``).
+    A per-image ``transform`` runs in the loader's workers (the PIL path). A
+    ``DeviceEvalTransform`` is the pretraining pipeline's path: workers only read bytes
+    (``EncodedItems``), the batch is decoded on ``device`` (``bt_hub.train.decode``: nvJPEG on
+    CUDA, libjpeg-turbo on the CPU, PIL for what they refuse), resized, cropped and normalised
+    there, and on CUDA the next batch is prepared on a side stream while this one runs
+    (``bt_hub.train.prefetch``). ``precision`` is a resolved ``--precision`` (fp32, bf16, fp16:
+    the autocast dtype); the backbone and its inputs are channels-last. ``desc`` names the
+    progress report (``features train``, ``features test``).
     """
     if pool not in ("avg", "voc_res5"):
         raise ValueError(f"pool {pool!r} is unknown; expected 'avg' or 'voc_res5'")
     device = torch.device(device)
     n, world = len(dataset), get_world_size()
+    on_device = isinstance(transform, DeviceEvalTransform)
     loader = DataLoader(
-        TransformedDataset(dataset, transform),
+        EncodedItems(dataset) if on_device else TransformedDataset(dataset, transform),
         batch_sampler=_global_batches(n, batch_size, world, get_rank()),
         num_workers=num_workers,
-        pin_memory=device.type == "cuda",
+        pin_memory=device.type == "cuda" and not on_device,
+        collate_fn=_collate_encoded if on_device else None,
     )
+
+    def prepare(batch: tuple[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = batch
+        images = transform(to_device_images(images, device)) if on_device else images.to(device, non_blocking=True)
+        return images.contiguous(memory_format=torch.channels_last), torch.as_tensor(labels).to(device)
+
+    amp = autocast_dtype(precision)
     was_training = backbone.training
-    backbone.eval().to(device)
+    backbone.eval().to(device, memory_format=torch.channels_last)
     done = 0
+    batches = Prefetcher(progress(loader, desc, unit="batch"), prepare, device, depth=2 if on_device else 0)
     try:
-        with torch.no_grad(), torch.autocast(device.type, enabled=device.type == "cuda"):
-            for images, labels in progress(loader, desc, unit="batch"):
-                images = images.to(device, non_blocking=True)
+        with torch.no_grad(), torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            for images, labels in batches:
                 feats = _res5_pool(backbone, images) if pool == "voc_res5" else backbone(images)
                 feats = torch.flatten(feats, 1).float()
-                labels = torch.as_tensor(labels).to(device)
                 if is_distributed():
                     feats, labels = all_gather_cat(feats), all_gather_cat(labels)
                 take = min(len(feats), n - done)
                 done += take
                 yield feats[:take].cpu(), labels[:take].cpu()
     finally:
+        batches.close()
         backbone.train(was_training)
 
 
@@ -307,6 +359,7 @@ def extract_features(
     cache: FeatureCache | None = None,
     dtype: Literal["float32", "float16"] = "float32",
     desc: str = "features",
+    precision: str = "fp32",
 ) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
     """Features of a frozen backbone over a dataset of ``(image, label)``, in dataset order.
 
@@ -314,20 +367,57 @@ def extract_features(
         backbone: the network (``fc = Identity``); put in eval mode for the pass, restored after.
         dataset: items ``(image, label)``; ``transform`` turns the image into a tensor.
         transform: default ``eval_transforms(224)``; ``describe_transform`` of it is part of the cache key.
+            A ``DeviceEvalTransform`` decodes and preprocesses on ``device`` (``iter_feature_batches``).
         pool: ``"avg"`` (backbone output) or ``"voc_res5"`` (see the module docstring).
         batch_size: images per forward pass (per rank under torchrun).
-        device: where the backbone runs; autocast is used on CUDA.
+        device: where the backbone runs (channels-last).
         num_workers: DataLoader workers.
-        cache: where to store / find the features; None computes them in memory.
+        cache: where to store / find the features; None computes them in memory. Cached files are
+            used only when they match the sha256, shape and dtype recorded when they were written;
+            otherwise they are computed again, with one ``EvalWarning`` that names the file.
         dtype: dtype of the cached features (float16 halves the disk use).
         desc: the progress report's name, e.g. ``features train``.
+        precision: a resolved ``--precision``: ``fp32``, or the autocast dtype ``bf16`` / ``fp16``
+            (part of the cache key: features differ in rounding).
 
     Returns:
         ``(features [N, F], labels [N, ...])``: a float32 tensor without a cache, a
         read-only numpy memmap with one; labels as a tensor.
     """
+    return _extract(
+        backbone,
+        dataset,
+        transform=transform,
+        pool=pool,
+        batch_size=batch_size,
+        device=device,
+        num_workers=num_workers,
+        cache=cache,
+        dtype=dtype,
+        desc=desc,
+        precision=precision,
+    )[:2]
+
+
+def _extract(
+    backbone: nn.Module,
+    dataset: Dataset,
+    *,
+    transform: Callable[[Any], torch.Tensor] | None,
+    pool: Pool,
+    batch_size: int,
+    device: str | torch.device,
+    num_workers: int,
+    cache: FeatureCache | None,
+    dtype: Literal["float32", "float16"],
+    desc: str,
+    precision: str,
+) -> tuple[torch.Tensor | np.ndarray, torch.Tensor, str]:
+    """``extract_features`` and where the features came from: ``computed`` or ``cached <key>``."""
     if dtype not in ("float32", "float16"):
         raise ValueError(f"cache dtype {dtype!r} is unknown; expected 'float32' or 'float16'")
+    if not len(dataset):
+        raise ValueError("cannot extract features from an empty dataset")
     transform = transform or eval_transforms(224)
     batches = lambda: iter_feature_batches(  # noqa: E731
         backbone,
@@ -338,61 +428,142 @@ def extract_features(
         device=device,
         num_workers=num_workers,
         desc=desc,
+        precision=precision,
     )
     if cache is None:
         chunks = list(batches())
-        if not chunks:
-            raise ValueError("cannot extract features from an empty dataset")
-        return torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks])
+        return torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks]), "computed"
     description = describe_transform(transform)
-    precision = (
-        "autocast float16" if torch.device(device).type == "cuda" else "float32"
-    )  # CUDA features differ in rounding
     key = str(broadcast_object(cache.key(description, pool, dtype, precision)))  # every rank reads rank 0's file
     features_path, labels_path, meta_path = cache.paths(key)
-    if not broadcast_object(meta_path.exists()):
-        if is_main_process():
-            _write_cache(batches(), len(dataset), np.dtype(dtype), features_path, labels_path)
-            atomic_write_json(
-                meta_path,
-                {
-                    "key": key,
-                    "weights": cache.weights,
-                    "model": cache.model,
-                    "dataset": cache.dataset,
-                    "transform": description,
-                    "pool": pool,
-                    "dtype": dtype,
-                    "precision": precision,
-                    "num_samples": len(dataset),
-                },
-            )
-        else:
-            for _ in batches():  # the other ranks take part in every gather, then read rank 0's file
-                pass
-        barrier()
-    return np.load(features_path, mmap_mode="r"), torch.from_numpy(np.load(labels_path))
+    problem = broadcast_object(cache_problem(meta_path, key) if is_main_process() else None)
+    if problem is None:
+        return _read_cache(features_path, labels_path) + (f"cached {key}",)
+    if problem != CACHE_MISSING:
+        warnings.warn(f"feature cache {problem}; computing the features again", EvalWarning, stacklevel=3)
+    if is_main_process():
+        files = _write_cache(batches(), len(dataset), np.dtype(dtype), features_path, labels_path)
+        atomic_write_json(
+            meta_path,
+            {
+                "key": key,
+                "weights": cache.weights,
+                "model": cache.model,
+                "dataset": cache.dataset,
+                "transform": description,
+                "pool": pool,
+                "dtype": dtype,
+                "precision": precision,
+                "num_samples": len(dataset),
+                "files": files,
+            },
+        )
+    else:
+        for _ in batches():  # the other ranks take part in every gather, then read rank 0's file
+            pass
+    barrier()
+    features, labels = _read_cache(features_path, labels_path)
+    return features, labels, "computed" if problem == CACHE_MISSING else f"computed ({problem})"
+
+
+CACHE_MISSING = "missing"  # ``cache_problem`` of a key never computed: computed without a warning
+
+
+def cache_problem(meta_path: Path, key: str) -> str | None:
+    """None when the cached files of ``key`` are what was written; else what is wrong, in words.
+
+    ``CACHE_MISSING`` when nothing was cached under ``key``. The features and labels files must
+    have the size, sha256 (of the whole ``.npy``), shape and dtype that ``meta_path`` recorded when
+    they were written: a truncated, edited, replaced or deleted file is reported, never read.
+    """
+    if not meta_path.exists():
+        return CACHE_MISSING
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return f"{meta_path} is not readable JSON ({err})"
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if meta.get("key") != key or not isinstance(files, dict) or set(files) != {"features", "labels"}:
+        return f"{meta_path} does not record the checksums of key {key} (written by another bt_hub version?)"
+    for entry in files.values():
+        path = meta_path.parent / str(entry.get("file"))
+        try:
+            size = path.stat().st_size
+            if size != entry.get("bytes"):
+                return f"{path} is {size} bytes, {entry.get('bytes')} were written (truncated or changed)"
+            if file_sha256(path) != entry.get("sha256"):
+                return f"{path} does not match the sha256 recorded when it was written (changed since)"
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except FileNotFoundError:
+            return f"{path} is missing"
+        except (OSError, ValueError) as err:
+            return f"{path} cannot be read ({err})"
+        if list(array.shape) != entry.get("shape") or str(array.dtype) != entry.get("dtype"):
+            return f"{path} holds {array.dtype} {list(array.shape)}, {entry.get('dtype')} {entry.get('shape')} written"
+    return None
+
+
+def _read_cache(features_path: Path, labels_path: Path) -> tuple[np.ndarray, torch.Tensor]:
+    """The verified cache files: features as a read-only memmap, labels as a tensor (never unpickled)."""
+    features = np.load(features_path, mmap_mode="r", allow_pickle=False)
+    return features, torch.from_numpy(np.load(labels_path, allow_pickle=False))
 
 
 def _write_cache(
     chunks: Iterator[tuple[torch.Tensor, torch.Tensor]], n: int, dtype: np.dtype, features_path: Path, labels_path: Path
-) -> None:
-    """Stream feature chunks into an .npy file (header first, rows in order), atomically."""
-    try:
-        first_features, first_labels = next(chunks)
-    except StopIteration:
-        raise ValueError("cannot extract features from an empty dataset") from None
+) -> dict[str, dict[str, Any]]:
+    """Stream feature chunks into an .npy file (header first, rows in order), atomically.
+
+    Returns what ``cache_problem`` checks later of each file: name, bytes, sha256, shape and dtype.
+    """
+    first_features, first_labels = next(chunks)
     labels = [first_labels]
+    digest = hashlib.sha256()
+    size = 0
 
     def write(f: io.BufferedWriter) -> None:
-        f.write(_npy_header((n, first_features.shape[1]), dtype))
-        f.write(first_features.numpy().astype(dtype).tobytes())
-        for feats, labs in chunks:
-            f.write(feats.numpy().astype(dtype).tobytes())
-            labels.append(labs)
+        nonlocal size
+        for block in _feature_bytes(first_features, chunks, labels, n, dtype):
+            digest.update(block)
+            size += len(block)
+            f.write(block)
 
     atomic_write(features_path, write)
-    atomic_write(labels_path, lambda f: np.save(f, torch.cat(labels).numpy()))
+    buf = io.BytesIO()
+    label_array = torch.cat(labels).numpy()
+    np.save(buf, label_array, allow_pickle=False)
+    atomic_write(labels_path, lambda f: f.write(buf.getvalue()))
+    return {
+        "features": {
+            "file": features_path.name,
+            "bytes": size,
+            "sha256": digest.hexdigest(),
+            "shape": [n, int(first_features.shape[1])],
+            "dtype": str(dtype),
+        },
+        "labels": {
+            "file": labels_path.name,
+            "bytes": len(buf.getvalue()),
+            "sha256": hashlib.sha256(buf.getvalue()).hexdigest(),
+            "shape": list(label_array.shape),
+            "dtype": str(label_array.dtype),
+        },
+    }
+
+
+def _feature_bytes(
+    first: torch.Tensor,
+    rest: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    labels: list[torch.Tensor],
+    n: int,
+    dtype: np.dtype,
+) -> Iterator[bytes]:
+    """The .npy header, then every chunk's rows as ``dtype`` bytes; the chunks' labels are appended to ``labels``."""
+    yield _npy_header((n, first.shape[1]), dtype)
+    yield first.numpy().astype(dtype).tobytes()
+    for feats, labs in rest:
+        yield feats.numpy().astype(dtype).tobytes()
+        labels.append(labs)
 
 
 def as_float32(features: torch.Tensor | np.ndarray, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -411,7 +582,12 @@ def architecture_fingerprint(module: nn.Module) -> str:
 
 
 def load_eval_backbone(config: EvalConfig) -> tuple[nn.Module, str]:
-    """The backbone named by ``--weights`` (``bt_hub.weights.load_backbone``) and its fingerprint."""
+    """The backbone named by ``--weights`` (``bt_hub.weights.load_backbone``) and its fingerprint.
+
+    Also settles ``config.image_size`` (see ``eval_image_size``) and records why in
+    ``config.image_size_from``, before any data is drawn at that size, and resolves ``auto`` in
+    ``config.precision`` (``bt_hub.train.precision``) and ``config.decode`` (device on CUDA).
+    """
     from bt_hub.weights import load_backbone, weights_fingerprint
 
     if is_main_process():  # every protocol starts here: claim --out before any work or write
@@ -422,7 +598,38 @@ def load_eval_backbone(config: EvalConfig) -> tuple[nn.Module, str]:
         small_image_stem=config.small_image_stem,
         allow_non_finite=config.allow_non_finite,
     )
+    info = getattr(backbone, "weights_info", None) or {}
+    config.image_size, config.image_size_from = eval_image_size(config.image_size, info.get("config"), config.weights)
+    config.precision = resolve_precision(config.precision, config.device)
+    if config.decode == "auto":
+        config.decode = "device" if torch.device(config.device).type == "cuda" else "workers"
     return backbone, weights_fingerprint(config.weights)
+
+
+def eval_image_size(given: int | None, weights_config: dict[str, Any] | None, weights: str) -> tuple[int, str]:
+    """The evaluation crop side and where it came from: ``--image-size``, ``weights config.json`` or ``default``.
+
+    Weights pretrained at one size score lower at another, so the size a run or Hugging Face
+    folder's ``config.json`` records is the default; an ``--image-size`` that differs from it is
+    used, with one ``EvalWarning``.
+
+    Raises:
+        ValueError: the config.json's ``image_size`` is not a positive integer.
+    """
+    trained = (weights_config or {}).get("image_size")
+    if trained is not None and (isinstance(trained, bool) or not isinstance(trained, int) or trained <= 0):
+        raise ValueError(f"config.json of weights {weights} has image_size {trained!r}; expected a positive integer")
+    if given is None:
+        return (trained, "weights config.json") if trained else (DEFAULT_IMAGE_SIZE, "default")
+    if trained and given != trained:
+        warnings.warn(
+            f"--image-size {given} differs from the {trained} px the weights {weights} were pretrained at "
+            f"(their config.json); features at another size usually score lower: "
+            f"leave --image-size out to use {trained}",
+            EvalWarning,
+            stacklevel=3,
+        )
+    return given, "--image-size"
 
 
 def features_for(
@@ -435,28 +642,38 @@ def features_for(
     split: str,
     transform: Callable[[Any], torch.Tensor] | None = None,
     pool: Pool = "avg",
+    device: str | torch.device | None = None,
 ) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
     """``extract_features`` with a protocol config's device, batch size, workers and cache settings.
 
-    ``transform`` defaults to ``eval_transforms(config.image_size)``; the cache is used when
+    ``transform`` defaults to ``eval_transforms(config.image_size)``, or its device twin
+    ``DeviceEvalTransform`` under ``--decode device``; ``--precision`` sets the autocast; the cache is used when
     ``config.cache_dir`` is set, keyed by ``weights_id``, the backbone's architecture,
     ``dataset_id``, the transform, the pool, the dtype and the precision; ``split`` names the
-    progress report (``features train``).
+    progress report (``features train``) and the entry of ``config.features`` that records
+    ``computed`` or ``cached <key>``. ``device`` (default ``config.device``) is where the
+    backbone runs, e.g. this rank's GPU under torchrun.
     """
     cache = (
         FeatureCache(config.cache_dir, weights_id, dataset_id, architecture_fingerprint(backbone))
         if config.cache_dir
         else None
     )
-    return extract_features(
+    size = config.image_size or DEFAULT_IMAGE_SIZE
+    if transform is None:
+        transform = DeviceEvalTransform(size) if config.decode == "device" else eval_transforms(size)
+    features, labels, source = _extract(
         backbone,
         dataset,
-        transform=transform or eval_transforms(config.image_size),
+        transform=transform,
         pool=pool,
         batch_size=config.batch_size,
-        device=config.device,
+        device=device or config.device,
         num_workers=config.num_workers,
         cache=cache,
         dtype=config.cache_dtype,
         desc=f"features {split}",
+        precision=resolve_precision(config.precision, device or config.device),
     )
+    config.features[split] = source
+    return features, labels

@@ -14,9 +14,11 @@ many-core machines: benchmarks/knn.py).
 
 from __future__ import annotations
 
+import math
 import time
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 
 from bt_hub.common.distributed import is_main_process, process_group
 from bt_hub.common.optional import require
-from bt_hub.eval.config import EvalConfig
+from bt_hub.eval.config import EvalConfig, EvalWarning
 from bt_hub.eval.features import as_float32, features_for, load_eval_backbone
 from bt_hub.eval.report import write_results
 from bt_hub.eval.splits import splits_for
@@ -170,9 +172,15 @@ class KnnConfig(EvalConfig):
 
     k: list[int] = field(
         default_factory=lambda: [20, 200],
-        metadata={"help": "numbers of neighbours; 'top1'/'top5' in results are those of the first"},
+        metadata={
+            "help": "numbers of neighbours; 'top1'/'top5' in results are those of the first; a k above the number of "
+            "training images is scored (and named top1_kN) with N, the number of training images"
+        },
     )
-    temperature: float = field(default=0.07, metadata={"help": "T of the vote weights exp(sim / T)"})
+    temperature: float = field(
+        default=0.07,
+        metadata={"help": "T of the vote weights exp(sim / T); small T tends to 1-NN, large T to a majority vote"},
+    )
     query_batch: int = field(default=4096, metadata={"help": "queries per search call; lower it if memory is short"})
     train_chunk: int = field(
         default=262_144,
@@ -192,23 +200,47 @@ class KnnConfig(EvalConfig):
         super().__post_init__()
         if not self.k or any(k <= 0 for k in self.k):
             raise ValueError(f"--k must list positive integers, got {self.k}")
-        if self.temperature <= 0:
-            raise ValueError(f"--temperature must be positive, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(
+                f"--temperature must be a positive finite number (any small value is valid: the vote tends to the "
+                f"nearest neighbour's label), got {self.temperature}"
+            )
         for flag, value in (("--query-batch", self.query_batch), ("--train-chunk", self.train_chunk)):
             if value <= 0:
                 raise ValueError(f"{flag} must be positive, got {value}")
 
 
+def effective_k(requested: list[int], train_size: int) -> tuple[list[int], list[str]]:
+    """The numbers of neighbours a run can use (each at most ``train_size``), deduplicated, and a warning per cut."""
+    used = list(dict.fromkeys(min(k, train_size) for k in requested))
+    cut = [k for k in requested if k > train_size]
+    messages = [
+        f"--k {' '.join(map(str, cut))} exceeds the {train_size} training images: scored with k={train_size} "
+        f"(reported as top1_k{train_size})"
+    ]
+    return used, messages if cut else []
+
+
 def run(config: KnnConfig) -> dict[str, Any]:
-    """Extract (or load cached) features of both splits, classify the test split, write the results."""
+    """Extract (or load cached) features of both splits, classify the test split, write the results.
+
+    A ``--k`` above the number of training images is scored (and named in the metrics) with k
+    equal to that number, with one warning; ``notes.neighbours_used`` maps each requested k to
+    the k used.
+    """
     tick = time.perf_counter()
     with process_group(config.device) as device:
         backbone, weights_id = load_eval_backbone(config)
-        local = replace(config, device=str(device))
         splits = splits_for(config)
         features = {
             name: features_for(
-                local, backbone, dataset, weights_id=weights_id, dataset_id=splits.info[name]["fingerprint"], split=name
+                config,
+                backbone,
+                dataset,
+                weights_id=weights_id,
+                dataset_id=splits.info[name]["fingerprint"],
+                split=name,
+                device=device,
             )
             for name, dataset in (("train", splits.train), ("test", splits.test))
         }
@@ -216,22 +248,24 @@ def run(config: KnnConfig) -> dict[str, Any]:
         num_classes = max(len(splits.classes), int(max(train_y.max(), test_y.max())) + 1)
         record: dict[str, Any] = {}
         if is_main_process():  # every rank holds all features; one searches
-            k_max = min(max(config.k), len(train_y))
+            used, warned = effective_k(config.k, len(train_y))
+            for message in warned:
+                warnings.warn(message, EvalWarning, stacklevel=2)
             backend = resolve_backend(config.backend, device)
             sims, idx = knn_search(
                 train_x,
                 test_x,
-                k_max,
+                max(used),
                 query_batch=config.query_batch,
                 train_chunk=config.train_chunk,
                 backend=backend,
                 device=device,
             )
             metrics: dict[str, float] = {}
-            for k in config.k:
-                result = knn_vote(sims, idx, train_y, test_y, min(k, k_max), config.temperature, num_classes)
+            for k in used:
+                result = knn_vote(sims, idx, train_y, test_y, k, config.temperature, num_classes)
                 metrics.update({f"top1_k{k}": result["top1"], f"top5_k{k}": result["top5"]})
-            metrics = {"top1": metrics[f"top1_k{config.k[0]}"], "top5": metrics[f"top5_k{config.k[0]}"], **metrics}
+            metrics = {"top1": metrics[f"top1_k{used[0]}"], "top5": metrics[f"top5_k{used[0]}"], **metrics}
             record = write_results(
                 config.out,
                 protocol="knn",
@@ -244,6 +278,10 @@ def run(config: KnnConfig) -> dict[str, Any]:
                 dataset=splits.info,
                 seed=config.seed,
                 wall_time_s=time.perf_counter() - tick,
-                notes={"neighbours_used": {str(k): min(k, k_max) for k in config.k}, "backend": backend},
+                warnings=warned,
+                notes={
+                    "neighbours_used": {str(k): min(k, len(train_y)) for k in config.k},
+                    "backend": backend,
+                },
             )
         return record

@@ -95,7 +95,8 @@ def load_splits(
 
     Raises:
         FileNotFoundError: a directory without the held-out split asked for.
-        ValueError: a bad fraction, or a test split that overlaps the training split.
+        ValueError: a bad fraction, an empty split, a training split of one class, or a test
+            split that overlaps the training split.
     """
     if test_split not in TEST_SPLITS:
         raise ValueError(f"--test-split must be one of {TEST_SPLITS}, got {test_split!r}")
@@ -124,12 +125,42 @@ def load_splits(
     else:
         test = align_classes(train, build_dataset(spec, test_split, image_size=size, seed=seed), test_split)
         test_name = test_split
+    check_scorable(spec, train, test, test_name)
     info["overlap_check"] = check_disjoint(train, test)
     train_fp, test_fp = dataset_fingerprint(train), dataset_fingerprint(test)
     info["train"] = {"split": "train", "size": len(train), "fingerprint": train_fp}
     info["test"] = {"split": test_name, "size": len(test), "fingerprint": test_fp}
     info["fingerprint"] = hashlib.sha256(f"{train_fp}:{test_fp}".encode()).hexdigest()
     return Splits(train, test, info)
+
+
+def check_scorable(data: str, train: Dataset, test: Dataset, test_name: str) -> None:
+    """Refuse splits whose accuracy means nothing: an empty split, or a training split of one class.
+
+    Raises:
+        ValueError: one sentence naming ``--data`` and what is too small.
+    """
+    if not len(train) or not len(test):
+        hint = (
+            " (synthetic:N holds out about a fifth of its N images: give a larger N, e.g. synthetic:100)"
+            if data.startswith("synthetic")
+            else ""
+        )
+        raise ValueError(
+            f"--data {data} gives {len(train)} training and {len(test)} {test_name} images; "
+            f"a run needs at least one of each{hint}"
+        )
+    classes = np.unique(_targets(train))
+    if len(classes) < 2:
+        raise ValueError(
+            f"--data {data}: every training image is of one class ({_class_name(train, classes)}), so any "
+            "classifier scores 100% and accuracy means nothing; give at least 2 classes"
+        )
+
+
+def _class_name(dataset: Dataset, labels: np.ndarray) -> str:
+    names = list(getattr(dataset, "classes", []))
+    return ", ".join(str(names[int(i)]) if int(i) < len(names) else str(i) for i in labels) or "none"
 
 
 def _name(spec: str) -> str:

@@ -98,8 +98,8 @@ class SuiteConfig(EvalConfig):
 
 
 def _shared(config: SuiteConfig, out: Path, skip: tuple[str, ...] = (), **overrides: Any) -> dict[str, Any]:
-    """The EvalConfig fields of the suite (less ``skip``), with the protocol's own output directory."""
-    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(EvalConfig) if f.name not in skip}
+    """The EvalConfig flags of the suite (less ``skip``), with the protocol's own output directory."""
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(EvalConfig) if f.init and f.name not in skip}
     values.update(out=str(out), **overrides)
     return values
 

@@ -24,7 +24,7 @@ import os
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -350,7 +350,6 @@ def run(config: Voc07SvmConfig) -> dict[str, Any]:
     tick = time.perf_counter()
     with process_group(config.device) as device:
         backbone, weights_id = load_eval_backbone(config)
-        local = replace(config, device=str(device))
         train = VocClassification(config.data, config.train_split)
         test = VocClassification(config.data, config.test_split, classes=train.classes)
         info: dict[str, Any] = {
@@ -366,7 +365,7 @@ def run(config: Voc07SvmConfig) -> dict[str, Any]:
             fingerprint = dataset_fingerprint(dataset)
             info[name] = {"split": split, "size": len(dataset), "fingerprint": fingerprint}
             features, targets = features_for(
-                local,
+                config,
                 backbone,
                 dataset,
                 weights_id=weights_id,
@@ -374,6 +373,7 @@ def run(config: Voc07SvmConfig) -> dict[str, Any]:
                 split=split,
                 transform=transform,
                 pool=config.pool,
+                device=device,
             )
             data[name] = (l2_normalize(as_float32(features).numpy()), targets.numpy().astype(np.int8))
         record: dict[str, Any] = {}

@@ -8,6 +8,8 @@ millions of features; the monitor's bank is small enough for one matrix product
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -29,14 +31,22 @@ def knn_vote(
     temperature: float,
     num_classes: int,
 ) -> dict[str, float]:
-    """Top-1 / top-5 (percent) of the exp(sim / T)-weighted vote of the first ``k`` neighbours (DINO)."""
+    """Top-1 / top-5 (percent) of the exp(sim / T)-weighted vote of the first ``k`` neighbours (DINO).
+
+    The weights are computed as exp((sim - max sim) / T) in float64: the same vote (each query's
+    weights share one factor), but finite for every positive T. As T -> 0 the vote becomes the
+    nearest neighbour's label; as T grows, a plain majority of the k.
+    """
     if k > similarities.shape[1]:
         raise ValueError(f"k={k} exceeds the {similarities.shape[1]} neighbours searched")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
     train_labels = torch.as_tensor(train_labels).long()
     test_labels = torch.as_tensor(test_labels).long()
     neighbours = train_labels[indices[:, :k]]
-    weights = (similarities[:, :k] / temperature).exp()
-    votes = torch.zeros(len(neighbours), num_classes, dtype=torch.float32).scatter_add_(1, neighbours, weights)
+    sims = similarities[:, :k].double()
+    weights = ((sims - sims.max(dim=1, keepdim=True).values) / temperature).exp()
+    votes = torch.zeros(len(neighbours), num_classes, dtype=torch.float64).scatter_add_(1, neighbours, weights)
     predictions = votes.argsort(dim=1, descending=True, stable=True)
     correct = predictions.eq(test_labels.view(-1, 1))
     top1 = correct[:, :1].sum().item()

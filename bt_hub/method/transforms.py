@@ -7,7 +7,7 @@ normalise with the same ImageNet statistics.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,39 @@ def eval_transforms(image_size: int = 224, resize_size: int | None = None) -> T.
             T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
         ]
     )
+
+
+class DeviceEvalTransform:
+    """``eval_transforms`` on decoded uint8 images where they are (the GPU, or the CPU): one batch out.
+
+    Each 3 x H x W uint8 image is resized (shorter side to ``resize_size``, bilinear with
+    antialiasing, as PIL) and centre-cropped, then the batch is stacked, scaled to [0, 1] and
+    normalised with the ImageNet statistics. The images may differ in size; the output is
+    B x 3 x image_size x image_size float32 on the images' device. Pixels match the PIL path
+    within one or two levels (rounding of the resize, and the decoder's own tolerance).
+    """
+
+    def __init__(self, image_size: int = 224, resize_size: int | None = None) -> None:
+        self.image_size = image_size
+        self.resize_size = resize_size or round(image_size * 256 / 224)
+
+    def __call__(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
+        from torchvision.transforms.v2 import functional as F
+
+        crops = [
+            F.center_crop(
+                F.resize(image, [self.resize_size], interpolation=T.InterpolationMode.BILINEAR, antialias=True),
+                [self.image_size],
+            )
+            for image in images
+        ]
+        return normalize(torch.stack(crops).float().div_(255))
+
+    def __repr__(self) -> str:
+        return (
+            f"DeviceEvalTransform(resize={self.resize_size} bilinear antialias, centre crop={self.image_size}, "
+            f"ImageNet mean/std)"
+        )
 
 
 def transforms_for(config: Mapping[str, Any] | None) -> T.Compose:
