@@ -297,9 +297,11 @@ def test_from_pretrained_local_files_only_never_asks_the_hub(hub_options):
     assert hub_options["states"]["local"].keys() == hub_options["states"]["revision"].keys()
 
 
-def test_from_pretrained_of_a_missing_path_is_no_such_file_without_a_hub_lookup(tmp_path):
+def test_from_pretrained_of_a_missing_path_or_an_unknown_name_fails_without_a_hub_lookup(tmp_path):
     with pytest.raises(CheckpointError, match="no such file or folder"):
         from_pretrained(str(tmp_path / "nope"))
+    with pytest.raises(CheckpointError, match="registered names: barlowtwins-in1k"):
+        from_pretrained("no-such-weights")  # a name without org/ is the resolver's, as in load_backbone
 
 
 # ------------------------------------------------------------------ push without a Hub

@@ -136,7 +136,8 @@ def from_pretrained(
     a local folder needs none of them (``revision`` is refused there: it cannot be honoured).
 
     Args:
-        repo_id_or_dir: ``org/name`` (or ``hf://org/name[@revision]``) on the Hub, or a local folder.
+        repo_id_or_dir: ``org/name`` (or ``hf://org/name[@revision]``) on the Hub; anything else
+            ``load_backbone`` takes (a local folder or file, a registered name, a URL) is loaded by it.
         revision: branch, tag or commit of the Hub repo.
         cache_dir: the Hugging Face cache to use instead of ``HF_HUB_CACHE``.
         force_download: fetch the files again even when they are cached.
@@ -150,11 +151,12 @@ def from_pretrained(
         CheckpointError: weights that do not load strictly.
     """
     text = os.fspath(repo_id_or_dir)
-    if Path(text).expanduser().exists() or looks_like_path(text):
-        if revision is not None:
-            raise ValueError(f"revision={revision!r} applies to Hub repos, but {text} is a local file or folder")
-        return load_backbone(text, map_location=map_location, allow_non_finite=allow_non_finite)
     repo_id, _, pinned = text.removeprefix("hf://").partition("@")
+    local = Path(text).expanduser().exists() or looks_like_path(text)
+    if local or not (text.startswith("hf://") or "/" in repo_id):  # a folder, file, URL or registered name
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} applies to Hub repos (org/name), not to {text}")
+        return load_backbone(text, map_location=map_location, allow_non_finite=allow_non_finite)
     if pinned and revision is not None and pinned != revision:
         raise ValueError(f"{text} pins revision {pinned!r}, which contradicts revision={revision!r}")
     options = {
