@@ -309,6 +309,42 @@ def test_interrupted_make_detection_data_leaves_out_untouched_and_a_rerun_clears
     assert (tmp_path / ".other.bt_hub-partial" / "mine.txt").read_text() == "keep"
 
 
+@pytest.mark.parametrize("shortened", [True, False], ids=["shortened-run", "execution-opts-only"])
+def test_detection_record_lists_every_override_and_the_table_marks_a_run_that_is_not_its_preset(shortened, tmp_path):
+    from bt_hub.eval.detection.detect import DetectConfig, _write
+
+    weights, data = tmp_path / "r50.pth", tmp_path / "data"
+    weights.write_bytes(b"weights")
+    data.mkdir()
+    opts = ["DATALOADER.NUM_WORKERS", "0", "SOLVER.BASE_LR", "0.1"]  # the lr is the YAML's own: no change
+    if shortened:
+        opts += ["SOLVER.MAX_ITER", "3", "SOLVER.STEPS", "(2,)", "MODEL.RPN.NMS_THRESH", "0.5"]
+    config = DetectConfig(
+        weights=str(weights), data=str(data), config="voc", out=str(tmp_path / "out"), trials=2, opts=opts
+    )
+    trials = [{"seed": s, "metrics": {"bbox_AP": 1.0}, "config": {}} for s in (0, 1)]
+    record = _write(config, "torchvision", resolve_config("voc"), trials, start=0.0)
+    expected = {"trials": {"value": 2, "preset": 1}, "DATALOADER.NUM_WORKERS": {"value": 0, "preset": 4}}
+    if shortened:
+        expected |= {
+            "SOLVER.MAX_ITER": {"value": 3, "preset": 24000},
+            "SOLVER.STEPS": {"value": [2], "preset": [18000, 22000]},
+            "MODEL.RPN.NMS_THRESH": {"value": 0.5, "preset": 0.7},
+        }
+    for written in (record, json.loads((tmp_path / "out" / "results.json").read_text())):
+        assert written["overrides"] == expected
+        assert written["paper_task"] == (None if shortened else PAPER_TASKS["voc"])
+    (line,) = (tmp_path / "out" / "results.jsonl").read_text().splitlines()
+    assert json.loads(line)["overrides"] == expected
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "preset voc; DATALOADER.NUM_WORKERS 0 (preset 4), " in table and "trials 2 (preset 1)" in table
+    if shortened:  # a 3-iteration run is marked as such and gets no paper row to be compared with
+        assert "SOLVER.MAX_ITER 3 (preset 24000), SOLVER.STEPS [2] (preset [18000, 22000])" in table
+        assert "56.8" not in table
+    else:
+        assert "56.8" in table
+
+
 def test_detection_results_get_the_papers_rows_in_the_report():
     from bt_hub.eval.report import render_table
 
@@ -332,7 +368,8 @@ def test_detection_results_get_the_papers_rows_in_the_report():
     )
     voc, coco, other = text.split("### ")[1:]
     assert "VOC07+12 Faster R-CNN" in voc and "| box AP | box AP50 | box AP75 | Wall time (s) |" in voc
-    assert "| 56.8 | 82.6 | 63.4 | — |" in voc and "| preset voc | bt.pth (ab) | d | 50.0 | 80.0 | 55.0 | 1.0 |" in voc
+    assert "| 56.8 | 82.6 | 63.4 | — |" in voc and "| preset voc | bt.pth (ab) | d |" in voc
+    assert "| 50.0 | 80.0 | 55.0 | 1.0 |" in voc
     assert "| mask AP | mask AP50 | mask AP75 |" in coco
     assert (
         "| 39.2 | 59.0 | 42.5 | 34.3 | 56.0 | 36.5 | — |" in coco
@@ -340,5 +377,6 @@ def test_detection_results_get_the_papers_rows_in_the_report():
     )
     assert (
         "paper" not in other.split("|---")[1]
-        and "| preset shapes-voc | bt.pth (ab) | d | 60.0 | 90.0 | 70.0 | 1.0 |" in other
+        and "| preset shapes-voc | bt.pth (ab) | d |" in other
+        and "| 60.0 | 90.0 | 70.0 | 1.0 |" in other
     )

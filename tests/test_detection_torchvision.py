@@ -248,6 +248,8 @@ def test_detect_trains_with_falling_loss_and_writes_the_same_results_record_on_e
     assert record["hyperparameters"]["engine"] == record["notes"]["engine"] == engine
     assert record["weights"]["fingerprint"] == hashlib.sha256(r50_weights.read_bytes()).hexdigest()
     assert record["hyperparameters"]["resolved_config"]["SOLVER"]["MAX_ITER"] == 8
+    preset_iters = load_settings(resolve_config(alias))["SOLVER.MAX_ITER"]
+    assert record["overrides"]["SOLVER.MAX_ITER"] == {"value": 8, "preset": preset_iters}  # not read as the check
     assert [t["seed"] for t in record["notes"]["trials"]] == [3]
     if engine == "torchvision":
         assert torch.load(out / "trial0" / "checkpoint.pth", weights_only=True)["iter"] == 8

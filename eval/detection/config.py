@@ -18,7 +18,16 @@ from typing import Any
 
 import yaml
 
-__all__ = ["CONFIGS", "FLAG_OWNED_KEYS", "Settings", "build_cfg", "configs_dir", "load_settings", "resolve_config"]
+__all__ = [
+    "CONFIGS",
+    "FLAG_OWNED_KEYS",
+    "Settings",
+    "build_cfg",
+    "configs_dir",
+    "load_settings",
+    "opts_overrides",
+    "resolve_config",
+]
 
 CONFIGS = {
     "voc": "voc0712_faster_rcnn_R_50_C4_24k.yaml",
@@ -188,6 +197,36 @@ def load_settings(path: str | Path, opts: Sequence[str] = ()) -> Settings:
             )
         values[key] = float(new) if isinstance(old, float) and isinstance(new, int) else new
     return settings.replace(values)
+
+
+def opts_overrides(path: str | Path, opts: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``{KEY: {"value": opts' value, "preset": the config's}}`` for every ``KEY VALUE`` pair that changes the config.
+
+    The config's value is the YAML's (``_BASE_`` chain merged) or, for a key the YAML leaves
+    to detectron2 (only the detectron2 engine accepts those), detectron2's default. The
+    results record lists these, so a run that is not its preset says so.
+    """
+    opts = _check_opts(opts)
+    settings = Settings(_read_tree(Path(path)), path)
+    changed = {}
+    for key, text in zip(opts[0::2], opts[1::2]):
+        preset, value = settings.get(key, KeyError), _parse_value(text)
+        if preset is KeyError:
+            preset = _detectron2_default(key)
+        if isinstance(preset, float) and isinstance(value, int):
+            value = float(value)
+        if value != preset:
+            changed[key] = {"value": value, "preset": preset}
+    return changed
+
+
+def _detectron2_default(key: str) -> Any:
+    from detectron2.config import get_cfg
+
+    node = get_cfg()
+    for part in key.split("."):
+        node = node[part]
+    return list(node) if isinstance(node, tuple) else node
 
 
 def scale_to_world_size(settings: Settings, world_size: int) -> Settings:

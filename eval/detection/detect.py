@@ -30,6 +30,8 @@ INSTALL_PURPOSE = "bt-hub detect --engine detectron2 (detection transfer)"
 ENGINES = ("auto", "torchvision", "detectron2")
 # the paper's rows (bt_hub.common.records.PAPER_RESULTS) that the shipped configs follow
 PAPER_TASKS = {"voc": "voc07+12_faster_rcnn_c4", "coco": "coco_mask_rcnn_c4_1x"}
+# overrides that change how a run executes, not what a trial computes: the paper's row still applies
+EXECUTION_OVERRIDES = ("trials", "DATALOADER.NUM_WORKERS", "SOLVER.CHECKPOINT_PERIOD")
 
 
 @dataclass
@@ -255,28 +257,51 @@ def _torchvision_trials(config: DetectConfig, yaml_path: Path, out: Path) -> lis
 def _write(
     config: DetectConfig, engine: str, yaml_path: Path, trials: list[dict[str, Any]], start: float
 ) -> dict[str, Any]:
+    """Write ``results.json`` and append to ``results.jsonl`` / ``results.md``; the record.
+
+    Its ``overrides`` are every flag changed from its default and every ``KEY VALUE`` of the
+    opts that changes the config, with the config's value beside it, so a shortened run never
+    reads like its preset; the paper's row stands beside it only when nothing but
+    ``EXECUTION_OVERRIDES`` changed. (``write_results`` takes overrides from a config dataclass only,
+    and the opts are not fields of one.)
+    """
+    from bt_hub.common.files import atomic_write_json
+    from bt_hub.common.presets import overrides
+    from bt_hub.common.records import make_record
+    from bt_hub.eval.detection.config import opts_overrides
     from bt_hub.eval.features import dataset_fingerprint
-    from bt_hub.eval.report import write_results
+    from bt_hub.eval.report import append_results
     from bt_hub.weights import weights_fingerprint
 
     preset = config.config if config.config in DetectConfig.ALIASES else yaml_path.stem
-    return write_results(
-        config.out,
+    changed = {
+        **overrides(config, ignore=(*DetectConfig.RUN_FIELDS, "engine", "opts")),
+        **opts_overrides(yaml_path, config.opts),
+    }
+    paper = PAPER_TASKS.get(str(preset)) if set(changed) <= set(EXECUTION_OVERRIDES) else None
+    record = make_record(
         protocol="detect",
-        preset=preset,
+        metrics=aggregate_trials([t["metrics"] for t in trials]),
         config={
             **dataclasses.asdict(config),
             "engine": engine,
             "config_file": str(yaml_path),
             "resolved_config": trials[0]["config"],
         },
-        metrics=aggregate_trials([t["metrics"] for t in trials]),
-        weights=config.weights,
-        weights_sha256=weights_fingerprint(config.weights),
-        dataset=config.data,
-        dataset_fingerprint=dataset_fingerprint(config.data),
+        preset=preset,
+        mode=None,
+        weights={"name": str(config.weights), "fingerprint": weights_fingerprint(config.weights)},
+        dataset={
+            "name": Path(str(config.data)).name or str(config.data),
+            "path": str(config.data),
+            "fingerprint": dataset_fingerprint(config.data),
+        },
         seed=config.seed,
         wall_time_s=time.time() - start,
+        overrides=changed,
         notes={"engine": engine, "trials": [{"seed": t["seed"], "metrics": t["metrics"]} for t in trials]},
-        paper_task=PAPER_TASKS.get(str(preset)),
+        paper_task=paper,
     )
+    atomic_write_json(Path(config.out) / "results.json", record)
+    append_results(config.out, [record])
+    return record
