@@ -89,6 +89,12 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
             "bt_hub.eval.linear", "TransferConfig", "run", "linear transfer to Places-205 / iNat18 (PIRL settings)"
         ),
         "all": Command("bt_hub.eval.suite", "SuiteConfig", "run", "every classification protocol on one checkpoint"),
+        "compare": Command(
+            "bt_hub.eval.compare",
+            "CompareConfig",
+            "run",
+            "weights against baselines (pixels, random init, supervised), every cell mean ± std over seeds",
+        ),
     },
     "detect": Command(
         "bt_hub.eval.detection.detect",

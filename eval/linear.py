@@ -177,8 +177,8 @@ def train_heads(
     torch.manual_seed(seed)
     fc = make_classifier(features.shape[1], num_classes)
     k = len(lrs)
-    weight = fc.weight.detach().repeat(k, 1, 1).to(device).requires_grad_(True)
-    bias = fc.bias.detach().repeat(k, 1).to(device).requires_grad_(True)
+    weight = fc.weight.detach().repeat(k, 1, 1).to(device)
+    bias = fc.bias.detach().repeat(k, 1).to(device)
     heads = LinearHeads(weight, bias, [float(v) for v in lrs], [float(v) for v in weight_decays], [None] * k)
     lr = torch.tensor(heads.lrs, device=device)
     decay = torch.tensor(heads.weight_decays, device=device)
@@ -192,25 +192,24 @@ def train_heads(
             idx = order[start : start + batch_size]
             if not isinstance(features, torch.Tensor):
                 idx = idx.sort().values
-            targets = y[idx].to(device)
-            logits = heads.logits(_feature_rows(features, idx, device))
-            losses = F.cross_entropy(logits.permute(0, 2, 1), targets[:, None].expand(-1, k), reduction="none").mean(0)
-            weight.grad = bias.grad = None
-            losses.sum().backward()
-            bad = ~torch.isfinite(losses.detach()) & alive
+            x = _feature_rows(features, idx, device)
+            # mean cross-entropy of each head and its gradient (softmax - one-hot) / n, without autograd
+            log_p = heads.logits(x).log_softmax(-1)
+            target = y[idx].to(device).view(-1, 1, 1).expand(-1, k, 1)
+            losses = -log_p.gather(2, target).squeeze(2).mean(0)
+            grad_logits = log_p.exp_().scatter_add_(2, target, torch.full_like(target, -1, dtype=log_p.dtype))
+            grad_logits /= len(idx)
+            grads = ((grad_logits.reshape(len(idx), -1).T @ x).view_as(weight), grad_logits.sum(0))
+            bad = ~torch.isfinite(losses) & alive
             if bad.any():
                 for h in bad.nonzero().flatten().tolist():
                     heads.diverged[h] = epoch
                 alive &= ~bad
                 step = step * alive
-            with torch.no_grad():
-                for param, buffer in zip((weight, bias), buffers):
-                    shape = (k,) + (1,) * (param.dim() - 1)
-                    grad = torch.nan_to_num(param.grad) + decay.view(shape) * param
-                    buffer.mul_(momentum).add_(grad)
-                    param.sub_(step.view(shape) * buffer)
-    weight.requires_grad_(False)
-    bias.requires_grad_(False)
+            for param, grad, buffer in zip((weight, bias), grads, buffers):
+                shape = (k,) + (1,) * (param.dim() - 1)
+                buffer.mul_(momentum).add_(torch.nan_to_num(grad) + decay.view(shape) * param)
+                param.sub_(step.view(shape) * buffer)
     return heads
 
 

@@ -1,0 +1,94 @@
+"""The linear probe's grid: K heads trained at once vs one head, same features, same epochs.
+
+    python benchmarks/linear_grid.py                              # digits, random-init resnet18 (3x3 stem), 8 px
+    python benchmarks/linear_grid.py --weights demo_out/pretrain --repeats 5
+
+bt_hub.eval.linear.train_heads trains every head of the grid from the same batch (one stacked
+K x C x D weight, one matrix product per batch, one pass over the features per epoch). The
+table gives the median wall seconds of training 1 head and the 12-head default grid
+(``GRID_LRS`` x ``GRID_WEIGHT_DECAYS``) on the same cached features, their ratio (the issue asks
+for at most 1.5), and the grid's choice on the validation split with its test top-1. The CPU
+model, its vector flags and the load average are printed beside the numbers: timings on a
+shared machine move with its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import time
+
+import torch
+
+from bt_hub.eval.features import extract_features
+from bt_hub.eval.linear import GRID_LRS, GRID_WEIGHT_DECAYS, grid_probe, train_heads
+from bt_hub.eval.splits import load_splits
+from bt_hub.method.model import build_backbone
+from bt_hub.method.transforms import eval_transforms
+from bt_hub.weights import load_backbone
+
+
+def _cpu() -> str:
+    """The CPU model and its vector-instruction flags (lscpu)."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "lscpu unavailable"
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    flags = [f for f in fields.get("Flags", "").split() if f.startswith(("avx", "amx", "fma", "sse4"))]
+    return f"{fields.get('Model name', '?').strip()}; flags: {' '.join(flags)}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--weights", default=None, help="weights to embed the digits with (default: random init)")
+    parser.add_argument("--image-size", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each side (the median is shown)")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    splits = load_splits("digits", test_split="test", seed=0, image_size=args.image_size)
+    if args.weights:
+        net = load_backbone(args.weights, progress=False)
+    else:
+        torch.manual_seed(0)
+        net = build_backbone("resnet18", small_image_stem=True)
+    transform = eval_transforms(args.image_size)
+    train_x, train_y = extract_features(net, splits.train, transform=transform)
+    test_x, test_y = extract_features(net, splits.test, transform=transform)
+    pairs = [(lr, wd) for wd in GRID_WEIGHT_DECAYS for lr in GRID_LRS]
+    hyper = {"epochs": args.epochs, "batch_size": args.batch_size, "progress": False}
+    seconds = {}
+    for label, chosen in (("1 head", pairs[3:4]), (f"{len(pairs)} heads", pairs)):
+        times = []
+        for _ in range(args.repeats):
+            tick = time.perf_counter()
+            train_heads(train_x, train_y, 10, lrs=[p[0] for p in chosen], weight_decays=[p[1] for p in chosen], **hyper)
+            times.append(time.perf_counter() - tick)
+        seconds[label] = statistics.median(times)
+    found = grid_probe(train_x, train_y, test_x, test_y, 10, **hyper)
+    one, many = seconds.values()
+    print(f"cpu: {_cpu()}")
+    print(f"load average: {' '.join(f'{v:.2f}' for v in os.getloadavg())}; torch threads: {args.threads}")
+    print(
+        f"digits: {len(train_y)} training features of {train_x.shape[1]} dims, {args.epochs} epochs, "
+        f"batch {args.batch_size}, median of {args.repeats}\n"
+    )
+    print("| heads | seconds | vs 1 head |")
+    print("|---|---|---|")
+    for label, value in seconds.items():
+        print(f"| {label} | {value:.2f} | {value / one:.2f}x |")
+    chosen = found["chosen"]
+    print(
+        f"\ngrid's choice on {found['validation']['val_size']} validation digits (carved from training): "
+        f"lr {chosen['lr']:g}, weight decay {chosen['weight_decay']:g}, val top-1 {chosen['val_top1']:.1f}; "
+        f"test top-1 {found['metrics']['top1']:.1f}; 12 heads / 1 head = {many / one:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""bt-hub eval compare: weights against baselines, every cell mean ± std over seeds, a paired verdict per column."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from bt_hub import cli
+from bt_hub.common.records import fmt_mean_std
+from bt_hub.eval.compare import Comparison, Source, compare, default_init_backbone, render_markdown
+from bt_hub.eval.linear import GRID_LRS, GRID_WEIGHT_DECAYS
+from bt_hub.eval.splits import Splits
+from bt_hub.method.model import build_backbone
+from bt_hub.train.data import ArrayImageDataset
+
+SETTINGS = SimpleNamespace(
+    knn_k=5,
+    lr_grid=list(GRID_LRS),
+    weight_decay_grid=list(GRID_WEIGHT_DECAYS),
+    val_fraction=0.2,
+    linear_epochs=5,
+    batch_size=32,
+)
+
+
+def _planted_splits(n_train: int = 80, n_test: int = 40, classes: int = 4) -> Splits:
+    def part(n: int) -> ArrayImageDataset:
+        return ArrayImageDataset(
+            np.zeros((n, 2, 2, 3), np.uint8), np.arange(n) % classes, [str(c) for c in range(classes)]
+        )
+
+    info = {"name": "planted", "path": "planted", "fingerprint": "f", "holdout": None}
+    return Splits(part(n_train), part(n_test), info)
+
+
+def _planted_features(splits: Splits, signal: float, seed: int) -> tuple[torch.Tensor, ...]:
+    """Features whose class shows with strength ``signal`` (0: pure noise), the same for every call with ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(len(splits.classes), 16, generator=g)
+    out = []
+    for part in (splits.train, splits.test):
+        y = torch.tensor(part.targets)
+        out += [signal * centres[y] + torch.randn(len(y), 16, generator=g), y]
+    return tuple(out)
+
+
+def _compare(signals: dict[str, float], baselines: set[str], seeds=(0, 1, 2)) -> Comparison:
+    splits = _planted_splits()
+    planted = {name: _planted_features(splits, signal, seed=11) for name, signal in signals.items()}
+    sources = [Source(name, lambda s: torch.nn.Identity(), baseline=name in baselines) for name in signals]
+    return compare(
+        sources,
+        splits,
+        columns=["kNN", "linear"],
+        seeds=list(seeds),
+        features=lambda source, net, seed: planted[source.name],
+        settings=SETTINGS,
+    )
+
+
+def test_planted_features_that_carry_the_classes_beat_noise_baselines_by_more_than_the_spread():
+    result = _compare({"pretrained": 4.0, "noise": 0.0, "weak": 0.3}, baselines={"noise", "weak"})
+    for column in ("kNN", "linear"):
+        verdict = result.verdict("pretrained", column)
+        assert verdict["better"] is True and verdict["baseline"] in ("noise", "weak")
+        assert min(verdict["differences"]) > 20
+    assert "| pretrained | " in render_markdown(result) and "kNN: yes (+" in render_markdown(result)
+
+
+def test_identical_features_are_never_better_than_the_baseline():
+    result = _compare({"pretrained": 1.0, "same": 1.0}, baselines={"same"})
+    for column in ("kNN", "linear"):
+        verdict = result.verdict("pretrained", column)
+        assert verdict["differences"] == [0.0, 0.0, 0.0] and verdict["better"] is False
+    assert "linear: no (+0.0 ± 0.0 vs same)" in render_markdown(result)
+
+
+def test_the_verdict_pairs_seeds_and_needs_every_seed_ahead_and_a_mean_above_the_spread():
+    def verdict(ours, theirs):
+        values = {"w": {"linear": ours}, "b": {"linear": theirs}, "c": {"linear": [0.0] * len(ours)}}
+        return Comparison(list(range(len(ours))), ["linear"], values, ["b", "c"], 100).verdict("w", "linear")
+
+    assert verdict([80.0, 82.0, 81.0], [70.0, 71.0, 69.0])["better"] is True
+    assert verdict([80.0, 60.0, 81.0], [70.0, 71.0, 69.0])["better"] is False  # one seed behind
+    assert verdict([71.0, 80.0, 70.5], [70.0, 70.0, 70.0])["better"] is False  # differences 1, 10, 0.5: mean < std
+    assert verdict([90.0], [10.0])["better"] is None  # one seed: no verdict
+    assert verdict([80.0, 82.0, 81.0], [70.0, 71.0, 69.0])["baseline"] == "b"  # the best baseline by its mean
+
+
+def test_random_init_is_torchvisions_default_initialisation_of_the_same_network():
+    net = default_init_backbone("resnet18", True, seed=3)
+    torch.manual_seed(3)
+    zero_init = build_backbone("resnet18", small_image_stem=True)
+    assert all(bool((block.bn2.weight == 1).all()) for layer in (net.layer1, net.layer4) for block in layer)
+    assert all(bool((block.bn2.weight == 0).all()) for block in zero_init.layer1)
+    torch.testing.assert_close(net.conv1.weight, zero_init.conv1.weight)  # same seed, same draws otherwise
+    assert not torch.equal(default_init_backbone("resnet18", True, seed=4).conv1.weight, net.conv1.weight)
+
+
+def test_cli_compare_prints_mean_std_that_match_the_per_seed_records(small_stem_weights, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    args = ["eval", "compare", "--weights", str(small_stem_weights), "--baselines", "pixels,random-init"]
+    args += ["--protocols", "knn,linear", "--seeds", "2", "--data", "synthetic:60", "--image-size", "8"]
+    args += ["--linear-epochs", "3", "--batch-size", "32", "--knn-k", "5", "--out", str(out)]
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "| representation | kNN | linear | better than the best baseline? |" in printed and " ± " in printed
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 3 * 2 * 2  # rows x columns x seeds
+    table = (out / "compare.md").read_text()
+    for row in (small_stem_weights.name, "pixels", "random-init"):
+        cells = []
+        for protocol in ("knn", "linear"):
+            per_seed = [
+                r["metrics"]["top1"]
+                for r in records
+                if (r["notes"]["compare"]["row"], r["protocol"]) == (row, protocol)
+            ]
+            assert len(per_seed) == 2
+            cells.append(fmt_mean_std(per_seed))
+        assert f"| {' | '.join(cells)} |" in table
+    assert {r["seed"] for r in records} == {0, 1} and (out / "compare.png").stat().st_size > 0
+    assert "| 2 seeds |" in (out / "results.md").read_text()
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["verdicts"][small_stem_weights.name]["linear"]["baseline"] in ("pixels", "random-init")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--baselines", "pixels,imagenet"], "--baselines must list some of pixels, random-init, supervised"),
+        (["--protocols", "svm"], "--protocols must list some of knn, linear, semi"),
+        (["--seeds", "0"], "--seeds must be an integer in [1, 100]"),
+        (["--lr-grid", "1e30"], "--lr-grid must be in (0, 100]"),
+        (["--semi-preset", "nope"], "--preset 'nope' is unknown"),
+    ],
+)
+def test_cli_compare_rejects_bad_flags_in_one_line(small_stem_weights, tmp_path, capsys, flags, message):
+    assert (
+        cli.main(["eval", "compare", "--weights", str(small_stem_weights), *flags, "--out", str(tmp_path / "o")]) == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
