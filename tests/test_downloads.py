@@ -123,6 +123,31 @@ def test_a_failed_attempt_is_retried_and_then_cached_and_a_killed_downloads_left
     assert not killed.exists() and live.exists()  # a download running elsewhere keeps its folder
 
 
+def test_a_download_without_an_expected_hash_records_its_sha256_and_a_later_change_is_refused(torch_home, weights_a_b):
+    """Guards: a cached file with no hash to check was read whatever it had become since its download."""
+    (data_a, state_a), (data_b, _) = weights_a_b
+    server = LoopbackFiles({"/plain/resnet18.pth": data_a})
+    url = f"{server.url}/plain/resnet18.pth"
+    try:
+        path = download(url, progress=False)
+        record = path.with_name("resnet18.pth.sha256")
+        sha = hashlib.sha256(data_a).hexdigest()
+        assert record.read_text() == f"{sha}  resnet18.pth\n"
+        path.write_bytes(data_b)
+        with pytest.raises(DownloadError) as err:
+            load_backbone(url, progress=False)
+        assert str(err.value) == (
+            f"cached file {path} has sha256 {hashlib.sha256(data_b).hexdigest()[:16]}..., not the {sha[:16]}... "
+            f"recorded in resnet18.pth.sha256 beside it when it was first used for {url}: it changed since; "
+            "delete it to download it again"
+        )
+        path.unlink()
+        assert _equal(load_backbone(url, progress=False), state_a)  # the advice works: downloaded and verified again
+    finally:
+        server.stop()
+    assert server.hits["/plain/resnet18.pth"] == 2 and record.read_text() == f"{sha}  resnet18.pth\n"
+
+
 def test_server_that_never_answers_is_bounded_by_the_timeout(torch_home, monkeypatch):
     """Guards: a server that accepted the connection and never answered hung the command forever."""
     monkeypatch.setenv("BT_HUB_DOWNLOAD_TIMEOUT", "0.5")
@@ -201,9 +226,107 @@ def test_hub_failures_offline_name_the_spec(tmp_path):
         "and HF_HUB_OFFLINE=1 is set; connect once without HF_HUB_OFFLINE to fill the cache, "
         "or point HF_HOME at a cache that holds it"
     ), offline.stderr[-2000:]
-    assert lines[1].startswith(
-        "DownloadError | weights 'nobody/nothing' are no file or folder here, and the Hub lookup failed: hf://nobody/nothing:"
+    assert lines[1] == (
+        f"DownloadError | weights nobody/nothing: no such file or folder ({REPO_ROOT / 'nobody' / 'nothing'}), "
+        f"and as a Hugging Face Hub id: {lines[0].split(' | ', 1)[1]}"
     )
+
+
+BARE_SCRIPT = """
+import sys
+from bt_hub.weights import load_backbone
+for spec in sys.argv[1:]:
+    if spec == "--pause":
+        print("paused", flush=True)
+        sys.stdin.readline()
+        continue
+    try:
+        print("loaded", spec, load_backbone(spec).weights_info["architecture"], flush=True)
+    except Exception as err:
+        print(type(err).__name__, "|", err, flush=True)
+"""
+
+
+def test_a_bare_org_name_that_is_no_folder_asks_the_hub_once_and_names_both_readings(tmp_path):
+    """Guards: `--weights runs/nonexistent` spent ~23 s in huggingface_hub's retries, then advised unsetting an unset
+    HF_HUB_OFFLINE."""
+    pytest.importorskip("huggingface_hub")
+    from loopback import LoopbackHub
+
+    from bt_hub.weights import save_pretrained
+
+    torch.manual_seed(0)
+    folder = save_pretrained(build_backbone("resnet18", small_image_stem=True), tmp_path / "folder")
+    files = {name: (folder / name).read_bytes() for name in ("model.safetensors", "config.json")}
+    hub = LoopbackHub({"bt/r18": {"main": ("c" * 40, files)}})
+
+    class FailingHub(hub.server.RequestHandlerClass):
+        """Org "busy" answers HTTP 503; org "drop" closes the connection without an answer."""
+
+        def _resolve(self, with_body: bool) -> None:
+            org = self.path.split("/")[1]
+            if org not in ("busy", "drop"):
+                return super()._resolve(with_body)
+            hub.requests.append((self.command, self.path))
+            if org == "busy":
+                return self._send(503, {}, b"busy", with_body)
+            self.close_connection = True
+            return None
+
+    hub.server.RequestHandlerClass = FailingHub
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    specs = ["bt/r18", "busy/r18", "drop/r18", "./busy/r18", "busy/r18/x", "--pause", "org/name", "bt/r18"]
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as stderr:
+        script = subprocess.Popen(
+            [sys.executable, "-c", BARE_SCRIPT, *specs],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+            cwd=work,
+        )
+        try:
+            lines = [script.stdout.readline().strip() for _ in range(6)]
+            hub.stop()  # from now on its port refuses connections
+            script.stdin.write("\n")
+            script.stdin.flush()
+            lines += script.communicate(timeout=300)[0].strip().splitlines()
+        finally:
+            script.kill()
+            hub.stop()
+    said = log.read_text()
+    assert lines[0] == "loaded bt/r18 resnet18", said[-3000:]
+    for line, org, error in zip(lines[1:3], ("busy", "drop"), ("503 Service Unavailable", "Server disconnected")):
+        assert line.startswith(
+            f"DownloadError | weights {org}/r18: no such file or folder ({work / org / 'r18'}), and as a Hugging Face "
+            f"Hub id: hf://{org}/r18: model.safetensors could not be fetched from {hub.url} ("
+        ), line
+        assert error in line and line.endswith(
+            f"and is not in the Hugging Face cache ({tmp_path / 'hf' / 'hub'}); retry once the Hub at {hub.url} can "
+            "be reached (set by HF_ENDPOINT), or point HF_HOME at a cache that holds it"
+        ), line
+    assert lines[3:6] == [
+        f"CheckpointError | weights ./busy/r18: no such file or folder ({work / 'busy' / 'r18'})",
+        f"CheckpointError | weights busy/r18/x: no such file or folder ({work / 'busy' / 'r18' / 'x'})",
+        "paused",
+    ]
+    failed = [request for request in hub.requests if request[1].startswith(("/busy/", "/drop/"))]
+    assert failed == [
+        ("HEAD", "/busy/r18/resolve/main/model.safetensors"),
+        ("HEAD", "/drop/r18/resolve/main/model.safetensors"),
+    ]  # one request each, no retries; the path-like spellings asked nothing
+    assert lines[6].startswith(
+        f"DownloadError | weights org/name: no such file or folder ({work / 'org' / 'name'}), and as a Hugging Face "
+        f"Hub id: hf://org/name: model.safetensors could not be fetched from {hub.url} (ConnectError: "
+    ), said[-3000:]
+    assert "Connection refused" in lines[6] and "HF_HUB_OFFLINE" not in lines[6]
+    assert lines[7] == "loaded bt/r18 resnet18"  # an unreachable Hub still leaves the cached copy usable
+    assert "Retrying" not in said  # huggingface_hub's retry loop never ran
 
 
 def test_an_html_page_served_instead_of_weights_is_refused_and_not_cached(torch_home):

@@ -24,11 +24,15 @@ from bt_hub import cli
 from bt_hub.common.files import file_sha256
 from bt_hub.method.model import BarlowTwins, build_backbone
 from bt_hub.weights import (
+    IMAGENET_STD,
     BarlowTwinsWeights,
     CheckpointError,
+    DownloadError,
     barlow_twins,
+    eval_transforms,
     get_weights,
     list_weights,
+    load_backbone,
     resolve,
     save_pretrained,
 )
@@ -56,15 +60,15 @@ def resnet50_state() -> dict[str, torch.Tensor]:
 def _listed(capsys) -> dict[str, list[str]]:
     assert cli.main(["weights", "list"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].split() == ["name", "architecture", "cached", "url", "cache", "path"]
+    assert lines[0].split() == ["name", "architecture", "cached", "sha256", "url", "cache", "path"]
     return {line.split()[0]: line.split() for line in lines[1:]}
 
 
 def _seed_default(capsys, state: dict[str, torch.Tensor]) -> Path:
     """Put weights where `bt-hub weights list` says the loaders read barlowtwins-in1k."""
     row = _listed(capsys)["barlowtwins-in1k"]
-    assert row[1:4] == ["resnet50", "no", BarlowTwinsWeights.DEFAULT.url]
-    path = Path(row[4])
+    assert row[1:5] == ["resnet50", "no", "unverified", BarlowTwinsWeights.DEFAULT.url]
+    path = Path(row[5])
     path.parent.mkdir(parents=True)
     torch.save(state, path)
     assert _listed(capsys)["barlowtwins-in1k"][2] == "yes"
@@ -75,7 +79,7 @@ def test_weights_list_names_every_registered_weight_and_its_cache_path(offline_t
     rows = _listed(capsys)
     assert list(rows) == list_weights() == ["barlowtwins-in1k", "barlowtwins-in1k-ljng", "barlowtwins-in1k-full"]
     for name, row in rows.items():
-        assert Path(row[4]) == get_weights(name).cache_path() and Path(row[4]).is_relative_to(offline_torch_home)
+        assert Path(row[5]) == get_weights(name).cache_path() and Path(row[5]).is_relative_to(offline_torch_home)
 
 
 def test_eval_and_detect_with_a_registered_name_read_the_listed_cache_path_offline(
@@ -171,8 +175,8 @@ def test_enum_members_expose_url_transforms_meta_and_the_state_dict(offline_torc
         member.meta["paper"]["imagenet_linear"] == {"top1": 73.2, "top5": 91.0}
         and member.meta["recipe"]["lambd"] == 0.0051
     )
-    sizes = [(type(t).__name__, getattr(t, "size", None)) for t in member.transforms().transforms]
-    assert sizes[:2] == [("Resize", 256), ("CenterCrop", (224, 224))]
+    preset = member.transforms()
+    assert (preset.resize_size, preset.crop_size) == ([256], [224])
     state = member.get_state_dict(progress=False)
     assert set(state) == set(resnet50_state) and all(torch.equal(state[k], v) for k, v in resnet50_state.items())
     for spelling in ("barlowtwins-in1k", "IN1K_EP1000", "DEFAULT", "BarlowTwinsWeights.IN1K_EP1000", member):
@@ -182,14 +186,63 @@ def test_enum_members_expose_url_transforms_meta_and_the_state_dict(offline_torc
         BarlowTwinsWeights.verify(torchvision.models.ResNet50_Weights.DEFAULT)
 
 
+def test_torchvision_builders_refuse_barlow_twins_weights_and_download_nothing(offline_torch_home):
+    """Guards: a plain Enum was a legacy truthy value to torchvision, which loaded supervised ImageNet weights."""
+    member = BarlowTwinsWeights.DEFAULT
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torchvision's "equivalent to passing weights=ResNet50_Weights..." would raise
+        for arch in ("ResNet50", "ResNet18"):
+            with pytest.raises(TypeError, match=rf"expected {arch}_Weights but received BarlowTwinsWeights"):
+                getattr(torchvision.models, arch.lower())(weights=member)
+        with pytest.raises(TypeError, match="expected ResNet50_Weights but received BarlowTwinsWeights"):
+            torchvision.models.get_model("resnet50", weights=member)
+    assert list(offline_torch_home.rglob("*")) == []  # nothing fetched, nothing created
+    assert isinstance(member, torchvision.models.WeightsEnum) and isinstance(member.value, torchvision.models.Weights)
+
+
+def test_weights_transforms_are_bt_hubs_eval_transform_and_accept_tensors_as_torchvisions_do():
+    """Guards: .transforms() ended in ToTensor, so a tensor image (torchvision's presets take them) was a TypeError."""
+    torch.manual_seed(0)
+    image = (torch.rand(3, 300, 260) * 255).to(torch.uint8)
+    pil = torchvision.transforms.functional.to_pil_image(image)
+    ours = eval_transforms(224)(pil)
+    grey_levels = 2 / 255 / min(IMAGENET_STD)  # tensors are resized by torch, PIL images by PIL
+    for member in BarlowTwinsWeights:
+        preset = member.transforms()
+        assert torch.equal(preset(pil), ours)
+        single, batch = preset(image), preset(torch.stack([image, image]))
+        assert single.shape == (3, 224, 224) and batch.shape == (2, 3, 224, 224) and single.dtype == torch.float32
+        torch.testing.assert_close(single, ours, atol=grey_levels, rtol=0)
+        torch.testing.assert_close(batch[1], single)
+        torch.testing.assert_close(preset(image.float() / 255), single, atol=grey_levels, rtol=0)
+
+
+def test_a_registered_file_is_recorded_at_first_use_and_a_later_swap_is_refused(
+    offline_torch_home, resnet50_state, capsys
+):
+    """Guards: with no published hash, any file in a registered name's cache path loaded under that name."""
+    path = _seed_default(capsys, resnet50_state)
+    assert [row[3] for row in _listed(capsys).values()] == ["unverified"] * 3  # no hash is published for them
+    sha = file_sha256(path)
+    assert load_backbone("barlowtwins-in1k", progress=False).weights_info["sha256"] == sha
+    record = path.with_name(path.name + ".sha256")
+    assert record.read_text() == f"{sha}  {path.name}\n"  # sha256sum's format
+    torch.save({**resnet50_state, "conv1.weight": resnet50_state["conv1.weight"] + 1}, path)
+    with pytest.raises(DownloadError) as err:
+        load_backbone("barlowtwins-in1k", progress=False)
+    assert str(err.value) == (
+        f"cached file {path} has sha256 {file_sha256(path)[:16]}..., not the {sha[:16]}... recorded in {record.name} "
+        f"beside it when it was first used for {BarlowTwinsWeights.DEFAULT.url}: it changed since; "
+        "delete it to download it again"
+    )
+
+
 def test_loaded_models_carry_their_transforms(offline_torch_home, resnet50_state, tmp_path, capsys):
     _seed_default(capsys, resnet50_state)
     default = torch.hub.load(str(REPO_ROOT), "resnet50", source="local", weights="DEFAULT")
     assert str(default.transforms) == str(BarlowTwinsWeights.DEFAULT.transforms())
     run = tmp_path / "run"
     save_pretrained(BarlowTwins("resnet18", "16-16", small_image_stem=True), run, config={"image_size": 16})
-    from bt_hub.weights import load_backbone
-
     small = load_backbone(run)
     assert [getattr(t, "size", None) for t in small.transforms.transforms[:2]] == [18, (16, 16)]
 
@@ -256,7 +309,10 @@ def test_export_hf_of_a_run_keeps_the_projector_and_lambda_and_the_card_its_name
         assert torch.equal(loaded.embed(images), model.embed(images))
     card = (out / "README.md").read_text()
     assert "# bt/digits" in card and 'from_pretrained("bt/digits")' in card
-    assert "resize to 18 (bilinear),\ncentre crop 16" in card and "| knn | — | digits | Top-1 | 88.6 | — |" in card
+    assert (
+        "resize to 18 (bilinear),\ncentre crop 16" in card
+        and "| knn | — | digits | Top-1 | 88.6 | 1 seed | — |" in card
+    )
     assert "it is a bt_hub-only layout" in card and "timm.create_model(" not in card
 
 
@@ -302,7 +358,7 @@ def test_a_bare_hub_id_works_in_eval_and_barlow_twins_through_a_loopback_hub(tmp
     hub = LoopbackHub({"bt/digits": {"main": ("c" * 40, files)}})
     env = {
         **os.environ,
-        "PYTHONPATH": str(REPO_ROOT),
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
         "HF_ENDPOINT": hub.url,
         "HF_HOME": str(tmp_path / "hf"),
         "HF_HUB_OFFLINE": "0",

@@ -20,8 +20,8 @@ from bt_hub.weights import CheckpointError, barlow_twins, load_backbone, save_pr
 
 
 @pytest.fixture
-def resnet18_file(small_stem_weights) -> Path:
-    return small_stem_weights
+def resnet18_file(resnet18_weights) -> Path:
+    return resnet18_weights  # the standard stem: torchvision and detectron2 files cannot carry the small one
 
 
 # ---------------------------------------------------------------- export never overwrites a file silently
@@ -86,6 +86,23 @@ def test_export_hf_keeps_files_bt_hub_did_not_write_even_with_force(resnet18_fil
     assert (out / "notes.txt").read_text() == "kept" and "projector" not in json.loads(
         (out / "config.json").read_text()
     )
+
+
+def test_a_config_json_naming_an_unknown_architecture_names_the_file_the_key_and_the_known_ones(tmp_path, capsys):
+    """Guards: a config.json naming resnet9000 failed as "backbone 'resnet9000' is unknown", naming no file."""
+    folder = save_pretrained(build_backbone("resnet18", small_image_stem=True), tmp_path / "hf")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architecture": "resnet9000"}))
+    expected = (
+        f"config file {folder / 'config.json'} names architecture 'resnet9000' (key \"architecture\"); "
+        "expected one of resnet18, resnet34, resnet50, resnet101"
+    )
+    with pytest.raises(CheckpointError) as err:
+        load_backbone(folder)
+    assert str(err.value) == expected
+    out = tmp_path / "x.safetensors"
+    assert cli.main(["export", "--weights", str(folder), "--format", "safetensors", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == f"bt-hub export: error: {expected}"
 
 
 # ---------------------------------------------------------------- non-finite weights are refused on load

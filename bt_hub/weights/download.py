@@ -5,8 +5,11 @@ name>`` (``$TORCH_HOME`` moves it): two URLs that end in the same file name neve
 file, and the file keeps its readable name. A download goes to a private temporary folder
 beside it and is kept (renamed into place) only when its size matches Content-Length, its
 sha256 matches the expected one (a registered sha256, or the hash prefix in a
-``name-<hex>.ext`` file name, torch.hub's convention) and it parses as weights; files with an
-expected hash are hashed again on every load. Connecting and every wait for data are bounded
+``name-<hex>.ext`` file name, torch.hub's convention) and it parses as weights. Where no hash is
+expected, the sha256 of that first verified download (or of a file first found there, placed
+by hand) is recorded beside it (``<file name>.sha256``, sha256sum's format), so a file that
+changes later is refused, never read under the URL's name; cached files are hashed again on
+every load. Connecting and every wait for data are bounded
 by ``timeout`` seconds (``BT_HUB_DOWNLOAD_TIMEOUT``, default 30) and failed attempts are retried
 a bounded number of times (``BT_HUB_DOWNLOAD_RETRIES``, default 2). Every failure names the
 URL, the cache path and what to do, and leaves nothing behind; the staging folder of a
@@ -35,7 +38,7 @@ from urllib.parse import urlparse
 import torch
 from tqdm import tqdm
 
-from bt_hub.common.files import CheckpointError, file_sha256, read_file
+from bt_hub.common.files import CheckpointError, atomic_write_text, file_sha256, read_file
 
 TIMEOUT_ENV = "BT_HUB_DOWNLOAD_TIMEOUT"
 RETRIES_ENV = "BT_HUB_DOWNLOAD_RETRIES"
@@ -92,15 +95,47 @@ def _fixes(url: str, path: Path) -> str:
     )
 
 
-def _check_cached(path: Path, url: str, sha256: str | None) -> None:
-    expected, origin = expected_hash(path.name, sha256)
-    if expected is None:
-        return
-    actual = file_sha256(path)
-    if not actual.startswith(expected):
+def sha256_record(path: Path) -> Path:
+    """The file beside a cached file that records its sha256 when no hash is expected (``<name>.sha256``)."""
+    return path.with_name(path.name + ".sha256")
+
+
+def _record_sha256(path: Path, sha256: str) -> None:
+    atomic_write_text(sha256_record(path), f"{sha256}  {path.name}\n")
+
+
+def _recorded_sha256(path: Path) -> str | None:
+    """The sha256 recorded beside ``path``, or None when there is no record."""
+    record = sha256_record(path)
+    if not record.is_file():
+        return None
+    recorded = record.read_text(encoding="utf-8", errors="replace").split(maxsplit=1)[:1]
+    if not recorded or not re.fullmatch(r"[0-9a-f]{64}", recorded[0]):
         raise DownloadError(
-            f"cached file {path} has sha256 {actual[:16]}..., not the {origin} {expected[:16]} of {url}: "
-            "it changed after it was verified; delete it to download it again"
+            f"{record} does not hold the sha256 of {path.name} (64 hex digits); delete both files to download again"
+        )
+    return recorded[0]
+
+
+def _check_cached(path: Path, url: str, sha256: str | None) -> None:
+    """Refuse a cached file whose sha256 is not the expected or recorded one; record it where there is neither."""
+    expected, origin = expected_hash(path.name, sha256)
+    actual = file_sha256(path)
+    if expected is not None:
+        if not actual.startswith(expected):
+            raise DownloadError(
+                f"cached file {path} has sha256 {actual[:16]}..., not the {origin} {expected[:16]} of {url}: "
+                "it changed after it was verified; delete it to download it again"
+            )
+        return
+    recorded = _recorded_sha256(path)
+    if recorded is None:
+        _record_sha256(path, actual)
+    elif actual != recorded:
+        raise DownloadError(
+            f"cached file {path} has sha256 {actual[:16]}..., not the {recorded[:16]}... recorded in "
+            f"{sha256_record(path).name} beside it when it was first used for {url}: it changed since; "
+            "delete it to download it again"
         )
 
 
@@ -144,7 +179,9 @@ def download(
         try:
             partial = staging / target.name
             _fetch(url, partial, seconds, progress)
-            _verify(partial, url, target, sha256)
+            actual = _verify(partial, url, target, sha256)
+            if expected_hash(target.name, sha256)[0] is None:
+                _record_sha256(target, actual)
             os.replace(partial, target)
             return target
         except _Retryable as err:
@@ -214,11 +251,14 @@ def _final(partial: Path) -> Path:
     return partial.parent.parent / partial.name
 
 
-def _verify(partial: Path, url: str, target: Path, sha256: str | None) -> None:
-    """Hash and parse checks of a complete download (not retried: the server would send the same bytes)."""
+def _verify(partial: Path, url: str, target: Path, sha256: str | None) -> str:
+    """Hash and parse checks of a complete download (not retried: the server would send the same bytes).
+
+    Returns its sha256.
+    """
     expected, origin = expected_hash(target.name, sha256)
+    actual = file_sha256(partial)
     if expected is not None:
-        actual = file_sha256(partial)
         if not actual.startswith(expected):
             raise DownloadError(
                 f"download of {url} has sha256 {actual[:16]}..., not the {origin} {expected[:16]}, so it was refused; "
@@ -229,12 +269,19 @@ def _verify(partial: Path, url: str, target: Path, sha256: str | None) -> None:
     except CheckpointError as err:
         what = str(err).split(f"{partial} ", 1)[-1]
         raise DownloadError(f"download of {url} was refused: it {what}; {_fixes(url, target)}") from None
+    return actual
 
 
-def hf_download(spec: str, filename: str, *, required: bool = True) -> Path | None:
+def hf_download(spec: str, filename: str, *, required: bool = True, once: bool = False) -> Path | None:
     """``filename`` of the Hub repo ``org/name[@revision]``, through huggingface_hub's cache.
 
-    Returns None for a missing optional file (absent from the repo, or not cached while offline).
+    Args:
+        spec: ``org/name[@revision]``.
+        filename: the file in the repo.
+        required: False returns None for a file absent from the repo (or not cached while offline).
+        once: ask the Hub once and never retry (huggingface_hub retries a refused connection or a failed
+            name lookup for about 23 s): for a bare ``org/name`` that may have been meant as a local path.
+            An unreachable Hub still falls back to the cached copy, as huggingface_hub does.
 
     Raises:
         DownloadError: one sentence naming ``hf://spec``, what went wrong and what to do.
@@ -247,17 +294,29 @@ def hf_download(spec: str, filename: str, *, required: bool = True) -> Path | No
     repo_id, _, revision = spec.partition("@")
     where = f"hf://{spec}"
     endpoint = constants.ENDPOINT
+    unreachable = None  # what the Hub said to the one request of ``once``
     try:
-        return Path(hf.hf_hub_download(repo_id, filename, revision=revision or None))
-    except errors.LocalEntryNotFoundError:
+        if once and not constants.HF_HUB_OFFLINE:
+            unreachable = _ask_once(hf, errors, repo_id, filename, revision or None)
+        return Path(
+            hf.hf_hub_download(repo_id, filename, revision=revision or None, local_files_only=unreachable is not None)
+        )
+    except errors.LocalEntryNotFoundError as err:
         if not required:
             return None
-        offline = (
-            "HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE else f"the Hub at {endpoint} could not be reached"
-        )
+        if constants.HF_HUB_OFFLINE:
+            var = "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"
+            raise DownloadError(
+                f"{where}: {filename} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                f"{var}={os.environ.get(var)} is set; connect once without {var} to fill the cache, "
+                "or point HF_HOME at a cache that holds it"
+            ) from None
+        said = unreachable or _first_line(err.__cause__ or err)
+        moved = " (set by HF_ENDPOINT)" if os.environ.get("HF_ENDPOINT") else ""
         raise DownloadError(
-            f"{where}: {filename} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {offline}; "
-            "connect once without HF_HUB_OFFLINE to fill the cache, or point HF_HOME at a cache that holds it"
+            f"{where}: {filename} could not be fetched from {endpoint} ({said}) and is not in the Hugging Face "
+            f"cache ({constants.HF_HUB_CACHE}); retry once the Hub at {endpoint} can be reached{moved}, "
+            "or point HF_HOME at a cache that holds it"
         ) from None
     except getattr(errors, "RemoteEntryNotFoundError", errors.EntryNotFoundError):
         if not required:
@@ -272,9 +331,31 @@ def hf_download(spec: str, filename: str, *, required: bool = True) -> Path | No
             f"{where}: the Hub at {endpoint} has no repo {repo_id} that you may read (check the name; a private repo "
             "needs HF_TOKEN or `hf auth login`)"
         ) from None
-    except (errors.HfHubHTTPError, OSError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    except errors.HFValidationError as err:
+        raise DownloadError(f"{where}: {repo_id} is not a valid Hub repo id ({_first_line(err)})") from None
+    except (getattr(errors, "HTTPError", OSError), OSError) as err:  # HTTP and network errors
         raise DownloadError(
-            f"{where}: {filename} could not be fetched from {endpoint} ({first}); "
-            "retry, or set HF_HUB_OFFLINE=1 to use the cache"
+            f"{where}: {filename} could not be fetched from {endpoint} ({_first_line(err)}); retry later"
         ) from None
+
+
+def _ask_once(hf, errors, repo_id: str, filename: str, revision: str | None) -> str | None:
+    """One metadata request for the file, no retries: None when the Hub answered, else what went wrong.
+
+    A missing repo, revision or file, or a bad repo id, is raised as huggingface_hub's error.
+    """
+    try:
+        hf.get_hf_file_metadata(hf.hf_hub_url(repo_id, filename, revision=revision))
+    except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.EntryNotFoundError):
+        raise
+    except (getattr(errors, "HTTPError", OSError), OSError) as err:
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        if status is not None and status < 500 and status not in (408, 429):
+            raise  # the Hub answered: no retry would change it
+        return _first_line(err)  # no connection, no name lookup, a timeout, HTTP 5xx / 408 / 429
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__

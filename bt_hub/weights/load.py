@@ -31,16 +31,20 @@ def read_backbone_state_dict(
     """The backbone weights of ``source`` in torchvision names (no ``fc``), and what was recognised.
 
     Returns:
-        ``(state_dict, info)``; ``info`` holds ``file``, ``format``, ``prefix``, ``dropped``
-        (keys of the file that are not backbone weights), ``config`` (config.json or None) and
-        ``weights`` (the registered name, or None).
+        ``(state_dict, info)``; ``info`` holds ``file``, ``sha256`` (of the file read, for records),
+        ``format``, ``prefix``, ``dropped`` (keys of the file that are not backbone weights),
+        ``config`` (config.json or None) and ``weights`` (the registered name, or None).
 
     Raises:
         CheckpointError: unreadable or unknown file, or NaN/inf tensors (unless ``allow_non_finite``).
     """
     resolved = resolve(source, progress=progress)
     state, info = read_backbone(resolved.path, allow_non_finite=allow_non_finite)
-    info.update(config=resolved.config, weights=resolved.record.short_name if resolved.record else None)
+    info.update(
+        sha256=file_sha256(resolved.path),
+        config=resolved.config,
+        weights=resolved.record.short_name if resolved.record else None,
+    )
     return state, info
 
 
@@ -86,7 +90,7 @@ def load_backbone(
         allow_non_finite: load weights holding NaN or inf (for forensics only).
 
     Returns:
-        The network in train mode, with ``weights_info`` (file, format, prefix, dropped keys,
+        The network in train mode, with ``weights_info`` (file, sha256, format, prefix, dropped keys,
         config.json or None, registered name, architecture, small_image_stem) and
         ``transforms`` (its evaluation preprocessing).
 

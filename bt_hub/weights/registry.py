@@ -2,9 +2,12 @@
 
 The one home of the paper's numbers (docs/protocols.md §4), the pretraining recipe,
 ImageNet mean/std and the evaluation transform: ``bt_hub.method.views``, ``eval/`` and the
-model card import them from here. Each ``BarlowTwinsWeights`` member wraps a ``Weights``
-record (URL, file name, sha256 when published, architecture, transforms, meta) and
-exposes it as torchvision's ``WeightsEnum`` does: ``.url``, ``.transforms()``, ``.meta``,
+model card import them from here. ``BarlowTwinsWeights`` is a torchvision ``WeightsEnum`` whose
+members are torchvision ``Weights`` records (URL, transforms, meta) that also carry the file
+name, the sha256 when one is published, the architecture and whether the projector is included.
+So torchvision's own builders refuse them (``resnet50(weights=BarlowTwinsWeights.DEFAULT)`` is a
+TypeError, never a silent load of supervised weights), and they read as torchvision's do:
+``.url``, ``.transforms()`` (PIL images and tensors, as torchvision's presets), ``.meta``,
 ``.get_state_dict()``, ``DEFAULT`` and ``verify`` (a member, its short name such as
 ``"barlowtwins-in1k"``, its member name or its dotted name).
 """
@@ -12,18 +15,18 @@ exposes it as torchvision's ``WeightsEnum`` does: ``.url``, ``.transforms()``, `
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from torchvision import transforms as T
+import torchvision.models
+from torchvision.transforms._presets import ImageClassification
 
 from bt_hub.common.records import PAPER_RESULTS
 from bt_hub.method.loss import LAMBD
-from bt_hub.method.transforms import eval_transforms
+from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD
 from bt_hub.weights.download import cache_path, download, hf_download
 from bt_hub.weights.formats import read_backbone
 
@@ -42,31 +45,35 @@ RECIPE = {
 _REFERENCE = "https://dl.fbaipublicfiles.com/barlowtwins"
 
 
-@dataclass(frozen=True)
-class Weights:
-    """One set of published weights.
+# bt_hub's eval_transforms(224) (Resize 256, CenterCrop 224, ImageNet normalisation) as torchvision's
+# preset: the same tensor for a PIL image, and tensors (C x H x W or batches, uint8 or float) accepted.
+_EVAL_224 = partial(ImageClassification, crop_size=224, resize_size=256, mean=IMAGENET_MEAN, std=IMAGENET_STD)
+
+
+@dataclass(eq=False)  # torchvision's __eq__ (url, meta, transforms), which aliases and deep copies rely on
+class Weights(torchvision.models.Weights):
+    """One set of published weights: torchvision's record (``url``, ``transforms``, ``meta``) and bt_hub's fields.
 
     Attributes:
-        short_name: the name commands accept (``--weights barlowtwins-in1k``).
         url: ``https://`` URL or ``hf://org/name[@revision]``.
-        file_name: the file's name in the download cache (two releases are both called ``resnet50.pth``).
-        sha256: the published hash, checked after download and on every load; None when none is published.
-        architecture: the backbone the weights belong to.
-        has_projector: the file carries the projector too (``barlow_twins`` can load it).
         transforms: builds the evaluation transforms.
         meta: the paper's and the release's numbers, the recipe, parameter count, one sentence of docs.
+        short_name: the name commands accept (``--weights barlowtwins-in1k``).
+        file_name: the file's name in the download cache (two releases are both called ``resnet50.pth``).
+        sha256: the published hash, checked after download and on every load; None when none is published
+            (then the sha256 of the first download is recorded beside the cached file and checked instead).
+        architecture: the backbone the weights belong to.
+        has_projector: the file carries the projector too (``barlow_twins`` can load it).
     """
 
     short_name: str
-    url: str
     file_name: str | None
     sha256: str | None
     architecture: str
     has_projector: bool
-    transforms: Callable[..., Any]
-    meta: dict[str, Any] = field(hash=False, compare=False)
 
 
+_FIELDS = ("short_name", "file_name", "sha256", "architecture", "has_projector")
 _RESNET50_META = {
     "paper": PAPER_RESULTS,
     "release": {"imagenet_linear": {"top1": 73.5, "top5": 91.0}},
@@ -74,7 +81,7 @@ _RESNET50_META = {
 }
 
 
-class BarlowTwinsWeights(enum.Enum):
+class BarlowTwinsWeights(torchvision.models.WeightsEnum):
     """Published Barlow Twins weights; ``DEFAULT`` is the reference release torch.hub has always served."""
 
     IN1K_EP1000 = Weights(
@@ -84,7 +91,7 @@ class BarlowTwinsWeights(enum.Enum):
         sha256=None,
         architecture="resnet50",
         has_projector=False,
-        transforms=partial(eval_transforms, 224),
+        transforms=_EVAL_224,
         meta={
             **_RESNET50_META,
             "num_params": 23_508_032,
@@ -100,7 +107,7 @@ class BarlowTwinsWeights(enum.Enum):
         sha256=None,
         architecture="resnet50",
         has_projector=False,
-        transforms=partial(eval_transforms, 224),
+        transforms=_EVAL_224,
         meta={
             **_RESNET50_META,
             "num_params": 23_508_032,
@@ -114,7 +121,7 @@ class BarlowTwinsWeights(enum.Enum):
         sha256=None,
         architecture="resnet50",
         has_projector=True,
-        transforms=partial(eval_transforms, 224),
+        transforms=_EVAL_224,
         meta={
             **_RESNET50_META,
             "num_params": 23_508_032,
@@ -141,17 +148,14 @@ class BarlowTwinsWeights(enum.Enum):
         return found
 
     def __getattr__(self, name: str) -> Any:
-        """The record's fields, as attributes.
+        """bt_hub's fields of the record, as attributes.
 
-        ``short_name``, ``url``, ``file_name``, ``sha256``, ``architecture``, ``has_projector``, ``meta``.
+        ``short_name``, ``file_name``, ``sha256``, ``architecture``, ``has_projector`` (``url``,
+        ``transforms`` and ``meta`` are torchvision's properties).
         """
-        if name in Weights.__dataclass_fields__ and name != "transforms":
+        if name in _FIELDS:
             return getattr(self.value, name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
-
-    def transforms(self) -> T.Compose:
-        """The evaluation transforms these weights expect."""
-        return self.value.transforms()
 
     def cache_path(self) -> Path | None:
         """Where the download cache keeps the file (under ``$TORCH_HOME``); None for Hub-hosted weights."""
@@ -196,11 +200,13 @@ class ListWeightsConfig:
 
 
 def weights_table(config: ListWeightsConfig | None = None) -> str:
-    """``bt-hub weights list``: one line per registered weight: name, architecture, cached?, URL, cache path.
+    """``bt-hub weights list``: one line per registered weight: name, architecture, cached?, sha256, URL, cache path.
 
-    The cache path is where the loaders read the file (put it there by hand to work offline).
+    The sha256 column shows the start of the published hash, or "unverified" where none is published (the
+    first download's sha256 is then recorded beside the file and a later change refused). The cache path is
+    where the loaders read the file (put it there by hand to work offline).
     """
-    rows = [("name", "architecture", "cached", "url", "cache path")]
+    rows = [("name", "architecture", "cached", "sha256", "url", "cache path")]
     for member in BarlowTwinsWeights:
         path = member.cache_path()
         rows.append(
@@ -208,13 +214,14 @@ def weights_table(config: ListWeightsConfig | None = None) -> str:
                 member.short_name,
                 member.architecture,
                 "yes" if path is not None and path.is_file() else "no",
+                member.sha256[:16] if member.sha256 else "unverified",
                 member.url,
                 str(path) if path is not None else "(Hugging Face cache, HF_HOME)",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
     return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths)) + "  " + row[4] for row in rows
+        "  ".join(cell.ljust(width) for cell, width in zip(row[:5], widths)) + "  " + row[5] for row in rows
     )
 
 

@@ -11,7 +11,10 @@ Accepted, in the order they are tried:
 
 A local path wins over a name or Hub id of the same spelling. A string that looks like a
 path (``./x``, ``/x``, ``~/x``, ``a/b/c``, a weights file suffix) and does not exist is "no such
-file or folder", never a Hub error; anything else unknown lists the registered names.
+file or folder" at once, never a Hub error. A bare ``org/name`` that is no local file or folder
+is asked of the Hub once, without retries, and a failure names both readings; anything else
+unknown lists the registered names. A ``config.json`` naming an architecture bt_hub does not
+build is refused by name.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from bt_hub.common.files import CheckpointError
+from bt_hub.method.model import ARCHITECTURES
 from bt_hub.weights.download import DownloadError, download, hf_download
 from bt_hub.weights.registry import BarlowTwinsWeights, Weights, find_weights, list_weights
 
@@ -110,11 +114,11 @@ def _from_record(member: BarlowTwinsWeights, progress: bool, projector: bool) ->
 
 def _from_hub(text: str, spec: str, record: Weights | None, projector: bool, *, bare: bool = False) -> ResolvedWeights:
     try:
-        weights = cast(Path, hf_download(spec, "model.safetensors"))
+        weights = cast(Path, hf_download(spec, "model.safetensors", once=bare))
     except DownloadError as err:
         if bare:
             raise DownloadError(
-                f"weights {text!r} are no file or folder here, and the Hub lookup failed: {err}"
+                f"weights {text}: no such file or folder ({Path(text).absolute()}), and as a Hugging Face Hub id: {err}"
             ) from None
         raise
     hf_download(spec, "config.json", required=False)
@@ -136,7 +140,7 @@ def _from_path(path: Path, text: str) -> ResolvedWeights:
 
 
 def read_config(path: Path) -> dict[str, Any] | None:
-    """A ``config.json`` as a dict, or None when there is none."""
+    """A ``config.json`` as a dict, or None when there is none; its ``architecture`` must be one bt_hub builds."""
     if not path.is_file():
         return None
     try:
@@ -145,4 +149,10 @@ def read_config(path: Path) -> dict[str, Any] | None:
         raise CheckpointError(f"config file {path} is not valid JSON ({err})") from err
     if not isinstance(config, dict):
         raise CheckpointError(f"config file {path} holds {type(config).__name__}; expected a JSON object")
+    arch = config.get("architecture", "resnet50")
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
+        raise CheckpointError(
+            f'config file {path} names architecture {arch!r} (key "architecture"); '
+            f"expected one of {', '.join(ARCHITECTURES)}"
+        )
     return config
