@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 # 40 synthetic images, batch 8: 4 steps per epoch, 20 in all, a checkpoint after each (the fast test stops at 8).
 FLAGS = [
@@ -145,7 +146,7 @@ def _assert_identical_runs(expected: Path, got: Path, steps: int) -> None:
         assert all(torch.equal(v, b["optimizer"]["state"][key][name]) for name, v in state.items()), (
             f"optimizer state {key} differs"
         )
-    backbone_a, backbone_b = (torch.load(d / "resnet18.pth", weights_only=True) for d in (expected, got))
+    backbone_a, backbone_b = (load_file(d / "backbone.safetensors") for d in (expected, got))
     assert all(torch.equal(backbone_a[k], backbone_b[k]) for k in backbone_a)
     assert _metrics_without_timing(expected) == _metrics_without_timing(got)
     assert [r["step"] for r in _metrics_without_timing(got)] == list(range(1, steps + 1))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 import types
 
@@ -84,6 +85,15 @@ def test_off_a_terminal_progress_is_a_line_every_log_every_steps_with_the_knn(mo
     progress_lines = [line for line in lines.splitlines() if line.startswith("pretrain: ")]
     assert len(progress_lines) == 2 and progress_lines[0].startswith("pretrain: 5/10 step (50%)")
     assert "loss=" in progress_lines[1] and "knn=" in progress_lines[1] and "\r" not in lines
+
+
+def test_the_progress_line_shows_the_knn_of_its_own_step_as_metrics_jsonl_does(monitored_run):
+    # Guards: the progress line showed the monitor's previous value (77.8) when metrics.jsonl already had the new one.
+    out, lines = monitored_run
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    knn = {r["step"]: r["knn_top1"] for r in rows if "knn_top1" in r}
+    shown = {int(m[1]): m[2] for m in re.finditer(r"^pretrain: (\d+)/\d+ step .*knn=([\d.]+)", lines, re.MULTILINE)}
+    assert shown == {5: f"{knn[5]:.1f}", 10: f"{knn[10]:.1f}"} and knn[5] != knn[0]
 
 
 def test_line_progress_writes_every_n_steps_and_the_last_one_on_close():

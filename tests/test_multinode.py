@@ -127,4 +127,4 @@ def test_two_nodes_on_loopback_give_the_weights_of_one_process_on_the_concatenat
         [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (single, nodes)
     ]
     assert losses[0] == pytest.approx(losses[1], rel=1e-4)
-    assert Path(nodes / "resnet18.pth").exists()
+    assert Path(nodes / "backbone.safetensors").exists()

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import bt_hub.train.pretrain as pretrain_module
 from bt_hub.cli import main as cli_main
@@ -106,10 +107,7 @@ def test_pretraining_with_batches_prepared_ahead_equals_preparing_them_in_the_lo
         for run in ("inline", "ahead")
     ]
     assert len(losses[0]) == 4 and losses[0] == losses[1]  # 2 epochs of the 2 full batches of the training split
-    weights = [
-        torch.load(tmp_path / run / "resnet18.pth", map_location="cpu", weights_only=True)
-        for run in ("inline", "ahead")
-    ]
+    weights = [load_file(tmp_path / run / "backbone.safetensors") for run in ("inline", "ahead")]
     if device == "cpu":
         assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     else:  # cudnn.benchmark may pick other kernels in each run: equal losses, weights equal to float rounding

@@ -16,11 +16,13 @@ import numpy as np
 import pytest
 import torch
 from cli_output import one_sentence
+from safetensors.torch import load_file
 
 from bt_hub.cli import main as cli_main
 from bt_hub.method.model import build_backbone
 from bt_hub.method.views import VIEW_A, VIEW_B
 from bt_hub.train.pretrain import PretrainConfig, pretrain, view_pair
+from bt_hub.weights import load_backbone
 
 # 32 synthetic training images, batch 8: 4 steps per epoch, 8 in all; checkpoints at 3 (mid-epoch), 4, 6 (mid-epoch), 8.
 TINY = [
@@ -106,8 +108,8 @@ def _assert_same_final_state(a: Path, b: Path) -> None:
     assert not different, f"tensors differ after resume: {different[:5]}"
     for (ka, ma), (kb, mb) in zip(sa["optimizer"]["state"].items(), sb["optimizer"]["state"].items()):
         assert ka == kb and torch.equal(ma["mu"], mb["mu"])
-    backbone_a = torch.load(a / "resnet18.pth", weights_only=True)
-    backbone_b = torch.load(b / "resnet18.pth", weights_only=True)
+    backbone_a = load_file(a / "backbone.safetensors")
+    backbone_b = load_file(b / "backbone.safetensors")
     assert all(torch.equal(backbone_a[k], backbone_b[k]) for k in backbone_a)
     losses = [[json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (a, b)]
     assert losses[0] == losses[1] and len(losses[0]) == TOTAL_STEPS
@@ -122,14 +124,13 @@ def test_run_killed_mid_epoch_and_resumed_is_bit_identical(tmp_path, launcher):
     interrupted = tmp_path / "interrupted"
     step = _kill_after_mid_epoch_checkpoint(_pretrain_cmd(interrupted, launcher=launcher), interrupted)
     assert 0 < step < TOTAL_STEPS and step % STEPS_PER_EPOCH
-    assert not (interrupted / "resnet18.pth").exists()
+    assert not (interrupted / "backbone.safetensors").exists()
     _run(_pretrain_cmd(interrupted, "--resume", "auto", launcher=launcher))
     _assert_same_final_state(tmp_path / "straight", interrupted)
 
 
-def test_pretrain_on_digits_writes_torchvision_and_safetensors_backbones(tmp_path, capsys):
-    from safetensors.torch import load_file
-
+def test_pretrain_on_digits_writes_its_final_weights_once_as_safetensors_with_torchvision_keys(tmp_path, capsys):
+    # Guards: a run wrote the same tensors twice (resnet18.pth and backbone.safetensors, besides the checkpoint).
     out = tmp_path / "run"
     code = cli_main(
         [
@@ -166,14 +167,14 @@ def test_pretrain_on_digits_writes_torchvision_and_safetensors_backbones(tmp_pat
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["lr_weights"] == 0.0 and rows[1]["lr_weights"] > 0  # warm-up starts at 0
     assert all(np.isfinite(r["loss"]) and r["embedding_std"] > 0 for r in rows)
-    state = torch.load(out / "resnet18.pth", weights_only=True)
+    state = load_file(out / "backbone.safetensors")
     assert (
         "conv1.weight" in state and "layer1.0.bn1.running_mean" in state and not any(k.startswith("fc.") for k in state)
     )
     net = build_backbone("resnet18", small_image_stem=True)
     net.load_state_dict(state, strict=True)
-    tensors = load_file(out / "backbone.safetensors")
-    assert tensors.keys() == state.keys() and all(torch.equal(tensors[k], state[k]) for k in state)
+    assert sorted(p.name for p in out.glob("*.pth")) == ["checkpoint.pth"]
+    assert torch.equal(load_backbone(out).conv1.weight, state["conv1.weight"])  # the folder loads as weights
     config = json.loads((out / "config.json").read_text())
     assert (config["architecture"], config["small_image_stem"], config["projector"], config["dataset"]) == (
         "resnet18",
@@ -211,7 +212,7 @@ def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(
         pretrain(config)
     state = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
     assert state["step"] >= 1 and all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
-    assert not (tmp_path / "resnet18.pth").exists()
+    assert not (tmp_path / "backbone.safetensors").exists()
 
 
 def _all_finite(state: dict) -> bool:
@@ -250,7 +251,7 @@ def test_a_diverging_run_keeps_only_an_all_finite_checkpoint_and_resuming_it_sto
     kept = (out / "checkpoint.pth").read_bytes()
     assert cli_main([*flags, "--resume", "auto"]) == 2  # deterministic: the same divergence, the same sentence
     assert found[0] in capsys.readouterr().err
-    assert (out / "checkpoint.pth").read_bytes() == kept and not (out / "resnet18.pth").exists()
+    assert (out / "checkpoint.pth").read_bytes() == kept and not (out / "backbone.safetensors").exists()
 
 
 def test_resume_without_a_checkpoint_restarts_the_metrics_and_a_cut_last_line_is_dropped(tmp_path, capsys):
@@ -258,7 +259,7 @@ def test_resume_without_a_checkpoint_restarts_the_metrics_and_a_cut_last_line_is
     # temp files of interrupted writes never removed; run.json rewritten by every resume.
     out = tmp_path / "run"
     assert cli_main(["pretrain", *TINY, "--out", str(out), "--max-steps", "2"]) == 0
-    for name in ("checkpoint.pth", "resnet18.pth"):  # as if killed after logging two steps, before any checkpoint
+    for name in ("checkpoint.pth", "backbone.safetensors", "config.json"):  # as if killed before any checkpoint
         (out / name).unlink()
     assert cli_main(["pretrain", *TINY, "--out", str(out), "--max-steps", "3", "--resume", "auto"]) == 0
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]

@@ -3,7 +3,9 @@
 Every file bt_hub writes goes through ``atomic_write`` (a temp file ``.<name>.<8 hex>.tmp``
 beside the target, fsync, rename), so a crash never leaves a half-written checkpoint or
 result, and a failed write (disk full, quota, ``ulimit -f``) is one sentence naming the file
-while the previous version stays intact. Files follow the umask like any other file.
+while the previous version stays intact. Files follow the umask like any other file. A
+symbolic link where bt_hub writes is refused, never followed nor replaced, so no write lands
+outside the folder it was meant for (:func:`open_no_follow` for files written in place).
 
 Reading never executes code: ``.pth`` / ``.torch`` / ``.ckpt`` files go through
 ``torch.load(weights_only=True)``, ``.safetensors`` through safetensors, and detectron2
@@ -52,6 +54,32 @@ def write_failure(path: Path, err: OSError) -> WriteError:
     return WriteError(f"could not write {path}: {fix} ({kept})")
 
 
+def symlink_refused(path: Path) -> WriteError:
+    """One sentence refusing to write through (or over) the symbolic link at ``path``."""
+    try:
+        target = f" (to {os.readlink(path)})"
+    except OSError:
+        target = ""
+    return WriteError(
+        f"refused to write {path}: it is a symbolic link{target}, which bt_hub neither follows nor replaces; "
+        "remove the link and run again"
+    )
+
+
+def open_no_follow(path: str | os.PathLike, flags: int, mode: int = 0o666) -> int:
+    """``os.open`` that refuses a symbolic link at ``path`` (``O_NOFOLLOW``): for files bt_hub writes in place.
+
+    Raises:
+        WriteError: ``path`` is a symbolic link.
+    """
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise symlink_refused(Path(path)) from None
+        raise
+
+
 def _os_error(err: BaseException) -> OSError | None:
     """The OSError behind ``err``: itself, or one torch wrapped (torch.save reports it as a RuntimeError)."""
     seen: set[int] = set()
@@ -78,18 +106,23 @@ def atomic_write(path: str | os.PathLike, write: Callable[[io.BufferedWriter], N
     """Write a file through ``write(fileobj)`` into a temp file beside it, then rename.
 
     Raises:
-        WriteError: the disk is full, a limit was hit or the directory is not writable; the
-            previous file at ``path`` (if any) is untouched and no temp file is left.
+        WriteError: the disk is full, a limit was hit, the directory is not writable or ``path``
+            is a symbolic link; the previous file at ``path`` (if any) is untouched and no temp
+            file is left.
     """
     path = Path(path)
     tmp: Path | None = None
     try:
+        if path.is_symlink():
+            raise symlink_refused(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp, fd = _open_temp(path)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        if path.is_symlink():  # placed while this file was being written
+            raise symlink_refused(path)
         os.replace(tmp, path)
     except BaseException as err:
         if tmp is not None:

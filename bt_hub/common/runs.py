@@ -5,12 +5,15 @@ Files inside them are written through ``bt_hub.common.files.atomic_write``.
 A run directory is bt_hub's when it holds the marker ``.bt_hub_run`` (written when bt_hub
 creates or adopts the directory; a ``run.json`` or ``results.json`` written by an earlier
 bt_hub counts too). Writing into a non-empty directory without it is refused unless the
-caller passes ``overwrite`` (``--overwrite``). A training run also holds an advisory
-``fcntl.flock`` on ``.bt_hub_run.lock`` for its whole life, so a second run into the same
-directory fails at once naming the holder, and only the holder removes the temp-file
-leftovers of interrupted writes. ``run.json`` records the command line, host, git sha,
-package version and resolved config of the first run, and appends every later start (a
-resume) to its ``resumes`` list; ``metrics.jsonl`` takes JSON lines.
+caller passes ``overwrite`` (``--overwrite``). The marker and ``run.json`` record the folder's
+kind (``pretrain``, ``eval``, ``demo``, ``detect``, ...): a command writes only into folders of
+its own kind, so an evaluation never appends to a pretraining run's logs. A training run also
+holds an advisory ``fcntl.flock`` on ``.bt_hub_run.lock`` for its whole life, so a second run
+(or any other command) into the same directory fails at once naming the holder, and only the
+holder removes the temp-file leftovers of interrupted writes. ``run.json`` records the command
+line, host, git sha, package version and resolved config of the first run, and appends every
+later start (a resume) to its ``resumes`` list; ``metrics.jsonl`` takes JSON lines. Nothing is
+written through a symbolic link (bt_hub.common.files refuses them).
 """
 
 from __future__ import annotations
@@ -30,10 +33,26 @@ from typing import Any
 
 import torch
 
-from bt_hub.common.files import TEMP_FILE, WriteError, atomic_write_json, atomic_write_text, read_json, write_failure
+from bt_hub.common.files import (
+    TEMP_FILE,
+    WriteError,
+    atomic_write_json,
+    atomic_write_text,
+    open_no_follow,
+    read_json,
+    write_failure,
+)
 
 MARKER_NAME = ".bt_hub_run"
 LOCK_NAME = ".bt_hub_run.lock"
+# The kind of folder a caller that names none writes, from the module it lives in (first match).
+KIND_OF_MODULE = (
+    ("bt_hub.train", "pretrain"),
+    ("bt_hub.eval.detection", "detect"),
+    ("bt_hub.eval.demo", "demo"),
+    ("bt_hub.eval", "eval"),
+    ("bt_hub.weights", "export"),
+)
 
 
 class RunDirBusyError(RuntimeError):
@@ -70,24 +89,109 @@ def config_dict(config: Any) -> dict[str, Any]:
     return dict(config)
 
 
+def _regular_file(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
+
+
 def is_bt_hub_dir(path: str | os.PathLike) -> bool:
     """True when ``path`` holds bt_hub's marker (or a run.json / results.json an earlier bt_hub wrote)."""
     path = Path(path)
-    if (path / MARKER_NAME).is_file():
+    if _regular_file(path / MARKER_NAME):
         return True
     return any(
         isinstance(r := read_json(path / name), dict) and "bt_hub_version" in r for name in ("run.json", "results.json")
     )
 
 
-def check_run_dir(path: str | os.PathLike, *, overwrite: bool = False, flag: str = "--out") -> Path:
-    """Refuse, before any heavy work, an output directory bt_hub must not write into.
+def run_kind(path: str | os.PathLike) -> str | None:
+    """The kind of run folder ``path`` is (``pretrain``, ``eval``, ``demo``, ...), or None when it records none.
 
-    Raises:
-        ValueError: ``path`` (or a parent) is an existing file, or it is a non-empty
-            directory without bt_hub's marker and ``overwrite`` is False.
+    The marker says it, else ``run.json``; a folder of an earlier bt_hub without either is a
+    pretraining run when its ``run.json`` holds a pretraining config (``projector``, ``lr_weights``).
     """
     path = Path(path)
+    marker = read_json(path / MARKER_NAME) if _regular_file(path / MARKER_NAME) else None
+    record = read_json(path / "run.json")
+    for found in (marker, record):
+        if isinstance(found, dict) and isinstance(found.get("kind"), str):
+            return found["kind"]
+    config = record.get("config") if isinstance(record, dict) else None
+    if isinstance(config, dict) and {"projector", "lr_weights"} <= set(config):
+        return "pretrain"
+    return None
+
+
+def infer_kind(config: Any = None) -> str | None:
+    """The kind of folder a caller that names none writes: from its config's module, else from the calling module.
+
+    Modules map through ``KIND_OF_MODULE`` (bt_hub.train -> pretrain, bt_hub.eval.detection ->
+    detect, bt_hub.eval.demo -> demo, bt_hub.eval -> eval, bt_hub.weights -> export); None elsewhere.
+    """
+    modules = [type(config).__module__] if dataclasses.is_dataclass(config) else []
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("bt_hub.common."):
+        frame = frame.f_back
+    if frame is not None:
+        modules.append(frame.f_globals.get("__name__", ""))
+    for module in modules:
+        for prefix, kind in KIND_OF_MODULE:
+            if module == prefix or module.startswith(prefix + "."):
+                return kind
+    return None
+
+
+def _check_kind(path: Path, kind: str | None, flag: str) -> None:
+    """Refuse a folder that records another kind of run than ``kind`` (None: a caller of no known kind)."""
+    found = run_kind(path)
+    if found is None or found == kind:
+        return
+    writer = f"bt-hub {kind}" if kind else "this command"
+    raise ValueError(
+        f"{flag} {path} holds a bt-hub {found} run, and {writer} does not write into a folder of another kind of "
+        f"run; choose another {flag}"
+    )
+
+
+def _check_not_locked(path: Path, flag: str) -> None:
+    """Refuse a folder whose lock a live run holds (probed with a shared lock, released at once)."""
+    lock = path / LOCK_NAME
+    if not os.path.lexists(lock):
+        return
+    fd = open_no_follow(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RunDirBusyError(_busy(path, lock, flag)) from None
+    finally:
+        os.close(fd)
+
+
+def _busy(directory: Path, lock: Path, flag: str) -> str:
+    holder = read_json(lock) or {}
+    who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
+    return (
+        f"{flag} {directory} is in use by another bt-hub run ({who}); wait for it to end or stop it, or choose another "
+        f"{flag}"
+    )
+
+
+def check_run_dir(
+    path: str | os.PathLike, *, overwrite: bool = False, flag: str = "--out", kind: str | None = None
+) -> Path:
+    """Refuse, before any heavy work, an output directory bt_hub must not write into.
+
+    ``kind`` is the kind of run the caller writes (default: :func:`infer_kind` of the calling module).
+
+    Raises:
+        ValueError: ``path`` (or a parent) is an existing file; it is a non-empty directory
+            without bt_hub's marker and ``overwrite`` is False; or it holds another kind of run.
+        RunDirBusyError: a live run holds the directory's lock.
+        WriteError: its lock file is a symbolic link.
+    """
+    return _check_run_dir(Path(path), overwrite=overwrite, flag=flag, kind=kind or infer_kind())
+
+
+def _check_run_dir(path: Path, *, overwrite: bool, flag: str, kind: str | None) -> Path:
     for ancestor in (path, *path.parents):
         if ancestor.exists() and not ancestor.is_dir():
             where = "is an existing file" if ancestor == path else f"lies under {ancestor}, which is a file"
@@ -101,21 +205,30 @@ def check_run_dir(path: str | os.PathLike, *, overwrite: bool = False, flag: str
             f"{flag} {path} is not empty and was not created by bt-hub (it has no {MARKER_NAME}); "
             f"choose another {flag}, or pass --overwrite to write into it anyway (files of the same names are replaced)"
         )
+    if path.is_dir():
+        _check_kind(path, kind, flag)
+        _check_not_locked(path, flag)
     return path
 
 
-def claim_run_dir(path: str | os.PathLike, *, overwrite: bool = False, flag: str = "--out") -> Path:
-    """``check_run_dir``, then create the directory and its marker (idempotent)."""
-    path = check_run_dir(path, overwrite=overwrite, flag=flag)
+def claim_run_dir(
+    path: str | os.PathLike, *, overwrite: bool = False, flag: str = "--out", kind: str | None = None
+) -> Path:
+    """``check_run_dir``, then create the directory and its marker, which records ``kind`` (idempotent)."""
+    kind = kind or infer_kind()
+    path = _check_run_dir(Path(path), overwrite=overwrite, flag=flag, kind=kind)
     marker = path / MARKER_NAME
-    if marker.is_file():
+    if _regular_file(marker):
+        if kind and run_kind(path) is None:  # a folder of an earlier bt_hub: from now on it says its kind
+            atomic_write_json(marker, {**(read_json(marker) or {}), "kind": kind})
         return path
     try:  # written in place, not atomically: its existence is what counts, even if a crash cuts its text short
         path.mkdir(parents=True, exist_ok=True)
-        with open(marker, "x", encoding="utf-8") as f:
+        with open(marker, "x", encoding="utf-8") as f:  # O_EXCL: never through a symbolic link
             json.dump(
                 {
                     "created_by": "bt_hub",
+                    "kind": kind,
                     "bt_hub_version": package_version(),
                     "created": _now(),
                     "host": socket.gethostname(),
@@ -137,7 +250,7 @@ def remove_stale_temp_files(path: str | os.PathLike) -> list[Path]:
     """
     removed = []
     for entry in Path(path).iterdir():
-        if TEMP_FILE.match(entry.name) and entry.is_file():
+        if TEMP_FILE.match(entry.name) and _regular_file(entry):
             entry.unlink(missing_ok=True)
             removed.append(entry)
     return removed
@@ -151,23 +264,17 @@ class RunLock:
 
     Raises:
         RunDirBusyError: another process holds the lock (the message names its pid and host).
+        WriteError: the lock file is a symbolic link (never followed, so nothing outside is truncated).
     """
 
     def __init__(self, directory: str | os.PathLike, flag: str = "--out") -> None:
         self.path = Path(directory) / LOCK_NAME
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        fd = open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = read_json(self.path) or {}
             os.close(fd)
-            who = (
-                f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
-            )
-            raise RunDirBusyError(
-                f"{flag} {directory} is in use by another bt-hub run ({who}); "
-                f"wait for it to end or stop it, or choose another {flag}"
-            ) from None
+            raise RunDirBusyError(_busy(Path(directory), self.path, flag)) from None
         with contextlib.suppress(OSError):  # who holds it is a courtesy to the next caller; the lock is what counts
             os.ftruncate(fd, 0)
             os.write(
@@ -237,6 +344,8 @@ class RunDir:
         write: False on non-zero ranks, which must not write.
         overwrite: allow a non-empty directory bt_hub did not create (default: ``config.overwrite`` if it has one).
         lock: hold the directory's :class:`RunLock` until :meth:`close` and remove stale temp files.
+        kind: the kind of run (``pretrain``, ``eval``, ``detect``, ...); default :func:`infer_kind` of
+            ``config`` or of the calling module. A folder of another kind is refused.
     """
 
     def __init__(
@@ -247,16 +356,20 @@ class RunDir:
         write: bool = True,
         overwrite: bool | None = None,
         lock: bool = False,
+        kind: str | None = None,
     ) -> None:
         self.path = Path(path)
         self.write = write
+        self.kind = kind or infer_kind(config)
         self._lock: RunLock | None = None
         self._started = False
         self._new = not self.path.exists()  # created by this claim: removed again if the run fails before it starts
         if not write:
             return
         claim_run_dir(
-            self.path, overwrite=bool(getattr(config, "overwrite", False)) if overwrite is None else overwrite
+            self.path,
+            overwrite=bool(getattr(config, "overwrite", False)) if overwrite is None else overwrite,
+            kind=self.kind,
         )
         if lock:
             self._lock = RunLock(self.path)
@@ -265,8 +378,8 @@ class RunDir:
             self.start(config)
 
     @classmethod
-    def for_training(cls, path: str | os.PathLike, *, overwrite: bool = False) -> RunDir:
-        """Called by every rank: the main process claims and locks ``path``.
+    def for_training(cls, path: str | os.PathLike, *, overwrite: bool = False, kind: str = "pretrain") -> RunDir:
+        """Called by every rank: the main process claims and locks ``path`` (a folder of ``kind``).
 
         If that fails, every rank raises the same error.
         """
@@ -275,19 +388,21 @@ class RunDir:
         run, error = None, None
         if is_main_process():
             try:
-                run = cls(path, write=True, overwrite=overwrite, lock=True)
+                run = cls(path, write=True, overwrite=overwrite, lock=True, kind=kind)
             except (ValueError, RuntimeError, OSError) as err:
                 error = err
         error = broadcast_object(error)
         if error is not None:
             raise error
-        return run if run is not None else cls(path, write=False)
+        return run if run is not None else cls(path, write=False, kind=kind)
 
-    def start(self, config: Any, step: int | None = None) -> None:
+    def start(self, config: Any, step: int | None = None, *, fresh: bool = False) -> None:
         """Record this start in ``run.json``; with ``step`` (the step it resumes from) cut ``metrics.jsonl`` back to it.
 
         The first start writes the whole record; each later one is appended to its
         ``resumes`` list with the step it resumed from, so the original run is never lost.
+        A ``fresh`` start (a new run in place of an earlier one) writes a new record and keeps
+        the earlier ones under ``replaced``.
         """
         if not self.write:
             return
@@ -295,11 +410,15 @@ class RunDir:
         path = self.path / "run.json"
         record = read_json(path)
         now = {**_start_record(), "config": config_dict(config) if config is not None else None}
-        if isinstance(record, dict) and "started" in record:
+        earlier = isinstance(record, dict) and "started" in record
+        if earlier and not fresh:
             changed = {k: v for k, v in (now["config"] or {}).items() if (record.get("config") or {}).get(k) != v}
             record.setdefault("resumes", []).append({**now, "config": changed, "resumed_from_step": step})
         else:
-            record = {**now, "torch_version": torch.__version__}
+            replaced = [*record.pop("replaced", []), record] if earlier else []
+            record = {**now, "kind": self.kind, "torch_version": torch.__version__}
+            if replaced:
+                record["replaced"] = replaced
         atomic_write_json(path, record)
         if step is not None:
             self.truncate_log(step)
@@ -318,7 +437,7 @@ class RunDir:
             return
         path = self.path / name
         data = (json.dumps(row, default=float) + "\n").encode("utf-8")
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        fd = open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
             size = os.fstat(fd).st_size
             try:

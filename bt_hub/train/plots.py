@@ -8,7 +8,6 @@ From what ``bt-hub pretrain`` writes: ``loss.png`` (the loss and its two parts p
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from bt_hub.common.files import atomic_write
+from bt_hub.common.files import atomic_write, read_json
+from bt_hub.common.runs import read_jsonl, run_kind
 from bt_hub.method.loss import LAMBD
 
 
@@ -51,11 +51,39 @@ def save_png(fig: Any, path: Path) -> Path:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The rows of a run's ``metrics.jsonl``, in file order."""
+    """The rows of a run's ``metrics.jsonl``, in file order.
+
+    Raises:
+        FileNotFoundError: there is no ``metrics.jsonl``.
+        ValueError: a line is not a JSON object, or a loss row lacks a number; the message names the file and line.
+    """
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; expected the run directory of bt-hub pretrain")
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = read_jsonl(path)  # names the line that is not JSON
+    text = path.read_text(encoding="utf-8", errors="replace")
+    for n, row in zip((n for n, line in enumerate(text.splitlines(), 1) if line.strip()), rows):
+        keys = ("step", "loss", "invariance", "redundancy") if isinstance(row, dict) and "loss" in row else ("step",)
+        if not isinstance(row, dict) or not all(isinstance(row.get(k), (int, float)) for k in keys):
+            raise ValueError(
+                f"{path} line {n} is not a metrics row of bt-hub pretrain (expected numbers under {', '.join(keys)})"
+            )
+    return rows
+
+
+def read_cross_correlation(path: Path) -> np.ndarray:
+    """A saved cross-correlation matrix (a square float array; pickled objects are refused).
+
+    Raises:
+        ValueError: the file is not a readable ``.npy`` array of that shape; the message names it.
+    """
+    try:
+        c = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as err:
+        raise ValueError(f"{path} is not a readable .npy array ({str(err).rstrip('.')}); delete it or rerun") from None
+    if c.ndim != 2 or c.shape[0] != c.shape[1] or not np.issubdtype(c.dtype, np.floating):
+        raise ValueError(f"{path} holds a {c.dtype} array of shape {c.shape}; expected a square float matrix")
+    return c
 
 
 def plot_losses(rows: Sequence[dict[str, Any]], lambd: float) -> Any:
@@ -115,21 +143,36 @@ def plot_accuracy_bars(table: dict[str, dict[str, float]], columns: Sequence[str
     return fig
 
 
+def _recorded_lambd(run_dir: Path) -> float:
+    """λ of the run's recorded config (the paper's when the run has no run.json)."""
+    path = run_dir / "run.json"
+    if not path.is_file():
+        return LAMBD
+    record = read_json(path)
+    lambd = record.get("config", {}).get("lambd") if isinstance(record, dict) else None
+    if not isinstance(lambd, (int, float)):
+        raise ValueError(f"{path} records no config.lambd; expected the run.json of bt-hub pretrain")
+    return float(lambd)
+
+
 def run_plots(run_dir: str | Path, out: str | Path, lambd: float | None = None) -> list[Path]:
-    """Draw loss.png, cross_correlation.png (when the run saved C) and knn.png (when it monitored kNN) into ``out``."""
+    """Draw loss.png, cross_correlation.png (when the run saved C) and knn.png (when it monitored kNN) into ``out``.
+
+    Every input is read and checked before the first PNG is written, so a damaged file
+    leaves no plot behind.
+    """
     run_dir, out = Path(run_dir), Path(out)
     rows = read_metrics(run_dir)
     if lambd is None:
-        record = run_dir / "run.json"
-        lambd = json.loads(record.read_text())["config"]["lambd"] if record.is_file() else LAMBD
-    written = []
-    if any("loss" in r for r in rows):
-        written.append(save_png(plot_losses(rows, lambd), out / "loss.png"))
+        lambd = _recorded_lambd(run_dir)
     matrices = {
-        t: np.load(run_dir / f"cross_correlation_{t}.npy")
+        t: read_cross_correlation(run_dir / f"cross_correlation_{t}.npy")
         for t in ("start", "end")
         if (run_dir / f"cross_correlation_{t}.npy").exists()
     }
+    written = []
+    if any("loss" in r for r in rows):
+        written.append(save_png(plot_losses(rows, lambd), out / "loss.png"))
     if matrices:
         written.append(save_png(plot_cross_correlations(matrices), out / "cross_correlation.png"))
     if any("knn_top1" in r for r in rows):
@@ -145,4 +188,10 @@ def report(config: ReportConfig) -> list[Path]:
     run_dir = Path(config.run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
+    kind = run_kind(run_dir)
+    if kind != "pretrain":
+        what = f"a bt-hub {kind} folder" if kind else "not a folder bt-hub pretrain wrote"
+        raise ValueError(
+            f"{run_dir} is not a pretraining run ({what}); bt-hub report draws the curves of a bt-hub pretrain --out"
+        )
     return run_plots(run_dir, Path(config.out) if config.out else run_dir / "report")

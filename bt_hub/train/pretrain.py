@@ -4,10 +4,11 @@ images -> two views -> backbone -> projector -> loss -> LARS step, with the reci
 docs/protocols.md §1 (LRs × batch/256, 10-epoch warm-up then cosine to ×0.001, per step).
 The run directory gets ``run.json``, ``metrics.jsonl`` (one line per logged step),
 ``checkpoint.pth`` (every ``--checkpoint-every`` steps and at each epoch end, atomic),
-and at the end ``<backbone>.pth`` (torchvision state dict, no ``fc``),
-``backbone.safetensors`` and ``config.json``; with a projector of at most
-``--probe-max-dim`` dimensions also ``cross_correlation_{start,end}.npy`` of a fixed
-probe batch. ``--resume`` continues bit for bit on CPU (see bt_hub/train/resume.py).
+and at the end the final weights once: ``backbone.safetensors`` (torchvision keys, no
+``fc``; other formats come from ``bt-hub export``) and ``config.json``; with a projector of
+at most ``--probe-max-dim`` dimensions also ``cross_correlation_{start,end}.npy`` of a fixed
+probe batch. ``--resume`` continues bit for bit on CPU (see bt_hub/train/resume.py); a
+finished run is never replaced without ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from bt_hub.common.distributed import (
     init_distributed,
     is_main_process,
 )
-from bt_hub.common.files import atomic_torch_save, atomic_write, atomic_write_json, write_safetensors
+from bt_hub.common.files import atomic_write, atomic_write_json, read_json, write_safetensors
 from bt_hub.common.progress import progress
 from bt_hub.common.runs import RunDir
 from bt_hub.method.loss import EPS, LAMBD, LossTerms, barlow_twins_loss
@@ -83,6 +84,11 @@ RESUME_INVARIANTS = (
     "blur",
 )
 PROBE_SIZE = 256
+WEIGHTS_NAME = "backbone.safetensors"
+# What a run writes beside its checkpoint (a fresh run with --overwrite removes an earlier run's copies first).
+RUN_OUTPUTS = (WEIGHTS_NAME, "config.json", "cross_correlation_start.npy", "cross_correlation_end.npy")
+MAX_IMAGE_SIZE = 2048  # views are batch x 3 x size^2 floats; the paper trains at 224
+MAX_PROJECTOR_WIDTH = 32_768  # a width-w projector layer holds w^2 weights; the paper's widest is 16384
 
 
 @dataclass
@@ -254,14 +260,20 @@ class PretrainConfig(RunConfig):
     )
 
     def __post_init__(self) -> None:
-        positive = ("image_size", "epochs", "batch_size", "log_every", "monitor_size")
+        for name in ("lambd", "lr_weights", "lr_biases", "weight_decay", "crop_scale_min"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
+        positive = ("image_size", "epochs", "batch_size", "log_every", "monitor_size", "lr_weights", "lr_biases")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.image_size > MAX_IMAGE_SIZE:
+            raise ValueError(
+                f"--image-size {self.image_size} is larger than {MAX_IMAGE_SIZE} px, the most bt-hub pretrain accepts "
+                "(the paper's views are 224 px); choose a smaller --image-size"
+            )
         for name in (
             "lambd",
-            "lr_weights",
-            "lr_biases",
             "weight_decay",
             "warmup_epochs",
             "num_workers",
@@ -275,9 +287,14 @@ class PretrainConfig(RunConfig):
         if not 0 < self.crop_scale_min <= 1:
             raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
         try:
-            parse_projector(self.projector)
+            widths = parse_projector(self.projector)
         except ValueError as err:
             raise ValueError(f"--projector: {err}") from None
+        if max(widths) > MAX_PROJECTOR_WIDTH:
+            raise ValueError(
+                f"--projector {self.projector} has a layer of {max(widths)} units, more than the {MAX_PROJECTOR_WIDTH} "
+                "bt-hub pretrain accepts (the paper's is 8192-8192-8192); choose narrower widths"
+            )
         if self.backbone not in ARCHITECTURES:
             raise ValueError(f"--arch {self.backbone!r} is unknown; expected one of {sorted(ARCHITECTURES)}")
         super().__post_init__()
@@ -419,19 +436,35 @@ def _probe_views(
     return torch.stack([p[0] for p in pairs]).to(device), torch.stack([p[1] for p in pairs]).to(device)
 
 
+def _finished_run(out: Path, config: PretrainConfig) -> str | None:
+    """The final weights a finished run left in ``out`` (named with their step when config.json says it), or None."""
+    for name in (WEIGHTS_NAME, "config.json", f"{config.backbone}.pth"):
+        if (out / name).exists():
+            record = read_json(out / "config.json")
+            steps = record.get("steps") if isinstance(record, dict) else None
+            return f"{name} of step {steps}" if isinstance(steps, int) else name
+    return None
+
+
 def _resume_state(config: PretrainConfig, out: Path) -> dict[str, Any] | None:
-    """The checkpoint to continue from, or None for a fresh run (refusing to overwrite one)."""
+    """The checkpoint to continue from, or None for a fresh run (refusing to replace a run without ``--overwrite``)."""
     own = out / CHECKPOINT_NAME
-    if config.resume is None:
-        if own.exists():
+    if config.resume is None or (config.resume == "auto" and not own.exists()):
+        if config.overwrite:
+            return None
+        if config.resume is None and own.exists():
             raise ValueError(
-                f"--out {out} already holds {CHECKPOINT_NAME}; pass --resume auto to continue it or choose another "
-                "--out"
+                f"--out {out} already holds {CHECKPOINT_NAME}; pass --resume auto to continue it, --overwrite to "
+                "replace that run with a new one, or choose another --out"
+            )
+        finished = _finished_run(out, config)
+        if finished:
+            raise ValueError(
+                f"--out {out} holds a finished run ({finished}) and no {CHECKPOINT_NAME} to continue; pass --overwrite "
+                "to replace that run with a new one, or choose a new --out"
             )
         return None
     if config.resume == "auto":
-        if not own.exists():
-            return None
         path = own
     else:
         path = Path(config.resume)
@@ -443,16 +476,29 @@ def _resume_state(config: PretrainConfig, out: Path) -> dict[str, Any] | None:
     return state
 
 
+def _clear_replaced_run(out: Path, config: PretrainConfig) -> None:
+    """Before a fresh run with ``--overwrite``: remove what an earlier bt-hub run wrote here.
+
+    Its checkpoint could otherwise be resumed into the new run, and its final weights
+    would sit beside the new run's record until the new run ends. Only in a folder that
+    holds bt_hub's run record: in an adopted folder, same-named files are replaced at the end.
+    """
+    record = read_json(out / "run.json")
+    if not (isinstance(record, dict) and "bt_hub_version" in record):
+        return
+    for name in (CHECKPOINT_NAME, *RUN_OUTPUTS, f"{config.backbone}.pth"):  # <arch>.pth: written by earlier versions
+        (out / name).unlink(missing_ok=True)
+
+
 def write_backbone(out: Path, model: BarlowTwins, config: PretrainConfig, step: int, num_samples: int) -> None:
-    """``<backbone>.pth`` (torchvision keys, no fc), ``backbone.safetensors`` and ``config.json``."""
+    """The final weights, once: ``backbone.safetensors`` (torchvision keys, no fc) and ``config.json``."""
     state = {
         k: v.detach().cpu().contiguous().clone()
         for k, v in model.backbone.state_dict().items()
         if not k.startswith("fc.")
     }
-    atomic_torch_save(state, out / f"{config.backbone}.pth")
     meta = {"architecture": config.backbone, "small_image_stem": str(config.small_image_stem)}
-    write_safetensors(state, out / "backbone.safetensors", metadata=meta)
+    write_safetensors(state, out / WEIGHTS_NAME, metadata=meta)
     atomic_write_json(
         out / "config.json",
         {
@@ -493,7 +539,7 @@ def pretrain(config: PretrainConfig) -> Path:
     """Train per ``config`` (joining torchrun's process group if launched by it); return the run directory."""
     device = init_distributed(config.device)
     try:
-        with RunDir.for_training(config.out, overwrite=config.overwrite) as run:
+        with RunDir.for_training(config.out, overwrite=config.overwrite, kind="pretrain") as run:
             return _train(config, device, run)
     finally:
         cleanup_distributed()
@@ -523,7 +569,9 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
     model, optimizer, scaler, step = _seeded_model(config, device, state)
     step_module = _wrapped(model, config, device, world)  # before the probe, as the probe must see the wrapped BNs
     amp_dtype = autocast_dtype(config.precision)
-    run.start(config, step)
+    if state is None and config.overwrite and is_main_process():
+        _clear_replaced_run(out, config)
+    run.start(config, step, fresh=state is None and (config.resume is None or config.overwrite))
     view_params = view_pair(config)
     batched = BatchedTwoViews(config.image_size, view_params) if config.views == "batched" else None
     views = _ViewDataset(
@@ -626,8 +674,8 @@ def _run_loop(loop: _Loop, step: int) -> int:
                     loop.run.log({"step": step, **row})
                     if loop.scalars is not None:
                         loop.scalars.log({"step": step, **row})
+                bar.set_postfix(loss=f"{float(terms.loss):.4g}", epoch=epoch, **postfix)  # before the line it shows in
                 bar.update(1)
-                bar.set_postfix(loss=f"{float(terms.loss):.4g}", epoch=epoch, **postfix)
                 if _checkpoint_due(step, loop.steps_per_epoch, loop.last_step, config.checkpoint_every):
                     _checkpoint(loop, step)
                 if step >= loop.last_step:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bt_hub.common.files import atomic_torch_save, non_finite_tensors, read_file
+from bt_hub.common.files import CheckpointError, atomic_torch_save, non_finite_tensors, read_file
 
 CHECKPOINT_NAME = "checkpoint.pth"
 
@@ -114,21 +114,45 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _count(names: list[str]) -> str:
+    return f"{len(names)} tensor{'s' if len(names) > 1 else ''}"
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _non_finite_state(state: dict[str, Any]) -> list[str]:
+    """The NaN/inf tensors of a checkpoint's model and optimiser state."""
+    return non_finite_tensors({"model": state.get("model", {}), "optimizer": state.get("optimizer", {})})
+
+
 def training_stopped(checkpoint: str | os.PathLike, step: int, what: str) -> str:
-    """The sentence that stops a diverged run: what went wrong at which step, and the good checkpoint that is kept."""
+    """The sentence that stops a diverged run: what went wrong at which step, and what the kept checkpoint holds.
+
+    The checkpoint is read back and checked, so the sentence says whether it is finite
+    (then the flags are to blame: resuming diverges again) or not (then it cannot be resumed).
+    """
     checkpoint = Path(checkpoint)
+    advice = (
+        "resuming with the same flags diverges again (training is deterministic), so start a new --out with a lower "
+        "--lr-weights / --lr-biases or a longer --warmup-epochs"
+    )
     if checkpoint.exists():
         try:
-            kept_step = int(torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)["step"])
-            kept = f"the last good checkpoint {checkpoint} (step {kept_step}, every tensor finite) is kept"
+            state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
+            kept_step, bad = int(state["step"]), _non_finite_state(state)
         except Exception:  # an unreadable file is reported as such; the sentence still has to be written
             kept = f"{checkpoint} is kept but could not be read back"
+        else:
+            if bad:
+                kept = f"{checkpoint} (step {kept_step}) is kept but holds NaN or inf ({_shown(bad)})"
+                advice = "it cannot be resumed, so start again with --overwrite or a new --out"
+            else:
+                kept = f"the last good checkpoint {checkpoint} (step {kept_step}, every tensor finite) is kept"
     else:
         kept = "no checkpoint was written yet"
-    return (
-        f"{what} at step {step}; training stopped and {kept}; resuming with the same flags diverges again (training is "
-        "deterministic), so start a new --out with a lower --lr-weights / --lr-biases or a longer --warmup-epochs"
-    )
+    return f"{what} at step {step}; training stopped and {kept}; {advice}"
 
 
 def save_checkpoint(path: str | os.PathLike, **state: Any) -> Path:
@@ -138,14 +162,13 @@ def save_checkpoint(path: str | os.PathLike, **state: Any) -> Path:
         RuntimeError: a parameter, buffer or optimiser tensor is NaN or inf; nothing is written,
             so the checkpoint already at ``path`` (if any) stays the last good one.
     """
-    bad = non_finite_tensors({"model": state.get("model", {}), "optimizer": state.get("optimizer", {})})
+    bad = _non_finite_state(state)
     if bad:
-        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
         raise RuntimeError(
             training_stopped(
                 path,
                 int(state.get("step", -1)),
-                f"{len(bad)} tensor{'s' if len(bad) > 1 else ''} of the training state became NaN or inf ({shown})",
+                f"{_count(bad)} of the training state became NaN or inf ({_shown(bad)})",
             )
         )
     return atomic_torch_save({**state, "rng": rng_state()}, path)
@@ -154,7 +177,11 @@ def save_checkpoint(path: str | os.PathLike, **state: Any) -> Path:
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Read a checkpoint written by ``save_checkpoint``.
 
-    With ``weights_only=True``, through the safe reader of bt_hub.weights.
+    With ``weights_only=True``, through the safe reader of bt_hub.common.files.
+
+    Raises:
+        CheckpointError: the file holds code or is not a checkpoint, or a model or optimiser
+            tensor is NaN or inf (resuming it would train on, or publish, non-finite weights).
     """
     path = Path(path)
     if not path.is_file():
@@ -163,4 +190,10 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     missing = [k for k in ("model", "optimizer", "step", "config", "rng") if k not in state]
     if missing:
         raise ValueError(f"checkpoint {path} lacks the keys {missing}; expected one written by bt-hub pretrain")
+    bad = _non_finite_state(state)
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {path} holds NaN or inf in {_count(bad)} ({_shown(bad)}), "
+            "so it cannot be resumed; resume from an intact copy, or start again with --overwrite or a new --out"
+        )
     return state

@@ -1,0 +1,279 @@
+"""Run folders keep what they hold: a finished run is not replaced, a folder keeps to its kind and to its
+live holder, nothing is written through a symbolic link, a non-finite checkpoint is not resumed, and
+``bt-hub report`` reads pretraining runs only."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from cli_output import one_sentence
+
+from bt_hub.cli import main as cli_main
+from bt_hub.common.files import WriteError, atomic_write_text
+from bt_hub.common.runs import (
+    LOCK_NAME,
+    MARKER_NAME,
+    RunDir,
+    RunDirBusyError,
+    RunLock,
+    check_run_dir,
+    claim_run_dir,
+    read_jsonl,
+    remove_stale_temp_files,
+    run_kind,
+)
+from bt_hub.train.resume import training_stopped
+
+# 32 synthetic images, batch 8: a run of 2 of the schedule's 8 steps, a checkpoint at each.
+TINY = [
+    "pretrain",
+    "--data",
+    "synthetic:40",
+    "--arch",
+    "resnet18",
+    "--small-image-stem",
+    "--image-size",
+    "8",
+    "--projector",
+    "16-16",
+    "--batch-size",
+    "8",
+    "--epochs",
+    "2",
+    "--warmup-epochs",
+    "1",
+    "--log-every",
+    "1",
+    "--checkpoint-every",
+    "1",
+    "--max-steps",
+    "2",
+    "--seed",
+    "7",
+    "--probe-max-dim",
+    "0",
+]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert cli_main([*TINY, "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture
+def run(finished_run, tmp_path) -> Path:
+    """A copy of a finished 2-step run (checkpoint, metrics, run.json, backbone.safetensors, config.json)."""
+    return Path(shutil.copytree(finished_run, tmp_path / "run", symlinks=True))
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """Every file's bytes but the lock's (a run that takes the lock writes its pid there, by design)."""
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in folder.rglob("*")
+        if p.is_file() and not p.is_symlink() and p.name != LOCK_NAME
+    }
+
+
+def _error(capsys) -> str:
+    return one_sentence(capsys.readouterr().err)
+
+
+def test_a_finished_run_without_its_checkpoint_is_not_replaced_by_a_fresh_run(run, capsys):
+    # Guards: once checkpoint.pth was gone, a fresh pretrain (--seed 5) replaced the finished run's weights, exit 0,
+    # and run.json recorded it as a resume from step 0 under the old seed.
+    (run / "checkpoint.pth").unlink()
+    before = _files(run)
+    for extra in ([], ["--resume", "auto"]):
+        assert cli_main([*TINY, "--out", str(run), "--seed", "5", *extra]) == 2
+        err = _error(capsys)
+        assert f"--out {run} holds a finished run (backbone.safetensors of step 2) and no checkpoint.pth" in err
+        assert "pass --overwrite to replace that run with a new one, or choose a new --out" in err
+        assert _files(run) == before
+
+
+def test_overwrite_starts_a_new_run_in_place_and_run_json_keeps_the_replaced_record(run, capsys):
+    old_weights, old_record = (run / "backbone.safetensors").read_bytes(), json.loads((run / "run.json").read_text())
+    assert cli_main([*TINY, "--out", str(run), "--seed", "5"]) == 2
+    assert "already holds checkpoint.pth; pass --resume auto to continue it, --overwrite to replace" in _error(capsys)
+    assert cli_main([*TINY, "--out", str(run), "--seed", "5", "--overwrite"]) == 0, capsys.readouterr().err
+    record = json.loads((run / "run.json").read_text())
+    assert record["config"]["seed"] == 5 and record["kind"] == "pretrain" and "resumes" not in record
+    assert record["replaced"] == [old_record]
+    assert (run / "backbone.safetensors").read_bytes() != old_weights
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2]
+    assert torch.load(run / "checkpoint.pth", weights_only=True)["config"]["seed"] == 5
+
+
+def test_eval_refuses_a_pretraining_run_as_its_out_and_changes_nothing(run, capsys):
+    # Guards: `eval linear --out <pretrain run>` appended epoch rows to its metrics.jsonl and itself to its run.json.
+    before = _files(run)
+    assert cli_main(["eval", "linear", "--weights", str(run), "--data", "synthetic:40", "--out", str(run)]) == 2
+    assert (
+        f"--out {run} holds a bt-hub pretrain run, and bt-hub eval does not write into a folder of another kind of "
+        "run; choose another --out"
+    ) in _error(capsys)
+    assert _files(run) == before
+
+
+def test_a_run_folder_records_its_kind_and_other_kinds_are_refused_even_with_overwrite(tmp_path, finished_run):
+    evaluation = tmp_path / "eval"
+    RunDir(evaluation, {"epochs": 1}, kind="eval").log({"epoch": 0, "top1": 50.0})
+    assert run_kind(evaluation) == "eval" == json.loads((evaluation / MARKER_NAME).read_text())["kind"]
+    assert json.loads((evaluation / "run.json").read_text())["kind"] == "eval"
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match="holds a bt-hub eval run, and bt-hub pretrain does not write into"):
+            claim_run_dir(evaluation, kind="pretrain", overwrite=overwrite)
+    claim_run_dir(evaluation, kind="eval")
+    assert run_kind(finished_run) == "pretrain"
+    with pytest.raises(ValueError, match="holds a bt-hub pretrain run, and this command does not write into"):
+        RunDir(finished_run)  # a caller of no known kind (this test module)
+    # a caller that does not name its kind gets the one of its module: bt_hub.eval.* writes eval folders
+    with pytest.raises(ValueError, match="holds a bt-hub pretrain run, and bt-hub eval does not write into"):
+        exec(
+            "check_run_dir(path)",
+            {"__name__": "bt_hub.eval.linear", "check_run_dir": check_run_dir, "path": finished_run},
+        )
+    # a pretraining run of an earlier bt_hub (no kind recorded) is recognised by its run.json
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / MARKER_NAME).write_text('{"created_by": "bt_hub"}')
+    (legacy / "run.json").write_text(
+        json.dumps({"bt_hub_version": "0.1.0", "started": "x", "config": {"projector": "16-16", "lr_weights": 0.2}})
+    )
+    assert run_kind(legacy) == "pretrain"
+
+
+def test_no_command_writes_into_a_folder_that_a_live_run_holds(tmp_path):
+    # Guards: eval wrote into a pretraining folder while its run was live.
+    out = claim_run_dir(tmp_path / "run", kind="eval")
+    lock = RunLock(out)  # flock is per open file: this process's next open of the lock file is refused as another's
+    try:
+        with pytest.raises(RunDirBusyError, match=rf"--out {out} is in use by another bt-hub run \(pid {os.getpid()}"):
+            check_run_dir(out, kind="eval")
+        with pytest.raises(RunDirBusyError):
+            RunDir(out, {"epochs": 1}, kind="eval")
+    finally:
+        lock.release()
+    check_run_dir(out, kind="eval")
+
+
+def test_a_symlinked_lock_is_refused_and_the_file_it_points_to_is_untouched(run, tmp_path, capsys):
+    # Guards: the lock was opened through a symbolic link and truncated: ~/notes.txt became {"pid": ...}.
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    (run / LOCK_NAME).unlink()
+    (run / LOCK_NAME).symlink_to(notes)
+    before = _files(run)
+    for extra in (["--resume", "auto", "--max-steps", "3"], ["--overwrite"]):
+        assert cli_main([*TINY, "--out", str(run), *extra]) == 2
+        assert f"refused to write {run / LOCK_NAME}: it is a symbolic link (to {notes})" in _error(capsys)
+        assert notes.read_text() == "my notes\n" and _files(run) == before
+
+
+def test_logs_atomic_writes_and_temp_cleanup_never_write_through_a_symlink(tmp_path):
+    # Guards: eval appended through a metrics.jsonl symbolic link to a file outside its folder.
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"mine\n")
+    run = RunDir(tmp_path / "run", kind="eval")
+    for name in ("metrics.jsonl", "run.json", "results.json", ".checkpoint.pth.0a1b2c3d.tmp"):
+        (run.path / name).symlink_to(outside)
+    with pytest.raises(WriteError, match=r"refused to write .*metrics.jsonl: it is a symbolic link \(to "):
+        run.log({"epoch": 0})
+    with pytest.raises(WriteError, match=r"refused to write .*run.json: it is a symbolic link"):
+        run.start({"epochs": 1})
+    with pytest.raises(WriteError, match=r"refused to write .*results.json: it is a symbolic link"):
+        atomic_write_text(run.path / "results.json", "{}")
+    assert remove_stale_temp_files(run.path) == []
+    assert all((run.path / n).is_symlink() for n in ("results.json", ".checkpoint.pth.0a1b2c3d.tmp"))
+    assert not [p for p in run.path.iterdir() if p.name.endswith(".tmp") and not p.is_symlink()]
+    assert outside.read_bytes() == b"mine\n"
+
+
+@pytest.mark.parametrize("part", ["model", "optimizer"])
+def test_a_checkpoint_holding_nan_is_not_resumed_and_the_message_names_the_tensor(run, capsys, part):
+    # Guards: resuming a finished run whose checkpoint held a NaN wrote NaN final weights, exit 0.
+    state = torch.load(run / "checkpoint.pth", weights_only=True)
+    if part == "model":
+        state["model"]["backbone.conv1.weight"][0, 0, 0, 0] = float("nan")
+        name = "model.backbone.conv1.weight"
+    else:
+        state["optimizer"]["state"][0]["mu"].fill_(float("inf"))
+        name = "optimizer.state.0.mu"
+    torch.save(state, run / "checkpoint.pth")
+    before = _files(run)
+    assert cli_main([*TINY, "--out", str(run), "--resume", "auto"]) == 2
+    assert (
+        f"checkpoint {run / 'checkpoint.pth'} holds NaN or inf in 1 tensor ({name}), so it cannot be resumed"
+        in _error(capsys)
+    )
+    assert _files(run) == before
+
+
+def test_a_stopped_run_says_whether_its_kept_checkpoint_is_finite(tmp_path):
+    # Guards: the message claimed "every tensor finite" for a checkpoint holding NaN and blamed the learning rate.
+    path = tmp_path / "checkpoint.pth"
+    torch.save({"step": 3, "model": {"w": torch.tensor([float("nan")])}, "optimizer": {}}, path)
+    text = training_stopped(path, 4, "the loss became nan")
+    assert f"{path} (step 3) is kept but holds NaN or inf (model.w); it cannot be resumed" in text
+    assert "every tensor finite" not in text and "--lr-weights" not in text
+    torch.save({"step": 3, "model": {"w": torch.zeros(1)}, "optimizer": {}}, path)
+    text = training_stopped(path, 4, "the loss became nan")
+    assert "(step 3, every tensor finite) is kept" in text and "--lr-weights" in text
+
+
+def test_report_refuses_a_folder_that_is_not_a_pretraining_run(tmp_path, capsys):
+    # Guards: `bt-hub report <an eval folder>` ended in a KeyError: 'lambd' traceback.
+    evaluation = tmp_path / "eval"
+    RunDir(evaluation, {"epochs": 1, "lr": 0.3}, kind="eval").log({"epoch": 0, "top1": 50.0})
+    assert cli_main(["report", str(evaluation)]) == 2
+    assert f"{evaluation} is not a pretraining run (a bt-hub eval folder); bt-hub report draws" in _error(capsys)
+    (evaluation / MARKER_NAME).write_text('{"created_by": "bt_hub"}')  # as an earlier bt_hub wrote it
+    (evaluation / "run.json").write_text(json.dumps({"bt_hub_version": "0.1.0", "config": {"lr": 0.3}}))
+    assert cli_main(["report", str(evaluation)]) == 2
+    assert f"{evaluation} is not a pretraining run (not a folder bt-hub pretrain wrote)" in _error(capsys)
+    assert not (evaluation / "report").exists()
+
+
+def test_report_names_a_damaged_metrics_line_and_writes_no_png_when_an_input_is_bad(run, capsys):
+    metrics = run / "metrics.jsonl"
+    good = metrics.read_text()
+    metrics.write_text('{"step": 1, "lo\n' + good.split("\n", 1)[1])
+    assert cli_main(["report", str(run)]) == 2
+    assert f"{metrics} line 1 is not JSON" in _error(capsys)
+    metrics.write_text(good.replace('"loss": ', '"loss": "x", "old": ', 1))
+    assert cli_main(["report", str(run)]) == 2
+    assert f"{metrics} line 1 is not a metrics row of bt-hub pretrain" in _error(capsys)
+    metrics.write_text(good)
+    np.save(run / "cross_correlation_end.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    assert cli_main(["report", str(run)]) == 2  # loss.png was written before this file was read
+    assert f"{run / 'cross_correlation_end.npy'} is not a readable .npy array" in _error(capsys)
+    assert not (run / "report").exists()
+    (run / "cross_correlation_end.npy").unlink()
+    assert cli_main(["report", str(run)]) == 0 and (run / "report" / "loss.png").is_file()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--image-size", "100000"], "--image-size 100000 is larger than 2048 px, the most bt-hub pretrain accepts"),
+        (["--lr-weights", "0"], "--lr-weights must be positive, got 0.0"),
+        (["--lr-biases", "-0.1"], "--lr-biases must be positive, got -0.1"),
+        (["--lr-weights", "nan"], "--lr-weights must be a finite number, got nan"),
+        (["--lambd", "inf"], "--lambd must be a finite number, got inf"),
+        (["--projector", "16-100000"], "--projector 16-100000 has a layer of 100000 units, more than the 32768"),
+    ],
+)
+def test_pretrain_flags_out_of_range_are_one_sentence_naming_the_flag(tmp_path, capsys, flags, message):
+    # Guards: --image-size 100000 ended in numpy's "Unable to allocate 149 GiB"; a zero or NaN LR trained nothing.
+    assert cli_main([*TINY, "--out", str(tmp_path / "run"), *flags]) == 2
+    assert message in _error(capsys)
+    assert not (tmp_path / "run").exists()
