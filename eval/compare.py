@@ -41,7 +41,13 @@ from bt_hub.common.presets import baseline
 from bt_hub.common.records import SCHEMA, fmt_mean_std, make_record, mean_std, seeds_text
 from bt_hub.common.runs import claim_run_dir
 from bt_hub.eval.config import EvalConfig
-from bt_hub.eval.features import TransformedDataset, features_for, module_fingerprint, train_transform
+from bt_hub.eval.features import (
+    TransformedDataset,
+    eval_image_size,
+    features_for,
+    module_fingerprint,
+    train_transform,
+)
 from bt_hub.eval.knn import knn_classify
 from bt_hub.eval.label_subsets import balanced_subset_indices
 from bt_hub.eval.linear import GRID_LRS, GRID_WEIGHT_DECAYS, check_probe_settings, grid_probe
@@ -487,8 +493,9 @@ def run(config: CompareConfig) -> str:
             w: load_backbone(w, arch=config.arch, small_image_stem=config.small_image_stem) for w in config.weights
         }
         info = getattr(next(iter(networks.values())), "weights_info", None) or {}
-        if config.image_size is None:  # the size the (first) weights were pretrained at, else the paper's
-            config.image_size = int((info.get("config") or {}).get("image_size") or 224)
+        config.image_size, config.image_size_from = eval_image_size(
+            config.image_size, info.get("config"), config.weights[0]
+        )
         arch, stem = info.get("architecture", "resnet50"), bool(info.get("small_image_stem"))
         settings = replace(config, cache_dir=config.cache_dir or str(out / "feature_cache"), overwrite=True)
         splits = splits_for(settings)

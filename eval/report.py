@@ -38,6 +38,8 @@ from bt_hub.common.records import (
     mean_std,
     metric_label,
     paper_task,
+    seed_free_setting,
+    seed_group_key,
     seeds_text,
     setting,
     weights_label,
@@ -95,11 +97,6 @@ def _row(cells: Sequence[str]) -> str:
     return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
 
-def _run_key(record: Mapping[str, Any]) -> tuple[str, ...]:
-    """What makes two records the same run but for the seed: protocol, setting, weights and data."""
-    return (str(record.get("protocol")), setting(record), weights_label(record), data_label(record))
-
-
 def _table(name: str, rows: list[Mapping[str, Any]]) -> str:
     family = FAMILIES.get(name, Family(name, ()))
     shown = [m for m in family.metrics if any(m in (r.get("metrics") or {}) for r in rows)]
@@ -116,9 +113,10 @@ def _table(name: str, rows: list[Mapping[str, Any]]) -> str:
                     [PAPER_NAME, words, "paper's", data, "—"] + [fmt(PAPER_RESULTS[task].get(m)) for m in shown] + ["—"]
                 )
             )
-        for runs in group_by_seed([r for r in rows if paper_task(r) == task], _run_key):
+        for runs in group_by_seed([r for r in rows if paper_task(r) == task], seed_group_key):
             first = runs[0]
-            cells = [f"ours: {first.get('protocol')}", setting(first) or "—", weights_label(first)]
+            words = seed_free_setting(first) if len(runs) > 1 else setting(first)
+            cells = [f"ours: {first.get('protocol')}", words or "—", weights_label(first)]
             cells += [data_label(first) or "—", seeds_text(len(runs))]
             cells += [fmt_mean_std([(r.get("metrics") or {}).get(m) for r in runs]) for m in shown]
             times = [r.get("wall_time_s") for r in runs]

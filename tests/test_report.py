@@ -136,6 +136,14 @@ def test_runs_that_differ_only_in_their_seed_share_a_row_with_mean_std_and_the_s
     assert "| 3 seeds | 73.0 ± 3.6 |" in md and "| 1 seed | 10.0 | 20.0 |" in md
 
 
+def test_semi_runs_that_draw_their_label_subset_from_their_own_seed_share_a_row(tmp_path):
+    for seed, top1 in ((0, 40.0), (1, 50.0)):
+        labels = {"fraction": 1, "source": "seeded", "seed": seed, "count": 10}
+        _write(tmp_path, protocol="semi", preset="small", seed=seed, labels=labels, metrics={"top1": top1})
+    md = (tmp_path / "results.md").read_text()
+    assert "1% labels (seeded class-balanced, one subset per seed)" in md and "| 2 seeds | 45.0 ± 7.1 |" in md
+
+
 def _append_many(out, worker, count):
     from bt_hub.eval.report import append_results
 
@@ -205,7 +213,7 @@ def test_tables_round_to_one_decimal_and_show_the_paper_row_only_for_its_own_pro
     )
     assert "| 71.2 | 90.0 | 12.5 |" in md and "71.25" not in md
     card = card_table([json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()])
-    assert "| Top-1 | 71.2 | 73.2 |" in card and card.count("| Top-1 | 71.2 | — |") == 1
+    assert card.count("| Top-1 | 71.2 | 1 seed | — |") == 2  # digits are not the paper's data: no paper number
 
 
 def test_semi_rows_say_which_label_fraction_and_get_that_fractions_paper_row(tmp_path):
@@ -242,6 +250,7 @@ def test_transfer_presets_land_in_the_transfer_table_with_their_paper_row():
         "dataset": {"name": "inat"},
         "wall_time_s": 1.0,
         "mode": "loop",
+        "seed": 0,
     }
     record = {
         **base,
@@ -308,9 +317,9 @@ def test_push_and_save_pretrained_accept_eval_all_results(tmp_path):
     card = (folder / "README.md").read_text()
     assert (
         "| semi | 1% labels (seeded class-balanced, seed 0); preset paper; paper loop with augmentation "
-        "| digits | Top-1 | 71.2 | 55.0 |" in card
+        "| digits | Top-1 | 71.2 | 1 seed | — |" in card
     )
-    assert "| linear | preset imagenet; paper loop with augmentation | digits | Top-1 | 71.2 | 73.2 |" in card
+    assert "| linear | preset imagenet; paper loop with augmentation | digits | Top-1 | 71.2 | 1 seed | — |" in card
 
 
 def test_summary_names_each_run_its_metrics_and_the_files(tmp_path):
