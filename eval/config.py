@@ -132,12 +132,12 @@ class EvalConfig(RunConfig):
             "avx512_bf16/AMX, fp32 elsewhere (the choice is recorded in results.json)"
         },
     )
-    decode: Literal["auto", "device", "workers"] = field(
-        default="auto",
+    decode: Literal["device", "workers"] = field(
+        default="device",
         metadata={
-            "help": "feature extraction's input pipeline: 'device' (workers read bytes, --device decodes, resizes, "
-            "crops and normalises the batch, as pretraining does) or 'workers' (PIL per image in the workers); "
-            "auto: device on CUDA, workers on the CPU (recorded)"
+            "help": "feature extraction's input pipeline: 'device' (workers read bytes; --device decodes, resizes, "
+            "crops and normalises the batch, as pretraining does; on the CPU too, where it leaves the cores to the "
+            "model: benchmarks/eval_throughput.py) or 'workers' (PIL per image in the workers)"
         },
     )
     # Filled in by the run and recorded with the hyper-parameters, never flags: where image_size came from

@@ -250,13 +250,15 @@ def _global_batches(n: int, batch_size: int, world_size: int, rank: int) -> list
 class EncodedItems(Dataset):
     """``(undecoded image, label)`` of a dataset, for the device path: a file's bytes, or in-memory pixels.
 
-    File-backed datasets (a ``samples`` list of ``(path, label)``) give ``read_encoded(path)``: the
-    workers read bytes and decode nothing. Others give their image as a 3 x H x W uint8 tensor.
+    File-backed datasets (a ``samples`` list of ``(path, label)``, images at their own size) give
+    ``read_encoded(path)``: the workers read bytes and decode nothing. Others, and file datasets
+    that resize their images (an ``image_size``), give their image as a 3 x H x W uint8 tensor.
     """
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
-        self.samples = getattr(dataset, "samples", None)
+        resized = getattr(dataset, "image_size", None) is not None
+        self.samples = None if resized else getattr(dataset, "samples", None)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -586,7 +588,7 @@ def load_eval_backbone(config: EvalConfig) -> tuple[nn.Module, str]:
 
     Also settles ``config.image_size`` (see ``eval_image_size``) and records why in
     ``config.image_size_from``, before any data is drawn at that size, and resolves ``auto`` in
-    ``config.precision`` (``bt_hub.train.precision``) and ``config.decode`` (device on CUDA).
+    ``config.precision`` (``bt_hub.train.precision``).
     """
     from bt_hub.weights import load_backbone, weights_fingerprint
 
@@ -601,8 +603,6 @@ def load_eval_backbone(config: EvalConfig) -> tuple[nn.Module, str]:
     info = getattr(backbone, "weights_info", None) or {}
     config.image_size, config.image_size_from = eval_image_size(config.image_size, info.get("config"), config.weights)
     config.precision = resolve_precision(config.precision, config.device)
-    if config.decode == "auto":
-        config.decode = "device" if torch.device(config.device).type == "cuda" else "workers"
     return backbone, weights_fingerprint(config.weights)
 
 

@@ -360,6 +360,7 @@ def run(config: Voc07SvmConfig) -> dict[str, Any]:
             "overlap_check": check_disjoint(train, test),
         }
         transform = voc07_transform(config.image_size)
+        config.decode = "workers"  # VISSL's two resizes run in PIL in the loader workers (recorded as such)
         data = {}
         for name, split, dataset in (("train", config.train_split, train), ("test", config.test_split, test)):
             fingerprint = dataset_fingerprint(dataset)

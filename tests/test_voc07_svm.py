@@ -148,7 +148,12 @@ def test_cli_voc07_svm_end_to_end_writes_results_json(resnet18_weights, tmp_path
     assert set(result["notes"]["per_class_ap"]) == {"cat", "dog", "car"}
     assert 40.0 < result["metrics"]["mAP"] <= 100.0  # colour blocks are easy: well above chance
     md = (out / "results.md").read_text()
-    assert "| ours: voc07-svm | frozen features, no training; image_size 176 (default 224)" in md
+    assert "| ours: voc07-svm | frozen features, no training; costs [0.1, 1, 10] (default " in md
+    assert (result["hyperparameters"]["image_size"], result["hyperparameters"]["image_size_from"]) == (
+        176,
+        "--image-size",
+    )
+    assert result["hyperparameters"]["decode"] == "workers"  # VISSL's two PIL resizes
     assert (
         "| Barlow Twins paper (ResNet-50, 1000 epochs) | frozen features, no training | paper's | VOC2007 | 86.2 |"
         in md

@@ -1,0 +1,226 @@
+"""Images per second of evaluation feature extraction from image files: the ceiling, bt_hub and the usual loop.
+
+    python benchmarks/eval_throughput.py                                  # ResNet-50, 224 px, JPEGs 500x375, CUDA
+    python benchmarks/eval_throughput.py --device cpu --arch resnet18 --small-image-stem --image-size 32 \\
+        --jpeg-size 32x32 --batch-size 128 --workers 2                    # the CPU goal: CIFAR-like files, 2 cores
+
+The script writes ImageNet-like JPEGs (``benchmarks/pretrain_throughput.py``'s generator) into
+``--data-dir`` (a temporary folder by default), then times one frozen backbone in eval mode on
+one device, each row after an untimed warm-up pass over ``--warmup`` batches:
+
+(a) ceiling: the backbone alone on one batch already in device memory, at bt_hub's precision
+    and memory format;
+(b) bt_hub: ``bt_hub.eval.features.extract_features`` from the files, as ``bt-hub eval`` runs it
+    (``--decode device``: workers read bytes, the device decodes, resizes and crops the batch,
+    the next batch prepared on a side stream on CUDA; ``--precision auto``: bf16 on GPUs and
+    on AMX / avx512_bf16 CPUs; channels-last);
+(c) reference: the usual loop: torchvision ``ImageFolder`` + PIL ``Resize/CenterCrop/ToTensor/
+    Normalize`` in the same number of workers, fp32 on the CPU / fp16 autocast on CUDA, NCHW.
+
+The table goes to stdout (and ``--out``, default ``$OUT`` when set) with the CPU's flags and
+load beside it: the CPU may be shared, so the load says what the numbers are worth. The last
+line reads ``speedup: X.XXx (bt_hub B images/s vs reference C images/s)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Subset
+from torchvision import datasets
+from torchvision import transforms as T
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pretrain_throughput import write_jpegs  # noqa: E402
+
+from bt_hub.eval.features import extract_features  # noqa: E402
+from bt_hub.method.model import build_backbone  # noqa: E402
+from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms  # noqa: E402
+from bt_hub.train.data import build_dataset  # noqa: E402
+from bt_hub.train.precision import autocast_dtype, resolve_precision  # noqa: E402
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _backbone(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_backbone(args.arch, small_image_stem=args.small_image_stem).eval().to(device)
+
+
+def ceiling(args: argparse.Namespace, device: torch.device, precision: str) -> float:
+    """(a): forward passes of the backbone on one batch in device memory; images/s."""
+    net = _backbone(args, device).to(memory_format=torch.channels_last)
+    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
+    x = x.contiguous(memory_format=torch.channels_last)
+    amp = autocast_dtype(precision)
+    with torch.no_grad(), torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+        for _ in range(args.warmup):
+            net(x)
+        _sync(device)
+        tick = time.perf_counter()
+        for _ in range(args.steps):
+            net(x)
+        _sync(device)
+    return args.batch_size * args.steps / (time.perf_counter() - tick)
+
+
+def bt_hub_extraction(args: argparse.Namespace, data: Path, device: torch.device, precision: str) -> float:
+    """(b): ``extract_features`` over the files, as ``bt-hub eval`` runs it; images/s of the timed pass."""
+    net = _backbone(args, device)
+    dataset = build_dataset(str(data), "train", image_size=None)
+    transform = DeviceEvalTransform(args.image_size) if args.decode == "device" else eval_transforms(args.image_size)
+
+    def run(ds: torch.utils.data.Dataset) -> None:
+        extract_features(
+            net,
+            ds,
+            transform=transform,
+            batch_size=args.batch_size,
+            device=device,
+            num_workers=args.workers,
+            precision=precision,
+            desc="bt_hub",
+        )
+
+    run(Subset(dataset, range(args.warmup * args.batch_size)))
+    _sync(device)
+    tick = time.perf_counter()
+    run(dataset)
+    _sync(device)
+    return len(dataset) / (time.perf_counter() - tick)
+
+
+def reference_loop(args: argparse.Namespace, data: Path, device: torch.device) -> float:
+    """(c): ImageFolder + PIL transforms in workers, fp32 on the CPU / fp16 autocast on CUDA, NCHW; images/s."""
+    net = _backbone(args, device)
+    transform = T.Compose(
+        [
+            T.Resize(round(args.image_size * 256 / 224)),
+            T.CenterCrop(args.image_size),
+            T.ToTensor(),
+            T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
+    dataset = datasets.ImageFolder(str(data), transform=transform)
+
+    def run(ds: torch.utils.data.Dataset) -> None:
+        loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda")
+        with torch.no_grad(), torch.autocast(device.type, enabled=device.type == "cuda"):
+            for images, _ in loader:
+                net(images.to(device, non_blocking=True)).float().cpu()
+
+    run(Subset(dataset, range(args.warmup * args.batch_size)))
+    _sync(device)
+    tick = time.perf_counter()
+    run(dataset)
+    _sync(device)
+    return len(dataset) / (time.perf_counter() - tick)
+
+
+def machine() -> str:
+    """The CPU's model and the flags that decide bf16 speed, and the load average now (``uptime``)."""
+    text = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    flags = set(fields.get("Flags", "").split())
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+    return (
+        f"CPU: {fields.get('Model name', '?').strip()}, {os.cpu_count()} logical CPUs; "
+        f"lscpu flags: {' '.join(f for f in CPU_FLAGS if f in flags) or 'none of ' + ', '.join(CPU_FLAGS)}\n"
+        f"uptime: {uptime}"
+    )
+
+
+def _table(rows: dict[str, float], header: str) -> str:
+    ceiling_rate = rows.get("(a) ceiling: backbone on in-memory tensors")
+    reference_rate = next((v for k, v in rows.items() if k.startswith("(c)")), None)
+    lines = [header, f"{'row':<72}{'images/s':>10}{'vs (a)':>9}{'vs (c)':>9}"]
+    for name, rate in rows.items():
+        vs_a = f"{rate / ceiling_rate:.0%}" if ceiling_rate else "—"
+        vs_c = f"{rate / reference_rate:.2f}x" if reference_rate else "—"
+        lines.append(f"{name:<72}{rate:>10.1f}{vs_a:>9}{vs_c:>9}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--arch", default="resnet50")
+    parser.add_argument("--small-image-stem", action="store_true", help="3x3 stem without max-pool (32-px data)")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=2, help="batches of the untimed warm-up pass of each row")
+    parser.add_argument("--steps", type=int, default=20, help="timed batches per row")
+    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="loader workers of (b), (c)")
+    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="(a) and (b)")
+    parser.add_argument("--decode", default="device", choices=["device", "workers"], help="(b)'s --decode")
+    parser.add_argument("--rows", default="abc", help="which of the rows a, b, c to run")
+    parser.add_argument("--jpeg-size", default="500x375", help="WIDTHxHEIGHT of the generated JPEGs")
+    parser.add_argument(
+        "--data-dir", default=None, help="where the JPEGs go (reused when present); default: a temp dir"
+    )
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for eval_throughput.txt (default: $OUT)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    precision = resolve_precision(args.precision, device)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    width, height = (int(v) for v in args.jpeg_size.split("x"))
+    work = Path(tempfile.mkdtemp(prefix="bt_hub_eval_throughput_"))
+    data = Path(args.data_dir) if args.data_dir else work / "jpegs"
+    write_jpegs(data, args.batch_size * args.steps, width, height, max(args.workers, 1))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    header = (
+        f"{args.arch}{' small stem' if args.small_image_stem else ''}, {args.image_size} px, batch "
+        f"{args.batch_size}, {name}, bt_hub precision {precision}, channels-last, decode {args.decode}, "
+        f"{args.workers} workers, {args.batch_size * args.steps} JPEGs {width}x{height} q90; torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads\n{machine()}"
+    )
+    print(header, flush=True)
+    rows: dict[str, float] = {}
+    reference = "fp16 autocast" if device.type == "cuda" else "fp32"
+    runs = [
+        ("a", "(a) ceiling: backbone on in-memory tensors", lambda: ceiling(args, device, precision)),
+        (
+            "b",
+            f"(b) bt_hub extract_features from files ({precision})",
+            lambda: bt_hub_extraction(args, data, device, precision),
+        ),
+        (
+            "c",
+            f"(c) reference: ImageFolder + PIL transforms in workers ({reference})",
+            lambda: reference_loop(args, data, device),
+        ),
+    ]
+    for key, label, run in runs:
+        if key in args.rows:
+            tick = time.perf_counter()
+            rows[label] = run()
+            print(f"{label}: {rows[label]:.1f} images/s ({time.perf_counter() - tick:.0f} s)", flush=True)
+    table = _table(rows, header) + f"\nuptime after: {machine().splitlines()[-1].removeprefix('uptime: ')}"
+    b = next((v for k, v in rows.items() if k.startswith("(b)")), None)
+    c = next((v for k, v in rows.items() if k.startswith("(c)")), None)
+    if b and c:
+        table += f"\nspeedup: {b / c:.2f}x (bt_hub {b:.1f} images/s vs reference {c:.1f} images/s)"
+    print("\n" + table)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "eval_throughput.txt").write_text(table + "\n")
+    if not args.data_dir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
