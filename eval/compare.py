@@ -173,7 +173,7 @@ def compare(
         for source in sources:
             net = source.network(seed)
             train_x, train_y, test_x, test_y = features(source, net, seed)
-            fingerprint = module_fingerprint(net) if source.per_seed else source.fingerprint
+            network_id = {"network_fingerprint": module_fingerprint(net)} if source.per_seed else {}
             for column in columns:
                 tick = time.perf_counter()
                 pct = _labels_column(column)
@@ -181,6 +181,7 @@ def compare(
                     k = min(settings.knn_k, len(train_y))
                     score = knn_classify(train_x, train_y, test_x, test_y, k=k, num_classes=num_classes, device=device)
                     notes: dict[str, Any] = {"k": k, "temperature": 0.07}
+                    score = {**score, f"top1_k{k}": score["top1"], f"top5_k{k}": score["top5"]}
                 elif column == "linear" or not source.trainable:
                     rows = subsets[pct] if pct else None
                     found = grid_probe(
@@ -202,14 +203,14 @@ def compare(
                     _record(
                         settings,
                         source.name,
-                        fingerprint,
+                        source.fingerprint,
                         column,
                         score,
                         seed,
                         splits,
                         subsets.get(pct or 0),
                         time.perf_counter() - tick,
-                        notes,
+                        {**notes, **network_id},
                     )
                 )
         if supervised:
@@ -321,7 +322,7 @@ def _record(
     hyper = {k: v for k, v in vars(settings).items() if k not in ("weights", "out", "cache_dir")}
     return make_record(
         protocol=protocol,
-        metrics={"top1": score["top1"], "top5": score["top5"]},
+        metrics={k: v for k, v in score.items() if k.startswith(("top1", "top5"))},
         config=hyper,
         preset=None,
         mode={"knn": "features", "linear": "cached"}.get(protocol, "loop"),

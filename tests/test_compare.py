@@ -124,7 +124,8 @@ def test_cli_compare_prints_mean_std_that_match_the_per_seed_records(small_stem_
             cells.append(fmt_mean_std(per_seed))
         assert f"| {' | '.join(cells)} |" in table
     assert {r["seed"] for r in records} == {0, 1} and (out / "compare.png").stat().st_size > 0
-    assert "| 2 seeds |" in (out / "results.md").read_text()
+    results_md = (out / "results.md").read_text()
+    assert results_md.count("| 2 seeds |") == 6 and "| k=5 Top-1 |" in results_md  # one row per row and protocol
     summary = json.loads((out / "results.json").read_text())
     assert summary["verdicts"][small_stem_weights.name]["linear"]["baseline"] in ("pixels", "random-init")
 
