@@ -357,6 +357,7 @@ def test_detection_results_get_the_papers_rows_in_the_report():
             "weights": {"name": "bt.pth", "fingerprint": "ab"},
             "dataset": {"name": "d"},
             "wall_time_s": 1.0,
+            "seed": 0,
         }
 
     text = render_table(
