@@ -328,3 +328,11 @@ def test_summary_names_each_run_its_metrics_and_the_files(tmp_path):
     assert text.splitlines()[0].split() == ["protocol", "setting", "data", "metrics"]
     assert "Top-1 71.2  Top-5 90.0" in text.splitlines()[1] and text.splitlines()[1].startswith("linear ")
     assert text.splitlines()[-1] == f"wrote {tmp_path / 'results.json'}"
+
+
+def test_seed_free_setting_of_a_record_without_seed_or_holdout():
+    # Guards: a record with neither a seed nor a held-out split raised KeyError: 'holdout' (None == None).
+    from bt_hub.common.records import seed_free_setting, setting
+
+    record = {"protocol": "knn", "dataset": {"name": "digits", "train_split": "train"}, "labels": {}}
+    assert seed_free_setting(record) == setting(record)

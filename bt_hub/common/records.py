@@ -422,8 +422,9 @@ def seed_free_setting(record: Mapping[str, Any]) -> str:
     if labels.get("source") == "seeded" and labels.get("seed") == seed:
         labels["source"] = "seeded class-balanced, one subset per seed"
     dataset = record.get("dataset")
-    if isinstance(dataset, Mapping) and (dataset.get("holdout") or {}).get("seed") == seed:
-        dataset = {**dataset, "holdout": {**dataset["holdout"], "seed": "of each run"}}
+    holdout = dataset.get("holdout") if isinstance(dataset, Mapping) else None
+    if isinstance(holdout, Mapping) and seed is not None and holdout.get("seed") == seed:
+        dataset = {**dataset, "holdout": {**holdout, "seed": "of each run"}}
     return setting({**record, "labels": labels, "dataset": dataset})
 
 
