@@ -110,7 +110,9 @@ def _table(name: str, rows: list[Mapping[str, Any]]) -> str:
             data, words = PAPER_SETTINGS[task]
             lines.append(
                 _row(
-                    [PAPER_NAME, words, "paper's", data, "—"] + [fmt(PAPER_RESULTS[task].get(m)) for m in shown] + ["—"]
+                    [PAPER_NAME, words, "paper's", data, "not stated"]
+                    + [fmt(PAPER_RESULTS[task].get(m)) for m in shown]
+                    + ["—"]
                 )
             )
         for runs in group_by_seed([r for r in rows if paper_task(r) == task], seed_group_key):

@@ -102,7 +102,9 @@ def test_cached_linear_probe_separates_colours_and_fails_on_swapped_labels(weigh
 def test_linear_loop_and_transfer_separate_colours(weights, tmp_path):
     data = str(_colours(tmp_path / "data"))
     common = ["--weights", str(weights), "--data", data, "--image-size", "8", "--batch-size", "8"]
-    linear = _run(["eval", "linear", "--preset", "small", "--epochs", "10", *common], tmp_path / "linear")
+    linear = _run(
+        ["eval", "linear", "--preset", "small", "--search", "fixed", "--epochs", "10", *common], tmp_path / "linear"
+    )
     assert (linear["mode"], linear["metrics"]["top1"]) == ("loop", 100.0)
     transfer = _run(["eval", "transfer", "--epochs", "10", *common], tmp_path / "transfer")
     assert (transfer["protocol"], transfer["preset"], transfer["metrics"]["top1"]) == ("transfer", "places205", 100.0)

@@ -209,7 +209,7 @@ def test_tables_round_to_one_decimal_and_show_the_paper_row_only_for_its_own_pro
     assert md.count("| Barlow Twins paper (ResNet-50, 1000 epochs) |") == 1
     assert (
         "| Barlow Twins paper (ResNet-50, 1000 epochs) | preset imagenet; paper loop with augmentation "
-        "| paper's | ImageNet | — | 73.2 | 91.0 | — |" in md
+        "| paper's | ImageNet | not stated | 73.2 | 91.0 | — |" in md
     )
     assert "| 71.2 | 90.0 | 12.5 |" in md and "71.25" not in md
     card = card_table([json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()])
@@ -228,11 +228,11 @@ def test_semi_rows_say_which_label_fraction_and_get_that_fractions_paper_row(tmp
     md = (tmp_path / "results.md").read_text()
     assert (
         "1% labels (SimCLR list 1percent.txt); preset paper; paper loop with augmentation "
-        "| paper's | ImageNet | — | 55.0 | 79.2 |" in md
+        "| paper's | ImageNet | not stated | 55.0 | 79.2 |" in md
     )
     assert (
         "10% labels (SimCLR list 10percent.txt); preset paper; paper loop with augmentation "
-        "| paper's | ImageNet | — | 69.7 | 89.3 |" in md
+        "| paper's | ImageNet | not stated | 69.7 | 89.3 |" in md
     )
     assert (
         "| ours: semi | 1% labels (seeded class-balanced, seed 0); preset paper; paper loop with augmentation |" in md
@@ -263,7 +263,7 @@ def test_transfer_presets_land_in_the_transfer_table_with_their_paper_row():
     lines = md.splitlines()
     assert lines[0] == "### Transfer to other classification tasks (paper Table 3)"
     assert lines[2] == "| Run | Setting | Weights | Data | Seeds | Top-1 | Wall time (s) |"
-    assert lines[4].endswith("| iNat18 | — | 46.5 | — |") and lines[5].endswith("| inat | 1 seed | 30.0 | 1.0 |")
+    assert lines[4].endswith("| iNat18 | not stated | 46.5 | — |") and lines[5].endswith("| inat | 1 seed | 30.0 | 1.0 |")
 
 
 def test_unknown_protocols_get_a_table_of_their_own_metrics():
