@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import importlib
 import os
+import shlex
 import sys
 import types
 import typing
@@ -221,8 +222,20 @@ def _overview(path: list[str], table: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line: what is wrong and where the flags are listed."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help' for the flags\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``bt-hub`` console script."""
+    """Entry point of the ``bt-hub`` console script.
+
+    Exit codes: 0 done, 2 a usage error or a refused input (one line naming the flag or file),
+    1 a failure that is not the input's (one line; ``BT_HUB_DEBUG=1`` shows the traceback),
+    130 interrupted (Ctrl-C: one line saying what was kept and the command that continues).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-V"]):
         from bt_hub import __version__
@@ -235,38 +248,120 @@ def main(argv: Sequence[str] | None = None) -> int:
         for p in path:
             table = table[p]
         if rest and rest[0] not in ("-h", "--help"):
+            name = " ".join(["bt-hub", *path])
             print(
-                f"bt-hub: error: unknown command {' '.join(path + rest[:1])!r}\n\n{_overview(path, table)}",
+                f"{name}: error: unknown command {' '.join(path + rest[:1])!r}; expected one of "
+                f"{', '.join(table)} (see '{name} --help')",
                 file=sys.stderr,
             )
             return 2
         print(_overview(path, table))
         return 0 if rest else 2
-    from bt_hub.common.config import torch_threads  # torch loads with the command's module, not for --help
-
-    module = importlib.import_module(command.module)
-    config_cls = getattr(module, command.config)
-    parser = argparse.ArgumentParser(prog="bt-hub " + " ".join(path), description=command.help)
-    add_dataclass_arguments(parser, config_cls)
-    namespace = parser.parse_args(rest)
     prefix = f"bt-hub {' '.join(path)}"
+    debug = bool(os.environ.get("BT_HUB_DEBUG"))
+    config = None
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _print_warning(prefix)
-            config = build_config(config_cls, namespace)
+            from bt_hub.common.config import torch_threads  # torch loads with the command's module, not for --help
+
+            module = importlib.import_module(command.module)
+            config_cls = getattr(module, command.config)
+            parser = _Parser(prog=prefix, description=command.help)
+            add_dataclass_arguments(parser, config_cls)
+            config = build_config(config_cls, parser.parse_args(rest))
             with torch_threads(getattr(config, "threads", 0)):
                 result = getattr(module, command.function)(config)
+    except KeyboardInterrupt:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{prefix}: interrupted; {_interrupted(path, rest, config)}", file=sys.stderr)
+        return 130
     except (ValueError, OSError, ImportError, RuntimeError) as err:
-        if os.environ.get("BT_HUB_DEBUG"):
+        if debug:
             raise
         print(f"{prefix}: error: {err}", file=sys.stderr)
         return 2
+    except MemoryError as err:
+        if debug:
+            raise
+        print(
+            f"{prefix}: error: out of memory ({err or 'no detail'}); ask for less (a smaller --batch-size or "
+            "--image-size) or use a machine with more memory",
+            file=sys.stderr,
+        )
+        return 1
+    except Exception as err:  # a bug, not the input's fault: one line, and the way to the traceback
+        if debug:
+            raise
+        print(
+            f"{prefix}: error: {type(err).__name__}: {err}; this is a bug in bt-hub: rerun with BT_HUB_DEBUG=1 for "
+            "the traceback and report it",
+            file=sys.stderr,
+        )
+        return 1
     summary = _summary(result, getattr(config, "out", None))
     if summary:
         print(summary)
     elif os.environ.get("RANK", "0") == "0" and (described := _describe(result, config)) is not None:
         print(described)
     return 0
+
+
+def _interrupted(path: list[str], rest: list[str], config: Any) -> str:
+    """What an interrupted command kept and the command that continues it (Ctrl-C), as the end of one sentence.
+
+    A command with a ``resume`` field continues from its checkpoint (``--resume auto``, or ``--resume`` for a
+    flag); any other command is run again: files are written whole, so what it finished is kept, and features
+    it cached are reused.
+    """
+    from bt_hub.train.resume import CHECKPOINT_NAME
+
+    again = ["bt-hub", *path, *rest]
+    if config is None:
+        return f"nothing was written; run the command again: {shlex.join(again)}"
+    out = Path(config.out) if getattr(config, "out", None) else None
+    if out is None:
+        kept = "no file is left half-written"
+    elif out.is_file() or (out.is_dir() and any(out.iterdir())):
+        kept = f"what was written to {out} is kept"
+    else:
+        kept = f"nothing was written to {out}"
+    if getattr(config, "cache_dir", None):
+        kept += f", and the features cached in {config.cache_dir} are reused"
+    if not hasattr(config, "resume"):
+        return f"{kept}; run the same command again to continue: {shlex.join(again)}"
+    checkpoint = (out or Path()) / CHECKPOINT_NAME
+    if isinstance(config.resume, bool):
+        again = [*_without_flag(again, "--resume", takes_value=False), "--resume"]
+    elif checkpoint.is_file() or config.resume in (None, "auto"):
+        again = [*_without_flag(again, "--resume", takes_value=True), "--resume", "auto"]
+    if checkpoint.is_file():
+        kept = f"the last checkpoint {checkpoint} ({_checkpoint_step(checkpoint)}) is kept"
+    return f"{kept}; continue with: {shlex.join(again)}"
+
+
+def _without_flag(argv: list[str], flag: str, *, takes_value: bool) -> list[str]:
+    """``argv`` without ``flag`` (``--flag V``, ``--flag=V`` or, for a switch, ``--flag`` / ``--no-flag``)."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = takes_value
+        elif not (arg.startswith(flag + "=") or arg == "--no-" + flag[2:]):
+            kept.append(arg)
+    return kept
+
+
+def _checkpoint_step(path: Path) -> str:
+    """``step N`` of a pretraining checkpoint (its tensors are mapped, not read), or why it could not be read."""
+    import torch
+
+    try:
+        return f"step {int(torch.load(path, map_location='cpu', weights_only=True, mmap=True)['step'])}"
+    except Exception:  # the sentence is still written: the file is kept whatever it holds
+        return "its step could not be read back"
 
 
 def _describe(result: Any, config: Any) -> str | None:

@@ -5,10 +5,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import os
 import pkgutil
+import signal
+import subprocess
+import sys
+import time
 from typing import ClassVar, Literal
 
 import pytest
+import torch
+from cli_output import messages, one_sentence
 
 import bt_hub.eval as eval_pkg
 from bt_hub import cli
@@ -152,3 +159,106 @@ def test_the_cli_describes_what_a_command_returned_and_prints_nothing_for_plain_
         (tmp_path / "folder" / name).write_text("x")
     assert cli._describe(tmp_path / "folder", None) == f"wrote {tmp_path / 'folder'} (config.json, model.safetensors)"
     assert cli._describe({"table": {}}, None) is None and cli._describe(["a.png", "b.png"], None) == "a.png\nb.png"
+
+
+def test_usage_errors_are_one_line_naming_the_flag(capsys):
+    # Guards: argparse printed its whole usage block (20 lines for pretrain) above the one line that mattered.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["pretrain", "--seed", "nan"])
+    assert exit_info.value.code == 2
+    assert one_sentence(capsys.readouterr().err) == (
+        "bt-hub pretrain: error: argument --seed: invalid int value: 'nan'; see 'bt-hub pretrain --help' for the flags"
+    )
+
+
+def test_an_unexpected_exception_is_one_line_with_exit_code_1(monkeypatch, capsys):
+    # Guards: an exception outside the refused-input kinds (KeyError: 'lambd' from bt-hub report) ended in a traceback.
+    import bt_hub.train.plots as plots
+
+    monkeypatch.setattr(plots, "report", lambda config: {}["lambd"])
+    assert cli.main(["report", "somewhere"]) == 1
+    line = one_sentence(capsys.readouterr().err)
+    assert (
+        line.startswith("bt-hub report: error: KeyError: 'lambd'; this is a bug in bt-hub") and "BT_HUB_DEBUG=1" in line
+    )
+
+
+def _interrupt(config):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize(
+    "path,command", list(_all_commands()), ids=lambda x: " ".join(x) if isinstance(x, list) else ""
+)
+def test_ctrl_c_in_any_command_is_one_line_with_exit_code_130(path, command, monkeypatch, capsys):
+    # Guards: Ctrl-C ended every long command in a KeyboardInterrupt traceback.
+    monkeypatch.setattr(importlib.import_module(command.module), command.function, _interrupt)
+    argv = {
+        "report": ["run"],  # keyed by the last word of the command
+        "make-detection-data": ["--out", "shapes"],
+        "push": ["--weights", "w.pth", "--repo-id", "me/bt"],
+        "export": ["--weights", "w.pth", "--out", "x.pth"],
+        "voc07-svm": ["--weights", "w.pth", "--data", "VOCdevkit"],
+        "detect": ["--weights", "w.pth", "--data", "shapes"],
+    }.get(path[-1], [] if path[0] in ("demo", "pretrain", "weights") else ["--weights", "w.pth"])
+    assert cli.main([*path, *argv]) == 130
+    line = one_sentence(capsys.readouterr().err)
+    assert line.startswith(f"bt-hub {' '.join(path)}: interrupted; ") and "bt-hub " + " ".join(path) in line[20:]
+
+
+def test_ctrl_c_says_what_was_kept_and_the_command_that_continues(tmp_path, monkeypatch, capsys):
+    import bt_hub.train.pretrain as pretrain
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(pretrain, "pretrain", _interrupt)
+    argv = ["pretrain", "--preset", "digits", "--out", str(out)]
+    assert cli.main(argv) == 130
+    assert one_sentence(capsys.readouterr().err) == (
+        f"bt-hub pretrain: interrupted; nothing was written to {out}; continue with: bt-hub pretrain --preset digits "
+        f"--out {out} --resume auto"
+    )
+    out.mkdir()
+    torch.save({"step": 7}, out / "checkpoint.pth")
+    assert cli.main([*argv, "--resume", str(tmp_path / "elsewhere.pth")]) == 130
+    assert one_sentence(capsys.readouterr().err) == (
+        f"bt-hub pretrain: interrupted; the last checkpoint {out / 'checkpoint.pth'} (step 7) is kept; continue with: "
+        f"bt-hub pretrain --preset digits --out {out} --resume auto"
+    )
+    import bt_hub.eval.knn as knn
+
+    monkeypatch.setattr(knn, "run", _interrupt)
+    ev = tmp_path / "ev"
+    assert cli.main(["eval", "knn", "--weights", "w w.pth", "--out", str(ev), "--cache-dir", "c"]) == 130
+    assert one_sentence(capsys.readouterr().err) == (
+        f"bt-hub eval knn: interrupted; nothing was written to {ev}, and the features cached in c are reused; "
+        f"run the same command again to continue: bt-hub eval knn --weights 'w w.pth' --out {ev} --cache-dir c"
+    )
+
+
+def test_sigint_stops_a_real_pretraining_run_in_one_line_keeping_its_checkpoint(tmp_path):
+    # Guards: Ctrl-C in bt-hub pretrain printed a KeyboardInterrupt traceback and did not say how to continue.
+    out = tmp_path / "run"
+    flags = ["--data", "synthetic:40", "--arch", "resnet18", "--small-image-stem", "--image-size", "8"]
+    flags += ["--projector", "32-32", "--batch-size", "8", "--epochs", "100", "--warmup-epochs", "1"]
+    flags += ["--checkpoint-every", "1", "--probe-max-dim", "0", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bt_hub.cli", "pretrain", *flags], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "checkpoint.pth").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    line = messages(err)[-1]  # the last line: a warning printed on the way is not this test's concern
+    step = int(torch.load(out / "checkpoint.pth", weights_only=True, mmap=True)["step"])
+    assert line.startswith(f"bt-hub pretrain: interrupted; the last checkpoint {out / 'checkpoint.pth'} (step {step})")
+    assert line.endswith(f"continue with: bt-hub pretrain {' '.join(flags)} --resume auto")
+    assert not list(out.glob(".*.tmp"))

@@ -47,7 +47,37 @@ def test_every_command_refuses_cuda_where_there_is_none(config_cls, tmp_path):
         config_cls(out=str(tmp_path / "o"), device="cuda", **COMMANDS[config_cls])
 
 
-def test_check_device_accepts_cpu_and_refuses_negative_threads(tmp_path):
+def test_check_device_accepts_cpu():
     check_device("cpu")
-    with pytest.raises(ValueError, match="--threads must be non-negative, got -1"):
-        PretrainConfig(out=str(tmp_path / "o"), threads=-1)
+
+
+@pytest.mark.parametrize("config_cls", list(COMMANDS), ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("seed", -1, "--seed must be an integer from 0 to 4294967295, got -1"),
+        (
+            "seed",
+            12345678901234567890123,
+            "--seed must be an integer from 0 to 4294967295, got 12345678901234567890123",
+        ),
+        ("seed", 2**32, "--seed must be an integer from 0 to 4294967295, got 4294967296"),
+        ("threads", 100000, "--threads must be an integer from 0 (torch's default) to 1024, got 100000"),
+        ("threads", -1, "--threads must be an integer from 0 (torch's default) to 1024, got -1"),
+        ("out", "", "--out must name a directory, got an empty string"),
+        ("out", "runs/a\0b", "--out must be a path without NUL bytes, got 'runs/a\\x00b'"),
+    ],
+)
+def test_every_command_refuses_hostile_run_fields_naming_the_flag_and_range(
+    config_cls, field, value, message, tmp_path
+):
+    # Guards: --seed -1 failed in numpy ("expected non-negative integer") and a 23-digit --seed in torch ("Overflow
+    # when unpacking long long"), neither naming the flag; --threads had no upper bound and --out '' meant the cwd.
+    kwargs = {"out": str(tmp_path / "o"), **COMMANDS[config_cls], field: value}
+    with pytest.raises(ValueError) as err:
+        config_cls(**kwargs)
+    assert str(err.value) == message
+
+
+def test_the_largest_seed_is_accepted(tmp_path):
+    assert PretrainConfig(out=str(tmp_path / "o"), seed=2**32 - 1).seed == 2**32 - 1

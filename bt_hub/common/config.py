@@ -20,12 +20,41 @@ import torch
 OVERWRITE_HELP = "write into an --out that is not empty and was not created by bt-hub (same-named files are replaced)"
 
 
+SEED_MAX = 2**32 - 1  # numpy's legacy seeding takes 32 bits; torch, random and seed + epoch sums stay in range
+THREADS_MAX = 1024
+
+
 def check_device(device: str) -> None:
-    """Refuse a ``--device`` that is not ``cpu``, ``cuda`` or ``cuda:N``, and CUDA where there is none."""
+    """Refuse a ``--device`` that is not ``cpu``, ``cuda`` or ``cuda:N``, CUDA where there is none, a missing GPU."""
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         raise ValueError(f"--device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device} was asked for but CUDA is not available; use --device cpu")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise ValueError(
+            f"--device {device} names GPU {device[5:]} but this machine has {torch.cuda.device_count()} "
+            f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})"
+        )
+
+
+def check_seed(seed: int, flag: str = "--seed") -> None:
+    """Refuse a seed that is not an integer from 0 to 2**32 - 1 (the range every seeded library accepts)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+        raise ValueError(f"{flag} must be an integer from 0 to {SEED_MAX}, got {_shown(seed)}")
+
+
+def check_out(out: str, flag: str = "--out") -> None:
+    """Refuse an output folder that is empty (the working directory) or holds a NUL byte (no file system takes it)."""
+    if not str(out).strip():
+        raise ValueError(f"{flag} must name a directory, got an empty string")
+    if "\0" in str(out):
+        raise ValueError(f"{flag} must be a path without NUL bytes, got {str(out)!r}")
+
+
+def _shown(value: Any) -> str:
+    """``value`` for a message: numbers longer than 30 digits cut to their first and last digits."""
+    text = repr(value)
+    return f"{text[:12]}...{text[-6:]} ({len(text)} characters)" if len(text) > 30 else text
 
 
 def out_field(default: str, help: str) -> Any:
@@ -50,9 +79,13 @@ class RunConfig:
     )
 
     def __post_init__(self) -> None:
+        check_out(self.out)
         check_device(self.device)
-        if self.threads < 0:
-            raise ValueError(f"--threads must be non-negative, got {self.threads}")
+        check_seed(self.seed)
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or not 0 <= self.threads <= THREADS_MAX:
+            raise ValueError(
+                f"--threads must be an integer from 0 (torch's default) to {THREADS_MAX}, got {_shown(self.threads)}"
+            )
 
 
 @contextlib.contextmanager
