@@ -2,64 +2,66 @@
 
 1. Pretrain a small-stem ResNet-18 with the Barlow Twins loss on the 1,437 training digits
    (bt_hub.train.pretrain, batched BYOL views, LARS with warm-up + cosine).
-2. Score three representations on the 360 held-out digits: the pretrained backbone, the
-   same network at its random initialisation (the weights pretraining started from) and
-   the raw pixels, with weighted kNN, a linear probe on cached features, and fine-tuning
-   on 1% / 10% of the training labels (the paper's semi-supervised protocol; a linear
-   classifier for pixels), plus supervised training from scratch on the same labels.
-3. Write ``report.md`` (the table, settings, timings) with PNG plots: the loss and its
-   two terms, the cross-correlation matrix at the start and end of pretraining, and the
-   accuracies; ``results.json`` holds every number.
+2. Compare it on the 360 held-out digits with the baselines of ``bt-hub eval compare``
+   (bt_hub.eval.compare, whose per-seed loop this is): the raw pixels, the same network at
+   torchvision's default initialisation (not the zero-initialised residual branches pretraining
+   starts from, which hide all but one corner pixel of an 8-px digit) and, with 1% / 10% of the
+   labels, the same network trained from scratch. Columns: weighted kNN, the linear grid probe on
+   cached features, and fine-tuning on 1% / 10% of the training labels (pixels get the grid probe
+   on the labelled digits). Every cell is mean ± std over ``--seeds`` evaluation seeds; features
+   are extracted once per network and reused by every protocol and seed.
+3. Write ``report.md`` (the table, the paired verdicts, settings, timings) with PNG plots: the
+   loss and its two terms, the cross-correlation matrix at the start and end of pretraining,
+   and the accuracies with error bars; ``results.json`` holds every per-seed record.
 
-Everything is seeded by ``--seed``: two runs with the same flags give the same report.
+Everything is seeded by ``--seed``: two runs with the same flags give the same report. The demo
+writes only into a new or empty ``--out`` (or one passed with ``--overwrite``) and deletes nothing.
 """
 
 from __future__ import annotations
 
-import copy
-import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
-from torch.utils.data import Subset
 
 from bt_hub.common.config import RunConfig, out_field
 from bt_hub.common.files import atomic_write_json, atomic_write_text
-from bt_hub.common.presets import baseline, from_preset, preset_values
-from bt_hub.common.runs import claim_run_dir, package_version
-from bt_hub.eval.classifier import evaluate_features, train_on_features
-from bt_hub.eval.features import TransformedDataset, extract_features, train_transform
-from bt_hub.eval.knn import knn_classify
-from bt_hub.eval.label_subsets import balanced_subset_indices
-from bt_hub.eval.linear import LinearConfig
-from bt_hub.eval.semi_supervised import SemiSupervisedConfig, finetune
-from bt_hub.eval.splits import load_splits
-from bt_hub.method.model import ARCHITECTURES, build_backbone
-from bt_hub.method.transforms import eval_transforms
-from bt_hub.train.plots import plot_accuracy_bars, run_plots, save_png
+from bt_hub.common.presets import from_preset, preset_values
+from bt_hub.common.records import seeds_text
+from bt_hub.common.runs import LOCK_NAME, MARKER_NAME, check_run_dir, claim_run_dir, package_version
+from bt_hub.eval.compare import (
+    SUPERVISED,
+    CompareConfig,
+    Comparison,
+    Source,
+    compare,
+    default_init_backbone,
+    render_markdown,
+)
+from bt_hub.eval.compare import plot as plot_comparison
+from bt_hub.eval.features import features_for
+from bt_hub.eval.splits import splits_for
+from bt_hub.method.model import ARCHITECTURES
+from bt_hub.train.plots import run_plots
 from bt_hub.train.pretrain import PretrainConfig, pretrain
-from bt_hub.weights import load_backbone
+from bt_hub.weights import load_backbone, weights_fingerprint
 
-FRACTIONS = (1, 10)
+FRACTIONS = [1, 10]
 # The pretraining recipe is the `digits` preset of bt-hub pretrain; the demo's flags default to it.
 DIGITS = preset_values(PretrainConfig, "digits")
-COLUMNS = ("kNN", "linear", "1% labels", "10% labels")
-LINEAR = {
-    k: v
-    for k, v in baseline(LinearConfig, "imagenet").items()
-    if k in ("lr", "weight_decay", "momentum", "schedule", "milestones", "gamma")
-}
+PRETRAINED = "Barlow Twins (pretrained)"
+RANDOM_INIT = "random init (torchvision default init)"
+PIXELS = "raw pixels"
 # The fine-tuning recipe is the `small` preset of bt-hub eval semi (which was measured here).
-SMALL = baseline(SemiSupervisedConfig, "small")
+SEMI_PRESET = "small"
 
 
 @dataclass
 class DemoConfig(RunConfig):
-    """Flags of ``bt-hub demo``; the defaults finish in about five minutes on two CPU cores."""
+    """Flags of ``bt-hub demo``; the defaults are sized to finish in under three minutes on two idle CPU cores."""
 
     out: str = out_field("demo_out", "output directory: report.md, PNG plots, results.json, pretrain/")
     # the demo's timings are stated for two threads
@@ -81,8 +83,8 @@ class DemoConfig(RunConfig):
     crop_scale_min: float = field(
         default=DIGITS["crop_scale_min"],
         metadata={
-            "help": "smallest area fraction of the random crops in pretraining and fine-tuning (paper: 0.08, which "
-            "can erase an 8-px digit)"
+            "help": "smallest area fraction of the random crops in pretraining (paper: 0.08, which can erase an 8-px "
+            "digit; fine-tuning crops at the `small` preset's 0.4)"
         },
     )
     image_size: int = field(
@@ -113,26 +115,18 @@ class DemoConfig(RunConfig):
     )
     lambd: float = field(default=DIGITS["lambd"], metadata={"help": "weight of the redundancy-reduction term"})
     warmup_epochs: int = field(default=DIGITS["warmup_epochs"], metadata={"help": "LARS warm-up epochs"})
+    seeds: int = field(
+        default=3, metadata={"help": "evaluation seeds per cell (--seed, --seed + 1, ...): the table is mean ± std"}
+    )
     knn_k: int = field(default=20, metadata={"help": "neighbours of the weighted kNN (T = 0.07)"})
     linear_epochs: int = field(
-        default=100, metadata={"help": "epochs of the cached linear probe (paper: 100, lr 0.3, cosine)"}
+        default=100, metadata={"help": "epochs of the linear grid probe on cached features (bt-hub eval compare's)"}
     )
     semi_epochs: int = field(
-        default=10,
+        default=5,
         metadata={
-            "help": "fine-tuning epochs on 10% of the labels; 1% gets 10x as many, so both see as many images "
-            "(cosine LR)"
-        },
-    )
-    semi_batch_size: int = field(
-        default=SMALL["batch_size"],
-        metadata={"help": "fine-tuning batch size (the paper's 256 would be one step per epoch here)"},
-    )
-    semi_lr_classifier: float = field(
-        default=SMALL["lr_classifier"],
-        metadata={
-            "help": "classifier LR of the fine-tuning (paper: 0.5, set for batches of 256 over 1,000 classes; on ten "
-            "digits it swamps the pretrained backbone)"
+            "help": "epochs of fine-tuning on 10% of the labels (the `small` preset of bt-hub eval semi); 1% gets 10x "
+            "as many, so both see as many images; the supervised baseline trains as long"
         },
     )
 
@@ -148,8 +142,7 @@ class DemoConfig(RunConfig):
             "knn_k",
             "linear_epochs",
             "semi_epochs",
-            "semi_batch_size",
-            "semi_lr_classifier",
+            "seeds",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -161,17 +154,33 @@ class DemoConfig(RunConfig):
 # ----------------------------------------------------------------------------- pretraining
 
 
+def _claim_out(config: DemoConfig) -> Path:
+    """``--out`` under every command's ownership rule, refused (before any work) if it holds anything already.
+
+    The demo writes report.md, results.json, its plots and a pretraining run in pretrain/: without
+    ``--overwrite`` it writes only into a new or empty folder (bt_hub's marker aside), so no earlier
+    demo, pretraining run, evaluation or file of the user's is replaced. It never deletes anything.
+    """
+    out = check_run_dir(config.out, overwrite=config.overwrite)
+    held = sorted(p.name for p in out.iterdir() if p.name not in (MARKER_NAME, LOCK_NAME)) if out.is_dir() else []
+    if held and not config.overwrite:
+        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        raise ValueError(
+            f"--out {out} already holds {shown} and the demo writes only into a new or empty folder; choose a "
+            "new --out, or pass --overwrite to replace the demo's files there (report.md, results.json, the plots, "
+            "pretrain/)"
+        )
+    return claim_run_dir(out, overwrite=config.overwrite)
+
+
 def _pretrain(config: DemoConfig, directory: Path) -> Path:
-    """Barlow Twins on the digits' training split into ``directory`` (a previous demo's run there is replaced)."""
-    if directory.exists():
-        if not (directory / "run.json").exists():
-            raise ValueError(f"{directory} exists and is not a previous demo's pretraining run; choose another --out")
-        shutil.rmtree(directory)
+    """Barlow Twins on the digits' training split into ``directory`` (with ``--overwrite``, into the run there)."""
     return pretrain(
         from_preset(
             PretrainConfig,
             "digits",
             out=str(directory),
+            overwrite=config.overwrite,
             backbone=config.backbone,
             projector=config.projector,
             lambd=config.lambd,
@@ -195,122 +204,136 @@ def _pretrain(config: DemoConfig, directory: Path) -> Path:
 # ----------------------------------------------------------------------------- scoring
 
 
-def _score_features(
-    train: tuple[torch.Tensor, torch.Tensor], test: tuple[torch.Tensor, torch.Tensor], config: DemoConfig
-) -> dict[str, float]:
-    """Weighted kNN and the cached linear probe (all training labels)."""
-    (train_x, train_y), (test_x, test_y) = train, test
-    scores = {
-        "kNN": knn_classify(train_x, train_y, test_x, test_y, k=config.knn_k, num_classes=10, device=config.device)[
-            "top1"
-        ]
-    }
-    fc = train_on_features(train_x, train_y, 10, seed=config.seed, epochs=config.linear_epochs, **LINEAR)
-    scores["linear"] = evaluate_features(fc, test_x, test_y)["top1"]
-    return scores
+def compare_settings(config: DemoConfig, pretrain_dir: Path) -> CompareConfig:
+    """The ``bt-hub eval compare`` settings the demo scores with (its seeds, columns and recipes)."""
+    return CompareConfig(
+        weights=[str(pretrain_dir)],
+        baselines=["pixels", "random-init", "supervised"],
+        protocols=["knn", "linear", "semi"],
+        seeds=config.seeds,
+        fractions=FRACTIONS,
+        knn_k=config.knn_k,
+        linear_epochs=config.linear_epochs,
+        semi_preset=SEMI_PRESET,
+        semi_epochs=semi_epochs(config, max(FRACTIONS)),
+        supervised_epochs=semi_epochs(config, max(FRACTIONS)),
+        data="digits",
+        test_split="test",
+        image_size=config.image_size,
+        arch=config.backbone,
+        small_image_stem=config.small_image_stem,
+        out=str(pretrain_dir.parent / "compare"),  # checked, never written: the demo writes its own files
+        seed=config.seed,
+        device=config.device,
+    )
 
 
-def _linear_on_subsets(
-    train: tuple[torch.Tensor, torch.Tensor],
-    test: tuple[torch.Tensor, torch.Tensor],
-    config: DemoConfig,
-    subsets: dict[int, list[int]],
-) -> dict[str, float]:
-    """Linear classifiers trained on the labelled subsets only (the pixels' semi-supervised columns)."""
-    (train_x, train_y), (test_x, test_y) = train, test
-    scores = {}
-    for pct, idx in subsets.items():
-        fc = train_on_features(
-            train_x[idx], train_y[idx], 10, seed=config.seed, progress=False, epochs=config.linear_epochs, **LINEAR
+def _score(config: DemoConfig, pretrain_dir: Path) -> Comparison:
+    """Every row in every column over the seeds, bt_hub.eval.compare's per-seed loop doing the work.
+
+    The supervised baseline is trained from scratch on the labelled subsets only (in the kNN and
+    linear columns, with every training label, it would be an upper bound rather than a baseline
+    for frozen features); fine-tuning on 1% gets ten times the epochs of 10%, so both see as many
+    images. Features are extracted once per network and reused by every column and seed.
+    """
+    settings = compare_settings(config, pretrain_dir)
+    splits = splits_for(settings)
+    pretrained = load_backbone(pretrain_dir, progress=False)
+
+    def random_init(seed: int) -> nn.Module:
+        return default_init_backbone(config.backbone, config.small_image_stem, seed)
+
+    sources = [
+        Source(PRETRAINED, lambda seed: pretrained, fingerprint=weights_fingerprint(pretrain_dir)),
+        Source(RANDOM_INIT, random_init, baseline=True, per_seed=True),
+        Source(PIXELS, lambda seed: nn.Flatten(), baseline=True, trainable=False),
+    ]
+    extracted: dict[tuple[str, int | None], tuple[Any, Any, Any, Any]] = {}
+
+    def features(source: Source, net: nn.Module, seed: int) -> tuple[Any, Any, Any, Any]:
+        key = (source.name, seed if source.per_seed else None)
+        if key not in extracted:
+            pairs = [
+                features_for(
+                    settings,
+                    net,
+                    getattr(splits, name),
+                    weights_id=source.fingerprint,
+                    dataset_id=splits.info[name]["fingerprint"],
+                    split=f"{name} ({source.name})",
+                )
+                for name in ("train", "test")
+            ]
+            extracted[key] = (*pairs[0], *pairs[1])
+        return extracted[key]
+
+    seeds = [config.seed + i for i in range(config.seeds)]
+    result = compare(sources, splits, columns=["kNN", "linear"], seeds=seeds, features=features, settings=settings)
+    result.baselines.append("supervised")
+    result.values["supervised"] = {}
+    for pct in FRACTIONS:
+        epochs = semi_epochs(config, pct)
+        # the grid probe chooses on a validation split: one labelled image per class leaves none for the pixels
+        enough = len(splits.train) * pct / 100 >= 2 * len(splits.classes)
+        rows = [s for s in sources if s.trainable or enough]
+        part = compare(
+            rows,
+            splits,
+            columns=[f"semi {pct}%"],
+            seeds=seeds,
+            features=features,
+            settings=replace(settings, fractions=[pct], semi_epochs=epochs, supervised_epochs=epochs),
+            supervised=random_init,
         )
-        scores[f"{pct}% labels"] = evaluate_features(fc, test_x, test_y)["top1"]
-    return scores
+        result.columns += part.columns
+        for row, cells in part.values.items():
+            result.values[row].update(cells)
+        result.records += part.records
+    return result
 
 
-def _finetune_on_subsets(
-    backbone: nn.Module,
-    train_set: Any,
-    test_set: Any,
-    config: DemoConfig,
-    subsets: dict[int, list[int]],
-    recipe: dict[str, Any],
-    name: str,
-) -> dict[str, float]:
-    """Fine-tune a copy of ``backbone`` with a new classifier on each labelled subset; test top-1."""
-    scores = {}
-    for pct, idx in subsets.items():
-        torch.manual_seed(config.seed)
-        epochs = config.semi_epochs * max(FRACTIONS) // pct
-        result = finetune(
-            copy.deepcopy(backbone),
-            10,
-            Subset(
-                TransformedDataset(
-                    train_set,
-                    train_transform(config.image_size, crop_scale_min=config.crop_scale_min, flip=SMALL["flip"]),
-                ),
-                idx,
-            ),
-            TransformedDataset(test_set, eval_transforms(config.image_size)),
-            epochs=epochs,
-            batch_size=config.semi_batch_size,
-            seed=config.seed,
-            device=config.device,
-            desc=f"{name}, {pct}% labels",
-            milestones=[],
-            **recipe,
-        )
-        scores[f"{pct}% labels"] = result["top1"]
-    return scores
+def semi_epochs(config: DemoConfig, pct: int) -> int:
+    """Fine-tuning epochs on ``pct`` percent of the labels: ``--semi-epochs`` at 10%, as many images at 1%."""
+    return config.semi_epochs * max(FRACTIONS) // pct
 
 
 # ----------------------------------------------------------------------------- report
 
 
-def _plots(out: Path, pretrain_dir: Path, table: dict[str, dict[str, float]], lambd: float) -> list[str]:
-    """loss.png, cross_correlation.png (as ``bt-hub report`` draws them) and accuracy.png; the names written."""
-    written = run_plots(pretrain_dir, out, lambd=lambd)
-    written.append(save_png(plot_accuracy_bars(table, COLUMNS, "Held-out digits accuracy"), out / "accuracy.png"))
-    return [path.name for path in written]
-
-
 def _report(
-    config: DemoConfig,
-    table: dict[str, dict[str, float]],
-    timings: dict[str, float],
-    plots: list[str],
-    subsets: dict[int, list[int]],
-    pretrain_dir: Path,
+    config: DemoConfig, result: Comparison, timings: dict[str, float], plots: list[str], pretrain_dir: Path
 ) -> str:
     stem = " (3x3 stem)" if config.small_image_stem else ""
     stopped = f" (stopped at step {config.max_steps})" if config.max_steps else ""
+    table = render_markdown(result, title="Barlow Twins demo on the digits")
+    head, rest = table.split("\n\n", 1)
     lines = [
-        "# Barlow Twins demo on the digits",
+        head,
         "",
         f"bt_hub {package_version()}, seed {config.seed}. A {config.backbone}{stem} pretrained with the Barlow Twins "
         f"loss for {config.epochs} epochs{stopped} on the 1,437 training digits at {config.image_size} px, "
         f"projector {config.projector}, λ = {config.lambd}, batch {config.batch_size}, LARS base LR "
-        f"{config.lr_weights}, crops of ≥ {config.crop_scale_min:.0%} of the area, no flip, no blur; "
-        "scored on the 360 held-out digits (top-1 %).",
+        f"{config.lr_weights}, crops of ≥ {config.crop_scale_min:.0%} of the area, no flip, no blur (one "
+        f"pretraining run); scored on the 360 held-out digits (top-1 %) as `bt-hub eval compare` scores, "
+        f"each cell over {seeds_text(config.seeds)} of the evaluation.",
         "",
-        "| representation | " + " | ".join(COLUMNS) + " |",
-        "|---|" + "---|" * len(COLUMNS),
-    ]
-    for method, scores in table.items():
-        lines.append(f"| {method} | " + " | ".join(f"{scores[c]:.1f}" if c in scores else "—" for c in COLUMNS) + " |")
-    lines += [
+        rest.rstrip("\n"),
         "",
+        "## Rows and columns",
+        "",
+        f"- **{RANDOM_INIT}**: the same network at torchvision's default initialisation (residual BN weights 1), "
+        "not the zero-initialised residual branches pretraining starts from; a new network per seed.",
+        f"- **{PIXELS}**: the flattened {config.image_size}x{config.image_size} images through the same classifiers.",
+        f"- **supervised**: the same network trained from scratch on the labelled digits only (SGD lr "
+        f"{SUPERVISED['lr_backbone']} for all layers, momentum {SUPERVISED['momentum']}, cosine, wd "
+        f"{SUPERVISED['weight_decay']}, the fine-tuning's epochs, crops and batch).",
         f"- **kNN**: weighted vote of the {config.knn_k} nearest training digits, cosine similarity, T = 0.07.",
-        "- **linear**: the paper's linear probe (SGD lr 0.3, cosine, wd 1e-6, fc ~ N(0, 0.01)) for "
-        f"{config.linear_epochs} epochs on cached frozen features (no augmentation).",
-        f"- **1% / 10% labels**: {len(subsets[1])} / {len(subsets[10])} labelled training digits (seeded, "
-        "class-balanced). Networks are fine-tuned with the "
-        "paper's semi-supervised recipe (lr backbone 0.002, no wd) with a classifier LR of "
-        f"{config.semi_lr_classifier} (paper: 0.5), cosine, batch {config.semi_batch_size}, "
-        f"for {config.semi_epochs} epochs on 10% and {config.semi_epochs * 10} on 1% (the same number of images), "
-        f"crops of ≥ {config.crop_scale_min:.0%} of the area, no flip; "
-        "pixels get a linear classifier; *supervised from scratch* trains the random-init network with lr 0.1 for "
-        "all layers, cosine, wd 5e-4.",
+        f"- **linear**: the grid probe of `bt-hub eval linear` (learning rate × weight decay, {config.linear_epochs} "
+        "epochs on cached frozen features, chosen on a validation split of the training digits).",
+        f"- **semi 1% / 10%**: fine-tuning on the seeded, class-balanced 1% / 10% of the training labels with the "
+        f"`{SEMI_PRESET}` preset of `bt-hub eval semi` for {semi_epochs(config, 1)} / {semi_epochs(config, 10)} "
+        "epochs (as many images); pixels get the grid probe on the labelled digits where it can choose on a "
+        "validation split (not at 1%: one labelled digit per class).",
         "",
         "## Timings (s)",
         "",
@@ -324,64 +347,32 @@ def _report(
 
 
 def run_demo(config: DemoConfig) -> dict[str, Any]:
-    """Pretrain on digits, score against random init and pixels, write the report; return the numbers."""
-    out = claim_run_dir(config.out, overwrite=config.overwrite)
+    """Pretrain on digits, compare with random init, pixels and supervised training, write the report; the numbers."""
+    out = _claim_out(config)
     timings: dict[str, float] = {}
     tick = start = time.perf_counter()
     pretrain_dir = _pretrain(config, out / "pretrain")
     timings["pretraining"] = time.perf_counter() - tick
-
     tick = time.perf_counter()
-    splits = load_splits("digits", test_split="test", seed=config.seed, image_size=config.image_size)
-    train_set, test_set = splits.train, splits.test
-    subsets = {pct: balanced_subset_indices(train_set.targets, pct, seed=config.seed) for pct in FRACTIONS}
-    pretrained = load_backbone(pretrain_dir, progress=False)
-    torch.manual_seed(config.seed)  # pretraining built its network right after this same call
-    random_init = build_backbone(config.backbone, small_image_stem=config.small_image_stem)
-    transform = eval_transforms(config.image_size)
-    networks = {
-        "Barlow Twins (pretrained)": pretrained,
-        "random init (same network)": random_init,
-        "raw pixels": nn.Flatten(),
-    }
-    table: dict[str, dict[str, float]] = {}
-    for name, net in networks.items():
-        feats = [
-            extract_features(net, ds, transform=transform, batch_size=256, device=config.device)
-            for ds in (train_set, test_set)
-        ]
-        table[name] = _score_features(feats[0], feats[1], config)
-        if name == "raw pixels":
-            table[name].update(_linear_on_subsets(feats[0], feats[1], config, subsets))
-    timings["kNN and linear probes"] = time.perf_counter() - tick
-
-    tick = time.perf_counter()
-    # cosine (the reference code's schedule): the paper's step drops starved the 10% run (below the 1% one)
-    recipe = {k: SMALL[k] for k in ("lr_backbone", "weight_decay", "momentum", "gamma", "schedule")}
-    recipe["lr_classifier"] = config.semi_lr_classifier
-    for name in ("Barlow Twins (pretrained)", "random init (same network)"):
-        table[name].update(_finetune_on_subsets(networks[name], train_set, test_set, config, subsets, recipe, name))
-    scratch = {
-        "lr_backbone": 0.1,
-        "lr_classifier": 0.1,
-        "weight_decay": 5e-4,
-        "momentum": 0.9,
-        "schedule": "cosine",
-        "gamma": 1.0,
-    }
-    table["supervised from scratch"] = _finetune_on_subsets(
-        random_init, train_set, test_set, config, subsets, scratch, "from scratch"
-    )
-    timings["fine-tuning on 1% / 10%"] = time.perf_counter() - tick
+    result = _score(config, pretrain_dir)
+    timings[f"evaluation ({seeds_text(config.seeds)})"] = time.perf_counter() - tick
     timings["total"] = time.perf_counter() - start
 
-    plots = _plots(out, pretrain_dir, table, config.lambd)
-    atomic_write_text(out / "report.md", _report(config, table, timings, plots, subsets, pretrain_dir))
+    written = run_plots(pretrain_dir, out, lambd=config.lambd) + [plot_comparison(result, out / "accuracy.png")]
+    plots = [path.name for path in written]
+    atomic_write_text(out / "report.md", _report(config, result, timings, plots, pretrain_dir))
     results = {
-        "table": table,
+        "table": {
+            row: {c: {"per_seed": v, "mean_std": result.cell(row, c)} for c, v in cells.items() if v}
+            for row, cells in result.values.items()
+        },
+        "verdicts": {
+            row: {c: result.verdict(row, c) for c in result.columns} for row in result.values if row == PRETRAINED
+        },
+        "seeds": result.seeds,
+        "records": result.records,
         "timings_s": timings,
         "config": vars(config).copy(),
-        "labelled": {str(p): len(i) for p, i in subsets.items()},
     }
     atomic_write_json(out / "results.json", results)
     return results
