@@ -1,0 +1,719 @@
+"""The bad-input matrix: every command refuses what it cannot use in one sentence and loses nothing.
+
+Each case runs ``bt_hub.cli.main`` in-process inside a folder of its own and asserts: exit code 2
+(a usage error or a refused input), exactly one message line on stderr naming the flag or file
+at fault, no traceback, and every file that was in the folder before is byte-identical after.
+``python tests/test_bad_inputs.py`` prints the summary table that README.md and
+docs/reliability.md show (``--details`` adds a line per case, ``--only TEXT`` runs the cases whose name has TEXT).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # cli_output beside this file, also under __main__
+
+from cli_output import messages  # noqa: E402
+from conftest import make_image_folder  # noqa: E402
+
+from bt_hub import cli  # noqa: E402
+
+HUGE = "123456789012345678901234"  # 24 digits: past every integer type of numpy and torch
+SIZE = ["--image-size", "8"]
+ROW = '{{"step": {}, "epoch": 0, "loss": 3.0, "invariance": 1.0, "redundancy": 2.0}}\n'
+METRICS = ROW.format(1) + ROW.format(2)  # metrics.jsonl of a pretraining run
+DAMAGED = ROW.format(1) + "not json\n" + ROW.format(2)  # its line 2 damaged
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad input: the argv (``{d}`` is the case's folder), what the message must name, the files made first."""
+
+    command: str
+    name: str
+    argv: tuple[str, ...]
+    names: tuple[str, ...]
+    setup: Callable[[Path, Path], None] | None = None  # (case folder, good weights file)
+    env: dict[str, str] = field(default_factory=dict)
+    xfail: str = ""
+
+
+@dataclass
+class Outcome:
+    """What a case did: exit code, stderr, the exception that escaped (a traceback), files changed."""
+
+    code: int | None
+    err: str
+    escaped: str
+    changed: list[str]
+
+    def problems(self, case: Case) -> list[str]:
+        """Why the case is not clean ([] when it is)."""
+        found = []
+        if self.escaped:
+            found.append(f"traceback: {self.escaped}")
+        if self.code != 2:
+            found.append(f"exit code {self.code}, expected 2")
+        lines = messages(self.err)
+        if "Traceback (most recent call last)" in self.err:
+            found.append("a traceback on stderr")
+        if len(lines) != 1:
+            found.append(f"{len(lines)} message lines, expected one: {lines}")
+        missing = [n for n in case.names if not any(n.format(d="") in line for line in lines)]
+        if missing:
+            found.append(f"the message does not name {missing}")
+        if self.changed:
+            found.append(f"changed files: {self.changed}")
+        return found
+
+
+# ----------------------------------------------------------------------------- files the cases start from
+
+
+def _weights_here(d: Path, w: Path, name: str = "w.pth") -> Path:
+    """The good weights as ``d/name`` (a hard link: no copy, still inside the case's folder)."""
+    target = d / name
+    try:
+        os.link(w, target)
+    except OSError:
+        shutil.copy(w, target)
+    return target
+
+
+def weights(d: Path, w: Path) -> None:
+    _weights_here(d, w)
+
+
+def write(name: str, data: bytes | str, *, with_weights: bool = False) -> Callable[[Path, Path], None]:
+    """Setup: ``d/name`` holding ``data`` (folders made as needed), plus the good weights as ``w.pth``."""
+
+    def setup(d: Path, w: Path) -> None:
+        path = d / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data.encode() if isinstance(data, str) else data)
+        if with_weights:
+            _weights_here(d, w)
+
+    return setup
+
+
+def folder(*names: str, with_weights: bool = False) -> Callable[[Path, Path], None]:
+    """Setup: empty folders ``d/<name>`` (and the good weights as ``w.pth``)."""
+
+    def setup(d: Path, w: Path) -> None:
+        for name in names:
+            (d / name).mkdir(parents=True, exist_ok=True)
+        if with_weights:
+            _weights_here(d, w)
+
+    return setup
+
+
+def both(*setups: Callable[[Path, Path], None]) -> Callable[[Path, Path], None]:
+    def setup(d: Path, w: Path) -> None:
+        for s in setups:
+            s(d, w)
+
+    return setup
+
+
+def truncated(d: Path, w: Path) -> None:
+    (d / "w.pth").write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+
+
+def non_finite(d: Path, w: Path) -> None:
+    state = torch.load(w, weights_only=True)
+    state["bn1.running_var"][0] = float("nan")
+    torch.save(state, d / "w.pth")
+
+
+def pickled_code(d: Path, w: Path) -> None:
+    class Shell:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > pwned.txt",))
+
+    (d / "w.pth").write_bytes(pickle.dumps({"conv1.weight": Shell()}))
+
+
+def symlinked_weights(d: Path, w: Path) -> None:
+    (d / "w.pth").symlink_to(d / "missing.pth")
+
+
+def run_folder(d: Path, w: Path, *, config: dict | None = None, metrics: str = "", at: str = "run") -> None:
+    """A pretraining run's folder ``d/<at>`` (marker, run.json, weights, config.json, metrics.jsonl)."""
+    run = d / at
+    run.mkdir(parents=True)
+    (run / ".bt_hub_run").write_text(json.dumps({"kind": "pretrain"}))
+    config_ = {"projector": "128-128-32", "lr_weights": 8.0, "lambd": 0.1}
+    (run / "run.json").write_text(
+        json.dumps({"kind": "pretrain", "started": "2026-11-26T07:00:00+0000", "config": config_})
+    )
+    _weights_here(run, w, "resnet18.pth")
+    (run / "config.json").write_text(
+        json.dumps(config or {"architecture": "resnet18", "small_image_stem": True, "image_size": 8, "lambd": 0.1})
+    )
+    (run / "metrics.jsonl").write_text(metrics or METRICS)
+
+
+def run_with(**kwargs) -> Callable[[Path, Path], None]:
+    return lambda d, w: run_folder(d, w, **kwargs)
+
+
+def eval_folder(d: Path, w: Path) -> None:
+    """An evaluation's folder ``d/ev`` (marker, results.json, results.jsonl)."""
+    ev = d / "ev"
+    ev.mkdir()
+    (ev / ".bt_hub_run").write_text(json.dumps({"kind": "eval"}))
+    (ev / "results.json").write_text(json.dumps({"protocol": "knn", "metrics": {"top1_k20": 50.0}}))
+    (ev / "results.jsonl").write_text(json.dumps({"protocol": "knn", "metrics": {"top1_k20": 50.0}}) + "\n")
+
+
+def lock_symlink(d: Path, w: Path) -> None:
+    run_folder(d, w)
+    (d / "notes.txt").write_text("my notes\n")
+    (d / "run" / ".bt_hub_run.lock").symlink_to(d / "notes.txt")
+
+
+def image_tree(d: Path, w: Path) -> None:
+    """``d/data``: an ImageFolder tree (train/ and val/, two classes of 3 random 8-px PNGs), and the weights."""
+    make_image_folder(d / "data", ("c0", "c1"), per_class=3)
+    _weights_here(d, w)
+
+
+def bomb_tree(d: Path, w: Path) -> None:
+    """An ImageFolder whose one image claims 40000 x 40000 pixels in its header (a decompression bomb)."""
+    import struct
+    import zlib
+
+    image_tree(d, w)
+    png = (d / "data" / "train" / "c0" / "c0_0.png").read_bytes()
+    ihdr = struct.pack(">IIBBBBB", 40000, 40000, 8, 2, 0, 0, 0)
+    chunk = b"IHDR" + ihdr
+    bomb = png[:8] + struct.pack(">I", 13) + chunk + struct.pack(">I", zlib.crc32(chunk)) + png[33:]
+    (d / "data" / "train" / "c0" / "c0_0.png").write_bytes(bomb)
+
+
+# ----------------------------------------------------------------------------- the cases
+
+
+def _run_config_cases(command: str, base: tuple[str, ...], setup=None, xfail: str = "") -> list[Case]:
+    """The hostile values of the flags every running command shares (RunConfig)."""
+    return [
+        Case(command, "seed -1", (*base, "--seed", "-1"), ("--seed", "4294967295"), setup),
+        Case(command, "seed 24 digits", (*base, "--seed", HUGE), ("--seed", "4294967295"), setup),
+        Case(command, "seed not a number", (*base, "--seed", "nan"), ("--seed",), setup),
+        Case(command, "threads 100000", (*base, "--threads", "100000"), ("--threads",), setup),
+        Case(command, "device mps", (*base, "--device", "mps"), ("--device",), setup),
+        Case(command, "out empty", (*base, "--out", ""), ("--out",), setup),
+    ]
+
+
+def _eval_cases(protocol: str, data: str = "digits") -> list[Case]:
+    """Bad weights, data and shared flags of one ``bt-hub eval`` protocol."""
+    command = f"eval {protocol}"
+    base = ("eval", protocol, "--data", data)
+    good = (*base, "--weights", "{d}/w.pth", *SIZE, "--out", "{d}/out")
+    cases = _run_config_cases(command, good, weights)
+    cases += [
+        Case(command, "weights missing", (*base, "--weights", "{d}/nope.pth", "--out", "{d}/out"), ("nope.pth",)),
+        Case(
+            command,
+            "weights empty",
+            (*base, "--weights", "{d}/w.pth", "--out", "{d}/out"),
+            ("w.pth",),
+            write("w.pth", b""),
+        ),
+        Case(
+            command,
+            "weights garbage",
+            (*base, "--weights", "{d}/w.pth", "--out", "{d}/out"),
+            ("w.pth",),
+            write("w.pth", os.urandom(64)),
+        ),
+        Case(
+            command,
+            "out is a user folder",
+            good,
+            ("--out", "--overwrite"),
+            both(weights, write("out/mine.txt", "mine")),
+        ),
+        Case(command, "out is a file", good, ("--out",), both(weights, write("out", "mine"))),
+        Case(command, "batch-size 0", (*good, "--batch-size", "0"), ("--batch-size",), weights),
+        Case(command, "image-size -8", (*good, "--image-size", "-8"), ("--image-size",), weights),
+        Case(command, "data missing", (*good, "--data", "{d}/nodata"), ("nodata",), weights),
+    ]
+    return cases
+
+
+def _cases() -> list[Case]:
+    pre = ("pretrain", "--preset", "digits", "--max-steps", "1", "--out", "{d}/run")
+    demo = ("demo", "--epochs", "1", "--max-steps", "1", "--out", "{d}/demo")
+    knn = ("eval", "knn", "--weights", "{d}/w.pth", "--data", "digits", *SIZE, "--out", "{d}/out")
+    lin = ("eval", "linear", "--weights", "{d}/w.pth", "--data", "digits", *SIZE, "--out", "{d}/out")
+    semi = ("eval", "semi", "--weights", "{d}/w.pth", "--data", "digits", *SIZE, "--out", "{d}/out")
+    voc = ("eval", "voc07-svm", "--weights", "{d}/w.pth", "--data", "{d}/VOCdevkit", "--out", "{d}/out")
+    compare = ("eval", "compare", "--weights", "{d}/w.pth", "--data", "digits", *SIZE, "--out", "{d}/out")
+    suite = ("eval", "all", "--weights", "{d}/w.pth", "--data", "digits", *SIZE, "--out", "{d}/out")
+    detect = ("detect", "--weights", "{d}/w.pth", "--data", "{d}/shapes", "--out", "{d}/det")
+    mdd = ("make-detection-data", "--train", "2", "--test", "1", "--size", "32", "--out", "{d}/shapes")
+    cases = [
+        # the command line itself
+        Case("", "unknown command", ("pretrian",), ("pretrian",)),
+        Case("", "unknown eval protocol", ("eval", "lineer"), ("lineer",)),
+        Case("", "unknown weights subcommand", ("weights", "remove"), ("remove",)),
+        Case("weights list", "unknown flag", ("weights", "list", "--all"), ("--all",)),
+        # pretrain
+        *_run_config_cases("pretrain", pre),
+        Case("pretrain", "epochs 0", (*pre, "--epochs", "0"), ("--epochs",)),
+        Case("pretrain", "batch-size -5", (*pre, "--batch-size", "-5"), ("--batch-size",)),
+        Case("pretrain", "batch-size not a number", (*pre, "--batch-size", "lots"), ("--batch-size",)),
+        Case("pretrain", "batch-size past the data", (*pre, "--batch-size", "100000"), ("--batch-size",)),
+        Case("pretrain", "lr-weights NaN", (*pre, "--lr-weights", "nan"), ("--lr-weights",)),
+        Case("pretrain", "lambd inf", (*pre, "--lambd", "inf"), ("--lambd",)),
+        Case("pretrain", "crop-scale-min 2", (*pre, "--crop-scale-min", "2"), ("--crop-scale-min",)),
+        Case("pretrain", "unknown architecture", (*pre, "--arch", "resnet9000"), ("--arch",)),
+        Case("pretrain", "projector not numbers", (*pre, "--projector", "128-x"), ("--projector",)),
+        Case(
+            "pretrain",
+            "warm-up past the schedule",
+            (*pre, "--warmup-epochs", "50", "--epochs", "1"),
+            ("--warmup-epochs",),
+        ),
+        Case("pretrain", "max-steps past the schedule", (*pre, "--max-steps", "100000"), ("--max-steps",)),
+        Case("pretrain", "data missing", (*pre, "--data", "{d}/nodata"), ("nodata",)),
+        Case("pretrain", "data is a file", (*pre, "--data", "{d}/data.txt"), ("data.txt",), write("data.txt", "x")),
+        Case("pretrain", "data an empty folder", (*pre, "--data", "{d}/data"), ("data",), folder("data")),
+        Case("pretrain", "synthetic:1", (*pre, "--data", "synthetic:1"), ("synthetic:1",)),
+        Case("pretrain", "synthetic:abc", (*pre, "--data", "synthetic:abc"), ("synthetic:abc",)),
+        Case("pretrain", "out is a user folder", pre, ("--out", "--overwrite"), write("run/mine.txt", "mine")),
+        Case("pretrain", "out is a file", pre, ("--out",), write("run", "mine")),
+        Case("pretrain", "resume a missing checkpoint", (*pre, "--resume", "{d}/ck.pth"), ("ck.pth",)),
+        Case(
+            "pretrain",
+            "resume garbage",
+            (*pre, "--resume", "{d}/ck.pth"),
+            ("ck.pth",),
+            write("ck.pth", os.urandom(100)),
+        ),
+        Case("pretrain", "resume plain weights", (*pre, "--resume", "{d}/w.pth"), ("w.pth",), weights),
+        Case(
+            "pretrain", "resume over a symlinked lock", (*pre, "--resume", "auto"), (".bt_hub_run.lock",), lock_symlink
+        ),
+        Case(
+            "pretrain",
+            "decompression bomb",
+            (*pre, "--data", "{d}/data", "--batch-size", "2"),
+            ("c0_0.png",),
+            bomb_tree,
+        ),
+        # demo
+        *_run_config_cases("demo", demo),
+        Case("demo", "epochs 0", ("demo", "--epochs", "0", "--out", "{d}/demo"), ("--epochs",)),
+        Case("demo", "unknown architecture", (*demo, "--arch", "resnet9000"), ("--arch",)),
+        Case("demo", "knn-k 0", (*demo, "--knn-k", "0"), ("--knn-k",)),
+        Case("demo", "out is a user folder", demo, ("--out", "--overwrite"), write("demo/report.md", "my report")),
+        Case("demo", "out holds a pretraining run", demo, ("--out",), run_with(at="demo/pretrain")),
+        # eval: every protocol
+        *_eval_cases("knn"),
+        Case("eval knn", "k 0", (*knn, "--k", "0"), ("--k",), weights),
+        Case("eval knn", "k -3", (*knn, "--k", "-3"), ("--k",), weights),
+        Case("eval knn", "temperature 0", (*knn, "--temperature", "0"), ("--temperature",), weights),
+        Case("eval knn", "temperature NaN", (*knn, "--temperature", "nan"), ("--temperature",), weights),
+        Case("eval knn", "unknown backend", (*knn, "--backend", "gpu"), ("--backend",), weights),
+        Case("eval knn", "holdout 1.5", (*knn, "--holdout", "1.5"), ("--holdout",), weights),
+        Case("eval knn", "num-workers -1", (*knn, "--num-workers", "-1"), ("--num-workers",), weights),
+        Case("eval knn", "weights truncated", knn, ("w.pth",), truncated),
+        Case("eval knn", "weights hold NaN", knn, ("w.pth", "--allow-non-finite"), non_finite),
+        Case("eval knn", "weights pickle code", knn, ("w.pth",), pickled_code),
+        Case("eval knn", "weights an HTML page", knn, ("w.pth",), write("w.pth", "<!DOCTYPE html><html>login</html>")),
+        Case("eval knn", "weights a dangling symlink", knn, ("w.pth",), symlinked_weights),
+        Case("eval knn", "weights an empty folder", (*knn[:3], "{d}/wdir", *knn[4:]), ("wdir",), folder("wdir")),
+        Case(
+            "eval knn",
+            "config.json names resnet9000",
+            (*knn[:3], "{d}/run", *knn[4:]),
+            ("config.json", "resnet9000"),
+            run_with(config={"architecture": "resnet9000"}),
+        ),
+        Case(
+            "eval knn",
+            "config.json not JSON",
+            (*knn[:3], "{d}/run", *knn[4:]),
+            ("config.json",),
+            both(run_with(), write("run/config.json", "{arch")),
+        ),
+        Case("eval knn", "out is a pretraining run", (*knn[:-1], "{d}/run"), ("--out",), both(weights, run_with())),
+        Case(
+            "eval knn",
+            "data an empty folder",
+            (*knn, "--data", "{d}/data"),
+            ("data",),
+            folder("data", with_weights=True),
+        ),
+        Case(
+            "eval knn",
+            "data without a train split",
+            (*knn, "--data", "{d}/data"),
+            ("train",),
+            folder("data/val/a", with_weights=True),
+        ),
+        Case("eval knn", "synthetic:1", (*knn, "--data", "synthetic:1"), ("synthetic:1",), weights),
+        Case(
+            "eval knn",
+            "image-size 100000",
+            (*knn, "--image-size", "100000"),
+            ("--image-size",),
+            weights,
+            xfail="eval image size: torch's 'can't allocate memory' without the flag",
+        ),
+        Case(
+            "eval knn",
+            "cache-dir is a file",
+            (*knn, "--cache-dir", "{d}/cache"),
+            ("cache",),
+            write("cache", "mine", with_weights=True),
+        ),
+        Case("eval knn", "decompression bomb", (*knn, "--data", "{d}/data"), ("c0_0.png",), bomb_tree),
+        *_eval_cases("linear"),
+        Case("eval linear", "epochs 0", (*lin, "--epochs", "0"), ("--epochs",), weights),
+        Case("eval linear", "lr -1", (*lin, "--lr", "-1"), ("--lr",), weights),
+        Case("eval linear", "lr NaN", (*lin, "--lr", "nan"), ("--lr",), weights),
+        Case("eval linear", "milestones out of order", (*lin, "--milestones", "9", "3"), ("--milestones",), weights),
+        Case("eval linear", "unknown schedule", (*lin, "--schedule", "linear"), ("--schedule",), weights),
+        Case("eval linear", "unknown preset", (*lin, "--preset", "tiny"), ("--preset",), weights),
+        *_eval_cases("semi"),
+        Case("eval semi", "fraction 150", (*semi, "--fraction", "150"), ("--fraction",), weights),
+        Case("eval semi", "fraction 0", (*semi, "--fraction", "0"), ("--fraction",), weights),
+        Case(
+            "eval semi", "subset file missing", (*semi, "--subset-file", "{d}/1percent.txt"), ("1percent.txt",), weights
+        ),
+        Case(
+            "eval semi",
+            "subset file empty",
+            (*semi, "--subset-file", "{d}/1percent.txt"),
+            ("1percent.txt",),
+            write("1percent.txt", "", with_weights=True),
+        ),
+        *_eval_cases("voc07-svm", "{d}/VOCdevkit"),
+        Case("eval voc07-svm", "no devkit", voc, ("VOCdevkit",), weights),
+        Case("eval voc07-svm", "cv-folds 1", (*voc, "--cv-folds", "1"), ("--cv-folds",), weights),
+        Case("eval voc07-svm", "costs negative", (*voc, "--costs", "-1"), ("--costs",), weights),
+        Case("eval voc07-svm", "unknown pool", (*voc, "--pool", "max"), ("--pool",), weights),
+        *_eval_cases("transfer"),
+        *_eval_cases("all"),
+        Case("eval all", "fractions 150", (*suite, "--fractions", "150"), ("--fractions",), weights),
+        Case(
+            "eval all",
+            "knn-k 0",
+            (*suite, "--knn-k", "0"),
+            ("--knn-k",),
+            weights,
+            xfail="eval suite: the message names --k, not --knn-k",
+        ),
+        *_eval_cases("compare"),
+        Case("eval compare", "seeds 0", (*compare, "--seeds", "0"), ("--seeds",), weights),
+        Case("eval compare", "unknown protocol", (*compare, "--protocols", "svm"), ("svm",), weights),
+        Case("eval compare", "val-fraction 1", (*compare, "--val-fraction", "1"), ("--val-fraction",), weights),
+        # report
+        Case("report", "run folder missing", ("report", "{d}/nothing"), ("nothing",)),
+        Case("report", "run folder a file", ("report", "{d}/run"), ("run",), write("run", "mine")),
+        Case("report", "an empty folder", ("report", "{d}/run"), ("run",), folder("run")),
+        Case("report", "an eval folder", ("report", "{d}/ev"), ("ev",), eval_folder),
+        Case(
+            "report",
+            "damaged metrics line",
+            ("report", "{d}/run"),
+            ("metrics.jsonl", "line 2"),
+            run_with(metrics=DAMAGED),
+        ),
+        Case(
+            "report",
+            "out is a file",
+            ("report", "{d}/run", "--out", "{d}/plots"),
+            ("plots",),
+            both(run_with(), write("plots", "mine")),
+        ),
+        # export
+        Case("export", "weights missing", ("export", "--weights", "{d}/nope.pth", "--out", "{d}/x.pth"), ("nope.pth",)),
+        Case(
+            "export",
+            "weights garbage",
+            ("export", "--weights", "{d}/w.pth", "--out", "{d}/x.pth"),
+            ("w.pth",),
+            write("w.pth", os.urandom(64)),
+        ),
+        Case(
+            "export",
+            "weights pickle code",
+            ("export", "--weights", "{d}/w.pth", "--out", "{d}/x.pth"),
+            ("w.pth",),
+            pickled_code,
+        ),
+        Case(
+            "export",
+            "weights hold NaN",
+            ("export", "--weights", "{d}/w.pth", "--out", "{d}/x.pth"),
+            ("w.pth",),
+            non_finite,
+        ),
+        Case(
+            "export",
+            "out exists",
+            ("export", "--weights", "{d}/w.pth", "--format", "safetensors", "--out", "{d}/x.safetensors"),
+            ("x.safetensors", "--force"),
+            both(weights, write("x.safetensors", "mine")),
+        ),
+        Case(
+            "export",
+            "hf into a user folder",
+            ("export", "--weights", "{d}/w.pth", "--format", "hf", "--out", "{d}/hf", "--force"),
+            ("README.md",),
+            both(weights, write("hf/README.md", "mine")),
+        ),
+        Case(
+            "export",
+            "unknown format",
+            ("export", "--weights", "{d}/w.pth", "--format", "onnx", "--out", "{d}/x"),
+            ("--format",),
+            weights,
+        ),
+        Case(
+            "export",
+            "results not JSON",
+            ("export", "--weights", "{d}/w.pth", "--format", "hf", "--out", "{d}/hf", "--results", "{d}/r.jsonl"),
+            ("r.jsonl",),
+            write("r.jsonl", "{oops\n", with_weights=True),
+        ),
+        # push
+        Case("push", "weights missing", ("push", "--weights", "{d}/nope.pth", "--repo-id", "me/bt"), ("nope.pth",)),
+        Case(
+            "push",
+            "repo id malformed",
+            ("push", "--weights", "{d}/w.pth", "--repo-id", "a b/c d"),
+            ("--repo-id",),
+            weights,
+            xfail="weights/hf: huggingface_hub's 'Repo id must use alphanumeric chars' without --repo-id",
+        ),
+        Case(
+            "push",
+            "no network",
+            ("push", "--weights", "{d}/w.pth", "--repo-id", "me/bt"),
+            ("me/bt",),
+            weights,
+            env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_TOKEN": "hf_x"},
+        ),
+        # weights list
+        # detect
+        *_run_config_cases("detect", detect, both(weights, folder("shapes"))),
+        Case(
+            "detect",
+            "weights missing",
+            ("detect", "--weights", "{d}/nope.pth", "--data", "{d}/shapes", "--out", "{d}/det"),
+            ("nope.pth",),
+            folder("shapes"),
+        ),
+        Case("detect", "data missing", detect, ("shapes",), weights),
+        Case("detect", "data not a detection set", detect, ("shapes",), folder("shapes/x", with_weights=True)),
+        Case("detect", "trials 0", (*detect, "--trials", "0"), ("--trials",), both(weights, folder("shapes"))),
+        Case("detect", "unknown engine", (*detect, "--engine", "mmdet"), ("--engine",), weights),
+        Case(
+            "detect",
+            "config missing",
+            (*detect, "--config", "{d}/nope.yaml"),
+            ("nope.yaml",),
+            both(weights, folder("shapes")),
+        ),
+        Case(
+            "detect",
+            "machine-rank past num-machines",
+            (*detect, "--num-machines", "1", "--machine-rank", "3"),
+            ("--machine-rank",),
+            both(weights, folder("shapes")),
+        ),
+        Case(
+            "detect",
+            "out is a user folder",
+            detect,
+            ("--out", "--overwrite"),
+            both(weights, folder("shapes"), write("det/mine.txt", "mine")),
+        ),
+        # make-detection-data
+        Case("make-detection-data", "size 8", (*mdd, "--size", "8"), ("--size",)),
+        Case("make-detection-data", "train 0", (*mdd, "--train", "0"), ("--train",)),
+        Case("make-detection-data", "test -5", (*mdd, "--test", "-5"), ("--test",)),
+        Case(
+            "make-detection-data",
+            "seed -1",
+            (*mdd, "--seed", "-1"),
+            ("--seed",),
+            xfail="detection: numpy's 'expected non-negative integer' without --seed",
+        ),
+        Case(
+            "make-detection-data",
+            "seed 24 digits",
+            (*mdd, "--seed", HUGE),
+            ("--seed",),
+            xfail="detection: a 24-digit --seed is accepted (exit 0)",
+        ),
+        Case("make-detection-data", "out is a user folder", mdd, ("shapes",), write("shapes/mine.txt", "mine")),
+        Case("make-detection-data", "out is a file", mdd, ("shapes",), write("shapes", "mine")),
+        Case("make-detection-data", "out missing", ("make-detection-data",), ("--out",)),
+    ]
+    return cases
+
+
+CASES = _cases()
+
+
+# ----------------------------------------------------------------------------- running a case
+
+
+_DIGESTS: dict[tuple[int, ...], str] = {}
+
+
+def _sha256(path: Path) -> str:
+    """The file's sha256, computed again whenever its inode, size, mtime or ctime differ (any write changes ctime)."""
+    st = path.stat()
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return _DIGESTS[key]
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    """Every entry under ``root``: a file's sha256, a link's target (never followed)."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        key = str(path.relative_to(root))
+        if path.is_symlink():
+            found[key] = "-> " + os.readlink(path)
+        elif path.is_file():
+            found[key] = _sha256(path)
+    return found
+
+
+@contextlib.contextmanager
+def _inside(folder: Path, env: dict[str, str]) -> Iterator[None]:
+    """Run in ``folder`` with ``env`` set; restore the working directory and the environment after."""
+    cwd, saved = Path.cwd(), {k: os.environ.get(k) for k in env}
+    os.chdir(folder)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_case(case: Case, d: Path, good_weights: Path) -> Outcome:
+    """Make the case's files in ``d``, run ``bt-hub`` on its argv there, and say what happened."""
+    d.mkdir(parents=True, exist_ok=True)
+    if case.setup is not None:
+        case.setup(d, good_weights)
+    before = _snapshot(d)
+    argv = [a.format(d=d) for a in case.argv]
+    env = {k: v.format(d=d) for k, v in case.env.items()}
+    err, code, escaped = io.StringIO(), None, ""
+    with _inside(d, env), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = cli.main(argv)
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+        except BaseException as exc:  # noqa: BLE001 - a traceback is what the matrix looks for
+            escaped = f"{type(exc).__name__}: {exc}"[:300]
+    after = _snapshot(d)
+    changed = [name for name, digest in before.items() if after.get(name) != digest]
+    return Outcome(code, err.getvalue(), escaped, changed)
+
+
+def _good_weights(folder: Path) -> Path:
+    """A seeded ResNet-18 with the small stem, as a plain torchvision state dict (what every case reads)."""
+    from bt_hub.method.model import build_backbone
+
+    torch.manual_seed(0)
+    path = folder / "resnet18_small_stem.pth"
+    torch.save(build_backbone("resnet18", small_image_stem=True).state_dict(), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def good_weights(tmp_path_factory) -> Path:
+    return _good_weights(tmp_path_factory.mktemp("inputs"))
+
+
+def _param(case: Case):
+    marks = [pytest.mark.xfail(strict=True, reason=case.xfail)] if case.xfail else []
+    return pytest.param(case, id=f"{case.command or 'bt-hub'}: {case.name}", marks=marks)
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+def test_a_bad_input_is_refused_in_one_sentence_and_loses_nothing(case, good_weights, tmp_path):
+    outcome = run_case(case, tmp_path / "case", good_weights)
+    assert outcome.problems(case) == [], outcome.err[-2000:]
+
+
+def test_the_matrix_covers_every_command_with_at_least_100_cases():
+    commands = {" ".join(path) for path, _ in _leaves(cli.COMMANDS)}
+    covered = {c.command for c in CASES}
+    assert commands <= covered, f"commands without a bad-input case: {sorted(commands - covered)}"
+    assert len(CASES) >= 100
+
+
+def _leaves(table, path=()):
+    for name, entry in table.items():
+        if isinstance(entry, dict):
+            yield from _leaves(entry, (*path, name))
+        else:
+            yield (*path, name), entry
+
+
+def summary_table(outcomes: list[tuple[Case, Outcome]]) -> str:
+    """The markdown table of the matrix: per command, its cases and how many were clean."""
+    rows: dict[str, list[int]] = {}
+    for case, outcome in outcomes:
+        counts = rows.setdefault(case.command, [0, 0])
+        counts[0] += 1
+        counts[1] += not outcome.problems(case)
+    lines = ["| command | cases | clean |", "|---|---|---|"]
+    lines += [f"| `{f'bt-hub {cmd}'.strip()}` | {n} | {clean} |" for cmd, (n, clean) in rows.items()]
+    total, clean = sum(n for n, _ in rows.values()), sum(c for _, c in rows.values())
+    lines.append(f"| all | {total} | {clean} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        w = _good_weights(Path(tmp))
+        only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
+        for i, case in enumerate(c for c in CASES if only in f"{c.command}: {c.name}"):
+            start = time.perf_counter()
+            results.append((case, run_case(case, Path(tmp) / f"case{i}", w)))
+            if "--details" in sys.argv:
+                found = results[-1][1].problems(case)
+                print(
+                    f"{time.perf_counter() - start:6.1f} s {case.command}: {case.name}: {found or 'clean'}", flush=True
+                )
+                if found:
+                    print("       ", results[-1][1].err.strip()[-600:], flush=True)
+    print(summary_table(results))
