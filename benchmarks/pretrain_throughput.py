@@ -164,7 +164,7 @@ def bt_hub_pipeline(
         views="batched",
         decode=args.decode,
         precision=precision,
-        channels_last=args.channels_last,
+        channels_last="on" if args.channels_last else "off",
         compile=compile_model,
         num_workers=args.workers,
         device=str(device),

@@ -77,7 +77,7 @@ def test_loss_under_autocast_is_float32_and_close_to_full_precision(dtype):
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_pretrain_on_cuda_writes_a_backbone_that_loads_on_the_cpu(tmp_path, precision):
     out = tmp_path / "run"
-    assert cli.main([*PRETRAIN, "--precision", precision, "--channels-last", "--out", str(out)]) == 0
+    assert cli.main([*PRETRAIN, "--precision", precision, "--channels-last", "on", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = json.loads((out / "config.json").read_text())["steps"]
     assert steps >= 3 and [r["step"] for r in rows] == list(range(1, steps + 1))

@@ -347,3 +347,13 @@ def test_views_follow_crop_scale_min_no_flip_and_no_blur_and_keep_the_rest_of_th
             == theirs
         )
     assert PretrainConfig.PRESETS["digits"]["flip"] is False and PretrainConfig.PRESETS["digits"]["blur"] is False
+
+
+def test_channels_last_auto_follows_the_resolved_precision():
+    # Guards: the CLI default was NCHW while benchmarks/pretrain_step.py measured bt_hub channels-last.
+    from bt_hub.train.precision import resolve_channels_last
+
+    assert [resolve_channels_last("auto", p) for p in ("bf16", "fp16", "fp32")] == ["on", "on", "off"]
+    assert resolve_channels_last("off", "bf16") == "off" and resolve_channels_last("on", "fp32") == "on"
+    with pytest.raises(ValueError, match="--channels-last 'yes' is unknown"):
+        resolve_channels_last("yes", "bf16")

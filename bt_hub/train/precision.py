@@ -45,6 +45,15 @@ def resolve_precision(precision: str, device: str | torch.device) -> str:
     return "bf16" if fast_bf16(device) else "fp32"
 
 
+def resolve_channels_last(channels_last: str, precision: str) -> str:
+    """``--channels-last auto`` -> ``on`` for a resolved bf16/fp16 precision, ``off`` for fp32; others unchanged."""
+    if channels_last not in ("auto", "on", "off"):
+        raise ValueError(f"--channels-last {channels_last!r} is unknown; expected auto, on or off")
+    if channels_last != "auto":
+        return channels_last
+    return "on" if precision in ("bf16", "fp16") else "off"
+
+
 def autocast_dtype(precision: str) -> torch.dtype | None:
     """The autocast dtype of a resolved precision (None for fp32)."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)

@@ -47,7 +47,7 @@ from bt_hub.method.views import VIEW_A, VIEW_B, BatchedTwoViews, TwoViewTransfor
 from bt_hub.train.data import build_dataset, to_uint8_tensor
 from bt_hub.train.decode import collate_list, read_encoded, resolve_decode, to_device_images
 from bt_hub.train.monitor import KnnMonitor, TensorBoardScalars, monitor_sets
-from bt_hub.train.precision import autocast_dtype, resolve_precision
+from bt_hub.train.precision import autocast_dtype, resolve_channels_last, resolve_precision
 from bt_hub.train.prefetch import Prefetcher
 from bt_hub.train.resume import (
     CHECKPOINT_NAME,
@@ -200,7 +200,14 @@ class PretrainConfig(RunConfig):
             "with avx512_bf16/AMX, fp32 elsewhere (the choice is recorded in run.json and config.json)"
         },
     )
-    channels_last: bool = field(default=False, metadata={"help": "channels-last memory format for the backbone"})
+    channels_last: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata={
+            "help": "channels-last memory format for the backbone and its inputs; auto: on where the precision is bf16 "
+            "or fp16 (AMX/avx512_bf16 CPUs and GPUs run those convolutions fastest channels-last), off for fp32 "
+            "(the choice is recorded in run.json and config.json)"
+        },
+    )
     compile: bool = field(
         default=False,
         metadata={"help": "torch.compile the forward pass and the loss (compiles for a minute or more at the start)"},
@@ -395,7 +402,7 @@ def _views(
         y_a, y_b = batched(images, generator=seeded_generator(config.seed, step, get_rank(), device=device))
     else:
         y_a, y_b = (v.to(device, non_blocking=True) for v in batch)
-    if config.channels_last:
+    if config.channels_last == "on":
         y_a, y_b = y_a.contiguous(memory_format=torch.channels_last), y_b.contiguous(memory_format=torch.channels_last)
     return y_a, y_b
 
@@ -546,9 +553,11 @@ def pretrain(config: PretrainConfig) -> Path:
 
 
 def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
+    precision = resolve_precision(config.precision, device)
     config = dataclasses.replace(
         config,
-        precision=resolve_precision(config.precision, device),
+        precision=precision,
+        channels_last=resolve_channels_last(config.channels_last, precision),
         decode=resolve_decode(config.decode, device, config.views),
     )
     world = get_world_size()
@@ -736,7 +745,7 @@ def _seeded_model(
         loss_method=config.loss_method,
         reference_grad_scale=config.reference_grad_scale,
     ).to(device)
-    if config.channels_last:
+    if config.channels_last == "on":
         model = model.to(memory_format=torch.channels_last)
     optimizer = LARS(
         param_groups(model, config.lr_weights, config.lr_biases, config.weight_decay), weight_decay=config.weight_decay
