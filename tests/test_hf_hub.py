@@ -19,8 +19,7 @@ from loopback import LoopbackHub  # noqa: E402
 
 from bt_hub import cli  # noqa: E402
 from bt_hub.method.model import BarlowTwins, build_backbone  # noqa: E402
-from bt_hub.weights import CheckpointError, from_pretrained, push_to_hub, save_pretrained  # noqa: E402
-from bt_hub.weights.hf import PushError  # noqa: E402
+from bt_hub.weights import CheckpointError, PushError, from_pretrained, push_to_hub, save_pretrained  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -291,8 +290,9 @@ def test_from_pretrained_local_files_only_never_asks_the_hub(hub_options):
     assert not any(p.startswith("/bt/local/") for p in paths[:first] + paths[downloaded:end])
     assert any(p.startswith("/bt/local/") for p in paths[first:downloaded])
     assert hub_options["out"]["local_error"] == (
-        f"hf://bt/local: model.safetensors is not in the Hugging Face cache {hub_options['tmp'] / 'cache_local'} "
-        "and local_files_only=True; call once without local_files_only to fill the cache"
+        f"hf://bt/local: model.safetensors is not in the Hugging Face cache ({hub_options['tmp'] / 'cache_local'}) "
+        "and local_files_only=True; call once without local_files_only to fill the cache, or pass a cache_dir "
+        "that holds it"
     )
     assert hub_options["states"]["local"].keys() == hub_options["states"]["revision"].keys()
 

@@ -15,6 +15,7 @@ import sys
 import urllib.request
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,6 +36,7 @@ from bt_hub.weights import (
     load_backbone,
     resolve,
     save_pretrained,
+    weights_fingerprint,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -235,6 +237,25 @@ def test_a_registered_file_is_recorded_at_first_use_and_a_later_swap_is_refused(
         f"beside it when it was first used for {BarlowTwinsWeights.DEFAULT.url}: it changed since; "
         "delete it to download it again"
     )
+
+
+def test_a_registered_file_is_hashed_once_per_load(offline_torch_home, resnet50_state, capsys, monkeypatch):
+    """Guards: the cache check and weights_info each read and hashed the whole file (twice per load)."""
+    import bt_hub.common.files
+
+    path = _seed_default(capsys, resnet50_state)
+    hashed: list[int] = []
+
+    def counting_sha256(*args):
+        hashed.append(1)
+        return hashlib.sha256(*args)
+
+    monkeypatch.setattr(bt_hub.common.files, "hashlib", SimpleNamespace(sha256=counting_sha256))
+    first = load_backbone("barlowtwins-in1k", progress=False).weights_info["sha256"]  # records the sha256
+    second = load_backbone("barlowtwins-in1k", progress=False).weights_info["sha256"]  # checks the record
+    fingerprint = weights_fingerprint("barlowtwins-in1k")
+    assert len(hashed) == 3
+    assert first == second == fingerprint == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_loaded_models_carry_their_transforms(offline_torch_home, resnet50_state, tmp_path, capsys):

@@ -24,7 +24,7 @@ from bt_hub.weights.export import (
     save_torchvision,
     to_detectron2,
 )
-from bt_hub.weights.hf import PushConfig, from_pretrained, push, push_to_hub, save_pretrained
+from bt_hub.weights.hf import PushConfig, PushError, from_pretrained, push, push_to_hub, save_pretrained
 from bt_hub.weights.load import load_backbone, read_backbone_state_dict, read_projector_state_dict, weights_fingerprint
 from bt_hub.weights.registry import PAPER_RESULTS, RECIPE, BarlowTwinsWeights, Weights, get_weights, list_weights
 from bt_hub.weights.sources import ResolvedWeights, resolve
@@ -39,6 +39,7 @@ __all__ = [
     "DownloadError",
     "ExportConfig",
     "PushConfig",
+    "PushError",
     "ResolvedWeights",
     "Weights",
     "barlow_twins",

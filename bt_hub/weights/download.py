@@ -33,6 +33,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
@@ -117,8 +118,11 @@ def _recorded_sha256(path: Path) -> str | None:
     return recorded[0]
 
 
-def _check_cached(path: Path, url: str, sha256: str | None) -> None:
-    """Refuse a cached file whose sha256 is not the expected or recorded one; record it where there is neither."""
+def _check_cached(path: Path, url: str, sha256: str | None) -> str:
+    """Refuse a cached file whose sha256 is not the expected or recorded one; record it where there is neither.
+
+    Returns its sha256.
+    """
     expected, origin = expected_hash(path.name, sha256)
     actual = file_sha256(path)
     if expected is not None:
@@ -127,7 +131,7 @@ def _check_cached(path: Path, url: str, sha256: str | None) -> None:
                 f"cached file {path} has sha256 {actual[:16]}..., not the {origin} {expected[:16]} of {url}: "
                 "it changed after it was verified; delete it to download it again"
             )
-        return
+        return actual
     recorded = _recorded_sha256(path)
     if recorded is None:
         _record_sha256(path, actual)
@@ -137,6 +141,7 @@ def _check_cached(path: Path, url: str, sha256: str | None) -> None:
             f"{sha256_record(path).name} beside it when it was first used for {url}: it changed since; "
             "delete it to download it again"
         )
+    return actual
 
 
 def download(
@@ -163,10 +168,24 @@ def download(
         DownloadError: unreachable, HTTP error, timeout, wrong size or hash, or not a weights file;
             the message names the URL, the cache path and the fix, and nothing is left in the cache.
     """
+    return download_with_sha256(
+        url, file_name=file_name, sha256=sha256, progress=progress, timeout=timeout, retries=retries
+    )[0]
+
+
+def download_with_sha256(
+    url: str,
+    *,
+    file_name: str | None = None,
+    sha256: str | None = None,
+    progress: bool = True,
+    timeout: float | None = None,
+    retries: int | None = None,
+) -> tuple[Path, str]:
+    """``download``, and the file's sha256 its checks computed (so a caller that records it need not hash it again)."""
     target = cache_path(url, file_name)
     if target.is_file():
-        _check_cached(target, url, sha256)
-        return target
+        return target, _check_cached(target, url, sha256)
     seconds = _setting(TIMEOUT_ENV, timeout, DEFAULT_TIMEOUT_S)
     attempts = 1 + int(_setting(RETRIES_ENV, retries, DEFAULT_RETRIES))
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -183,7 +202,7 @@ def download(
             if expected_hash(target.name, sha256)[0] is None:
                 _record_sha256(target, actual)
             os.replace(partial, target)
-            return target
+            return target, actual
         except _Retryable as err:
             reason = str(err)
         finally:
@@ -272,7 +291,17 @@ def _verify(partial: Path, url: str, target: Path, sha256: str | None) -> str:
     return actual
 
 
-def hf_download(spec: str, filename: str, *, required: bool = True, once: bool = False) -> Path | None:
+def hf_download(
+    spec: str,
+    filename: str,
+    *,
+    required: bool = True,
+    once: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    force_download: bool = False,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
+) -> Path | None:
     """``filename`` of the Hub repo ``org/name[@revision]``, through huggingface_hub's cache.
 
     Args:
@@ -282,6 +311,8 @@ def hf_download(spec: str, filename: str, *, required: bool = True, once: bool =
         once: ask the Hub once and never retry (huggingface_hub retries a refused connection or a failed
             name lookup for about 23 s): for a bare ``org/name`` that may have been meant as a local path.
             An unreachable Hub still falls back to the cached copy, as huggingface_hub does.
+        cache_dir, force_download, local_files_only, token: ``hf_hub_download``'s options
+            (``PyTorchModelHubMixin.from_pretrained``'s Hub options).
 
     Raises:
         DownloadError: one sentence naming ``hf://spec``, what went wrong and what to do.
@@ -296,27 +327,40 @@ def hf_download(spec: str, filename: str, *, required: bool = True, once: bool =
     endpoint = constants.ENDPOINT
     unreachable = None  # what the Hub said to the one request of ``once``
     try:
-        if once and not constants.HF_HUB_OFFLINE:
-            unreachable = _ask_once(hf, errors, repo_id, filename, revision or None)
-        return Path(
-            hf.hf_hub_download(repo_id, filename, revision=revision or None, local_files_only=unreachable is not None)
+        if once and not (constants.HF_HUB_OFFLINE or local_files_only):
+            unreachable = _ask_once(hf, errors, repo_id, filename, revision or None, token)
+        path = hf.hf_hub_download(
+            repo_id,
+            filename,
+            revision=revision or None,
+            cache_dir=cache_dir,
+            force_download=force_download,
+            local_files_only=local_files_only or unreachable is not None,
+            token=token,
         )
+        return Path(path)
     except errors.LocalEntryNotFoundError as err:
         if not required:
             return None
+        cache = cache_dir or constants.HF_HUB_CACHE
+        elsewhere = "pass a cache_dir" if cache_dir else "point HF_HOME at a cache"
+        if local_files_only:
+            raise DownloadError(
+                f"{where}: {filename} is not in the Hugging Face cache ({cache}) and local_files_only=True; "
+                f"call once without local_files_only to fill the cache, or {elsewhere} that holds it"
+            ) from None
         if constants.HF_HUB_OFFLINE:
             var = "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"
             raise DownloadError(
-                f"{where}: {filename} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                f"{where}: {filename} is not in the Hugging Face cache ({cache}) and "
                 f"{var}={os.environ.get(var)} is set; connect once without {var} to fill the cache, "
-                "or point HF_HOME at a cache that holds it"
+                f"or {elsewhere} that holds it"
             ) from None
-        said = unreachable or _first_line(err.__cause__ or err)
+        said = unreachable or first_line(err.__cause__ or err)
         moved = " (set by HF_ENDPOINT)" if os.environ.get("HF_ENDPOINT") else ""
         raise DownloadError(
             f"{where}: {filename} could not be fetched from {endpoint} ({said}) and is not in the Hugging Face "
-            f"cache ({constants.HF_HUB_CACHE}); retry once the Hub at {endpoint} can be reached{moved}, "
-            "or point HF_HOME at a cache that holds it"
+            f"cache ({cache}); retry once the Hub at {endpoint} can be reached{moved}, or {elsewhere} that holds it"
         ) from None
     except getattr(errors, "RemoteEntryNotFoundError", errors.EntryNotFoundError):
         if not required:
@@ -329,33 +373,43 @@ def hf_download(spec: str, filename: str, *, required: bool = True, once: bool =
     except errors.RepositoryNotFoundError:
         raise DownloadError(
             f"{where}: the Hub at {endpoint} has no repo {repo_id} that you may read (check the name; a private repo "
-            "needs HF_TOKEN or `hf auth login`)"
+            "needs a token: HF_TOKEN, `hf auth login` or token=...)"
         ) from None
     except errors.HFValidationError as err:
-        raise DownloadError(f"{where}: {repo_id} is not a valid Hub repo id ({_first_line(err)})") from None
-    except (getattr(errors, "HTTPError", OSError), OSError) as err:  # HTTP and network errors
+        raise DownloadError(f"{where}: {repo_id} is not a valid Hub repo id ({first_line(err)})") from None
+    except hub_client_errors(errors) as err:  # HTTP and network errors
         raise DownloadError(
-            f"{where}: {filename} could not be fetched from {endpoint} ({_first_line(err)}); retry later"
+            f"{where}: {filename} could not be fetched from {endpoint} ({first_line(err)}); retry later"
         ) from None
 
 
-def _ask_once(hf, errors, repo_id: str, filename: str, revision: str | None) -> str | None:
+def hub_client_errors(errors: Any) -> tuple[type[BaseException], ...]:
+    """The exceptions of a failed Hub request: OSError and the HTTP client's error class.
+
+    ``huggingface_hub.errors.HfHubHTTPError`` derives from its HTTP client's error class (requests',
+    httpx's or httpx2's, by version), whose connection errors are not all OSErrors.
+    """
+    return (OSError, *(c for c in errors.HfHubHTTPError.__bases__ if c is not OSError))
+
+
+def _ask_once(hf, errors, repo_id: str, filename: str, revision: str | None, token: str | bool | None) -> str | None:
     """One metadata request for the file, no retries: None when the Hub answered, else what went wrong.
 
     A missing repo, revision or file, or a bad repo id, is raised as huggingface_hub's error.
     """
     try:
-        hf.get_hf_file_metadata(hf.hf_hub_url(repo_id, filename, revision=revision))
+        hf.get_hf_file_metadata(hf.hf_hub_url(repo_id, filename, revision=revision), token=token)
     except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.EntryNotFoundError):
         raise
-    except (getattr(errors, "HTTPError", OSError), OSError) as err:
+    except hub_client_errors(errors) as err:
         status = getattr(getattr(err, "response", None), "status_code", None)
         if status is not None and status < 500 and status not in (408, 429):
             raise  # the Hub answered: no retry would change it
-        return _first_line(err)  # no connection, no name lookup, a timeout, HTTP 5xx / 408 / 429
+        return first_line(err)  # no connection, no name lookup, a timeout, HTTP 5xx / 408 / 429
     return None
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """An exception in one line: its type and the first line of its message."""
     text = str(err).strip()
     return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__

@@ -21,14 +21,14 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from bt_hub.common.optional import require
 from bt_hub.method.model import BarlowTwins
-from bt_hub.weights.download import DownloadError
+from bt_hub.weights.download import first_line, hf_download, hub_client_errors
 from bt_hub.weights.export import save_hf_folder
 from bt_hub.weights.load import load_backbone, read_projector_state_dict
 from bt_hub.weights.sources import looks_like_path
@@ -90,35 +90,6 @@ def save_pretrained(
     )
 
 
-def _hub_file(repo_id: str, filename: str, revision: str | None, options: Mapping[str, Any]) -> Path:
-    """``filename`` of a Hub repo via huggingface_hub's cache, with the mixin's ``options``; one sentence on failure."""
-    purpose = "loading weights from the Hugging Face Hub"
-    hf = require("huggingface_hub", purpose)
-    errors, constants = require("huggingface_hub.errors", purpose), require("huggingface_hub.constants", purpose)
-    where = f"hf://{repo_id}" + (f"@{revision}" if revision else "")
-    try:
-        return Path(hf.hf_hub_download(repo_id, filename, revision=revision, **options))
-    except errors.LocalEntryNotFoundError:
-        cache = options.get("cache_dir") or constants.HF_HUB_CACHE
-        if options.get("local_files_only"):
-            why, fix = "local_files_only=True", "call once without local_files_only to fill the cache"
-        elif constants.HF_HUB_OFFLINE:
-            why, fix = "HF_HUB_OFFLINE=1 is set", "connect once without HF_HUB_OFFLINE to fill the cache"
-        else:
-            why, fix = f"the Hub at {constants.ENDPOINT} could not be reached", "check the network or HF_ENDPOINT"
-        raise DownloadError(f"{where}: {filename} is not in the Hugging Face cache {cache} and {why}; {fix}") from None
-    except errors.RevisionNotFoundError:
-        raise DownloadError(f"{where}: the repo at {constants.ENDPOINT} has no revision {revision!r}") from None
-    except errors.RepositoryNotFoundError:
-        raise DownloadError(
-            f"{where}: the Hub at {constants.ENDPOINT} has no repo {repo_id} that you may read (check the name; a "
-            "private repo needs token=..., HF_TOKEN or `hf auth login`)"
-        ) from None
-    except (errors.EntryNotFoundError, errors.HfHubHTTPError, OSError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise DownloadError(f"{where}: {filename} could not be fetched from {constants.ENDPOINT} ({first})") from None
-
-
 def from_pretrained(
     repo_id_or_dir: str | os.PathLike,
     revision: str | None = None,
@@ -159,14 +130,15 @@ def from_pretrained(
         return load_backbone(text, map_location=map_location, allow_non_finite=allow_non_finite)
     if pinned and revision is not None and pinned != revision:
         raise ValueError(f"{text} pins revision {pinned!r}, which contradicts revision={revision!r}")
+    spec = f"{repo_id}@{revision}" if revision else text.removeprefix("hf://")
     options = {
         "cache_dir": cache_dir,
         "force_download": force_download,
         "local_files_only": local_files_only,
         "token": token,
     }
-    weights = _hub_file(repo_id, "model.safetensors", revision or pinned or None, options)
-    _hub_file(repo_id, "config.json", revision or pinned or None, options)
+    weights = cast(Path, hf_download(spec, "model.safetensors", **options))
+    hf_download(spec, "config.json", **options)
     return load_backbone(weights.parent, map_location=map_location, allow_non_finite=allow_non_finite)
 
 
@@ -191,9 +163,6 @@ def push_to_hub(
     hf = require("huggingface_hub", "pushing to the Hugging Face Hub")
     errors = require("huggingface_hub.errors", "pushing to the Hugging Face Hub")
     api = hf.HfApi(endpoint=endpoint, token=token)
-    # huggingface_hub's HfHubHTTPError derives from its HTTP client's error class (requests', httpx's or
-    # httpx2's, by version), whose connection errors are not OSErrors.
-    failures = (OSError, *(c for c in errors.HfHubHTTPError.__bases__ if c is not OSError))
     with tempfile.TemporaryDirectory(prefix="bt_hub_push_") as tmp:
         folder = save_pretrained(
             model_or_backbone,
@@ -208,13 +177,13 @@ def push_to_hub(
             return api.upload_folder(
                 repo_id=repo_id, folder_path=folder, commit_message=commit_message, revision=revision
             )
-        except failures as err:
+        except hub_client_errors(errors) as err:
             raise _push_error(err, repo_id, api.endpoint, errors) from None
 
 
 def _push_error(err: BaseException, repo_id: str, endpoint: str, errors: Any) -> PushError:
     """One sentence for a failed push: what the Hub said (or that it was not reached) and what to do."""
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    first = first_line(err)
     status = getattr(getattr(err, "response", None), "status_code", None)
     if isinstance(err, errors.HfHubHTTPError) and status in (401, 403):
         fix = f"check the token (--token, HF_TOKEN or `hf auth login`) and that it may write to {repo_id}"

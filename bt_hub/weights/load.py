@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bt_hub.common.files import CheckpointError, file_sha256, read_file
+from bt_hub.common.files import CheckpointError, read_file
 from bt_hub.method.model import build_backbone
 from bt_hub.method.transforms import transforms_for
 from bt_hub.weights.formats import check_finite, check_fits, extract_projector, infer_architecture, read_backbone
@@ -41,7 +41,7 @@ def read_backbone_state_dict(
     resolved = resolve(source, progress=progress)
     state, info = read_backbone(resolved.path, allow_non_finite=allow_non_finite)
     info.update(
-        sha256=file_sha256(resolved.path),
+        sha256=resolved.fingerprint(),
         config=resolved.config,
         weights=resolved.record.short_name if resolved.record else None,
     )
@@ -50,7 +50,7 @@ def read_backbone_state_dict(
 
 def weights_fingerprint(source: WeightsSource) -> str:
     """The sha256 (hex) of the weights file behind ``source`` (recorded in results.json)."""
-    return file_sha256(resolve(source, progress=False).path)
+    return resolve(source, progress=False).fingerprint()
 
 
 def _architecture(

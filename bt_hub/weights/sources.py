@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from bt_hub.common.files import CheckpointError
+from bt_hub.common.files import CheckpointError, file_sha256
 from bt_hub.method.model import ARCHITECTURES
-from bt_hub.weights.download import DownloadError, download, hf_download
+from bt_hub.weights.download import DownloadError, download_with_sha256, hf_download
 from bt_hub.weights.registry import BarlowTwinsWeights, Weights, find_weights, list_weights
 
 WeightsSource = BarlowTwinsWeights | str | os.PathLike
@@ -48,12 +48,19 @@ class ResolvedWeights:
         path: the local weights file.
         config: the ``config.json`` that belongs to it (run directory, Hugging Face folder), or None.
         record: the registered weights it names, or None.
+        sha256: the file's sha256 when resolving computed it (the download cache checks every file it
+            returns), else None.
     """
 
     source: str
     path: Path
     config: dict[str, Any] | None
     record: Weights | None
+    sha256: str | None = None
+
+    def fingerprint(self) -> str:
+        """The sha256 (hex) of the weights file: the one its download check computed, else hashed now."""
+        return self.sha256 or file_sha256(self.path)
 
 
 def resolve(source: WeightsSource, *, progress: bool = True, projector: bool = False) -> ResolvedWeights:
@@ -74,7 +81,8 @@ def resolve(source: WeightsSource, *, progress: bool = True, projector: bool = F
     if text.startswith("hf://"):
         return _from_hub(text, text[len("hf://") :], None, projector)
     if text.startswith(("http://", "https://")):
-        return ResolvedWeights(text, download(text, progress=progress), None, None)
+        path, sha256 = download_with_sha256(text, progress=progress)
+        return ResolvedWeights(text, path, None, None, sha256)
     path = Path(text).expanduser()
     if path.exists():
         return _from_path(path, text)
@@ -108,8 +116,8 @@ def _from_record(member: BarlowTwinsWeights, progress: bool, projector: bool) ->
     record = member.value
     if record.url.startswith("hf://"):
         return _from_hub(record.short_name, record.url[len("hf://") :], record, projector)
-    path = download(record.url, file_name=record.file_name, sha256=record.sha256, progress=progress)
-    return ResolvedWeights(record.short_name, path, None, record)
+    path, sha256 = download_with_sha256(record.url, file_name=record.file_name, sha256=record.sha256, progress=progress)
+    return ResolvedWeights(record.short_name, path, None, record, sha256)
 
 
 def _from_hub(text: str, spec: str, record: Weights | None, projector: bool, *, bare: bool = False) -> ResolvedWeights:
