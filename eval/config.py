@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from bt_hub.common.config import RunConfig, out_field
+from bt_hub.common.config import MAX_IMAGE_SIZE, RunConfig, out_field
 from bt_hub.common.presets import preset_values
 from bt_hub.common.runs import check_run_dir
 from bt_hub.method.model import ARCHITECTURES
@@ -151,6 +151,11 @@ class EvalConfig(RunConfig):
         for flag, value in (("--batch-size", self.batch_size), ("--image-size", self.image_size)):
             if value is not None and value <= 0:
                 raise ValueError(f"{flag} must be positive, got {value}")
+        if self.image_size is not None and self.image_size > MAX_IMAGE_SIZE:
+            raise ValueError(
+                f"--image-size {self.image_size} is larger than {MAX_IMAGE_SIZE} px, the most bt-hub eval accepts "
+                "(the paper evaluates at 224 px); choose a smaller --image-size"
+            )
         if self.num_workers < 0:
             raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
         super().__post_init__()

@@ -84,6 +84,12 @@ class SuiteConfig(EvalConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not self.knn_k or any(k <= 0 for k in self.knn_k):
+            raise ValueError(f"--knn-k must list positive integers, got {self.knn_k}")
+        if self.voc07_devkit is not None and not Path(self.voc07_devkit).is_dir():
+            raise ValueError(
+                f"--voc07-devkit {self.voc07_devkit} is not a folder; point it to a VOC devkit or leave it out"
+            )
         preset_values(linear.LinearConfig, self.linear_preset)
         preset_values(semi_supervised.SemiSupervisedConfig, self.semi_preset)
         if any(f <= 0 or f > 100 for f in self.fractions):

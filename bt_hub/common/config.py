@@ -22,6 +22,7 @@ OVERWRITE_HELP = "write into an --out that is not empty and was not created by b
 
 SEED_MAX = 2**32 - 1  # numpy's legacy seeding takes 32 bits; torch, random and seed + epoch sums stay in range
 THREADS_MAX = 1024
+MAX_IMAGE_SIZE = 2048  # largest --image-size: batches are N x 3 x size^2 floats; the paper uses 224
 
 
 def check_device(device: str) -> None:

@@ -27,7 +27,7 @@ import torch.nn.functional as nnf
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from bt_hub.common.config import RunConfig, out_field
+from bt_hub.common.config import MAX_IMAGE_SIZE, RunConfig, out_field
 from bt_hub.common.distributed import (
     barrier,
     cleanup_distributed,
@@ -87,7 +87,6 @@ PROBE_SIZE = 256
 WEIGHTS_NAME = "backbone.safetensors"
 # What a run writes beside its checkpoint (a fresh run with --overwrite removes an earlier run's copies first).
 RUN_OUTPUTS = (WEIGHTS_NAME, "config.json", "cross_correlation_start.npy", "cross_correlation_end.npy")
-MAX_IMAGE_SIZE = 2048  # views are batch x 3 x size^2 floats; the paper trains at 224
 MAX_PROJECTOR_WIDTH = 32_768  # a width-w projector layer holds w^2 weights; the paper's widest is 16384
 
 
@@ -683,7 +682,8 @@ def _run_loop(loop: _Loop, step: int) -> int:
                     loop.run.log({"step": step, **row})
                     if loop.scalars is not None:
                         loop.scalars.log({"step": step, **row})
-                bar.set_postfix(loss=f"{float(terms.loss):.4g}", epoch=epoch, **postfix)  # before the line it shows in
+                # the postfix is set before update(1) so the line shows this step's values
+                bar.set_postfix(loss=f"{float(terms.loss.detach()):.4g}", epoch=epoch, **postfix)
                 bar.update(1)
                 if _checkpoint_due(step, loop.steps_per_epoch, loop.last_step, config.checkpoint_every):
                     _checkpoint(loop, step)

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from bt_hub.common.config import MAX_IMAGE_SIZE, check_seed
 from bt_hub.common.files import atomic_write, atomic_write_json, atomic_write_text, read_json
 from bt_hub.common.optional import require
 
@@ -284,9 +285,12 @@ class DetectionDataConfig:
     seed: int = field(default=0, metadata={"help": "seed of every image and shape"})
 
     def __post_init__(self) -> None:
+        check_seed(self.seed)
         for flag, value, low in (("--train", self.train, 1), ("--test", self.test, 1), ("--size", self.size, 32)):
             if value < low:
                 raise ValueError(f"{flag} must be >= {low}, got {value}")
+        if self.size > MAX_IMAGE_SIZE:
+            raise ValueError(f"--size {self.size} is larger than {MAX_IMAGE_SIZE} px; choose a smaller --size")
 
 
 def make_detection_data(config: DetectionDataConfig) -> Path:
