@@ -360,6 +360,19 @@ def test_every_head_of_a_grid_equals_that_head_trained_alone():
     assert not torch.equal(together.weight[0], together.weight[2])
 
 
+def test_a_diverged_head_keeps_its_weights_from_the_start_of_that_epoch_and_spares_the_others():
+    x, y = _separable(20, 3, 8, seed=8)
+    x = x * 1e19  # the LR-100 head overflows in its second step (epoch 0), the LR-1e-30 head never
+    hyper = {"epochs": 3, "batch_size": 16, "seed": 0, "progress": False}
+    heads = train_heads(x, y, 3, lrs=[1e-30, 100.0], weight_decays=[0.0, 0.0], **hyper)
+    alone = train_heads(x, y, 3, lrs=[1e-30], weight_decays=[0.0], **hyper)
+    torch.manual_seed(0)
+    init = make_classifier(8, 3)
+    assert heads.diverged == [None, 0]
+    assert torch.equal(heads.weight[1], init.weight.detach()) and torch.equal(heads.bias[1], init.bias.detach())
+    assert torch.equal(heads.weight[0], alone.weight[0]) and torch.equal(heads.bias[0], alone.bias[0])
+
+
 def test_grid_chooses_on_a_seeded_validation_split_of_the_training_data_never_the_test_split():
     train_x, train_y = _separable(40, 5, 16, seed=6)
     test_x, test_y = _separable(20, 5, 16, seed=7)
