@@ -123,9 +123,11 @@ class Comparison:
 
 
 def default_init_backbone(arch: str, small_image_stem: bool, seed: int) -> nn.Module:
-    """The backbone at torchvision's default initialisation (residual BN weights 1), built after ``manual_seed``."""
+    """The backbone at torchvision's default initialisation (residual BN weights 1, Kaiming-normal small stem)."""
     torch.manual_seed(seed)
     net = build_backbone(arch, small_image_stem=small_image_stem)
+    if small_image_stem:  # torchvision's initialisation of every convolution, which the 3x3 stem replaced
+        nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")
     for module in net.modules():
         if isinstance(module, Bottleneck):
             nn.init.ones_(module.bn3.weight)

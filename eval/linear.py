@@ -301,6 +301,11 @@ def grid_probe(
     """
     pairs = [(lr, wd) for wd in weight_decays for lr in lrs]
     fit_rows, val_rows = stratified_holdout(np.asarray(train_y), val_fraction, seed)
+    if not val_rows:
+        raise ValueError(
+            f"the {len(fit_rows)} training images hold at most one per class, so the grid has no validation split to "
+            "choose on; pass --search fixed (the preset's recipe) or label more images"
+        )
     heads = train_heads(
         train_x,
         train_y,

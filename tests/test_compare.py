@@ -97,7 +97,9 @@ def test_random_init_is_torchvisions_default_initialisation_of_the_same_network(
     zero_init = build_backbone("resnet18", small_image_stem=True)
     assert all(bool((block.bn2.weight == 1).all()) for layer in (net.layer1, net.layer4) for block in layer)
     assert all(bool((block.bn2.weight == 0).all()) for block in zero_init.layer1)
-    torch.testing.assert_close(net.conv1.weight, zero_init.conv1.weight)  # same seed, same draws otherwise
+    torch.testing.assert_close(net.layer1[0].conv1.weight, zero_init.layer1[0].conv1.weight)  # same seed, same draws
+    # the 3x3 stem gets torchvision's Kaiming-normal (fan_out, ReLU) like every torchvision convolution
+    assert abs(float(net.conv1.weight.std()) - (2 / (64 * 9)) ** 0.5) < 0.005
     assert not torch.equal(default_init_backbone("resnet18", True, seed=4).conv1.weight, net.conv1.weight)
 
 

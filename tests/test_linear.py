@@ -460,3 +460,12 @@ def test_cli_fixed_probe_stops_in_one_sentence_when_its_loss_becomes_non_finite(
     errors = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line or "Traceback" in line]
     assert len(errors) == 1 and re.search(r"training loss became non-finite in epoch \d+ with --lr 50", errors[0])
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_grid_without_a_validation_split_is_refused_in_one_sentence():
+    # Guards: one image per class left no validation rows and grid_probe raised ZeroDivisionError.
+    from bt_hub.eval.linear import grid_probe
+
+    x, y = torch.randn(3, 4), torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="at most one per class, so the grid has no validation split"):
+        grid_probe(x, y, x, y, 3, epochs=1, progress=False)
