@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import machine  # benchmarks/machine.py, beside this script
 import numpy as np
 
 BROKEN: dict[str, Callable[[dict[Any, dict[str, Any]], int], dict[Any, dict[str, Any]]]] = {
@@ -140,17 +141,6 @@ def broken_scores(run_dir: Path, data: Path) -> dict[str, float]:
     return {name: s["bbox"]["AP50"] for name, s in scores.items()}
 
 
-def _cpu_flags() -> str:
-    """The CPU model and its vector-instruction flags (lscpu), printed beside the numbers."""
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "lscpu unavailable"
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    flags = [f for f in fields.get("Flags", "").split() if f.startswith(("avx", "amx", "fma", "sse4"))]
-    return f"{fields.get('Model name', '?').strip()}; flags: {' '.join(flags)}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -217,7 +207,7 @@ def main() -> None:
     tasks = ["bbox", "segm"] if any("segm_AP" in r for r in results) else ["bbox"]
     metrics = [f"{t}_{m}" for t in tasks for m in ("AP", "AP50", "AP75")]
     print(f"config {args.config}, device {args.device}, {args.threads} threads, {os.cpu_count()} CPU cores")
-    print(f"CPU: {_cpu_flags()}")
+    print(f"CPU: {machine.cpu()}")
     print(
         "| engine | data / weights seed | "
         + " | ".join(metrics)

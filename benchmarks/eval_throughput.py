@@ -39,6 +39,7 @@ from torchvision import datasets
 from torchvision import transforms as T
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402
 from pretrain_throughput import write_jpegs  # noqa: E402
 
 from bt_hub.eval.features import extract_features  # noqa: E402
@@ -46,8 +47,6 @@ from bt_hub.method.model import build_backbone  # noqa: E402
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms  # noqa: E402
 from bt_hub.train.data import build_dataset  # noqa: E402
 from bt_hub.train.precision import autocast_dtype, resolve_precision  # noqa: E402
-
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")
 
 
 def _sync(device: torch.device) -> None:
@@ -130,17 +129,10 @@ def reference_loop(args: argparse.Namespace, data: Path, device: torch.device) -
     return len(dataset) / (time.perf_counter() - tick)
 
 
-def machine() -> str:
-    """The CPU's model and the flags that decide bf16 speed, and the load average now (``uptime``)."""
-    text = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    flags = set(fields.get("Flags", "").split())
+def machine_line() -> str:
+    """The CPU's model and vector flags (:func:`machine.cpu`), its logical CPUs, and the load now (``uptime``)."""
     uptime = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
-    return (
-        f"CPU: {fields.get('Model name', '?').strip()}, {os.cpu_count()} logical CPUs; "
-        f"lscpu flags: {' '.join(f for f in CPU_FLAGS if f in flags) or 'none of ' + ', '.join(CPU_FLAGS)}\n"
-        f"uptime: {uptime}"
-    )
+    return f"CPU: {machine.cpu()}; {os.cpu_count()} logical CPUs\nuptime: {uptime}"
 
 
 def _table(rows: dict[str, float], header: str) -> str:
@@ -186,7 +178,7 @@ def main() -> None:
         f"{args.arch}{' small stem' if args.small_image_stem else ''}, {args.image_size} px, batch "
         f"{args.batch_size}, {name}, bt_hub precision {precision}, channels-last, decode {args.decode}, "
         f"{args.workers} workers, {args.batch_size * args.steps} JPEGs {width}x{height} q90; torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads\n{machine()}"
+        f"{torch.__version__}, {torch.get_num_threads()} threads\n{machine_line()}"
     )
     print(header, flush=True)
     rows: dict[str, float] = {}
@@ -209,7 +201,7 @@ def main() -> None:
             tick = time.perf_counter()
             rows[label] = run()
             print(f"{label}: {rows[label]:.1f} images/s ({time.perf_counter() - tick:.0f} s)", flush=True)
-    table = _table(rows, header) + f"\nuptime after: {machine().splitlines()[-1].removeprefix('uptime: ')}"
+    table = _table(rows, header) + f"\nuptime after: {machine_line().splitlines()[-1].removeprefix('uptime: ')}"
     b = next((v for k, v in rows.items() if k.startswith("(b)")), None)
     c = next((v for k, v in rows.items() if k.startswith("(c)")), None)
     if b and c:

@@ -22,9 +22,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import time
 
+import machine  # benchmarks/machine.py, beside this script
 import torch
 import torch.nn.functional as F
 
@@ -34,17 +34,6 @@ from bt_hub.eval.splits import load_splits
 from bt_hub.method.model import build_backbone
 from bt_hub.method.transforms import eval_transforms
 from bt_hub.weights import load_backbone
-
-
-def _cpu() -> str:
-    """The CPU model and its vector-instruction flags (lscpu)."""
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "lscpu unavailable"
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    flags = [f for f in fields.get("Flags", "").split() if f.startswith(("avx", "amx", "fma", "sse4"))]
-    return f"{fields.get('Model name', '?').strip()}; flags: {' '.join(flags)}"
 
 
 def main() -> None:
@@ -83,7 +72,7 @@ def main() -> None:
     found = grid_probe(train_x, train_y, test_x, test_y, 10, **hyper)
     one, many = seconds.values()
     cpu_one, cpu_many = cpu.values()
-    print(f"cpu: {_cpu()}")
+    print(f"cpu: {machine.cpu()}")
     print(f"load average: {' '.join(f'{v:.2f}' for v in os.getloadavg())}; torch threads: {args.threads}")
     print(
         f"digits: {len(train_y)} training features of {train_x.shape[1]} dims, {args.epochs} epochs, "
