@@ -17,7 +17,6 @@ endpoint, the repo and the fix.
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -221,9 +220,17 @@ class PushConfig:
     commit_message: str = field(default="Upload Barlow Twins weights with bt_hub", metadata={"help": "commit message"})
 
     def __post_init__(self) -> None:
-        parts = self.repo_id.split("/")
-        if len(parts) != 2 or not all(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", part) for part in parts):
-            raise ValueError(f"--repo-id must be 'org/name' of letters, digits, '-', '_' and '.', got {self.repo_id!r}")
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        if self.repo_id.count("/") != 1:
+            raise ValueError(f"--repo-id must be 'org/name', got {self.repo_id!r}")
+        try:
+            validate_repo_id(self.repo_id)
+        except HFValidationError as err:
+            raise ValueError(
+                f"--repo-id {self.repo_id!r} is not a name the Hub accepts (letters, digits, '-', '_' and '.', "
+                "no '--' or '..', neither end '-' or '.', at most 96 characters)"
+            ) from err
         for path in self.results:
             if not Path(path).is_file():
                 raise ValueError(f"--results file {path} does not exist")
