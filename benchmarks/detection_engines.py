@@ -11,7 +11,7 @@
     python benchmarks/detection_engines.py --out /tmp/detseeds --seeds 0 1 2 3 4 --broken
 
 Writes the generated shapes (``bt-hub make-detection-data`` with its defaults) and a seeded
-random ResNet-50 exported with ``bt-hub export``, then runs
+ResNet-50 at torchvision's default initialisation, exported with ``bt-hub export``, then runs
 ``bt-hub detect --engine E --config shapes-voc`` for each engine in a child process limited
 to ``--threads`` threads (both engines read the same YAML). The table gives the held-out AP,
 AP50 and AP75 (box, and mask for ``shapes-coco``), the median seconds per training iteration,
@@ -59,18 +59,22 @@ def _bt_hub(*args: str, env: dict[str, str]) -> None:
 
 
 def _weights(out: Path, env: dict[str, str], seed: int) -> Path:
-    """A seeded random torchvision ResNet-50, exported as a torchvision .pth by ``bt-hub export``."""
+    """A seeded ResNet-50 at torchvision's default initialisation, exported as a torchvision .pth by ``bt-hub export``.
+
+    torchvision's own initialisation, not bt_hub's pretraining one (``zero_init_residual``): with every
+    residual branch zeroed, the network starts as a chain of strided 1x1 shortcuts and the check
+    measures that degenerate start more than the installation.
+    """
     import torch
+    import torchvision
 
-    from bt_hub.method.model import build_backbone
-
-    name = f"r50_random_seed{seed}"  # the seed in the name: another --weights-seed never reuses these weights
+    name = f"r50_torchvision_init_seed{seed}"  # the seed in the name: another --weights-seed never reuses these weights
     exported = sorted(out.glob(f"{name}-*.pth"))
     if exported:
         return exported[0]
     torch.manual_seed(seed)
     source = out / f"{name}_source.pth"
-    torch.save(build_backbone("resnet50").state_dict(), source)
+    torch.save(torchvision.models.resnet50().state_dict(), source)
     _bt_hub("export", "--weights", str(source), "--format", "torchvision", "--out", str(out / f"{name}.pth"), env=env)
     return sorted(out.glob(f"{name}-*.pth"))[0]
 
@@ -160,7 +164,9 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (--device of bt-hub detect)")
     parser.add_argument("--data-seed", type=int, default=0, help="--seed of make-detection-data")
-    parser.add_argument("--weights-seed", type=int, default=0, help="seed of the random ResNet-50")
+    parser.add_argument(
+        "--weights-seed", type=int, default=0, help="seed of the ResNet-50 at torchvision's default initialisation"
+    )
     parser.add_argument(
         "--seeds",
         type=int,

@@ -40,9 +40,10 @@ COCO_TRAIN_SIZES = (640, 672, 704, 736, 768, 800)
 
 @pytest.fixture(scope="module")
 def r50_weights(seeded_weights) -> Path:
-    """A seeded, freshly initialised torchvision ResNet-50.
+    """A seeded, freshly initialised ResNet-50 (bt_hub's ``build_backbone``: residual branches zeroed).
 
-    This is what a training run starts from in the installation check of docs/detection.md.
+    Enough for the few-iteration runs here; the installation check of docs/detection.md starts
+    from torchvision's default initialisation instead (tests/test_detection_check.py).
     """
     return seeded_weights("resnet50")
 
