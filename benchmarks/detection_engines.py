@@ -58,6 +58,20 @@ def _bt_hub(*args: str, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "-m", "bt_hub.cli", *args], check=True, env=env)
 
 
+def child_env(threads: int) -> dict[str, str]:
+    """The environment of each child process: ``threads`` OpenMP/MKL threads that sleep while they wait.
+
+    PASSIVE: on a shared machine spinning threads can multiply the CPU time of a step several
+    times over (the compute is the same).
+    """
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "OMP_WAIT_POLICY": "PASSIVE",
+    }
+
+
 def _weights(out: Path, env: dict[str, str], seed: int) -> Path:
     """A seeded ResNet-50 at torchvision's default initialisation, exported as a torchvision .pth by ``bt-hub export``.
 
@@ -188,14 +202,7 @@ def main() -> None:
             engines = ["torchvision", "detectron2"]
         except ImportError:
             engines = ["torchvision"]
-    # PASSIVE: OpenMP threads sleep instead of spinning while they wait; on a shared machine the
-    # spinning can multiply the CPU time of a step several times over (the compute is the same).
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(args.threads),
-        "MKL_NUM_THREADS": str(args.threads),
-        "OMP_WAIT_POLICY": "PASSIVE",
-    }
+    env = child_env(args.threads)
     runs = [(s, s, args.out / f"seed-{s}") for s in args.seeds] if args.seeds else []
     runs = runs or [(args.data_seed, args.weights_seed, args.out)]
     results = []

@@ -55,9 +55,7 @@ def test_the_check_starts_from_torchvisions_default_initialisation_not_zeroed_re
 
 @pytest.mark.slow
 def test_the_seed_that_failed_now_clears_the_bar_with_a_margin_and_broken_installations_fall_far_below(check, tmp_path):
-    import os
-
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+    env = check.child_env(threads=2)  # the check's 2 threads, as the benchmark runs it
     data = tmp_path / "data"
     assert cli_main(["make-detection-data", "--out", str(data), "--seed", "7"]) == 0
     weights = check._weights(tmp_path, env, seed=7)
