@@ -42,11 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # noqa: E402
 from pretrain_throughput import write_jpegs  # noqa: E402
 
+from bt_hub.data.datasets import build_dataset  # noqa: E402
+from bt_hub.data.precision import autocast_dtype, resolve_precision  # noqa: E402
 from bt_hub.eval.features import extract_features  # noqa: E402
 from bt_hub.method.model import build_backbone  # noqa: E402
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms  # noqa: E402
-from bt_hub.train.data import build_dataset  # noqa: E402
-from bt_hub.train.precision import autocast_dtype, resolve_precision  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from bt_hub.data.datasets import build_dataset
 from bt_hub.eval.classifier import (
     evaluate_features,
     evaluate_loader,
@@ -34,7 +35,6 @@ from bt_hub.eval.features import TransformedDataset, extract_features, train_tra
 from bt_hub.eval.linear import FrozenBackboneClassifier
 from bt_hub.method.model import build_backbone
 from bt_hub.method.transforms import eval_transforms
-from bt_hub.train.data import build_dataset
 from bt_hub.weights import load_backbone
 
 HYPER = {"lr": 0.3, "weight_decay": 1e-6, "momentum": 0.9, "schedule": "cosine", "milestones": []}

@@ -26,11 +26,11 @@ import torchvision.transforms as T
 from PIL import Image, ImageFilter, ImageOps
 from torch import nn
 
+from bt_hub.data.datasets import build_dataset, to_uint8_tensor
 from bt_hub.method.loss import barlow_twins_loss
 from bt_hub.method.model import BarlowTwins
 from bt_hub.method.optim import LARS, param_groups, set_learning_rates
 from bt_hub.method.views import BatchedTwoViews
-from bt_hub.train.data import build_dataset, to_uint8_tensor
 
 
 class _PilBlur:

@@ -42,9 +42,9 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pretrain_step import ReferenceLoss, reference_transforms  # noqa: E402
 
+from bt_hub.data.precision import autocast_dtype, resolve_precision  # noqa: E402
 from bt_hub.method.model import BarlowTwins  # noqa: E402
 from bt_hub.method.optim import LARS, param_groups  # noqa: E402
-from bt_hub.train.precision import autocast_dtype, resolve_precision  # noqa: E402
 from bt_hub.train.pretrain import PretrainConfig, pretrain  # noqa: E402
 
 UNIQUE_IMAGES = 256  # distinct pictures; the files repeat them (decoding costs the same)

@@ -383,7 +383,7 @@ def plot(result: Comparison, path: Path) -> Path:
     """Grouped bars with error bars (± one standard deviation over the seeds), written atomically as PNG."""
     import matplotlib
 
-    from bt_hub.train.plots import save_png
+    from bt_hub.data.plots import save_png
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

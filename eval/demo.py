@@ -32,6 +32,7 @@ from bt_hub.common.files import atomic_write_json, atomic_write_text
 from bt_hub.common.presets import from_preset, preset_values
 from bt_hub.common.records import seeds_text
 from bt_hub.common.runs import LOCK_NAME, MARKER_NAME, check_run_dir, claim_run_dir, package_version
+from bt_hub.data.plots import run_plots
 from bt_hub.eval.compare import (
     SUPERVISED,
     CompareConfig,
@@ -45,7 +46,6 @@ from bt_hub.eval.compare import plot as plot_comparison
 from bt_hub.eval.features import features_for
 from bt_hub.eval.splits import splits_for
 from bt_hub.method.model import ARCHITECTURES
-from bt_hub.train.plots import run_plots
 from bt_hub.train.pretrain import PretrainConfig, pretrain
 from bt_hub.weights import load_backbone, weights_fingerprint
 

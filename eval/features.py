@@ -58,12 +58,12 @@ from bt_hub.common.distributed import (
 from bt_hub.common.files import atomic_write, atomic_write_json, file_sha256
 from bt_hub.common.progress import progress
 from bt_hub.common.runs import claim_run_dir
+from bt_hub.data.datasets import to_uint8_tensor
+from bt_hub.data.decode import EncodedImage, read_encoded, to_device_images
+from bt_hub.data.precision import autocast_dtype, resolve_precision
+from bt_hub.data.prefetch import Prefetcher
 from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalConfig, EvalWarning
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms
-from bt_hub.train.data import to_uint8_tensor
-from bt_hub.train.decode import EncodedImage, read_encoded, to_device_images
-from bt_hub.train.precision import autocast_dtype, resolve_precision
-from bt_hub.train.prefetch import Prefetcher
 
 Pool = Literal["avg", "voc_res5"]
 
@@ -291,10 +291,10 @@ def iter_feature_batches(
 
     A per-image ``transform`` runs in the loader's workers (the PIL path). A
     ``DeviceEvalTransform`` is the pretraining pipeline's path: workers only read bytes
-    (``EncodedItems``), the batch is decoded on ``device`` (``bt_hub.train.decode``: nvJPEG on
+    (``EncodedItems``), the batch is decoded on ``device`` (``bt_hub.data.decode``: nvJPEG on
     CUDA, libjpeg-turbo on the CPU, PIL for what they refuse), resized, cropped and normalised
     there, and on CUDA the next batch is prepared on a side stream while this one runs
-    (``bt_hub.train.prefetch``). ``precision`` is a resolved ``--precision`` (fp32, bf16, fp16:
+    (``bt_hub.data.prefetch``). ``precision`` is a resolved ``--precision`` (fp32, bf16, fp16:
     the autocast dtype); the backbone and its inputs are channels-last. ``desc`` names the
     progress report (``features train``, ``features test``).
     """
@@ -588,7 +588,7 @@ def load_eval_backbone(config: EvalConfig) -> tuple[nn.Module, str]:
 
     Also settles ``config.image_size`` (see ``eval_image_size``) and records why in
     ``config.image_size_from``, before any data is drawn at that size, and resolves ``auto`` in
-    ``config.precision`` (``bt_hub.train.precision``).
+    ``config.precision`` (``bt_hub.data.precision``).
     """
     from bt_hub.weights import load_backbone, weights_fingerprint
 

@@ -31,9 +31,9 @@ from PIL import Image
 from torch.utils.data import Dataset, Subset
 
 from bt_hub.common.files import file_sha256
+from bt_hub.data.datasets import SPLITS, ArrayImageDataset, build_dataset
 from bt_hub.eval.features import dataset_fingerprint
 from bt_hub.eval.label_subsets import balanced_subset_indices
-from bt_hub.train.data import SPLITS, ArrayImageDataset, build_dataset
 
 OVERLAP_SAMPLE = 64  # test images whose bytes are compared with the training split's
 OVERLAP_SHARE = 0.1  # refuse when this share of the sample (and at least 2) is found in train

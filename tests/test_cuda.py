@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from bt_hub import cli
+from bt_hub.data.datasets import build_dataset
 from bt_hub.eval.features import extract_features
 from bt_hub.eval.knn import knn_search
 from bt_hub.method.loss import barlow_twins_loss
 from bt_hub.method.model import build_backbone
 from bt_hub.method.transforms import eval_transforms
-from bt_hub.train.data import build_dataset
 from bt_hub.weights import load_backbone
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

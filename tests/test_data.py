@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bt_hub.train.data import WithIndex, build_dataset, load_digits_split, synthetic_dataset, to_uint8_tensor
+from bt_hub.data.datasets import WithIndex, build_dataset, load_digits_split, synthetic_dataset, to_uint8_tensor
 
 
 def test_digits_are_upsampled_rgb_images_with_ten_stratified_classes():

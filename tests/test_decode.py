@@ -11,6 +11,7 @@ import torch
 from PIL import Image, JpegImagePlugin
 
 from bt_hub.cli import main as cli_main
+from bt_hub.data.decode import decode_images, device_decodable, read_encoded, resolve_decode
 from bt_hub.method.views import (
     VIEW_A,
     VIEW_B,
@@ -20,7 +21,6 @@ from bt_hub.method.views import (
     sample_view_params,
     to_float_rgb,
 )
-from bt_hub.train.decode import decode_images, device_decodable, read_encoded, resolve_decode
 
 SIZES = [(37, 53), (64, 48), (20, 90), (75, 75), (33, 41)]
 
@@ -215,7 +215,7 @@ def test_pretraining_from_files_decoded_on_the_device_path_equals_decoding_in_wo
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_nvjpeg_batch_decode_equals_pil_and_falls_back_for_cmyk_png_and_a_rejected_batch(tmp_path, monkeypatch):
-    import bt_hub.train.decode as decode
+    import bt_hub.data.decode as decode
 
     files = write_images(tmp_path)
     paths = list(files.values())

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from bt_hub import cli
+from bt_hub.data.datasets import ArrayImageDataset
 from bt_hub.eval.config import EvalWarning
 from bt_hub.eval.features import FeatureCache, cache_problem, dataset_fingerprint, extract_features
 from bt_hub.method.knn import knn_vote
-from bt_hub.train.data import ArrayImageDataset
 
 
 def _run(argv: list[str], out: Path) -> dict:

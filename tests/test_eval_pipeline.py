@@ -14,14 +14,14 @@ from torch import nn
 
 from bt_hub import cli
 from bt_hub.common.images import open_rgb
+from bt_hub.data.datasets import build_dataset
+from bt_hub.data.decode import decode_images, read_encoded
 from bt_hub.eval.classifier import evaluate_features, train_on_features
 from bt_hub.eval.features import extract_features
 from bt_hub.eval.knn import knn_classify
 from bt_hub.eval.splits import load_splits
 from bt_hub.method.model import build_backbone
 from bt_hub.method.transforms import IMAGENET_STD, DeviceEvalTransform, eval_transforms
-from bt_hub.train.data import build_dataset
-from bt_hub.train.decode import decode_images, read_encoded
 
 FORMATS = {
     "jpeg 4:4:4": ("jpg", {"quality": 95, "subsampling": 0}),

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from bt_hub.data.datasets import ArrayImageDataset
 from bt_hub.eval.features import (
     FeatureCache,
     as_float32,
@@ -17,7 +18,6 @@ from bt_hub.eval.features import (
 )
 from bt_hub.method.model import build_backbone
 from bt_hub.method.transforms import eval_transforms
-from bt_hub.train.data import ArrayImageDataset
 
 
 def _dataset(n: int = 10, size: int = 8, seed: int = 0) -> ArrayImageDataset:

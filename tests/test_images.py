@@ -8,9 +8,9 @@ import torch
 from PIL import Image
 
 from bt_hub.common.images import ImageFileError, open_rgb, to_rgb
+from bt_hub.data.datasets import build_dataset
+from bt_hub.data.decode import decode_on_cpu, read_encoded
 from bt_hub.method.views import TwoViewTransform
-from bt_hub.train.data import build_dataset
-from bt_hub.train.decode import decode_on_cpu, read_encoded
 
 RNG = np.random.default_rng(0)
 GRAY8 = RNG.integers(0, 256, (12, 10), dtype=np.uint8)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from bt_hub.data.datasets import ImageFolderDataset
 from bt_hub.eval.label_subsets import (
     PUBLISHED_SUBSETS,
     balanced_subset_indices,
@@ -17,7 +18,6 @@ from bt_hub.eval.label_subsets import (
     read_subset_file,
     subset_indices,
 )
-from bt_hub.train.data import ImageFolderDataset
 
 
 @pytest.mark.parametrize("name, lines", [("1percent.txt", 12_811), ("10percent.txt", 128_116)])

@@ -21,12 +21,13 @@ import bt_hub
 from bt_hub import cli
 
 # Lowest first; a module may import its own layer and those before it.
-LAYERS = ["common", "method", "train", "weights", "eval", "detection", "cli"]
+LAYERS = ["common", "method", "data", "train", "weights", "eval", "detection", "cli"]
 PREFIXES = [  # most specific first
     ("bt_hub.eval.detection", "detection"),
     ("bt_hub.detection_configs", "detection"),
     ("bt_hub.common", "common"),
     ("bt_hub.method", "method"),
+    ("bt_hub.data", "data"),
     ("bt_hub.train", "train"),
     ("bt_hub.weights", "weights"),
     ("bt_hub.eval", "eval"),

@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-import bt_hub.train.precision as precision
+import bt_hub.data.precision as precision
 from bt_hub.cli import main as cli_main
 from bt_hub.common.progress import LineProgress, progress
 from bt_hub.method.knn import knn_vote, nearest_neighbours

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import bt_hub.train.pretrain as pretrain_module
 from bt_hub.cli import main as cli_main
-from bt_hub.train.prefetch import Prefetcher
+from bt_hub.data.prefetch import Prefetcher
 
 DEVICES = [
     "cpu",

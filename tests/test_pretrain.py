@@ -351,7 +351,7 @@ def test_views_follow_crop_scale_min_no_flip_and_no_blur_and_keep_the_rest_of_th
 
 def test_channels_last_auto_follows_the_resolved_precision():
     # Guards: the CLI default was NCHW while benchmarks/pretrain_step.py measured bt_hub channels-last.
-    from bt_hub.train.precision import resolve_channels_last
+    from bt_hub.data.precision import resolve_channels_last
 
     assert [resolve_channels_last("auto", p) for p in ("bf16", "fp16", "fp32")] == ["on", "on", "off"]
     assert resolve_channels_last("off", "bf16") == "off" and resolve_channels_last("on", "fp32") == "on"

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from bt_hub import cli
+from bt_hub.data.datasets import ImageFolderDataset
 from bt_hub.eval.splits import check_disjoint, indices_sha256, load_splits, stratified_holdout
-from bt_hub.train.data import ImageFolderDataset
 
 PROTOCOLS = ["knn", "linear", "semi", "transfer", "all"]
 

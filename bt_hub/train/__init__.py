@@ -1,1 +1,1 @@
-"""Pretraining machinery: the loop, data, decoding, prefetching, exact resume, the kNN monitor, precision."""
+"""Pretraining machinery: the loop, exact resume, the kNN monitor."""

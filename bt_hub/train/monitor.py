@@ -19,9 +19,9 @@ from PIL import Image
 from torch import nn
 
 from bt_hub.common.optional import require
+from bt_hub.data.datasets import ImageFolderDataset, build_dataset, to_uint8_tensor
 from bt_hub.method.knn import knn_vote, nearest_neighbours
 from bt_hub.method.transforms import normalize
-from bt_hub.train.data import ImageFolderDataset, build_dataset, to_uint8_tensor
 from bt_hub.train.resume import seeded_generator
 
 MONITOR_K = 20

@@ -40,15 +40,15 @@ from bt_hub.common.distributed import (
 from bt_hub.common.files import atomic_write, atomic_write_json, read_json, write_safetensors
 from bt_hub.common.progress import progress
 from bt_hub.common.runs import RunDir
+from bt_hub.data.datasets import build_dataset, to_uint8_tensor
+from bt_hub.data.decode import collate_list, read_encoded, resolve_decode, to_device_images
+from bt_hub.data.precision import autocast_dtype, resolve_channels_last, resolve_precision
+from bt_hub.data.prefetch import Prefetcher
 from bt_hub.method.loss import EPS, LAMBD, LossTerms, barlow_twins_loss
 from bt_hub.method.model import ARCHITECTURES, BarlowTwins, parse_projector
 from bt_hub.method.optim import LARS, param_groups, set_learning_rates
 from bt_hub.method.views import VIEW_A, VIEW_B, BatchedTwoViews, TwoViewTransform, ViewParams
-from bt_hub.train.data import build_dataset, to_uint8_tensor
-from bt_hub.train.decode import collate_list, read_encoded, resolve_decode, to_device_images
 from bt_hub.train.monitor import KnnMonitor, TensorBoardScalars, monitor_sets
-from bt_hub.train.precision import autocast_dtype, resolve_channels_last, resolve_precision
-from bt_hub.train.prefetch import Prefetcher
 from bt_hub.train.resume import (
     CHECKPOINT_NAME,
     EpochBatchSampler,

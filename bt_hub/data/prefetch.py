@@ -1,6 +1,6 @@
 """Prepare the next batches while the device trains on this one.
 
-Pretraining on a GPU decodes the JPEGs and draws the views on the GPU (``bt_hub.train.decode``,
+Pretraining on a GPU decodes the JPEGs and draws the views on the GPU (``bt_hub.data.decode``,
 ``bt_hub.method.views``). Done in the training thread, that work waits for the step before it
 (every ``nonzero`` or host-to-device copy synchronises the stream) and the GPU then waits for
 it: the two run one after the other. :class:`Prefetcher` moves it to a background thread with

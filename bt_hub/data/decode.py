@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from bt_hub.common.images import open_rgb
-from bt_hub.train.data import to_uint8_tensor
+from bt_hub.data.datasets import to_uint8_tensor
 
 DECODE_MODES = ("auto", "device", "workers")
 # Start-of-frame markers (baseline, extended, progressive, lossless, arithmetic), not DHT/JPG/DAC.
