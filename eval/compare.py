@@ -489,7 +489,7 @@ def run(config: CompareConfig) -> str:
     """
     from bt_hub.weights import load_backbone, weights_fingerprint
 
-    out = claim_run_dir(config.out, overwrite=config.overwrite)
+    out = claim_run_dir(config.out, kind="eval", overwrite=config.overwrite)
     tick = time.perf_counter()
     with process_group(config.device) as device:
         networks = {

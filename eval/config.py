@@ -168,7 +168,7 @@ class EvalConfig(RunConfig):
         preset = getattr(self, "preset", None)
         if preset is not None:
             preset_values(type(self), preset)  # an unknown name fails here, listing the valid ones
-        check_run_dir(self.out, overwrite=self.overwrite)
+        check_run_dir(self.out, kind="eval", overwrite=self.overwrite)
 
 
 def preset_warnings(config: Any, *, num_classes: int, train_images: int, image_side: int | None) -> list[str]:

@@ -161,7 +161,7 @@ def _claim_out(config: DemoConfig) -> Path:
     ``--overwrite`` it writes only into a new or empty folder (bt_hub's marker aside), so no earlier
     demo, pretraining run, evaluation or file of the user's is replaced. It never deletes anything.
     """
-    out = check_run_dir(config.out, overwrite=config.overwrite)
+    out = check_run_dir(config.out, kind="demo", overwrite=config.overwrite)
     held = sorted(p.name for p in out.iterdir() if p.name not in (MARKER_NAME, LOCK_NAME)) if out.is_dir() else []
     if held and not config.overwrite:
         shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
@@ -170,7 +170,7 @@ def _claim_out(config: DemoConfig) -> Path:
             "new --out, or pass --overwrite to replace the demo's files there (report.md, results.json, the plots, "
             "pretrain/)"
         )
-    return claim_run_dir(out, overwrite=config.overwrite)
+    return claim_run_dir(out, kind="demo", overwrite=config.overwrite)
 
 
 def _pretrain(config: DemoConfig, directory: Path) -> Path:

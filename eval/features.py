@@ -593,7 +593,7 @@ def load_eval_backbone(config: EvalConfig) -> tuple[nn.Module, str]:
     from bt_hub.weights import load_backbone, weights_fingerprint
 
     if is_main_process():  # every protocol starts here: claim --out before any work or write
-        claim_run_dir(config.out, overwrite=config.overwrite)
+        claim_run_dir(config.out, kind="eval", overwrite=config.overwrite)
     backbone = load_backbone(
         config.weights,
         arch=config.arch,

@@ -530,7 +530,7 @@ def _run(config: LinearConfig, device: torch.device) -> dict[str, Any]:
         config, num_classes=len(splits.classes), train_images=len(splits.train), image_side=splits.image_side()
     )
     num_classes = len(splits.classes)
-    run_dir = RunDir(config.out, config, write=is_main_process())
+    run_dir = RunDir(config.out, config, write=is_main_process(), kind="eval")
     schedule = {
         "epochs": config.epochs,
         "weight_decay": config.weight_decay,

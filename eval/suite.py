@@ -118,7 +118,7 @@ def _given(**values: Any) -> dict[str, Any]:
 def run(config: SuiteConfig) -> dict[str, Any]:
     """Run every protocol on ``--weights``; return ``{"results": [record, ...], "wall_time_s": ...}``."""
     tick = time.perf_counter()
-    out = claim_run_dir(config.out, overwrite=config.overwrite)
+    out = claim_run_dir(config.out, kind="eval", overwrite=config.overwrite)
     cache_dir = config.cache_dir or str(out / "feature_cache")
     records = [knn.run(knn.KnnConfig(**_shared(config, out / "knn", cache_dir=cache_dir), k=list(config.knn_k)))]
     records.append(

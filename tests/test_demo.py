@@ -109,10 +109,8 @@ def test_demo_rejects_a_directory_it_did_not_write(tmp_path, capsys):
 
 def test_demo_never_deletes_a_pretraining_run_at_out_pretrain(tmp_path, capsys):
     # Guards: the demo removed OUT/pretrain whenever it held a run.json, a user's pretraining run and files included.
-    out = claim_run_dir(
-        tmp_path / "runs"
-    )  # a folder an earlier bt-hub command made, as `bt-hub demo --out runs` finds it
-    with RunDir(out / "pretrain", {"projector": "128-128-32", "lr_weights": 8.0}) as run:  # bt-hub pretrain's records
+    out = claim_run_dir(tmp_path / "runs", kind="demo")  # an earlier demo, as `bt-hub demo --out runs` finds it
+    with RunDir(out / "pretrain", {"projector": "128-128-32", "lr_weights": 8.0}, kind="pretrain") as run:
         (run.path / "backbone.safetensors").write_bytes(b"weights of a long run")
         (run.path / "notes.txt").write_text("mine")
     before = _snapshot(tmp_path)
@@ -123,7 +121,7 @@ def test_demo_never_deletes_a_pretraining_run_at_out_pretrain(tmp_path, capsys):
 
 def test_demo_never_replaces_a_users_report_in_a_bt_hub_folder(tmp_path, capsys):
     # Guards: the demo wrote report.md and results.json into any folder carrying bt_hub's marker, exit 0.
-    out = claim_run_dir(tmp_path / "out")
+    out = claim_run_dir(tmp_path / "out", kind="demo")
     (out / "report.md").write_text("# my report")
     (out / "results.json").write_text('{"mine": 1}')
     before = _snapshot(tmp_path)

@@ -97,7 +97,7 @@ def test_out_that_is_a_file_fails_in_one_sentence_before_the_model_is_built(tmp_
 def test_a_second_run_into_a_locked_directory_fails_at_once_naming_the_holder(tmp_path, capsys):
     # Guards: two runs into one --out interleaved their metrics and mixed their run.json and weights.
     out = tmp_path / "run"
-    claim_run_dir(out)
+    claim_run_dir(out, kind="pretrain")
     holder = subprocess.Popen(
         [
             sys.executable,
@@ -220,7 +220,7 @@ def test_a_file_over_the_size_limit_is_one_sentence_and_keeps_the_previous_file(
 
 def test_disk_full_while_logging_is_one_sentence_and_leaves_the_log_whole(tmp_path, monkeypatch):
     # Guards: a full disk while logging metrics failed with a raw "[Errno 28] No space left on device".
-    run = RunDir(tmp_path / "run")
+    run = RunDir(tmp_path / "run", kind="pretrain")
     run.log({"step": 1, "loss": 1.0})
     real_write = os.write
 
@@ -291,7 +291,7 @@ def test_eval_on_cuda_without_cuda_fails_up_front_in_one_sentence(monkeypatch, c
 
 def test_run_json_keeps_the_first_run_and_appends_each_resume(tmp_path):
     # Guards: every resume rewrote run.json, losing the original command, start time and host.
-    run = RunDir(tmp_path / "run")
+    run = RunDir(tmp_path / "run", kind="pretrain")
     run.start({"lr": 0.1, "max_steps": 2}, 0)
     first = json.loads((tmp_path / "run" / "run.json").read_text())
     run.start({"lr": 0.1, "max_steps": 5}, 2)

@@ -45,14 +45,6 @@ from bt_hub.common.files import (
 
 MARKER_NAME = ".bt_hub_run"
 LOCK_NAME = ".bt_hub_run.lock"
-# The kind of folder a caller that names none writes, from the module it lives in (first match).
-KIND_OF_MODULE = (
-    ("bt_hub.train", "pretrain"),
-    ("bt_hub.eval.detection", "detect"),
-    ("bt_hub.eval.demo", "demo"),
-    ("bt_hub.eval", "eval"),
-    ("bt_hub.weights", "export"),
-)
 
 
 class RunDirBusyError(RuntimeError):
@@ -121,34 +113,14 @@ def run_kind(path: str | os.PathLike) -> str | None:
     return None
 
 
-def infer_kind(config: Any = None) -> str | None:
-    """The kind of folder a caller that names none writes: from its config's module, else from the calling module.
-
-    Modules map through ``KIND_OF_MODULE`` (bt_hub.train -> pretrain, bt_hub.eval.detection ->
-    detect, bt_hub.eval.demo -> demo, bt_hub.eval -> eval, bt_hub.weights -> export); None elsewhere.
-    """
-    modules = [type(config).__module__] if dataclasses.is_dataclass(config) else []
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("bt_hub.common."):
-        frame = frame.f_back
-    if frame is not None:
-        modules.append(frame.f_globals.get("__name__", ""))
-    for module in modules:
-        for prefix, kind in KIND_OF_MODULE:
-            if module == prefix or module.startswith(prefix + "."):
-                return kind
-    return None
-
-
-def _check_kind(path: Path, kind: str | None, flag: str) -> None:
-    """Refuse a folder that records another kind of run than ``kind`` (None: a caller of no known kind)."""
+def _check_kind(path: Path, kind: str, flag: str) -> None:
+    """Refuse a folder that records another kind of run than ``kind``."""
     found = run_kind(path)
     if found is None or found == kind:
         return
-    writer = f"bt-hub {kind}" if kind else "this command"
     raise ValueError(
-        f"{flag} {path} holds a bt-hub {found} run, and {writer} does not write into a folder of another kind of "
-        f"run; choose another {flag}"
+        f"{flag} {path} holds a bt-hub {found} run, and bt-hub {kind} does not write into a folder of another kind "
+        f"of run; choose another {flag}"
     )
 
 
@@ -175,12 +147,10 @@ def _busy(directory: Path, lock: Path, flag: str) -> str:
     )
 
 
-def check_run_dir(
-    path: str | os.PathLike, *, overwrite: bool = False, flag: str = "--out", kind: str | None = None
-) -> Path:
+def check_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False, flag: str = "--out") -> Path:
     """Refuse, before any heavy work, an output directory bt_hub must not write into.
 
-    ``kind`` is the kind of run the caller writes (default: :func:`infer_kind` of the calling module).
+    ``kind`` is the kind of run the caller writes (``pretrain``, ``eval``, ``demo``, ``detect``, ...).
 
     Raises:
         ValueError: ``path`` (or a parent) is an existing file; it is a non-empty directory
@@ -188,10 +158,10 @@ def check_run_dir(
         RunDirBusyError: a live run holds the directory's lock.
         WriteError: its lock file is a symbolic link.
     """
-    return _check_run_dir(Path(path), overwrite=overwrite, flag=flag, kind=kind or infer_kind())
+    return _check_run_dir(Path(path), overwrite=overwrite, flag=flag, kind=kind)
 
 
-def _check_run_dir(path: Path, *, overwrite: bool, flag: str, kind: str | None) -> Path:
+def _check_run_dir(path: Path, *, overwrite: bool, flag: str, kind: str) -> Path:
     for ancestor in (path, *path.parents):
         if ancestor.exists() and not ancestor.is_dir():
             where = "is an existing file" if ancestor == path else f"lies under {ancestor}, which is a file"
@@ -211,15 +181,12 @@ def _check_run_dir(path: Path, *, overwrite: bool, flag: str, kind: str | None) 
     return path
 
 
-def claim_run_dir(
-    path: str | os.PathLike, *, overwrite: bool = False, flag: str = "--out", kind: str | None = None
-) -> Path:
+def claim_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False, flag: str = "--out") -> Path:
     """``check_run_dir``, then create the directory and its marker, which records ``kind`` (idempotent)."""
-    kind = kind or infer_kind()
     path = _check_run_dir(Path(path), overwrite=overwrite, flag=flag, kind=kind)
     marker = path / MARKER_NAME
     if _regular_file(marker):
-        if kind and run_kind(path) is None:  # a folder of an earlier bt_hub: from now on it says its kind
+        if run_kind(path) is None:  # a folder of an earlier bt_hub: from now on it says its kind
             atomic_write_json(marker, {**(read_json(marker) or {}), "kind": kind})
         return path
     try:  # written in place, not atomically: its existence is what counts, even if a crash cuts its text short
@@ -344,8 +311,8 @@ class RunDir:
         write: False on non-zero ranks, which must not write.
         overwrite: allow a non-empty directory bt_hub did not create (default: ``config.overwrite`` if it has one).
         lock: hold the directory's :class:`RunLock` until :meth:`close` and remove stale temp files.
-        kind: the kind of run (``pretrain``, ``eval``, ``detect``, ...); default :func:`infer_kind` of
-            ``config`` or of the calling module. A folder of another kind is refused.
+        kind: the kind of run the caller writes (``pretrain``, ``eval``, ``detect``, ...); a folder of
+            another kind is refused.
     """
 
     def __init__(
@@ -356,11 +323,11 @@ class RunDir:
         write: bool = True,
         overwrite: bool | None = None,
         lock: bool = False,
-        kind: str | None = None,
+        kind: str,
     ) -> None:
         self.path = Path(path)
         self.write = write
-        self.kind = kind or infer_kind(config)
+        self.kind = kind
         self._lock: RunLock | None = None
         self._started = False
         self._new = not self.path.exists()  # created by this claim: removed again if the run fails before it starts
@@ -378,7 +345,7 @@ class RunDir:
             self.start(config)
 
     @classmethod
-    def for_training(cls, path: str | os.PathLike, *, overwrite: bool = False, kind: str = "pretrain") -> RunDir:
+    def for_training(cls, path: str | os.PathLike, *, kind: str, overwrite: bool = False) -> RunDir:
         """Called by every rank: the main process claims and locks ``path`` (a folder of ``kind``).
 
         If that fails, every rank raises the same error.

@@ -124,7 +124,8 @@ class DetectConfig(RunConfig):
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         self.opts = list(self.opts)
-        check_run_dir(self.out, overwrite=self.overwrite)  # last: the flags above are cheaper to get wrong
+        # last: the flags above are cheaper to get wrong
+        check_run_dir(self.out, kind="detect", overwrite=self.overwrite)
 
 
 def resolve_engine(engine: str) -> str:
@@ -175,7 +176,7 @@ def main(config: DetectConfig) -> dict[str, Any] | None:
 
     start = time.time()
     engine = resolve_engine(config.engine)
-    out = claim_run_dir(Path(config.out).expanduser(), overwrite=config.overwrite).resolve()
+    out = claim_run_dir(Path(config.out).expanduser(), kind="detect", overwrite=config.overwrite).resolve()
     yaml_path = resolve_config(config.config)
     run = _detectron2_trials if engine == "detectron2" else _torchvision_trials
     trials = run(config, yaml_path, out)

@@ -184,7 +184,7 @@ def run_trial(cfg: CfgNode, data_root: str, expected: Mapping[str, Any] | None, 
                 f"MODEL.ROI_HEADS.NUM_CLASSES is {cfg.MODEL.ROI_HEADS.NUM_CLASSES} but dataset {name} has "
                 f"{num_classes(name)} classes; pass `MODEL.ROI_HEADS.NUM_CLASSES {num_classes(name)}` as opts"
             )
-    run_dir = RunDir(out, config=_as_dict(cfg), write=comm.is_main_process())
+    run_dir = RunDir(out, config=_as_dict(cfg), write=comm.is_main_process(), kind="detect")
     trainer = Trainer(cfg, run_dir)
     if comm.is_main_process():  # after detectron2's rescaling to the number of processes
         atomic_write_text(out / "config.yaml", trainer.cfg.dump())

@@ -339,7 +339,7 @@ def _distributed(model: nn.Module, device: torch.device) -> nn.Module:
 
 def _open_trial_dir(out: Path, settings: Settings) -> RunDir:
     """The trial's run directory (``run.json``, ``metrics.jsonl``); the main process also writes ``config.yaml``."""
-    run_dir = RunDir(out, config=settings.tree, write=is_main_process())
+    run_dir = RunDir(out, config=settings.tree, write=is_main_process(), kind="detect")
     if is_main_process():
         atomic_write_text(out / "config.yaml", yaml.safe_dump(settings.tree, sort_keys=False))
     return run_dir
