@@ -91,12 +91,18 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
         ),
         "all": Command("bt_hub.eval.suite", "SuiteConfig", "run", "every classification protocol on one checkpoint"),
         "compare": Command(
-            "bt_hub.eval.compare",
+            "bt_hub.eval.comparison",
             "CompareConfig",
             "run",
             "weights against baselines (pixels, random init, supervised), every cell mean ± std over seeds",
         ),
     },
+    "embed": Command(
+        "bt_hub.eval.embedding",
+        "EmbedConfig",
+        "run",
+        "features of any weights on any data, with the file, label and split of every row (.npy + index, or Parquet)",
+    ),
     "detect": Command(
         "bt_hub.eval.detection.detect",
         "DetectConfig",

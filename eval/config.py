@@ -47,8 +47,6 @@ class EvalConfig(RunConfig):
         "holdout",
         "allow_non_finite",
         "image_size",
-        "image_size_from",
-        "features",
         "precision",
         "decode",
     )
@@ -140,10 +138,6 @@ class EvalConfig(RunConfig):
             "model: benchmarks/eval_throughput.py) or 'workers' (PIL per image in the workers)"
         },
     )
-    # Filled in by the run and recorded with the hyper-parameters, never flags: where image_size came from
-    # ("weights config.json", "--image-size" or "default") and, per split, "computed" or "cached <key>".
-    image_size_from: str = field(default="", init=False)
-    features: dict[str, str] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         if not str(self.weights).strip():
@@ -168,7 +162,8 @@ class EvalConfig(RunConfig):
         preset = getattr(self, "preset", None)
         if preset is not None:
             preset_values(type(self), preset)  # an unknown name fails here, listing the valid ones
-        check_run_dir(self.out, kind="eval", overwrite=self.overwrite)
+        if self.out is not None:
+            check_run_dir(self.out, kind="eval", overwrite=self.overwrite)
 
 
 def preset_warnings(config: Any, *, num_classes: int, train_images: int, image_side: int | None) -> list[str]:

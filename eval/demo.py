@@ -3,7 +3,7 @@
 1. Pretrain a small-stem ResNet-18 with the Barlow Twins loss on the 1,437 training digits
    (bt_hub.train.pretrain, batched BYOL views, LARS with warm-up + cosine).
 2. Compare it on the 360 held-out digits with the baselines of ``bt-hub eval compare``
-   (bt_hub.eval.compare, whose per-seed loop this is): the raw pixels, the same network at
+   (bt_hub.eval.comparison, whose per-seed loop this is): the raw pixels, the same network at
    torchvision's default initialisation (not the zero-initialised residual branches pretraining
    starts from, which hide all but one corner pixel of an 8-px digit) and, with 1% / 10% of the
    labels, the same network trained from scratch. Columns: weighted kNN, the linear grid probe on
@@ -25,29 +25,25 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from torch import nn
-
 from bt_hub.common.config import RunConfig, out_field
 from bt_hub.common.files import atomic_write_json, atomic_write_text
 from bt_hub.common.presets import from_preset, preset_values
 from bt_hub.common.records import seeds_text
 from bt_hub.common.runs import LOCK_NAME, MARKER_NAME, check_run_dir, claim_run_dir, package_version
 from bt_hub.data.plots import run_plots
-from bt_hub.eval.compare import (
+from bt_hub.eval.comparison import (
     SUPERVISED,
     CompareConfig,
     Comparison,
-    Source,
     compare,
-    default_init_backbone,
+    feature_source,
     render_markdown,
+    sources_of,
 )
-from bt_hub.eval.compare import plot as plot_comparison
-from bt_hub.eval.features import features_for
-from bt_hub.eval.splits import splits_for
+from bt_hub.eval.comparison import plot as plot_comparison
+from bt_hub.eval.runner import evaluation
 from bt_hub.method.model import ARCHITECTURES
 from bt_hub.train.pretrain import PretrainConfig, pretrain
-from bt_hub.weights import load_backbone, weights_fingerprint
 
 FRACTIONS = [1, 10]
 # The pretraining recipe is the `digits` preset of bt-hub pretrain; the demo's flags default to it.
@@ -229,7 +225,7 @@ def compare_settings(config: DemoConfig, pretrain_dir: Path) -> CompareConfig:
 
 
 def _score(config: DemoConfig, pretrain_dir: Path) -> Comparison:
-    """Every row in every column over the seeds, bt_hub.eval.compare's per-seed loop doing the work.
+    """Every row in every column over the seeds, through ``bt-hub eval compare``'s run, rows and loop.
 
     The supervised baseline is trained from scratch on the labelled subsets only (in the kNN and
     linear columns, with every training label, it would be an upper bound rather than a baseline
@@ -237,58 +233,32 @@ def _score(config: DemoConfig, pretrain_dir: Path) -> Comparison:
     images. Features are extracted once per network and reused by every column and seed.
     """
     settings = compare_settings(config, pretrain_dir)
-    splits = splits_for(settings)
-    pretrained = load_backbone(pretrain_dir, progress=False)
-
-    def random_init(seed: int) -> nn.Module:
-        return default_init_backbone(config.backbone, config.small_image_stem, seed)
-
-    sources = [
-        Source(PRETRAINED, lambda seed: pretrained, fingerprint=weights_fingerprint(pretrain_dir)),
-        Source(RANDOM_INIT, random_init, baseline=True, per_seed=True),
-        Source(PIXELS, lambda seed: nn.Flatten(), baseline=True, trainable=False),
-    ]
-    extracted: dict[tuple[str, int | None], tuple[Any, Any, Any, Any]] = {}
-
-    def features(source: Source, net: nn.Module, seed: int) -> tuple[Any, Any, Any, Any]:
-        key = (source.name, seed if source.per_seed else None)
-        if key not in extracted:
-            pairs = [
-                features_for(
-                    settings,
-                    net,
-                    getattr(splits, name),
-                    weights_id=source.fingerprint,
-                    dataset_id=splits.info[name]["fingerprint"],
-                    split=f"{name} ({source.name})",
-                )
-                for name in ("train", "test")
-            ]
-            extracted[key] = (*pairs[0], *pairs[1])
-        return extracted[key]
-
-    seeds = [config.seed + i for i in range(config.seeds)]
-    result = compare(sources, splits, columns=["kNN", "linear"], seeds=seeds, features=features, settings=settings)
-    result.baselines.append("supervised")
-    result.values["supervised"] = {}
-    for pct in FRACTIONS:
-        epochs = semi_epochs(config, pct)
-        # the grid probe chooses on a validation split: one labelled image per class leaves none for the pixels
-        enough = len(splits.train) * pct / 100 >= 2 * len(splits.classes)
-        rows = [s for s in sources if s.trainable or enough]
-        part = compare(
-            rows,
-            splits,
-            columns=[f"semi {pct}%"],
-            seeds=seeds,
-            features=features,
-            settings=replace(settings, fractions=[pct], semi_epochs=epochs, supervised_epochs=epochs),
-            supervised=random_init,
-        )
-        result.columns += part.columns
-        for row, cells in part.values.items():
-            result.values[row].update(cells)
-        result.records += part.records
+    with evaluation(replace(settings, out=None)) as run:
+        names = {"pixels": PIXELS, "random-init": RANDOM_INIT}
+        rows = sources_of(run, ["random-init", "pixels"])
+        sources = [replace(s, name=names.get(s.name, PRETRAINED)) for s in (rows[0], rows[2], rows[1])]
+        features = feature_source(run)
+        seeds = [config.seed + i for i in range(config.seeds)]
+        result = compare(sources, run, columns=["kNN", "linear"], seeds=seeds, features=features)
+        result.baselines.append("supervised")
+        result.values["supervised"] = {}
+        for pct in FRACTIONS:
+            epochs = semi_epochs(config, pct)
+            # the grid probe chooses on a validation split: one labelled image per class leaves none for the pixels
+            enough = len(run.splits.train) * pct / 100 >= 2 * len(run.splits.classes)
+            part = compare(
+                [s for s in sources if s.trainable or enough],
+                run,
+                columns=[f"semi {pct}%"],
+                seeds=seeds,
+                features=features,
+                settings=replace(settings, fractions=[pct], semi_epochs=epochs, supervised_epochs=epochs),
+                supervised=sources[1].network,
+            )
+            result.columns += part.columns
+            for row, cells in part.values.items():
+                result.values[row].update(cells)
+            result.records += part.records
     return result
 
 

@@ -57,12 +57,11 @@ from bt_hub.common.distributed import (
 )
 from bt_hub.common.files import atomic_write, atomic_write_json, file_sha256
 from bt_hub.common.progress import progress
-from bt_hub.common.runs import claim_run_dir
 from bt_hub.data.datasets import to_uint8_tensor
 from bt_hub.data.decode import EncodedImage, read_encoded, to_device_images
-from bt_hub.data.precision import autocast_dtype, resolve_precision
+from bt_hub.data.precision import autocast_dtype
 from bt_hub.data.prefetch import Prefetcher
-from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalConfig, EvalWarning
+from bt_hub.eval.config import EvalWarning
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms
 
 Pool = Literal["avg", "voc_res5"]
@@ -386,7 +385,7 @@ def extract_features(
         ``(features [N, F], labels [N, ...])``: a float32 tensor without a cache, a
         read-only numpy memmap with one; labels as a tensor.
     """
-    return _extract(
+    return extract_with_source(
         backbone,
         dataset,
         transform=transform,
@@ -401,7 +400,7 @@ def extract_features(
     )[:2]
 
 
-def _extract(
+def extract_with_source(
     backbone: nn.Module,
     dataset: Dataset,
     *,
@@ -581,99 +580,3 @@ def as_float32(features: torch.Tensor | np.ndarray, start: int = 0, stop: int | 
 def architecture_fingerprint(module: nn.Module) -> str:
     """sha256 of a network's structure (its ``repr``: layers, kernel sizes, widths), not its weights."""
     return hashlib.sha256(describe_transform(module).encode()).hexdigest()
-
-
-def load_eval_backbone(config: EvalConfig) -> tuple[nn.Module, str]:
-    """The backbone named by ``--weights`` (``bt_hub.weights.load_backbone``) and its fingerprint.
-
-    Also settles ``config.image_size`` (see ``eval_image_size``) and records why in
-    ``config.image_size_from``, before any data is drawn at that size, and resolves ``auto`` in
-    ``config.precision`` (``bt_hub.data.precision``).
-    """
-    from bt_hub.weights import load_backbone, weights_fingerprint
-
-    if is_main_process():  # every protocol starts here: claim --out before any work or write
-        claim_run_dir(config.out, kind="eval", overwrite=config.overwrite)
-    backbone = load_backbone(
-        config.weights,
-        arch=config.arch,
-        small_image_stem=config.small_image_stem,
-        allow_non_finite=config.allow_non_finite,
-    )
-    info = getattr(backbone, "weights_info", None) or {}
-    config.image_size, config.image_size_from = eval_image_size(config.image_size, info.get("config"), config.weights)
-    config.precision = resolve_precision(config.precision, config.device)
-    return backbone, weights_fingerprint(config.weights)
-
-
-def eval_image_size(given: int | None, weights_config: dict[str, Any] | None, weights: str) -> tuple[int, str]:
-    """The evaluation crop side and where it came from: ``--image-size``, ``weights config.json`` or ``default``.
-
-    Weights pretrained at one size score lower at another, so the size a run or Hugging Face
-    folder's ``config.json`` records is the default; an ``--image-size`` that differs from it is
-    used, with one ``EvalWarning``.
-
-    Raises:
-        ValueError: the config.json's ``image_size`` is not a positive integer.
-    """
-    trained = (weights_config or {}).get("image_size")
-    if trained is not None and (isinstance(trained, bool) or not isinstance(trained, int) or trained <= 0):
-        raise ValueError(f"config.json of weights {weights} has image_size {trained!r}; expected a positive integer")
-    if given is None:
-        return (trained, "weights config.json") if trained else (DEFAULT_IMAGE_SIZE, "default")
-    if trained and given != trained:
-        warnings.warn(
-            f"--image-size {given} differs from the {trained} px the weights {weights} were pretrained at "
-            f"(their config.json); features at another size usually score lower: "
-            f"leave --image-size out to use {trained}",
-            EvalWarning,
-            stacklevel=3,
-        )
-    return given, "--image-size"
-
-
-def features_for(
-    config: EvalConfig,
-    backbone: nn.Module,
-    dataset: Dataset,
-    *,
-    weights_id: str,
-    dataset_id: str,
-    split: str,
-    transform: Callable[[Any], torch.Tensor] | None = None,
-    pool: Pool = "avg",
-    device: str | torch.device | None = None,
-) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
-    """``extract_features`` with a protocol config's device, batch size, workers and cache settings.
-
-    ``transform`` defaults to ``eval_transforms(config.image_size)``, or its device twin
-    ``DeviceEvalTransform`` under ``--decode device``; ``--precision`` sets the autocast; the cache is used when
-    ``config.cache_dir`` is set, keyed by ``weights_id``, the backbone's architecture,
-    ``dataset_id``, the transform, the pool, the dtype and the precision; ``split`` names the
-    progress report (``features train``) and the entry of ``config.features`` that records
-    ``computed`` or ``cached <key>``. ``device`` (default ``config.device``) is where the
-    backbone runs, e.g. this rank's GPU under torchrun.
-    """
-    cache = (
-        FeatureCache(config.cache_dir, weights_id, dataset_id, architecture_fingerprint(backbone))
-        if config.cache_dir
-        else None
-    )
-    size = config.image_size or DEFAULT_IMAGE_SIZE
-    if transform is None:
-        transform = DeviceEvalTransform(size) if config.decode == "device" else eval_transforms(size)
-    features, labels, source = _extract(
-        backbone,
-        dataset,
-        transform=transform,
-        pool=pool,
-        batch_size=config.batch_size,
-        device=device or config.device,
-        num_workers=config.num_workers,
-        cache=cache,
-        dtype=config.cache_dtype,
-        desc=f"features {split}",
-        precision=resolve_precision(config.precision, device or config.device),
-    )
-    config.features[split] = source
-    return features, labels

@@ -15,7 +15,6 @@ many-core machines: benchmarks/knn.py).
 from __future__ import annotations
 
 import math
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,12 +24,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bt_hub.common.distributed import is_main_process, process_group
+from bt_hub.common.distributed import is_main_process
 from bt_hub.common.optional import require
 from bt_hub.eval.config import EvalConfig, EvalWarning
-from bt_hub.eval.features import as_float32, features_for, load_eval_backbone
-from bt_hub.eval.report import write_results
-from bt_hub.eval.splits import splits_for
+from bt_hub.eval.features import as_float32
+from bt_hub.eval.runner import EvalRun, Scored, run_protocol
 from bt_hub.method.knn import knn_vote
 
 # ----------------------------------------------------------------------------- search and vote
@@ -222,66 +220,40 @@ def effective_k(requested: list[int], train_size: int) -> tuple[list[int], list[
 
 
 def run(config: KnnConfig) -> dict[str, Any]:
-    """Extract (or load cached) features of both splits, classify the test split, write the results.
+    """``bt-hub eval knn``: features of both splits (cached when asked), the test split classified, one record."""
+    return run_protocol(config, score)
+
+
+def score(run: EvalRun) -> Scored:
+    """Weighted kNN of the test split's features against the training split's, for every ``--k``.
 
     A ``--k`` above the number of training images is scored (and named in the metrics) with k
     equal to that number, with one warning; ``notes.neighbours_used`` maps each requested k to
-    the k used.
+    the k used. Every rank holds all features; only the main process searches.
     """
-    tick = time.perf_counter()
-    with process_group(config.device) as device:
-        backbone, weights_id = load_eval_backbone(config)
-        splits = splits_for(config)
-        features = {
-            name: features_for(
-                config,
-                backbone,
-                dataset,
-                weights_id=weights_id,
-                dataset_id=splits.info[name]["fingerprint"],
-                split=name,
-                device=device,
-            )
-            for name, dataset in (("train", splits.train), ("test", splits.test))
-        }
-        (train_x, train_y), (test_x, test_y) = features["train"], features["test"]
-        num_classes = max(len(splits.classes), int(max(train_y.max(), test_y.max())) + 1)
-        record: dict[str, Any] = {}
-        if is_main_process():  # every rank holds all features; one searches
-            used, warned = effective_k(config.k, len(train_y))
-            for message in warned:
-                warnings.warn(message, EvalWarning, stacklevel=2)
-            backend = resolve_backend(config.backend, device)
-            sims, idx = knn_search(
-                train_x,
-                test_x,
-                max(used),
-                query_batch=config.query_batch,
-                train_chunk=config.train_chunk,
-                backend=backend,
-                device=device,
-            )
-            metrics: dict[str, float] = {}
-            for k in used:
-                result = knn_vote(sims, idx, train_y, test_y, k, config.temperature, num_classes)
-                metrics.update({f"top1_k{k}": result["top1"], f"top5_k{k}": result["top5"]})
-            metrics = {"top1": metrics[f"top1_k{used[0]}"], "top5": metrics[f"top5_k{used[0]}"], **metrics}
-            record = write_results(
-                config.out,
-                protocol="knn",
-                config=config,
-                preset=None,
-                mode="features",
-                metrics=metrics,
-                weights=config.weights,
-                weights_sha256=weights_id,
-                dataset=splits.info,
-                seed=config.seed,
-                wall_time_s=time.perf_counter() - tick,
-                warnings=warned,
-                notes={
-                    "neighbours_used": {str(k): min(k, len(train_y)) for k in config.k},
-                    "backend": backend,
-                },
-            )
-        return record
+    config = run.config
+    train_x, train_y = run.features("train")
+    test_x, test_y = run.features("test")
+    num_classes = max(len(run.splits.classes), int(max(train_y.max(), test_y.max())) + 1)
+    if not is_main_process():
+        return Scored("knn", {})
+    used, warned = effective_k(config.k, len(train_y))
+    for message in warned:
+        warnings.warn(message, EvalWarning, stacklevel=2)
+    backend = resolve_backend(config.backend, run.device)
+    sims, idx = knn_search(
+        train_x,
+        test_x,
+        max(used),
+        query_batch=config.query_batch,
+        train_chunk=config.train_chunk,
+        backend=backend,
+        device=run.device,
+    )
+    metrics: dict[str, float] = {}
+    for k in used:
+        result = knn_vote(sims, idx, train_y, test_y, k, config.temperature, num_classes)
+        metrics.update({f"top1_k{k}": result["top1"], f"top5_k{k}": result["top5"]})
+    metrics = {"top1": metrics[f"top1_k{used[0]}"], "top5": metrics[f"top5_k{used[0]}"], **metrics}
+    notes = {"neighbours_used": {str(k): min(k, len(train_y)) for k in config.k}, "backend": backend}
+    return Scored("knn", metrics, mode="features", warnings=warned, notes=notes)

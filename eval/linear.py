@@ -32,7 +32,6 @@ and the validation split. ``--search fixed`` is the preset's single recipe.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -42,7 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bt_hub.common.distributed import is_distributed, is_main_process, process_group
+from bt_hub.common.distributed import is_distributed, is_main_process
+from bt_hub.common.presets import overrides
 from bt_hub.common.progress import progress as reported
 from bt_hub.common.runs import RunDir
 from bt_hub.eval.classifier import (
@@ -55,9 +55,9 @@ from bt_hub.eval.classifier import (
     train_classifier,
 )
 from bt_hub.eval.config import EvalConfig, warn_about_settings
-from bt_hub.eval.features import TransformedDataset, features_for, load_eval_backbone, train_transform
-from bt_hub.eval.report import write_results
-from bt_hub.eval.splits import indices_sha256, splits_for, stratified_holdout
+from bt_hub.eval.features import TransformedDataset, train_transform
+from bt_hub.eval.runner import EvalRun, Scored, run_protocol
+from bt_hub.eval.splits import indices_sha256, stratified_holdout
 from bt_hub.method.transforms import eval_transforms
 
 
@@ -461,6 +461,33 @@ class LinearConfig(EvalConfig):
             raise ValueError(f"--milestones must be increasing positive epochs, got {self.milestones}")
         if not 0 < self.crop_scale_min <= 1:
             raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
+        self._use_every_flag()
+
+    def _use_every_flag(self) -> None:
+        """Flags of one search switch ``--search auto`` to it; flags the chosen search would ignore are refused."""
+        changed = set(overrides(self, ignore=self.RUN_FIELDS))
+        fixed = [f"--{n.replace('_', '-')}" for n in ("lr", "weight_decay", "crop_scale_min", "flip") if n in changed]
+        grid = [f"--{n.replace('_', '-')}" for n in ("lr_grid", "weight_decay_grid", "val_fraction") if n in changed]
+        if self.search == "auto" and fixed and grid:
+            raise ValueError(
+                f"{', '.join(fixed)} set the fixed recipe and {', '.join(grid)} the grid search; "
+                "pass --search fixed or --search grid, or drop one set"
+            )
+        if self.search == "auto" and (fixed or grid):
+            self.search = "fixed" if fixed else "grid"
+        if self.search == "grid" and fixed:
+            raise ValueError(
+                f"{', '.join(fixed)} apply to the fixed recipe, which --search grid does not run (it searches "
+                "--lr-grid x --weight-decay-grid on cached features); drop them or pass --search fixed"
+            )
+        if self.search == "fixed" and grid:
+            raise ValueError(f"{', '.join(grid)} apply to --search grid only; drop them or pass --search grid")
+        augment = [f for f in fixed if f in ("--crop-scale-min", "--flip")]
+        if self.cached and augment:
+            raise ValueError(
+                f"{', '.join(augment)} shape the augmented views of the paper loop, which --cached skips "
+                "(it trains on test-transform features); drop them or --cached"
+            )
 
     def uses_grid(self, num_classes: int) -> bool:
         """Whether this run searches the grid: asked for, or ``auto`` on data its paper preset was not set for."""
@@ -517,123 +544,112 @@ def run(config: LinearConfig) -> dict[str, Any]:
     Returns:
         The results record (metrics ``top1`` / ``top5`` in percent; bt_hub.common.records).
     """
-    with process_group(config.device) as device:
-        return _run(config, device)
+    return run_protocol(config, score)
 
 
-def _run(config: LinearConfig, device: torch.device) -> dict[str, Any]:
-    tick = time.perf_counter()
-    torch.manual_seed(config.seed)
-    backbone, weights_id = load_eval_backbone(config)
-    splits = splits_for(config)
+def score(run: EvalRun) -> Scored:
+    """The grid probe, the fixed recipe on cached features, or the paper's loop; top-1 / top-5 on the test split."""
+    config, splits = run.config, run.splits
     warned = warn_about_settings(
         config, num_classes=len(splits.classes), train_images=len(splits.train), image_side=splits.image_side()
     )
     num_classes = len(splits.classes)
-    run_dir = RunDir(config.out, config, write=is_main_process(), kind="eval")
-    schedule = {
-        "epochs": config.epochs,
-        "weight_decay": config.weight_decay,
-        "momentum": config.momentum,
-        "schedule": config.schedule,
-        "milestones": config.milestones,
-        "gamma": config.gamma,
-    }
     grid = config.uses_grid(num_classes)
     notes: dict[str, Any] = {"search": "grid" if grid else "fixed"}
-    if config.cached or grid:
-        fingerprints = {name: splits.info[name]["fingerprint"] for name in ("train", "test")}
-        train_x, train_y = features_for(
-            config, backbone, splits.train, weights_id=weights_id, dataset_id=fingerprints["train"], split="train"
-        )
-        test_x, test_y = features_for(
-            config, backbone, splits.test, weights_id=weights_id, dataset_id=fingerprints["test"], split="test"
-        )
-        hyper = {k: v for k, v in schedule.items() if k != "weight_decay"}
-        hyper.update(batch_size=config.batch_size, device=device)
-        if grid:
-            found = grid_probe(
-                train_x,
-                train_y,
-                test_x,
-                test_y,
-                num_classes,
-                lrs=config.lr_grid,
-                weight_decays=config.weight_decay_grid,
-                val_fraction=config.val_fraction,
-                seed=config.seed,
-                desc=f"linear grid ({len(config.lr_grid) * len(config.weight_decay_grid)} heads)",
-                **hyper,
-            )
-            metrics = found.pop("metrics")
-            notes.update(found)
-        else:
-            heads = train_heads(
-                train_x,
-                train_y,
-                num_classes,
-                lrs=[config.lr],
-                weight_decays=[config.weight_decay],
-                seed=config.seed,
-                desc="linear (cached)",
-                **hyper,
-            )
-            if heads.diverged[0] is not None:
-                raise _diverged(config, heads.diverged[0])
-            metrics = {k: v for k, v in score_heads(heads, test_x, test_y)[0].items() if k != "loss"}
+    if grid:
+        found = grid_probe(*run.features("train"), *run.features("test"), num_classes, **_grid_settings(config, run))
+        metrics = found.pop("metrics")
+        notes.update(found)
+    elif config.cached:
+        metrics = _fixed_on_features(run, num_classes)
     else:
-        fc = make_classifier(backbone.feature_dim, num_classes)
-        model: nn.Module = FrozenBackboneClassifier(backbone, fc).to(device)
-        if is_distributed():
-            model = nn.parallel.DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None
-            )
-        augment = train_transform(config.image_size, crop_scale_min=config.crop_scale_min, flip=config.flip)
-        train_loader = make_loader(
-            TransformedDataset(splits.train, augment),
+        metrics = _paper_loop(run, num_classes)
+    return Scored(
+        "transfer" if isinstance(config, TransferConfig) else "linear",
+        metrics,
+        mode="cached" if config.cached or grid else "loop",
+        preset=config.preset,
+        paper_task=None if grid else PAPER_TASKS.get(config.preset or ""),
+        warnings=warned,
+        notes=notes,
+    )
+
+
+def _schedule(config: LinearConfig) -> dict[str, Any]:
+    keys = ("epochs", "momentum", "schedule", "milestones", "gamma")
+    return {k: getattr(config, k) for k in keys}
+
+
+def _grid_settings(config: LinearConfig, run: EvalRun) -> dict[str, Any]:
+    return {
+        **_schedule(config),
+        "batch_size": config.batch_size,
+        "device": run.device,
+        "lrs": config.lr_grid,
+        "weight_decays": config.weight_decay_grid,
+        "val_fraction": config.val_fraction,
+        "seed": config.seed,
+        "desc": f"linear grid ({len(config.lr_grid) * len(config.weight_decay_grid)} heads)",
+    }
+
+
+def _fixed_on_features(run: EvalRun, num_classes: int) -> dict[str, float]:
+    """The preset's one recipe trained on cached test-transform features (``--cached``)."""
+    config = run.config
+    train_x, train_y = run.features("train")
+    test_x, test_y = run.features("test")
+    heads = train_heads(
+        train_x,
+        train_y,
+        num_classes,
+        lrs=[config.lr],
+        weight_decays=[config.weight_decay],
+        seed=config.seed,
+        desc="linear (cached)",
+        batch_size=config.batch_size,
+        device=run.device,
+        **_schedule(config),
+    )
+    if heads.diverged[0] is not None:
+        raise _diverged(config, heads.diverged[0])
+    return {k: v for k, v in score_heads(heads, test_x, test_y)[0].items() if k != "loss"}
+
+
+def _paper_loop(run: EvalRun, num_classes: int) -> dict[str, float]:
+    """The paper's probe: the frozen backbone (eval mode) runs on augmented views every epoch."""
+    config, splits, device, size = run.config, run.splits, run.device, run.settings.image_size
+    backbone = run.weights.network
+    fc = make_classifier(backbone.feature_dim, num_classes)
+    model: nn.Module = FrozenBackboneClassifier(backbone, fc).to(device)
+    if is_distributed():
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    augment = train_transform(size, crop_scale_min=config.crop_scale_min, flip=config.flip)
+    loaders = [
+        make_loader(
+            TransformedDataset(dataset, transform),
             config.batch_size,
-            shuffle=True,
+            shuffle=shuffle,
             seed=config.seed,
             num_workers=config.num_workers,
             device=device,
         )
-        test_loader = make_loader(
-            TransformedDataset(splits.test, eval_transforms(config.image_size)),
-            config.batch_size,
-            shuffle=False,
-            seed=config.seed,
-            num_workers=config.num_workers,
-            device=device,
-        )
-        train_classifier(
-            model,
-            [{"params": list(fc.parameters()), "lr": config.lr}],
-            train_loader,
-            device=device,
-            desc=f"linear ({config.preset})",
-            on_epoch=lambda epoch, loss: _log_epoch(run_dir, config, epoch, loss),
-            **schedule,
-        )
-        metrics = evaluate_loader(model, test_loader, device, desc="score test")
-    record = {"metrics": metrics}
-    if is_main_process():
-        record = write_results(
-            config.out,
-            protocol="transfer" if isinstance(config, TransferConfig) else "linear",
-            config=config,
-            preset=config.preset,
-            mode="cached" if config.cached or grid else "loop",
-            metrics=metrics,
-            weights=config.weights,
-            weights_sha256=weights_id,
-            dataset=splits.info,
-            seed=config.seed,
-            wall_time_s=time.perf_counter() - tick,
-            warnings=warned,
-            notes=notes,
-            paper_task=None if grid else PAPER_TASKS.get(config.preset or ""),
-        )
-    return record
+        for dataset, transform, shuffle in ((splits.train, augment, True), (splits.test, eval_transforms(size), False))
+    ]
+    on_epoch = None
+    if run.out is not None:  # the per-epoch loss goes to metrics.jsonl of the run's folder
+        run_dir = RunDir(run.out, config, write=is_main_process(), kind="eval")
+        on_epoch = lambda epoch, loss: _log_epoch(run_dir, config, epoch, loss)  # noqa: E731
+    train_classifier(
+        model,
+        [{"params": list(fc.parameters()), "lr": config.lr}],
+        loaders[0],
+        device=device,
+        desc=f"linear ({config.preset})",
+        on_epoch=on_epoch,
+        weight_decay=config.weight_decay,
+        **_schedule(config),
+    )
+    return evaluate_loader(model, loaders[1], device, desc="score test")
 
 
 def _diverged(config: LinearConfig, epoch: int) -> NonFiniteLoss:

@@ -1,8 +1,8 @@
 """Evaluation results on disk: ``results.json`` (this run), ``results.jsonl`` (every run), ``results.md``.
 
-Every protocol ends with ``write_results``: it builds the run's record (bt_hub.common.records:
-what was run, in which mode, from which preset and with which changes, on which weights
-and splits, the metrics), writes it to ``<out>/results.json``, appends it to
+Every run's records (bt_hub.common.records: what was run, in which mode, from which preset and
+with which changes, on which weights and splits, the metrics) are written by the runner
+(``bt_hub.eval.runner.write_records``): ``<out>/results.json``, then ``append_results`` appends them to
 ``<out>/results.jsonl`` and rewrites ``<out>/results.md`` from that history: one table per
 protocol family (``FAMILIES``: linear, semi-supervised, transfer, detection, kNN; add an entry
 for a new family), each run's setting in words, metrics rounded to 0.1, and the paper's row
@@ -12,7 +12,6 @@ beside ours only where the run follows the paper's protocol for that number.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import json
@@ -22,19 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bt_hub.common.files import WriteError, atomic_write_json, atomic_write_text, write_failure
-from bt_hub.common.presets import overrides
+from bt_hub.common.files import WriteError, atomic_write_text, write_failure
 from bt_hub.common.records import (
     PAPER_NAME,
     PAPER_RESULTS,
     PAPER_SETTINGS,
-    SCHEMA,
     Record,
     data_label,
     fmt,
     fmt_mean_std,
     group_by_seed,
-    make_record,
     mean_std,
     metric_label,
     paper_task,
@@ -203,81 +199,3 @@ def append_results(out_dir: str | Path, records: Sequence[Record]) -> list[Recor
     finally:
         os.close(fd)  # releases the lock
     return history
-
-
-def write_results(
-    out_dir: str | Path,
-    *,
-    protocol: str,
-    config: Any,
-    metrics: Mapping[str, float],
-    weights: str,
-    weights_sha256: str,
-    dataset: str | Mapping[str, Any],
-    seed: int,
-    wall_time_s: float,
-    preset: str | None = None,
-    mode: str | None = None,
-    dataset_fingerprint: str | None = None,
-    labels: Mapping[str, Any] | None = None,
-    warnings: Sequence[str] = (),
-    notes: Mapping[str, Any] | None = None,
-    paper_task: str | None = None,
-) -> Record:
-    """Write ``results.json``, append to ``results.jsonl`` and rewrite ``results.md``; return the record.
-
-    Args:
-        out_dir: the run's output directory (created).
-        protocol: the subcommand name (``linear``, ``semi``, ``knn``, ``voc07-svm``, ``transfer``, ...).
-        config: the protocol's config dataclass (or a mapping): every hyper-parameter; the
-            values a dataclass changed from its preset become the record's ``overrides``.
-        metrics: flat ``{name: float}`` in percent, named as in the paper (``top1``, ``mAP``, ...).
-        weights: the ``--weights`` value; ``weights_sha256`` its fingerprint.
-        dataset: the splits' facts (``bt_hub.eval.splits.Splits.info``), or the ``--data`` value with
-            its ``dataset_fingerprint``.
-        seed: the run's seed.
-        wall_time_s: seconds the run took.
-        preset: the preset the run started from (None when the protocol has none).
-        mode: ``cached``, ``loop`` or ``features`` (bt_hub.common.records.MODES).
-        labels: the labelled subset of a semi-supervised run.
-        warnings: doubts about the run (e.g. a preset far from the data).
-        notes: protocol extras (per-class APs, the kNN backend, ...).
-        paper_task: the key of ``PAPER_RESULTS`` whose setting this run follows; each protocol
-            decides (the records know no preset names).
-    """
-    if isinstance(dataset, Mapping):
-        facts = dict(dataset)
-    else:
-        facts = {
-            "name": Path(str(dataset)).name or str(dataset),
-            "path": str(dataset),
-            "fingerprint": dataset_fingerprint,
-        }
-    changed = overrides(config, ignore=getattr(config, "RUN_FIELDS", ())) if dataclasses.is_dataclass(config) else {}
-    record = make_record(
-        protocol=protocol,
-        metrics=metrics,
-        config=config,
-        preset=preset,
-        mode=mode,
-        weights={"name": str(weights), "fingerprint": weights_sha256},
-        dataset=facts,
-        seed=seed,
-        wall_time_s=wall_time_s,
-        overrides=changed,
-        labels=labels,
-        warnings=warnings,
-        notes=notes,
-        paper_task=paper_task,
-    )
-    atomic_write_json(Path(out_dir) / "results.json", record)
-    append_results(out_dir, [record])
-    return record
-
-
-def write_summary(out_dir: str | Path, records: Sequence[Record], wall_time_s: float) -> dict[str, Any]:
-    """``bt-hub eval all``'s files: ``results.json`` = ``{"results": [...]}`` of this run, history appended."""
-    summary = {"schema": SCHEMA, "results": list(records), "wall_time_s": float(wall_time_s)}
-    atomic_write_json(Path(out_dir) / "results.json", summary)
-    append_results(out_dir, records)
-    return summary

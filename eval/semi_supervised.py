@@ -21,7 +21,7 @@ probe.
 
 from __future__ import annotations
 
-import time
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -30,13 +30,12 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
-from bt_hub.common.distributed import convert_sync_batchnorm, is_distributed, is_main_process, process_group
+from bt_hub.common.distributed import convert_sync_batchnorm, is_distributed
 from bt_hub.eval.classifier import evaluate_loader, make_classifier, make_loader, train_classifier
 from bt_hub.eval.config import EvalConfig, warn_about_settings
-from bt_hub.eval.features import TransformedDataset, load_eval_backbone, train_transform
+from bt_hub.eval.features import TransformedDataset, train_transform
 from bt_hub.eval.label_subsets import read_subset_file, subset_indices
-from bt_hub.eval.report import write_results
-from bt_hub.eval.splits import splits_for
+from bt_hub.eval.runner import EvalRun, Scored, run_protocol
 from bt_hub.method.transforms import eval_transforms
 
 
@@ -182,9 +181,8 @@ class SemiSupervisedConfig(EvalConfig):
 
 
 def run(config: SemiSupervisedConfig) -> dict[str, Any]:
-    """Fine-tune the backbone of ``--weights`` on the labelled subset and score it; write the results."""
-    with process_group(config.device) as device:
-        return _run(config, device)
+    """``bt-hub eval semi``: fine-tune the backbone of ``--weights`` on the labelled subset, score it, one record."""
+    return run_protocol(config, score)
 
 
 def paper_task(config: SemiSupervisedConfig, labels: Mapping[str, Any]) -> str | None:
@@ -214,21 +212,19 @@ def _labels(config: SemiSupervisedConfig, indices: Sequence[int], train_size: in
     }
 
 
-def _run(config: SemiSupervisedConfig, device: torch.device) -> dict[str, Any]:
-    tick = time.perf_counter()
-    torch.manual_seed(config.seed)
-    backbone, weights_id = load_eval_backbone(config)
-    splits = splits_for(config)
+def score(run: EvalRun) -> Scored:
+    """Fine-tune the run's backbone and a new classifier on the labelled subset; top-1 / top-5 on the test split."""
+    config, splits, size = run.config, run.splits, run.settings.image_size
     indices = subset_indices(splits.train, percent=config.fraction, subset_file=config.subset_file, seed=config.seed)
     warned = warn_about_settings(
         config, num_classes=len(splits.classes), train_images=len(indices), image_side=splits.image_side()
     )
-    augment = train_transform(config.image_size, crop_scale_min=config.crop_scale_min, flip=config.flip)
+    augment = train_transform(size, crop_scale_min=config.crop_scale_min, flip=config.flip)
     metrics = finetune(
-        backbone,
+        copy.deepcopy(run.weights.network),  # the run's weights stay as loaded for the protocols after this one
         len(splits.classes),
         Subset(TransformedDataset(splits.train, augment), indices),
-        TransformedDataset(splits.test, eval_transforms(config.image_size)),
+        TransformedDataset(splits.test, eval_transforms(size)),
         lr_backbone=config.lr_backbone,
         lr_classifier=config.lr_classifier,
         epochs=config.epochs,
@@ -240,26 +236,16 @@ def _run(config: SemiSupervisedConfig, device: torch.device) -> dict[str, Any]:
         momentum=config.momentum,
         seed=config.seed,
         num_workers=config.num_workers,
-        device=device,
+        device=run.device,
         desc=f"fine-tune ({config.preset}, {len(indices)} labels)",
     )
-    record: dict[str, Any] = {"metrics": metrics}
-    if is_main_process():
-        labels = _labels(config, indices, len(splits.train))
-        record = write_results(
-            config.out,
-            protocol="semi",
-            config=config,
-            preset=config.preset,
-            mode="loop",
-            metrics=metrics,
-            weights=config.weights,
-            weights_sha256=weights_id,
-            dataset=splits.info,
-            seed=config.seed,
-            wall_time_s=time.perf_counter() - tick,
-            labels=labels,
-            warnings=warned,
-            paper_task=paper_task(config, labels),
-        )
-    return record
+    labels = _labels(config, indices, len(splits.train))
+    return Scored(
+        "semi",
+        metrics,
+        mode="loop",
+        preset=config.preset,
+        paper_task=paper_task(config, labels),
+        labels=labels,
+        warnings=warned,
+    )

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from bt_hub.common.presets import from_preset, preset_values
-from bt_hub.common.runs import claim_run_dir
+from bt_hub.common.records import SCHEMA
 from bt_hub.eval import knn, linear, semi_supervised
 from bt_hub.eval.config import EvalConfig
-from bt_hub.eval.report import write_summary
+from bt_hub.eval.runner import evaluation, run_child
 
 # EvalConfig fields that only the image-folder protocols take (the VOC07 devkit has its own lists).
 _SPLIT_FIELDS = ("test_split", "holdout")
@@ -103,10 +103,10 @@ class SuiteConfig(EvalConfig):
                     )
 
 
-def _shared(config: SuiteConfig, out: Path, skip: tuple[str, ...] = (), **overrides: Any) -> dict[str, Any]:
-    """The EvalConfig flags of the suite (less ``skip``), with the protocol's own output directory."""
+def _shared(config: SuiteConfig, name: str, skip: tuple[str, ...] = (), **overrides: Any) -> dict[str, Any]:
+    """The EvalConfig flags of the suite (less ``skip``), with the protocol's own folder ``OUT/name`` (or none)."""
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(EvalConfig) if f.init and f.name not in skip}
-    values.update(out=str(out), **overrides)
+    values.update(out=str(Path(config.out) / name) if config.out is not None else None, **overrides)
     return values
 
 
@@ -116,47 +116,45 @@ def _given(**values: Any) -> dict[str, Any]:
 
 
 def run(config: SuiteConfig) -> dict[str, Any]:
-    """Run every protocol on ``--weights``; return ``{"results": [record, ...], "wall_time_s": ...}``."""
-    tick = time.perf_counter()
-    out = claim_run_dir(config.out, kind="eval", overwrite=config.overwrite)
-    cache_dir = config.cache_dir or str(out / "feature_cache")
-    records = [knn.run(knn.KnnConfig(**_shared(config, out / "knn", cache_dir=cache_dir), k=list(config.knn_k)))]
-    records.append(
-        linear.run(
-            from_preset(
-                linear.LinearConfig,
-                config.linear_preset,
-                **_shared(config, out / "linear", cache_dir=cache_dir),
-                cached=not config.full_linear,
-                **_given(epochs=config.linear_epochs),
+    """Run every protocol on ``--weights``, read and hashed once; return ``{"results": [record, ...], ...}``."""
+    with evaluation(config) as parent:
+        cache_dir = config.cache_dir or (str(Path(config.out) / "feature_cache") if config.out is not None else None)
+        records = [
+            run_child(
+                parent,
+                knn.KnnConfig(**_shared(config, "knn", cache_dir=cache_dir), k=list(config.knn_k)),
+                knn.score,
             )
+        ]
+        linear_config = from_preset(
+            linear.LinearConfig,
+            config.linear_preset,
+            **_shared(config, "linear", cache_dir=cache_dir),
+            cached=not config.full_linear,
+            **_given(epochs=config.linear_epochs),
         )
-    )
-    for pct in config.fractions:
-        subset = (
-            {"subset_file": str(Path(config.subset_dir) / f"{pct}percent.txt")}
-            if config.subset_dir
-            else {"fraction": pct}
-        )
-        records.append(
-            semi_supervised.run(
-                from_preset(
-                    semi_supervised.SemiSupervisedConfig,
-                    config.semi_preset,
-                    **_shared(config, out / f"semi_{pct}percent", skip=("batch_size",)),
-                    **subset,
-                    **_given(epochs=config.semi_epochs, batch_size=config.semi_batch_size),
-                )
+        records.append(run_child(parent, linear_config, linear.score))
+        for pct in config.fractions:
+            subset = (
+                {"subset_file": str(Path(config.subset_dir) / f"{pct}percent.txt")}
+                if config.subset_dir
+                else {"fraction": pct}
             )
-        )
-    if config.voc07_devkit:
-        from bt_hub.eval import voc07_svm
+            semi_config = from_preset(
+                semi_supervised.SemiSupervisedConfig,
+                config.semi_preset,
+                **_shared(config, f"semi_{pct}percent", skip=("batch_size",)),
+                **subset,
+                **_given(epochs=config.semi_epochs, batch_size=config.semi_batch_size),
+            )
+            records.append(run_child(parent, semi_config, semi_supervised.score))
+        if config.voc07_devkit:
+            from bt_hub.eval import voc07_svm
 
-        records.append(
-            voc07_svm.run(
-                voc07_svm.Voc07SvmConfig(
-                    **_shared(config, out / "voc07_svm", skip=_SPLIT_FIELDS, data=config.voc07_devkit)
-                )
+            voc_config = voc07_svm.Voc07SvmConfig(
+                **_shared(config, "voc07_svm", skip=(*_SPLIT_FIELDS, "decode"), data=config.voc07_devkit)
             )
-        )
-    return write_summary(out, records, time.perf_counter() - tick)
+            records.append(run_child(parent, voc_config, voc07_svm.score))
+        summary = {"results": records, "wall_time_s": time.perf_counter() - parent.started}
+        parent.write(records, summary)
+    return {"schema": SCHEMA, **summary}

@@ -21,7 +21,6 @@ which import this module to find the SVM jobs, start in a second.
 from __future__ import annotations
 
 import os
-import time
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,9 +30,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 from PIL import Image
 
+from bt_hub.common.distributed import is_main_process
 from bt_hub.common.images import open_rgb
 from bt_hub.eval.average_precision import average_precision, voc07_11point_ap
 from bt_hub.eval.config import EvalConfig
+from bt_hub.eval.features import as_float32, dataset_fingerprint
+from bt_hub.eval.runner import EvalRun, Scored, run_protocol
+from bt_hub.eval.splits import check_disjoint
 
 if TYPE_CHECKING:
     import torch
@@ -309,6 +312,10 @@ class Voc07SvmConfig(EvalConfig):
         default=-1, metadata={"help": "parallel (class, cost) fits: -1 = all cores, 1 = sequential (same result)"}
     )
     train_split: str = field(default="trainval", metadata={"help": "ImageSets/Main list the SVMs are trained on"})
+    decode: Literal["workers"] = field(
+        default="workers",
+        metadata={"help": "VISSL's two resizes run in PIL in the loader workers; the only choice of this protocol"},
+    )
     test_split: str = field(
         default="test",
         metadata={
@@ -334,6 +341,11 @@ class Voc07SvmConfig(EvalConfig):
             raise ValueError(f"--max-iter must be positive, got {self.max_iter}")
         if self.n_jobs == 0:
             raise ValueError("--n-jobs must be -1 (all cores) or a positive number of jobs, got 0")
+        if self.decode != "workers":
+            raise ValueError(
+                f"--decode {self.decode} does not apply to voc07-svm: VISSL's two resizes run in PIL in the loader "
+                "workers; leave --decode out"
+            )
         if self.holdout is not None:
             raise ValueError(
                 "--holdout does not apply to VOC07: the devkit's ImageSets/Main lists give trainval and test"
@@ -341,76 +353,50 @@ class Voc07SvmConfig(EvalConfig):
 
 
 def run(config: Voc07SvmConfig) -> dict[str, Any]:
-    """Features of trainval and test, the SVM grid on trainval, mean AP on test; writes the results."""
-    from bt_hub.common.distributed import is_main_process, process_group
-    from bt_hub.eval.features import as_float32, dataset_fingerprint, features_for, load_eval_backbone
-    from bt_hub.eval.report import write_results
-    from bt_hub.eval.splits import check_disjoint
+    """``bt-hub eval voc07-svm``: features of trainval and test, the SVM grid on trainval, mean AP on test."""
+    return run_protocol(config, score)
 
-    tick = time.perf_counter()
-    with process_group(config.device) as device:
-        backbone, weights_id = load_eval_backbone(config)
-        train = VocClassification(config.data, config.train_split)
-        test = VocClassification(config.data, config.test_split, classes=train.classes)
-        info: dict[str, Any] = {
-            "name": voc_root(config.data).name,
-            "path": config.data,
-            "fingerprint": dataset_fingerprint(voc_root(config.data)),
-            "holdout": None,
-            "overlap_check": check_disjoint(train, test),
-        }
-        transform = voc07_transform(config.image_size)
-        config.decode = "workers"  # VISSL's two resizes run in PIL in the loader workers (recorded as such)
-        data = {}
-        for name, split, dataset in (("train", config.train_split, train), ("test", config.test_split, test)):
-            fingerprint = dataset_fingerprint(dataset)
-            info[name] = {"split": split, "size": len(dataset), "fingerprint": fingerprint}
-            features, targets = features_for(
-                config,
-                backbone,
-                dataset,
-                weights_id=weights_id,
-                dataset_id=fingerprint,
-                split=split,
-                transform=transform,
-                pool=config.pool,
-                device=device,
-            )
-            data[name] = (l2_normalize(as_float32(features).numpy()), targets.numpy().astype(np.int8))
-        record: dict[str, Any] = {}
-        if is_main_process():
-            _, weights, biases, best = svm_grid(
-                *data["train"],
-                config.costs,
-                folds=config.cv_folds,
-                max_iter=config.max_iter,
-                n_jobs=config.n_jobs,
-                seed=config.seed,
-            )
-            ap, ap11 = evaluate_svms(weights, biases, *data["test"])
-            scored = ~np.isnan(ap)
-            metrics = {"mAP": 100.0 * float(ap[scored].mean()), "mAP_11point": 100.0 * float(ap11[scored].mean())}
-            notes = {
-                "classes": train.classes,
-                "per_class_ap": {c: 100.0 * float(a) for c, a in zip(train.classes, ap) if not np.isnan(a)},
-                "per_class_ap_11point": {c: 100.0 * float(a) for c, a in zip(train.classes, ap11) if not np.isnan(a)},
-                "best_cost": dict(zip(train.classes, best)),
-                "classes_without_test_positives": [c for c, s in zip(train.classes, scored) if not s],
-                "feature_dim": int(data["train"][0].shape[1]),
-            }
-            record = write_results(
-                config.out,
-                protocol="voc07-svm",
-                config=config,
-                preset=None,
-                mode="features",
-                metrics=metrics,
-                weights=config.weights,
-                weights_sha256=weights_id,
-                dataset=info,
-                seed=config.seed,
-                wall_time_s=time.perf_counter() - tick,
-                notes=notes,
-                paper_task="voc07_svm",
-            )
-        return record
+
+def score(run: EvalRun) -> Scored:
+    """The devkit's splits, their features (VISSL's transform and pool), one SVM per class and cost, test AP."""
+    config = run.config
+    train = VocClassification(config.data, config.train_split)
+    test = VocClassification(config.data, config.test_split, classes=train.classes)
+    info: dict[str, Any] = {
+        "name": voc_root(config.data).name,
+        "path": config.data,
+        "fingerprint": dataset_fingerprint(voc_root(config.data)),
+        "holdout": None,
+        "overlap_check": check_disjoint(train, test),
+    }
+    transform = voc07_transform(run.settings.image_size)
+    data = {}
+    for name, split, dataset in (("train", config.train_split, train), ("test", config.test_split, test)):
+        fingerprint = dataset_fingerprint(dataset)
+        info[name] = {"split": split, "size": len(dataset), "fingerprint": fingerprint}
+        features, targets = run.features(
+            name, dataset=dataset, dataset_id=fingerprint, transform=transform, pool=config.pool, label=split
+        )
+        data[name] = (l2_normalize(as_float32(features).numpy()), targets.numpy().astype(np.int8))
+    if not is_main_process():
+        return Scored("voc07-svm", {}, dataset=info)
+    _, weights, biases, best = svm_grid(
+        *data["train"],
+        config.costs,
+        folds=config.cv_folds,
+        max_iter=config.max_iter,
+        n_jobs=config.n_jobs,
+        seed=config.seed,
+    )
+    ap, ap11 = evaluate_svms(weights, biases, *data["test"])
+    scored = ~np.isnan(ap)
+    metrics = {"mAP": 100.0 * float(ap[scored].mean()), "mAP_11point": 100.0 * float(ap11[scored].mean())}
+    notes = {
+        "classes": train.classes,
+        "per_class_ap": {c: 100.0 * float(a) for c, a in zip(train.classes, ap) if not np.isnan(a)},
+        "per_class_ap_11point": {c: 100.0 * float(a) for c, a in zip(train.classes, ap11) if not np.isnan(a)},
+        "best_cost": dict(zip(train.classes, best)),
+        "classes_without_test_positives": [c for c, s in zip(train.classes, scored) if not s],
+        "feature_dim": int(data["train"][0].shape[1]),
+    }
+    return Scored("voc07-svm", metrics, mode="features", paper_task="voc07_svm", notes=notes, dataset=info)

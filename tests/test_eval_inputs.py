@@ -53,7 +53,7 @@ def test_eval_scores_at_the_image_size_the_weights_were_pretrained_at(run_folder
 
 
 def test_weights_without_a_config_json_are_scored_at_the_default_size_and_say_so(small_stem_weights, tmp_path):
-    from bt_hub.eval.features import eval_image_size
+    from bt_hub.eval.runner import eval_image_size
 
     assert eval_image_size(None, None, str(small_stem_weights)) == (224, "default")
     assert eval_image_size(16, {"image_size": 16}, "w") == (16, "--image-size")

@@ -31,6 +31,7 @@ from bt_hub.eval.linear import (
     score_heads,
     train_heads,
 )
+from bt_hub.eval.runner import EvalRun
 from bt_hub.method.model import build_backbone
 
 RESULT_FIELDS = {
@@ -452,8 +453,8 @@ def test_cli_rejects_probe_settings_out_of_range_in_one_line(resnet18_weights, t
 def test_cli_fixed_probe_stops_in_one_sentence_when_its_loss_becomes_non_finite(
     resnet18_weights, tmp_path, capsys, monkeypatch
 ):
-    real = linear.features_for
-    monkeypatch.setattr(linear, "features_for", lambda *a, **k: (lambda f: (f[0] * 1e30, f[1]))(real(*a, **k)))
+    real = EvalRun.features
+    monkeypatch.setattr(EvalRun, "features", lambda *a, **k: (lambda f: (f[0] * 1e30, f[1]))(real(*a, **k)))
     args = ["eval", "linear", "--weights", str(resnet18_weights), "--data", "synthetic:40", "--image-size", "32"]
     args += ["--cached", "--search", "fixed", "--lr", "50", "--epochs", "2", "--out", str(tmp_path / "out")]
     assert cli.main(args) == 2

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
 
 from bt_hub.common.presets import from_preset
-from bt_hub.common.records import SCHEMA, card_table, read_records, setting, summary_text
+from bt_hub.common.presets import overrides as changed_from_preset
+from bt_hub.common.records import SCHEMA, card_table, make_record, read_records, setting, summary_text
 from bt_hub.eval import linear, semi_supervised
 from bt_hub.eval.detection import detect
-from bt_hub.eval.report import render_table, write_results, write_summary
+from bt_hub.eval.report import render_table
+from bt_hub.eval.runner import write_records
 
 FIELDS = {
     "schema",
@@ -73,7 +75,12 @@ def _write(out, config=None, **overrides):
     )
     kwargs.update(overrides)
     kwargs.setdefault("paper_task", _paper_task(kwargs["protocol"], kwargs["preset"], kwargs.get("labels")))
-    return write_results(out, **kwargs)
+    config = kwargs.pop("config")
+    weights = {"name": kwargs.pop("weights"), "fingerprint": kwargs.pop("weights_sha256")}
+    changed = changed_from_preset(config, ignore=getattr(config, "RUN_FIELDS", ())) if is_dataclass(config) else {}
+    record = make_record(config=config, weights=weights, overrides=changed, **kwargs)
+    write_records(out, [record])
+    return record
 
 
 def _paper_task(protocol, preset, labels=None):
@@ -285,7 +292,7 @@ def test_eval_all_summary_is_read_as_its_records_by_push_and_the_card(tmp_path):
         _write(tmp_path / "a"),
         _write(tmp_path / "b", protocol="knn", preset=None, mode="features", metrics={"top1": 50.0}),
     ]
-    write_summary(tmp_path / "all", records, 30.0)
+    write_records(tmp_path / "all", records, {"results": records, "wall_time_s": 30.0})
     read = read_records([tmp_path / "all" / "results.json"])
     assert [r["protocol"] for r in read] == ["linear", "knn"]
     assert len(read_records([tmp_path / "all" / "results.jsonl"])) == 2
@@ -310,7 +317,7 @@ def test_push_and_save_pretrained_accept_eval_all_results(tmp_path):
             labels={"fraction": 1, "source": "seeded", "seed": 0, "count": 5},
         ),
     ]
-    write_summary(tmp_path / "all", records, 30.0)
+    write_records(tmp_path / "all", records, {"results": records, "wall_time_s": 30.0})
     torch.manual_seed(0)
     folder = save_pretrained(
         BarlowTwins("resnet18", "16-16"), tmp_path / "card", results=[tmp_path / "all" / "results.json"], name="bt/card"

@@ -71,7 +71,7 @@ class RunConfig:
     # them as changes from a preset (the record holds them all under "hyperparameters").
     RUN_FIELDS: ClassVar[tuple[str, ...]] = ("out", "overwrite", "device", "seed", "threads")
 
-    out: str = field(default="runs", metadata={"help": "output directory"})
+    out: str | None = field(default="runs", metadata={"help": "output directory"})
     overwrite: bool = field(default=False, metadata={"help": OVERWRITE_HELP})
     device: str = field(default="cpu", metadata={"help": "'cpu', 'cuda' or 'cuda:N' (autocast is used on CUDA)"})
     seed: int = field(default=0, metadata={"help": "seed of every random choice of the run"})
@@ -80,7 +80,8 @@ class RunConfig:
     )
 
     def __post_init__(self) -> None:
-        check_out(self.out)
+        if self.out is not None:  # None: the Python API writes no folder
+            check_out(self.out)
         check_device(self.device)
         check_seed(self.seed)
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or not 0 <= self.threads <= THREADS_MAX:

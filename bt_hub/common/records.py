@@ -124,7 +124,9 @@ Record = dict[str, Any]
 
 
 def display_path(value: Any) -> Any:
-    """A path safe to publish: URLs, Hub ids and relative paths as given, absolute paths by base name."""
+    """A path safe to publish: URLs, Hub ids and relative paths as given, absolute paths by base name (lists too)."""
+    if isinstance(value, list):
+        return [display_path(v) for v in value]
     if not isinstance(value, str) or "://" in value:
         return value
     expanded = os.path.expanduser(value)

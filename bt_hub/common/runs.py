@@ -75,10 +75,10 @@ def package_version() -> str:
 
 
 def config_dict(config: Any) -> dict[str, Any]:
-    """A dataclass config (or a mapping) as a plain JSON-able dict."""
+    """A dataclass config (or a mapping, or a namespace) as a plain JSON-able dict."""
     if dataclasses.is_dataclass(config):
         return dataclasses.asdict(config)
-    return dict(config)
+    return dict(config) if hasattr(config, "keys") else dict(vars(config))
 
 
 def _regular_file(path: Path) -> bool:

@@ -11,6 +11,7 @@ this process, one per torchrun process (``bt_hub.eval.detection.torchvision_engi
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import statistics
@@ -23,6 +24,7 @@ from bt_hub.common.config import RunConfig, out_field
 from bt_hub.common.optional import require
 from bt_hub.common.runs import check_run_dir, claim_run_dir
 from bt_hub.eval.detection.config import CONFIGS
+from bt_hub.eval.runner import LoadedWeights, load_weights, write_records
 
 __all__ = ["DetectConfig", "aggregate_trials", "main", "prepare_weights", "resolve_engine"]
 
@@ -139,17 +141,17 @@ def resolve_engine(engine: str) -> str:
     return "detectron2"
 
 
-def prepare_weights(source: str, out_dir: Path) -> tuple[str, dict[str, Any]]:
-    """``MODEL.WEIGHTS`` for ``source`` and the backbone's detectron2 tensors (to check the load).
+def prepare_weights(weights: LoadedWeights, out_dir: Path) -> tuple[str, dict[str, Any]]:
+    """``MODEL.WEIGHTS`` for the loaded weights and the backbone's detectron2 tensors (to check the load).
 
-    A ``.pkl`` is used as it is; anything else is read with ``bt_hub.weights`` and written
-    as ``out_dir/weights.pkl`` (detectron2 names, ``matching_heuristics``).
+    A ``.pkl`` is used as it is; anything else is written as ``out_dir/weights.pkl`` (detectron2
+    names, ``matching_heuristics``) from the tensors that were loaded (and hashed) once.
     """
-    from bt_hub.weights import read_backbone_state_dict, save_detectron2, to_detectron2
+    from bt_hub.weights import save_detectron2, to_detectron2
 
-    state, _ = read_backbone_state_dict(source)
-    if str(source).endswith(".pkl") and Path(source).is_file():
-        return str(Path(source).resolve()), to_detectron2(state)["model"]
+    state = weights.network.state_dict()
+    if weights.source.endswith(".pkl") and Path(weights.source).is_file():
+        return str(Path(weights.source).resolve()), to_detectron2(state)["model"]
     path = save_detectron2(state, out_dir / "weights.pkl")
     return str(path), to_detectron2(state)["model"]
 
@@ -172,20 +174,24 @@ def main(config: DetectConfig) -> dict[str, Any] | None:
     Returns:
         The results record on the main process, None on the others.
     """
-    from bt_hub.eval.detection.config import resolve_config
+    from bt_hub.eval.detection.config import load_settings, resolve_config
 
     start = time.time()
     engine = resolve_engine(config.engine)
     out = claim_run_dir(Path(config.out).expanduser(), kind="detect", overwrite=config.overwrite).resolve()
     yaml_path = resolve_config(config.config)
+    depth = load_settings(yaml_path, config.opts)["MODEL.RESNETS.DEPTH"]
+    weights = load_weights(config.weights, arch=f"resnet{depth}", small_image_stem=False)  # one read, one hash
     run = _detectron2_trials if engine == "detectron2" else _torchvision_trials
-    trials = run(config, yaml_path, out)
+    trials = run(config, weights, yaml_path, out)
     if trials is None:
         return None
-    return _write(config, engine, yaml_path, trials, start)
+    return _write(config, weights, engine, yaml_path, trials, start)
 
 
-def _detectron2_trials(config: DetectConfig, yaml_path: Path, out: Path) -> list[dict[str, Any]] | None:
+def _detectron2_trials(
+    config: DetectConfig, loaded: LoadedWeights, yaml_path: Path, out: Path
+) -> list[dict[str, Any]] | None:
     require("detectron2", INSTALL_PURPOSE)
     from detectron2.engine import launch
 
@@ -193,7 +199,7 @@ def _detectron2_trials(config: DetectConfig, yaml_path: Path, out: Path) -> list
     from bt_hub.eval.detection.detectron2_engine.trainer import run_trial
     from bt_hub.eval.detection.evaluation import TRIAL_METRICS
 
-    weights, expected = prepare_weights(config.weights, out)
+    weights, expected = prepare_weights(loaded, out)
     seeds = [config.seed + k for k in range(config.trials)]
     trial_dirs = [out / f"trial{k}" for k in range(config.trials)]
     cfgs = [
@@ -219,7 +225,9 @@ def _detectron2_trials(config: DetectConfig, yaml_path: Path, out: Path) -> list
     return [json.loads((d / TRIAL_METRICS).read_text()) for d in trial_dirs]
 
 
-def _torchvision_trials(config: DetectConfig, yaml_path: Path, out: Path) -> list[dict[str, Any]] | None:
+def _torchvision_trials(
+    config: DetectConfig, weights: LoadedWeights, yaml_path: Path, out: Path
+) -> list[dict[str, Any]] | None:
     if (config.num_gpus, config.num_machines, config.machine_rank, config.dist_url) != (1, 1, 0, "auto"):
         raise ValueError(
             "--engine torchvision runs one process per GPU under torchrun (torchrun --nproc-per-node N -m bt_hub.cli "
@@ -229,16 +237,14 @@ def _torchvision_trials(config: DetectConfig, yaml_path: Path, out: Path) -> lis
     from bt_hub.common.distributed import is_main_process, process_group
     from bt_hub.eval.detection.config import load_settings
     from bt_hub.eval.detection.torchvision_engine.trainer import run_trial
-    from bt_hub.weights import load_backbone, read_backbone_state_dict
 
     settings = load_settings(yaml_path, config.opts)
-    arch = f"resnet{settings['MODEL.RESNETS.DEPTH']}"
-    expected, _ = read_backbone_state_dict(config.weights)
+    expected = {k: v.clone() for k, v in weights.network.state_dict().items()}
     data_root = str(Path(config.data).expanduser().resolve())
     trials = []
     with process_group(config.device) as device:
         for k in range(config.trials):
-            resnet = load_backbone(config.weights, arch=arch, small_image_stem=False)
+            resnet = copy.deepcopy(weights.network)  # every trial starts from the weights as loaded
             trials.append(
                 run_trial(
                     settings,
@@ -256,7 +262,12 @@ def _torchvision_trials(config: DetectConfig, yaml_path: Path, out: Path) -> lis
 
 
 def _write(
-    config: DetectConfig, engine: str, yaml_path: Path, trials: list[dict[str, Any]], start: float
+    config: DetectConfig,
+    weights: LoadedWeights,
+    engine: str,
+    yaml_path: Path,
+    trials: list[dict[str, Any]],
+    start: float,
 ) -> dict[str, Any]:
     """Write ``results.json`` and append to ``results.jsonl`` / ``results.md``; the record.
 
@@ -266,13 +277,10 @@ def _write(
     ``EXECUTION_OVERRIDES`` changed. (``write_results`` takes overrides from a config dataclass only,
     and the opts are not fields of one.)
     """
-    from bt_hub.common.files import atomic_write_json
     from bt_hub.common.presets import overrides
     from bt_hub.common.records import make_record
     from bt_hub.eval.detection.config import opts_overrides
     from bt_hub.eval.features import dataset_fingerprint
-    from bt_hub.eval.report import append_results
-    from bt_hub.weights import weights_fingerprint
 
     preset = config.config if config.config in DetectConfig.ALIASES else yaml_path.stem
     changed = {
@@ -291,7 +299,7 @@ def _write(
         },
         preset=preset,
         mode=None,
-        weights={"name": str(config.weights), "fingerprint": weights_fingerprint(config.weights)},
+        weights={"name": weights.source, "fingerprint": weights.sha256},
         dataset={
             "name": Path(str(config.data)).name or str(config.data),
             "path": str(config.data),
@@ -303,6 +311,5 @@ def _write(
         notes={"engine": engine, "trials": [{"seed": t["seed"], "metrics": t["metrics"]} for t in trials]},
         paper_task=paper,
     )
-    atomic_write_json(Path(config.out) / "results.json", record)
-    append_results(config.out, [record])
+    write_records(config.out, [record])
     return record

@@ -35,25 +35,17 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
-from bt_hub.common.distributed import process_group
-from bt_hub.common.files import atomic_write_json, atomic_write_text
+from bt_hub.common.files import atomic_write_text
 from bt_hub.common.presets import baseline
-from bt_hub.common.records import SCHEMA, fmt_mean_std, make_record, mean_std, seeds_text
-from bt_hub.common.runs import claim_run_dir
+from bt_hub.common.progress import progress
+from bt_hub.common.records import fmt_mean_std, mean_std, seeds_text
 from bt_hub.eval.config import EvalConfig
-from bt_hub.eval.features import (
-    TransformedDataset,
-    eval_image_size,
-    features_for,
-    module_fingerprint,
-    train_transform,
-)
+from bt_hub.eval.features import TransformedDataset, module_fingerprint, train_transform
 from bt_hub.eval.knn import knn_classify
 from bt_hub.eval.label_subsets import balanced_subset_indices
 from bt_hub.eval.linear import GRID_LRS, GRID_WEIGHT_DECAYS, check_probe_settings, grid_probe
-from bt_hub.eval.report import append_results
+from bt_hub.eval.runner import EvalRun, Scored, evaluation
 from bt_hub.eval.semi_supervised import SemiSupervisedConfig, finetune
-from bt_hub.eval.splits import Splits, splits_for
 from bt_hub.method.model import build_backbone
 from bt_hub.method.transforms import eval_transforms
 
@@ -91,7 +83,7 @@ class Source:
     network: Callable[[int], nn.Module]
     baseline: bool = False
     per_seed: bool = False
-    fingerprint: str = "baseline"
+    fingerprint: str | None = None
     trainable: bool = True
 
 
@@ -107,8 +99,11 @@ class Comparison:
     records: list[dict[str, Any]] = field(default_factory=list)
 
     def cell(self, row: str, column: str) -> str:
-        """``mean ± std`` of a cell ('—' when the row has no value there)."""
-        return fmt_mean_std(self.values[row].get(column, []))
+        """``mean ± std`` of a cell; ``x (1 seed)`` or ``x (deterministic)`` where there is no spread; '—' if empty."""
+        values = self.values[row].get(column, [])
+        if len(values) == 1 or (values and len(set(values)) == 1):
+            return f"{fmt_mean_std(values[:1])} ({'1 seed' if len(values) == 1 else 'deterministic'})"
+        return fmt_mean_std(values)
 
     def verdict(self, row: str, column: str) -> dict[str, Any] | None:
         """The paired comparison of a weights row with the column's best baseline (``RULE``); None without one."""
@@ -119,7 +114,17 @@ class Comparison:
         diffs = [w - b for w, b in zip(self.values[row][column], self.values[best][column])]
         mean, std = mean_std(diffs)
         better = None if len(diffs) < 2 else all(d > 0 for d in diffs) and mean > std
-        return {"baseline": best, "differences": diffs, "mean": mean, "std": std, "better": better}
+        ours = mean_std(self.values[row][column])[0]
+        behind = {b: mean_std(self.values[b][column])[0] - ours for b in scored}
+        loses_to = {b: gap for b, gap in sorted(behind.items(), key=lambda kv: -kv[1]) if gap > 0}
+        return {
+            "baseline": best,
+            "differences": diffs,
+            "mean": mean,
+            "std": std,
+            "better": better,
+            "loses_to": loses_to,
+        }
 
 
 def default_init_backbone(arch: str, small_image_stem: bool, seed: int) -> nn.Module:
@@ -142,27 +147,27 @@ def _labels_column(column: str) -> int | None:
 
 def compare(
     sources: Sequence[Source],
-    splits: Splits,
+    run: EvalRun,
     *,
     columns: Sequence[str],
     seeds: Sequence[int],
     features: Callable[[Source, nn.Module, int], tuple[Any, Any, Any, Any]],
-    settings: CompareConfig,
     supervised: Callable[[int], nn.Module] | None = None,
-    device: torch.device | str = "cpu",
+    settings: CompareConfig | None = None,
 ) -> Comparison:
     """Score every source in every column for every seed; return the per-seed values and their records.
 
     Args:
         sources: the rows (weights first, then baselines).
-        splits: the train / test splits (the test split is only ever scored).
+        run: the evaluation (its splits, device and settings; the test split is only ever scored).
         columns: ``kNN``, ``linear`` and ``semi P%`` columns.
         seeds: one run of every cell per seed.
-        features: ``(source, network, seed) -> (train_x, train_y, test_x, test_y)``, extracted once per network.
-        settings: the protocols' settings (``CompareConfig``).
+        features: ``(source, network, seed) -> (train_x, train_y, test_x, test_y)`` (``feature_source``).
         supervised: ``seed -> network`` at its default initialisation, to add the supervised baseline.
-        device: where classifiers train.
+        settings: the protocols' settings (default: the run's ``CompareConfig``).
     """
+    settings = settings or run.config
+    splits = run.splits
     num_classes = len(splits.classes)
     names = [s.name for s in sources] + (["supervised"] if supervised else [])
     values: dict[str, dict[str, list[float]]] = {name: {c: [] for c in columns} for name in names}
@@ -170,6 +175,7 @@ def compare(
     if supervised:
         result.baselines.append("supervised")
     targets = np.asarray(splits.train.targets)
+    say = progress(None, "compare", total=len(seeds) * len(sources) * len(columns), unit="cell")
     for seed in seeds:
         subsets = {p: balanced_subset_indices(targets, p, seed) for c in columns if (p := _labels_column(c))}
         for source in sources:
@@ -179,9 +185,12 @@ def compare(
             for column in columns:
                 tick = time.perf_counter()
                 pct = _labels_column(column)
+                say.set_postfix(row=source.name, column=column, seed=seed)
                 if column == "kNN":
                     k = min(settings.knn_k, len(train_y))
-                    score = knn_classify(train_x, train_y, test_x, test_y, k=k, num_classes=num_classes, device=device)
+                    score = knn_classify(
+                        train_x, train_y, test_x, test_y, k=k, num_classes=num_classes, device=run.device
+                    )
                     notes: dict[str, Any] = {"k": k, "temperature": 0.07}
                     score = {**score, f"top1_k{k}": score["top1"], f"top5_k{k}": score["top5"]}
                 elif column == "linear" or not source.trainable:
@@ -192,31 +201,21 @@ def compare(
                         test_x,
                         test_y,
                         num_classes,
-                        **_grid(settings, seed, device),
+                        **_grid(settings, seed, run.device),
                     )
                     score, notes = found.pop("metrics"), found
                 else:
-                    score = _finetune(
-                        copy.deepcopy(net), splits, subsets[pct], settings, seed, device, _semi_recipe(settings)
-                    )
+                    score = _finetune(copy.deepcopy(net), run, subsets[pct], settings, seed, _semi_recipe(settings))
                     notes = {"recipe": f"semi preset {settings.semi_preset}", "epochs": settings.semi_epochs}
                 values[source.name][column].append(score["top1"])
+                cell = (source.name, source.fingerprint, column, seed)
                 result.records.append(
-                    _record(
-                        settings,
-                        source.name,
-                        source.fingerprint,
-                        column,
-                        score,
-                        seed,
-                        splits,
-                        subsets.get(pct or 0),
-                        time.perf_counter() - tick,
-                        {**notes, **network_id},
-                    )
+                    _record(run, settings, cell, score, subsets.get(pct or 0), tick, {**notes, **network_id})
                 )
+                say.update(1)
         if supervised:
-            _supervised_row(result, supervised, splits, subsets, settings, seed, device)
+            _supervised_row(result, supervised, run, subsets, settings, seed)
+    say.close()
     return result
 
 
@@ -241,25 +240,25 @@ def _semi_recipe(settings: CompareConfig) -> dict[str, Any]:
 
 def _finetune(
     net: nn.Module,
-    splits: Splits,
+    run: EvalRun,
     indices: Sequence[int],
     settings: CompareConfig,
     seed: int,
-    device: torch.device | str,
     recipe: dict[str, Any],
 ) -> dict[str, float]:
     """Fine-tune ``net`` and a new classifier on the labelled ``indices``; test top-1 / top-5."""
     recipe = dict(recipe)
-    augment = train_transform(settings.image_size, crop_scale_min=recipe.pop("crop_scale_min"), flip=recipe.pop("flip"))
+    size, splits = run.settings.image_size, run.splits
+    augment = train_transform(size, crop_scale_min=recipe.pop("crop_scale_min"), flip=recipe.pop("flip"))
     train: Dataset = Subset(TransformedDataset(splits.train, augment), list(indices))
     return finetune(
         net,
         len(splits.classes),
         train,
-        TransformedDataset(splits.test, eval_transforms(settings.image_size)),
+        TransformedDataset(splits.test, eval_transforms(size)),
         epochs=recipe.pop("epochs", settings.semi_epochs),
         seed=seed,
-        device=device,
+        device=run.device,
         desc=f"fine-tune ({len(indices)} labels)",
         **recipe,
     )
@@ -268,83 +267,92 @@ def _finetune(
 def _supervised_row(
     result: Comparison,
     network: Callable[[int], nn.Module],
-    splits: Splits,
+    run: EvalRun,
     subsets: dict[int, list[int]],
     settings: CompareConfig,
     seed: int,
-    device: torch.device | str,
 ) -> None:
     """Train the network from scratch on each column's labelled images (all of them for kNN and linear)."""
     recipe = _semi_recipe(settings) | SUPERVISED | {"milestones": [], "gamma": 1.0}
     recipe["epochs"] = settings.supervised_epochs
-    everything = list(range(len(splits.train)))
+    everything = list(range(len(run.splits.train)))
     done: dict[int, dict[str, float]] = {}
     for column in result.columns:
         pct = _labels_column(column) or 100
         tick = time.perf_counter()
         if pct not in done:
-            done[pct] = _finetune(network(seed), splits, subsets.get(pct, everything), settings, seed, device, recipe)
+            done[pct] = _finetune(network(seed), run, subsets.get(pct, everything), settings, seed, recipe)
         result.values["supervised"][column].append(done[pct]["top1"])
         notes = {
             "recipe": SUPERVISED,
             "epochs": settings.supervised_epochs,
             "labelled": len(subsets.get(pct, everything)),
         }
-        result.records.append(
-            _record(
-                settings,
-                "supervised",
-                "baseline",
-                column,
-                done[pct],
-                seed,
-                splits,
-                subsets.get(pct),
-                time.perf_counter() - tick,
-                notes,
-            )
-        )
+        cell = ("supervised", None, column, seed)
+        result.records.append(_record(run, settings, cell, done[pct], subsets.get(pct), tick, notes))
 
 
 def _record(
+    run: EvalRun,
     settings: CompareConfig,
-    name: str,
-    fingerprint: str,
-    column: str,
+    cell: tuple[str, str | None, str, int],
     score: dict[str, float],
-    seed: int,
-    splits: Splits,
     subset: Sequence[int] | None,
-    seconds: float,
+    started: float,
     notes: dict[str, Any],
 ) -> dict[str, Any]:
-    """One per-seed record of a cell (protocol knn / linear / semi; the row in ``notes.compare``)."""
+    """One per-seed record of a cell (protocol knn / linear / semi; the row in ``notes.compare``).
+
+    A baseline row's weights have no file: its ``weights.baseline`` names it, and ``fingerprint`` is None.
+    """
+    name, fingerprint, column, seed = cell
     protocol = "knn" if column == "kNN" else "linear" if column == "linear" else "semi"
     pct = _labels_column(column)
-    hyper = {k: v for k, v in vars(settings).items() if k not in ("weights", "out", "cache_dir")}
-    return make_record(
-        protocol=protocol,
-        metrics={k: v for k, v in score.items() if k.startswith(("top1", "top5"))},
-        config=hyper,
-        preset=None,
+    weights: dict[str, Any] = {"name": name, "fingerprint": fingerprint}
+    if fingerprint is None:
+        weights["baseline"] = name
+    scored = Scored(
+        protocol,
+        {k: v for k, v in score.items() if k.startswith(("top1", "top5"))},
         mode={"knn": "features", "linear": "cached"}.get(protocol, "loop"),
-        weights={"name": name, "fingerprint": fingerprint},
-        dataset=splits.info,
-        seed=seed,
-        wall_time_s=seconds,
         labels={"fraction": pct, "source": "seeded", "seed": seed, "count": len(subset or [])} if pct else None,
         notes={"compare": {"row": name, "column": column, "seed_varies": SEED_VARIES[protocol]}, **notes},
     )
+    return run.record(scored, weights=weights, seed=seed, config=settings, wall_time_s=time.perf_counter() - started)
 
 
 # ----------------------------------------------------------------------------- rendering
 
 
-def render_markdown(result: Comparison, title: str = "Did pretraining help?") -> str:
+def describe_settings(run: EvalRun) -> list[str]:
+    """What every cell of a comparison shares, in words: network, image size, precision, pretraining, k, grid."""
+    from bt_hub.weights.card import training_length
+
+    config, st = run.config, run.settings
+    stem = "small-image stem (3x3, no max-pool)" if st.small_image_stem else "standard stem"
+    lines = [
+        f"- network: {st.arch}, {stem}; images {st.image_size} px ({st.image_size_from}); "
+        f"precision {st.precision} on {st.device}",
+    ]
+    for w in run.all_weights:
+        length = training_length(w.info.get("config") or {}) or "unknown (no bt_hub run config)"
+        lines.append(f"- {w.label} (sha256 {w.sha256[:12]}): pretraining {length}")
+    lines += [
+        f"- kNN: k = {config.knn_k}, T = 0.07, cosine similarity",
+        f"- linear: grid of lr {', '.join(f'{v:g}' for v in config.lr_grid)} x weight decay "
+        f"{', '.join(f'{v:g}' for v in config.weight_decay_grid)}, {config.linear_epochs} epochs, chosen on a seeded "
+        f"{config.val_fraction:g} of the training split",
+        f"- semi: preset {config.semi_preset}, {config.semi_epochs} epochs; supervised baseline: "
+        f"{config.supervised_epochs} epochs from scratch",
+    ]
+    return lines
+
+
+def render_markdown(result: Comparison, title: str = "Did pretraining help?", settings: Sequence[str] = ()) -> str:
     """``compare.md``: the mean ± std table with the verdict column, the paired comparisons, the rule and the seeds."""
     weights_rows = [r for r in result.values if r not in result.baselines]
     header = ["representation", *result.columns, "better than the best baseline?"]
-    lines = [f"# {title}", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    lines = [f"# {title}", "", *settings, "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for row in result.values:
         verdicts = [] if row in result.baselines else [(c, result.verdict(row, c)) for c in result.columns]
         said = "; ".join(f"{c}: {_verdict_word(v)}" for c, v in verdicts if v) or "—"
@@ -357,7 +365,7 @@ def render_markdown(result: Comparison, title: str = "Did pretraining help?") ->
             v = result.verdict(row, column)
             if v:
                 diffs = ", ".join(f"{d:+.1f}" for d in v["differences"])
-                lines.append(f"| {row} | {column} | {v['baseline']} | {diffs} | {v['mean']:+.1f} ± {v['std']:.1f} |")
+                lines.append(f"| {row} | {column} | {v['baseline']} | {diffs} | {_difference(v)} |")
     one = 100.0 / max(result.test_size, 1)
     lines += [
         "",
@@ -374,9 +382,18 @@ def render_markdown(result: Comparison, title: str = "Did pretraining help?") ->
     return "\n".join(lines)
 
 
+def _difference(v: dict[str, Any]) -> str:
+    """``+1.2 ± 0.4``; ``-5.3 (deterministic)`` or ``+2.0 (1 seed)`` where the differences have no spread."""
+    diffs = v["differences"]
+    if len(diffs) == 1 or len(set(diffs)) == 1:
+        return f"{v['mean']:+.1f} ({'1 seed' if len(diffs) == 1 else 'deterministic'})"
+    return f"{v['mean']:+.1f} ± {v['std']:.1f}"
+
+
 def _verdict_word(v: dict[str, Any]) -> str:
     word = {True: "yes", False: "no", None: "no verdict (1 seed)"}[v["better"]]
-    return f"{word} ({v['mean']:+.1f} ± {v['std']:.1f} vs {v['baseline']})"
+    behind = ", ".join(f"{b} by {gap:.1f}" for b, gap in v.get("loses_to", {}).items())
+    return f"{word} ({_difference(v)} vs {v['baseline']})" + (f"; loses to {behind}" if behind else "")
 
 
 def plot(result: Comparison, path: Path) -> Path:
@@ -481,73 +498,107 @@ class CompareConfig(EvalConfig):
         return [c for p in self.protocols for c in names[p]]
 
 
+def sources_of(run: EvalRun, baselines: Sequence[str]) -> list[Source]:
+    """The weights rows (keyed by sha256, labelled apart when their names collide) and the chosen baselines."""
+    seen: dict[str, str] = {}
+    for w in run.all_weights:
+        if w.sha256 in seen:
+            raise ValueError(
+                f"--weights {seen[w.sha256]} and {w.source} are the same weights (sha256 {w.sha256[:12]}); "
+                "name each checkpoint once"
+            )
+        seen[w.sha256] = w.source
+    labels = [w.label for w in run.all_weights]
+    rows = [
+        Source(
+            label if labels.count(label) == 1 else f"{label} ({w.sha256[:8]})",
+            lambda s, n=w.network: n,
+            fingerprint=w.sha256,
+        )
+        for label, w in zip(labels, run.all_weights)
+    ]
+    arch, stem = run.settings.arch, run.settings.small_image_stem
+    if "pixels" in baselines:
+        rows.append(Source("pixels", lambda s: nn.Flatten(), baseline=True, trainable=False))
+    if "random-init" in baselines:
+        rows.append(Source("random-init", lambda s: default_init_backbone(arch, stem, s), baseline=True, per_seed=True))
+    return rows
+
+
+def feature_source(run: EvalRun) -> Callable[[Source, nn.Module, int], tuple[Any, Any, Any, Any]]:
+    """``compare``'s ``features`` argument: each network's train and test features, extracted once per run."""
+    extracted: dict[tuple[str, int | None], tuple[Any, Any, Any, Any]] = {}
+
+    def features(source: Source, net: nn.Module, seed: int) -> tuple[Any, Any, Any, Any]:
+        key = (source.fingerprint if not source.baseline else source.name, seed if source.per_seed else None)
+        if key not in extracted:
+            weights_id = module_fingerprint(net) if source.per_seed or source.baseline else source.fingerprint
+            pairs = [
+                run.features(name, network=net, weights_id=weights_id, label=f"{name} ({source.name})")
+                for name in ("train", "test")
+            ]
+            extracted[key] = (*pairs[0], *pairs[1])
+        return extracted[key]
+
+    return features
+
+
 def run(config: CompareConfig) -> str:
     """``bt-hub eval compare``: score weights and baselines, write compare.md, compare.png and the records.
 
     Returns:
         The table (compare.md) and the files written, for the CLI to print.
     """
-    from bt_hub.weights import load_backbone, weights_fingerprint
+    return compare_and_write(config)[1]
 
-    out = claim_run_dir(config.out, kind="eval", overwrite=config.overwrite)
-    tick = time.perf_counter()
-    with process_group(config.device) as device:
-        networks = {
-            w: load_backbone(w, arch=config.arch, small_image_stem=config.small_image_stem) for w in config.weights
-        }
-        info = getattr(next(iter(networks.values())), "weights_info", None) or {}
-        config.image_size, config.image_size_from = eval_image_size(
-            config.image_size, info.get("config"), config.weights[0]
-        )
-        arch, stem = info.get("architecture", "resnet50"), bool(info.get("small_image_stem"))
-        settings = replace(config, cache_dir=config.cache_dir or str(out / "feature_cache"), overwrite=True)
-        splits = splits_for(settings)
-        sources = [
-            Source(Path(w).name or w, lambda s, n=net: n, fingerprint=weights_fingerprint(w))
-            for w, net in networks.items()
-        ]
-        if "pixels" in config.baselines:
-            sources.append(Source("pixels", lambda s: nn.Flatten(), baseline=True, trainable=False))
-        if "random-init" in config.baselines:
-            sources.append(
-                Source("random-init", lambda s: default_init_backbone(arch, stem, s), baseline=True, per_seed=True)
-            )
-        extracted: dict[str, tuple[Any, Any, Any, Any]] = {}
 
-        def features(source: Source, net: nn.Module, seed: int) -> tuple[Any, Any, Any, Any]:
-            key = f"{source.name}:{seed}" if source.per_seed else source.name
-            if key not in extracted:
-                weights_id = module_fingerprint(net) if source.per_seed else source.fingerprint
-                pairs = [
-                    features_for(
-                        settings,
-                        net,
-                        getattr(splits, name),
-                        weights_id=weights_id,
-                        dataset_id=splits.info[name]["fingerprint"],
-                        split=f"{name} ({source.name})",
-                    )
-                    for name in ("train", "test")
-                ]
-                extracted[key] = (*pairs[0], *pairs[1])
-            return extracted[key]
+def compare_and_write(config: CompareConfig) -> tuple[Comparison, str]:
+    """Score every row and column; with ``config.out``, write the files of :func:`write_comparison`.
 
-        supervised = (lambda s: default_init_backbone(arch, stem, s)) if "supervised" in config.baselines else None
+    Features are cached in ``--cache-dir`` (default ``OUT/feature_cache``). Returns the comparison and
+    the table (with the files written, when there is a folder).
+    """
+    if config.out is not None and config.cache_dir is None:
+        config = replace(config, cache_dir=str(Path(config.out) / "feature_cache"))
+    with evaluation(config) as ev:
+        supervised = None
+        if "supervised" in config.baselines:
+            arch, stem = ev.settings.arch, ev.settings.small_image_stem
+            supervised = lambda s: default_init_backbone(arch, stem, s)  # noqa: E731
         result = compare(
-            sources,
-            splits,
+            sources_of(ev, config.baselines),
+            ev,
             columns=config.columns(),
             seeds=[config.seed + i for i in range(config.seeds)],
-            features=features,
-            settings=settings,
+            features=feature_source(ev),
             supervised=supervised,
-            device=device,
         )
-    text = render_markdown(result)
+        if ev.out is None:
+            return result, render_markdown(result, settings=describe_settings(ev))
+        return result, write_comparison(ev, result)
+
+
+def table_rows(result: Comparison) -> list[dict[str, Any]]:
+    """One row per representation: per column its mean, std and per-seed values; for weights, the verdicts."""
+    rows = []
+    for name, cells in result.values.items():
+        row: dict[str, Any] = {"representation": name, "baseline": name in result.baselines}
+        for column in result.columns:
+            values = cells.get(column) or []
+            mean, std = mean_std(values) if values else (float("nan"), float("nan"))
+            row |= {column: mean, f"{column} std": std, f"{column} per seed": list(values)}
+            if name not in result.baselines and (verdict := result.verdict(name, column)):
+                row[f"{column} better"] = verdict["better"]
+        rows.append(row)
+    return rows
+
+
+def write_comparison(run: EvalRun, result: Comparison, title: str = "Did pretraining help?") -> str:
+    """compare.md, compare.png and the records (results.json / .jsonl / .md) in the run's folder; the table."""
+    text = render_markdown(result, title=title, settings=describe_settings(run))
+    out = run.out
     written = [atomic_write_text(out / "compare.md", text), plot(result, out / "compare.png")]
-    append_results(out, result.records)
     summary = {
-        "schema": SCHEMA,
         "results": result.records,
         "table": {
             row: {c: {"per_seed": v, "mean_std": result.cell(row, c)} for c, v in cols.items()}
@@ -558,8 +609,8 @@ def run(config: CompareConfig) -> str:
             for row in result.values
             if row not in result.baselines
         },
-        "wall_time_s": time.perf_counter() - tick,
+        "wall_time_s": time.perf_counter() - run.started,
     }
-    written.append(atomic_write_json(out / "results.json", summary))
-    written += [out / "results.jsonl", out / "results.md"]
+    run.write(result.records, summary)
+    written += [out / name for name in ("results.json", "results.jsonl", "results.md")]
     return text.split("\n\n## Paired by seed")[0] + "\n\n" + "\n".join(f"wrote {p}" for p in written)

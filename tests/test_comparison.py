@@ -12,8 +12,9 @@ import torch
 from bt_hub import cli
 from bt_hub.common.records import fmt_mean_std
 from bt_hub.data.datasets import ArrayImageDataset
-from bt_hub.eval.compare import Comparison, Source, compare, default_init_backbone, render_markdown
+from bt_hub.eval.comparison import Comparison, Source, compare, default_init_backbone, render_markdown
 from bt_hub.eval.linear import GRID_LRS, GRID_WEIGHT_DECAYS
+from bt_hub.eval.runner import EvalRun, Settings
 from bt_hub.eval.splits import Splits
 from bt_hub.method.model import build_backbone
 
@@ -52,9 +53,11 @@ def _compare(signals: dict[str, float], baselines: set[str], seeds=(0, 1, 2)) ->
     splits = _planted_splits()
     planted = {name: _planted_features(splits, signal, seed=11) for name, signal in signals.items()}
     sources = [Source(name, lambda s: torch.nn.Identity(), baseline=name in baselines) for name in signals]
+    settings = Settings("resnet18", False, 2, "default", "fp32", "workers", "cpu")
+    run = EvalRun(vars(SETTINGS), None, torch.device("cpu"), [], settings, given_splits=splits)
     return compare(
         sources,
-        splits,
+        run,
         columns=["kNN", "linear"],
         seeds=list(seeds),
         features=lambda source, net, seed: planted[source.name],
@@ -76,7 +79,9 @@ def test_identical_features_are_never_better_than_the_baseline():
     for column in ("kNN", "linear"):
         verdict = result.verdict("pretrained", column)
         assert verdict["differences"] == [0.0, 0.0, 0.0] and verdict["better"] is False
-    assert "linear: no (+0.0 ± 0.0 vs same)" in render_markdown(result)
+    # guards: a difference without spread read "+0.0 ± 0.0", as if measured to be exactly certain
+    assert "linear: no (+0.0 (deterministic) vs same)" in render_markdown(result)
+    assert "± 0.0" not in render_markdown(result)
 
 
 def test_the_verdict_pairs_seeds_and_needs_every_seed_ahead_and_a_mean_above_the_spread():
@@ -123,7 +128,8 @@ def test_cli_compare_prints_mean_std_that_match_the_per_seed_records(small_stem_
                 if (r["notes"]["compare"]["row"], r["protocol"]) == (row, protocol)
             ]
             assert len(per_seed) == 2
-            cells.append(fmt_mean_std(per_seed))
+            same = len(set(per_seed)) == 1  # a deterministic cell says so instead of "± 0.0"
+            cells.append(f"{fmt_mean_std(per_seed[:1])} (deterministic)" if same else fmt_mean_std(per_seed))
         assert f"| {' | '.join(cells)} |" in table
     assert {r["seed"] for r in records} == {0, 1} and (out / "compare.png").stat().st_size > 0
     results_md = (out / "results.md").read_text()

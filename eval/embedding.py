@@ -1,0 +1,163 @@
+"""``bt-hub embed``: the features of any weights on any supported data, with the file each row came from.
+
+Every SSL analysis (UMAP, CKA, a custom probe) starts from the embeddings and the row -> image map.
+Through the runner (bt_hub.eval.runner) like every protocol: the weights read and hashed once, the
+settings resolved and recorded, the features through the checksummed cache (``--cache-dir``, default
+``OUT/feature_cache``, so a rerun after an interruption reuses every split already done). Writes:
+
+- ``<split>.npy``: float32 ``[N, D]`` features (the backbone's pooled output), rows in dataset order;
+- ``index.csv``: ``split, row, path, label, class`` per row (``path`` is the image file, or
+  ``digits[i]`` for an in-memory set); or, with ``--format parquet``, one ``embeddings.parquet`` with
+  those columns and a ``features`` list column (``pip install pyarrow``);
+- ``embed.json``: weights, settings, splits and files (the run's record).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from bt_hub.common.distributed import is_main_process
+from bt_hub.common.files import atomic_write, atomic_write_json, atomic_write_text
+from bt_hub.common.optional import require
+from bt_hub.common.records import make_record
+from bt_hub.eval.config import EvalConfig
+from bt_hub.eval.features import as_float32
+from bt_hub.eval.runner import EvalRun, evaluation
+
+INDEX_COLUMNS = ("split", "row", "path", "label", "class")
+CHUNK_ROWS = 65_536  # rows copied at a time from the (memory-mapped) cache into <split>.npy
+
+
+@dataclass
+class EmbedConfig(EvalConfig):
+    """Flags of ``bt-hub embed``: which weights, data and splits, and the output format."""
+
+    RUN_FIELDS: ClassVar[tuple[str, ...]] = EvalConfig.RUN_FIELDS + ("format",)
+
+    splits: list[str] = field(
+        default_factory=lambda: ["train", "test"],
+        metadata={"help": "splits to embed: train and/or test (--test-split names the held-out folder)"},
+    )
+    format: Literal["npy", "parquet"] = field(
+        default="npy",
+        metadata={"help": "npy: <split>.npy + index.csv; parquet: one embeddings.parquet (pip install pyarrow)"},
+    )
+    out: str | None = field(
+        default="runs/embed",
+        kw_only=True,
+        metadata={"help": "output directory: <split>.npy and index.csv (or embeddings.parquet), embed.json"},
+    )
+
+    def __post_init__(self) -> None:
+        self.splits = [s.strip() for value in self.splits for s in str(value).split(",") if s.strip()]
+        bad = [s for s in self.splits if s not in ("train", "test")]
+        if bad or not self.splits:
+            raise ValueError(f"--splits must list train and/or test, got {' '.join(self.splits) or 'none'}")
+        if self.format not in ("npy", "parquet"):
+            raise ValueError(f"--format must be npy or parquet, got {self.format!r}")
+        if self.format == "parquet":
+            require("pyarrow", "bt-hub embed --format parquet")
+        super().__post_init__()
+
+
+def index_rows(dataset: Dataset, split: str, data: str) -> list[dict[str, Any]]:
+    """``split, row, path, label, class`` of every row of a split, in dataset order."""
+    samples = getattr(dataset, "samples", None)
+    labels = [int(t) for t in getattr(dataset, "targets", [])] or [int(dataset[i][1]) for i in range(len(dataset))]
+    classes = list(getattr(dataset, "classes", []))
+    name = Path(data).name or data
+    paths = [os.path.abspath(str(s[0])) for s in samples] if samples is not None else None
+    return [
+        {
+            "split": split,
+            "row": i,
+            "path": paths[i] if paths else f"{name}[{i}]",
+            "label": label,
+            "class": classes[label] if label < len(classes) else str(label),
+        }
+        for i, label in enumerate(labels)
+    ]
+
+
+def run_embed(config: EmbedConfig) -> dict[str, tuple[np.ndarray, list[dict[str, Any]]]]:
+    """Embed each split; write the files when ``config.out`` is set. ``{split: (features, index rows)}``."""
+    if config.out is not None and config.cache_dir is None:
+        config = replace(config, cache_dir=str(Path(config.out) / "feature_cache"))
+    found: dict[str, tuple[np.ndarray, list[dict[str, Any]]]] = {}
+    with evaluation(config) as run:
+        for split in config.splits:
+            features, _ = run.features(split)
+            found[split] = (features, index_rows(getattr(run.splits, split), split, config.data))
+        if run.out is not None and is_main_process():
+            _write(run, found)
+    return {split: (as_float32(x).numpy(), rows) for split, (x, rows) in found.items()}
+
+
+def _write(run: EvalRun, found: dict[str, tuple[Any, list[dict[str, Any]]]]) -> None:
+    out, config = run.out, run.config
+    files = []
+    if config.format == "parquet":
+        files.append(_write_parquet(out / "embeddings.parquet", found).name)
+    else:
+        for split, (features, _) in found.items():
+            files.append(_write_npy(out / f"{split}.npy", features).name)
+        table = io.StringIO()
+        writer = csv.DictWriter(table, fieldnames=INDEX_COLUMNS)
+        writer.writeheader()
+        writer.writerows(row for _, rows in found.values() for row in rows)
+        files.append(atomic_write_text(out / "index.csv", table.getvalue()).name)
+    record = make_record(
+        protocol="embed",
+        metrics={},
+        config={**vars(config), **run.settings.as_dict(), "features": dict(run.features_used)},
+        preset=None,
+        mode="features",
+        weights={"name": run.weights.source, "fingerprint": run.weights.sha256},
+        dataset=run.splits.info,
+        seed=config.seed,
+        wall_time_s=0.0,
+        notes={"files": files, "rows": {split: len(rows) for split, (_, rows) in found.items()}},
+    )
+    record["settings"] = run.settings.as_dict()
+    atomic_write_json(out / "embed.json", record)
+
+
+def _write_npy(path: Path, features: Any) -> Path:
+    n, dim = features.shape
+
+    def write(f: io.BufferedWriter) -> None:
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (n, dim)})
+        f.write(header.getvalue())
+        for start in range(0, n, CHUNK_ROWS):
+            f.write(as_float32(features, start, start + CHUNK_ROWS).numpy().tobytes())
+
+    return atomic_write(path, write)
+
+
+def _write_parquet(path: Path, found: dict[str, tuple[Any, list[dict[str, Any]]]]) -> Path:
+    pa = require("pyarrow", "bt-hub embed --format parquet")
+    pq = require("pyarrow.parquet", "bt-hub embed --format parquet")
+    rows = [row for _, index in found.values() for row in index]
+    columns = {name: [row[name] for row in rows] for name in INDEX_COLUMNS}
+    stacked = np.concatenate([as_float32(x).numpy() for x, _ in found.values()])
+    flat = pa.array(stacked.reshape(-1), type=pa.float32())
+    table = pa.table({**columns, "features": pa.FixedSizeListArray.from_arrays(flat, stacked.shape[1])})
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    return atomic_write(path, lambda f: f.write(buffer.getvalue()))
+
+
+def run(config: EmbedConfig) -> str:
+    """``bt-hub embed``: embed the splits and write the files; what was written, for the CLI to print."""
+    found = run_embed(config)
+    shapes = ", ".join(f"{split} {x.shape[0]} x {x.shape[1]}" for split, (x, _) in found.items())
+    return f"embedded {shapes}" + (f"; wrote {config.out}" if config.out else "")

@@ -1,0 +1,345 @@
+"""One evaluation run, start to end: the one place that claims, loads, resolves and records.
+
+Every protocol (knn, linear, transfer, semi, voc07-svm), ``eval all``, ``compare``, ``embed`` and
+the demo go through :func:`evaluation`, in this order:
+
+1. claim ``--out`` (when given) as a folder of an explicit kind, before any heavy work;
+2. load the weights once: one read, one sha256 (the hash of the bytes that were loaded), reused by
+   the cache key and the record;
+3. resolve the settings (architecture, stem, image size and where it came from, precision, decode,
+   device) into a frozen :class:`Settings` that every record stores; the user's config is never
+   written to;
+4. build the splits once and the features through the checksummed cache (:meth:`EvalRun.features`);
+5. write one record per scored result through :meth:`EvalRun.write` (results.json, results.jsonl,
+   results.md).
+
+A protocol supplies only its scoring step: ``score(run) -> Scored`` (features and splits in,
+metrics and notes out); :func:`run_protocol` does the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from bt_hub.common.distributed import is_main_process, process_group
+from bt_hub.common.files import atomic_write_json
+from bt_hub.common.presets import overrides
+from bt_hub.common.records import SCHEMA, Record, make_record
+from bt_hub.common.runs import claim_run_dir, config_dict
+from bt_hub.data.precision import resolve_precision
+from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalWarning
+from bt_hub.eval.features import FeatureCache, Pool, architecture_fingerprint, extract_with_source
+from bt_hub.eval.report import append_results
+from bt_hub.eval.splits import Splits, load_splits
+from bt_hub.method.transforms import DeviceEvalTransform, eval_transforms
+
+# ----------------------------------------------------------------------------- what a run resolved
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What an evaluation resolved before any data was drawn; every record of the run stores it."""
+
+    arch: str
+    small_image_stem: bool
+    image_size: int
+    image_size_from: str
+    precision: str
+    decode: str
+    device: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as a JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class LoadedWeights:
+    """Weights read once: the network, the sha256 of the bytes read, and what the loader recognised."""
+
+    source: str
+    network: nn.Module
+    sha256: str
+    info: Mapping[str, Any]
+
+    @property
+    def label(self) -> str:
+        """A short display name: the file or folder name, URL or Hub id (never the identity; that is ``sha256``)."""
+        return Path(self.source).name or self.source if "://" not in self.source else self.source
+
+
+def load_weights(
+    source: str, *, arch: str | None = None, small_image_stem: bool | None = None, allow_non_finite: bool = False
+) -> LoadedWeights:
+    """Read ``source`` once into a backbone (``bt_hub.weights.load_backbone``) with the hash of those bytes."""
+    from bt_hub.weights import load_backbone
+
+    network = load_backbone(source, arch=arch, small_image_stem=small_image_stem, allow_non_finite=allow_non_finite)
+    info = dict(getattr(network, "weights_info", None) or {})
+    return LoadedWeights(str(source), network, str(info["sha256"]), info)
+
+
+def eval_image_size(given: int | None, weights_config: Mapping[str, Any] | None, weights: str) -> tuple[int, str]:
+    """The evaluation crop side and where it came from: ``--image-size``, ``weights config.json`` or ``default``.
+
+    Weights pretrained at one size score lower at another, so the size a run or Hugging Face
+    folder's ``config.json`` records is the default; an ``--image-size`` that differs from it is
+    used, with one ``EvalWarning``.
+
+    Raises:
+        ValueError: the config.json's ``image_size`` is not a positive integer.
+    """
+    trained = (weights_config or {}).get("image_size")
+    if trained is not None and (isinstance(trained, bool) or not isinstance(trained, int) or trained <= 0):
+        raise ValueError(f"config.json of weights {weights} has image_size {trained!r}; expected a positive integer")
+    if given is None:
+        return (trained, "weights config.json") if trained else (DEFAULT_IMAGE_SIZE, "default")
+    if trained and given != trained:
+        warnings.warn(
+            f"--image-size {given} differs from the {trained} px the weights {weights} were pretrained at "
+            f"(their config.json); features at another size usually score lower: "
+            f"leave --image-size out to use {trained}",
+            EvalWarning,
+            stacklevel=3,
+        )
+    return given, "--image-size"
+
+
+def resolve_settings(config: Any, weights: LoadedWeights, device: torch.device) -> Settings:
+    """The run's :class:`Settings`: the config's flags where given, else what the weights say of themselves."""
+    info = weights.info
+    size, size_from = eval_image_size(config.image_size, info.get("config"), weights.source)
+    return Settings(
+        arch=str(info.get("architecture") or config.arch),
+        small_image_stem=bool(info.get("small_image_stem")),
+        image_size=int(size),
+        image_size_from=size_from,
+        precision=resolve_precision(config.precision, device),
+        decode=config.decode,
+        device=str(device),
+    )
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Scored:
+    """What a protocol's scoring step returns: the metrics and what the record says about them."""
+
+    protocol: str
+    metrics: Mapping[str, float]
+    mode: str | None = None
+    preset: str | None = None
+    paper_task: str | None = None
+    labels: Mapping[str, Any] | None = None
+    notes: Mapping[str, Any] | None = None
+    warnings: Sequence[str] = ()
+    dataset: Mapping[str, Any] | None = None  # the splits' facts, when the protocol built its own splits
+
+
+@dataclass
+class EvalRun:
+    """An evaluation in progress: its config (read only), folder, device, weights, settings, splits and features."""
+
+    config: Any
+    out: Path | None
+    device: torch.device
+    all_weights: list[LoadedWeights]
+    settings: Settings
+    features_used: dict[str, str] = field(default_factory=dict)
+    given_splits: Splits | None = None  # splits made elsewhere (tests, planted features) instead of --data's
+    _splits: dict[tuple[Any, ...], Splits] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def weights(self) -> LoadedWeights:
+        """The (first) weights under evaluation."""
+        return self.all_weights[0]
+
+    @property
+    def splits(self) -> Splits:
+        """The train / test splits of ``--data`` at the run's image size (built once, shared with child runs)."""
+        if self.given_splits is not None:
+            return self.given_splits
+        c = self.config
+        key = (c.data, c.test_split, c.holdout, c.seed, self.settings.image_size)
+        if key not in self._splits:
+            self._splits[key] = load_splits(
+                c.data, test_split=c.test_split, holdout=c.holdout, seed=c.seed, image_size=self.settings.image_size
+            )
+        return self._splits[key]
+
+    def child(self, config: Any, out: Path | None) -> EvalRun:
+        """The same weights, settings and splits under another protocol's config and folder (``eval all``)."""
+        if out is not None and is_main_process():
+            claim_run_dir(out, overwrite=config.overwrite, kind="eval")
+        settings = dataclasses.replace(self.settings, decode=config.decode)
+        return EvalRun(config, out, self.device, self.all_weights, settings, _splits=self._splits)
+
+    def transform(self) -> Callable[[Any], torch.Tensor]:
+        """The test transform at the run's image size: on the device (``--decode device``) or PIL in the workers."""
+        size = self.settings.image_size
+        return DeviceEvalTransform(size) if self.settings.decode == "device" else eval_transforms(size)
+
+    def features(
+        self,
+        split: str,
+        *,
+        network: nn.Module | None = None,
+        weights_id: str | None = None,
+        dataset: Dataset | None = None,
+        dataset_id: str | None = None,
+        transform: Callable[[Any], torch.Tensor] | None = None,
+        pool: Pool = "avg",
+        label: str | None = None,
+    ) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
+        """Features and labels of a split (``train`` / ``test``, or ``dataset``), through the cache when one is set.
+
+        ``network`` defaults to the run's weights and ``weights_id`` to their sha256; the cache key also
+        holds the architecture, the dataset fingerprint, the transform, pool, dtype and precision.
+        ``label`` names the entry of the record's ``features`` (``computed`` or ``cached <key>``).
+        """
+        network = network if network is not None else self.weights.network
+        weights_id = weights_id or self.weights.sha256
+        if dataset is None:
+            dataset = getattr(self.splits, split)
+            dataset_id = self.splits.info[split]["fingerprint"]
+        cache_dir = self.config.cache_dir
+        cache = (
+            FeatureCache(cache_dir, weights_id, dataset_id, architecture_fingerprint(network)) if cache_dir else None
+        )
+        name = label or split
+        features, labels, source = extract_with_source(
+            network,
+            dataset,
+            transform=transform or self.transform(),
+            pool=pool,
+            batch_size=self.config.batch_size,
+            device=self.device,
+            num_workers=self.config.num_workers,
+            cache=cache,
+            dtype=self.config.cache_dtype,
+            desc=f"features {name}",
+            precision=self.settings.precision,
+        )
+        self.features_used[name] = source
+        return features, labels
+
+    def record(
+        self,
+        scored: Scored,
+        *,
+        weights: Mapping[str, Any] | None = None,
+        seed: int | None = None,
+        config: Any = None,
+        wall_time_s: float | None = None,
+    ) -> Record:
+        """The results record of ``scored``: the config as given, the resolved settings, weights, splits, metrics.
+
+        ``weights``, ``seed`` and ``config`` default to the run's; ``wall_time_s`` to the time since it started.
+        """
+        config = config or self.config
+        changed = (
+            overrides(config, ignore=getattr(config, "RUN_FIELDS", ())) if dataclasses.is_dataclass(config) else {}
+        )
+        hyper = {
+            **config_dict(config),
+            "image_size": self.settings.image_size,
+            "image_size_from": self.settings.image_size_from,
+            "precision": self.settings.precision,
+            "decode": self.settings.decode,
+            "features": dict(self.features_used),
+        }
+        if weights is None:
+            weights = {"name": self.weights.source, "fingerprint": self.weights.sha256}
+        record = make_record(
+            protocol=scored.protocol,
+            metrics=scored.metrics,
+            config=hyper,
+            preset=scored.preset,
+            mode=scored.mode,
+            weights=weights,
+            dataset=scored.dataset if scored.dataset is not None else self.splits.info,
+            seed=config.seed if seed is None else seed,
+            wall_time_s=time.perf_counter() - self.started if wall_time_s is None else wall_time_s,
+            overrides=changed,
+            labels=scored.labels,
+            warnings=scored.warnings,
+            notes=scored.notes,
+            paper_task=scored.paper_task,
+        )
+        record["settings"] = self.settings.as_dict()
+        return record
+
+    def write(self, records: Sequence[Record], summary: Mapping[str, Any] | None = None) -> None:
+        """:func:`write_records` into the run's folder (nothing without one, or off the main process)."""
+        if self.out is not None and is_main_process():
+            write_records(self.out, records, summary)
+
+
+def write_records(out: str | Path, records: Sequence[Record], summary: Mapping[str, Any] | None = None) -> None:
+    """The one results writer: ``results.json`` (the record, or ``summary`` with ``schema``), ``results.jsonl``
+    appended and ``results.md`` rewritten from the folder's whole history."""
+    body = dict(records[0]) if summary is None and len(records) == 1 else {"schema": SCHEMA, **(summary or {})}
+    if summary is None and len(records) != 1:
+        body["results"] = list(records)
+    atomic_write_json(Path(out) / "results.json", body)
+    append_results(out, records)
+
+
+@contextlib.contextmanager
+def evaluation(config: Any, *, kind: str = "eval") -> Iterator[EvalRun]:
+    """Claim ``config.out`` (a folder of ``kind``), load the weights, resolve the settings; the run, for one block.
+
+    ``config.out`` None writes nothing (the Python API, the demo). ``config.weights`` is one source or
+    a list (``compare``); each is read once. The process group (torchrun) lives as long as the block.
+    """
+    out = Path(config.out) if config.out is not None else None
+    if out is not None and is_main_process():
+        claim_run_dir(out, overwrite=config.overwrite, kind=kind)
+    with process_group(config.device) as device:
+        torch.manual_seed(config.seed)
+        sources = config.weights if isinstance(config.weights, list) else [config.weights]
+        loaded = [
+            load_weights(
+                source,
+                arch=config.arch,
+                small_image_stem=config.small_image_stem,
+                allow_non_finite=config.allow_non_finite,
+            )
+            for source in sources
+        ]
+        yield EvalRun(config, out, device, loaded, resolve_settings(config, loaded[0], device))
+
+
+def _score_and_write(run: EvalRun, score: Callable[[EvalRun], Scored]) -> Record:
+    scored = score(run)
+    if not is_main_process():
+        return {"metrics": dict(scored.metrics)}
+    record = run.record(scored)
+    run.write([record])
+    return record
+
+
+def run_protocol(config: Any, score: Callable[[EvalRun], Scored]) -> Record:
+    """Run one protocol's scoring step inside :func:`evaluation` and write its record; return the record."""
+    with evaluation(config) as run:
+        return _score_and_write(run, score)
+
+
+def run_child(parent: EvalRun, config: Any, score: Callable[[EvalRun], Scored]) -> Record:
+    """One protocol of ``eval all`` on the parent's weights and settings, in its own folder ``config.out``."""
+    return _score_and_write(parent.child(config, Path(config.out) if config.out is not None else None), score)
