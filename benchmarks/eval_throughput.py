@@ -15,11 +15,12 @@ one device, each row after an untimed warm-up pass over ``--warmup`` batches:
     the next batch prepared on a side stream on CUDA; ``--precision auto``: bf16 on GPUs and
     on AMX / avx512_bf16 CPUs; channels-last);
 (c) reference: the usual loop: torchvision ``ImageFolder`` + PIL ``Resize/CenterCrop/ToTensor/
-    Normalize`` in the same number of workers, fp32 on the CPU / fp16 autocast on CUDA, NCHW.
+    Normalize`` in the same number of workers (or once per count of ``--reference-workers``),
+    fp32 on the CPU / fp16 autocast on CUDA, NCHW.
 
 The table goes to stdout (and ``--out``, default ``$OUT`` when set) with the CPU's flags and
 load beside it: the CPU may be shared, so the load says what the numbers are worth. The last
-line reads ``speedup: X.XXx (bt_hub B images/s vs reference C images/s)``.
+line reads ``speedup: X.XXx (bt_hub B images/s vs reference C images/s)``, against the first (c) row.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def bt_hub_extraction(args: argparse.Namespace, data: Path, device: torch.device
     return len(dataset) / (time.perf_counter() - tick)
 
 
-def reference_loop(args: argparse.Namespace, data: Path, device: torch.device) -> float:
+def reference_loop(args: argparse.Namespace, data: Path, device: torch.device, workers: int) -> float:
     """(c): ImageFolder + PIL transforms in workers, fp32 on the CPU / fp16 autocast on CUDA, NCHW; images/s."""
     net = _backbone(args, device)
     transform = T.Compose(
@@ -116,7 +117,7 @@ def reference_loop(args: argparse.Namespace, data: Path, device: torch.device) -
     dataset = datasets.ImageFolder(str(data), transform=transform)
 
     def run(ds: torch.utils.data.Dataset) -> None:
-        loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers, pin_memory=device.type == "cuda")
+        loader = DataLoader(ds, batch_size=args.batch_size, num_workers=workers, pin_memory=device.type == "cuda")
         with torch.no_grad(), torch.autocast(device.type, enabled=device.type == "cuda"):
             for images, _ in loader:
                 net(images.to(device, non_blocking=True)).float().cpu()
@@ -156,6 +157,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="batches of the untimed warm-up pass of each row")
     parser.add_argument("--steps", type=int, default=20, help="timed batches per row")
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="loader workers of (b), (c)")
+    parser.add_argument(
+        "--reference-workers", type=int, nargs="+", default=None, help="(c) once per count (default: --workers)"
+    )
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="(a) and (b)")
     parser.add_argument("--decode", default="device", choices=["device", "workers"], help="(b)'s --decode")
     parser.add_argument("--rows", default="abc", help="which of the rows a, b, c to run")
@@ -190,11 +194,14 @@ def main() -> None:
             f"(b) bt_hub extract_features from files ({precision})",
             lambda: bt_hub_extraction(args, data, device, precision),
         ),
+    ]
+    runs += [
         (
             "c",
-            f"(c) reference: ImageFolder + PIL transforms in workers ({reference})",
-            lambda: reference_loop(args, data, device),
-        ),
+            f"(c) reference: ImageFolder + PIL transforms in {n} workers ({reference})",
+            lambda n=n: reference_loop(args, data, device, n),
+        )
+        for n in args.reference_workers or [args.workers]
     ]
     for key, label, run in runs:
         if key in args.rows:

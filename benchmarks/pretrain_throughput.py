@@ -15,9 +15,9 @@ then times on one device, each after ``--warmup`` untimed steps:
     (``benchmarks/pretrain_step.py``'s copy of its ``Transform``) in ``--workers`` loader
     workers, fp16 autocast + GradScaler on CUDA (fp32 on the CPU), NCHW, the BatchNorm1d
     loss with the D x D cross-correlation, cudnn.benchmark, LARS;
-and with ``--compile``, (a) and (b) again under torch.compile. Images/s counts source images
-(each gives two views). The table and ``throughput.json`` go to ``--out`` (default ``$OUT``
-when set), rewritten after every row, so a run cut short keeps what it measured.
+and with ``--compile``, (a) and (b) again under torch.compile (``--compile only``: those two alone).
+Images/s counts source images (each gives two views). The table and ``throughput.json`` go to
+``--out`` (default ``$OUT`` when set), rewritten after every row, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -254,7 +254,14 @@ def main() -> None:
     )
     parser.add_argument("--decode", default="auto", choices=["auto", "device", "workers"], help="(b)'s --decode")
     parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True, help="(a) and (b)")
-    parser.add_argument("--compile", action="store_true", help="also time (a) and (b) under torch.compile")
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="also",
+        default="off",
+        choices=["off", "also", "only"],
+        help="also (or only) time (a) and (b) under torch.compile",
+    )
     parser.add_argument("--rows", default="abc", help="which of the rows a, b, c to run")
     parser.add_argument("--jpeg-size", default="500x375", help="WIDTHxHEIGHT of the generated JPEGs")
     parser.add_argument(
@@ -298,7 +305,9 @@ def main() -> None:
         ),
         ("c", "(c) reference loop: PIL views in workers, AMP", lambda: reference_loop(args, files, device)),
     ]
-    if args.compile:
+    if args.compile == "only":
+        runs = []
+    if args.compile != "off":
         runs += [
             ("a", "(a) ceiling, torch.compile", lambda: ceiling(args, device, precision, True)),
             (
