@@ -264,6 +264,7 @@ def _cases() -> list[Case]:
     pre = ("pretrain", "--preset", "digits", "--max-steps", "1", "--out", "{d}/run")
     demo = ("demo", "--epochs", "1", "--max-steps", "1", "--out", "{d}/demo")
     knn = ("eval", "knn", "--weights", "{d}/w.pth", "--data", "digits", *SIZE, "--out", "{d}/out")
+    embed = ("embed", "--weights", "{d}/w.pth", "--data", "digits", *SIZE, "--out", "{d}/out")
     lin = ("eval", "linear", "--weights", "{d}/w.pth", "--data", "digits", *SIZE, "--out", "{d}/out")
     semi = ("eval", "semi", "--weights", "{d}/w.pth", "--data", "digits", *SIZE, "--out", "{d}/out")
     voc = ("eval", "voc07-svm", "--weights", "{d}/w.pth", "--data", "{d}/VOCdevkit", "--out", "{d}/out")
@@ -328,6 +329,12 @@ def _cases() -> list[Case]:
         Case("demo", "knn-k 0", (*demo, "--knn-k", "0"), ("--knn-k",)),
         Case("demo", "out is a user folder", demo, ("--out", "--overwrite"), write("demo/report.md", "my report")),
         Case("demo", "out holds a pretraining run", demo, ("--out",), run_with(at="demo/pretrain")),
+        # embed
+        *_run_config_cases("embed", embed, weights),
+        Case("embed", "splits val", (*embed, "--splits", "val"), ("--splits",), weights),
+        Case("embed", "format hdf5", (*embed, "--format", "hdf5"), ("--format",), weights),
+        Case("embed", "weights missing", ("embed", "--weights", "{d}/nope.pth", "--out", "{d}/out"), ("nope.pth",)),
+        Case("embed", "out is a user folder", embed, ("--out", "--overwrite"), both(weights, write("out/x", "mine"))),
         # eval: every protocol
         *_eval_cases("knn"),
         Case("eval knn", "k 0", (*knn, "--k", "0"), ("--k",), weights),
