@@ -195,6 +195,13 @@ def test_importing_the_method_loads_neither_training_nor_weights_nor_evaluation(
     assert out.strip() == "[]"
 
 
+def test_evaluation_stands_on_the_data_layer_and_loads_no_training_module():
+    # Guards: eval imported its pipeline (datasets, decode, prefetch, precision) from bt_hub.train.
+    code = "import sys, bt_hub.eval.knn; print(sorted(m for m in sys.modules if m.startswith('bt_hub.train')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 @pytest.mark.parametrize("generic_name", ["eval", "detection_configs"])
 def test_the_installed_package_exposes_bt_hub_only_and_no_generic_top_level_name(tmp_path, generic_name):
     run = subprocess.run([sys.executable, "-c", f"import {generic_name}"], capture_output=True, text=True, cwd=tmp_path)
