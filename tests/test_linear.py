@@ -22,15 +22,8 @@ from bt_hub.eval.classifier import (
     train_classifier,
     train_on_features,
 )
-from bt_hub.eval.linear import (
-    FrozenBackboneClassifier,
-    LinearConfig,
-    TransferConfig,
-    equally_spaced_milestones,
-    grid_probe,
-    score_heads,
-    train_heads,
-)
+from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS, NonFiniteLoss, grid_probe, score_heads, train_heads
+from bt_hub.eval.linear import FrozenBackboneClassifier, LinearConfig, TransferConfig, equally_spaced_milestones
 from bt_hub.method.model import build_backbone
 
 RESULT_FIELDS = {
@@ -382,7 +375,7 @@ def test_grid_chooses_on_a_seeded_validation_split_of_the_training_data_never_th
     scrambled = grid_probe(train_x, train_y, test_x, test_y[torch.randperm(len(test_y))], 5, seed=2, **hyper)
     assert scrambled["chosen"] == found["chosen"] and scrambled["grid"] == found["grid"]
     assert len(found["grid"]) == 12 and {(h["lr"], h["weight_decay"]) for h in found["grid"]} == {
-        (lr, wd) for lr in linear.GRID_LRS for wd in linear.GRID_WEIGHT_DECAYS
+        (lr, wd) for lr in GRID_LRS for wd in GRID_WEIGHT_DECAYS
     }
     best = max(h["val_top1"] for h in found["grid"])
     assert found["chosen"]["val_top1"] == best
@@ -400,7 +393,7 @@ def test_a_diverging_head_is_reported_and_never_chosen_and_a_diverged_grid_is_re
     diverged = [h for h in found["grid"] if h["lr"] == 100.0][0]
     assert diverged["val_top1"] is None and diverged["diverged_epoch"] is not None
     assert found["chosen"]["lr"] == 1e-30
-    with pytest.raises(linear.NonFiniteLoss, match="every head of the linear grid diverged"):
+    with pytest.raises(NonFiniteLoss, match="every head of the linear grid diverged"):
         grid_probe(x, y, x, y, 3, lrs=[100.0], weight_decays=[0.0], epochs=3, batch_size=16, progress=False)
 
 
@@ -420,7 +413,7 @@ def test_cli_linear_on_digits_like_data_runs_the_grid_and_records_it(resnet18_we
     record = _read(out)
     notes = record["notes"]
     assert notes["search"] == "grid" and len(notes["grid"]) == 12 and record["mode"] == "cached"
-    assert notes["chosen"]["lr"] in linear.GRID_LRS and notes["validation"]["source_split"] == "train"
+    assert notes["chosen"]["lr"] in GRID_LRS and notes["validation"]["source_split"] == "train"
     assert record["paper_task"] is None  # the grid is not the paper's recipe: no paper row beside it
 
 
@@ -464,7 +457,6 @@ def test_cli_fixed_probe_stops_in_one_sentence_when_its_loss_becomes_non_finite(
 
 def test_grid_without_a_validation_split_is_refused_in_one_sentence():
     # Guards: one image per class left no validation rows and grid_probe raised ZeroDivisionError.
-    from bt_hub.eval.linear import grid_probe
 
     x, y = torch.randn(3, 4), torch.tensor([0, 1, 2])
     with pytest.raises(ValueError, match="at most one per class, so the grid has no validation split"):
