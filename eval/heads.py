@@ -84,8 +84,8 @@ def train_heads(
 
     Every head starts from the same paper initialisation (``make_classifier`` after
     ``torch.manual_seed(seed)``) and sees the same batches (``epoch_permutation``), and each
-    follows SGD with momentum and weight decay on its own LR, so one head is
-    bt_hub.eval.classifier.train_on_features (to float32 rounding); the cost of K heads is one
+    follows SGD with momentum and weight decay on its own LR, so one head is the paper's classifier
+    as ``train_classifier`` trains it over the same features (to float32 rounding); the cost of K heads is one
     pass over the features per epoch, one K-times wider matrix product each way per batch (the
     bias rides as an extra weight column) and three element-wise updates of one flat parameter
     buffer. Finiteness is checked once per
