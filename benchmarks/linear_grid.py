@@ -3,7 +3,7 @@
     python benchmarks/linear_grid.py                              # digits, random-init resnet18 (3x3 stem), 8 px
     python benchmarks/linear_grid.py --weights demo_out/pretrain --repeats 5
 
-bt_hub.eval.linear.train_heads trains every head of the grid from the same batch (one stacked
+bt_hub.eval.heads.train_heads trains every head of the grid from the same batch (one stacked
 K x C x D weight, one matrix product each way per batch, one pass over the features per epoch). The
 table gives the median wall and CPU seconds of training 1 head and the 12-head default grid
 (``GRID_LRS`` x ``GRID_WEIGHT_DECAYS``) on the same cached features, their ratio (the issue asks
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from bt_hub.eval.features import extract_features
-from bt_hub.eval.linear import GRID_LRS, GRID_WEIGHT_DECAYS, grid_probe, train_heads
+from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS, grid_probe, train_heads
 from bt_hub.eval.splits import load_splits
 from bt_hub.method.model import build_backbone
 from bt_hub.method.transforms import eval_transforms

@@ -23,15 +23,9 @@ from typing import Any
 import torch
 
 from bt_hub.data.datasets import build_dataset
-from bt_hub.eval.classifier import (
-    evaluate_features,
-    evaluate_loader,
-    make_classifier,
-    make_loader,
-    train_classifier,
-    train_on_features,
-)
+from bt_hub.eval.classifier import evaluate_loader, make_classifier, make_loader, train_classifier
 from bt_hub.eval.features import TransformedDataset, extract_features, train_transform
+from bt_hub.eval.heads import score_heads, train_heads
 from bt_hub.eval.linear import FrozenBackboneClassifier
 from bt_hub.method.model import build_backbone
 from bt_hub.method.transforms import eval_transforms
@@ -104,11 +98,21 @@ def main() -> None:
     test_x, test_y = extract_features(backbone, test_set, transform=test_tf)
     extraction = time.perf_counter() - tick
     tick = time.perf_counter()
-    cached_fc = train_on_features(
-        train_x, train_y, 10, epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, **HYPER
+    cached_fc = train_heads(
+        train_x,
+        train_y,
+        10,
+        lrs=[HYPER["lr"]],
+        weight_decays=[HYPER["weight_decay"]],
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        momentum=HYPER["momentum"],
+        schedule=HYPER["schedule"],
+        milestones=HYPER["milestones"],
+        seed=args.seed,
     )
     cached_epoch = (time.perf_counter() - tick) / args.epochs
-    cached_top1 = evaluate_features(cached_fc, test_x, test_y)["top1"]
+    cached_top1 = score_heads(cached_fc, test_x, test_y)[0]["top1"]
 
     print(
         f"digits {len(train_set)} train / {len(test_set)} test, {args.image_size} px, {args.epochs} epochs, "

@@ -3,8 +3,8 @@
 :func:`ap_from_curve` integrates a precision/recall curve in one of the PASCAL VOC's two ways:
 the VOC2007 11-point mean or the all-point area (VOC2010+, VISSL's ``calculate_ap``).
 :func:`average_precision` and :func:`voc07_11point_ap` build the curve from per-sample scores
-and labels (``bt_hub.eval.voc07_svm``); the detection devkit builds it from matched boxes
-(``bt_hub.eval.detection.evaluation``).
+and labels (``bt_hub.eval.voc07_svm``); the detection devkit's evaluation builds it from matched
+boxes.
 """
 
 from __future__ import annotations

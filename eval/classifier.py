@@ -1,12 +1,11 @@
 """The SGD classifier shared by the linear probe, transfer and semi-supervised fine-tuning.
 
 One loop over images (``train_classifier``: a frozen backbone + linear layer, or a whole
-network being fine-tuned) and one over cached features (``train_on_features``, the linear
-probe's ``--cached`` mode), both with the paper's per-epoch LR (``lr_factor``: cosine
-without warm-up, or steps) and the same seeded data order (``epoch_permutation``,
-DistributedSampler's rule), so on the same inputs they train the same classifier; the
-classifier is initialised as in the paper (weight ~ N(0, 0.01), bias 0) and scored by
-top-1 / top-5 accuracy.
+network being fine-tuned) with the paper's per-epoch LR (``lr_factor``: cosine without
+warm-up, or steps) and a seeded data order (``epoch_permutation``, DistributedSampler's
+rule) that the heads over cached features (bt_hub.eval.heads) share, so on the same inputs
+both train the same classifier; the classifier is initialised as in the paper (weight ~
+N(0, 0.01), bias 0) and scored by top-1 / top-5 accuracy.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -68,89 +66,6 @@ def set_epoch_lr(optimizer: torch.optim.Optimizer, base_lrs: Sequence[float], fa
         group["lr"] = base * factor
 
 
-# ----------------------------------------------------------------------------- cached features
-
-
-def _rows(features: torch.Tensor | np.ndarray, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Rows ``idx`` of a tensor, or of a (memory-mapped) array read in sorted order, as float32 on ``device``."""
-    if isinstance(features, torch.Tensor):
-        return features[idx.to(features.device)].float().to(device)
-    return torch.from_numpy(np.asarray(features[np.sort(idx.numpy())], dtype=np.float32)).to(device)
-
-
-def train_on_features(
-    features: torch.Tensor | np.ndarray,
-    labels: torch.Tensor,
-    num_classes: int,
-    *,
-    epochs: int,
-    batch_size: int = 256,
-    lr: float = 0.3,
-    weight_decay: float = 1e-6,
-    momentum: float = 0.9,
-    schedule: str = "cosine",
-    milestones: Sequence[int] = (),
-    gamma: float = 0.1,
-    seed: int = 0,
-    progress: bool = True,
-    device: str | torch.device | None = None,
-    desc: str = "linear (cached)",
-) -> nn.Linear:
-    """Train the paper's linear classifier on fixed features (the ``--cached`` mode).
-
-    Args:
-        features: N x D training features: a tensor, or a (memory-mapped) array read batch by
-            batch, so ImageNet-sized caches need not fit in memory (any float dtype).
-        labels: N integer labels.
-        num_classes: classifier outputs.
-        epochs, batch_size, lr, weight_decay, momentum, schedule, milestones, gamma: as the
-            full loop (SGD, LR set per epoch by :func:`lr_factor`).
-        seed: seeds the classifier init and the per-epoch shuffling, which is the full loop's
-            (:func:`make_loader`): on the same inputs both train the same classifier.
-        progress: report progress (bt_hub.common.progress: a bar on a terminal, log lines elsewhere).
-        device: where the classifier trains; default the features' device (CPU for arrays).
-        desc: the progress report's name.
-
-    Returns:
-        The trained classifier.
-    """
-    if device is None:
-        device = features.device if isinstance(features, torch.Tensor) else torch.device("cpu")
-    device = torch.device(device)
-    torch.manual_seed(seed)
-    fc = make_classifier(features.shape[1], num_classes).to(device)
-    optimizer = torch.optim.SGD(fc.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
-    y = labels.long().cpu()
-    n = len(y)
-    epoch_range: Sequence[int] = range(epochs)
-    for epoch in reported(epoch_range, desc, unit="epoch") if progress else epoch_range:
-        set_epoch_lr(optimizer, [lr], lr_factor(epoch, epochs, schedule, milestones, gamma))
-        order = epoch_permutation(n, seed, epoch)
-        for start in range(0, n, batch_size):
-            idx = order[start : start + batch_size]
-            if not isinstance(features, torch.Tensor):
-                idx = idx.sort().values
-            loss = F.cross_entropy(fc(_rows(features, idx, device)), y[idx].to(device))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-    return fc
-
-
-@torch.no_grad()
-def evaluate_features(
-    fc: nn.Module, features: torch.Tensor | np.ndarray, labels: torch.Tensor, batch_size: int = 4096
-) -> dict[str, float]:
-    """Top-1 / top-5 accuracy (percent) of a classifier on fixed features (tensor or memmap)."""
-    device = next(fc.parameters()).device
-    correct = torch.zeros(2)
-    for start in range(0, len(features), batch_size):
-        idx = torch.arange(start, min(start + batch_size, len(features)))
-        logits = fc(_rows(features, idx, device))
-        correct += torch.tensor(topk_correct(logits, labels[idx].to(device)), dtype=torch.float)
-    return {"top1": 100.0 * float(correct[0]) / len(features), "top5": 100.0 * float(correct[1]) / len(features)}
-
-
 # ----------------------------------------------------------------------------- the loop over images
 
 
@@ -161,7 +76,7 @@ def make_loader(
 
     The order of an epoch is :func:`epoch_permutation` (DistributedSampler's rule, also in a
     single process; :func:`train_classifier` sets the epoch), so a loop over images and
-    :func:`train_on_features` over their cached features see the same batches.
+    ``bt_hub.eval.heads.train_heads`` over their cached features see the same batches.
     """
     world = get_world_size()
     sampler = DistributedSampler(

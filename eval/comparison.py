@@ -11,7 +11,7 @@ Rows are the ``--weights`` (any source the resolver takes) and the ``--baselines
   ``--supervised-epochs``; its own test top-1 fills each column.
 
 Columns are the ``--protocols``: ``knn`` (weighted kNN, bt_hub.eval.knn), ``linear`` (the grid probe
-of bt_hub.eval.linear, chosen on a validation split of the training data) and ``semi``
+of bt_hub.eval.heads, chosen on a validation split of the training data) and ``semi``
 (fine-tuning on ``--fractions`` percent of the labels with the ``--semi-preset`` recipe; pixels
 get the grid probe on the subset). Every cell is the mean ± sample standard deviation over
 ``--seeds`` seeds (``--seed``, ``--seed`` + 1, ...); ``SEED_VARIES`` says what a seed changes
@@ -41,9 +41,9 @@ from bt_hub.common.progress import progress
 from bt_hub.common.records import fmt_mean_std, mean_std, seeds_text
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.features import TransformedDataset, module_fingerprint, train_transform
+from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS, check_probe_settings, grid_probe
 from bt_hub.eval.knn import knn_classify
 from bt_hub.eval.label_subsets import balanced_subset_indices
-from bt_hub.eval.linear import GRID_LRS, GRID_WEIGHT_DECAYS, check_probe_settings, grid_probe
 from bt_hub.eval.runner import EvalRun, Scored, evaluation
 from bt_hub.eval.semi_supervised import SemiSupervisedConfig, finetune
 from bt_hub.method.model import build_backbone

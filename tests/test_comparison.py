@@ -13,7 +13,7 @@ from bt_hub import cli
 from bt_hub.common.records import fmt_mean_std
 from bt_hub.data.datasets import ArrayImageDataset
 from bt_hub.eval.comparison import Comparison, Source, compare, default_init_backbone, render_markdown
-from bt_hub.eval.linear import GRID_LRS, GRID_WEIGHT_DECAYS
+from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS
 from bt_hub.eval.runner import EvalRun, Settings
 from bt_hub.eval.splits import Splits
 from bt_hub.method.model import build_backbone

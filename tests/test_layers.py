@@ -11,6 +11,7 @@ import ast
 import importlib
 import importlib.util
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,21 @@ def upward_edges(edges: set[tuple[str, str]]) -> list[str]:
     )
 
 
+def upper_names_in_strings(modules: dict[str, Path]) -> list[str]:
+    """The strings (docstrings and messages included) in which a module names a package of a higher layer."""
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    found = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                # `-m bt_hub.cli` is the command a user types under torchrun, not knowledge of the layer
+                for named in re.findall(r"(?<!-m )\bbt_hub(?:\.\w+)+", node.value):
+                    named = _target(named, modules)  # "bt_hub.results/3" (a schema) names no module
+                    if named != "bt_hub" and rank[layer_of(named)] > rank[layer_of(name)]:
+                        found.append(f"{name} ({layer_of(name)}) names {named} ({layer_of(named)})")
+    return sorted(set(found))
+
+
 def cycles(modules: dict[str, Path], edges: set[tuple[str, str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan's algorithm)."""
     graph: dict[str, list[str]] = {m: [] for m in modules}
@@ -157,12 +173,31 @@ def test_the_import_graph_has_no_cycle():
     assert cycles(modules, import_edges(modules)) == []
 
 
+def test_no_layer_names_a_layer_above_it_even_in_a_string():
+    # Guards: common/runs.py mapped "bt_hub.train", "bt_hub.eval", ... to run-folder kinds, an import in all but name.
+    assert upper_names_in_strings(package_modules()) == []
+
+
+def test_the_library_never_inspects_the_call_stack():
+    # Guards: run-folder permissions came from the calling module (sys._getframe), so a move changed them.
+    for name, path in package_modules().items():
+        source = path.read_text(encoding="utf-8")
+        assert "_getframe" not in source and "inspect.stack" not in source and "currentframe" not in source, name
+
+
 def test_importing_the_method_loads_neither_training_nor_weights_nor_evaluation():
     code = (
         "import sys, bt_hub.method.loss, bt_hub.method.model, bt_hub.method.views, bt_hub.method.optim, "
         "bt_hub.method.transforms; "
         "print(sorted(m for m in sys.modules if m.startswith(('bt_hub.train', 'bt_hub.weights', 'bt_hub.eval'))))"
     )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_evaluation_stands_on_the_data_layer_and_loads_no_training_module():
+    # Guards: eval imported its pipeline (datasets, decode, prefetch, precision) from bt_hub.train.
+    code = "import sys, bt_hub.eval.knn; print(sorted(m for m in sys.modules if m.startswith('bt_hub.train')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -195,3 +230,4 @@ if __name__ == "__main__":
     print(f"{len(found)} modules, {len(all_edges)} import edges (function-level and CLI table included)")
     print(f"upward edges: {upward_edges(all_edges) or 'none'}")
     print(f"cycles: {cycles(found, all_edges) or 'none'}")
+    print(f"upper packages named in strings: {upper_names_in_strings(found) or 'none'}")

@@ -12,25 +12,9 @@ import torch
 
 from bt_hub import cli
 from bt_hub.common.presets import from_preset
-from bt_hub.eval import linear
-from bt_hub.eval.classifier import (
-    evaluate_features,
-    lr_factor,
-    make_classifier,
-    make_loader,
-    topk_correct,
-    train_classifier,
-    train_on_features,
-)
-from bt_hub.eval.linear import (
-    FrozenBackboneClassifier,
-    LinearConfig,
-    TransferConfig,
-    equally_spaced_milestones,
-    grid_probe,
-    score_heads,
-    train_heads,
-)
+from bt_hub.eval.classifier import lr_factor, make_classifier, make_loader, topk_correct, train_classifier
+from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS, NonFiniteLoss, grid_probe, score_heads, train_heads
+from bt_hub.eval.linear import FrozenBackboneClassifier, LinearConfig, TransferConfig, equally_spaced_milestones
 from bt_hub.eval.runner import EvalRun
 from bt_hub.method.model import build_backbone
 
@@ -116,22 +100,22 @@ def test_probe_on_features_that_separate_the_classes_reaches_100_percent():
     train_x, train_y = _separable(40, 10, 64, seed=0)
     test_x, test_y = _separable(20, 10, 64, seed=0)
     test_x = test_x + 0.1 * torch.randn_like(test_x)
-    fc = train_on_features(train_x, train_y, 10, epochs=30, batch_size=64, lr=0.3, weight_decay=1e-6, progress=False)
-    assert evaluate_features(fc, test_x, test_y)["top1"] == 100.0
-    shuffled = train_on_features(
-        train_x, train_y[torch.randperm(len(train_y))], 10, epochs=30, batch_size=64, progress=False
-    )
-    assert evaluate_features(shuffled, test_x, test_y)["top1"] < 40.0
+    hyper = {"lrs": [0.3], "weight_decays": [1e-6], "epochs": 30, "batch_size": 64, "progress": False}
+    fc = train_heads(train_x, train_y, 10, **hyper)
+    assert score_heads(fc, test_x, test_y)[0]["top1"] == 100.0
+    shuffled = train_heads(train_x, train_y[torch.randperm(len(train_y))], 10, **hyper)
+    assert score_heads(shuffled, test_x, test_y)[0]["top1"] < 40.0
 
 
 def test_memmapped_features_train_the_same_classifier_as_a_tensor(tmp_path):
     x, y = _separable(20, 5, 16, seed=1)
     path = tmp_path / "f.npy"
     np.save(path, x.numpy())
-    a = train_on_features(x, y, 5, epochs=3, batch_size=32, seed=2, progress=False)
-    b = train_on_features(np.load(path, mmap_mode="r"), y, 5, epochs=3, batch_size=32, seed=2, progress=False)
+    hyper = {"lrs": [0.3], "weight_decays": [1e-6], "epochs": 3, "batch_size": 32, "seed": 2, "progress": False}
+    a = train_heads(x, y, 5, **hyper)
+    b = train_heads(np.load(path, mmap_mode="r"), y, 5, **hyper)
     assert torch.allclose(a.weight, b.weight, atol=1e-6)
-    assert evaluate_features(b, np.load(path, mmap_mode="r"), y) == evaluate_features(a, x, y)
+    assert score_heads(b, np.load(path, mmap_mode="r"), y) == score_heads(a, x, y)
 
 
 def test_cached_probe_trains_the_same_classifier_as_the_loop_over_the_same_inputs():
@@ -144,7 +128,7 @@ def test_cached_probe_trains_the_same_classifier_as_the_loop_over_the_same_input
         torch.nn.Flatten(),
     ).eval()
     data = torch.utils.data.TensorDataset(images.view(-1, 3, 4, 4), labels)
-    hyper = {"momentum": 0.9, "weight_decay": 1e-4, "schedule": "cosine", "milestones": [], "gamma": 1.0}
+    hyper = {"momentum": 0.9, "schedule": "cosine", "milestones": [], "gamma": 1.0}
     torch.manual_seed(5)
     fc = make_classifier(8, 4)
     loader = make_loader(data, 16, shuffle=True, seed=5, num_workers=0, device=torch.device("cpu"))
@@ -155,13 +139,16 @@ def test_cached_probe_trains_the_same_classifier_as_the_loop_over_the_same_input
         epochs=3,
         device=torch.device("cpu"),
         desc="loop",
+        weight_decay=1e-4,
         **hyper,
     )
     with torch.no_grad():
         features = backbone(data.tensors[0])
-    cached = train_on_features(features, labels, 4, epochs=3, batch_size=16, lr=0.3, seed=5, progress=False, **hyper)
-    torch.testing.assert_close(cached.weight, fc.weight, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(cached.bias, fc.bias, rtol=1e-5, atol=1e-6)
+    cached = train_heads(
+        features, labels, 4, lrs=[0.3], weight_decays=[1e-4], epochs=3, batch_size=16, seed=5, progress=False, **hyper
+    )
+    torch.testing.assert_close(cached.weight[0], fc.weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cached.bias[0], fc.bias, rtol=1e-5, atol=1e-6)
 
 
 def test_frozen_backbone_keeps_weights_and_bn_statistics_while_the_classifier_learns():
@@ -341,16 +328,6 @@ def test_cli_eval_all_runs_every_protocol_sharing_one_feature_cache(resnet18_wei
 # ----------------------------------------------------------------------------- the grid of heads
 
 
-def test_one_head_of_the_grid_is_exactly_the_papers_cached_classifier():
-    x, y = _separable(30, 5, 24, seed=4)
-    hyper = {"epochs": 4, "batch_size": 32, "seed": 3, "momentum": 0.9, "schedule": "cosine"}
-    alone = train_on_features(x, y, 5, lr=0.3, weight_decay=1e-3, progress=False, **hyper)
-    heads = train_heads(x, y, 5, lrs=[0.3], weight_decays=[1e-3], progress=False, **hyper)
-    torch.testing.assert_close(heads.weight[0], alone.weight, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(heads.bias[0], alone.bias, rtol=1e-5, atol=1e-6)
-    assert score_heads(heads, x, y)[0]["top1"] == evaluate_features(alone, x, y)["top1"]
-
-
 def test_every_head_of_a_grid_equals_that_head_trained_alone():
     x, y = _separable(30, 4, 16, seed=5)
     lrs, wds = [0.01, 0.3, 3.0], [0.0, 1e-2, 1e-3]
@@ -383,7 +360,7 @@ def test_grid_chooses_on_a_seeded_validation_split_of_the_training_data_never_th
     scrambled = grid_probe(train_x, train_y, test_x, test_y[torch.randperm(len(test_y))], 5, seed=2, **hyper)
     assert scrambled["chosen"] == found["chosen"] and scrambled["grid"] == found["grid"]
     assert len(found["grid"]) == 12 and {(h["lr"], h["weight_decay"]) for h in found["grid"]} == {
-        (lr, wd) for lr in linear.GRID_LRS for wd in linear.GRID_WEIGHT_DECAYS
+        (lr, wd) for lr in GRID_LRS for wd in GRID_WEIGHT_DECAYS
     }
     best = max(h["val_top1"] for h in found["grid"])
     assert found["chosen"]["val_top1"] == best
@@ -401,7 +378,7 @@ def test_a_diverging_head_is_reported_and_never_chosen_and_a_diverged_grid_is_re
     diverged = [h for h in found["grid"] if h["lr"] == 100.0][0]
     assert diverged["val_top1"] is None and diverged["diverged_epoch"] is not None
     assert found["chosen"]["lr"] == 1e-30
-    with pytest.raises(linear.NonFiniteLoss, match="every head of the linear grid diverged"):
+    with pytest.raises(NonFiniteLoss, match="every head of the linear grid diverged"):
         grid_probe(x, y, x, y, 3, lrs=[100.0], weight_decays=[0.0], epochs=3, batch_size=16, progress=False)
 
 
@@ -421,7 +398,7 @@ def test_cli_linear_on_digits_like_data_runs_the_grid_and_records_it(resnet18_we
     record = _read(out)
     notes = record["notes"]
     assert notes["search"] == "grid" and len(notes["grid"]) == 12 and record["mode"] == "cached"
-    assert notes["chosen"]["lr"] in linear.GRID_LRS and notes["validation"]["source_split"] == "train"
+    assert notes["chosen"]["lr"] in GRID_LRS and notes["validation"]["source_split"] == "train"
     assert record["paper_task"] is None  # the grid is not the paper's recipe: no paper row beside it
 
 
@@ -465,7 +442,6 @@ def test_cli_fixed_probe_stops_in_one_sentence_when_its_loss_becomes_non_finite(
 
 def test_grid_without_a_validation_split_is_refused_in_one_sentence():
     # Guards: one image per class left no validation rows and grid_probe raised ZeroDivisionError.
-    from bt_hub.eval.linear import grid_probe
 
     x, y = torch.randn(3, 4), torch.tensor([0, 1, 2])
     with pytest.raises(ValueError, match="at most one per class, so the grid has no validation split"):
