@@ -39,7 +39,7 @@ from bt_hub.common.distributed import process_group
 from bt_hub.common.files import atomic_write_json, atomic_write_text
 from bt_hub.common.presets import baseline
 from bt_hub.common.records import SCHEMA, fmt_mean_std, make_record, mean_std, seeds_text
-from bt_hub.common.runs import claim_run_dir
+from bt_hub.common.runs import claim_run_dir, releases_claim
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.features import (
     TransformedDataset,
@@ -481,6 +481,7 @@ class CompareConfig(EvalConfig):
         return [c for p in self.protocols for c in names[p]]
 
 
+@releases_claim
 def run(config: CompareConfig) -> str:
     """``bt-hub eval compare``: score weights and baselines, write compare.md, compare.png and the records.
 

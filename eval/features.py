@@ -55,7 +55,7 @@ from bt_hub.common.distributed import (
     is_distributed,
     is_main_process,
 )
-from bt_hub.common.files import atomic_write, atomic_write_json, file_sha256
+from bt_hub.common.files import atomic_write, atomic_write_json, file_sha256, remove_stale_temp_files
 from bt_hub.common.progress import progress
 from bt_hub.common.runs import claim_run_dir
 from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalConfig, EvalWarning
@@ -659,6 +659,8 @@ def features_for(
         if config.cache_dir
         else None
     )
+    if cache is not None and is_main_process():
+        remove_stale_temp_files(cache.directory)  # what writes cut short by a crash or a kill left there
     size = config.image_size or DEFAULT_IMAGE_SIZE
     if transform is None:
         transform = DeviceEvalTransform(size) if config.decode == "device" else eval_transforms(size)

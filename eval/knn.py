@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from bt_hub.common.distributed import is_main_process, process_group
 from bt_hub.common.optional import require
+from bt_hub.common.runs import releases_claim
 from bt_hub.eval.config import EvalConfig, EvalWarning
 from bt_hub.eval.features import as_float32, features_for, load_eval_backbone
 from bt_hub.eval.report import write_results
@@ -221,6 +222,7 @@ def effective_k(requested: list[int], train_size: int) -> tuple[list[int], list[
     return used, messages if cut else []
 
 
+@releases_claim
 def run(config: KnnConfig) -> dict[str, Any]:
     """Extract (or load cached) features of both splits, classify the test split, write the results.
 

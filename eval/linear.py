@@ -44,7 +44,7 @@ from torch import nn
 
 from bt_hub.common.distributed import is_distributed, is_main_process, process_group
 from bt_hub.common.progress import progress as reported
-from bt_hub.common.runs import RunDir
+from bt_hub.common.runs import RunDir, releases_claim
 from bt_hub.eval.classifier import (
     epoch_permutation,
     evaluate_loader,
@@ -509,6 +509,7 @@ class TransferConfig(LinearConfig):
     preset: str = field(default="places205", metadata={"help": "named sets of flag values; flags given override them"})
 
 
+@releases_claim
 def run(config: LinearConfig) -> dict[str, Any]:
     """Train and score a linear classifier on the frozen backbone of ``--weights``; write the results.
 

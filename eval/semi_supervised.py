@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 
 from bt_hub.common.distributed import convert_sync_batchnorm, is_distributed, is_main_process, process_group
+from bt_hub.common.runs import releases_claim
 from bt_hub.eval.classifier import evaluate_loader, make_classifier, make_loader, train_classifier
 from bt_hub.eval.config import EvalConfig, warn_about_settings
 from bt_hub.eval.features import TransformedDataset, load_eval_backbone, train_transform
@@ -181,6 +182,7 @@ class SemiSupervisedConfig(EvalConfig):
             raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
 
 
+@releases_claim
 def run(config: SemiSupervisedConfig) -> dict[str, Any]:
     """Fine-tune the backbone of ``--weights`` on the labelled subset and score it; write the results."""
     with process_group(config.device) as device:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from bt_hub.common.presets import from_preset, preset_values
-from bt_hub.common.runs import claim_run_dir
+from bt_hub.common.runs import claim_run_dir, releases_claim
 from bt_hub.eval import knn, linear, semi_supervised
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.report import write_summary
@@ -115,6 +115,7 @@ def _given(**values: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
 
 
+@releases_claim
 def run(config: SuiteConfig) -> dict[str, Any]:
     """Run every protocol on ``--weights``; return ``{"results": [record, ...], "wall_time_s": ...}``."""
     tick = time.perf_counter()

@@ -32,6 +32,7 @@ import numpy as np
 from PIL import Image
 
 from bt_hub.common.images import open_rgb
+from bt_hub.common.runs import releases_claim
 from bt_hub.eval.average_precision import average_precision, voc07_11point_ap
 from bt_hub.eval.config import EvalConfig
 
@@ -340,6 +341,7 @@ class Voc07SvmConfig(EvalConfig):
             )
 
 
+@releases_claim
 def run(config: Voc07SvmConfig) -> dict[str, Any]:
     """Features of trainval and test, the SVM grid on trainval, mean AP on test; writes the results."""
     from bt_hub.common.distributed import is_main_process, process_group

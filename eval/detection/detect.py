@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal
 
 from bt_hub.common.config import RunConfig, out_field
 from bt_hub.common.optional import require
-from bt_hub.common.runs import check_run_dir, claim_run_dir
+from bt_hub.common.runs import check_run_dir, claim_run_dir, releases_claim
 from bt_hub.eval.detection.config import CONFIGS
 
 __all__ = ["DetectConfig", "aggregate_trials", "main", "prepare_weights", "resolve_engine"]
@@ -165,6 +165,7 @@ def aggregate_trials(trials: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+@releases_claim
 def main(config: DetectConfig) -> dict[str, Any] | None:
     """Run ``config.trials`` detection transfers and write ``results.json`` (machine / rank 0).
 
