@@ -17,7 +17,9 @@ import dataclasses
 import importlib
 import os
 import shlex
+import signal
 import sys
+import threading
 import types
 import typing
 import warnings
@@ -225,6 +227,10 @@ def _overview(path: list[str], table: dict[str, Any]) -> str:
         text = entry.help if isinstance(entry, Command) else "subcommands: " + ", ".join(entry)
         lines.append(f"  {name:<{width}}{text}")
     lines += ["", "Run 'bt-hub " + " ".join(path + ["<command>"]) + " --help' for its flags."]
+    if not path:
+        lines.append(
+            "Exit codes: 0 done, 1 failure, 2 refused input, 130 Ctrl-C, 143 SIGTERM (pretrain checkpoints first)."
+        )
     return "\n".join(lines)
 
 
@@ -240,7 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Exit codes: 0 done, 2 a usage error or a refused input (one line naming the flag or file),
     1 a failure that is not the input's (one line; ``BT_HUB_DEBUG=1`` shows the traceback),
-    130 interrupted (Ctrl-C: one line saying what was kept and the command that continues).
+    130 interrupted (Ctrl-C: one line saying what was kept and the command that continues),
+    143 stopped by SIGTERM (the same line; ``bt-hub pretrain`` first checkpoints the step it is on).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-V"]):
@@ -266,6 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefix = f"bt-hub {' '.join(path)}"
     debug = bool(os.environ.get("BT_HUB_DEBUG"))
     config = None
+    from bt_hub.common.signals import EXIT_CODE, Terminated, raise_terminated
+
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
+    previous = signal.signal(signal.SIGTERM, raise_terminated) if main_thread else None  # Ctrl-C's path
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _print_warning(prefix)
@@ -278,10 +289,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = build_config(config_cls, parser.parse_args(rest))
             with torch_threads(getattr(config, "threads", 0)):
                 result = getattr(module, command.function)(config)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
+        stopped = isinstance(err, Terminated)
         if os.environ.get("RANK", "0") == "0":
-            print(f"{prefix}: interrupted; {_interrupted(path, rest, config)}", file=sys.stderr)
-        return 130
+            how = "stopped by SIGTERM" if stopped else "interrupted"
+            print(f"{prefix}: {how}; {_interrupted(path, rest, config)}", file=sys.stderr)
+        return EXIT_CODE if stopped else 130
     except (ValueError, OSError, ImportError, RuntimeError) as err:
         if debug:
             raise
@@ -305,6 +318,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     summary = _summary(result, getattr(config, "out", None))
     if summary:
         print(summary)

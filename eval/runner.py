@@ -34,10 +34,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from bt_hub.common.distributed import is_main_process, process_group
-from bt_hub.common.files import atomic_write_json
+from bt_hub.common.files import atomic_write_json, remove_stale_temp_files
 from bt_hub.common.presets import overrides
 from bt_hub.common.records import SCHEMA, Record, make_record
-from bt_hub.common.runs import claim_run_dir, config_dict
+from bt_hub.common.runs import claim_run_dir, claimed_run_dir, config_dict
 from bt_hub.data.precision import resolve_precision
 from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalWarning
 from bt_hub.eval.features import FeatureCache, Pool, architecture_fingerprint, extract_with_source
@@ -308,9 +308,12 @@ def evaluation(config: Any, *, kind: str = "eval") -> Iterator[EvalRun]:
     a list (``compare``); each is read once. The process group (torchrun) lives as long as the block.
     """
     out = Path(config.out) if config.out is not None else None
-    if out is not None and is_main_process():
-        claim_run_dir(out, overwrite=config.overwrite, kind=kind)
-    with process_group(config.device) as device:
+    with process_group(config.device) as device, contextlib.ExitStack() as claims:
+        if is_main_process():
+            if out is not None:  # taken back if the run fails before writing anything else there
+                claims.enter_context(claimed_run_dir(out, kind=kind, overwrite=config.overwrite))
+            if config.cache_dir:  # what writes cut short by a crash or a kill left in the cache
+                remove_stale_temp_files(config.cache_dir)
         torch.manual_seed(config.seed)
         sources = config.weights if isinstance(config.weights, list) else [config.weights]
         loaded = [

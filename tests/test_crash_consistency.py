@@ -244,3 +244,57 @@ def test_torchrun_max_restarts_resumes_a_killed_worker_from_the_checkpoint_bit_i
             agent.wait(timeout=60)
     assert len(json.loads((elastic / "run.json").read_text())["resumes"]) == 1
     _assert_identical_runs(straight, elastic, TOTAL_STEPS)
+
+
+# digits, 8 px: about 180 steps an epoch, so a run stopped at 40 checkpoints only at its end (or on SIGTERM)
+DIGITS = ("--data", "digits", "--checkpoint-every", "0", "--max-steps", "40")
+
+
+def _sigterm_after(out: Path, steps: int, *, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Start ``out``'s run, SIGTERM it (the launcher, under torchrun) once ``steps`` steps are logged; its exit."""
+    proc = subprocess.Popen(
+        _cmd(out, *DIGITS, launcher=launcher), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _wait_for(lambda: _last_logged_step(out / "metrics.jsonl") >= steps, proc, f"{steps} logged steps")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "", err)
+
+
+def test_sigterm_checkpoints_the_step_it_is_on_says_so_and_resume_auto_ends_bit_identical(tmp_path):
+    # Guards: SIGTERM (a scheduler's preemption) ended pretraining with exit code 143, no line and nothing saved,
+    # losing every step since the last --checkpoint-every.
+    _run(_cmd(tmp_path / "uninterrupted", *DIGITS))
+    out = tmp_path / "run"
+    done = _sigterm_after(out, 3)
+    assert done.returncode == 143, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    stopped = _checkpoint_step(out)
+    assert 3 <= stopped < 40 and stopped == _last_logged_step(out / "metrics.jsonl")
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith(
+        f"bt-hub pretrain: stopped by SIGTERM; the last checkpoint {out / 'checkpoint.pth'} (step {stopped}) is kept; "
+    )
+    assert line.endswith("--resume auto")
+    _run(_cmd(out, *DIGITS, "--resume", "auto"))
+    _assert_identical_runs(tmp_path / "uninterrupted", out, 40)
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+def test_sigterm_to_torchrun_stops_every_rank_at_one_checkpointed_step_and_resume_ends_bit_identical(tmp_path):
+    # torchrun forwards SIGTERM to its workers; the ranks agree on the step to stop at (one all-reduce a step).
+    _run(_cmd(tmp_path / "uninterrupted", *DIGITS, launcher=TORCHRUN))
+    out = tmp_path / "run"
+    done = _sigterm_after(out, 3, launcher=TORCHRUN)
+    assert done.returncode != 0  # torchrun's own exit code and report of the signal it forwarded
+    stopped = _checkpoint_step(out)
+    assert 3 <= stopped < 40 and stopped == _last_logged_step(out / "metrics.jsonl")
+    assert f"stopped by SIGTERM; the last checkpoint {out / 'checkpoint.pth'} (step {stopped}) is kept" in done.stderr
+    _run(_cmd(out, *DIGITS, "--resume", "auto", launcher=TORCHRUN))
+    _assert_identical_runs(tmp_path / "uninterrupted", out, 40)

@@ -8,6 +8,7 @@ is importable, for detectron2 (its own PascalVOCDetectionEvaluator / COCOEvaluat
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -175,3 +176,12 @@ def test_voc_evaluator_ignores_difficult_objects_and_counts_duplicates_as_false_
     assert voc_evaluate(records, stray, len(CLASSES), use_07_metric=False)["bbox"]["AP50"] == pytest.approx(
         np.mean(per_class)
     )
+
+
+def test_pycocotools_deprecation_warnings_are_filtered_from_the_test_output_and_ours_are_not():
+    # Guards: the test output carried ~1,690 pycocotools DeprecationWarnings (numpy 2's copy keyword), burying ours.
+    mask = pytest.importorskip("pycocotools.mask")
+    with warnings.catch_warnings(record=True) as seen:  # keeps pytest's filters (pyproject's filterwarnings)
+        mask.decode(mask.encode(np.asfortranarray(np.ones((4, 4, 1), dtype=np.uint8))))
+        warnings.warn("a deprecation of ours", DeprecationWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["a deprecation of ours"]

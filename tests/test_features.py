@@ -285,3 +285,26 @@ def test_cli_cache_recomputes_for_another_image_size_or_weights_and_reuses_other
     assert cached_files() == 6  # other weights: computed again
     metas = [json.loads(p.read_text()) for p in cache.glob("*.meta.json")]
     assert len({m["transform"] for m in metas}) == 2 and len({m["weights"] for m in metas}) == 2
+
+
+def test_a_rerun_removes_the_stale_temp_files_interrupted_writes_left_in_the_cache_dir_and_out(
+    image_folder, seeded_weights, tmp_path
+):
+    # Guards: a killed extraction's temp file (a full-size features file) stayed in --cache-dir for good.
+    import os
+
+    from bt_hub import cli
+
+    image_folder(tmp_path / "data", classes=("a", "b"), per_class=3, size=12)
+    cache, out = tmp_path / "cache", tmp_path / "ev"
+    argv = ["eval", "knn", "--weights", str(seeded_weights("resnet18", small_image_stem=True)), "--k", "1"]
+    argv += ["--data", str(tmp_path / "data"), "--image-size", "8", "--cache-dir", str(cache), "--out", str(out)]
+    assert cli.main(argv) == 0
+    left = [cache / ".0123abcd.features.npy.0a1b2c3d.tmp", out / ".results.json.1b2c3d4e.tmp"]
+    for path in left:
+        path.write_bytes(b"\x93NUMPY cut short")
+        os.utime(path, (path.stat().st_mtime - 3600,) * 2)
+    kept = cache / ".0123abcd.features.npy.2c3d4e5f.tmp"  # written a moment ago: perhaps a live write
+    kept.write_bytes(b"")
+    assert cli.main(argv) == 0
+    assert not [p for p in left if p.exists()] and kept.exists()

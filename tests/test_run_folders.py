@@ -273,3 +273,82 @@ def test_pretrain_flags_out_of_range_are_one_sentence_naming_the_flag(tmp_path, 
     assert cli_main([*TINY, "--out", str(tmp_path / "run"), *flags]) == 2
     assert message in _error(capsys)
     assert not (tmp_path / "run").exists()
+
+
+def test_report_never_replaces_a_png_of_yours_in_any_folder(run, tmp_path, capsys):
+    # Guards: `bt-hub report RUN --out DIR` replaced the user's own loss.png in any folder, exit code 0.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "loss.png").write_bytes(b"my plot")
+    assert cli_main(["report", str(run), "--out", str(mine)]) == 2
+    assert f"--out {mine} is not empty and was not created by bt-hub" in _error(capsys)
+    assert [p.name for p in mine.iterdir()] == ["loss.png"] and (mine / "loss.png").read_bytes() == b"my plot"
+    assert cli_main(["report", str(run), "--out", str(run)]) == 2  # nor into the run's own folder
+    assert f"--out {run} holds a bt-hub pretrain run" in _error(capsys)
+    for _ in range(2):  # its own folder: drawn again in place
+        assert cli_main(["report", str(run)]) == 0 and (run / "report" / "loss.png").is_file()
+    assert cli_main(["report", str(run), "--out", str(mine), "--overwrite"]) == 0
+    assert (mine / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_pretrain_into_a_read_only_run_folder_is_one_sentence_naming_the_folder_and_flag(run, monkeypatch, capsys):
+    # Guards: a run folder on a read-only file system printed a raw "[Errno 30] Read-only file system" line.
+    import errno
+
+    import bt_hub.common.runs as runs
+
+    opened = runs.open_no_follow
+
+    def read_only(path, flags, mode=0o666):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return opened(path, flags, mode)
+
+    monkeypatch.setattr(runs, "open_no_follow", read_only)
+    before = _files(run)
+    assert cli_main([*TINY, "--out", str(run), "--max-steps", "3", "--resume", "auto"]) == 2
+    line = _error(capsys)
+    assert line == (
+        f"bt-hub pretrain: error: --out {run} is not writable (Read-only file system: could not open its "
+        f"{LOCK_NAME}); choose a writable --out"
+    )
+    assert _files(run) == before
+
+
+def test_a_failed_eval_takes_its_claim_back_and_leaves_no_folder_holding_only_the_marker(tmp_path, capsys):
+    # Guards: an eval that failed (here: unknown weights) left its --out holding only .bt_hub_run.
+    fail = ["eval", "knn", "--weights", str(tmp_path / "missing.pth"), "--arch", "resnet18"]
+    out = tmp_path / "new"
+    assert cli_main([*fail, "--out", str(out)]) == 2 and "missing.pth" in _error(capsys)
+    assert not out.exists()
+    out.mkdir()  # an empty folder of yours: left empty
+    assert cli_main([*fail, "--out", str(out)]) == 2 and "missing.pth" in _error(capsys)
+    assert not list(out.iterdir())
+    earlier = tmp_path / "earlier"  # a folder bt_hub claimed before keeps its marker
+    claim_run_dir(earlier, kind="eval")
+    assert cli_main([*fail, "--out", str(earlier)]) == 2 and "missing.pth" in _error(capsys)
+    assert [p.name for p in earlier.iterdir()] == [MARKER_NAME]
+
+
+def test_stale_temp_files_go_but_a_live_or_recent_write_and_files_of_yours_stay(tmp_path):
+    # Guards: temp files of interrupted writes stayed in eval folders (and --cache-dir) for good.
+    import fcntl
+
+    folder = claim_run_dir(tmp_path / "eval", kind="eval")
+    stale, live, recent, yours = (
+        folder / ".results.json.0a1b2c3d.tmp",
+        folder / ".features.npy.1b2c3d4e.tmp",
+        folder / ".results.md.2c3d4e5f.tmp",
+        folder / ".notes.tmp",
+    )
+    for path in (stale, live, recent, yours):
+        path.write_bytes(b"x")
+    hour_ago = os.stat(stale).st_mtime - 3600
+    for path in (stale, live, yours):
+        os.utime(path, (hour_ago, hour_ago))
+    with open(live, "rb") as writer:
+        fcntl.flock(writer, fcntl.LOCK_EX)  # as atomic_write holds it until its rename
+        assert claim_run_dir(folder, kind="eval") == folder
+        assert sorted(p.name for p in folder.iterdir()) == sorted([MARKER_NAME, live.name, recent.name, yours.name])
+    assert set(remove_stale_temp_files(folder, min_age_s=0)) == {live, recent}  # the run folder lock's holder
+    assert yours.is_file()

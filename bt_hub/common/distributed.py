@@ -151,6 +151,15 @@ def all_gather_objects(obj: object) -> list[object]:
     return gathered
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when ``flag`` is True on any rank (``flag`` itself without a process group)."""
+    if not is_distributed():
+        return flag
+    found = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return bool(found.item())
+
+
 def barrier() -> None:
     """Wait for every rank (no-op without a process group)."""
     if is_distributed():

@@ -1,8 +1,8 @@
 """Files, written atomically and read safely: the one home of bt_hub's file I/O below the run folders.
 
 Every file bt_hub writes goes through ``atomic_write`` (a temp file ``.<name>.<8 hex>.tmp``
-beside the target, fsync, rename), so a crash never leaves a half-written checkpoint or
-result, and a failed write (disk full, quota, ``ulimit -f``) is one sentence naming the file
+beside the target, ``flock``-ed until the rename, fsync, rename), so a crash never leaves a
+half-written checkpoint or result, and a failed write (disk full, quota, ``ulimit -f``) is one sentence naming the file
 while the previous version stays intact. Files follow the umask like any other file. A
 symbolic link where bt_hub writes is refused, never followed nor replaced, so no write lands
 outside the folder it was meant for (:func:`open_no_follow` for files written in place).
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import io
 import json
@@ -23,6 +24,7 @@ import os
 import pickle
 import re
 import secrets
+import time
 import warnings
 import zipfile
 from collections.abc import Callable, Mapping
@@ -33,6 +35,8 @@ import torch
 
 # the temp names of atomic_write (and of earlier versions, which used tempfile.mkstemp)
 TEMP_FILE = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
+# a temp file untouched this long, whose lock no writer holds, is the leftover of an interrupted write
+STALE_AFTER_S = 60.0
 _FULL = {errno.ENOSPC: "no space is left on the device", errno.EDQUOT: "the disk quota is exceeded"}
 # the metadata that marks a safetensors file as bt_hub's (so bt_hub may replace it)
 WRITTEN_BY = {"written_by": "bt_hub"}
@@ -92,14 +96,45 @@ def _os_error(err: BaseException) -> OSError | None:
 
 
 def _open_temp(path: Path) -> tuple[Path, int]:
-    """A new temp file beside ``path``, created with mode 0666 so that the umask applies (mkstemp's is 0600)."""
+    """A new temp file beside ``path`` (mode 0666, so that the umask applies), ``flock``-ed: a live writer's."""
     for _ in range(100):
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
         try:
-            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         except FileExistsError:
             continue
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return tmp, fd
     raise FileExistsError(f"could not create a temp file beside {path}")
+
+
+def remove_stale_temp_files(path: str | os.PathLike, min_age_s: float = STALE_AFTER_S) -> list[Path]:
+    """Delete the leftovers of interrupted atomic writes in the folder ``path``; return them.
+
+    Only regular files of bt_hub's temp-name pattern, untouched for ``min_age_s`` seconds, whose
+    ``flock`` no live writer holds (``atomic_write`` holds it until its rename), so a write in
+    progress in another process is never cut.
+    """
+    removed = []
+    folder = Path(path)
+    entries = list(folder.iterdir()) if folder.is_dir() and not folder.is_symlink() else []
+    for entry in entries:
+        if not TEMP_FILE.match(entry.name) or entry.is_symlink() or not entry.is_file():
+            continue
+        try:
+            fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if time.time() - os.fstat(fd).st_mtime >= min_age_s:
+                entry.unlink(missing_ok=True)
+                removed.append(entry)
+        except OSError:  # held by a live writer (or gone): not a leftover
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[io.BufferedWriter], None]) -> Path:
@@ -117,13 +152,17 @@ def atomic_write(path: str | os.PathLike, write: Callable[[io.BufferedWriter], N
             raise symlink_refused(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp, fd = _open_temp(path)
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        if path.is_symlink():  # placed while this file was being written
-            raise symlink_refused(path)
-        os.replace(tmp, path)
+        lock = os.dup(fd)  # keeps the temp file's flock past the close, until the rename
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            if path.is_symlink():  # placed while this file was being written
+                raise symlink_refused(path)
+            os.replace(tmp, path)
+        finally:
+            os.close(lock)
     except BaseException as err:
         if tmp is not None:
             with contextlib.suppress(OSError):

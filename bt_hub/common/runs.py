@@ -9,8 +9,8 @@ caller passes ``overwrite`` (``--overwrite``). The marker and ``run.json`` recor
 kind (``pretrain``, ``eval``, ``demo``, ``detect``, ...): a command writes only into folders of
 its own kind, so an evaluation never appends to a pretraining run's logs. A training run also
 holds an advisory ``fcntl.flock`` on ``.bt_hub_run.lock`` for its whole life, so a second run
-(or any other command) into the same directory fails at once naming the holder, and only the
-holder removes the temp-file leftovers of interrupted writes. ``run.json`` records the command
+(or any other command) into the same directory fails at once naming the holder. Claiming a
+folder removes the temp files that interrupted writes left there. ``run.json`` records the command
 line, host, git sha, package version and resolved config of the first run, and appends every
 later start (a resume) to its ``resumes`` list; ``metrics.jsonl`` takes JSON lines. Nothing is
 written through a symbolic link (bt_hub.common.files refuses them).
@@ -28,18 +28,19 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bt_hub.common.files import (
-    TEMP_FILE,
     WriteError,
     atomic_write_json,
     atomic_write_text,
     open_no_follow,
     read_json,
+    remove_stale_temp_files,
     write_failure,
 )
 
@@ -182,12 +183,16 @@ def _check_run_dir(path: Path, *, overwrite: bool, flag: str, kind: str) -> Path
 
 
 def claim_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False, flag: str = "--out") -> Path:
-    """``check_run_dir``, then create the directory and its marker, which records ``kind`` (idempotent)."""
+    """``check_run_dir``, then create the directory and its marker, which records ``kind`` (idempotent).
+
+    Also removes the stale temp files that interrupted writes left there (``remove_stale_temp_files``).
+    """
     path = _check_run_dir(Path(path), overwrite=overwrite, flag=flag, kind=kind)
     marker = path / MARKER_NAME
     if _regular_file(marker):
         if run_kind(path) is None:  # a folder of an earlier bt_hub: from now on it says its kind
             atomic_write_json(marker, {**(read_json(marker) or {}), "kind": kind})
+        remove_stale_temp_files(path)
         return path
     try:  # written in place, not atomically: its existence is what counts, even if a crash cuts its text short
         path.mkdir(parents=True, exist_ok=True)
@@ -206,21 +211,38 @@ def claim_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False
         pass
     except OSError as err:
         raise WriteError(f"could not create {flag} {path}: {err.strerror or err}; choose a writable {flag}") from err
+    remove_stale_temp_files(path)
     return path
 
 
-def remove_stale_temp_files(path: str | os.PathLike) -> list[Path]:
-    """Delete the leftovers of interrupted atomic writes in ``path`` (only names of bt_hub's temp pattern).
+def release_claim(path: str | os.PathLike, *, created: bool) -> None:
+    """Take back a claim on ``path`` under which nothing was written: its marker and lock go, and the folder too
+    when the claim ``created`` it; a folder holding anything else is left as it is."""
+    path = Path(path)
+    if not path.is_dir() or any(p.name not in (MARKER_NAME, LOCK_NAME) for p in path.iterdir()):
+        return
+    for name in (LOCK_NAME, MARKER_NAME):
+        (path / name).unlink(missing_ok=True)
+    if created:
+        with contextlib.suppress(OSError):
+            path.rmdir()
 
-    Call it only while holding the directory's :class:`RunLock`: a live writer's temp file
-    has the same name pattern.
-    """
-    removed = []
-    for entry in Path(path).iterdir():
-        if TEMP_FILE.match(entry.name) and _regular_file(entry):
-            entry.unlink(missing_ok=True)
-            removed.append(entry)
-    return removed
+
+@contextlib.contextmanager
+def claimed_run_dir(
+    path: str | os.PathLike, *, kind: str, overwrite: bool = False, flag: str = "--out"
+) -> Iterator[Path]:
+    """:func:`claim_run_dir` for the length of a command: if the command fails, a claim it made is taken back
+    (:func:`release_claim`), so a failed command leaves no folder holding only bt_hub's marker."""
+    path = Path(path)
+    created, claimed = not os.path.lexists(path), not os.path.lexists(path / MARKER_NAME)
+    claim_run_dir(path, kind=kind, overwrite=overwrite, flag=flag)
+    try:
+        yield path
+    except BaseException:
+        if claimed and os.environ.get("RANK", "0") == "0":  # the main process claimed it (torchrun sets RANK)
+            release_claim(path, created=created)
+        raise
 
 
 class RunLock:
@@ -236,7 +258,15 @@ class RunLock:
 
     def __init__(self, directory: str | os.PathLike, flag: str = "--out") -> None:
         self.path = Path(directory) / LOCK_NAME
-        fd = open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
+        try:
+            fd = open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
+        except WriteError:
+            raise
+        except OSError as err:  # a read-only file system or folder
+            raise WriteError(
+                f"{flag} {directory} is not writable ({err.strerror or err}: could not open its {LOCK_NAME}); "
+                f"choose a writable {flag}"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -340,7 +370,7 @@ class RunDir:
         )
         if lock:
             self._lock = RunLock(self.path)
-            remove_stale_temp_files(self.path)
+            remove_stale_temp_files(self.path, min_age_s=0)  # the lock holder is this folder's only writer
         if config is not None:
             self.start(config)
 
@@ -430,12 +460,4 @@ class RunDir:
     def __exit__(self, exc_type: type | None, *exc: object) -> None:
         self.close()
         if exc_type is not None and self.write and self._new and not self._started:
-            self._discard()
-
-    def _discard(self) -> None:
-        """Remove the folder this run created, when a check failed before anything but its marker was written."""
-        for name in (LOCK_NAME, MARKER_NAME):
-            with contextlib.suppress(FileNotFoundError):
-                (self.path / name).unlink()
-        with contextlib.suppress(OSError):  # not empty: something else was written, keep it
-            self.path.rmdir()
+            release_claim(self.path, created=True)  # a check failed before anything but its marker was written

@@ -8,15 +8,16 @@ From what ``bt-hub pretrain`` writes: ``loss.png`` (the loss and its two parts p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bt_hub.common.config import OVERWRITE_HELP
 from bt_hub.common.files import atomic_write, read_json
-from bt_hub.common.runs import read_jsonl, run_kind
+from bt_hub.common.runs import claim_run_dir, read_jsonl, run_kind
 from bt_hub.method.loss import LAMBD
 
 
@@ -32,6 +33,7 @@ class ReportConfig:
         }
     )
     out: str | None = field(default=None, metadata={"help": "where the PNG files go (default: RUN_DIR/report)"})
+    overwrite: bool = field(default=False, metadata={"help": OVERWRITE_HELP})
 
 
 def _pyplot() -> Any:
@@ -155,11 +157,13 @@ def _recorded_lambd(run_dir: Path) -> float:
     return float(lambd)
 
 
-def run_plots(run_dir: str | Path, out: str | Path, lambd: float | None = None) -> list[Path]:
+def run_plots(
+    run_dir: str | Path, out: str | Path, lambd: float | None = None, claim: Callable[[], object] | None = None
+) -> list[Path]:
     """Draw loss.png, cross_correlation.png (when the run saved C) and knn.png (when it monitored kNN) into ``out``.
 
-    Every input is read and checked before the first PNG is written, so a damaged file
-    leaves no plot behind.
+    Every input is read and checked before ``claim()`` (which may refuse ``out``) and the first
+    PNG, so a damaged file leaves no plot and no folder behind.
     """
     run_dir, out = Path(run_dir), Path(out)
     rows = read_metrics(run_dir)
@@ -170,6 +174,8 @@ def run_plots(run_dir: str | Path, out: str | Path, lambd: float | None = None) 
         for t in ("start", "end")
         if (run_dir / f"cross_correlation_{t}.npy").exists()
     }
+    if claim is not None:
+        claim()
     written = []
     if any("loss" in r for r in rows):
         written.append(save_png(plot_losses(rows, lambd), out / "loss.png"))
@@ -183,7 +189,9 @@ def run_plots(run_dir: str | Path, out: str | Path, lambd: float | None = None) 
 def report(config: ReportConfig) -> list[Path]:
     """``bt-hub report``: the plots of ``config.run_dir`` into ``config.out``; returns the files.
 
-    ``config.out`` defaults to RUN_DIR/report.
+    ``config.out`` defaults to RUN_DIR/report. It is claimed like every run folder
+    (bt_hub.common.runs): a folder of yours is refused without ``--overwrite``, so your own
+    ``loss.png`` is never replaced.
     """
     run_dir = Path(config.run_dir)
     if not run_dir.is_dir():
@@ -194,4 +202,5 @@ def report(config: ReportConfig) -> list[Path]:
         raise ValueError(
             f"{run_dir} is not a pretraining run ({what}); bt-hub report draws the curves of a bt-hub pretrain --out"
         )
-    return run_plots(run_dir, Path(config.out) if config.out else run_dir / "report")
+    out = Path(config.out) if config.out else run_dir / "report"
+    return run_plots(run_dir, out, claim=lambda: claim_run_dir(out, overwrite=config.overwrite, kind="report"))

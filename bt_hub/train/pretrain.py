@@ -17,6 +17,7 @@ import dataclasses
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -40,6 +41,7 @@ from bt_hub.common.distributed import (
 from bt_hub.common.files import atomic_write, atomic_write_json, read_json, write_safetensors
 from bt_hub.common.progress import progress
 from bt_hub.common.runs import RunDir
+from bt_hub.common.signals import Terminated, deferred_sigterm
 from bt_hub.data.datasets import build_dataset, to_uint8_tensor
 from bt_hub.data.decode import collate_list, read_encoded, resolve_decode, to_device_images
 from bt_hub.data.precision import autocast_dtype, resolve_channels_last, resolve_precision
@@ -655,43 +657,60 @@ def _run_loop(loop: _Loop, step: int) -> int:
         postfix["knn"] = f"{loop.monitor(model.backbone, device, loop.amp_dtype):.1f}"
         loop.run.log({"step": 0, "knn_top1": float(postfix["knn"])})
     model.train()
-    while step < loop.last_step:
-        epoch = step // loop.steps_per_epoch
-        loader = _epoch_loader(loop.views, config, epoch, step % loop.steps_per_epoch, device)
-        tick, tick_step = time.perf_counter(), step
-        # on CUDA the next batches are decoded and viewed on a side stream while this step trains
-        with Prefetcher(
-            enumerate(loader, step),
-            lambda item: _views(item[1], item[0], config, device, loop.batched),
-            device,
-            depth=2 if device.type == "cuda" else 0,
-        ) as batches:
-            for y_a, y_b in batches:
-                rates, terms, spread = _optimizer_step(loop, y_a, y_b, step)
-                step += 1
-                row: dict[str, Any] = {}
-                if step % config.log_every == 0 or step == loop.last_step:
-                    now = time.perf_counter()
-                    pairs_per_s = config.batch_size * (step - tick_step) / max(now - tick, 1e-9)
-                    row.update(_metrics_row(epoch, rates, terms, spread, pairs_per_s))
-                    tick, tick_step = now, step
-                if loop.monitor is not None and (step % config.monitor_knn == 0 or step == loop.last_step):
-                    row["knn_top1"] = loop.monitor(model.backbone, device, loop.amp_dtype)
-                    postfix["knn"] = f"{row['knn_top1']:.1f}"
-                if row:
-                    loop.run.log({"step": step, **row})
-                    if loop.scalars is not None:
-                        loop.scalars.log({"step": step, **row})
-                # the postfix is set before update(1) so the line shows this step's values
-                bar.set_postfix(loss=f"{float(terms.loss.detach()):.4g}", epoch=epoch, **postfix)
-                bar.update(1)
-                if _checkpoint_due(step, loop.steps_per_epoch, loop.last_step, config.checkpoint_every):
-                    _checkpoint(loop, step)
-                if step >= loop.last_step:
-                    break
+    with deferred_sigterm(device) as terminated:
+        while step < loop.last_step:
+            step = _run_epoch(loop, step, bar, postfix, terminated)
     bar.close()
     if loop.scalars is not None:
         loop.scalars.close()
+    return step
+
+
+def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], terminated: Callable[[], bool]) -> int:
+    """Train from ``step`` to the end of its epoch (or ``loop.last_step``); return the step reached.
+
+    After SIGTERM (``terminated()``, agreed by every rank) the step just done is checkpointed and
+    :class:`Terminated` raised, so ``--resume auto`` continues from it.
+    """
+    config, device, model = loop.config, loop.device, loop.model
+    epoch = step // loop.steps_per_epoch
+    loader = _epoch_loader(loop.views, config, epoch, step % loop.steps_per_epoch, device)
+    tick, tick_step = time.perf_counter(), step
+    # on CUDA the next batches are decoded and viewed on a side stream while this step trains
+    with Prefetcher(
+        enumerate(loader, step),
+        lambda item: _views(item[1], item[0], config, device, loop.batched),
+        device,
+        depth=2 if device.type == "cuda" else 0,
+    ) as batches:
+        for y_a, y_b in batches:
+            rates, terms, spread = _optimizer_step(loop, y_a, y_b, step)
+            step += 1
+            row: dict[str, Any] = {}
+            if step % config.log_every == 0 or step == loop.last_step:
+                now = time.perf_counter()
+                pairs_per_s = config.batch_size * (step - tick_step) / max(now - tick, 1e-9)
+                row.update(_metrics_row(epoch, rates, terms, spread, pairs_per_s))
+                tick, tick_step = now, step
+            if loop.monitor is not None and (step % config.monitor_knn == 0 or step == loop.last_step):
+                row["knn_top1"] = loop.monitor(model.backbone, device, loop.amp_dtype)
+                postfix["knn"] = f"{row['knn_top1']:.1f}"
+            if row:
+                loop.run.log({"step": step, **row})
+                if loop.scalars is not None:
+                    loop.scalars.log({"step": step, **row})
+            # the postfix is set before update(1) so the line shows this step's values
+            bar.set_postfix(loss=f"{float(terms.loss.detach()):.4g}", epoch=epoch, **postfix)
+            bar.update(1)
+            due = _checkpoint_due(step, loop.steps_per_epoch, loop.last_step, config.checkpoint_every)
+            if due:
+                _checkpoint(loop, step)
+            if step >= loop.last_step:
+                break
+            if terminated():
+                if not due:
+                    _checkpoint(loop, step)
+                raise Terminated
     return step
 
 

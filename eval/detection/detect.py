@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal
 
 from bt_hub.common.config import RunConfig, out_field
 from bt_hub.common.optional import require
-from bt_hub.common.runs import check_run_dir, claim_run_dir
+from bt_hub.common.runs import check_run_dir, claimed_run_dir
 from bt_hub.eval.detection.config import CONFIGS
 from bt_hub.eval.runner import LoadedWeights, load_weights, write_records
 
@@ -174,11 +174,15 @@ def main(config: DetectConfig) -> dict[str, Any] | None:
     Returns:
         The results record on the main process, None on the others.
     """
-    from bt_hub.eval.detection.config import load_settings, resolve_config
-
     start = time.time()
     engine = resolve_engine(config.engine)
-    out = claim_run_dir(Path(config.out).expanduser(), kind="detect", overwrite=config.overwrite).resolve()
+    with claimed_run_dir(Path(config.out).expanduser(), kind="detect", overwrite=config.overwrite) as out:
+        return _main(config, engine, out.resolve(), start)
+
+
+def _main(config: DetectConfig, engine: str, out: Path, start: float) -> dict[str, Any] | None:
+    from bt_hub.eval.detection.config import load_settings, resolve_config
+
     yaml_path = resolve_config(config.config)
     depth = load_settings(yaml_path, config.opts)["MODEL.RESNETS.DEPTH"]
     weights = load_weights(config.weights, arch=f"resnet{depth}", small_image_stem=False)  # one read, one hash

@@ -36,6 +36,7 @@ from bt_hub.common.distributed import (
     is_main_process,
 )
 from bt_hub.common.files import atomic_torch_save, atomic_write_json, atomic_write_text
+from bt_hub.common.progress import progress
 from bt_hub.common.runs import RunDir
 from bt_hub.eval.detection.config import Settings, scale_to_world_size
 from bt_hub.eval.detection.data import DetectionDataset, Record, coco_api, load_records, locate
@@ -159,7 +160,7 @@ def predict(
     model.eval()
     dataset = DetectionDataset(records)
     out = {}
-    for index in range(get_rank(), len(records), get_world_size()):
+    for index in progress(range(get_rank(), len(records), get_world_size()), "detect predict", unit="image"):
         image, _ = dataset[index]
         (result,) = model([image.to(device)])
         p = {
@@ -368,8 +369,11 @@ def _train(
     """
     max_iter, period = int(settings["SOLVER.MAX_ITER"]), int(settings["SOLVER.CHECKPOINT_PERIOD"])
     trained.train()
-    for it in range(start, max_iter):
-        run_dir.log(_step(trained, optimizer, scheduler, next(batches), it, device))
+    bar = progress(range(start, max_iter), "detect train", total=max_iter, initial=start, unit="iter")
+    for it in bar:
+        row = _step(trained, optimizer, scheduler, next(batches), it, device)
+        bar.set_postfix(loss=f"{row['total_loss']:.4g}")
+        run_dir.log(row)
         if (period and (it + 1) % period == 0) or it + 1 == max_iter:
             _save(model, optimizer, scheduler, it + 1, out)
 
