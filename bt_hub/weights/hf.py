@@ -28,7 +28,7 @@ from torch import nn
 
 from bt_hub.common.optional import require
 from bt_hub.method.model import BarlowTwins
-from bt_hub.weights.download import first_line, hf_download, hub_client_errors
+from bt_hub.weights.download import at_commit, first_line, hf_download, hub_client_errors
 from bt_hub.weights.export import save_hf_folder
 from bt_hub.weights.load import load_backbone, read_projector_state_dict
 from bt_hub.weights.sources import looks_like_path
@@ -138,7 +138,7 @@ def from_pretrained(
         "token": token,
     }
     weights = cast(Path, hf_download(spec, "model.safetensors", **options))
-    hf_download(spec, "config.json", **options)
+    hf_download(at_commit(spec, weights), "config.json", **options)
     return load_backbone(weights.parent, map_location=map_location, allow_non_finite=allow_non_finite)
 
 

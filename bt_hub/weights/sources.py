@@ -12,8 +12,8 @@ Accepted, in the order they are tried:
 A local path wins over a name or Hub id of the same spelling. A string that looks like a
 path (``./x``, ``/x``, ``~/x``, ``a/b/c``, a weights file suffix) and does not exist is "no such
 file or folder" at once, never a Hub error. A bare ``org/name`` that is no local file or folder
-is asked of the Hub once, without retries, and a failure names both readings; anything else
-unknown lists the registered names. A ``config.json`` naming an architecture bt_hub does not
+is asked of the Hub (once, without retries, as every Hub file is) and a failure names both
+readings; anything else unknown lists the registered names. A ``config.json`` naming an architecture bt_hub does not
 build is refused by name.
 """
 
@@ -28,7 +28,7 @@ from typing import Any, cast
 
 from bt_hub.common.files import CheckpointError, file_sha256
 from bt_hub.method.model import ARCHITECTURES
-from bt_hub.weights.download import DownloadError, download_with_sha256, hf_download
+from bt_hub.weights.download import DownloadError, at_commit, download_with_sha256, hf_download
 from bt_hub.weights.registry import BarlowTwinsWeights, Weights, find_weights, list_weights
 
 WeightsSource = BarlowTwinsWeights | str | os.PathLike
@@ -122,16 +122,17 @@ def _from_record(member: BarlowTwinsWeights, progress: bool, projector: bool) ->
 
 def _from_hub(text: str, spec: str, record: Weights | None, projector: bool, *, bare: bool = False) -> ResolvedWeights:
     try:
-        weights = cast(Path, hf_download(spec, "model.safetensors", once=bare))
+        weights = cast(Path, hf_download(spec, "model.safetensors"))
     except DownloadError as err:
         if bare:
             raise DownloadError(
                 f"weights {text}: no such file or folder ({Path(text).absolute()}), and as a Hugging Face Hub id: {err}"
             ) from None
         raise
-    hf_download(spec, "config.json", required=False)
+    same_commit = at_commit(spec, weights)
+    hf_download(same_commit, "config.json", required=False)
     if projector:
-        hf_download(spec, "projector.safetensors", required=False)
+        hf_download(same_commit, "projector.safetensors", required=False)
     return ResolvedWeights(text, weights, read_config(weights.parent / "config.json"), record)
 
 
