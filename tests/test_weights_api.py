@@ -258,14 +258,34 @@ def test_a_registered_file_is_hashed_once_per_load(offline_torch_home, resnet50_
     assert first == second == fingerprint == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_loaded_models_carry_their_transforms(offline_torch_home, resnet50_state, tmp_path, capsys):
+def test_every_loaded_model_carries_transforms_that_take_pil_images_tensors_and_batches(
+    offline_torch_home, resnet50_state, tmp_path, capsys
+):
+    """Guards: models from a run folder, a Hugging Face folder or weights=None carried a PIL-only Compose (ToTensor),
+    so a uint8 tensor batch was a TypeError; only registered weights took tensors."""
+    from bt_hub.weights import from_pretrained
+
     _seed_default(capsys, resnet50_state)
-    default = torch.hub.load(str(REPO_ROOT), "resnet50", source="local", weights="DEFAULT")
-    assert str(default.transforms) == str(BarlowTwinsWeights.DEFAULT.transforms())
-    run = tmp_path / "run"
-    save_pretrained(BarlowTwins("resnet18", "16-16", small_image_stem=True), run, config={"image_size": 16})
-    small = load_backbone(run)
-    assert [getattr(t, "size", None) for t in small.transforms.transforms[:2]] == [18, (16, 16)]
+    run, _ = _tiny_run(tmp_path)
+    folder = save_pretrained(BarlowTwins("resnet18", "16-16"), tmp_path / "hf", config={"image_size": 32})
+    models = {
+        "registered": (torch.hub.load(str(REPO_ROOT), "resnet50", source="local", weights="DEFAULT"), 224),
+        "weights=None": (torch.hub.load(str(REPO_ROOT), "resnet50", source="local", weights=None), 224),
+        "run folder": (load_backbone(run), 16),
+        "Hugging Face folder": (from_pretrained(folder), 32),
+    }
+    torch.manual_seed(0)
+    image = (torch.rand(3, 60, 50) * 255).to(torch.uint8)
+    pil = torchvision.transforms.functional.to_pil_image(image)
+    grey_levels = 2 / 255 / min(IMAGENET_STD)  # tensors are resized by torch, PIL images by PIL
+    for source, (model, size) in models.items():
+        transforms = model.transforms
+        assert torch.equal(transforms(pil), eval_transforms(size)(pil)), source
+        single, batch = transforms(image), transforms(torch.stack([image, image]))
+        assert single.shape == (3, size, size) and batch.shape == (2, 3, size, size), source
+        torch.testing.assert_close(single, eval_transforms(size)(pil), atol=grey_levels, rtol=0)
+        torch.testing.assert_close(batch[1], single)
+    assert str(models["registered"][0].transforms) == str(BarlowTwinsWeights.DEFAULT.transforms())
 
 
 def _tiny_run(tmp_path: Path) -> tuple[Path, BarlowTwins]:

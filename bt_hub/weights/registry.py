@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 import torchvision.models
-from torchvision.transforms._presets import ImageClassification
 
 from bt_hub.common.records import PAPER_RESULTS
 from bt_hub.method.loss import LAMBD
-from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD
+from bt_hub.method.transforms import transforms_for
 from bt_hub.weights.download import cache_path, download, hf_download
 from bt_hub.weights.formats import read_backbone
 
@@ -44,10 +43,7 @@ RECIPE = {
 }
 _REFERENCE = "https://dl.fbaipublicfiles.com/barlowtwins"
 
-
-# bt_hub's eval_transforms(224) (Resize 256, CenterCrop 224, ImageNet normalisation) as torchvision's
-# preset: the same tensor for a PIL image, and tensors (C x H x W or batches, uint8 or float) accepted.
-_EVAL_224 = partial(ImageClassification, crop_size=224, resize_size=256, mean=IMAGENET_MEAN, std=IMAGENET_STD)
+_EVAL_224 = partial(transforms_for, None)  # Resize 256, CenterCrop 224, ImageNet normalisation; takes tensors
 
 
 @dataclass(eq=False)  # torchvision's __eq__ (url, meta, transforms), which aliases and deep copies rely on
