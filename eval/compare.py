@@ -487,7 +487,7 @@ def run(config: CompareConfig) -> str:
     Returns:
         The table (compare.md) and the files written, for the CLI to print.
     """
-    from bt_hub.weights import load_backbone, weights_fingerprint
+    from bt_hub.weights import load_backbone
 
     out = claim_run_dir(config.out, overwrite=config.overwrite)
     tick = time.perf_counter()
@@ -503,7 +503,7 @@ def run(config: CompareConfig) -> str:
         settings = replace(config, cache_dir=config.cache_dir or str(out / "feature_cache"), overwrite=True)
         splits = splits_for(settings)
         sources = [
-            Source(Path(w).name or w, lambda s, n=net: n, fingerprint=weights_fingerprint(w))
+            Source(Path(w).name or w, lambda s, n=net: n, fingerprint=net.weights_info["sha256"])
             for w, net in networks.items()
         ]
         if "pixels" in config.baselines:

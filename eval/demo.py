@@ -47,7 +47,7 @@ from bt_hub.eval.splits import splits_for
 from bt_hub.method.model import ARCHITECTURES
 from bt_hub.train.plots import run_plots
 from bt_hub.train.pretrain import PretrainConfig, pretrain
-from bt_hub.weights import load_backbone, weights_fingerprint
+from bt_hub.weights import load_backbone
 
 FRACTIONS = [1, 10]
 # The pretraining recipe is the `digits` preset of bt-hub pretrain; the demo's flags default to it.
@@ -244,7 +244,7 @@ def _score(config: DemoConfig, pretrain_dir: Path) -> Comparison:
         return default_init_backbone(config.backbone, config.small_image_stem, seed)
 
     sources = [
-        Source(PRETRAINED, lambda seed: pretrained, fingerprint=weights_fingerprint(pretrain_dir)),
+        Source(PRETRAINED, lambda seed: pretrained, fingerprint=pretrained.weights_info["sha256"]),
         Source(RANDOM_INIT, random_init, baseline=True, per_seed=True),
         Source(PIXELS, lambda seed: nn.Flatten(), baseline=True, trainable=False),
     ]

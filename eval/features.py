@@ -178,7 +178,7 @@ class FeatureCache:
 
     Args:
         directory: the cache directory (created on first write).
-        weights: the weights fingerprint (``bt_hub.weights.weights_fingerprint`` or
+        weights: the weights fingerprint (``weights_info["sha256"]`` of the loaded weights, or
             ``module_fingerprint``).
         dataset: the dataset fingerprint (``dataset_fingerprint``).
         model: what the weights were loaded into (``architecture_fingerprint``): the same
@@ -590,7 +590,7 @@ def load_eval_backbone(config: EvalConfig) -> tuple[nn.Module, str]:
     ``config.image_size_from``, before any data is drawn at that size, and resolves ``auto`` in
     ``config.precision`` (``bt_hub.train.precision``).
     """
-    from bt_hub.weights import load_backbone, weights_fingerprint
+    from bt_hub.weights import load_backbone
 
     if is_main_process():  # every protocol starts here: claim --out before any work or write
         claim_run_dir(config.out, overwrite=config.overwrite)
@@ -600,10 +600,10 @@ def load_eval_backbone(config: EvalConfig) -> tuple[nn.Module, str]:
         small_image_stem=config.small_image_stem,
         allow_non_finite=config.allow_non_finite,
     )
-    info = getattr(backbone, "weights_info", None) or {}
+    info = backbone.weights_info
     config.image_size, config.image_size_from = eval_image_size(config.image_size, info.get("config"), config.weights)
     config.precision = resolve_precision(config.precision, config.device)
-    return backbone, weights_fingerprint(config.weights)
+    return backbone, info["sha256"]  # of the bytes the weights were loaded from: one read, one hash
 
 
 def eval_image_size(given: int | None, weights_config: dict[str, Any] | None, weights: str) -> tuple[int, str]:

@@ -229,3 +229,35 @@ def test_pickled_code_is_refused_in_plain_words_without_torchs_weights_only_advi
         )
         assert err.value.__cause__ is None and err.value.__suppress_context__
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------- the hash is of the bytes that were loaded
+
+
+def test_weights_replaced_while_loading_are_fingerprinted_by_the_bytes_that_were_loaded(
+    resnet18_file, tmp_path, monkeypatch
+):
+    """Guards: the file was hashed again after it was loaded, so weights replaced in between keyed the feature cache
+    and the record with the new file's hash beside the old file's features."""
+    import hashlib
+
+    import bt_hub.weights.formats
+    from bt_hub.eval.config import EvalConfig
+    from bt_hub.eval.features import load_eval_backbone
+
+    path = tmp_path / "weights.pth"
+    loaded = resnet18_file.read_bytes()
+    path.write_bytes(loaded)
+    torch.manual_seed(1)
+    torch.save(build_backbone("resnet18").state_dict(), tmp_path / "other.pth")
+    extract = bt_hub.weights.formats.extract_backbone
+
+    def replace_then_extract(obj, name):
+        os.replace(tmp_path / "other.pth", path)  # after the read, before anything could hash the file again
+        return extract(obj, name)
+
+    monkeypatch.setattr(bt_hub.weights.formats, "extract_backbone", replace_then_extract)
+    backbone, fingerprint = load_eval_backbone(EvalConfig(weights=str(path), out=str(tmp_path / "out")))
+    expected = torch.load(resnet18_file, weights_only=True)
+    assert all(torch.equal(backbone.state_dict()[k], v) for k, v in expected.items() if k in backbone.state_dict())
+    assert fingerprint == backbone.weights_info["sha256"] == hashlib.sha256(loaded).hexdigest()

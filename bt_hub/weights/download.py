@@ -118,13 +118,14 @@ def _recorded_sha256(path: Path) -> str | None:
     return recorded[0]
 
 
-def _check_cached(path: Path, url: str, sha256: str | None) -> str:
-    """Refuse a cached file whose sha256 is not the expected or recorded one; record it where there is neither.
+def check_cached(path: Path, url: str, sha256: str | None, actual: str) -> str:
+    """Refuse ``actual`` (the sha256 of bytes read from the cached ``path``) unless it is the expected one.
 
-    Returns its sha256.
+    With no expected hash it must be the one recorded beside the file, and is recorded where there
+    is none. The caller hashes the very bytes it loads, so what was checked is what was loaded.
+    Returns ``actual``.
     """
     expected, origin = expected_hash(path.name, sha256)
-    actual = file_sha256(path)
     if expected is not None:
         if not actual.startswith(expected):
             raise DownloadError(
@@ -168,12 +169,15 @@ def download(
         DownloadError: unreachable, HTTP error, timeout, wrong size or hash, or not a weights file;
             the message names the URL, the cache path and the fix, and nothing is left in the cache.
     """
-    return download_with_sha256(
+    target, fresh = download_unchecked(
         url, file_name=file_name, sha256=sha256, progress=progress, timeout=timeout, retries=retries
-    )[0]
+    )
+    if not fresh:
+        check_cached(target, url, sha256, file_sha256(target))
+    return target
 
 
-def download_with_sha256(
+def download_unchecked(
     url: str,
     *,
     file_name: str | None = None,
@@ -181,11 +185,14 @@ def download_with_sha256(
     progress: bool = True,
     timeout: float | None = None,
     retries: int | None = None,
-) -> tuple[Path, str]:
-    """``download``, and the file's sha256 its checks computed (so a caller that records it need not hash it again)."""
+) -> tuple[Path, bool]:
+    """``download`` without hashing a file found in the cache, and whether it was downloaded (and verified) now.
+
+    The caller hashes the bytes it loads and passes the hash to ``check_cached``: one read.
+    """
     target = cache_path(url, file_name)
     if target.is_file():
-        return target, _check_cached(target, url, sha256)
+        return target, False
     seconds = _setting(TIMEOUT_ENV, timeout, DEFAULT_TIMEOUT_S)
     attempts = 1 + int(_setting(RETRIES_ENV, retries, DEFAULT_RETRIES))
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -202,7 +209,7 @@ def download_with_sha256(
             if expected_hash(target.name, sha256)[0] is None:
                 _record_sha256(target, actual)
             os.replace(partial, target)
-            return target, actual
+            return target, True
         except _Retryable as err:
             reason = str(err)
         finally:

@@ -31,7 +31,7 @@ def read_backbone_state_dict(
     """The backbone weights of ``source`` in torchvision names (no ``fc``), and what was recognised.
 
     Returns:
-        ``(state_dict, info)``; ``info`` holds ``file``, ``sha256`` (of the file read, for records),
+        ``(state_dict, info)``; ``info`` holds ``file``, ``sha256`` (of the bytes the weights were read from),
         ``format``, ``prefix``, ``dropped`` (keys of the file that are not backbone weights),
         ``config`` (config.json or None) and ``weights`` (the registered name, or None).
 
@@ -41,7 +41,7 @@ def read_backbone_state_dict(
     resolved = resolve(source, progress=progress)
     state, info = read_backbone(resolved.path, allow_non_finite=allow_non_finite)
     info.update(
-        sha256=resolved.fingerprint(),
+        sha256=resolved.check(info["sha256"]),
         config=resolved.config,
         weights=resolved.record.short_name if resolved.record else None,
     )

@@ -26,7 +26,7 @@ import torchvision.models
 from bt_hub.common.records import PAPER_RESULTS
 from bt_hub.method.loss import LAMBD
 from bt_hub.method.transforms import transforms_for
-from bt_hub.weights.download import cache_path, download, hf_download
+from bt_hub.weights.download import cache_path, check_cached, download_unchecked, hf_download
 from bt_hub.weights.formats import read_backbone
 
 # docs/protocols.md §1: the recipe of the released ResNet-50.
@@ -162,11 +162,17 @@ class BarlowTwinsWeights(torchvision.models.WeightsEnum):
 
         Downloaded and verified once, then read from the cache.
         """
-        if self.url.startswith("hf://"):
+        hub = self.url.startswith("hf://")
+        if hub:
             path = hf_download(self.url[len("hf://") :], "model.safetensors")
         else:
-            path = download(self.url, file_name=self.value.file_name, sha256=self.sha256, progress=progress)
-        return read_backbone(path, allow_non_finite=allow_non_finite)[0]
+            path = download_unchecked(self.url, file_name=self.value.file_name, sha256=self.sha256, progress=progress)[
+                0
+            ]
+        state, info = read_backbone(path, allow_non_finite=allow_non_finite)
+        if not hub:
+            check_cached(path, self.url, self.sha256, info["sha256"])  # the bytes just read: one read, one hash
+        return state
 
 
 def list_weights() -> list[str]:
