@@ -174,6 +174,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         ("numpy._core.numeric", "_frombuffer"),
         ("numpy", "ndarray"),
         ("numpy", "dtype"),
+        ("_codecs", "encode"),  # how pickle protocols 0-2 store the arrays' bytes (torch's safe reader admits it too)
         ("collections", "OrderedDict"),
         ("builtins", "set"),
         ("builtins", "frozenset"),
@@ -308,13 +309,13 @@ def _explain(
     path: Path, source: Path | io.BytesIO, head: bytes, kind: str, err: Exception, is_zip: bool
 ) -> CheckpointError:
     """Why ``path`` did not load: not a checkpoint, pickled code, or damaged."""
+    code = re.search(r"GLOBAL ([\w.]+)|global '([\w.]+)' is forbidden", str(err))
+    if code:  # first: a protocol-0 pickle of code is plain text too
+        return _code_refused(path, code.group(1) or code.group(2))
     looks = _not_a_checkpoint(head) if kind != "safetensors file" or head.lstrip().startswith(b"<") else None
     if looks:
         what = "safetensors file" if kind == "safetensors file" else "torch checkpoint"
         return CheckpointError(f"weights file {path} is not a {what} ({looks})")
-    code = re.search(r"GLOBAL ([\w.]+)|global '([\w.]+)' is forbidden", str(err))
-    if code:
-        return _code_refused(path, code.group(1) or code.group(2))
     if kind == "torch file" and not is_zip:
         unsafe = [g for g in _pickled_globals(source) if not g.startswith(_SAFE_GLOBAL_PREFIXES)]
         if unsafe:
