@@ -53,6 +53,26 @@ def test_export_torchvision_refuses_the_hash_named_file_it_would_write(resnet18_
     assert cli.main(argv + ["--force"]) == 0
 
 
+@pytest.mark.parametrize(
+    "name,said",
+    [
+        ("../../x", "must be 'org/name', got '../../x'"),
+        ("org/a/b", "must be 'org/name', got 'org/a/b'"),
+        ("..\\x/y", "'..\\\\x/y' is not a name the Hub accepts"),
+        ("../x", "'../x' is not a name the Hub accepts"),
+        ("org/x\nlicense: other", "'org/x\\nlicense: other' is not a name the Hub accepts"),
+    ],
+)
+def test_export_name_that_is_no_hub_id_is_refused_naming_the_flag(name, said, resnet18_file, tmp_path, capsys):
+    """Guards: --name went unchecked into the model card (a path, or a newline that rewrites its YAML header)."""
+    out = tmp_path / "hf"
+    argv = ["export", "--weights", str(resnet18_file), "--format", "hf", "--out", str(out), "--name", name]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"bt-hub export: error: --name {said}") and err.count("\n") == 1, err
+    assert not out.exists()
+
+
 def test_export_hf_keeps_files_bt_hub_did_not_write_even_with_force(resnet18_file, tmp_path, capsys):
     out = tmp_path / "hf"
     out.mkdir()
