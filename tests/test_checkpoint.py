@@ -300,7 +300,12 @@ def test_export_round_trip_is_exact(fmt, out, resnet50_state, resnet50_file, tmp
         sha = hashlib.sha256(written.read_bytes()).hexdigest()
         again = ["export", "--weights", str(resnet50_file), "--format", fmt, "--out", str(tmp_path / out), "--force"]
         assert cli.main(again) == 0
-        assert written.name == f"bt-{sha[:8]}.pth" and capsys.readouterr().out == f"wrote {written} (sha256 {sha})\n"
+        hint = "it holds no fc: set model.fc = nn.Identity() before load_state_dict, or pass strict=False"
+        assert written.name == f"bt-{sha[:8]}.pth"
+        assert capsys.readouterr().out == f"wrote {written} (sha256 {sha}); {hint}\n"  # a strict load needs the hint
+        model = torchvision.models.resnet50()
+        model.fc = torch.nn.Identity()
+        model.load_state_dict(torch.load(written, weights_only=True))  # strict, as the hint says
     if fmt == "detectron2":
         with open(written, "rb") as f:
             payload = pickle.load(f)

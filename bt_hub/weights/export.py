@@ -107,6 +107,8 @@ def _torchvision_bytes(state_dict: Mapping[str, torch.Tensor], path: str | os.Pa
 def save_torchvision(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike) -> tuple[Path, str]:
     """Write a torchvision ``.pth`` named ``<stem>-<first 8 hex of its sha256>.pth`` (torch.hub's convention).
 
+    It holds no ``fc``: load it into ``resnet50()`` after ``model.fc = nn.Identity()``, or with ``strict=False``.
+
     Returns:
         ``(path written, full sha256)``.
 
