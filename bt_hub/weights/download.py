@@ -288,7 +288,9 @@ def _verify(partial: Path, url: str, target: Path, sha256: str | None) -> str:
         if not actual.startswith(expected):
             raise DownloadError(
                 f"download of {url} has sha256 {actual[:16]}..., not the {origin} {expected[:16]}, so it was refused; "
-                f"{_fixes(url, target)}"
+                f"nothing was cached at {target}; a retry fetches the same bytes: check that the URL names the file "
+                f"you meant (a replaced or forged file fails this check), or place at that path a file whose sha256 "
+                f"starts with {expected[:16]}"
             )
     try:
         read_file(partial)
