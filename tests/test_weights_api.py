@@ -229,6 +229,7 @@ def test_a_registered_file_is_recorded_at_first_use_and_a_later_swap_is_refused(
     assert load_backbone("barlowtwins-in1k", progress=False).weights_info["sha256"] == sha
     record = path.with_name(path.name + ".sha256")
     assert record.read_text() == f"{sha}  {path.name}\n"  # sha256sum's format
+    assert _listed(capsys)["barlowtwins-in1k"][3] == f"recorded:{sha[:16]}"  # was "unverified" for good
     torch.save({**resnet50_state, "conv1.weight": resnet50_state["conv1.weight"] + 1}, path)
     with pytest.raises(DownloadError) as err:
         load_backbone("barlowtwins-in1k", progress=False)

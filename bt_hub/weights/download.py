@@ -105,7 +105,7 @@ def _record_sha256(path: Path, sha256: str) -> None:
     atomic_write_text(sha256_record(path), f"{sha256}  {path.name}\n")
 
 
-def _recorded_sha256(path: Path) -> str | None:
+def recorded_sha256(path: Path) -> str | None:
     """The sha256 recorded beside ``path``, or None when there is no record."""
     record = sha256_record(path)
     if not record.is_file():
@@ -133,7 +133,7 @@ def check_cached(path: Path, url: str, sha256: str | None, actual: str) -> str:
                 "it changed after it was verified; delete it to download it again"
             )
         return actual
-    recorded = _recorded_sha256(path)
+    recorded = recorded_sha256(path)
     if recorded is None:
         _record_sha256(path, actual)
     elif actual != recorded:

@@ -26,7 +26,14 @@ import torchvision.models
 from bt_hub.common.records import PAPER_RESULTS
 from bt_hub.method.loss import LAMBD
 from bt_hub.method.transforms import transforms_for
-from bt_hub.weights.download import cache_path, check_cached, download_unchecked, hf_download
+from bt_hub.weights.download import (
+    DownloadError,
+    cache_path,
+    check_cached,
+    download_unchecked,
+    hf_download,
+    recorded_sha256,
+)
 from bt_hub.weights.formats import read_backbone
 
 # docs/protocols.md §1: the recipe of the released ResNet-50.
@@ -204,9 +211,9 @@ class ListWeightsConfig:
 def weights_table(config: ListWeightsConfig | None = None) -> str:
     """``bt-hub weights list``: one line per registered weight: name, architecture, cached?, sha256, URL, cache path.
 
-    The sha256 column shows the start of the published hash, or "unverified" where none is published (the
-    first download's sha256 is then recorded beside the file and a later change refused). The cache path is
-    where the loaders read the file (put it there by hand to work offline).
+    The sha256 column shows the start of the published hash; where none is published, the hash recorded
+    beside the cached file at first use (``recorded:<hex>``; a later change is refused), or "unverified"
+    before then. The cache path is where the loaders read the file (put it there by hand to work offline).
     """
     rows = [("name", "architecture", "cached", "sha256", "url", "cache path")]
     for member in BarlowTwinsWeights:
@@ -216,7 +223,7 @@ def weights_table(config: ListWeightsConfig | None = None) -> str:
                 member.short_name,
                 member.architecture,
                 "yes" if path is not None and path.is_file() else "no",
-                member.sha256[:16] if member.sha256 else "unverified",
+                _listed_sha256(member, path),
                 member.url,
                 str(path) if path is not None else "(Hugging Face cache, HF_HOME)",
             )
@@ -225,6 +232,17 @@ def weights_table(config: ListWeightsConfig | None = None) -> str:
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row[:5], widths)) + "  " + row[5] for row in rows
     )
+
+
+def _listed_sha256(member: BarlowTwinsWeights, path: Path | None) -> str:
+    """The sha256 column of ``weights_table``: published, recorded at first use, or "unverified"."""
+    if member.sha256:
+        return member.sha256[:16]
+    try:
+        recorded = recorded_sha256(path) if path is not None else None
+    except DownloadError:
+        return "damaged-record"  # loading says which file and what to do
+    return f"recorded:{recorded[:16]}" if recorded else "unverified"
 
 
 __all__ = [
