@@ -34,6 +34,7 @@ from bt_hub.weights import (
     get_weights,
     list_weights,
     load_backbone,
+    read_projector_state_dict,
     resolve,
     save_pretrained,
     weights_fingerprint,
@@ -238,6 +239,9 @@ def test_a_registered_file_is_recorded_at_first_use_and_a_later_swap_is_refused(
         f"beside it when it was first used for {BarlowTwinsWeights.DEFAULT.url}: it changed since; "
         "delete it to download it again"
     )
+    for read in (read_projector_state_dict, weights_fingerprint):  # every reader of the file checks it
+        with pytest.raises(DownloadError, match="it changed since"):
+            read("barlowtwins-in1k")
 
 
 def test_a_registered_file_is_hashed_once_per_load(offline_torch_home, resnet50_state, capsys, monkeypatch):

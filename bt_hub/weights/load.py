@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bt_hub.common.files import CheckpointError, read_file
+from bt_hub.common.files import CheckpointError, read_file_and_sha256
 from bt_hub.method.model import build_backbone
 from bt_hub.method.transforms import transforms_for
 from bt_hub.weights.formats import check_finite, check_fits, extract_projector, infer_architecture, read_backbone
@@ -119,13 +119,16 @@ def read_projector_state_dict(
     Beside a ``.safetensors`` backbone, ``projector.safetensors`` (Hugging Face folder) and
     ``checkpoint.pth`` (run directory) are looked at too.
     """
-    path = resolve(source, progress=progress, projector=True).path
+    resolved = resolve(source, progress=progress, projector=True)
+    path = resolved.path
     candidates = [path]
     if path.suffix == ".safetensors":
         candidates += [path.parent / "projector.safetensors", path.parent / "checkpoint.pth"]
     for candidate in candidates:
         if candidate.is_file():
-            obj = read_file(candidate)
+            obj, sha256 = read_file_and_sha256(candidate)
+            if candidate == path:
+                resolved.check(sha256)  # a download must still be the file the cache verified
             projector = extract_projector({"projector": obj} if candidate.name == "projector.safetensors" else obj)
             if projector:
                 check_finite(projector, str(candidate), allow=allow_non_finite)
