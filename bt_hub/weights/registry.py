@@ -77,59 +77,51 @@ class Weights(torchvision.models.Weights):
 
 
 _FIELDS = ("short_name", "file_name", "sha256", "architecture", "has_projector")
-_RESNET50_META = {
-    "paper": PAPER_RESULTS,
-    "release": {"imagenet_linear": {"top1": 73.5, "top5": 91.0}},
-    "recipe": RECIPE,
-}
+
+
+def _reference_resnet50(short_name: str, path: str, file_name: str, has_projector: bool, docs: str) -> Weights:
+    """A ResNet-50 release of the reference repository: no published hash, the paper's and the release's numbers."""
+    return Weights(
+        short_name=short_name,
+        url=f"{_REFERENCE}/{path}",
+        file_name=file_name,
+        sha256=None,
+        architecture="resnet50",
+        has_projector=has_projector,
+        transforms=_EVAL_224,
+        meta={
+            "paper": PAPER_RESULTS,
+            "release": {"imagenet_linear": {"top1": 73.5, "top5": 91.0}},
+            "recipe": RECIPE,
+            "num_params": 23_508_032,
+            "docs": docs,
+        },
+    )
 
 
 class BarlowTwinsWeights(torchvision.models.WeightsEnum):
     """Published Barlow Twins weights; ``DEFAULT`` is the reference release torch.hub has always served."""
 
-    IN1K_EP1000 = Weights(
-        short_name="barlowtwins-in1k",
-        url=f"{_REFERENCE}/ep1000_bs2048_lrw0.2_lrb0.0048_lambd0.0051/resnet50.pth",
-        file_name="barlowtwins_ep1000_bs2048_resnet50.pth",
-        sha256=None,
-        architecture="resnet50",
-        has_projector=False,
-        transforms=_EVAL_224,
-        meta={
-            **_RESNET50_META,
-            "num_params": 23_508_032,
-            "docs": (
-                "The reference release (facebookresearch/barlowtwins hubconf), backbone only, BN statistics included."
-            ),
-        },
+    IN1K_EP1000 = _reference_resnet50(
+        "barlowtwins-in1k",
+        "ep1000_bs2048_lrw0.2_lrb0.0048_lambd0.0051/resnet50.pth",
+        "barlowtwins_ep1000_bs2048_resnet50.pth",
+        False,
+        "The reference release (facebookresearch/barlowtwins hubconf), backbone only, BN statistics included.",
     )
-    IN1K_LJNG = Weights(
-        short_name="barlowtwins-in1k-ljng",
-        url=f"{_REFERENCE}/ljng/resnet50.pth",
-        file_name="barlowtwins_ljng_resnet50.pth",
-        sha256=None,
-        architecture="resnet50",
-        has_projector=False,
-        transforms=_EVAL_224,
-        meta={
-            **_RESNET50_META,
-            "num_params": 23_508_032,
-            "docs": "The newer reference release (README link), backbone only.",
-        },
+    IN1K_LJNG = _reference_resnet50(
+        "barlowtwins-in1k-ljng",
+        "ljng/resnet50.pth",
+        "barlowtwins_ljng_resnet50.pth",
+        False,
+        "The newer reference release (README link), backbone only.",
     )
-    IN1K_LJNG_FULL = Weights(
-        short_name="barlowtwins-in1k-full",
-        url=f"{_REFERENCE}/ljng/checkpoint.pth",
-        file_name="barlowtwins_ljng_checkpoint.pth",
-        sha256=None,
-        architecture="resnet50",
-        has_projector=True,
-        transforms=_EVAL_224,
-        meta={
-            **_RESNET50_META,
-            "num_params": 23_508_032,
-            "docs": "The reference full checkpoint: backbone, 8192-8192-8192 projector and optimiser state.",
-        },
+    IN1K_LJNG_FULL = _reference_resnet50(
+        "barlowtwins-in1k-full",
+        "ljng/checkpoint.pth",
+        "barlowtwins_ljng_checkpoint.pth",
+        True,
+        "The reference full checkpoint: backbone, 8192-8192-8192 projector and optimiser state.",
     )
     DEFAULT = IN1K_EP1000
 
