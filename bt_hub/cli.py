@@ -398,7 +398,10 @@ def _describe(result: Any, config: Any) -> str | None:
     if isinstance(result, Path):
         from bt_hub.common.files import file_sha256
 
-        return f"wrote {result} (sha256 {file_sha256(result)})"
+        wrote = f"wrote {result} (sha256 {file_sha256(result)})"
+        if getattr(config, "format", None) in ("torchvision", "safetensors"):  # bt-hub export of a backbone
+            return f"{wrote}; it holds no fc: set model.fc = nn.Identity() before load_state_dict, or pass strict=False"
+        return wrote
     if hasattr(result, "commit_url"):  # huggingface_hub's CommitInfo (bt-hub push)
         return f"pushed {config.weights} to {result.commit_url}"
     return None  # a command that writes its own report (bt-hub demo) returns data for Python callers

@@ -177,7 +177,7 @@ class FeatureCache:
 
     Args:
         directory: the cache directory (created on first write).
-        weights: the weights fingerprint (``bt_hub.weights.weights_fingerprint`` or
+        weights: the weights fingerprint (``weights_info["sha256"]`` of the loaded weights, or
             ``module_fingerprint``).
         dataset: the dataset fingerprint (``dataset_fingerprint``).
         model: what the weights were loaded into (``architecture_fingerprint``): the same

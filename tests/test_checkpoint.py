@@ -150,6 +150,32 @@ def test_detectron2_pkl_and_safetensors_load_exactly(resnet50_state, tmp_path):
         _assert_same_backbone(load_backbone(source), resnet50_state)
 
 
+@pytest.mark.parametrize("protocol", [0, 1, 2])
+def test_detectron2_pkl_of_an_old_pickle_protocol_loads_and_code_in_one_is_still_refused(
+    protocol, resnet50_state, tmp_path
+):
+    """Guards: a valid protocol-2 .pkl (plain numpy arrays, as Python 2 era model zoos wrote) was refused as pickled
+    code ('_codecs.encode', which protocols 0-2 use to rebuild the arrays' bytes)."""
+    pkl = tmp_path / "model.pkl"
+    with open(pkl, "wb") as f:
+        pickle.dump(to_detectron2(resnet50_state), f, protocol=protocol)
+    _assert_same_backbone(load_backbone(pkl), resnet50_state)
+    marker = tmp_path / "executed"
+    with open(pkl, "wb") as f:
+        pickle.dump({"model": {"stem.conv1.weight": _Shell(marker)}}, f, protocol=protocol)
+    with pytest.raises(CheckpointError, match=r"holds pickled code \('posix.system'\), so bt_hub refuses to load it"):
+        load_backbone(pkl)
+    assert not marker.exists()
+
+
+class _Shell:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
 def test_trained_detectron2_model_with_res5_in_roi_heads_loads(resnet50_state, tmp_path):
     payload = to_detectron2(resnet50_state)["model"]
     renamed = {("roi_heads." if k.startswith("res5.") else "backbone.bottom_up.") + k: v for k, v in payload.items()}
@@ -274,7 +300,12 @@ def test_export_round_trip_is_exact(fmt, out, resnet50_state, resnet50_file, tmp
         sha = hashlib.sha256(written.read_bytes()).hexdigest()
         again = ["export", "--weights", str(resnet50_file), "--format", fmt, "--out", str(tmp_path / out), "--force"]
         assert cli.main(again) == 0
-        assert written.name == f"bt-{sha[:8]}.pth" and capsys.readouterr().out == f"wrote {written} (sha256 {sha})\n"
+        hint = "it holds no fc: set model.fc = nn.Identity() before load_state_dict, or pass strict=False"
+        assert written.name == f"bt-{sha[:8]}.pth"
+        assert capsys.readouterr().out == f"wrote {written} (sha256 {sha}); {hint}\n"  # a strict load needs the hint
+        model = torchvision.models.resnet50()
+        model.fc = torch.nn.Identity()
+        model.load_state_dict(torch.load(written, weights_only=True))  # strict, as the hint says
     if fmt == "detectron2":
         with open(written, "rb") as f:
             payload = pickle.load(f)

@@ -96,6 +96,23 @@ def test_corrupt_image_names_the_file(image_folder, tmp_path):
         ds[0]
 
 
+def test_macos_appledouble_files_beside_images_are_skipped_with_one_warning(image_folder, tmp_path):
+    """Guards: '._cat_0.png' files (Finder metadata a Mac leaves on copies) were read as images and failed to decode,
+    so the whole dataset was refused."""
+    root = image_folder(tmp_path, classes=("cat", "dog"), per_class=2, splits=())
+    for name in ("cat", "dog"):
+        for i in range(2):
+            (root / name / f"._{name}_{i}.png").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        ")
+    with pytest.warns(UserWarning) as caught:
+        ds = build_dataset(root, image_size=None)
+    assert [str(w.message) for w in caught] == [
+        f"data directory {root}: skipped 4 macOS metadata files named ._* (AppleDouble, not images), "
+        f"e.g. {root / 'cat' / '._cat_0.png'}"
+    ]
+    assert [path.name for path, _ in ds.samples] == ["cat_0.png", "cat_1.png", "dog_0.png", "dog_1.png"]
+    assert [ds[i][1] for i in range(len(ds))] == [0, 0, 1, 1]  # every sample decodes
+
+
 def test_bad_names_and_splits_are_rejected():
     with pytest.raises(ValueError, match="'synthetic:x' is malformed"):
         build_dataset("synthetic:x")

@@ -23,6 +23,7 @@ from bt_hub.eval.detection.config import CONFIGS, build_cfg, load_settings, reso
 from bt_hub.eval.detection.detect import prepare_weights  # noqa: E402
 from bt_hub.eval.detection.detectron2_engine.trainer import run_trial, unloaded_parameters  # noqa: E402
 from bt_hub.eval.detection.synthetic import write_coco, write_voc  # noqa: E402
+from bt_hub.eval.runner import load_weights  # noqa: E402
 
 pytestmark = [pytest.mark.detectron2, pytest.mark.usefixtures("one_thread")]
 
@@ -30,7 +31,7 @@ pytestmark = [pytest.mark.detectron2, pytest.mark.usefixtures("one_thread")]
 @pytest.mark.parametrize("alias", ["voc", "coco"])
 def test_shipped_config_builds_on_cpu_and_loads_every_backbone_tensor(alias, bt_weights, tmp_path):
     source, state = bt_weights
-    pkl, expected = prepare_weights(str(source), tmp_path)
+    pkl, expected = prepare_weights(load_weights(str(source)), tmp_path)
     cfg = build_cfg(resolve_config(alias), [], weights=pkl, device="cpu", seed=0, output_dir=tmp_path)
     model = build_model(cfg)
     assert (

@@ -331,3 +331,60 @@ def test_push_without_a_reachable_hub_is_one_sentence_naming_endpoint_repo_and_f
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith(f"bt-hub push: error: could not reach the Hugging Face Hub at {endpoint} to push bt/pushed")
+
+
+# ------------------------------------------------------------------ a silent or absent Hub
+
+SILENT_HUB_SCRIPT = """
+import sys, time
+from bt_hub.weights import DownloadError, from_pretrained, load_backbone
+calls = {"hf://org/name": lambda: load_backbone("hf://org/name"), "revision": lambda: from_pretrained("me/x", "v1")}
+for name in sys.argv[1:]:
+    start = time.monotonic()
+    try:
+        calls[name]()
+    except DownloadError as err:
+        print(f"{time.monotonic() - start:.1f} | {err}", flush=True)
+"""
+
+
+def _hub_calls(endpoint: str, tmp_path: Path, *calls: str) -> tuple[list[tuple[float, str]], str]:
+    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0"}
+    env = {k: v for k, v in env.items() if k not in ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", SILENT_HUB_SCRIPT, *calls], capture_output=True, text=True, env=env, timeout=90
+    )
+    rows = [line.split(" | ", 1) for line in done.stdout.strip().splitlines()]
+    return [(float(seconds), message) for seconds, message in rows], done.stderr
+
+
+def test_a_hub_that_accepts_and_never_answers_fails_in_one_sentence_within_the_etag_timeout(tmp_path):
+    """Guards: hf://org/name against a silent Hub had not finished after 170 s (six retries of 60 s)."""
+    with socket.socket() as silent:  # the kernel completes the handshake; nobody ever reads or answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        calls, stderr = _hub_calls(endpoint, tmp_path, "hf://org/name")
+    assert len(calls) == 1, stderr[-3000:]
+    seconds, message = calls[0]
+    assert seconds < 15, seconds
+    assert message == (
+        f"hf://org/name: model.safetensors could not be fetched from {endpoint} (no answer within 10 s; "
+        f"HF_HUB_ETAG_TIMEOUT sets the limit) and is not in the Hugging Face cache ({tmp_path / 'hf' / 'hub'}); "
+        f"retry once the Hub at {endpoint} can be reached (set by HF_ENDPOINT), or point HF_HOME at a cache "
+        "that holds it"
+    )
+    assert "Retrying" not in stderr and "thrown while requesting" not in stderr
+
+
+def test_an_unreachable_hub_fails_at_once_without_retry_noise(tmp_path):
+    """Guards: offline, hf://org/name took 27 s and printed 11 'Retrying in Ns' lines; a revision took 23 s."""
+    endpoint = _closed_port_url()
+    calls, stderr = _hub_calls(endpoint, tmp_path, "hf://org/name", "revision")
+    assert len(calls) == 2, stderr[-3000:]
+    for (seconds, message), spec in zip(calls, ("org/name", "me/x@v1")):
+        assert seconds < 5, (seconds, message)
+        assert message.startswith(f"hf://{spec}: model.safetensors could not be fetched from {endpoint} (ConnectError:")
+        assert "Connection refused" in message and message.endswith("or point HF_HOME at a cache that holds it")
+    assert stderr == ""

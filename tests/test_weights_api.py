@@ -34,6 +34,7 @@ from bt_hub.weights import (
     get_weights,
     list_weights,
     load_backbone,
+    read_projector_state_dict,
     resolve,
     save_pretrained,
     weights_fingerprint,
@@ -107,8 +108,9 @@ def test_eval_and_detect_with_a_registered_name_read_the_listed_cache_path_offli
     result = json.loads((out / "results.json").read_text())
     assert result["weights"] == {"name": "barlowtwins-in1k", "fingerprint": file_sha256(path)}
     from bt_hub.eval.detection.detect import prepare_weights  # bt-hub detect's converter goes through the same resolve
+    from bt_hub.eval.runner import load_weights
 
-    pkl, tensors = prepare_weights("barlowtwins-in1k", tmp_path / "detect")
+    pkl, tensors = prepare_weights(load_weights("barlowtwins-in1k"), tmp_path / "detect")
     assert Path(pkl) == tmp_path / "detect" / "weights.pkl" and "res5.2.conv3.norm.running_var" in tensors
 
 
@@ -229,6 +231,7 @@ def test_a_registered_file_is_recorded_at_first_use_and_a_later_swap_is_refused(
     assert load_backbone("barlowtwins-in1k", progress=False).weights_info["sha256"] == sha
     record = path.with_name(path.name + ".sha256")
     assert record.read_text() == f"{sha}  {path.name}\n"  # sha256sum's format
+    assert _listed(capsys)["barlowtwins-in1k"][3] == f"recorded:{sha[:16]}"  # was "unverified" for good
     torch.save({**resnet50_state, "conv1.weight": resnet50_state["conv1.weight"] + 1}, path)
     with pytest.raises(DownloadError) as err:
         load_backbone("barlowtwins-in1k", progress=False)
@@ -237,6 +240,9 @@ def test_a_registered_file_is_recorded_at_first_use_and_a_later_swap_is_refused(
         f"beside it when it was first used for {BarlowTwinsWeights.DEFAULT.url}: it changed since; "
         "delete it to download it again"
     )
+    for read in (read_projector_state_dict, weights_fingerprint):  # every reader of the file checks it
+        with pytest.raises(DownloadError, match="it changed since"):
+            read("barlowtwins-in1k")
 
 
 def test_a_registered_file_is_hashed_once_per_load(offline_torch_home, resnet50_state, capsys, monkeypatch):
@@ -258,14 +264,34 @@ def test_a_registered_file_is_hashed_once_per_load(offline_torch_home, resnet50_
     assert first == second == fingerprint == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_loaded_models_carry_their_transforms(offline_torch_home, resnet50_state, tmp_path, capsys):
+def test_every_loaded_model_carries_transforms_that_take_pil_images_tensors_and_batches(
+    offline_torch_home, resnet50_state, tmp_path, capsys
+):
+    """Guards: models from a run folder, a Hugging Face folder or weights=None carried a PIL-only Compose (ToTensor),
+    so a uint8 tensor batch was a TypeError; only registered weights took tensors."""
+    from bt_hub.weights import from_pretrained
+
     _seed_default(capsys, resnet50_state)
-    default = torch.hub.load(str(REPO_ROOT), "resnet50", source="local", weights="DEFAULT")
-    assert str(default.transforms) == str(BarlowTwinsWeights.DEFAULT.transforms())
-    run = tmp_path / "run"
-    save_pretrained(BarlowTwins("resnet18", "16-16", small_image_stem=True), run, config={"image_size": 16})
-    small = load_backbone(run)
-    assert [getattr(t, "size", None) for t in small.transforms.transforms[:2]] == [18, (16, 16)]
+    run, _ = _tiny_run(tmp_path)
+    folder = save_pretrained(BarlowTwins("resnet18", "16-16"), tmp_path / "hf", config={"image_size": 32})
+    models = {
+        "registered": (torch.hub.load(str(REPO_ROOT), "resnet50", source="local", weights="DEFAULT"), 224),
+        "weights=None": (torch.hub.load(str(REPO_ROOT), "resnet50", source="local", weights=None), 224),
+        "run folder": (load_backbone(run), 16),
+        "Hugging Face folder": (from_pretrained(folder), 32),
+    }
+    torch.manual_seed(0)
+    image = (torch.rand(3, 60, 50) * 255).to(torch.uint8)
+    pil = torchvision.transforms.functional.to_pil_image(image)
+    grey_levels = 2 / 255 / min(IMAGENET_STD)  # tensors are resized by torch, PIL images by PIL
+    for source, (model, size) in models.items():
+        transforms = model.transforms
+        assert torch.equal(transforms(pil), eval_transforms(size)(pil)), source
+        single, batch = transforms(image), transforms(torch.stack([image, image]))
+        assert single.shape == (3, size, size) and batch.shape == (2, 3, size, size), source
+        torch.testing.assert_close(single, eval_transforms(size)(pil), atol=grey_levels, rtol=0)
+        torch.testing.assert_close(batch[1], single)
+    assert str(models["registered"][0].transforms) == str(BarlowTwinsWeights.DEFAULT.transforms())
 
 
 def _tiny_run(tmp_path: Path) -> tuple[Path, BarlowTwins]:
@@ -401,7 +427,8 @@ def test_a_bare_hub_id_works_in_eval_and_barlow_twins_through_a_loopback_hub(tmp
         "name": "bt/digits",
         "fingerprint": hashlib.sha256(files["model.safetensors"]).hexdigest(),
     }
-    assert ("GET", "/bt/digits/resolve/main/projector.safetensors") in hub.requests
+    commit = "c" * 40  # the projector comes from the commit the weights came from
+    assert ("GET", f"/bt/digits/resolve/{commit}/projector.safetensors") in hub.requests
 
 
 def test_cli_version_one_architecture_flag_and_defaults_of_on_off_flags(capsys):

@@ -53,6 +53,26 @@ def test_export_torchvision_refuses_the_hash_named_file_it_would_write(resnet18_
     assert cli.main(argv + ["--force"]) == 0
 
 
+@pytest.mark.parametrize(
+    "name,said",
+    [
+        ("../../x", "must be 'org/name', got '../../x'"),
+        ("org/a/b", "must be 'org/name', got 'org/a/b'"),
+        ("..\\x/y", "'..\\\\x/y' is not a name the Hub accepts"),
+        ("../x", "'../x' is not a name the Hub accepts"),
+        ("org/x\nlicense: other", "'org/x\\nlicense: other' is not a name the Hub accepts"),
+    ],
+)
+def test_export_name_that_is_no_hub_id_is_refused_naming_the_flag(name, said, resnet18_file, tmp_path, capsys):
+    """Guards: --name went unchecked into the model card (a path, or a newline that rewrites its YAML header)."""
+    out = tmp_path / "hf"
+    argv = ["export", "--weights", str(resnet18_file), "--format", "hf", "--out", str(out), "--name", name]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"bt-hub export: error: --name {said}") and err.count("\n") == 1, err
+    assert not out.exists()
+
+
 def test_export_hf_keeps_files_bt_hub_did_not_write_even_with_force(resnet18_file, tmp_path, capsys):
     out = tmp_path / "hf"
     out.mkdir()
@@ -229,3 +249,35 @@ def test_pickled_code_is_refused_in_plain_words_without_torchs_weights_only_advi
         )
         assert err.value.__cause__ is None and err.value.__suppress_context__
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------- the hash is of the bytes that were loaded
+
+
+def test_weights_replaced_while_loading_are_fingerprinted_by_the_bytes_that_were_loaded(
+    resnet18_file, tmp_path, monkeypatch
+):
+    """Guards: the file was hashed again after it was loaded, so weights replaced in between keyed the feature cache
+    and the record with the new file's hash beside the old file's features."""
+    import hashlib
+
+    import bt_hub.weights.formats
+    from bt_hub.eval.config import EvalConfig
+    from bt_hub.eval.features import load_eval_backbone
+
+    path = tmp_path / "weights.pth"
+    loaded = resnet18_file.read_bytes()
+    path.write_bytes(loaded)
+    torch.manual_seed(1)
+    torch.save(build_backbone("resnet18").state_dict(), tmp_path / "other.pth")
+    extract = bt_hub.weights.formats.extract_backbone
+
+    def replace_then_extract(obj, name):
+        os.replace(tmp_path / "other.pth", path)  # after the read, before anything could hash the file again
+        return extract(obj, name)
+
+    monkeypatch.setattr(bt_hub.weights.formats, "extract_backbone", replace_then_extract)
+    backbone, fingerprint = load_eval_backbone(EvalConfig(weights=str(path), out=str(tmp_path / "out")))
+    expected = torch.load(resnet18_file, weights_only=True)
+    assert all(torch.equal(backbone.state_dict()[k], v) for k, v in expected.items() if k in backbone.state_dict())
+    assert fingerprint == backbone.weights_info["sha256"] == hashlib.sha256(loaded).hexdigest()

@@ -213,6 +213,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         ("numpy._core.numeric", "_frombuffer"),
         ("numpy", "ndarray"),
         ("numpy", "dtype"),
+        ("_codecs", "encode"),  # how pickle protocols 0-2 store the arrays' bytes (torch's safe reader admits it too)
         ("collections", "OrderedDict"),
         ("builtins", "set"),
         ("builtins", "frozenset"),
@@ -242,12 +243,12 @@ def _not_a_checkpoint(head: bytes) -> str | None:
     return "unrecognised bytes"
 
 
-def _pickled_globals(path: Path) -> list[str]:
+def _pickled_globals(source: Path | io.BytesIO) -> list[str]:
     """The ``module.name`` globals a pickle stream refers to, read with pickletools (nothing is executed)."""
     import pickletools
 
     found: list[str] = []
-    with open(path, "rb") as f:
+    with _opened(source) as f:
         for _ in range(8):  # torch's legacy format is several pickles in a row, then raw bytes
             strings: list[str] = []
             try:
@@ -287,42 +288,75 @@ def read_file(path: Path) -> Any:
     """
     if not path.is_file():
         raise CheckpointError(f"weights file {path} does not exist")
-    with open(path, "rb") as f:
+    return _read(path, path)
+
+
+def read_file_and_sha256(path: Path) -> tuple[Any, str]:
+    """``read_file``, and the sha256 of the very bytes it parsed.
+
+    The file is read once, so the weights and their hash always belong together: a file replaced
+    meanwhile can never pair one file's tensors with another's hash.
+    """
+    if not path.is_file():
+        raise CheckpointError(f"weights file {path} does not exist")
+    data = path.read_bytes()
+    return _read(path, io.BytesIO(data)), hashlib.sha256(data).hexdigest()
+
+
+def _rewound(source: Path | io.BytesIO) -> Path | io.BytesIO:
+    """``source`` ready to be read from its start (bytes are rewound; a path is opened afresh by its reader)."""
+    if isinstance(source, io.BytesIO):
+        source.seek(0)
+    return source
+
+
+def _opened(source: Path | io.BytesIO) -> contextlib.AbstractContextManager[Any]:
+    """A binary file at its start: ``source`` opened, or the bytes rewound."""
+    return open(source, "rb") if isinstance(source, Path) else contextlib.nullcontext(_rewound(source))
+
+
+def _read(path: Path, source: Path | io.BytesIO) -> Any:
+    """``read_file`` of ``source``: the file at ``path`` itself, or bytes read from it."""
+    with _opened(source) as f:
         head = f.read(64)
     if not head:
         raise CheckpointError(f"weights file {path} is empty")
+    is_zip = zipfile.is_zipfile(_rewound(source))
     if path.suffix == ".safetensors" or _looks_like_safetensors(head):
-        from safetensors.torch import load_file
+        from safetensors.torch import load, load_file
 
-        kind, load = "safetensors file", lambda: load_file(str(path))
-    elif path.suffix == ".pkl" and not zipfile.is_zipfile(path):
-        kind, load = "pickle", lambda: _unpickle(path)
+        in_memory = isinstance(source, io.BytesIO)
+        kind, read = "safetensors file", lambda: load(source.getvalue()) if in_memory else load_file(str(path))
+    elif path.suffix == ".pkl" and not is_zip:
+        kind, read = "pickle", lambda: _unpickle(source)
     else:
-        kind, load = "torch file", lambda: torch.load(path, map_location="cpu", weights_only=True)
+        kind, read = "torch file", lambda: torch.load(_rewound(source), map_location="cpu", weights_only=True)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return load()
+            return read()
     except Exception as err:  # torch, pickle and safetensors raise many unrelated types for a bad file
-        raise _explain(path, head, kind, err) from None
+        raise _explain(path, source, head, kind, err, is_zip) from None
 
 
-def _unpickle(path: Path) -> Any:
-    with open(path, "rb") as f:
+def _unpickle(source: Path | io.BytesIO) -> Any:
+    with _opened(source) as f:
         return _RestrictedUnpickler(f, encoding="latin1").load()
 
 
-def _explain(path: Path, head: bytes, kind: str, err: Exception) -> CheckpointError:
+def _explain(
+    path: Path, source: Path | io.BytesIO, head: bytes, kind: str, err: Exception, is_zip: bool
+) -> CheckpointError:
     """Why ``path`` did not load: not a checkpoint, pickled code, or damaged."""
+    code = re.search(r"GLOBAL ([\w.]+)|global '([\w.]+)' is forbidden", str(err))
+    if code:  # first: a protocol-0 pickle of code is plain text too
+        return _code_refused(path, code.group(1) or code.group(2))
     looks = _not_a_checkpoint(head) if kind != "safetensors file" or head.lstrip().startswith(b"<") else None
     if looks:
         what = "safetensors file" if kind == "safetensors file" else "torch checkpoint"
         return CheckpointError(f"weights file {path} is not a {what} ({looks})")
-    code = re.search(r"GLOBAL ([\w.]+)|global '([\w.]+)' is forbidden", str(err))
-    if code:
-        return _code_refused(path, code.group(1) or code.group(2))
-    if kind == "torch file" and not zipfile.is_zipfile(path):
-        unsafe = [g for g in _pickled_globals(path) if not g.startswith(_SAFE_GLOBAL_PREFIXES)]
+    if kind == "torch file" and not is_zip:
+        unsafe = [g for g in _pickled_globals(source) if not g.startswith(_SAFE_GLOBAL_PREFIXES)]
         if unsafe:
             return _code_refused(path, unsafe[0])
     return CheckpointError(f"weights file {path} is not a readable {kind}, perhaps truncated ({_first_line(err)})")

@@ -19,6 +19,7 @@ one entry used by pretraining and the evaluation protocols:
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -139,11 +140,17 @@ class ImageFolderDataset(Dataset):
                 "expected an ImageFolder tree (class/image.png)"
             )
         self.samples: list[tuple[Path, int]] = []
+        apple_double: list[Path] = []  # macOS's "._x.png" beside "x.png": Finder metadata, not an image
         for label, name in enumerate(self.classes):
             for dirpath, _, filenames in sorted(os.walk(self.root / name, followlinks=True)):
-                for fname in sorted(filenames):
-                    if fname.lower().endswith(IMAGE_EXTENSIONS):
-                        self.samples.append((Path(dirpath) / fname, label))
+                for fname in sorted(f for f in filenames if f.lower().endswith(IMAGE_EXTENSIONS)):
+                    (apple_double if fname.startswith("._") else self.samples).append((Path(dirpath) / fname, label))
+        if apple_double:
+            warnings.warn(
+                f"data directory {self.root}: skipped {len(apple_double)} macOS metadata files named ._* "
+                f"(AppleDouble, not images), e.g. {apple_double[0][0]}",
+                stacklevel=2,
+            )
         if not self.samples:
             raise ValueError(
                 f"data directory {self.root} contains no images "

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torchvision import transforms as T
+from torchvision.transforms._presets import ImageClassification
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -72,6 +73,13 @@ class DeviceEvalTransform:
         )
 
 
-def transforms_for(config: Mapping[str, Any] | None) -> T.Compose:
-    """The evaluation transforms of weights whose run config says ``image_size`` (224 when it does not)."""
-    return eval_transforms(int((config or {}).get("image_size") or 224))
+def transforms_for(config: Mapping[str, Any] | None) -> ImageClassification:
+    """The evaluation transforms of weights whose run config says ``image_size`` (224 when it does not).
+
+    ``eval_transforms`` as torchvision's preset, which every loaded model carries as ``transforms``: the
+    same tensor for a PIL image, and tensors (C x H x W or batches, uint8 or float) accepted too.
+    """
+    size = int((config or {}).get("image_size") or 224)
+    return ImageClassification(
+        crop_size=size, resize_size=round(size * 256 / 224), mean=IMAGENET_MEAN, std=IMAGENET_STD
+    )

@@ -18,7 +18,7 @@ from torch import nn
 
 from bt_hub.common.files import CheckpointError
 from bt_hub.method.model import BarlowTwins, build_backbone
-from bt_hub.method.transforms import eval_transforms
+from bt_hub.method.transforms import transforms_for
 from bt_hub.weights.formats import projector_spec
 from bt_hub.weights.load import load_backbone, read_projector_state_dict
 from bt_hub.weights.registry import RECIPE, BarlowTwinsWeights, find_weights
@@ -72,7 +72,7 @@ def resnet50(*, weights: WeightsSource | None = None, progress: bool = True, **k
     _no_more("resnet50", kwargs, "weights, progress, small_image_stem, allow_non_finite")
     if weights is None:
         model = build_backbone("resnet50", small_image_stem=bool(small))
-        model.transforms = eval_transforms(224)
+        model.transforms = transforms_for(None)
         return model
     model = load_backbone(weights, arch="resnet50", progress=progress, allow_non_finite=allow_non_finite)
     stored = model.weights_info["small_image_stem"]

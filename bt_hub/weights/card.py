@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import yaml
-from torchvision import transforms as T
 
 from bt_hub.common.optional import require
 from bt_hub.common.records import (
@@ -94,10 +93,8 @@ def results_section(results: list[dict[str, Any]]) -> str:
 
 def preprocessing(config: Mapping[str, Any]) -> tuple[int, int]:
     """``(resize, crop)`` sides of the weights' evaluation transforms."""
-    steps = transforms_for(config).transforms
-    resize = next(t.size for t in steps if isinstance(t, T.Resize))
-    crop = next(t.size for t in steps if isinstance(t, T.CenterCrop))
-    return int(resize if isinstance(resize, int) else resize[0]), int(crop[0])
+    preset = transforms_for(config)
+    return int(preset.resize_size[0]), int(preset.crop_size[0])
 
 
 def timm_crop_pct(resize: int, crop: int) -> float:

@@ -17,8 +17,8 @@ download killed mid-way is removed by the next download of that URL once it has 
 for an hour.
 
 Hub files go through huggingface_hub's own cache (``HF_HOME``, ``HF_ENDPOINT``,
-``HF_HUB_OFFLINE=1``, ``HF_HUB_DOWNLOAD_TIMEOUT``); its errors are turned into one sentence
-naming the ``hf://`` spec.
+``HF_HUB_OFFLINE=1``, ``HF_HUB_DOWNLOAD_TIMEOUT``), asked once within ``HF_HUB_ETAG_TIMEOUT`` and
+never retried (``hf_download``); its errors are turned into one sentence naming the ``hf://`` spec.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _record_sha256(path: Path, sha256: str) -> None:
     atomic_write_text(sha256_record(path), f"{sha256}  {path.name}\n")
 
 
-def _recorded_sha256(path: Path) -> str | None:
+def recorded_sha256(path: Path) -> str | None:
     """The sha256 recorded beside ``path``, or None when there is no record."""
     record = sha256_record(path)
     if not record.is_file():
@@ -118,13 +118,14 @@ def _recorded_sha256(path: Path) -> str | None:
     return recorded[0]
 
 
-def _check_cached(path: Path, url: str, sha256: str | None) -> str:
-    """Refuse a cached file whose sha256 is not the expected or recorded one; record it where there is neither.
+def check_cached(path: Path, url: str, sha256: str | None, actual: str) -> str:
+    """Refuse ``actual`` (the sha256 of bytes read from the cached ``path``) unless it is the expected one.
 
-    Returns its sha256.
+    With no expected hash it must be the one recorded beside the file, and is recorded where there
+    is none. The caller hashes the very bytes it loads, so what was checked is what was loaded.
+    Returns ``actual``.
     """
     expected, origin = expected_hash(path.name, sha256)
-    actual = file_sha256(path)
     if expected is not None:
         if not actual.startswith(expected):
             raise DownloadError(
@@ -132,7 +133,7 @@ def _check_cached(path: Path, url: str, sha256: str | None) -> str:
                 "it changed after it was verified; delete it to download it again"
             )
         return actual
-    recorded = _recorded_sha256(path)
+    recorded = recorded_sha256(path)
     if recorded is None:
         _record_sha256(path, actual)
     elif actual != recorded:
@@ -168,12 +169,15 @@ def download(
         DownloadError: unreachable, HTTP error, timeout, wrong size or hash, or not a weights file;
             the message names the URL, the cache path and the fix, and nothing is left in the cache.
     """
-    return download_with_sha256(
+    target, fresh = download_unchecked(
         url, file_name=file_name, sha256=sha256, progress=progress, timeout=timeout, retries=retries
-    )[0]
+    )
+    if not fresh:
+        check_cached(target, url, sha256, file_sha256(target))
+    return target
 
 
-def download_with_sha256(
+def download_unchecked(
     url: str,
     *,
     file_name: str | None = None,
@@ -181,11 +185,14 @@ def download_with_sha256(
     progress: bool = True,
     timeout: float | None = None,
     retries: int | None = None,
-) -> tuple[Path, str]:
-    """``download``, and the file's sha256 its checks computed (so a caller that records it need not hash it again)."""
+) -> tuple[Path, bool]:
+    """``download`` without hashing a file found in the cache, and whether it was downloaded (and verified) now.
+
+    The caller hashes the bytes it loads and passes the hash to ``check_cached``: one read.
+    """
     target = cache_path(url, file_name)
     if target.is_file():
-        return target, _check_cached(target, url, sha256)
+        return target, False
     seconds = _setting(TIMEOUT_ENV, timeout, DEFAULT_TIMEOUT_S)
     attempts = 1 + int(_setting(RETRIES_ENV, retries, DEFAULT_RETRIES))
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -202,7 +209,7 @@ def download_with_sha256(
             if expected_hash(target.name, sha256)[0] is None:
                 _record_sha256(target, actual)
             os.replace(partial, target)
-            return target, actual
+            return target, True
         except _Retryable as err:
             reason = str(err)
         finally:
@@ -281,7 +288,9 @@ def _verify(partial: Path, url: str, target: Path, sha256: str | None) -> str:
         if not actual.startswith(expected):
             raise DownloadError(
                 f"download of {url} has sha256 {actual[:16]}..., not the {origin} {expected[:16]}, so it was refused; "
-                f"{_fixes(url, target)}"
+                f"nothing was cached at {target}; a retry fetches the same bytes: check that the URL names the file "
+                f"you meant (a replaced or forged file fails this check), or place at that path a file whose sha256 "
+                f"starts with {expected[:16]}"
             )
     try:
         read_file(partial)
@@ -296,7 +305,6 @@ def hf_download(
     filename: str,
     *,
     required: bool = True,
-    once: bool = False,
     cache_dir: str | os.PathLike | None = None,
     force_download: bool = False,
     local_files_only: bool = False,
@@ -304,13 +312,15 @@ def hf_download(
 ) -> Path | None:
     """``filename`` of the Hub repo ``org/name[@revision]``, through huggingface_hub's cache.
 
+    The Hub is asked once, within ``HF_HUB_ETAG_TIMEOUT`` seconds (default 10), and never again when it
+    refuses, drops or leaves that request unanswered (huggingface_hub would then retry for up to six
+    minutes, a line of noise each time): the cached copy is used, or the failure is one sentence. A file
+    of a commit (``org/name@<40 hex>``) that is in the cache is read without asking.
+
     Args:
         spec: ``org/name[@revision]``.
         filename: the file in the repo.
         required: False returns None for a file absent from the repo (or not cached while offline).
-        once: ask the Hub once and never retry (huggingface_hub retries a refused connection or a failed
-            name lookup for about 23 s): for a bare ``org/name`` that may have been meant as a local path.
-            An unreachable Hub still falls back to the cached copy, as huggingface_hub does.
         cache_dir, force_download, local_files_only, token: ``hf_hub_download``'s options
             (``PyTorchModelHubMixin.from_pretrained``'s Hub options).
 
@@ -325,10 +335,13 @@ def hf_download(
     repo_id, _, revision = spec.partition("@")
     where = f"hf://{spec}"
     endpoint = constants.ENDPOINT
-    unreachable = None  # what the Hub said to the one request of ``once``
+    unreachable = None  # what went wrong with the one request to the Hub
+    cached = re.fullmatch(r"[0-9a-f]{40}", revision) and hf.try_to_load_from_cache(
+        repo_id, filename, cache_dir=cache_dir, revision=revision
+    )
     try:
-        if once and not (constants.HF_HUB_OFFLINE or local_files_only):
-            unreachable = _ask_once(hf, errors, repo_id, filename, revision or None, token)
+        if not (constants.HF_HUB_OFFLINE or local_files_only or (isinstance(cached, str) and not force_download)):
+            unreachable = _ask_once(hf, errors, repo_id, filename, revision or None, token, constants)
         path = hf.hf_hub_download(
             repo_id,
             filename,
@@ -383,6 +396,14 @@ def hf_download(
         ) from None
 
 
+def at_commit(spec: str, downloaded: Path) -> str:
+    """``org/name@<commit>`` of a file ``hf_download`` returned, so the repo's other files come from the same commit.
+
+    A file of a commit that is in the cache is then read without asking the Hub again.
+    """
+    return f"{spec.partition('@')[0]}@{downloaded.parent.name}"
+
+
 def hub_client_errors(errors: Any) -> tuple[type[BaseException], ...]:
     """The exceptions of a failed Hub request: OSError and the HTTP client's error class.
 
@@ -392,20 +413,26 @@ def hub_client_errors(errors: Any) -> tuple[type[BaseException], ...]:
     return (OSError, *(c for c in errors.HfHubHTTPError.__bases__ if c is not OSError))
 
 
-def _ask_once(hf, errors, repo_id: str, filename: str, revision: str | None, token: str | bool | None) -> str | None:
-    """One metadata request for the file, no retries: None when the Hub answered, else what went wrong.
+def _ask_once(
+    hf, errors, repo_id: str, filename: str, revision: str | None, token: str | bool | None, constants
+) -> str | None:
+    """One metadata request, no retries: None when the Hub answered, else what went wrong.
 
-    A missing repo, revision or file, or a bad repo id, is raised as huggingface_hub's error.
+    ``HF_HUB_ETAG_TIMEOUT`` bounds the wait. A missing repo, revision or file, or a bad repo id, is
+    raised as huggingface_hub's error.
     """
+    url = hf.hf_hub_url(repo_id, filename, revision=revision)
     try:
-        hf.get_hf_file_metadata(hf.hf_hub_url(repo_id, filename, revision=revision), token=token)
+        hf.get_hf_file_metadata(url, token=token, timeout=constants.HF_HUB_ETAG_TIMEOUT)
     except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.EntryNotFoundError):
         raise
     except hub_client_errors(errors) as err:
         status = getattr(getattr(err, "response", None), "status_code", None)
         if status is not None and status < 500 and status not in (408, 429):
             raise  # the Hub answered: no retry would change it
-        return first_line(err)  # no connection, no name lookup, a timeout, HTTP 5xx / 408 / 429
+        if "Timeout" in type(err).__name__:
+            return f"no answer within {constants.HF_HUB_ETAG_TIMEOUT:g} s; HF_HUB_ETAG_TIMEOUT sets the limit"
+        return first_line(err)  # no connection, no name lookup, HTTP 5xx / 408 / 429
     return None
 
 

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 
 from bt_hub.common.files import atomic_write, atomic_write_json, atomic_write_text, write_safetensors
+from bt_hub.common.optional import require
 from bt_hub.common.records import read_records
 from bt_hub.common.runs import package_version
 from bt_hub.method.model import ARCHITECTURES
@@ -105,6 +106,8 @@ def _torchvision_bytes(state_dict: Mapping[str, torch.Tensor], path: str | os.Pa
 
 def save_torchvision(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike) -> tuple[Path, str]:
     """Write a torchvision ``.pth`` named ``<stem>-<first 8 hex of its sha256>.pth`` (torch.hub's convention).
+
+    It holds no ``fc``: load it into ``resnet50()`` after ``model.fc = nn.Identity()``, or with ``strict=False``.
 
     Returns:
         ``(path written, full sha256)``.
@@ -260,9 +263,28 @@ class ExportConfig:
             raise ValueError(f"--out for --format {self.format} must end in {suffix}, got {self.out!r}")
         if self.format != "hf" and (self.name or self.results):
             raise ValueError(f"--name and --results apply to --format hf only, not {self.format}")
+        if self.name is not None:
+            check_repo_id("--name", self.name)
         for path in self.results:
             if not Path(path).is_file():
                 raise ValueError(f"--results file {path} does not exist")
+
+
+def check_repo_id(flag: str, repo_id: str) -> None:
+    """Refuse, in one sentence naming ``flag``, a Hub id that is not ``org/name`` as the Hub accepts it.
+
+    The Hub's own ``validate_repo_id`` decides, so a path (``../x``, ``a/b/c``, ``a\\b``) never passes.
+    """
+    if repo_id.count("/") != 1:
+        raise ValueError(f"{flag} must be 'org/name', got {repo_id!r}")
+    utils = require("huggingface_hub.utils", f"checking {flag}")
+    try:
+        utils.validate_repo_id(repo_id)
+    except utils.HFValidationError as err:
+        raise ValueError(
+            f"{flag} {repo_id!r} is not a name the Hub accepts (letters, digits, '-', '_' and '.', "
+            "no '--' or '..', neither end '-' or '.', at most 96 characters)"
+        ) from err
 
 
 def _refuse_existing(path: Path, force: bool) -> None:

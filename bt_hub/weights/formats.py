@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from bt_hub.common.files import CheckpointError, non_finite_tensors, read_file
+from bt_hub.common.files import CheckpointError, non_finite_tensors, read_file_and_sha256
 from bt_hub.method.model import ARCHITECTURES
 
 # Prefix segments that mark "the backbone" when one file holds several ResNets.
@@ -263,7 +263,11 @@ def check_finite(state: Mapping[str, torch.Tensor], source: str, *, allow: bool 
 
 
 def read_backbone(path: Path, *, allow_non_finite: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The checked backbone state dict in a weights file (``read_file`` + ``extract_backbone`` + ``check_finite``)."""
-    state, info = extract_backbone(read_file(path), str(path))
+    """The checked backbone state dict in a weights file (``read_file`` + ``extract_backbone`` + ``check_finite``).
+
+    ``info["sha256"]`` is the hash of the very bytes the weights were read from (one read).
+    """
+    obj, sha256 = read_file_and_sha256(path)
+    state, info = extract_backbone(obj, str(path))
     check_finite(state, str(path), allow=allow_non_finite)
-    return state, {**info, "file": str(path)}
+    return state, {**info, "file": str(path), "sha256": sha256}

@@ -28,8 +28,8 @@ from torch import nn
 
 from bt_hub.common.optional import require
 from bt_hub.method.model import BarlowTwins
-from bt_hub.weights.download import first_line, hf_download, hub_client_errors
-from bt_hub.weights.export import save_hf_folder
+from bt_hub.weights.download import at_commit, first_line, hf_download, hub_client_errors
+from bt_hub.weights.export import check_repo_id, save_hf_folder
 from bt_hub.weights.load import load_backbone, read_projector_state_dict
 from bt_hub.weights.sources import looks_like_path
 
@@ -138,7 +138,7 @@ def from_pretrained(
         "token": token,
     }
     weights = cast(Path, hf_download(spec, "model.safetensors", **options))
-    hf_download(spec, "config.json", **options)
+    hf_download(at_commit(spec, weights), "config.json", **options)
     return load_backbone(weights.parent, map_location=map_location, allow_non_finite=allow_non_finite)
 
 
@@ -220,17 +220,7 @@ class PushConfig:
     commit_message: str = field(default="Upload Barlow Twins weights with bt_hub", metadata={"help": "commit message"})
 
     def __post_init__(self) -> None:
-        from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-        if self.repo_id.count("/") != 1:
-            raise ValueError(f"--repo-id must be 'org/name', got {self.repo_id!r}")
-        try:
-            validate_repo_id(self.repo_id)
-        except HFValidationError as err:
-            raise ValueError(
-                f"--repo-id {self.repo_id!r} is not a name the Hub accepts (letters, digits, '-', '_' and '.', "
-                "no '--' or '..', neither end '-' or '.', at most 96 characters)"
-            ) from err
+        check_repo_id("--repo-id", self.repo_id)
         for path in self.results:
             if not Path(path).is_file():
                 raise ValueError(f"--results file {path} does not exist")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bt_hub.common.files import CheckpointError, read_file
+from bt_hub.common.files import CheckpointError, read_file_and_sha256
 from bt_hub.method.model import build_backbone
 from bt_hub.method.transforms import transforms_for
 from bt_hub.weights.formats import check_finite, check_fits, extract_projector, infer_architecture, read_backbone
@@ -31,7 +31,7 @@ def read_backbone_state_dict(
     """The backbone weights of ``source`` in torchvision names (no ``fc``), and what was recognised.
 
     Returns:
-        ``(state_dict, info)``; ``info`` holds ``file``, ``sha256`` (of the file read, for records),
+        ``(state_dict, info)``; ``info`` holds ``file``, ``sha256`` (of the bytes the weights were read from),
         ``format``, ``prefix``, ``dropped`` (keys of the file that are not backbone weights),
         ``config`` (config.json or None) and ``weights`` (the registered name, or None).
 
@@ -41,7 +41,7 @@ def read_backbone_state_dict(
     resolved = resolve(source, progress=progress)
     state, info = read_backbone(resolved.path, allow_non_finite=allow_non_finite)
     info.update(
-        sha256=resolved.fingerprint(),
+        sha256=resolved.check(info["sha256"]),
         config=resolved.config,
         weights=resolved.record.short_name if resolved.record else None,
     )
@@ -119,13 +119,16 @@ def read_projector_state_dict(
     Beside a ``.safetensors`` backbone, ``projector.safetensors`` (Hugging Face folder) and
     ``checkpoint.pth`` (run directory) are looked at too.
     """
-    path = resolve(source, progress=progress, projector=True).path
+    resolved = resolve(source, progress=progress, projector=True)
+    path = resolved.path
     candidates = [path]
     if path.suffix == ".safetensors":
         candidates += [path.parent / "projector.safetensors", path.parent / "checkpoint.pth"]
     for candidate in candidates:
         if candidate.is_file():
-            obj = read_file(candidate)
+            obj, sha256 = read_file_and_sha256(candidate)
+            if candidate == path:
+                resolved.check(sha256)  # a download must still be the file the cache verified
             projector = extract_projector({"projector": obj} if candidate.name == "projector.safetensors" else obj)
             if projector:
                 check_finite(projector, str(candidate), allow=allow_non_finite)

@@ -22,12 +22,18 @@ from typing import Any
 
 import torch
 import torchvision.models
-from torchvision.transforms._presets import ImageClassification
 
 from bt_hub.common.records import PAPER_RESULTS
 from bt_hub.method.loss import LAMBD
-from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD
-from bt_hub.weights.download import cache_path, download, hf_download
+from bt_hub.method.transforms import transforms_for
+from bt_hub.weights.download import (
+    DownloadError,
+    cache_path,
+    check_cached,
+    download_unchecked,
+    hf_download,
+    recorded_sha256,
+)
 from bt_hub.weights.formats import read_backbone
 
 # docs/protocols.md §1: the recipe of the released ResNet-50.
@@ -44,10 +50,7 @@ RECIPE = {
 }
 _REFERENCE = "https://dl.fbaipublicfiles.com/barlowtwins"
 
-
-# bt_hub's eval_transforms(224) (Resize 256, CenterCrop 224, ImageNet normalisation) as torchvision's
-# preset: the same tensor for a PIL image, and tensors (C x H x W or batches, uint8 or float) accepted.
-_EVAL_224 = partial(ImageClassification, crop_size=224, resize_size=256, mean=IMAGENET_MEAN, std=IMAGENET_STD)
+_EVAL_224 = partial(transforms_for, None)  # Resize 256, CenterCrop 224, ImageNet normalisation; takes tensors
 
 
 @dataclass(eq=False)  # torchvision's __eq__ (url, meta, transforms), which aliases and deep copies rely on
@@ -74,59 +77,51 @@ class Weights(torchvision.models.Weights):
 
 
 _FIELDS = ("short_name", "file_name", "sha256", "architecture", "has_projector")
-_RESNET50_META = {
-    "paper": PAPER_RESULTS,
-    "release": {"imagenet_linear": {"top1": 73.5, "top5": 91.0}},
-    "recipe": RECIPE,
-}
+
+
+def _reference_resnet50(short_name: str, path: str, file_name: str, has_projector: bool, docs: str) -> Weights:
+    """A ResNet-50 release of the reference repository: no published hash, the paper's and the release's numbers."""
+    return Weights(
+        short_name=short_name,
+        url=f"{_REFERENCE}/{path}",
+        file_name=file_name,
+        sha256=None,
+        architecture="resnet50",
+        has_projector=has_projector,
+        transforms=_EVAL_224,
+        meta={
+            "paper": PAPER_RESULTS,
+            "release": {"imagenet_linear": {"top1": 73.5, "top5": 91.0}},
+            "recipe": RECIPE,
+            "num_params": 23_508_032,
+            "docs": docs,
+        },
+    )
 
 
 class BarlowTwinsWeights(torchvision.models.WeightsEnum):
     """Published Barlow Twins weights; ``DEFAULT`` is the reference release torch.hub has always served."""
 
-    IN1K_EP1000 = Weights(
-        short_name="barlowtwins-in1k",
-        url=f"{_REFERENCE}/ep1000_bs2048_lrw0.2_lrb0.0048_lambd0.0051/resnet50.pth",
-        file_name="barlowtwins_ep1000_bs2048_resnet50.pth",
-        sha256=None,
-        architecture="resnet50",
-        has_projector=False,
-        transforms=_EVAL_224,
-        meta={
-            **_RESNET50_META,
-            "num_params": 23_508_032,
-            "docs": (
-                "The reference release (facebookresearch/barlowtwins hubconf), backbone only, BN statistics included."
-            ),
-        },
+    IN1K_EP1000 = _reference_resnet50(
+        "barlowtwins-in1k",
+        "ep1000_bs2048_lrw0.2_lrb0.0048_lambd0.0051/resnet50.pth",
+        "barlowtwins_ep1000_bs2048_resnet50.pth",
+        False,
+        "The reference release (facebookresearch/barlowtwins hubconf), backbone only, BN statistics included.",
     )
-    IN1K_LJNG = Weights(
-        short_name="barlowtwins-in1k-ljng",
-        url=f"{_REFERENCE}/ljng/resnet50.pth",
-        file_name="barlowtwins_ljng_resnet50.pth",
-        sha256=None,
-        architecture="resnet50",
-        has_projector=False,
-        transforms=_EVAL_224,
-        meta={
-            **_RESNET50_META,
-            "num_params": 23_508_032,
-            "docs": "The newer reference release (README link), backbone only.",
-        },
+    IN1K_LJNG = _reference_resnet50(
+        "barlowtwins-in1k-ljng",
+        "ljng/resnet50.pth",
+        "barlowtwins_ljng_resnet50.pth",
+        False,
+        "The newer reference release (README link), backbone only.",
     )
-    IN1K_LJNG_FULL = Weights(
-        short_name="barlowtwins-in1k-full",
-        url=f"{_REFERENCE}/ljng/checkpoint.pth",
-        file_name="barlowtwins_ljng_checkpoint.pth",
-        sha256=None,
-        architecture="resnet50",
-        has_projector=True,
-        transforms=_EVAL_224,
-        meta={
-            **_RESNET50_META,
-            "num_params": 23_508_032,
-            "docs": "The reference full checkpoint: backbone, 8192-8192-8192 projector and optimiser state.",
-        },
+    IN1K_LJNG_FULL = _reference_resnet50(
+        "barlowtwins-in1k-full",
+        "ljng/checkpoint.pth",
+        "barlowtwins_ljng_checkpoint.pth",
+        True,
+        "The reference full checkpoint: backbone, 8192-8192-8192 projector and optimiser state.",
     )
     DEFAULT = IN1K_EP1000
 
@@ -166,11 +161,17 @@ class BarlowTwinsWeights(torchvision.models.WeightsEnum):
 
         Downloaded and verified once, then read from the cache.
         """
-        if self.url.startswith("hf://"):
+        hub = self.url.startswith("hf://")
+        if hub:
             path = hf_download(self.url[len("hf://") :], "model.safetensors")
         else:
-            path = download(self.url, file_name=self.value.file_name, sha256=self.sha256, progress=progress)
-        return read_backbone(path, allow_non_finite=allow_non_finite)[0]
+            path = download_unchecked(self.url, file_name=self.value.file_name, sha256=self.sha256, progress=progress)[
+                0
+            ]
+        state, info = read_backbone(path, allow_non_finite=allow_non_finite)
+        if not hub:
+            check_cached(path, self.url, self.sha256, info["sha256"])  # the bytes just read: one read, one hash
+        return state
 
 
 def list_weights() -> list[str]:
@@ -202,9 +203,9 @@ class ListWeightsConfig:
 def weights_table(config: ListWeightsConfig | None = None) -> str:
     """``bt-hub weights list``: one line per registered weight: name, architecture, cached?, sha256, URL, cache path.
 
-    The sha256 column shows the start of the published hash, or "unverified" where none is published (the
-    first download's sha256 is then recorded beside the file and a later change refused). The cache path is
-    where the loaders read the file (put it there by hand to work offline).
+    The sha256 column shows the start of the published hash; where none is published, the hash recorded
+    beside the cached file at first use (``recorded:<hex>``; a later change is refused), or "unverified"
+    before then. The cache path is where the loaders read the file (put it there by hand to work offline).
     """
     rows = [("name", "architecture", "cached", "sha256", "url", "cache path")]
     for member in BarlowTwinsWeights:
@@ -214,7 +215,7 @@ def weights_table(config: ListWeightsConfig | None = None) -> str:
                 member.short_name,
                 member.architecture,
                 "yes" if path is not None and path.is_file() else "no",
-                member.sha256[:16] if member.sha256 else "unverified",
+                _listed_sha256(member, path),
                 member.url,
                 str(path) if path is not None else "(Hugging Face cache, HF_HOME)",
             )
@@ -223,6 +224,17 @@ def weights_table(config: ListWeightsConfig | None = None) -> str:
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row[:5], widths)) + "  " + row[5] for row in rows
     )
+
+
+def _listed_sha256(member: BarlowTwinsWeights, path: Path | None) -> str:
+    """The sha256 column of ``weights_table``: published, recorded at first use, or "unverified"."""
+    if member.sha256:
+        return member.sha256[:16]
+    try:
+        recorded = recorded_sha256(path) if path is not None else None
+    except DownloadError:
+        return "damaged-record"  # loading says which file and what to do
+    return f"recorded:{recorded[:16]}" if recorded else "unverified"
 
 
 __all__ = [

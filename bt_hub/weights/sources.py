@@ -12,8 +12,8 @@ Accepted, in the order they are tried:
 A local path wins over a name or Hub id of the same spelling. A string that looks like a
 path (``./x``, ``/x``, ``~/x``, ``a/b/c``, a weights file suffix) and does not exist is "no such
 file or folder" at once, never a Hub error. A bare ``org/name`` that is no local file or folder
-is asked of the Hub once, without retries, and a failure names both readings; anything else
-unknown lists the registered names. A ``config.json`` naming an architecture bt_hub does not
+is asked of the Hub (once, without retries, as every Hub file is) and a failure names both
+readings; anything else unknown lists the registered names. A ``config.json`` naming an architecture bt_hub does not
 build is refused by name.
 """
 
@@ -28,7 +28,7 @@ from typing import Any, cast
 
 from bt_hub.common.files import CheckpointError, file_sha256
 from bt_hub.method.model import ARCHITECTURES
-from bt_hub.weights.download import DownloadError, download_with_sha256, hf_download
+from bt_hub.weights.download import DownloadError, at_commit, check_cached, download_unchecked, hf_download
 from bt_hub.weights.registry import BarlowTwinsWeights, Weights, find_weights, list_weights
 
 WeightsSource = BarlowTwinsWeights | str | os.PathLike
@@ -48,19 +48,24 @@ class ResolvedWeights:
         path: the local weights file.
         config: the ``config.json`` that belongs to it (run directory, Hugging Face folder), or None.
         record: the registered weights it names, or None.
-        sha256: the file's sha256 when resolving computed it (the download cache checks every file it
-            returns), else None.
+        url: the URL whose download cache holds ``path``, or None.
     """
 
     source: str
     path: Path
     config: dict[str, Any] | None
     record: Weights | None
-    sha256: str | None = None
+    url: str | None = None
+
+    def check(self, sha256: str) -> str:
+        """``sha256``, of bytes read from ``path``, once the download cache has accepted it (see ``check_cached``)."""
+        if self.url is None:
+            return sha256
+        return check_cached(self.path, self.url, self.record.sha256 if self.record else None, sha256)
 
     def fingerprint(self) -> str:
-        """The sha256 (hex) of the weights file: the one its download check computed, else hashed now."""
-        return self.sha256 or file_sha256(self.path)
+        """The sha256 (hex) of the weights file, hashed now (and checked when it is a download)."""
+        return self.check(file_sha256(self.path))
 
 
 def resolve(source: WeightsSource, *, progress: bool = True, projector: bool = False) -> ResolvedWeights:
@@ -81,8 +86,7 @@ def resolve(source: WeightsSource, *, progress: bool = True, projector: bool = F
     if text.startswith("hf://"):
         return _from_hub(text, text[len("hf://") :], None, projector)
     if text.startswith(("http://", "https://")):
-        path, sha256 = download_with_sha256(text, progress=progress)
-        return ResolvedWeights(text, path, None, None, sha256)
+        return ResolvedWeights(text, download_unchecked(text, progress=progress)[0], None, None, text)
     path = Path(text).expanduser()
     if path.exists():
         return _from_path(path, text)
@@ -116,22 +120,23 @@ def _from_record(member: BarlowTwinsWeights, progress: bool, projector: bool) ->
     record = member.value
     if record.url.startswith("hf://"):
         return _from_hub(record.short_name, record.url[len("hf://") :], record, projector)
-    path, sha256 = download_with_sha256(record.url, file_name=record.file_name, sha256=record.sha256, progress=progress)
-    return ResolvedWeights(record.short_name, path, None, record, sha256)
+    path = download_unchecked(record.url, file_name=record.file_name, sha256=record.sha256, progress=progress)[0]
+    return ResolvedWeights(record.short_name, path, None, record, record.url)
 
 
 def _from_hub(text: str, spec: str, record: Weights | None, projector: bool, *, bare: bool = False) -> ResolvedWeights:
     try:
-        weights = cast(Path, hf_download(spec, "model.safetensors", once=bare))
+        weights = cast(Path, hf_download(spec, "model.safetensors"))
     except DownloadError as err:
         if bare:
             raise DownloadError(
                 f"weights {text}: no such file or folder ({Path(text).absolute()}), and as a Hugging Face Hub id: {err}"
             ) from None
         raise
-    hf_download(spec, "config.json", required=False)
+    same_commit = at_commit(spec, weights)
+    hf_download(same_commit, "config.json", required=False)
     if projector:
-        hf_download(spec, "projector.safetensors", required=False)
+        hf_download(same_commit, "projector.safetensors", required=False)
     return ResolvedWeights(text, weights, read_config(weights.parent / "config.json"), record)
 
 
