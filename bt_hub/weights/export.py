@@ -301,7 +301,7 @@ def export(config: ExportConfig) -> Path:
         return target
     if config.format == "hf":
         projector = read_projector_state_dict(config.weights, allow_non_finite=config.allow_non_finite)
-        path = save_hf_folder(
+        return save_hf_folder(
             state,
             out,
             projector=projector,
@@ -313,7 +313,6 @@ def export(config: ExportConfig) -> Path:
             sha256=info["sha256"],
             provenance=info["provenance"],
         )
-        return path
     _refuse_existing(out, config.force)
     if config.format == "safetensors":
         meta = {

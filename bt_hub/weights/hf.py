@@ -257,7 +257,7 @@ class PushConfig:
 
 def push(config: PushConfig) -> Any:
     """``bt-hub push``: upload the weights with config.json and a model card; return the Hub's commit info."""
-    info = push_to_hub(
+    return push_to_hub(
         config.weights,
         config.repo_id,
         private=config.private,
@@ -268,4 +268,3 @@ def push(config: PushConfig) -> Any:
         other_results=config.other_results,
         license=config.license,
     )
-    return info
