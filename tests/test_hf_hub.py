@@ -18,6 +18,7 @@ pytest.importorskip("huggingface_hub")
 from loopback import LoopbackHub  # noqa: E402
 
 from bt_hub import cli  # noqa: E402
+from bt_hub.common.files import file_sha256  # noqa: E402
 from bt_hub.method.model import BarlowTwins, build_backbone  # noqa: E402
 from bt_hub.weights import CheckpointError, PushError, from_pretrained, push_to_hub, save_pretrained  # noqa: E402
 
@@ -110,12 +111,12 @@ def test_push_to_hub_uploads_exactly_the_save_pretrained_folder(tmp_path, monkey
     monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", record_upload)
     hub = LoopbackHub({})
     try:
-        info = push_to_hub(model, "bt/pushed", private=True, token="hf_test", results=[results], endpoint=hub.url)
+        info = push_to_hub(model, "bt/pushed", private=True, token="hf_test", other_results=[results], endpoint=hub.url)
     finally:
         hub.stop()
     assert info == "commit-info"
     assert ("POST", "/api/repos/create") in hub.requests
-    expected = _folder_files(save_pretrained(model, tmp_path / "pushed", results=[results], name="bt/pushed"))
+    expected = _folder_files(save_pretrained(model, tmp_path / "pushed", other_results=[results], name="bt/pushed"))
     assert len(uploads) == 1 and uploads[0]["repo_id"] == "bt/pushed"
     assert sorted(uploads[0]["files"]) == ["README.md", "config.json", "model.safetensors", "projector.safetensors"]
     assert uploads[0]["files"] == expected
@@ -125,23 +126,32 @@ def test_model_card_and_config_carry_metadata_recipe_and_results(tmp_path):
     torch.manual_seed(0)
     model = BarlowTwins("resnet18", "16-16")
     run_config = {"dataset": "imagenet", "epochs": 1000, "recipe": {"batch_size": 2048, "optimizer": "LARS"}}
+    weights = save_pretrained(model, tmp_path / "weights") / "model.safetensors"
+    ours = {"name": "model.safetensors", "fingerprint": file_sha256(weights)}
     results = [
-        {"protocol": "linear", "preset": "paper", "dataset": "imagenet", "metrics": {"top1": 73.5, "top5": 91.0}},
-        {"protocol": "voc07-svm", "dataset": "voc2007", "metrics": {"mAP": 86.2}},
+        {
+            "protocol": "linear",
+            "preset": "paper",
+            "dataset": "imagenet",
+            "weights": ours,
+            "metrics": {"top1": 73.5, "top5": 91.0},
+        },
+        {"protocol": "voc07-svm", "dataset": "voc2007", "weights": ours, "metrics": {"mAP": 86.2}},
     ]
-    folder = save_pretrained(model, tmp_path / "card", config=run_config, results=results, name="bt/card")
+    folder = save_pretrained(weights.parent, tmp_path / "card", config=run_config, results=results, name="bt/card")
     import huggingface_hub
 
     card = huggingface_hub.ModelCard.load(folder / "README.md")
     data = card.data.to_dict()
     assert data["library_name"] == "bt_hub" and data["license"] == "apache-2.0"
-    assert {"barlow-twins", "self-supervised-learning", "image-feature-extraction"} <= set(data["tags"])
+    assert {"self-supervised-learning", "image-feature-extraction"} <= set(data["tags"])  # provenance unknown
     assert data["datasets"] == ["imagenet"]
     metrics = {(r.task_name, r.metric_type): r.metric_value for r in card.data.eval_results}
+    network = "[resnet18, 7x7 stem, unknown image size]"
     assert metrics == {
-        ("linear (preset paper)", "top1"): 73.5,
-        ("linear (preset paper)", "top5"): 91.0,
-        ("voc07-svm", "mAP"): 86.2,
+        (f"linear {network} (preset paper)", "top1"): 73.5,
+        (f"linear {network} (preset paper)", "top5"): 91.0,
+        (f"voc07-svm {network}", "mAP"): 86.2,
     }
     assert 'from_pretrained("bt/card")' in card.text
     assert "| training length | 1000 epochs planned (the steps done are not recorded) |" in card.text

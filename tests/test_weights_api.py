@@ -327,7 +327,10 @@ def _tiny_run(tmp_path: Path) -> tuple[Path, BarlowTwins]:
 def test_export_hf_of_a_run_keeps_the_projector_and_lambda_and_the_card_its_name_and_preprocessing(tmp_path, capsys):
     run, model = _tiny_run(tmp_path)
     results = tmp_path / "results.json"
-    results.write_text(json.dumps({"protocol": "knn", "dataset": "digits", "metrics": {"top1": 88.6}}))
+    weights = {"name": "run", "fingerprint": file_sha256(run / "backbone.safetensors")}
+    results.write_text(
+        json.dumps({"protocol": "knn", "dataset": "digits", "weights": weights, "metrics": {"top1": 88.6}})
+    )
     out = tmp_path / "hf"
     assert (
         cli.main(
@@ -358,7 +361,7 @@ def test_export_hf_of_a_run_keeps_the_projector_and_lambda_and_the_card_its_name
     assert "# bt/digits" in card and 'from_pretrained("bt/digits")' in card
     assert (
         "resize to 18 (bilinear),\ncentre crop 16" in card
-        and "| knn | — | digits | Top-1 | 88.6 | 1 seed | — |" in card
+        and "| knn [resnet18, 3x3 small-image stem, 16 px] | — | digits | Top-1 | 88.6 | 1 seed | — |" in card
     )
     assert "it is a bt_hub-only layout" in card and "timm.create_model(" not in card
 

@@ -7,12 +7,20 @@ to be a bt_hub-only layout with the bt_hub line that loads it. The training leng
 and epochs run against the schedule's. Results are grouped as ``bt_hub.common.records`` groups
 them (runs that differ only in their seed share one entry, mean ± std): one model-index entry
 per group, and the evaluation table rendered by ``results_section`` alone.
+
+A card shows as the model's own results only records of the same weights file (their sha256), and
+never a baseline row (``eval compare``'s pixels, random-init and supervised rows) as the model's:
+baselines and, when asked for, other weights' records get tables of their own, labelled so. Every
+entry names its architecture, stem and image size. "Pretrained with Barlow Twins" is said only where
+the weights' provenance shows it (``ResolvedWeights.provenance``); otherwise the card says it is unknown.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -25,9 +33,11 @@ from bt_hub.common.records import (
     group_by_seed,
     mean_std,
     metric_label,
+    read_records,
     seed_free_setting,
     seed_group_key,
     seeds_text,
+    weights_label,
 )
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, transforms_for
 
@@ -41,6 +51,70 @@ _TASKS = {
     "voc07+12": "object-detection",
     "coco": "object-detection",
 }
+# The weights fingerprint earlier ``eval compare`` records carried for their baseline rows; newer ones name the
+# baseline (pixels, random-init, supervised) in ``weights.baseline``.
+BASELINE_FINGERPRINT = "baseline"
+
+
+def _fingerprint(record: Mapping[str, Any]) -> str | None:
+    weights = record.get("weights")
+    found = weights.get("fingerprint") if isinstance(weights, Mapping) else record.get("weights_sha256")
+    return str(found) if found else None
+
+
+def _is_baseline(record: Mapping[str, Any]) -> bool:
+    weights = record.get("weights")
+    return (
+        bool(isinstance(weights, Mapping) and weights.get("baseline")) or _fingerprint(record) == BASELINE_FINGERPRINT
+    )
+
+
+def card_rows(
+    results: Iterable[str | os.PathLike | Mapping[str, Any]],
+    other_results: Iterable[str | os.PathLike | Mapping[str, Any]],
+    sha256: str | None,
+) -> dict[str, list[dict[str, Any]]]:
+    """The card's records by whose they are: ``own`` (weights sha256 ``sha256``), ``baselines`` and ``others``.
+
+    Raises:
+        ValueError: a record of ``results`` that is of other weights (or of weights whose sha256 is unknown):
+            one sentence naming the file, the record and both hashes.
+    """
+    rows: dict[str, list[dict[str, Any]]] = {"own": [], "baselines": [], "others": []}
+    for sources, other in ((results, False), (other_results, True)):
+        for source in sources:
+            where = "a results record" if isinstance(source, Mapping) else f"results file {source}"
+            for i, record in enumerate(read_records([source]), 1):
+                theirs = _fingerprint(record)
+                if _is_baseline(record):
+                    rows["baselines"].append(record)
+                elif sha256 is not None and theirs == sha256:
+                    rows["own"].append(record)
+                elif other:
+                    rows["others"].append(record)
+                else:
+                    ours = sha256 or "unknown (a network in memory, not a weights file: export its file or run folder)"
+                    raise ValueError(
+                        f"{where}, record {i} ({record.get('protocol')} on {data_label(record) or 'unknown data'}), "
+                        f"is of weights sha256 {theirs or '(none recorded)'}, not of the exported weights' sha256 "
+                        f"{ours}; pass it with --other-results to show it as another model's result"
+                    )
+    return rows
+
+
+def described(record: Mapping[str, Any], weights_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The record with its network and image size in its protocol (``knn [resnet18, 7x7 stem, 32 px]``).
+
+    Read from the settings the run resolved (else its hyperparameters), else ``weights_config``, else "unknown":
+    runs of other networks or image sizes never merge into one entry or look alike.
+    """
+    hyper, known = record.get("settings") or record.get("hyperparameters") or {}, weights_config or {}
+    arch = hyper.get("arch") or known.get("architecture") or "unknown architecture"
+    small = known.get("small_image_stem") if hyper.get("small_image_stem") is None else hyper["small_image_stem"]
+    stem = "3x3 small-image stem" if small is True else "7x7 stem" if small is False else "unknown stem"
+    size = hyper.get("image_size") or known.get("image_size")
+    text = f"{arch}, {stem}, {f'{size} px' if size else 'unknown image size'}"
+    return {**record, "protocol": f"{record.get('protocol', 'evaluation')} [{text}]"}
 
 
 def model_index(rows: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
@@ -72,7 +146,7 @@ def model_index(rows: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
         results.append(
             {
                 "task": {
-                    "type": _TASKS.get(protocol.split("-")[0], "image-classification"),
+                    "type": _TASKS.get(re.split(r"[- ]", protocol)[0], "image-classification"),
                     "name": f"{protocol} ({setting})" if setting else protocol,
                 },
                 "dataset": {
@@ -86,9 +160,26 @@ def model_index(rows: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [{"name": name, "results": results}] if results else []
 
 
-def results_section(results: list[dict[str, Any]]) -> str:
-    """The card's "Evaluation" table: one row per run and metric, with the paper's number for the same protocol."""
-    return f"## Evaluation\n\n{card_table(results)}\n"
+def results_section(
+    results: Sequence[Mapping[str, Any]],
+    baselines: Sequence[Mapping[str, Any]] = (),
+    others: Sequence[Mapping[str, Any]] = (),
+) -> str:
+    """The card's "Evaluation": its own results, then baselines and other weights' results, one table per row name.
+
+    One row per run and metric, with the paper's number for the same protocol on the same data.
+    """
+    parts = [f"## Evaluation\n\nResults of these weights:\n\n{card_table(results)}"]
+    for title, rows, column in (
+        ("Baselines, for comparison (not these weights, not pretrained)", baselines, "baseline"),
+        ("Other weights' results, for comparison (not these weights)", others, "theirs"),
+    ):
+        if rows:
+            parts.append(f"### {title}")
+        for label in dict.fromkeys(weights_label(r) for r in rows):
+            table = card_table([r for r in rows if weights_label(r) == label])
+            parts.append(f"{label}:\n\n" + table.replace("| ours |", f"| {column} |", 1))
+    return "\n\n".join(parts) + "\n"
 
 
 def preprocessing(config: Mapping[str, Any]) -> tuple[int, int]:
@@ -191,23 +282,48 @@ def _usage(config: Mapping[str, Any], repo: str) -> str:
     return "\n".join(lines)
 
 
+def _provenance_text(provenance: str | None) -> str:
+    if not provenance:
+        return (
+            "of unknown provenance: these weights come from neither a bt_hub pretraining run nor registered "
+            "Barlow Twins weights, so this card cannot say how they were trained."
+        )
+    return (
+        "pretrained with Barlow Twins (Zbontar, Jing, Misra, LeCun, Deny: *Barlow Twins: Self-Supervised Learning "
+        f"via Redundancy Reduction*, ICML 2021, https://arxiv.org/abs/2103.03230); provenance: {provenance}."
+    )
+
+
 def model_card(
-    config: Mapping[str, Any], results: list[dict[str, Any]], *, name: str | None, license: str = "apache-2.0"
+    config: Mapping[str, Any],
+    rows: Mapping[str, list[dict[str, Any]]],
+    *,
+    name: str | None,
+    license: str = "apache-2.0",
 ) -> str:
-    """The README.md of a Hugging Face folder: YAML metadata, usage, preprocessing, recipe and results."""
+    """The README.md of a Hugging Face folder: YAML metadata, usage, preprocessing, recipe and results.
+
+    ``rows`` is ``card_rows``'s: only ``own`` reaches the model-index; ``config["provenance"]`` (None: unknown)
+    decides whether the card says the weights were pretrained with Barlow Twins.
+    """
     hf = require("huggingface_hub", "writing a model card")
     dataset = config.get("dataset")
     small = bool(config.get("small_image_stem"))
     arch = config.get("architecture", "resnet50")
+    provenance = config.get("provenance")
+    title = name or (f"Barlow Twins {arch}" if provenance else f"{arch} backbone")
     data = hf.ModelCardData(
         library_name="bt_hub",
         license=license,
-        tags=[t for t in TAGS if t != "timm" or not small],
+        tags=[t for t in TAGS if not (t == "timm" and small or t == "barlow-twins" and not provenance)],
         pipeline_tag="image-feature-extraction",
         datasets=[str(display_path(dataset))] if dataset else None,
         model_name=name,
     ).to_dict()
-    index = model_index(results, name or f"Barlow Twins {arch}")
+    own, baselines, others = (
+        [described(r, config if k == "own" else None) for r in rows.get(k, [])] for k in ("own", "baselines", "others")
+    )
+    index = model_index(own, title)
     if index:
         data["model-index"] = index
     dim = config.get("feature_dim", 2048)
@@ -224,10 +340,9 @@ def model_card(
 {yaml.safe_dump(data, sort_keys=False, allow_unicode=True).strip()}
 ---
 
-# {name or f"Barlow Twins {arch}"}
+# {title}
 
-A {arch} backbone with {stem}, pretrained with Barlow Twins (Zbontar, Jing, Misra, LeCun, Deny: *Barlow Twins:
-Self-Supervised Learning via Redundancy Reduction*, ICML 2021, https://arxiv.org/abs/2103.03230).
+A {arch} backbone with {stem}, {_provenance_text(provenance)}
 torchvision parameter names, `fc = Identity`: the output is a {dim}-d feature vector, not class scores.
 
 Preprocessing (the weights' own evaluation transforms, `backbone.transforms`): resize to {resize} (bilinear),
@@ -243,4 +358,4 @@ centre crop {crop}, ImageNet mean {list(IMAGENET_MEAN)}, std {list(IMAGENET_STD)
 |---|---|
 {recipe_rows}
 
-{results_section(results)}"""
+{results_section(own, baselines, others)}"""

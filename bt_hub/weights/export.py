@@ -29,10 +29,9 @@ import torch
 
 from bt_hub.common.files import atomic_write, atomic_write_json, atomic_write_text, write_safetensors
 from bt_hub.common.optional import require
-from bt_hub.common.records import read_records
 from bt_hub.common.runs import package_version
 from bt_hub.method.model import ARCHITECTURES
-from bt_hub.weights.card import model_card, timm_fields
+from bt_hub.weights.card import card_rows, model_card, timm_fields
 from bt_hub.weights.formats import infer_architecture, projector_spec, torchvision_to_detectron2_key
 from bt_hub.weights.load import load_backbone, read_projector_state_dict
 
@@ -165,9 +164,12 @@ def save_hf_folder(
     projector: Mapping[str, torch.Tensor] | None = None,
     config: Mapping[str, Any] | None = None,
     results: Iterable[str | os.PathLike | Mapping[str, Any]] = (),
+    other_results: Iterable[str | os.PathLike | Mapping[str, Any]] = (),
     name: str | None = None,
     license: str = "apache-2.0",
     force: bool = True,
+    sha256: str | None = None,
+    provenance: str | None = None,
 ) -> Path:
     """Write model.safetensors, [projector.safetensors], config.json and README.md into ``folder``.
 
@@ -176,14 +178,20 @@ def save_hf_folder(
         folder: the folder (created).
         projector: the projector's ``Sequential`` weights, if known.
         config: training facts (e.g. a run's config.json) for config.json and the card; ours win on conflicts.
-        results: evaluation ``results.json`` paths or dicts, for the card.
+        results: evaluation ``results.json`` paths or dicts of these weights (``sha256``), and baselines, for the card.
+        other_results: results of other weights, shown in the card as theirs (never in its model-index).
         name: the model's Hub id in the card (``org/name``).
         license: the card's license.
         force: replace files bt_hub wrote in a non-empty folder (never others; see the module docstring).
+        sha256: the sha256 of the weights file ``backbone_state`` was read from (None: unknown, no own results).
+        provenance: how the weights were trained (``ResolvedWeights.provenance``; None: unknown).
+
+    Raises:
+        ValueError: a ``results`` record of other weights (see ``card_rows``).
     """
     folder = Path(folder)
     check_hf_target(folder, force=force)
-    rows = read_records(results)
+    rows = card_rows(results, other_results, sha256)
     state = _backbone_only(backbone_state)
     arch, small = infer_architecture(state, str(folder))
     ours = {
@@ -193,6 +201,7 @@ def save_hf_folder(
         "feature_dim": ARCHITECTURES[arch].feature_dim,
         "format": "torchvision",
         "bt_hub_version": package_version(),
+        "provenance": provenance,
     }
     ours.pop("backbone", None)
     ours.pop("projector", None)
@@ -241,9 +250,13 @@ class ExportConfig:
     results: list[str] = field(
         default_factory=list,
         metadata={
-            "help": "hf only: evaluation results for the card: results.json of bt-hub eval or eval all, "
-            "or a results.jsonl"
+            "help": "hf only: evaluation results of these weights for the card (records of other weights are "
+            "refused; eval compare's baselines are shown as baselines): results.json or results.jsonl"
         },
+    )
+    other_results: list[str] = field(
+        default_factory=list,
+        metadata={"help": "hf only: results of other weights, shown in the card as theirs, never as this model's"},
     )
     force: bool = field(
         default=False,
@@ -261,13 +274,14 @@ class ExportConfig:
         suffix = {"safetensors": ".safetensors", "detectron2": ".pkl"}.get(self.format)
         if suffix and not self.out.endswith(suffix):
             raise ValueError(f"--out for --format {self.format} must end in {suffix}, got {self.out!r}")
-        if self.format != "hf" and (self.name or self.results):
-            raise ValueError(f"--name and --results apply to --format hf only, not {self.format}")
+        if self.format != "hf" and (self.name or self.results or self.other_results):
+            raise ValueError(f"--name, --results and --other-results apply to --format hf only, not {self.format}")
         if self.name is not None:
             check_repo_id("--name", self.name)
-        for path in self.results:
-            if not Path(path).is_file():
-                raise ValueError(f"--results file {path} does not exist")
+        for flag, paths in (("--results", self.results), ("--other-results", self.other_results)):
+            for path in paths:
+                if not Path(path).is_file():
+                    raise ValueError(f"{flag} file {path} does not exist")
 
 
 def check_repo_id(flag: str, repo_id: str) -> None:
@@ -309,16 +323,18 @@ def export(config: ExportConfig) -> Path:
         return target
     if config.format == "hf":
         projector = read_projector_state_dict(config.weights, allow_non_finite=config.allow_non_finite)
-        path = save_hf_folder(
+        return save_hf_folder(
             state,
             out,
             projector=projector,
             config=info.get("config"),
             results=config.results,
+            other_results=config.other_results,
             name=config.name,
             force=config.force,
+            sha256=info["sha256"],
+            provenance=info["provenance"],
         )
-        return path
     _refuse_existing(out, config.force)
     if config.format == "safetensors":
         meta = {

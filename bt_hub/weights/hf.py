@@ -49,18 +49,24 @@ def save_pretrained(
     *,
     config: Mapping[str, Any] | None = None,
     results: Iterable[str | os.PathLike | Mapping[str, Any]] = (),
+    other_results: Iterable[str | os.PathLike | Mapping[str, Any]] = (),
     name: str | None = None,
     license: str = "apache-2.0",
     force: bool = True,
 ) -> Path:
     """Write a Hugging Face folder: model.safetensors, [projector.safetensors], config.json, README.md.
 
+    Weights given by name, path or URL keep their sha256 and provenance (``save_hf_folder``); a network
+    in memory may have changed since it was loaded, so its card says the provenance is unknown and
+    takes no results as its own.
+
     Args:
         model_or_backbone: a ``BarlowTwins`` model (backbone, projector and λ are kept), a ResNet
             backbone, or any weights ``load_backbone`` reads (its projector is kept when it has one).
         save_directory: the folder (created).
         config: training facts for config.json and the card (e.g. a run's config.json).
-        results: evaluation ``results.json`` paths or dicts, for the card's model-index.
+        results: evaluation ``results.json`` paths or dicts of these weights, for the card's model-index.
+        other_results: results of other weights, shown in the card as theirs.
         name: the model's Hub id in the card (``org/name``).
         license: the card's license.
         force: replace what bt_hub wrote in a non-empty folder (never files it did not write).
@@ -69,6 +75,7 @@ def save_pretrained(
         The folder.
     """
     projector: dict[str, torch.Tensor] = {}
+    info: dict[str, Any] = {}
     if isinstance(model_or_backbone, BarlowTwins):
         backbone, projector = model_or_backbone.backbone, model_or_backbone.projector.state_dict()
         config = {**model_or_backbone.config, **(config or {})}
@@ -77,16 +84,20 @@ def save_pretrained(
     else:
         backbone = load_backbone(model_or_backbone)
         projector = read_projector_state_dict(model_or_backbone)
-        config = {**(backbone.weights_info.get("config") or {}), **(config or {})}
+        info = backbone.weights_info
+        config = {**(info.get("config") or {}), **(config or {})}
     return save_hf_folder(
         backbone.state_dict(),
         save_directory,
         projector=projector,
         config=config,
         results=results,
+        other_results=other_results,
         name=name,
         license=license,
         force=force,
+        sha256=info.get("sha256"),
+        provenance=info.get("provenance"),
     )
 
 
@@ -152,6 +163,7 @@ def push_to_hub(
     commit_message: str = "Upload Barlow Twins weights with bt_hub",
     config: Mapping[str, Any] | None = None,
     results: Iterable[str | os.PathLike | Mapping[str, Any]] = (),
+    other_results: Iterable[str | os.PathLike | Mapping[str, Any]] = (),
     license: str = "apache-2.0",
     endpoint: str | None = None,
 ) -> Any:
@@ -169,6 +181,7 @@ def push_to_hub(
             Path(tmp) / repo_id.split("/")[-1],
             config=config,
             results=results,
+            other_results=other_results,
             name=repo_id,
             license=license,
         )
@@ -213,22 +226,28 @@ class PushConfig:
     results: list[str] = field(
         default_factory=list,
         metadata={
-            "help": "evaluation results for the model card: results.json of bt-hub eval or eval all, or a results.jsonl"
+            "help": "evaluation results of these weights for the model card (records of other weights are refused; "
+            "eval compare's baselines are shown as baselines): results.json or results.jsonl"
         },
+    )
+    other_results: list[str] = field(
+        default_factory=list,
+        metadata={"help": "results of other weights, shown in the card as theirs, never as this model's"},
     )
     license: str = field(default="apache-2.0", metadata={"help": "license in the model card"})
     commit_message: str = field(default="Upload Barlow Twins weights with bt_hub", metadata={"help": "commit message"})
 
     def __post_init__(self) -> None:
         check_repo_id("--repo-id", self.repo_id)
-        for path in self.results:
-            if not Path(path).is_file():
-                raise ValueError(f"--results file {path} does not exist")
+        for flag, paths in (("--results", self.results), ("--other-results", self.other_results)):
+            for path in paths:
+                if not Path(path).is_file():
+                    raise ValueError(f"{flag} file {path} does not exist")
 
 
 def push(config: PushConfig) -> Any:
     """``bt-hub push``: upload the weights with config.json and a model card; return the Hub's commit info."""
-    info = push_to_hub(
+    return push_to_hub(
         config.weights,
         config.repo_id,
         private=config.private,
@@ -236,6 +255,6 @@ def push(config: PushConfig) -> Any:
         revision=config.revision,
         commit_message=config.commit_message,
         results=config.results,
+        other_results=config.other_results,
         license=config.license,
     )
-    return info

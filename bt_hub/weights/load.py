@@ -33,7 +33,8 @@ def read_backbone_state_dict(
     Returns:
         ``(state_dict, info)``; ``info`` holds ``file``, ``sha256`` (of the bytes the weights were read from),
         ``format``, ``prefix``, ``dropped`` (keys of the file that are not backbone weights),
-        ``config`` (config.json or None) and ``weights`` (the registered name, or None).
+        ``config`` (config.json or None), ``weights`` (the registered name, or None) and
+        ``provenance`` (``ResolvedWeights.provenance``).
 
     Raises:
         CheckpointError: unreadable or unknown file, or NaN/inf tensors (unless ``allow_non_finite``).
@@ -44,6 +45,7 @@ def read_backbone_state_dict(
         sha256=resolved.check(info["sha256"]),
         config=resolved.config,
         weights=resolved.record.short_name if resolved.record else None,
+        provenance=resolved.provenance(),
     )
     return state, info
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from bt_hub.common.files import CheckpointError, file_sha256
+from bt_hub.common.runs import run_kind
 from bt_hub.method.model import ARCHITECTURES
 from bt_hub.weights.download import DownloadError, at_commit, check_cached, download_unchecked, hf_download
 from bt_hub.weights.registry import BarlowTwinsWeights, Weights, find_weights, list_weights
@@ -66,6 +67,20 @@ class ResolvedWeights:
     def fingerprint(self) -> str:
         """The sha256 (hex) of the weights file, hashed now (and checked when it is a download)."""
         return self.check(file_sha256(self.path))
+
+    def provenance(self) -> str | None:
+        """How the weights were trained, where bt_hub can tell; None when it cannot (a model card says "unknown").
+
+        Registered weights are Barlow Twins weights; a file in a bt_hub pretraining run folder comes from
+        that run; a Hugging Face folder says what the export that wrote it knew (config.json ``provenance``).
+        """
+        if self.record is not None:
+            return f"registered Barlow Twins weights {self.record.short_name}"
+        if run_kind(self.path.parent) == "pretrain":
+            return "a bt_hub Barlow Twins pretraining run"
+        config = self.config or {}
+        found = config.get("provenance") if "bt_hub_version" in config else None
+        return found if isinstance(found, str) and found else None
 
 
 def resolve(source: WeightsSource, *, progress: bool = True, projector: bool = False) -> ResolvedWeights:
