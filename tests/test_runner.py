@@ -1,0 +1,132 @@
+"""The evaluation runner: one weights read per run, settings resolved and recorded, the user's config untouched."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import bt_hub.weights as bt_weights
+from bt_hub import cli
+from bt_hub.eval import comparison, knn, runner, suite
+from bt_hub.eval.linear import LinearConfig
+from bt_hub.eval.suite import SuiteConfig
+
+SMALL = ["--data", "synthetic:40", "--image-size", "8", "--batch-size", "16"]
+
+
+def test_the_runner_never_writes_into_the_users_config_and_records_what_it_resolved(small_stem_weights, tmp_path):
+    # guards: load_eval_backbone wrote the image size and precision back into the config, and the record
+    # snapshotted the mutated config (so a config reused for a second run silently carried the first one's values)
+    config = knn.KnnConfig(weights=str(small_stem_weights), data="synthetic:40", batch_size=16, out=str(tmp_path / "k"))
+    before = dataclasses.asdict(config)
+    record = knn.run(config)
+    assert dataclasses.asdict(config) == before and config.image_size is None and config.precision == "auto"
+    settings = record["settings"]
+    assert settings["arch"] == "resnet18" and settings["small_image_stem"] is True
+    assert settings["image_size"] == 224 and settings["image_size_from"] == "default"
+    assert settings["precision"] in ("fp32", "bf16") and record["hyperparameters"]["precision"] == settings["precision"]
+    assert record["weights"]["fingerprint"] == runner.load_weights(str(small_stem_weights)).sha256
+
+
+def test_eval_all_reads_and_hashes_the_weights_once_for_every_protocol(small_stem_weights, tmp_path, monkeypatch):
+    # guards: every protocol of eval all loaded the weights again and hashed the file a second time (8+ reads)
+    reads = []
+    real = bt_weights.load_backbone
+    monkeypatch.setattr(bt_weights, "load_backbone", lambda *a, **k: reads.append(a[0]) or real(*a, **k))
+    config = SuiteConfig(
+        weights=str(small_stem_weights),
+        data="synthetic:40",
+        image_size=8,
+        batch_size=16,
+        fractions=[10],
+        linear_epochs=2,
+        semi_epochs=1,
+        out=str(tmp_path / "all"),
+    )
+    summary = suite.run(config)
+    assert len(reads) == 1
+    records = summary["results"]
+    assert [r["protocol"] for r in records] == ["knn", "linear", "semi"]
+    assert len({r["weights"]["fingerprint"] for r in records}) == 1
+    assert all(r["settings"]["image_size"] == 8 for r in records)
+
+
+def test_a_failed_evaluation_leaves_no_folder_behind(tmp_path):
+    out = tmp_path / "out"
+    assert cli.main(["eval", "knn", "--weights", str(tmp_path / "nope.pth"), "--out", str(out)]) == 2
+    assert not out.exists()
+
+
+def test_two_weights_that_share_a_base_name_are_two_rows_with_their_own_scores(seeded_weights, tmp_path):
+    # guards: eval compare keyed rows by base name, so the second 'backbone.pth' was never evaluated and its
+    # record carried the first one's score beside its own sha256
+    a, b = tmp_path / "a" / "w.pth", tmp_path / "b" / "w.pth"
+    a.parent.mkdir(), b.parent.mkdir()
+    shutil.copy(seeded_weights("resnet18", seed=1, small_image_stem=True), a)
+    shutil.copy(seeded_weights("resnet18", seed=2, small_image_stem=True), b)
+    out = tmp_path / "cmp"
+    args = ["eval", "compare", "--weights", str(a), str(b), "--baselines", "pixels", "--protocols", "knn"]
+    assert cli.main([*args, "--seeds", "1", "--knn-k", "5", *SMALL, "--out", str(out)]) == 0
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    rows = {r["notes"]["compare"]["row"]: r for r in records}
+    weights_rows = [name for name in rows if name != "pixels"]
+    assert len(weights_rows) == 2 and weights_rows[0] != weights_rows[1]
+    assert {rows[n]["weights"]["fingerprint"] for n in weights_rows} == {
+        runner.load_weights(str(p)).sha256 for p in (a, b)
+    }
+    for path in (a, b):
+        alone = knn.run(
+            knn.KnnConfig(
+                weights=str(path), data="synthetic:40", image_size=8, batch_size=16, k=[5], out=None, threads=0
+            )
+        )
+        row = next(n for n in weights_rows if rows[n]["weights"]["fingerprint"] == alone["weights"]["fingerprint"])
+        assert rows[row]["metrics"]["top1"] == pytest.approx(alone["metrics"]["top1"])
+
+
+def test_the_same_weights_twice_are_refused_in_one_sentence(small_stem_weights, tmp_path):
+    copy = tmp_path / "copy.pth"
+    shutil.copy(small_stem_weights, copy)
+    config = comparison.CompareConfig(
+        weights=[str(small_stem_weights), str(copy)], data="synthetic:40", image_size=8, out=None, seeds=1
+    )
+    with pytest.raises(ValueError, match="are the same weights"):
+        comparison.compare_and_write(config)
+
+
+@pytest.mark.parametrize(
+    ("flags", "search"),
+    [({"lr": 0.1}, "fixed"), ({"lr_grid": [0.1, 1.0]}, "grid"), ({"flip": False}, "fixed"), ({}, "auto")],
+)
+def test_a_flag_of_one_search_switches_auto_to_it(flags, search, tmp_path):
+    # guards: eval linear --lr X under the default grid search trained with the grid's LRs and recorded "lr X"
+    assert LinearConfig(weights="w", out=str(tmp_path / "o"), **flags).search == search
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"search": "grid", "lr": 0.1}, "--lr apply to the fixed recipe"),
+        ({"search": "fixed", "val_fraction": 0.3}, "--val-fraction apply to --search grid only"),
+        ({"lr": 0.1, "lr_grid": [1.0]}, "pass --search fixed or --search grid"),
+        ({"search": "fixed", "cached": True, "crop_scale_min": 0.5}, "which --cached skips"),
+    ],
+)
+def test_a_flag_the_chosen_search_would_ignore_is_refused(flags, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        LinearConfig(weights="w", out=str(tmp_path / "o"), **flags)
+
+
+def test_compare_cells_without_spread_say_so(small_stem_weights, tmp_path):
+    out = tmp_path / "cmp"
+    args = ["eval", "compare", "--weights", str(small_stem_weights), "--baselines", "pixels", "--protocols", "knn"]
+    assert cli.main([*args, "--seeds", "2", "--knn-k", "5", *SMALL, "--out", str(out)]) == 0
+    table = (out / "compare.md").read_text()
+    assert "± 0.0" not in table and "(deterministic)" in table
+    assert "- network: resnet18, small-image stem (3x3, no max-pool); images 8 px (--image-size)" in table
+    assert "kNN: k = 5, T = 0.07" in table and "pretraining unknown" in table
+    assert np.isfinite(json.loads((out / "results.json").read_text())["results"][0]["metrics"]["top1"])
