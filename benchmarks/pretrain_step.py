@@ -1,14 +1,17 @@
 """Pairs per second of one full pretraining step: ours vs a reference-style step, same process.
 
-    python benchmarks/pretrain_step.py                      # ResNet-18 small stem, 32 px, 128 pairs
+    python benchmarks/pretrain_step.py                      # ResNet-18 small stem, 32 px, 128 pairs, default path
     python benchmarks/pretrain_step.py --curve-steps 50     # plus both loss curves over 50 steps
 
 A step is views + forward + loss + backward + LARS. The reference-style step follows
 facebookresearch/barlowtwins main.py: per-image PIL views through a torchvision
 ``transforms.Compose`` pipeline (re-written here), fp32, NCHW, and the dense loss through
 ``BatchNorm1d(D, affine=False)`` and the D x D cross-correlation with its off-diagonal
-view. Ours: bt_hub's batched tensor views on the device, channels-last (optional),
-bt_hub's loss (``auto`` picks the Gram form when 2N < D), autocast when asked. Both start
+view. Ours: bt_hub's batched tensor views on the device, bt_hub's loss (``auto`` picks the
+Gram form when 2N < D), and by default the path a long ``bt-hub pretrain`` takes:
+``--precision auto``, channels-last where that gives bf16/fp16, and ``--compile auto`` as
+``bt_hub.train.compile_auto.compile_pays`` decides it for a run of ``--planned-steps`` from
+ours' eager warm-up steps (the table says which path ran and why). Both start
 from the same weights, see the same images in the same order, use bt_hub's LARS and the
 same warm-up + cosine schedule, and are timed step by step in alternation so that load
 from other processes hits both alike. The loss curves differ only through the random
@@ -27,10 +30,12 @@ from PIL import Image, ImageFilter, ImageOps
 from torch import nn
 
 from bt_hub.data.datasets import build_dataset, to_uint8_tensor
+from bt_hub.data.precision import autocast_dtype, resolve_channels_last, resolve_precision
 from bt_hub.method.loss import barlow_twins_loss
 from bt_hub.method.model import BarlowTwins
 from bt_hub.method.optim import LARS, param_groups, set_learning_rates
 from bt_hub.method.views import BatchedTwoViews
+from bt_hub.train.compile_auto import compile_pays
 
 
 class _PilBlur:
@@ -108,8 +113,8 @@ class Pipeline:
         self.batched = BatchedTwoViews(args.image_size)
         self.ref_views = reference_transforms(args.image_size)
         self.ref_loss = ReferenceLoss(int(args.projector.split("-")[-1]), model.lambd).to(self.device)
-        self.amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision) if ours else None
-        self.forward = torch.compile(model.embed) if ours and args.compile else model.embed
+        self.amp = autocast_dtype(args.precision) if ours else None
+        self.forward = torch.compile(model.embed) if ours and args.compile == "on" else model.embed
 
     def views(self, images: list[Image.Image], step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ours:
@@ -187,12 +192,20 @@ def main() -> None:
     parser.add_argument("--loss-method", default="auto", choices=["auto", "dense", "gram"])
     parser.add_argument(
         "--precision",
-        default="fp32",
-        choices=["fp32", "bf16", "fp16"],
-        help="ours only; bf16 is much slower on CPUs without AVX-512 BF16/AMX",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        help="ours only; auto: bf16 on GPUs and avx512_bf16/AMX CPUs, fp32 elsewhere (as bt-hub pretrain)",
     )
-    parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--compile", action="store_true", help="ours only: torch.compile the backbone + projector")
+    parser.add_argument(
+        "--channels-last", action=argparse.BooleanOptionalAction, default=None, help="default: on for bf16/fp16"
+    )
+    parser.add_argument(
+        "--compile",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="ours only: torch.compile the backbone + projector; auto: as bt-hub pretrain decides for --planned-steps",
+    )
+    parser.add_argument("--planned-steps", type=int, default=10_000, help="the run --compile auto decides for")
     parser.add_argument(
         "--profile", action="store_true", help="also print where each step's time goes (synchronised phases)"
     )
@@ -207,16 +220,27 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.precision = resolve_precision(args.precision, args.device)
+    if args.channels_last is None:
+        args.channels_last = resolve_channels_last("auto", args.precision) == "on"
     data = batches(args)
     pipes = build_pipelines(args)
     times: dict[str, list[float]] = {p.name: [] for p in pipes}
     phases: dict[str, dict[str, float]] = {p.name: {} for p in pipes}
     total = args.warmup + args.timed_steps
+    reason = f"--compile {args.compile}"
     for k in range(total):
         for p in pipes:
             _, seconds = p.step(data[k], k, total, phases[p.name] if k >= args.warmup else None)
-            if k >= args.warmup:
-                times[p.name].append(seconds)
+            times[p.name].append(seconds)
+        if k == args.warmup - 1 and args.compile == "auto":
+            eager = statistics.median(times["bt_hub"])
+            pays, reason = compile_pays(args.planned_steps - args.warmup, eager, torch.device(args.device).type)
+            args.compile = "on" if pays else "off"
+            if pays:  # compiling happens in the first call: one more untimed step
+                pipes[1].forward = torch.compile(pipes[1].model.embed)
+                pipes[1].step(data[k], k, total)
+    times = {name: t[args.warmup :] for name, t in times.items()}
     print(
         f"ResNet-18 small stem, {args.image_size} px, {args.pairs} pairs, projector {args.projector}, "
         f"device {args.device}, "
@@ -231,10 +255,11 @@ def main() -> None:
             if not p.ours
             else (
                 f"bt_hub ({args.precision}, {'channels-last' if args.channels_last else 'NCHW'}, "
-                f"loss {args.loss_method}{', compiled' if args.compile else ''})"
+                f"loss {args.loss_method}, compile {args.compile})"
             )
         )
         print(f"{label:<56}{med:>10.3f}{args.pairs / med:>10.1f}{ref / med:>9.2f}x")
+    print(f"compile {args.compile}: {reason}")
     if args.profile:
         names = list(next(iter(phases.values())))
         print(f"\nseconds per step by phase (mean of {args.timed_steps} steps)")

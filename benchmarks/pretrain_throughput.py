@@ -165,7 +165,7 @@ def bt_hub_pipeline(
         decode=args.decode,
         precision=precision,
         channels_last="on" if args.channels_last else "off",
-        compile=compile_model,
+        compile="on" if compile_model else "off",
         num_workers=args.workers,
         device=str(device),
         max_steps=args.warmup + args.steps,

@@ -183,6 +183,7 @@ def test_pretrain_on_digits_writes_its_final_weights_once_as_safetensors_with_to
         "digits",
     )
     assert config["steps"] == 2 and config["recipe"]["batch_size"] == 32
+    assert config["recipe"]["compile"] == "off" and config["recipe"]["compile_reason"] == "auto: 2 steps planned"
     start, end = np.load(out / "cross_correlation_start.npy"), np.load(out / "cross_correlation_end.npy")
     assert start.shape == end.shape == (32, 32) and not np.array_equal(start, end)
 
