@@ -156,6 +156,8 @@ def test_full_linear_probe_on_cuda(resnet18_weights, tmp_path):
                 "32",
                 "--batch-size",
                 "16",
+                "--search",
+                "fixed",
                 "--epochs",
                 "1",
                 "--device",

@@ -67,8 +67,9 @@ def assert_decoded_like_pil(decoded: list[torch.Tensor], paths: list[Path]) -> N
 
     Decoders differ in how they bring half-resolution colour (4:2:0) back to full size:
     libjpeg-turbo (PIL) interpolates, nvJPEG does not. Measured on an H100 (torchvision 0.26):
-    4:4:4 files decode to the same pixels; a 240 x 320 4:2:0 photo-like image differs by 0.68
-    levels on average, 5 at most; a 37 x 53 one, whose colours change every few pixels, by 4.3.
+    baseline 4:4:4 files decode to within one level, a progressive 4:4:4 one within 3; a 240 x 320
+    4:2:0 photo-like image differs by 0.68 levels on average, 5 at most; a 37 x 53 one, whose colours
+    change every few pixels, by 4.3.
     """
     for image, path in zip(decoded, paths):
         expected = _pil(path)
@@ -76,7 +77,10 @@ def assert_decoded_like_pil(decoded: list[torch.Tensor], paths: list[Path]) -> N
         diff = (image.cpu().int() - expected.int()).abs().float()
         with Image.open(path) as img:
             subsampled = img.format == "JPEG" and JpegImagePlugin.get_sampling(img) > 0
-        if subsampled:
+            progressive = img.format == "JPEG" and bool(img.info.get("progressive"))
+        if progressive and not subsampled:  # nvJPEG's progressive path: max 3 levels on an H100, 2026-11-27
+            assert diff.max() <= 3, f"{path.name}: max {diff.max():.0f}"
+        elif subsampled:
             assert diff.mean() <= 1.5 and (diff <= 4).float().mean() >= 0.99, (
                 f"{path.name}: mean {diff.mean():.2f}, max {diff.max():.0f}"
             )
