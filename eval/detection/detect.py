@@ -278,8 +278,8 @@ def _write(
     Its ``overrides`` are every flag changed from its default and every ``KEY VALUE`` of the
     opts that changes the config, with the config's value beside it, so a shortened run never
     reads like its preset; the paper's row stands beside it only when nothing but
-    ``EXECUTION_OVERRIDES`` changed. (``write_results`` takes overrides from a config dataclass only,
-    and the opts are not fields of one.)
+    ``EXECUTION_OVERRIDES`` changed. (The runner's ``EvalRun.record`` takes overrides from a config
+    dataclass only, and the opts are not fields of one.)
     """
     from bt_hub.common.presets import overrides
     from bt_hub.common.records import make_record
