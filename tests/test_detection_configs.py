@@ -312,6 +312,7 @@ def test_interrupted_make_detection_data_leaves_out_untouched_and_a_rerun_clears
 @pytest.mark.parametrize("shortened", [True, False], ids=["shortened-run", "execution-opts-only"])
 def test_detection_record_lists_every_override_and_the_table_marks_a_run_that_is_not_its_preset(shortened, tmp_path):
     from bt_hub.eval.detection.detect import DetectConfig, _write
+    from bt_hub.eval.runner import LoadedWeights
 
     weights, data = tmp_path / "r50.pth", tmp_path / "data"
     weights.write_bytes(b"weights")
@@ -323,7 +324,8 @@ def test_detection_record_lists_every_override_and_the_table_marks_a_run_that_is
         weights=str(weights), data=str(data), config="voc", out=str(tmp_path / "out"), trials=2, opts=opts
     )
     trials = [{"seed": s, "metrics": {"bbox_AP": 1.0}, "config": {}} for s in (0, 1)]
-    record = _write(config, "torchvision", resolve_config("voc"), trials, start=0.0)
+    loaded = LoadedWeights(str(weights), None, "ab" * 32, {})  # the record reads only the source and sha256
+    record = _write(config, loaded, "torchvision", resolve_config("voc"), trials, start=0.0)
     expected = {"trials": {"value": 2, "preset": 1}, "DATALOADER.NUM_WORKERS": {"value": 0, "preset": 4}}
     if shortened:
         expected |= {

@@ -262,8 +262,7 @@ def test_weights_replaced_while_loading_are_fingerprinted_by_the_bytes_that_were
     import hashlib
 
     import bt_hub.weights.formats
-    from bt_hub.eval.config import EvalConfig
-    from bt_hub.eval.features import load_eval_backbone
+    from bt_hub.eval.runner import load_weights
 
     path = tmp_path / "weights.pth"
     loaded = resnet18_file.read_bytes()
@@ -277,7 +276,8 @@ def test_weights_replaced_while_loading_are_fingerprinted_by_the_bytes_that_were
         return extract(obj, name)
 
     monkeypatch.setattr(bt_hub.weights.formats, "extract_backbone", replace_then_extract)
-    backbone, fingerprint = load_eval_backbone(EvalConfig(weights=str(path), out=str(tmp_path / "out")))
+    weights = load_weights(str(path))
+    backbone, fingerprint = weights.network, weights.sha256
     expected = torch.load(resnet18_file, weights_only=True)
     assert all(torch.equal(backbone.state_dict()[k], v) for k, v in expected.items() if k in backbone.state_dict())
     assert fingerprint == backbone.weights_info["sha256"] == hashlib.sha256(loaded).hexdigest()

@@ -185,6 +185,7 @@ def _main(config: DetectConfig, engine: str, out: Path, start: float) -> dict[st
 
     yaml_path = resolve_config(config.config)
     depth = load_settings(yaml_path, config.opts)["MODEL.RESNETS.DEPTH"]
+    _check_engine(config, engine)  # before the weights are read: a missing engine is the first thing to say
     weights = load_weights(config.weights, arch=f"resnet{depth}", small_image_stem=False)  # one read, one hash
     run = _detectron2_trials if engine == "detectron2" else _torchvision_trials
     trials = run(config, weights, yaml_path, out)
@@ -193,10 +194,21 @@ def _main(config: DetectConfig, engine: str, out: Path, start: float) -> dict[st
     return _write(config, weights, engine, yaml_path, trials, start)
 
 
+def _check_engine(config: DetectConfig, engine: str) -> None:
+    """detectron2 importable for its engine; the torchvision engine given none of detectron2's launcher flags."""
+    if engine == "detectron2":
+        require("detectron2", INSTALL_PURPOSE)
+    elif (config.num_gpus, config.num_machines, config.machine_rank, config.dist_url) != (1, 1, 0, "auto"):
+        raise ValueError(
+            "--engine torchvision runs one process per GPU under torchrun (torchrun --nproc-per-node N -m bt_hub.cli "
+            "detect --engine torchvision ...); --num-gpus, --num-machines, --machine-rank and --dist-url are "
+            "detectron2's launcher flags"
+        )
+
+
 def _detectron2_trials(
     config: DetectConfig, loaded: LoadedWeights, yaml_path: Path, out: Path
 ) -> list[dict[str, Any]] | None:
-    require("detectron2", INSTALL_PURPOSE)
     from detectron2.engine import launch
 
     from bt_hub.eval.detection.config import build_cfg
@@ -232,12 +244,6 @@ def _detectron2_trials(
 def _torchvision_trials(
     config: DetectConfig, weights: LoadedWeights, yaml_path: Path, out: Path
 ) -> list[dict[str, Any]] | None:
-    if (config.num_gpus, config.num_machines, config.machine_rank, config.dist_url) != (1, 1, 0, "auto"):
-        raise ValueError(
-            "--engine torchvision runs one process per GPU under torchrun (torchrun --nproc-per-node N -m bt_hub.cli "
-            "detect --engine torchvision ...); --num-gpus, --num-machines, --machine-rank and --dist-url are "
-            "detectron2's launcher flags"
-        )
     from bt_hub.common.distributed import is_main_process, process_group
     from bt_hub.eval.detection.config import load_settings
     from bt_hub.eval.detection.torchvision_engine.trainer import run_trial
