@@ -352,7 +352,8 @@ def render_markdown(result: Comparison, title: str = "Did pretraining help?", se
     """``compare.md``: the mean ± std table with the verdict column, the paired comparisons, the rule and the seeds."""
     weights_rows = [r for r in result.values if r not in result.baselines]
     header = ["representation", *result.columns, "better than the best baseline?"]
-    lines = [f"# {title}", "", *settings, "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    lines = [f"# {title}", "", *([*settings, ""] if settings else []), "| " + " | ".join(header) + " |"]
+    lines.append("|---" * len(header) + "|")
     for row in result.values:
         verdicts = [] if row in result.baselines else [(c, result.verdict(row, c)) for c in result.columns]
         said = "; ".join(f"{c}: {_verdict_word(v)}" for c, v in verdicts if v) or "—"

@@ -11,6 +11,8 @@ EXTRAS = {
     "pycocotools": "pip install 'bt_hub[detection]'",
     "timm": "pip install timm",
     "tensorboard": "pip install 'bt_hub[tensorboard]'",
+    "pandas": "pip install 'bt_hub[analysis]'",
+    "pyarrow": "pip install 'bt_hub[analysis]'",
     "detectron2": (
         "detectron2 is not on PyPI: pip install --no-build-isolation "
         "'git+https://github.com/facebookresearch/detectron2.git'"
