@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from bt_hub.common.distributed import all_reduce_sum, get_rank, get_world_size
 from bt_hub.common.progress import progress as reported
+from bt_hub.data.precision import autocast_dtype
 
 # ----------------------------------------------------------------------------- schedule, classifier, metrics
 
@@ -91,14 +92,23 @@ def make_loader(
     )
 
 
+def loop_autocast(device: torch.device, precision: str) -> torch.dtype | None:
+    """The autocast dtype of the image loops: the run's resolved ``--precision`` on CUDA (bf16 where the GPU
+    has it), fp32 on the CPU, where bf16 training of these loops is unmeasured."""
+    return autocast_dtype(precision) if device.type == "cuda" else None
+
+
 @torch.no_grad()
-def evaluate_loader(model: nn.Module, loader: DataLoader, device: torch.device, desc: str = "eval") -> dict[str, float]:
-    """Top-1 / top-5 accuracy (percent) of an image classifier, summed over ranks."""
+def evaluate_loader(
+    model: nn.Module, loader: DataLoader, device: torch.device, desc: str = "eval", precision: str = "fp32"
+) -> dict[str, float]:
+    """Top-1 / top-5 accuracy (percent) of an image classifier, summed over ranks (autocast: ``loop_autocast``)."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
+    dtype = loop_autocast(device, precision)
     for images, labels in reported(loader, desc, unit="batch", leave=False):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        with torch.autocast(device.type, enabled=device.type == "cuda"):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             logits = model(images)
         c1, c5 = topk_correct(logits.float(), labels)
         totals += torch.tensor([c1, c5, len(labels)], dtype=torch.float64, device=device)
@@ -121,6 +131,7 @@ def train_classifier(
     device: torch.device,
     desc: str,
     on_epoch: Callable[[int, float], None] | None = None,
+    precision: str = "fp32",
 ) -> None:
     """SGD with per-epoch LR on images: the loop shared by the linear probe and fine-tuning.
 
@@ -128,10 +139,13 @@ def train_classifier(
         model: images -> logits (DDP-wrapped by the caller when distributed).
         param_groups: ``[{"params": ..., "lr": base_lr}, ...]``.
         on_epoch: optional ``callable(epoch, mean_loss)`` after each epoch.
+        precision: the run's resolved ``--precision``; autocast as :func:`loop_autocast` says (a gradient
+            scaler only for fp16).
     """
     optimizer = torch.optim.SGD(param_groups, lr=0.0, momentum=momentum, weight_decay=weight_decay)
     base_lrs = [g["lr"] for g in param_groups]
-    scaler = torch.amp.GradScaler("cuda", enabled=device.type == "cuda")
+    dtype = loop_autocast(device, precision)
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
     for epoch in reported(range(epochs), desc, unit="epoch"):
         set_epoch_lr(optimizer, base_lrs, lr_factor(epoch, epochs, schedule, milestones, gamma))
         sampler = getattr(train_loader, "sampler", None)
@@ -141,7 +155,7 @@ def train_classifier(
         total, count = 0.0, 0
         for images, labels in train_loader:
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            with torch.autocast(device.type, enabled=device.type == "cuda"):
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 loss = F.cross_entropy(model(images).float(), labels)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()

@@ -260,6 +260,7 @@ def _finetune(
         seed=seed,
         device=run.device,
         desc=f"fine-tune ({len(indices)} labels)",
+        precision=run.settings.precision,
         **recipe,
     )
 

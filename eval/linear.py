@@ -345,9 +345,10 @@ def _paper_loop(run: EvalRun, num_classes: int) -> dict[str, float]:
         desc=f"linear ({config.preset})",
         on_epoch=on_epoch,
         weight_decay=config.weight_decay,
+        precision=run.settings.precision,
         **_schedule(config),
     )
-    return evaluate_loader(model, loaders[1], device, desc="score test")
+    return evaluate_loader(model, loaders[1], device, desc="score test", precision=run.settings.precision)
 
 
 def _diverged(config: LinearConfig, epoch: int) -> NonFiniteLoss:

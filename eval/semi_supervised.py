@@ -58,6 +58,7 @@ def finetune(
     num_workers: int = 0,
     device: str | torch.device = "cpu",
     desc: str = "fine-tune",
+    precision: str = "fp32",
 ) -> dict[str, float]:
     """Fine-tune backbone + a new linear classifier on ``train_set``; return test top-1 / top-5 (percent).
 
@@ -68,6 +69,7 @@ def finetune(
         lr_backbone, lr_classifier: base LRs of the two parameter groups.
         schedule, milestones, gamma: per-epoch LR (bt_hub.eval.classifier.lr_factor).
         seed: seeds the classifier init and the data order.
+        precision: the resolved ``--precision``: the autocast of the loop on CUDA (``loop_autocast``).
     """
     device = torch.device(device)
     torch.manual_seed(seed)
@@ -94,8 +96,9 @@ def finetune(
         gamma=gamma,
         device=device,
         desc=desc,
+        precision=precision,
     )
-    return evaluate_loader(model, test_loader, device, desc="score test")
+    return evaluate_loader(model, test_loader, device, desc="score test", precision=precision)
 
 
 @dataclass
@@ -238,6 +241,7 @@ def score(run: EvalRun) -> Scored:
         num_workers=config.num_workers,
         device=run.device,
         desc=f"fine-tune ({config.preset}, {len(indices)} labels)",
+        precision=run.settings.precision,
     )
     labels = _labels(config, indices, len(splits.train))
     return Scored(

@@ -197,3 +197,18 @@ def test_shortened_demo_on_cuda(tmp_path):
     table = json.loads((out / "results.json").read_text())["table"]
     assert min(table["random init (torchvision default init)"]["linear"]["per_seed"]) >= 80
     assert (out / "report.md").exists()
+
+
+def test_the_image_loops_in_bf16_score_as_fp32_does_on_the_digits(small_stem_weights):
+    # guards: the linear loop and fine-tuning ran fp16 autocast on CUDA whatever --precision said (bf16 nowhere)
+    from bt_hub.eval import evaluate
+
+    scores = {}
+    for precision in ("fp32", "bf16"):
+        common = {"image_size": 16, "device": "cuda", "precision": precision}
+        semi = evaluate(small_stem_weights, "digits", "semi", preset="small", fraction=10, epochs=5, **common)
+        linear = evaluate(small_stem_weights, "digits", "linear", search="fixed", epochs=3, **common)
+        assert semi.records[0]["settings"]["precision"] == precision
+        scores[precision] = (semi.rows[0]["top1"], linear.rows[0]["top1"])
+    # 360 test digits: 3 points is 11 images, within the seed-to-seed spread of these runs
+    assert all(abs(b - f) <= 3 for b, f in zip(scores["bf16"], scores["fp32"])), scores

@@ -446,3 +446,12 @@ def test_grid_without_a_validation_split_is_refused_in_one_sentence():
     x, y = torch.randn(3, 4), torch.tensor([0, 1, 2])
     with pytest.raises(ValueError, match="at most one per class, so the grid has no validation split"):
         grid_probe(x, y, x, y, 3, epochs=1, progress=False)
+
+
+def test_the_image_loops_autocast_in_the_runs_precision_on_cuda_and_never_on_the_cpu():
+    from bt_hub.eval.classifier import loop_autocast
+
+    assert loop_autocast(torch.device("cuda"), "bf16") is torch.bfloat16
+    assert loop_autocast(torch.device("cuda"), "fp16") is torch.float16
+    assert loop_autocast(torch.device("cuda"), "fp32") is None
+    assert loop_autocast(torch.device("cpu"), "bf16") is None
