@@ -31,16 +31,9 @@ from bt_hub.common.presets import from_preset, preset_values
 from bt_hub.common.records import seeds_text
 from bt_hub.common.runs import LOCK_NAME, MARKER_NAME, check_run_dir, claim_run_dir, package_version
 from bt_hub.data.plots import run_plots
-from bt_hub.eval.comparison import (
-    SUPERVISED,
-    CompareConfig,
-    Comparison,
-    compare,
-    feature_source,
-    render_markdown,
-    sources_of,
-)
-from bt_hub.eval.comparison import plot as plot_comparison
+from bt_hub.eval.comparison import SUPERVISED, CompareConfig, compare, feature_source, sources_of
+from bt_hub.eval.comparison_report import Comparison, render_markdown
+from bt_hub.eval.comparison_report import plot as plot_comparison
 from bt_hub.eval.runner import evaluation
 from bt_hub.method.model import ARCHITECTURES
 from bt_hub.train.pretrain import PretrainConfig, pretrain
