@@ -329,11 +329,7 @@ class CompareConfig(EvalConfig):
             raise ValueError(f"--seeds must be an integer in [1, 100], got {self.seeds}")
         if not self.fractions or any(not 0 < f <= 100 for f in self.fractions):
             raise ValueError(f"--fractions must be percentages in (0, 100], got {self.fractions}")
-        for flag, value in (("--knn-k", self.knn_k), ("--semi-epochs", self.semi_epochs)):
-            if value <= 0:
-                raise ValueError(f"{flag} must be positive, got {value}")
-        if self.supervised_epochs <= 0:
-            raise ValueError(f"--supervised-epochs must be positive, got {self.supervised_epochs}")
+        self.require_positive("knn_k", "semi_epochs", "supervised_epochs")
         baseline(SemiSupervisedConfig, self.semi_preset)  # an unknown preset fails here, naming the valid ones
         check_probe_settings(
             epochs=self.linear_epochs,

@@ -123,21 +123,9 @@ class DemoConfig(RunConfig):
         super().__post_init__()
         if not 0 < self.crop_scale_min <= 1:
             raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
-        for name in (
-            "epochs",
-            "batch_size",
-            "lr_weights",
-            "image_size",
-            "knn_k",
-            "linear_epochs",
-            "semi_epochs",
-            "seeds",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("max_steps", "warmup_epochs"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be non-negative, got {getattr(self, name)}")
+        self.require_positive("epochs", "batch_size", "lr_weights", "image_size", "knn_k", "linear_epochs")
+        self.require_positive("semi_epochs", "seeds")
+        self.require_positive("max_steps", "warmup_epochs", or_zero=True)
 
 
 # ----------------------------------------------------------------------------- pretraining

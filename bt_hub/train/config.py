@@ -224,26 +224,14 @@ class PretrainConfig(RunConfig):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
         positive = ("image_size", "epochs", "batch_size", "log_every", "monitor_size", "lr_weights", "lr_biases")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        self.require_positive(*positive)
         if self.image_size > MAX_IMAGE_SIZE:
             raise ValueError(
                 f"--image-size {self.image_size} is larger than {MAX_IMAGE_SIZE} px, the most bt-hub pretrain accepts "
                 "(the paper's views are 224 px); choose a smaller --image-size"
             )
-        for name in (
-            "lambd",
-            "weight_decay",
-            "warmup_epochs",
-            "num_workers",
-            "checkpoint_every",
-            "max_steps",
-            "probe_max_dim",
-            "monitor_knn",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be non-negative, got {getattr(self, name)}")
+        nonnegative = ("lambd", "weight_decay", "warmup_epochs", "num_workers", "checkpoint_every", "max_steps")
+        self.require_positive(*nonnegative, "probe_max_dim", "monitor_knn", or_zero=True)
         if not 0 < self.crop_scale_min <= 1:
             raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
         try:
