@@ -1,9 +1,4 @@
-"""What ``bt-hub eval compare`` found, and its files: per-seed cells and verdicts, compare.md, compare.png, records.
-
-``Comparison`` holds every row's per-seed test top-1 in every column; ``verdict`` pairs a weights row
-with the column's best baseline by seed (``RULE``). bt_hub.eval.comparison fills it; this module
-renders it for people (the markdown table, the bar plot) and writes it with the run's records.
-"""
+"""What ``bt-hub eval compare`` found (filled by bt_hub.eval.comparison): cells, verdicts, compare.md, the plot."""
 
 from __future__ import annotations
 

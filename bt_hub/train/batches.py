@@ -1,9 +1,4 @@
-"""What the pretraining loop feeds the model: the two views of each image and the probe batch.
-
-``ViewDataset`` yields seeded PIL view pairs, or images (or file bytes) that ``to_views`` turns into
-views on the device; ``probe_views`` is a fixed batch whose ``cross_correlation`` a run records at
-its start and end.
-"""
+"""What bt_hub.train.pretrain feeds the model: each image's two views, and the probe batch it records."""
 
 from __future__ import annotations
 

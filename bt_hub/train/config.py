@@ -1,7 +1,4 @@
-"""The flags of ``bt-hub pretrain`` (``PretrainConfig``, its presets and checks) and what a resumed run must keep.
-
-bt_hub.train.pretrain runs the loop they configure.
-"""
+"""The flags of ``bt-hub pretrain`` (``PretrainConfig``, its presets and checks) and what a resumed run must keep."""
 
 from __future__ import annotations
 
