@@ -257,19 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     path, command, rest = _resolve(argv)
     if command is None:
-        table: Any = COMMANDS
-        for p in path:
-            table = table[p]
-        if rest and rest[0] not in ("-h", "--help"):
-            name = " ".join(["bt-hub", *path])
-            print(
-                f"{name}: error: unknown command {' '.join(path + rest[:1])!r}; expected one of "
-                f"{', '.join(table)} (see '{name} --help')",
-                file=sys.stderr,
-            )
-            return 2
-        print(_overview(path, table))
-        return 0 if rest else 2
+        return _no_command(path, rest)
     prefix = f"bt-hub {' '.join(path)}"
     debug = bool(os.environ.get("BT_HUB_DEBUG"))
     config = None
@@ -327,6 +315,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif os.environ.get("RANK", "0") == "0" and (described := _describe(result, config)) is not None:
         print(described)
     return 0
+
+
+def _no_command(path: list[str], rest: list[str]) -> int:
+    """A group named without a command: its overview (exit 0 for ``--help``, 2 when bare), or an unknown command (2)."""
+    table: Any = COMMANDS
+    for p in path:
+        table = table[p]
+    if rest and rest[0] not in ("-h", "--help"):
+        name = " ".join(["bt-hub", *path])
+        print(
+            f"{name}: error: unknown command {' '.join(path + rest[:1])!r}; expected one of "
+            f"{', '.join(table)} (see '{name} --help')",
+            file=sys.stderr,
+        )
+        return 2
+    print(_overview(path, table))
+    return 0 if rest else 2
 
 
 def _interrupted(path: list[str], rest: list[str], config: Any) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 from bt_hub.common.optional import require
 from bt_hub.common.presets import from_preset
 from bt_hub.common.records import Record, setting
-from bt_hub.eval import comparison, embedding, knn, linear, semi_supervised, suite, voc07_svm
+from bt_hub.eval import comparison, comparison_report, embedding, knn, linear, semi_supervised, suite, voc07_svm
 from bt_hub.eval.report import render_table
 from bt_hub.eval.runner import EvalRun, Scored, run_protocol
 
@@ -124,7 +124,7 @@ def compare(
         **settings,
     )
     result, text = comparison.compare_and_write(config)
-    return Results(result.records, comparison.table_rows(result), text, Path(out) if out else None)
+    return Results(result.records, comparison_report.table_rows(result), text, Path(out) if out else None)
 
 
 def embed(

@@ -142,9 +142,7 @@ class EvalConfig(RunConfig):
     def __post_init__(self) -> None:
         if not str(self.weights).strip():
             raise ValueError("--weights must name a checkpoint, got an empty string")
-        for flag, value in (("--batch-size", self.batch_size), ("--image-size", self.image_size)):
-            if value is not None and value <= 0:
-                raise ValueError(f"{flag} must be positive, got {value}")
+        self.require_positive("batch_size", "image_size")
         if self.image_size is not None and self.image_size > MAX_IMAGE_SIZE:
             raise ValueError(
                 f"--image-size {self.image_size} is larger than {MAX_IMAGE_SIZE} px, the most bt-hub eval accepts "

@@ -31,16 +31,9 @@ from bt_hub.common.presets import from_preset, preset_values
 from bt_hub.common.records import seeds_text
 from bt_hub.common.runs import LOCK_NAME, MARKER_NAME, check_run_dir, claim_run_dir, package_version
 from bt_hub.data.plots import run_plots
-from bt_hub.eval.comparison import (
-    SUPERVISED,
-    CompareConfig,
-    Comparison,
-    compare,
-    feature_source,
-    render_markdown,
-    sources_of,
-)
-from bt_hub.eval.comparison import plot as plot_comparison
+from bt_hub.eval.comparison import SUPERVISED, CompareConfig, compare, feature_source, sources_of
+from bt_hub.eval.comparison_report import Comparison, render_markdown
+from bt_hub.eval.comparison_report import plot as plot_comparison
 from bt_hub.eval.runner import evaluation
 from bt_hub.method.model import ARCHITECTURES
 from bt_hub.train.pretrain import PretrainConfig, pretrain
@@ -130,21 +123,9 @@ class DemoConfig(RunConfig):
         super().__post_init__()
         if not 0 < self.crop_scale_min <= 1:
             raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
-        for name in (
-            "epochs",
-            "batch_size",
-            "lr_weights",
-            "image_size",
-            "knn_k",
-            "linear_epochs",
-            "semi_epochs",
-            "seeds",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("max_steps", "warmup_epochs"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be non-negative, got {getattr(self, name)}")
+        self.require_positive("epochs", "batch_size", "lr_weights", "image_size", "knn_k", "linear_epochs")
+        self.require_positive("semi_epochs", "seeds")
+        self.require_positive("max_steps", "warmup_epochs", or_zero=True)
 
 
 # ----------------------------------------------------------------------------- pretraining

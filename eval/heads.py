@@ -82,15 +82,13 @@ def train_heads(
 ) -> LinearHeads:
     """Train one linear head per ``(lrs[k], weight_decays[k])`` at once on fixed features.
 
-    Every head starts from the same paper initialisation (``make_classifier`` after
-    ``torch.manual_seed(seed)``) and sees the same batches (``epoch_permutation``), and each
-    follows SGD with momentum and weight decay on its own LR, so one head is the paper's classifier
-    as ``train_classifier`` trains it over the same features (to float32 rounding); the cost of K heads is one
-    pass over the features per epoch, one K-times wider matrix product each way per batch (the
-    bias rides as an extra weight column) and three element-wise updates of one flat parameter
-    buffer. Finiteness is checked once per
-    epoch: a head whose weights became non-finite in an epoch is put back to where it started
-    that epoch and trains no further (``diverged``).
+    Every head starts from the same paper initialisation (``make_classifier`` after ``torch.manual_seed(seed)``)
+    and sees the same batches (``epoch_permutation``), and each follows SGD with momentum and weight decay on its
+    own LR, so one head is the paper's classifier as ``train_classifier`` trains it over the same features (to
+    float32 rounding); the cost of K heads is one pass over the features per epoch, one K-times wider matrix
+    product each way per batch (the bias rides as an extra weight column) and three element-wise updates of one
+    flat parameter buffer. Finiteness is checked once per epoch: a head whose weights became non-finite in an
+    epoch is put back to where it started that epoch and trains no further (``diverged``).
 
     Args:
         features, labels: N x D features (tensor or memmap) and N labels.
@@ -115,13 +113,8 @@ def train_heads(
     # (parameters, gradients, momentum), so that x with a column of ones gives both in one product each way
     params = torch.cat([fc.weight.detach(), fc.bias.detach()[:, None]], 1).repeat(k, 1).to(device)
     grads, velocity, epoch_start = torch.empty_like(params), torch.zeros_like(params), torch.empty_like(params)
-    heads = LinearHeads(
-        params[:, :d].view(k, c, d),
-        params[:, d].view(k, c),
-        [float(v) for v in lrs],
-        [float(v) for v in weight_decays],
-        [None] * k,
-    )
+    lists = [float(v) for v in lrs], [float(v) for v in weight_decays], [None] * k
+    heads = LinearHeads(params[:, :d].view(k, c, d), params[:, d].view(k, c), *lists)
     # the same buffers with one row per head, for the per-head LR and weight decay (K x 1)
     head_params, head_grads, head_velocity = params.view(k, -1), grads.view(k, -1), velocity.view(k, -1)
     decay, base_lr = (torch.tensor(v, device=device)[:, None] for v in (heads.weight_decays, heads.lrs))
@@ -140,30 +133,55 @@ def train_heads(
             n = len(idx)
             x = rows_with_one[:n]
             _copy_feature_rows(features, idx, x[:, :d])
-            # the mean cross-entropy's gradient in closed form, (softmax - one-hot) / n per head, laid out
-            # K x C x N so that the softmax runs along contiguous rows (20x faster than over 10 classes last);
-            # probabilities below TINY_PROBABILITY become 0 so that no subnormal float reaches the exponential
-            # or the products (logits more than 70 below their row's best give e^-70 < TINY_PROBABILITY)
-            logits = torch.mm(params, x.T).view(k, c, n)
-            g = torch.maximum(logits, logits.amax(1, keepdim=True) - 70.0).softmax(1)
-            F.threshold(g, TINY_PROBABILITY, 0.0, inplace=True)
-            g.sub_((y[idx].to(device) == classes).float()).mul_(1 / n)  # the C x N one-hot, broadcast over heads
-            torch.mm(g.view(k * c, n), x, out=grads)
+            _cross_entropy_gradient(params, x, y[idx].to(device), classes, out=grads)
             # SGD with momentum and weight decay as torch.optim.SGD: v = mu v + (grad + wd w); w -= lr v
             head_grads.addcmul_(head_params, decay)
             torch.add(grads, velocity, alpha=momentum, out=velocity)
             head_params.addcmul_(head_velocity, step, value=-1)
-        # one host sync per epoch: a non-finite loss makes that head's weights non-finite in the same step
-        finite = torch.isfinite(head_params).all(1, keepdim=True)
-        if not bool(finite.all()):
-            back = ~finite.flatten()
-            for h in back.nonzero().flatten().tolist():
-                if heads.diverged[h] is None:
-                    heads.diverged[h] = epoch
-            alive &= finite
-            head_params[back] = epoch_start.view(k, -1)[back]
-            head_velocity[back] = 0
+        _stop_diverged(heads, epoch, alive, head_params, head_velocity, epoch_start)
     return heads
+
+
+def _cross_entropy_gradient(
+    params: torch.Tensor, x: torch.Tensor, targets: torch.Tensor, classes: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Write every head's mean cross-entropy gradient on the batch ``x`` (N x D+1) into ``out`` (K*C x D+1).
+
+    The gradient in closed form, (softmax - one-hot) / n per head, laid out K x C x N so that the softmax
+    runs along contiguous rows (20x faster than over 10 classes last); probabilities below
+    TINY_PROBABILITY become 0 so that no subnormal float reaches the exponential or the products
+    (logits more than 70 below their row's best give e^-70 < TINY_PROBABILITY).
+    """
+    n = len(x)
+    logits = torch.mm(params, x.T).view(-1, len(classes), n)
+    g = torch.maximum(logits, logits.amax(1, keepdim=True) - 70.0).softmax(1)
+    F.threshold(g, TINY_PROBABILITY, 0.0, inplace=True)
+    g.sub_((targets == classes).float()).mul_(1 / n)  # the C x N one-hot, broadcast over heads
+    torch.mm(g.view(-1, n), x, out=out)
+
+
+def _stop_diverged(
+    heads: LinearHeads,
+    epoch: int,
+    alive: torch.Tensor,
+    head_params: torch.Tensor,
+    head_velocity: torch.Tensor,
+    epoch_start: torch.Tensor,
+) -> None:
+    """Put each head whose weights became non-finite back to where ``epoch`` started, and stop training it.
+
+    One host sync per epoch: a non-finite loss makes that head's weights non-finite in the same step.
+    """
+    finite = torch.isfinite(head_params).all(1, keepdim=True)
+    if bool(finite.all()):
+        return
+    back = ~finite.flatten()
+    for h in back.nonzero().flatten().tolist():
+        if heads.diverged[h] is None:
+            heads.diverged[h] = epoch
+    alive &= finite
+    head_params[back] = epoch_start.view_as(head_params)[back]
+    head_velocity[back] = 0
 
 
 def _copy_feature_rows(features: torch.Tensor | np.ndarray, idx: torch.Tensor, out: torch.Tensor) -> None:
@@ -246,19 +264,7 @@ def grid_probe(
     )
     val_idx = torch.as_tensor(val_rows, dtype=torch.long)
     val_x = train_x[val_idx] if isinstance(train_x, torch.Tensor) else np.asarray(train_x[val_rows], dtype=np.float32)
-    scores = score_heads(heads, val_x, train_y[val_idx])
-    grid = []
-    for (lr, wd), score, diverged in zip(pairs, scores, heads.diverged):
-        ok = diverged is None and math.isfinite(score["loss"])
-        grid.append(
-            {
-                "lr": lr,
-                "weight_decay": wd,
-                "val_top1": score["top1"] if ok else None,
-                "val_loss": score["loss"] if ok else None,
-                "diverged_epoch": diverged,
-            }
-        )
+    grid = _grid_rows(pairs, score_heads(heads, val_x, train_y[val_idx]), heads.diverged)
     usable = [h for h, row in enumerate(grid) if row["val_top1"] is not None]
     if not usable:
         raise NonFiniteLoss(
@@ -287,6 +293,25 @@ def grid_probe(
             "refit": "none: the chosen head as trained on the rest of the training split",
         },
     }
+
+
+def _grid_rows(
+    pairs: list[tuple[float, float]], scores: list[dict[str, float]], diverged: list[int | None]
+) -> list[dict[str, Any]]:
+    """Each head's lr, weight decay, validation top-1 and loss (None for a diverged head) and divergence epoch."""
+    grid = []
+    for (lr, wd), score, epoch in zip(pairs, scores, diverged):
+        ok = epoch is None and math.isfinite(score["loss"])
+        grid.append(
+            {
+                "lr": lr,
+                "weight_decay": wd,
+                "val_top1": score["top1"] if ok else None,
+                "val_loss": score["loss"] if ok else None,
+                "diverged_epoch": epoch,
+            }
+        )
+    return grid
 
 
 def check_probe_settings(

@@ -203,9 +203,7 @@ class KnnConfig(EvalConfig):
                 f"--temperature must be a positive finite number (any small value is valid: the vote tends to the "
                 f"nearest neighbour's label), got {self.temperature}"
             )
-        for flag, value in (("--query-batch", self.query_batch), ("--train-chunk", self.train_chunk)):
-            if value <= 0:
-                raise ValueError(f"{flag} must be positive, got {value}")
+        self.require_positive("query_batch", "train_chunk")
 
 
 def effective_k(requested: list[int], train_size: int) -> tuple[list[int], list[str]]:

@@ -40,7 +40,8 @@ from bt_hub.common.records import SCHEMA, Record, make_record
 from bt_hub.common.runs import claim_run_dir, claimed_run_dir, config_dict
 from bt_hub.data.precision import resolve_precision
 from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalWarning
-from bt_hub.eval.features import FeatureCache, Pool, architecture_fingerprint, extract_with_source
+from bt_hub.eval.feature_cache import FeatureCache
+from bt_hub.eval.features import Pool, architecture_fingerprint, extract_with_source
 from bt_hub.eval.report import append_results
 from bt_hub.eval.splits import Splits, load_splits
 from bt_hub.method.transforms import DeviceEvalTransform, eval_transforms

@@ -170,8 +170,7 @@ class SemiSupervisedConfig(EvalConfig):
             self.fraction = 1
         if self.fraction is not None and not 0 < self.fraction <= 100:
             raise ValueError(f"--fraction must be a percentage in (0, 100], got {self.fraction}")
-        if self.epochs <= 0:
-            raise ValueError(f"--epochs must be positive, got {self.epochs}")
+        self.require_positive("epochs")
         if self.lr_backbone < 0 or self.lr_classifier <= 0:
             raise ValueError(
                 "--lr-backbone must be >= 0 and --lr-classifier positive, "

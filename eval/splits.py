@@ -65,17 +65,6 @@ class Splits:
         return int(min(size))
 
 
-def splits_for(config: Any) -> Splits:
-    """``load_splits`` with a protocol config's --data, --test-split, --holdout, --seed and --image-size."""
-    return load_splits(
-        config.data,
-        test_split=config.test_split,
-        holdout=config.holdout,
-        seed=config.seed,
-        image_size=config.image_size,
-    )
-
-
 def is_builtin(data: str) -> bool:
     """``digits`` and ``synthetic[:N]``: datasets made in memory, with their own held-out part."""
     return data == "digits" or data == "synthetic" or data.startswith("synthetic:")

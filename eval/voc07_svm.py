@@ -337,8 +337,7 @@ class Voc07SvmConfig(EvalConfig):
             raise ValueError(f"--costs must list positive numbers, got {self.costs}")
         if self.cv_folds < 2:
             raise ValueError(f"--cv-folds must be at least 2, got {self.cv_folds}")
-        if self.max_iter <= 0:
-            raise ValueError(f"--max-iter must be positive, got {self.max_iter}")
+        self.require_positive("max_iter")
         if self.n_jobs == 0:
             raise ValueError("--n-jobs must be -1 (all cores) or a positive number of jobs, got 0")
         if self.decode != "workers":

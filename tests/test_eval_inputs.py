@@ -15,7 +15,8 @@ from torch import nn
 from bt_hub import cli
 from bt_hub.data.datasets import ArrayImageDataset
 from bt_hub.eval.config import EvalWarning
-from bt_hub.eval.features import FeatureCache, cache_problem, dataset_fingerprint, extract_features
+from bt_hub.eval.feature_cache import FeatureCache, cache_problem
+from bt_hub.eval.features import dataset_fingerprint, extract_features
 from bt_hub.method.knn import knn_vote
 
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from bt_hub.data.datasets import ArrayImageDataset
+from bt_hub.eval.feature_cache import FeatureCache
 from bt_hub.eval.features import (
-    FeatureCache,
     as_float32,
     dataset_fingerprint,
     extract_features,

@@ -21,7 +21,9 @@ from safetensors.torch import load_file
 from bt_hub.cli import main as cli_main
 from bt_hub.method.model import build_backbone
 from bt_hub.method.views import VIEW_A, VIEW_B
-from bt_hub.train.pretrain import PretrainConfig, pretrain, view_pair
+from bt_hub.train.batches import view_pair
+from bt_hub.train.config import PretrainConfig
+from bt_hub.train.pretrain import pretrain
 from bt_hub.weights import load_backbone
 
 # 32 synthetic training images, batch 8: 4 steps per epoch, 8 in all; checkpoints at 3 (mid-epoch), 4, 6 (mid-epoch), 8.

@@ -89,6 +89,14 @@ class RunConfig:
                 f"--threads must be an integer from 0 (torch's default) to {THREADS_MAX}, got {_shown(self.threads)}"
             )
 
+    def require_positive(self, *names: str, or_zero: bool = False) -> None:
+        """Refuse the first field of ``names`` set below 1 (``or_zero``: below 0) in one sentence naming its flag."""
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and (value < 0 if or_zero else value <= 0):
+                sign = "non-negative" if or_zero else "positive"
+                raise ValueError(f"--{name.replace('_', '-')} must be {sign}, got {value}")
+
 
 @contextlib.contextmanager
 def torch_threads(threads: int) -> Iterator[None]:

@@ -305,13 +305,6 @@ def setting(record: Mapping[str, Any]) -> str:
     return "; ".join(p for p in parts if p)
 
 
-def task_label(record: Mapping[str, Any]) -> str:
-    """The protocol and its setting in one line: ``semi (1% labels (...); preset paper; ...)``."""
-    protocol = str(record.get("protocol", "evaluation"))
-    text = setting(record)
-    return f"{protocol} ({text})" if text else protocol
-
-
 def data_label(record: Mapping[str, Any]) -> str:
     """The dataset's name, and the test split it was scored on when that is not obvious."""
     dataset = record.get("dataset")

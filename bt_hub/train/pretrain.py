@@ -18,17 +18,16 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as nnf
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from bt_hub.common.config import MAX_IMAGE_SIZE, RunConfig, out_field
 from bt_hub.common.distributed import (
     barrier,
     cleanup_distributed,
@@ -38,19 +37,21 @@ from bt_hub.common.distributed import (
     init_distributed,
     is_main_process,
 )
-from bt_hub.common.files import atomic_write, atomic_write_json, read_json, write_safetensors
+from bt_hub.common.files import atomic_write_json, read_json, write_safetensors
 from bt_hub.common.progress import progress
 from bt_hub.common.runs import RunDir
 from bt_hub.common.signals import Terminated, deferred_sigterm
-from bt_hub.data.datasets import build_dataset, to_uint8_tensor
-from bt_hub.data.decode import collate_list, read_encoded, resolve_decode, to_device_images
+from bt_hub.data.datasets import build_dataset
+from bt_hub.data.decode import collate_list, resolve_decode
 from bt_hub.data.precision import autocast_dtype, resolve_channels_last, resolve_precision
 from bt_hub.data.prefetch import Prefetcher
-from bt_hub.method.loss import EPS, LAMBD, LossTerms, barlow_twins_loss
-from bt_hub.method.model import ARCHITECTURES, BarlowTwins, parse_projector
+from bt_hub.method.loss import LossTerms, barlow_twins_loss
+from bt_hub.method.model import BarlowTwins
 from bt_hub.method.optim import LARS, param_groups, set_learning_rates
-from bt_hub.method.views import VIEW_A, VIEW_B, BatchedTwoViews, TwoViewTransform, ViewParams
+from bt_hub.method.views import BatchedTwoViews
+from bt_hub.train.batches import ViewDataset, probe_views, save_probe, to_views, view_pair
 from bt_hub.train.compile_auto import AutoCompile
+from bt_hub.train.config import RESUME_INVARIANTS, PretrainConfig
 from bt_hub.train.monitor import KnnMonitor, TensorBoardScalars, monitor_sets
 from bt_hub.train.resume import (
     CHECKPOINT_NAME,
@@ -58,284 +59,13 @@ from bt_hub.train.resume import (
     derive_seed,
     load_checkpoint,
     save_checkpoint,
-    seeded_generator,
     set_rng_state,
     training_stopped,
 )
 
-# Settings a resumed run must share with its checkpoint (the rest may change, e.g. --max-steps).
-RESUME_INVARIANTS = (
-    "data",
-    "backbone",
-    "projector",
-    "lambd",
-    "small_image_stem",
-    "image_size",
-    "epochs",
-    "batch_size",
-    "lr_weights",
-    "lr_biases",
-    "weight_decay",
-    "warmup_epochs",
-    "loss_method",
-    "reference_grad_scale",
-    "precision",
-    "views",
-    "seed",
-    "crop_scale_min",
-    "flip",
-    "blur",
-)
-PROBE_SIZE = 256
 WEIGHTS_NAME = "backbone.safetensors"
 # What a run writes beside its checkpoint (a fresh run with --overwrite removes an earlier run's copies first).
 RUN_OUTPUTS = (WEIGHTS_NAME, "config.json", "cross_correlation_start.npy", "cross_correlation_end.npy")
-MAX_PROJECTOR_WIDTH = 32_768  # a width-w projector layer holds w^2 weights; the paper's widest is 16384
-
-
-@dataclass
-class PretrainConfig(RunConfig):
-    """Flags of ``bt-hub pretrain``; defaults are the paper's recipe (docs/protocols.md §1)."""
-
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "reference": {},
-        # The 8-px digits (bt-hub demo pretrains with exactly this): a 32-d output, so that a batch
-        # of 64 estimates a full-rank 32 x 32 cross-correlation; LR 8 (the paper's 0.2 is far too
-        # slow for ~90 steps), biases at the paper's biases : weights ratio; larger crops, no flips
-        # (digits are not mirror-symmetric) and no blur (it smears 8-px strokes away).
-        "digits": {
-            "data": "digits",
-            "backbone": "resnet18",
-            "small_image_stem": True,
-            "projector": "128-128-32",
-            "lambd": 0.1,
-            "image_size": 8,
-            "crop_scale_min": 0.4,
-            "flip": False,
-            "blur": False,
-            "epochs": 4,
-            "batch_size": 64,
-            "lr_weights": 8.0,
-            "lr_biases": 8.0 * (0.0048 / 0.2),
-            "warmup_epochs": 1,
-            "views": "batched",
-        },
-        # 28-64 px data (CIFAR-10/100, STL-10 downscaled): solo-learn's CIFAR recipe
-        # (scripts/pretrain/cifar/barlow.yaml + augmentations/asymmetric.yaml: ResNet-18 with a
-        # 3x3 stem, projector 2048-2048-2048, batch 256, LARS lr 0.3 with eta 0.02, loss x 0.1,
-        # wd 1e-4, 10 warm-up epochs + cosine, 1000 epochs, no blur, solarise 0 / 0.2), in our
-        # units: LARS here has eta 0.001 and an unscaled loss, so the weights' lr is 0.3 x 0.02 /
-        # 0.001 = 6, the biases' (no LARS adaptation) 0.3 x 0.1 = 0.03 and the weight decay 1e-4 /
-        # 0.1 = 1e-3. lightly's CIFAR-10 benchmark (docs/.../cifar10_benchmark.py) also trains
-        # its Barlow Twins ResNet-18 with a 2048-d projector, batch 128-512 and no blur.
-        "cifar": {
-            "backbone": "resnet18",
-            "small_image_stem": True,
-            "projector": "2048-2048-2048",
-            "image_size": 32,
-            "batch_size": 256,
-            "lr_weights": 6.0,
-            "lr_biases": 0.03,
-            "weight_decay": 1e-3,
-            "warmup_epochs": 10,
-            "epochs": 1000,
-            "blur": False,
-            "views": "batched",
-        },
-    }
-
-    data: str = field(
-        default="digits",
-        metadata={"help": "'digits' (embedded), 'synthetic[:N]', or an ImageFolder / ImageNet directory"},
-    )
-    out: str = out_field("runs/pretrain", "run directory (checkpoint, metrics, final weights)")
-    backbone: str = field(
-        default="resnet50",
-        metadata={
-            "help": "torchvision ResNet",
-            "flag": "arch",
-            "aliases": ("backbone",),
-            "choices": tuple(ARCHITECTURES),
-        },
-    )
-    projector: str = field(default="8192-8192-8192", metadata={"help": "projector widths joined by '-'"})
-    lambd: float = field(default=LAMBD, metadata={"help": "weight of the redundancy-reduction term"})
-    small_image_stem: bool = field(default=False, metadata={"help": "3x3 stem without max-pool, for 32-px images"})
-    image_size: int = field(default=224, metadata={"help": "side of the views in pixels"})
-    crop_scale_min: float = field(
-        default=0.08,
-        metadata={
-            "help": "smallest area fraction of the views' random resized crop (paper: 0.08; tiny images such as the "
-            "8-px digits want more)"
-        },
-    )
-    flip: bool = field(
-        default=True,
-        metadata={
-            "help": "random horizontal flips in both views (paper: p = 0.5); --no-flip for images that are not "
-            "mirror-symmetric, such as digits"
-        },
-    )
-    blur: bool = field(
-        default=True,
-        metadata={
-            "help": "Gaussian blur in the views (paper: p = 1.0 / 0.1, σ in [0.1, 2] px); --no-blur for tiny images, "
-            "where even the 3x3 kernel smears every stroke"
-        },
-    )
-    epochs: int = field(default=1000, metadata={"help": "epochs of the schedule"})
-    batch_size: int = field(default=2048, metadata={"help": "global batch size (all processes together)"})
-    lr_weights: float = field(default=0.2, metadata={"help": "base LR of weights, × batch/256"})
-    lr_biases: float = field(default=0.0048, metadata={"help": "base LR of biases and BN parameters, × batch/256"})
-    weight_decay: float = field(default=1e-6, metadata={"help": "LARS weight decay (not on biases/BN)"})
-    warmup_epochs: int = field(default=10, metadata={"help": "linear warm-up epochs before the cosine decay"})
-    loss_method: Literal["auto", "dense", "gram"] = field(
-        default="auto", metadata={"help": "loss form: D x D, N x N, or the cheaper"}
-    )
-    reference_grad_scale: bool = field(
-        default=False, metadata={"help": "reproduce the reference code's 1/world_size gradients"}
-    )
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = field(
-        default="auto",
-        metadata={
-            "help": "autocast dtype (fp16 only on CUDA, with a GradScaler); auto: bf16 on GPUs with bf16 and on CPUs "
-            "with avx512_bf16/AMX, fp32 elsewhere (the choice is recorded in run.json and config.json)"
-        },
-    )
-    channels_last: Literal["auto", "on", "off"] = field(
-        default="auto",
-        metadata={
-            "help": "channels-last memory format for the backbone and its inputs; auto: on where the precision is bf16 "
-            "or fp16 (AMX/avx512_bf16 CPUs and GPUs run those convolutions fastest channels-last), off for fp32 "
-            "(the choice is recorded in run.json and config.json)"
-        },
-    )
-    compile: Literal["auto", "on", "off"] = field(
-        default="auto",
-        metadata={
-            "help": "torch.compile the forward pass and the loss (minutes of compiling at the start, then ~25% less "
-            "per step); auto: on when the first eager steps' time x the steps left says it repays itself "
-            "(bt_hub/train/compile_auto.py); the path taken and why go to config.json"
-        },
-    )
-    views: Literal["pil", "batched"] = field(
-        default="pil",
-        metadata={"help": "augment per image in loader workers (pil) or per batch on the device (batched)"},
-    )
-    decode: Literal["auto", "device", "workers"] = field(
-        default="auto",
-        metadata={
-            "help": "image files with --views batched: workers read bytes and the device decodes the batch (device), "
-            "or workers decode with PIL (workers); auto: device on CUDA"
-        },
-    )
-    num_workers: int = field(default=0, metadata={"help": "data-loader worker processes per rank"})
-    checkpoint_every: int = field(
-        default=500,
-        metadata={"help": "steps between checkpoints (one is also written at each epoch end); 0: epoch ends only"},
-    )
-    resume: str | None = field(
-        default=None, metadata={"help": "'auto': continue OUT/checkpoint.pth if present; or a checkpoint path"}
-    )
-    max_steps: int = field(
-        default=0,
-        metadata={"help": "stop after this many steps in all (0: the whole schedule); the schedule is unchanged"},
-    )
-    log_every: int = field(
-        default=10, metadata={"help": "steps between metrics lines (and progress lines when not on a terminal)"}
-    )
-    monitor_knn: int = field(
-        default=0,
-        metadata={
-            "help": "every this many steps, weighted kNN top-1 (k = 20, T = 0.07) of the backbone's features on a "
-            "small labelled bank, logged and shown in the progress bar (0: off)"
-        },
-    )
-    monitor_data: str | None = field(
-        default=None,
-        metadata={
-            "help": "labelled data of the kNN monitor (as --data; its train split is the bank, its val/test split "
-            "the queries); default: --data's training and held-out splits"
-        },
-    )
-    monitor_size: int = field(
-        default=2000, metadata={"help": "bank images of the kNN monitor (queries: a quarter of it, at most 500)"}
-    )
-    tensorboard: bool = field(
-        default=False,
-        metadata={
-            "help": "also write the metrics as TensorBoard scalars to OUT/tensorboard (needs the tensorboard package)"
-        },
-    )
-    probe_max_dim: int = field(
-        default=2048,
-        metadata={"help": "record the probe batch's cross-correlation when the projector output is at most this wide"},
-    )
-
-    def __post_init__(self) -> None:
-        for name in ("lambd", "lr_weights", "lr_biases", "weight_decay", "crop_scale_min"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
-        positive = ("image_size", "epochs", "batch_size", "log_every", "monitor_size", "lr_weights", "lr_biases")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.image_size > MAX_IMAGE_SIZE:
-            raise ValueError(
-                f"--image-size {self.image_size} is larger than {MAX_IMAGE_SIZE} px, the most bt-hub pretrain accepts "
-                "(the paper's views are 224 px); choose a smaller --image-size"
-            )
-        for name in (
-            "lambd",
-            "weight_decay",
-            "warmup_epochs",
-            "num_workers",
-            "checkpoint_every",
-            "max_steps",
-            "probe_max_dim",
-            "monitor_knn",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be non-negative, got {getattr(self, name)}")
-        if not 0 < self.crop_scale_min <= 1:
-            raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
-        try:
-            widths = parse_projector(self.projector)
-        except ValueError as err:
-            raise ValueError(f"--projector: {err}") from None
-        if max(widths) > MAX_PROJECTOR_WIDTH:
-            raise ValueError(
-                f"--projector {self.projector} has a layer of {max(widths)} units, more than the {MAX_PROJECTOR_WIDTH} "
-                "bt-hub pretrain accepts (the paper's is 8192-8192-8192); choose narrower widths"
-            )
-        if self.backbone not in ARCHITECTURES:
-            raise ValueError(f"--arch {self.backbone!r} is unknown; expected one of {sorted(ARCHITECTURES)}")
-        super().__post_init__()
-        if self.precision == "fp16" and not self.device.startswith("cuda"):
-            raise ValueError("--precision fp16 needs --device cuda; use bf16 on CPU")
-        if self.warmup_epochs > self.epochs:
-            raise ValueError(
-                f"--warmup-epochs {self.warmup_epochs} is longer than the whole schedule (--epochs {self.epochs}); "
-                "lower --warmup-epochs or raise --epochs"
-            )
-        resolve_decode(self.decode, self.device, self.views)  # an impossible --decode / --views pair fails here
-
-    def schedule_steps(self, steps_per_epoch: int, start: int = 0) -> tuple[int, int, int]:
-        """(total, warm-up, last) steps; refuses a ``--max-steps`` past the schedule or before the resumed ``start``."""
-        total = self.epochs * steps_per_epoch
-        if self.max_steps > total:
-            raise ValueError(
-                f"--max-steps {self.max_steps} is more than the {total} steps of the schedule (--epochs "
-                f"{self.epochs} x {steps_per_epoch} "
-                "steps per epoch); raise --epochs or lower --max-steps"
-            )
-        last = self.max_steps or total
-        if start > last:
-            raise ValueError(
-                f"--max-steps {self.max_steps} is before step {start} of the checkpoint being resumed; raise "
-                "--max-steps"
-            )
-        return total, self.warmup_epochs * steps_per_epoch, last
 
 
 class _TrainStep(nn.Module):
@@ -353,100 +83,6 @@ class _TrainStep(nn.Module):
         # std over the batch of L2-normalised embeddings: ~1/sqrt(D) when healthy, 0 on collapse
         spread = nnf.normalize(z_a.detach().float(), dim=1).std(dim=0).mean()
         return terms, spread
-
-
-class _ViewDataset(Dataset):
-    """Items keyed by (epoch, index): two seeded PIL views, or for batched views the uint8 image or the file's bytes."""
-
-    def __init__(
-        self,
-        dataset: Dataset,
-        image_size: int,
-        seed: int,
-        batched: bool,
-        views: tuple[ViewParams, ViewParams] = (VIEW_A, VIEW_B),
-        files: bool = False,
-        encoded: bool = False,
-    ) -> None:
-        self.dataset, self.seed, self.batched, self.encoded = dataset, seed, batched, encoded
-        self.file_items = batched and files  # images of their own sizes: batches are lists
-        self.transform = TwoViewTransform(image_size, views)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, key: tuple[int, int]) -> Any:
-        epoch, index = key
-        if self.encoded:
-            return read_encoded(self.dataset.samples[index][0])
-        image, _ = self.dataset[index]
-        if self.batched:
-            return to_uint8_tensor(image)
-        return self.transform(image, generator=seeded_generator(self.seed, epoch, index))
-
-
-def view_pair(config: PretrainConfig) -> tuple[ViewParams, ViewParams]:
-    """The paper's two views with ``--crop-scale-min``, ``--no-flip`` and ``--no-blur`` applied."""
-    changes: dict[str, Any] = {"crop_scale": (config.crop_scale_min, 1.0)}
-    if not config.flip:
-        changes["flip_p"] = 0.0
-    if not config.blur:
-        changes["blur_p"] = 0.0
-    return dataclasses.replace(VIEW_A, **changes), dataclasses.replace(VIEW_B, **changes)
-
-
-def _views(
-    batch: Any, step: int, config: PretrainConfig, device: torch.device, batched: BatchedTwoViews | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two view batches on the device (batched views are drawn per (seed, step, rank))."""
-    if batched is not None and isinstance(
-        batch, list
-    ):  # image files of their own sizes: boxes drawn on the CPU, images decoded on the device
-        y_a, y_b = batched(to_device_images(batch, device), generator=seeded_generator(config.seed, step, get_rank()))
-    elif batched is not None:
-        images = batch.to(device, non_blocking=True)
-        y_a, y_b = batched(images, generator=seeded_generator(config.seed, step, get_rank(), device=device))
-    else:
-        y_a, y_b = (v.to(device, non_blocking=True) for v in batch)
-    if config.channels_last == "on":
-        y_a, y_b = y_a.contiguous(memory_format=torch.channels_last), y_b.contiguous(memory_format=torch.channels_last)
-    return y_a, y_b
-
-
-@torch.no_grad()
-def cross_correlation(model: BarlowTwins, y_a: torch.Tensor, y_b: torch.Tensor) -> np.ndarray:
-    """The D x D cross-correlation of standardised embeddings (model in eval mode, this process only)."""
-    was_training = model.training
-    model.eval()
-    try:
-        z_a, z_b = model.embed(y_a).float(), model.embed(y_b).float()
-    finally:
-        model.train(was_training)
-    a = (z_a - z_a.mean(0)) / torch.sqrt(z_a.var(0, unbiased=False) + EPS)
-    b = (z_b - z_b.mean(0)) / torch.sqrt(z_b.var(0, unbiased=False) + EPS)
-    return (a.T @ b / a.shape[0]).cpu().numpy()
-
-
-def _save_probe(path: Path, model: BarlowTwins, probe: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-    if probe is not None:
-        c = cross_correlation(model, *probe)
-        atomic_write(path, lambda f: np.save(f, c))
-
-
-def _probe_views(
-    views: _ViewDataset, config: PretrainConfig, device: torch.device, batched: BatchedTwoViews | None
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Views of the first images of the dataset, seeded apart from training (epoch key -1)."""
-    if parse_projector(config.projector)[-1] > config.probe_max_dim:
-        return None
-    keys = [(-1, i) for i in range(min(PROBE_SIZE, len(views)))]
-    if batched is not None and views.file_items:
-        return batched(to_device_images([views[k] for k in keys], device), generator=seeded_generator(config.seed, -1))
-    if batched is not None:
-        images = torch.stack([views[k] for k in keys]).to(device)
-        return batched(images, generator=seeded_generator(config.seed, -1, device=device))
-    pairs = [views[k] for k in keys]
-    return torch.stack([p[0] for p in pairs]).to(device), torch.stack([p[1] for p in pairs]).to(device)
 
 
 def _finished_run(out: Path, config: PretrainConfig) -> str | None:
@@ -594,7 +230,7 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
     run.start(config, step, fresh=state is None and (config.resume is None or config.overwrite))
     view_params = view_pair(config)
     batched = BatchedTwoViews(config.image_size, view_params) if config.views == "batched" else None
-    views = _ViewDataset(
+    views = ViewDataset(
         dataset,
         config.image_size,
         config.seed,
@@ -603,9 +239,9 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
         files=is_dir,
         encoded=is_dir and config.decode == "device",
     )
-    probe = _probe_views(views, config, device, batched) if is_main_process() else None
+    probe = probe_views(views, config, device, batched) if is_main_process() else None
     if step == 0 and is_main_process():
-        _save_probe(out / "cross_correlation_start.npy", model, probe)
+        save_probe(out / "cross_correlation_start.npy", model, probe)
     loop = _Loop(
         config=config,
         device=device,
@@ -626,7 +262,7 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
     )
     step = _run_loop(loop, step)
     if is_main_process():
-        _save_probe(out / "cross_correlation_end.npy", model, probe)
+        save_probe(out / "cross_correlation_end.npy", model, probe)
         write_backbone(out, model, config, step, len(dataset), loop.step_module.record)
     barrier()
     return out
@@ -644,7 +280,7 @@ class _Loop:
     scaler: torch.amp.GradScaler
     step_module: AutoCompile
     amp_dtype: torch.dtype | None
-    views: _ViewDataset
+    views: ViewDataset
     batched: BatchedTwoViews | None
     steps_per_epoch: int
     total_steps: int
@@ -689,7 +325,7 @@ def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], termin
     # on CUDA the next batches are decoded and viewed on a side stream while this step trains
     with Prefetcher(
         enumerate(loader, step),
-        lambda item: _views(item[1], item[0], config, device, loop.batched),
+        lambda item: to_views(item[1], item[0], config, device, loop.batched),
         device,
         depth=2 if device.type == "cuda" else 0,
     ) as batches:
@@ -811,7 +447,7 @@ def _knn_monitor(config: PretrainConfig) -> KnnMonitor | None:
 
 
 def _epoch_loader(
-    views: _ViewDataset, config: PretrainConfig, epoch: int, start: int, device: torch.device
+    views: ViewDataset, config: PretrainConfig, epoch: int, start: int, device: torch.device
 ) -> DataLoader:
     """This rank's batches of ``epoch`` from step ``start`` within it, in the seeded order (exact resume)."""
     rank, world = get_rank(), get_world_size()

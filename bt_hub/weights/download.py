@@ -355,26 +355,8 @@ def hf_download(
     except errors.LocalEntryNotFoundError as err:
         if not required:
             return None
-        cache = cache_dir or constants.HF_HUB_CACHE
-        elsewhere = "pass a cache_dir" if cache_dir else "point HF_HOME at a cache"
-        if local_files_only:
-            raise DownloadError(
-                f"{where}: {filename} is not in the Hugging Face cache ({cache}) and local_files_only=True; "
-                f"call once without local_files_only to fill the cache, or {elsewhere} that holds it"
-            ) from None
-        if constants.HF_HUB_OFFLINE:
-            var = "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"
-            raise DownloadError(
-                f"{where}: {filename} is not in the Hugging Face cache ({cache}) and "
-                f"{var}={os.environ.get(var)} is set; connect once without {var} to fill the cache, "
-                f"or {elsewhere} that holds it"
-            ) from None
         said = unreachable or first_line(err.__cause__ or err)
-        moved = " (set by HF_ENDPOINT)" if os.environ.get("HF_ENDPOINT") else ""
-        raise DownloadError(
-            f"{where}: {filename} could not be fetched from {endpoint} ({said}) and is not in the Hugging Face "
-            f"cache ({cache}); retry once the Hub at {endpoint} can be reached{moved}, or {elsewhere} that holds it"
-        ) from None
+        raise _not_cached(where, filename, cache_dir, local_files_only, constants, said) from None
     except getattr(errors, "RemoteEntryNotFoundError", errors.EntryNotFoundError):
         if not required:
             return None
@@ -394,6 +376,32 @@ def hf_download(
         raise DownloadError(
             f"{where}: {filename} could not be fetched from {endpoint} ({first_line(err)}); retry later"
         ) from None
+
+
+def _not_cached(
+    where: str, filename: str, cache_dir: Any, local_files_only: bool, constants: Any, said: str
+) -> DownloadError:
+    """Why ``filename`` is neither in the Hugging Face cache nor fetched: local_files_only, offline, or ``said``."""
+    cache = cache_dir or constants.HF_HUB_CACHE
+    elsewhere = "pass a cache_dir" if cache_dir else "point HF_HOME at a cache"
+    if local_files_only:
+        return DownloadError(
+            f"{where}: {filename} is not in the Hugging Face cache ({cache}) and local_files_only=True; "
+            f"call once without local_files_only to fill the cache, or {elsewhere} that holds it"
+        )
+    if constants.HF_HUB_OFFLINE:
+        var = "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"
+        return DownloadError(
+            f"{where}: {filename} is not in the Hugging Face cache ({cache}) and "
+            f"{var}={os.environ.get(var)} is set; connect once without {var} to fill the cache, "
+            f"or {elsewhere} that holds it"
+        )
+    endpoint = constants.ENDPOINT
+    moved = " (set by HF_ENDPOINT)" if os.environ.get("HF_ENDPOINT") else ""
+    return DownloadError(
+        f"{where}: {filename} could not be fetched from {endpoint} ({said}) and is not in the Hugging Face "
+        f"cache ({cache}); retry once the Hub at {endpoint} can be reached{moved}, or {elsewhere} that holds it"
+    )
 
 
 def at_commit(spec: str, downloaded: Path) -> str:

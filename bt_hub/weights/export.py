@@ -278,10 +278,15 @@ class ExportConfig:
             raise ValueError(f"--name, --results and --other-results apply to --format hf only, not {self.format}")
         if self.name is not None:
             check_repo_id("--name", self.name)
-        for flag, paths in (("--results", self.results), ("--other-results", self.other_results)):
-            for path in paths:
-                if not Path(path).is_file():
-                    raise ValueError(f"{flag} file {path} does not exist")
+        check_results_files(self.results, self.other_results)
+
+
+def check_results_files(results: list[str], other_results: list[str]) -> None:
+    """Refuse a ``--results`` or ``--other-results`` path that is not a file, naming the flag."""
+    for flag, paths in (("--results", results), ("--other-results", other_results)):
+        for path in paths:
+            if not Path(path).is_file():
+                raise ValueError(f"{flag} file {path} does not exist")
 
 
 def check_repo_id(flag: str, repo_id: str) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 from bt_hub.common.optional import require
 from bt_hub.method.model import BarlowTwins
 from bt_hub.weights.download import at_commit, first_line, hf_download, hub_client_errors
-from bt_hub.weights.export import check_repo_id, save_hf_folder
+from bt_hub.weights.export import check_repo_id, check_results_files, save_hf_folder
 from bt_hub.weights.load import load_backbone, read_projector_state_dict
 from bt_hub.weights.sources import looks_like_path
 
@@ -239,10 +239,7 @@ class PushConfig:
 
     def __post_init__(self) -> None:
         check_repo_id("--repo-id", self.repo_id)
-        for flag, paths in (("--results", self.results), ("--other-results", self.other_results)):
-            for path in paths:
-                if not Path(path).is_file():
-                    raise ValueError(f"{flag} file {path} does not exist")
+        check_results_files(self.results, self.other_results)
 
 
 def push(config: PushConfig) -> Any:

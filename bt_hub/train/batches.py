@@ -1,0 +1,117 @@
+"""What bt_hub.train.pretrain feeds the model: each image's two views, and the probe batch it records."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from bt_hub.common.distributed import get_rank
+from bt_hub.common.files import atomic_write
+from bt_hub.data.datasets import to_uint8_tensor
+from bt_hub.data.decode import read_encoded, to_device_images
+from bt_hub.method.loss import EPS
+from bt_hub.method.model import BarlowTwins, parse_projector
+from bt_hub.method.views import VIEW_A, VIEW_B, BatchedTwoViews, TwoViewTransform, ViewParams
+from bt_hub.train.config import PretrainConfig
+from bt_hub.train.resume import seeded_generator
+
+PROBE_SIZE = 256
+
+
+def view_pair(config: PretrainConfig) -> tuple[ViewParams, ViewParams]:
+    """The paper's two views with ``--crop-scale-min``, ``--no-flip`` and ``--no-blur`` applied."""
+    changes: dict[str, Any] = {"crop_scale": (config.crop_scale_min, 1.0)}
+    if not config.flip:
+        changes["flip_p"] = 0.0
+    if not config.blur:
+        changes["blur_p"] = 0.0
+    return dataclasses.replace(VIEW_A, **changes), dataclasses.replace(VIEW_B, **changes)
+
+
+class ViewDataset(Dataset):
+    """Items keyed by (epoch, index): two seeded PIL views, or for batched views the uint8 image or the file's bytes."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        image_size: int,
+        seed: int,
+        batched: bool,
+        views: tuple[ViewParams, ViewParams] = (VIEW_A, VIEW_B),
+        files: bool = False,
+        encoded: bool = False,
+    ) -> None:
+        self.dataset, self.seed, self.batched, self.encoded = dataset, seed, batched, encoded
+        self.file_items = batched and files  # images of their own sizes: batches are lists
+        self.transform = TwoViewTransform(image_size, views)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        if self.encoded:
+            return read_encoded(self.dataset.samples[index][0])
+        image, _ = self.dataset[index]
+        if self.batched:
+            return to_uint8_tensor(image)
+        return self.transform(image, generator=seeded_generator(self.seed, epoch, index))
+
+
+def to_views(
+    batch: Any, step: int, config: PretrainConfig, device: torch.device, batched: BatchedTwoViews | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two view batches on the device (batched views are drawn per (seed, step, rank))."""
+    if batched is not None and isinstance(
+        batch, list
+    ):  # image files of their own sizes: boxes drawn on the CPU, images decoded on the device
+        y_a, y_b = batched(to_device_images(batch, device), generator=seeded_generator(config.seed, step, get_rank()))
+    elif batched is not None:
+        images = batch.to(device, non_blocking=True)
+        y_a, y_b = batched(images, generator=seeded_generator(config.seed, step, get_rank(), device=device))
+    else:
+        y_a, y_b = (v.to(device, non_blocking=True) for v in batch)
+    if config.channels_last == "on":
+        y_a, y_b = y_a.contiguous(memory_format=torch.channels_last), y_b.contiguous(memory_format=torch.channels_last)
+    return y_a, y_b
+
+
+@torch.no_grad()
+def cross_correlation(model: BarlowTwins, y_a: torch.Tensor, y_b: torch.Tensor) -> np.ndarray:
+    """The D x D cross-correlation of standardised embeddings (model in eval mode, this process only)."""
+    was_training = model.training
+    model.eval()
+    try:
+        z_a, z_b = model.embed(y_a).float(), model.embed(y_b).float()
+    finally:
+        model.train(was_training)
+    a = (z_a - z_a.mean(0)) / torch.sqrt(z_a.var(0, unbiased=False) + EPS)
+    b = (z_b - z_b.mean(0)) / torch.sqrt(z_b.var(0, unbiased=False) + EPS)
+    return (a.T @ b / a.shape[0]).cpu().numpy()
+
+
+def save_probe(path: Path, model: BarlowTwins, probe: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    if probe is not None:
+        c = cross_correlation(model, *probe)
+        atomic_write(path, lambda f: np.save(f, c))
+
+
+def probe_views(
+    views: ViewDataset, config: PretrainConfig, device: torch.device, batched: BatchedTwoViews | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Views of the first images of the dataset, seeded apart from training (epoch key -1)."""
+    if parse_projector(config.projector)[-1] > config.probe_max_dim:
+        return None
+    keys = [(-1, i) for i in range(min(PROBE_SIZE, len(views)))]
+    if batched is not None and views.file_items:
+        return batched(to_device_images([views[k] for k in keys], device), generator=seeded_generator(config.seed, -1))
+    if batched is not None:
+        images = torch.stack([views[k] for k in keys]).to(device)
+        return batched(images, generator=seeded_generator(config.seed, -1, device=device))
+    pairs = [views[k] for k in keys]
+    return torch.stack([p[0] for p in pairs]).to(device), torch.stack([p[1] for p in pairs]).to(device)

@@ -1,0 +1,270 @@
+"""The flags of ``bt-hub pretrain`` (``PretrainConfig``, its presets and checks) and what a resumed run must keep."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from bt_hub.common.config import MAX_IMAGE_SIZE, RunConfig, out_field
+from bt_hub.data.decode import resolve_decode
+from bt_hub.method.loss import LAMBD
+from bt_hub.method.model import ARCHITECTURES, parse_projector
+
+# Settings a resumed run must share with its checkpoint (the rest may change, e.g. --max-steps).
+RESUME_INVARIANTS = (
+    "data",
+    "backbone",
+    "projector",
+    "lambd",
+    "small_image_stem",
+    "image_size",
+    "epochs",
+    "batch_size",
+    "lr_weights",
+    "lr_biases",
+    "weight_decay",
+    "warmup_epochs",
+    "loss_method",
+    "reference_grad_scale",
+    "precision",
+    "views",
+    "seed",
+    "crop_scale_min",
+    "flip",
+    "blur",
+)
+MAX_PROJECTOR_WIDTH = 32_768  # a width-w projector layer holds w^2 weights; the paper's widest is 16384
+
+
+@dataclass
+class PretrainConfig(RunConfig):
+    """Flags of ``bt-hub pretrain``; defaults are the paper's recipe (docs/protocols.md §1)."""
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+        "reference": {},
+        # The 8-px digits (bt-hub demo pretrains with exactly this): a 32-d output, so that a batch
+        # of 64 estimates a full-rank 32 x 32 cross-correlation; LR 8 (the paper's 0.2 is far too
+        # slow for ~90 steps), biases at the paper's biases : weights ratio; larger crops, no flips
+        # (digits are not mirror-symmetric) and no blur (it smears 8-px strokes away).
+        "digits": {
+            "data": "digits",
+            "backbone": "resnet18",
+            "small_image_stem": True,
+            "projector": "128-128-32",
+            "lambd": 0.1,
+            "image_size": 8,
+            "crop_scale_min": 0.4,
+            "flip": False,
+            "blur": False,
+            "epochs": 4,
+            "batch_size": 64,
+            "lr_weights": 8.0,
+            "lr_biases": 8.0 * (0.0048 / 0.2),
+            "warmup_epochs": 1,
+            "views": "batched",
+        },
+        # 28-64 px data (CIFAR-10/100, STL-10 downscaled): solo-learn's CIFAR recipe
+        # (scripts/pretrain/cifar/barlow.yaml + augmentations/asymmetric.yaml: ResNet-18 with a
+        # 3x3 stem, projector 2048-2048-2048, batch 256, LARS lr 0.3 with eta 0.02, loss x 0.1,
+        # wd 1e-4, 10 warm-up epochs + cosine, 1000 epochs, no blur, solarise 0 / 0.2), in our
+        # units: LARS here has eta 0.001 and an unscaled loss, so the weights' lr is 0.3 x 0.02 /
+        # 0.001 = 6, the biases' (no LARS adaptation) 0.3 x 0.1 = 0.03 and the weight decay 1e-4 /
+        # 0.1 = 1e-3. lightly's CIFAR-10 benchmark (docs/.../cifar10_benchmark.py) also trains
+        # its Barlow Twins ResNet-18 with a 2048-d projector, batch 128-512 and no blur.
+        "cifar": {
+            "backbone": "resnet18",
+            "small_image_stem": True,
+            "projector": "2048-2048-2048",
+            "image_size": 32,
+            "batch_size": 256,
+            "lr_weights": 6.0,
+            "lr_biases": 0.03,
+            "weight_decay": 1e-3,
+            "warmup_epochs": 10,
+            "epochs": 1000,
+            "blur": False,
+            "views": "batched",
+        },
+    }
+
+    data: str = field(
+        default="digits",
+        metadata={"help": "'digits' (embedded), 'synthetic[:N]', or an ImageFolder / ImageNet directory"},
+    )
+    out: str = out_field("runs/pretrain", "run directory (checkpoint, metrics, final weights)")
+    backbone: str = field(
+        default="resnet50",
+        metadata={
+            "help": "torchvision ResNet",
+            "flag": "arch",
+            "aliases": ("backbone",),
+            "choices": tuple(ARCHITECTURES),
+        },
+    )
+    projector: str = field(default="8192-8192-8192", metadata={"help": "projector widths joined by '-'"})
+    lambd: float = field(default=LAMBD, metadata={"help": "weight of the redundancy-reduction term"})
+    small_image_stem: bool = field(default=False, metadata={"help": "3x3 stem without max-pool, for 32-px images"})
+    image_size: int = field(default=224, metadata={"help": "side of the views in pixels"})
+    crop_scale_min: float = field(
+        default=0.08,
+        metadata={
+            "help": "smallest area fraction of the views' random resized crop (paper: 0.08; tiny images such as the "
+            "8-px digits want more)"
+        },
+    )
+    flip: bool = field(
+        default=True,
+        metadata={
+            "help": "random horizontal flips in both views (paper: p = 0.5); --no-flip for images that are not "
+            "mirror-symmetric, such as digits"
+        },
+    )
+    blur: bool = field(
+        default=True,
+        metadata={
+            "help": "Gaussian blur in the views (paper: p = 1.0 / 0.1, σ in [0.1, 2] px); --no-blur for tiny images, "
+            "where even the 3x3 kernel smears every stroke"
+        },
+    )
+    epochs: int = field(default=1000, metadata={"help": "epochs of the schedule"})
+    batch_size: int = field(default=2048, metadata={"help": "global batch size (all processes together)"})
+    lr_weights: float = field(default=0.2, metadata={"help": "base LR of weights, × batch/256"})
+    lr_biases: float = field(default=0.0048, metadata={"help": "base LR of biases and BN parameters, × batch/256"})
+    weight_decay: float = field(default=1e-6, metadata={"help": "LARS weight decay (not on biases/BN)"})
+    warmup_epochs: int = field(default=10, metadata={"help": "linear warm-up epochs before the cosine decay"})
+    loss_method: Literal["auto", "dense", "gram"] = field(
+        default="auto", metadata={"help": "loss form: D x D, N x N, or the cheaper"}
+    )
+    reference_grad_scale: bool = field(
+        default=False, metadata={"help": "reproduce the reference code's 1/world_size gradients"}
+    )
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = field(
+        default="auto",
+        metadata={
+            "help": "autocast dtype (fp16 only on CUDA, with a GradScaler); auto: bf16 on GPUs with bf16 and on CPUs "
+            "with avx512_bf16/AMX, fp32 elsewhere (the choice is recorded in run.json and config.json)"
+        },
+    )
+    channels_last: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata={
+            "help": "channels-last memory format for the backbone and its inputs; auto: on where the precision is bf16 "
+            "or fp16 (AMX/avx512_bf16 CPUs and GPUs run those convolutions fastest channels-last), off for fp32 "
+            "(the choice is recorded in run.json and config.json)"
+        },
+    )
+    compile: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata={
+            "help": "torch.compile the forward pass and the loss (minutes of compiling at the start, then ~25% less "
+            "per step); auto: on when the first eager steps' time x the steps left says it repays itself "
+            "(bt_hub/train/compile_auto.py); the path taken and why go to config.json"
+        },
+    )
+    views: Literal["pil", "batched"] = field(
+        default="pil",
+        metadata={"help": "augment per image in loader workers (pil) or per batch on the device (batched)"},
+    )
+    decode: Literal["auto", "device", "workers"] = field(
+        default="auto",
+        metadata={
+            "help": "image files with --views batched: workers read bytes and the device decodes the batch (device), "
+            "or workers decode with PIL (workers); auto: device on CUDA"
+        },
+    )
+    num_workers: int = field(default=0, metadata={"help": "data-loader worker processes per rank"})
+    checkpoint_every: int = field(
+        default=500,
+        metadata={"help": "steps between checkpoints (one is also written at each epoch end); 0: epoch ends only"},
+    )
+    resume: str | None = field(
+        default=None, metadata={"help": "'auto': continue OUT/checkpoint.pth if present; or a checkpoint path"}
+    )
+    max_steps: int = field(
+        default=0,
+        metadata={"help": "stop after this many steps in all (0: the whole schedule); the schedule is unchanged"},
+    )
+    log_every: int = field(
+        default=10, metadata={"help": "steps between metrics lines (and progress lines when not on a terminal)"}
+    )
+    monitor_knn: int = field(
+        default=0,
+        metadata={
+            "help": "every this many steps, weighted kNN top-1 (k = 20, T = 0.07) of the backbone's features on a "
+            "small labelled bank, logged and shown in the progress bar (0: off)"
+        },
+    )
+    monitor_data: str | None = field(
+        default=None,
+        metadata={
+            "help": "labelled data of the kNN monitor (as --data; its train split is the bank, its val/test split "
+            "the queries); default: --data's training and held-out splits"
+        },
+    )
+    monitor_size: int = field(
+        default=2000, metadata={"help": "bank images of the kNN monitor (queries: a quarter of it, at most 500)"}
+    )
+    tensorboard: bool = field(
+        default=False,
+        metadata={
+            "help": "also write the metrics as TensorBoard scalars to OUT/tensorboard (needs the tensorboard package)"
+        },
+    )
+    probe_max_dim: int = field(
+        default=2048,
+        metadata={"help": "record the probe batch's cross-correlation when the projector output is at most this wide"},
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("lambd", "lr_weights", "lr_biases", "weight_decay", "crop_scale_min"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
+        positive = ("image_size", "epochs", "batch_size", "log_every", "monitor_size", "lr_weights", "lr_biases")
+        self.require_positive(*positive)
+        if self.image_size > MAX_IMAGE_SIZE:
+            raise ValueError(
+                f"--image-size {self.image_size} is larger than {MAX_IMAGE_SIZE} px, the most bt-hub pretrain accepts "
+                "(the paper's views are 224 px); choose a smaller --image-size"
+            )
+        nonnegative = ("lambd", "weight_decay", "warmup_epochs", "num_workers", "checkpoint_every", "max_steps")
+        self.require_positive(*nonnegative, "probe_max_dim", "monitor_knn", or_zero=True)
+        if not 0 < self.crop_scale_min <= 1:
+            raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
+        try:
+            widths = parse_projector(self.projector)
+        except ValueError as err:
+            raise ValueError(f"--projector: {err}") from None
+        if max(widths) > MAX_PROJECTOR_WIDTH:
+            raise ValueError(
+                f"--projector {self.projector} has a layer of {max(widths)} units, more than the {MAX_PROJECTOR_WIDTH} "
+                "bt-hub pretrain accepts (the paper's is 8192-8192-8192); choose narrower widths"
+            )
+        if self.backbone not in ARCHITECTURES:
+            raise ValueError(f"--arch {self.backbone!r} is unknown; expected one of {sorted(ARCHITECTURES)}")
+        super().__post_init__()
+        if self.precision == "fp16" and not self.device.startswith("cuda"):
+            raise ValueError("--precision fp16 needs --device cuda; use bf16 on CPU")
+        if self.warmup_epochs > self.epochs:
+            raise ValueError(
+                f"--warmup-epochs {self.warmup_epochs} is longer than the whole schedule (--epochs {self.epochs}); "
+                "lower --warmup-epochs or raise --epochs"
+            )
+        resolve_decode(self.decode, self.device, self.views)  # an impossible --decode / --views pair fails here
+
+    def schedule_steps(self, steps_per_epoch: int, start: int = 0) -> tuple[int, int, int]:
+        """(total, warm-up, last) steps; refuses a ``--max-steps`` past the schedule or before the resumed ``start``."""
+        total = self.epochs * steps_per_epoch
+        if self.max_steps > total:
+            raise ValueError(
+                f"--max-steps {self.max_steps} is more than the {total} steps of the schedule (--epochs "
+                f"{self.epochs} x {steps_per_epoch} "
+                "steps per epoch); raise --epochs or lower --max-steps"
+            )
+        last = self.max_steps or total
+        if start > last:
+            raise ValueError(
+                f"--max-steps {self.max_steps} is before step {start} of the checkpoint being resumed; raise "
+                "--max-steps"
+            )
+        return total, self.warmup_epochs * steps_per_epoch, last

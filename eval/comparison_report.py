@@ -1,0 +1,197 @@
+"""What ``bt-hub eval compare`` found (filled by bt_hub.eval.comparison): cells, verdicts, compare.md, the plot."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bt_hub.common.files import atomic_write_text
+from bt_hub.common.records import fmt_mean_std, mean_std, seeds_text
+from bt_hub.eval.runner import EvalRun
+
+SEED_VARIES = {
+    "knn": "nothing for a fixed network (the vote is deterministic); the network itself for random-init",
+    "linear": "the validation split carved from the training data, the heads' initialisation and the data order",
+    "semi": "the labelled subset (seeded, class-balanced), the classifier's initialisation and the data order",
+    "supervised": "the network's initialisation, the labelled subset (semi columns) and the data order",
+}
+RULE = (
+    "a weights row is *better* in a column when, pairing runs by seed, it beats the column's best baseline (highest "
+    "mean) in every seed and the mean of the paired differences exceeds their standard deviation; one seed gives "
+    "no verdict"
+)
+
+
+@dataclass
+class Comparison:
+    """Per-seed top-1 of every row and column, and what was compared."""
+
+    seeds: list[int]
+    columns: list[str]
+    values: dict[str, dict[str, list[float]]]  # row -> column -> per-seed top-1
+    baselines: list[str]
+    test_size: int
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def cell(self, row: str, column: str) -> str:
+        """``mean ± std`` of a cell; ``x (1 seed)`` or ``x (deterministic)`` where there is no spread; '—' if empty."""
+        values = self.values[row].get(column, [])
+        if len(values) == 1 or (values and len(set(values)) == 1):
+            return f"{fmt_mean_std(values[:1])} ({'1 seed' if len(values) == 1 else 'deterministic'})"
+        return fmt_mean_std(values)
+
+    def verdict(self, row: str, column: str) -> dict[str, Any] | None:
+        """The paired comparison of a weights row with the column's best baseline (``RULE``); None without one."""
+        scored = [b for b in self.baselines if self.values[b].get(column)]
+        if not scored or not self.values[row].get(column):
+            return None
+        best = max(scored, key=lambda b: mean_std(self.values[b][column])[0])
+        diffs = [w - b for w, b in zip(self.values[row][column], self.values[best][column])]
+        mean, std = mean_std(diffs)
+        better = None if len(diffs) < 2 else all(d > 0 for d in diffs) and mean > std
+        ours = mean_std(self.values[row][column])[0]
+        behind = {b: mean_std(self.values[b][column])[0] - ours for b in scored}
+        loses_to = {b: gap for b, gap in sorted(behind.items(), key=lambda kv: -kv[1]) if gap > 0}
+        return {
+            "baseline": best,
+            "differences": diffs,
+            "mean": mean,
+            "std": std,
+            "better": better,
+            "loses_to": loses_to,
+        }
+
+
+def describe_settings(run: EvalRun) -> list[str]:
+    """What every cell of a comparison shares, in words: network, image size, precision, pretraining, k, grid."""
+    from bt_hub.weights.card import training_length
+
+    config, st = run.config, run.settings
+    stem = "small-image stem (3x3, no max-pool)" if st.small_image_stem else "standard stem"
+    lines = [
+        f"- network: {st.arch}, {stem}; images {st.image_size} px ({st.image_size_from}); "
+        f"precision {st.precision} on {st.device}",
+    ]
+    for w in run.all_weights:
+        length = training_length(w.info.get("config") or {}) or "unknown (no bt_hub run config)"
+        lines.append(f"- {w.label} (sha256 {w.sha256[:12]}): pretraining {length}")
+    lines += [
+        f"- kNN: k = {config.knn_k}, T = 0.07, cosine similarity",
+        f"- linear: grid of lr {', '.join(f'{v:g}' for v in config.lr_grid)} x weight decay "
+        f"{', '.join(f'{v:g}' for v in config.weight_decay_grid)}, {config.linear_epochs} epochs, chosen on a seeded "
+        f"{config.val_fraction:g} of the training split",
+        f"- semi: preset {config.semi_preset}, {config.semi_epochs} epochs; supervised baseline: "
+        f"{config.supervised_epochs} epochs from scratch",
+    ]
+    return lines
+
+
+def render_markdown(result: Comparison, title: str = "Did pretraining help?", settings: Sequence[str] = ()) -> str:
+    """``compare.md``: the mean ± std table with the verdict column, the paired comparisons, the rule and the seeds."""
+    weights_rows = [r for r in result.values if r not in result.baselines]
+    header = ["representation", *result.columns, "better than the best baseline?"]
+    lines = [f"# {title}", "", *([*settings, ""] if settings else []), "| " + " | ".join(header) + " |"]
+    lines.append("|---" * len(header) + "|")
+    for row in result.values:
+        verdicts = [] if row in result.baselines else [(c, result.verdict(row, c)) for c in result.columns]
+        said = "; ".join(f"{c}: {_verdict_word(v)}" for c, v in verdicts if v) or "—"
+        label = f"{row} (baseline)" if row in result.baselines else row
+        lines.append("| " + " | ".join([label, *(result.cell(row, c) for c in result.columns), said]) + " |")
+    lines += ["", "## Paired by seed", "", "| weights | column | best baseline | difference per seed | mean ± std |"]
+    lines.append("|---|---|---|---|---|")
+    for row in weights_rows:
+        for column in result.columns:
+            v = result.verdict(row, column)
+            if v:
+                diffs = ", ".join(f"{d:+.1f}" for d in v["differences"])
+                lines.append(f"| {row} | {column} | {v['baseline']} | {diffs} | {_difference(v)} |")
+    one = 100.0 / max(result.test_size, 1)
+    lines += [
+        "",
+        f"Test top-1 in percent, mean ± sample standard deviation (n - 1) over {seeds_text(len(result.seeds))} "
+        f"({', '.join(map(str, result.seeds))}); per-seed values are in results.jsonl. Rule: {RULE}.",
+        f"The test split has {result.test_size} images (one image = {one:.2f} points); its sampling error is "
+        "not in the spread.",
+        "",
+        "What a seed varies:",
+        "",
+        *[f"- **{name}**: {text}" for name, text in SEED_VARIES.items()],
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _difference(v: dict[str, Any]) -> str:
+    """``+1.2 ± 0.4``; ``-5.3 (deterministic)`` or ``+2.0 (1 seed)`` where the differences have no spread."""
+    diffs = v["differences"]
+    if len(diffs) == 1 or len(set(diffs)) == 1:
+        return f"{v['mean']:+.1f} ({'1 seed' if len(diffs) == 1 else 'deterministic'})"
+    return f"{v['mean']:+.1f} ± {v['std']:.1f}"
+
+
+def _verdict_word(v: dict[str, Any]) -> str:
+    word = {True: "yes", False: "no", None: "no verdict (1 seed)"}[v["better"]]
+    behind = ", ".join(f"{b} by {gap:.1f}" for b, gap in v.get("loses_to", {}).items())
+    return f"{word} ({_difference(v)} vs {v['baseline']})" + (f"; loses to {behind}" if behind else "")
+
+
+def plot(result: Comparison, path: Path) -> Path:
+    """Grouped bars with error bars (± one standard deviation over the seeds), written atomically as PNG."""
+    import matplotlib
+
+    from bt_hub.data.plots import save_png
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.8 / len(result.values)
+    for i, (row, cells) in enumerate(result.values.items()):
+        xs = [j + i * width for j, c in enumerate(result.columns) if cells.get(c)]
+        stats = [mean_std(cells[c]) for c in result.columns if cells.get(c)]
+        ax.bar(xs, [m for m, _ in stats], width, yerr=[s for _, s in stats], capsize=3, label=row)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(result.columns))], result.columns)
+    ax.set(ylabel="test top-1 (%)", ylim=(0, 100), title=f"mean ± std over {seeds_text(len(result.seeds))}")
+    ax.legend(fontsize=8, loc="lower right")
+    return save_png(fig, path)
+
+
+def table_rows(result: Comparison) -> list[dict[str, Any]]:
+    """One row per representation: per column its mean, std and per-seed values; for weights, the verdicts."""
+    rows = []
+    for name, cells in result.values.items():
+        row: dict[str, Any] = {"representation": name, "baseline": name in result.baselines}
+        for column in result.columns:
+            values = cells.get(column) or []
+            mean, std = mean_std(values) if values else (float("nan"), float("nan"))
+            row |= {column: mean, f"{column} std": std, f"{column} per seed": list(values)}
+            if name not in result.baselines and (verdict := result.verdict(name, column)):
+                row[f"{column} better"] = verdict["better"]
+        rows.append(row)
+    return rows
+
+
+def write_comparison(run: EvalRun, result: Comparison, title: str = "Did pretraining help?") -> str:
+    """compare.md, compare.png and the records (results.json / .jsonl / .md) in the run's folder; the table."""
+    text = render_markdown(result, title=title, settings=describe_settings(run))
+    out = run.out
+    written = [atomic_write_text(out / "compare.md", text), plot(result, out / "compare.png")]
+    summary = {
+        "results": result.records,
+        "table": {
+            row: {c: {"per_seed": v, "mean_std": result.cell(row, c)} for c, v in cols.items()}
+            for row, cols in result.values.items()
+        },
+        "verdicts": {
+            row: {c: result.verdict(row, c) for c in result.columns}
+            for row in result.values
+            if row not in result.baselines
+        },
+        "wall_time_s": time.perf_counter() - run.started,
+    }
+    run.write(result.records, summary)
+    written += [out / name for name in ("results.json", "results.jsonl", "results.md")]
+    return text.split("\n\n## Paired by seed")[0] + "\n\n" + "\n".join(f"wrote {p}" for p in written)

@@ -1,0 +1,173 @@
+"""The on-disk feature cache of bt_hub.eval.features: keyed, checksummed ``.npy`` files.
+
+With a ``FeatureCache`` the features are streamed into ``<key>.features.npy`` (float32 or
+float16) and returned as a read-only memmap; the key hashes everything that changes the
+features: the weights fingerprint, the architecture they were loaded into, the dataset
+fingerprint, the transform (so the image size and where it runs), the pool, the dtype and
+the precision, so a second protocol that asks for the same features loads them instead of
+running the model, and any other request computes its own. Each file's size, sha256, shape
+and dtype are recorded when it is written and checked before it is read: a file that fails
+is computed again, with one warning. Either way, ``np.asarray(features[a:b],
+dtype=np.float32)`` reads rows ``a:b``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bt_hub.common.files import atomic_write, file_sha256
+
+
+@dataclass(frozen=True)
+class FeatureCache:
+    """Where cached features live and what they were computed from.
+
+    Args:
+        directory: the cache directory (created on first write).
+        weights: the weights fingerprint (``weights_info["sha256"]`` of the loaded weights, or
+            ``module_fingerprint``).
+        dataset: the dataset fingerprint (``dataset_fingerprint``).
+        model: what the weights were loaded into (``architecture_fingerprint``): the same
+            file read as another architecture or stem gives other features.
+    """
+
+    directory: str | os.PathLike
+    weights: str
+    dataset: str
+    model: str = ""
+
+    def key(self, transform: str, pool: str, dtype: str, precision: str = "fp32") -> str:
+        """The file stem for features of these weights, model and data under a transform, pool, dtype and precision."""
+        record = {
+            "weights": self.weights,
+            "model": self.model,
+            "dataset": self.dataset,
+            "transform": transform,
+            "pool": pool,
+            "dtype": dtype,
+            "precision": precision,
+        }
+        return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:24]
+
+    def paths(self, key: str) -> tuple[Path, Path, Path]:
+        """(features .npy, labels .npy, meta .json) for a key; the meta file is written last."""
+        d = Path(self.directory)
+        return d / f"{key}.features.npy", d / f"{key}.labels.npy", d / f"{key}.meta.json"
+
+
+def _npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape}
+    )
+    return buf.getvalue()
+
+
+CACHE_MISSING = "missing"  # ``cache_problem`` of a key never computed: computed without a warning
+
+
+def cache_problem(meta_path: Path, key: str) -> str | None:
+    """None when the cached files of ``key`` are what was written; else what is wrong, in words.
+
+    ``CACHE_MISSING`` when nothing was cached under ``key``. The features and labels files must
+    have the size, sha256 (of the whole ``.npy``), shape and dtype that ``meta_path`` recorded when
+    they were written: a truncated, edited, replaced or deleted file is reported, never read.
+    """
+    if not meta_path.exists():
+        return CACHE_MISSING
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return f"{meta_path} is not readable JSON ({err})"
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if meta.get("key") != key or not isinstance(files, dict) or set(files) != {"features", "labels"}:
+        return f"{meta_path} does not record the checksums of key {key} (written by another bt_hub version?)"
+    for entry in files.values():
+        path = meta_path.parent / str(entry.get("file"))
+        try:
+            size = path.stat().st_size
+            if size != entry.get("bytes"):
+                return f"{path} is {size} bytes, {entry.get('bytes')} were written (truncated or changed)"
+            if file_sha256(path) != entry.get("sha256"):
+                return f"{path} does not match the sha256 recorded when it was written (changed since)"
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except FileNotFoundError:
+            return f"{path} is missing"
+        except (OSError, ValueError) as err:
+            return f"{path} cannot be read ({err})"
+        if list(array.shape) != entry.get("shape") or str(array.dtype) != entry.get("dtype"):
+            return f"{path} holds {array.dtype} {list(array.shape)}, {entry.get('dtype')} {entry.get('shape')} written"
+    return None
+
+
+def read_cache(features_path: Path, labels_path: Path) -> tuple[np.ndarray, torch.Tensor]:
+    """The verified cache files: features as a read-only memmap, labels as a tensor (never unpickled)."""
+    features = np.load(features_path, mmap_mode="r", allow_pickle=False)
+    return features, torch.from_numpy(np.load(labels_path, allow_pickle=False))
+
+
+def write_cache(
+    chunks: Iterator[tuple[torch.Tensor, torch.Tensor]], n: int, dtype: np.dtype, features_path: Path, labels_path: Path
+) -> dict[str, dict[str, Any]]:
+    """Stream feature chunks into an .npy file (header first, rows in order), atomically.
+
+    Returns what ``cache_problem`` checks later of each file: name, bytes, sha256, shape and dtype.
+    """
+    first_features, first_labels = next(chunks)
+    labels = [first_labels]
+    digest = hashlib.sha256()
+    size = 0
+
+    def write(f: io.BufferedWriter) -> None:
+        nonlocal size
+        for block in _feature_bytes(first_features, chunks, labels, n, dtype):
+            digest.update(block)
+            size += len(block)
+            f.write(block)
+
+    atomic_write(features_path, write)
+    buf = io.BytesIO()
+    label_array = torch.cat(labels).numpy()
+    np.save(buf, label_array, allow_pickle=False)
+    atomic_write(labels_path, lambda f: f.write(buf.getvalue()))
+    return {
+        "features": {
+            "file": features_path.name,
+            "bytes": size,
+            "sha256": digest.hexdigest(),
+            "shape": [n, int(first_features.shape[1])],
+            "dtype": str(dtype),
+        },
+        "labels": {
+            "file": labels_path.name,
+            "bytes": len(buf.getvalue()),
+            "sha256": hashlib.sha256(buf.getvalue()).hexdigest(),
+            "shape": list(label_array.shape),
+            "dtype": str(label_array.dtype),
+        },
+    }
+
+
+def _feature_bytes(
+    first: torch.Tensor,
+    rest: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    labels: list[torch.Tensor],
+    n: int,
+    dtype: np.dtype,
+) -> Iterator[bytes]:
+    """The .npy header, then every chunk's rows as ``dtype`` bytes; the chunks' labels are appended to ``labels``."""
+    yield _npy_header((n, first.shape[1]), dtype)
+    yield first.numpy().astype(dtype).tobytes()
+    for feats, labs in rest:
+        yield feats.numpy().astype(dtype).tobytes()
+        labels.append(labs)
