@@ -114,9 +114,11 @@ def dataset_fingerprint(dataset_or_path: Dataset | str | os.PathLike) -> str:
     """A sha256 that changes when the images, their order or their labels change.
 
     Directories and file-backed datasets (a ``samples`` list of ``(path, label)``) hash
-    the folder's name, relative paths, sizes and labels, and the bytes of 32 evenly spaced
-    files, so fingerprinting ImageNet takes seconds, and a ``val/`` whose file names and
-    sizes repeat ``train/``'s still gets its own fingerprint (and its own cached features).
+    the folder's name, and every file's relative path, size, modification time (ns) and label,
+    so an edit of any image, even one that keeps its size, gives another fingerprint (and
+    computes the features again); plus the bytes of 32 evenly spaced files, so a ``val/`` whose
+    file names and sizes repeat ``train/``'s still gets its own fingerprint. One ``stat`` per
+    file: docs/performance.md has its cost on a large listing.
     In-memory datasets (an ``images`` array) hash the array and labels; any other dataset
     hashes every item's pixels and label.
     """
@@ -133,7 +135,8 @@ def dataset_fingerprint(dataset_or_path: Dataset | str | os.PathLike) -> str:
             for name in sorted(filenames):
                 p = Path(dirpath) / name
                 files.append(p)
-                h.update(f"{p.relative_to(root).as_posix()}:{p.stat().st_size};".encode())
+                st = p.stat()
+                h.update(f"{p.relative_to(root).as_posix()}:{st.st_size}:{st.st_mtime_ns};".encode())
         h.update(_sampled_content(files))
         return h.hexdigest()
     dataset = dataset_or_path
@@ -145,7 +148,8 @@ def dataset_fingerprint(dataset_or_path: Dataset | str | os.PathLike) -> str:
         for path, label in samples:
             p = Path(path)
             rel = p.relative_to(root).as_posix() if p.is_relative_to(root) else p.as_posix()
-            h.update(f"{rel}:{p.stat().st_size}:{label!r};".encode())
+            st = p.stat()
+            h.update(f"{rel}:{st.st_size}:{st.st_mtime_ns}:{label!r};".encode())
         h.update(_sampled_content([Path(s[0]) for s in samples]))
     elif isinstance(images, np.ndarray):
         h.update(f"{images.shape}:{images.dtype};".encode())

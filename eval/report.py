@@ -16,6 +16,7 @@ import errno
 import fcntl
 import json
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ from bt_hub.common.records import (
     setting,
     weights_label,
 )
+from bt_hub.eval.config import EvalWarning
 
 
 @dataclass(frozen=True)
@@ -144,21 +146,39 @@ def render_markdown(results: list[Mapping[str, Any]]) -> str:
     )
 
 
-def load_results(out_dir: str | Path) -> list[dict[str, Any]]:
-    """Every record appended to ``<out_dir>/results.jsonl``, oldest first."""
+def load_results(out_dir: str | Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """Every record appended to ``<out_dir>/results.jsonl``, oldest first, and the numbers of damaged lines.
+
+    A line cut short by a crash or edited by hand is no record: it is left in the file (bt_hub deletes
+    nothing of it) and out of ``results.md``; :func:`check_history` says which before a run's work.
+    """
     path = Path(out_dir) / "results.jsonl"
     if not path.exists():
-        return []
-    records = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        return [], []
+    records, damaged = [], []
+    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         if line.strip():
             try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"{path} line {n} is not valid JSON ({err.msg}); expected one results record per line"
-                ) from None
-    return records
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if isinstance(record, dict) and isinstance(record.get("metrics"), dict):
+                records.append(record)
+            else:
+                damaged.append(n)
+    return records, damaged
+
+
+def check_history(out_dir: str | Path) -> None:
+    """One ``EvalWarning`` before any work when ``results.jsonl`` holds damaged lines (named by number)."""
+    _, damaged = load_results(out_dir)
+    if damaged:
+        warnings.warn(
+            f"{Path(out_dir) / 'results.jsonl'} line {', '.join(map(str, damaged))} is not a results record (cut "
+            "short or edited); it stays in the file, out of results.md, and this run's records are appended after it",
+            EvalWarning,
+            stacklevel=2,
+        )
 
 
 def append_results(out_dir: str | Path, records: Sequence[Record]) -> list[Record]:
@@ -176,7 +196,7 @@ def append_results(out_dir: str | Path, records: Sequence[Record]) -> list[Recor
     data = "".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in records).encode("utf-8")
     out.mkdir(parents=True, exist_ok=True)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise WriteError(
@@ -187,6 +207,8 @@ def append_results(out_dir: str | Path, records: Sequence[Record]) -> list[Recor
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data  # a line cut short stays a line of its own; the new records stay whole
         try:
             if os.write(fd, data) != len(data):
                 raise OSError(errno.EIO, "the records were written only in part")
@@ -194,7 +216,7 @@ def append_results(out_dir: str | Path, records: Sequence[Record]) -> list[Recor
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, size)
             raise write_failure(path, err) from err
-        history = load_results(out)
+        history = load_results(out)[0]
         atomic_write_text(out / "results.md", render_markdown(history))
     finally:
         os.close(fd)  # releases the lock

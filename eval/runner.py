@@ -42,7 +42,7 @@ from bt_hub.data.precision import resolve_precision
 from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalWarning
 from bt_hub.eval.feature_cache import FeatureCache
 from bt_hub.eval.features import Pool, architecture_fingerprint, extract_with_source
-from bt_hub.eval.report import append_results
+from bt_hub.eval.report import append_results, check_history
 from bt_hub.eval.splits import Splits, load_splits
 from bt_hub.method.transforms import DeviceEvalTransform, eval_transforms
 
@@ -313,6 +313,7 @@ def evaluation(config: Any, *, kind: str = "eval") -> Iterator[EvalRun]:
         if is_main_process():
             if out is not None:  # taken back if the run fails before writing anything else there
                 claims.enter_context(claimed_run_dir(out, kind=kind, overwrite=config.overwrite))
+                check_history(out)
             if config.cache_dir:  # what writes cut short by a crash or a kill left in the cache
                 remove_stale_temp_files(config.cache_dir)
         torch.manual_seed(config.seed)

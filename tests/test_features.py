@@ -308,3 +308,32 @@ def test_a_rerun_removes_the_stale_temp_files_interrupted_writes_left_in_the_cac
     kept.write_bytes(b"")
     assert cli.main(argv) == 0
     assert not [p for p in left if p.exists()] and kept.exists()
+
+
+def test_a_same_size_edit_of_any_training_image_invalidates_the_cached_features(
+    small_stem_weights, image_folder, tmp_path
+):
+    # guards: the cache key hashed 32 sampled files, so after same-size edits of other training images a cached
+    # evaluation reported 100.0 where the true result was 0.0, with no warning
+    import os
+
+    from bt_hub.eval.knn import KnnConfig
+    from bt_hub.eval.runner import evaluation
+
+    root = image_folder(tmp_path / "data", classes=("a", "b"), per_class=40, size=8)
+    config = KnnConfig(
+        weights=str(small_stem_weights), data=str(root), image_size=8, out=None, cache_dir=str(tmp_path / "c")
+    )
+    with evaluation(config) as run:
+        first, _ = run.features("train")
+        first = np.array(first)
+    victim = sorted((root / "train" / "a").iterdir())[1]  # not one of the sampled files
+    before = victim.stat()
+    other = sorted((root / "train" / "b").iterdir())[1].read_bytes()
+    victim.write_bytes(other[: before.st_size].ljust(before.st_size, b"\0") if len(other) >= before.st_size else other)
+    os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+    with evaluation(config) as run:
+        second, _ = run.features("train")
+        assert run.features_used["train"] == "computed"
+    row = sorted(p.name for p in (root / "train" / "a").iterdir()).index(victim.name)
+    assert not np.allclose(np.asarray(second)[row], first[row])

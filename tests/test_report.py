@@ -351,3 +351,27 @@ def test_seed_free_setting_of_a_record_without_seed_or_holdout():
 
     record = {"protocol": "knn", "dataset": {"name": "digits", "train_split": "train"}, "labels": {}}
     assert seed_free_setting(record) == setting(record)
+
+
+def test_a_damaged_history_is_named_before_the_work_and_the_new_record_is_never_lost(
+    small_stem_weights, tmp_path, capsys
+):
+    # guards: a cut-short or edited results.jsonl line made every later eval in the folder do all its work, then
+    # fail with rc 2; with a cut-short last line the new record was appended onto it and lost too
+    from bt_hub import cli
+
+    out = tmp_path / "knn"
+    args = ["eval", "knn", "--weights", str(small_stem_weights), "--data", "synthetic:40", "--image-size", "8"]
+    assert cli.main([*args, "--k", "5", "--out", str(out)]) == 0
+    history = out / "results.jsonl"
+    good = history.read_text()
+    history.write_text(good + "not json at all\n" + good[: len(good) // 2])  # line 2 edited, line 3 cut short
+    capsys.readouterr()
+    assert cli.main([*args, "--k", "5", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    warned = [line for line in err.splitlines() if "results.jsonl line 2, 3 is not a results record" in line]
+    assert len(warned) == 1 and err.index(warned[0]) < err.index("features train")  # named before the work
+    lines = history.read_text().splitlines()
+    assert lines[:2] == [good.strip(), "not json at all"] and lines[2] == good[: len(good) // 2]
+    assert json.loads(lines[3])["metrics"] == json.loads(good)["metrics"]  # the new record, whole, on its own line
+    assert (out / "results.md").read_text().count("| ours: knn |") == 2  # both whole records, not the damaged lines
