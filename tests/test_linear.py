@@ -455,3 +455,17 @@ def test_the_image_loops_autocast_in_the_runs_precision_on_cuda_and_never_on_the
     assert loop_autocast(torch.device("cuda"), "fp16") is torch.float16
     assert loop_autocast(torch.device("cuda"), "fp32") is None
     assert loop_autocast(torch.device("cpu"), "bf16") is None
+
+
+def test_two_runs_into_one_folder_log_rows_that_say_which_run_wrote_them(small_stem_weights, tmp_path):
+    # guards: eval linear runs sharing an --out interleaved their metrics.jsonl rows with no run id, and run.json
+    # recorded the second as a "resume"
+    out = tmp_path / "lin"
+    args = ["eval", "linear", "--weights", str(small_stem_weights), "--data", "synthetic:40", "--image-size", "8"]
+    args += ["--search", "fixed", "--epochs", "2", "--batch-size", "16", "--out", str(out)]
+    assert cli.main(args) == 0 and cli.main(args) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    run = json.loads((out / "run.json").read_text())
+    ids = [run["run_id"], run["runs"][0]["run_id"]]
+    assert "resumes" not in run and ids[0] != ids[1]
+    assert [r["run_id"] for r in rows] == [ids[0]] * 2 + [ids[1]] * 2

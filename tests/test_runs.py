@@ -236,7 +236,9 @@ def test_disk_full_while_logging_is_one_sentence_and_leaves_the_log_whole(tmp_pa
     ):
         run.log({"step": 2, "loss": 0.5})
     monkeypatch.undo()
-    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == json.dumps(
+        {"step": 1, "loss": 1.0, "run_id": run.run_id}
+    ) + "\n"
 
 
 def test_a_partial_last_metrics_line_is_dropped_with_a_warning_and_earlier_damage_is_named(tmp_path):

@@ -360,6 +360,7 @@ class RunDir:
         self.kind = kind
         self._lock: RunLock | None = None
         self._started = False
+        self.run_id = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}-{os.urandom(3).hex()}"
         self._new = not self.path.exists()  # created by this claim: removed again if the run fails before it starts
         if not write:
             return
@@ -396,8 +397,10 @@ class RunDir:
     def start(self, config: Any, step: int | None = None, *, fresh: bool = False) -> None:
         """Record this start in ``run.json``; with ``step`` (the step it resumes from) cut ``metrics.jsonl`` back to it.
 
-        The first start writes the whole record; each later one is appended to its
-        ``resumes`` list with the step it resumed from, so the original run is never lost.
+        The first start writes the whole record; each later one is appended to its ``resumes``
+        list with the step it resumed from or, when it resumes nothing (another evaluation into the
+        same folder), to its ``runs`` list, so the original run is never lost. Every start records
+        its ``run_id``, which every row it logs carries too.
         A ``fresh`` start (a new run in place of an earlier one) writes a new record and keeps
         the earlier ones under ``replaced``.
         """
@@ -406,9 +409,11 @@ class RunDir:
         self._started = True
         path = self.path / "run.json"
         record = read_json(path)
-        now = {**_start_record(), "config": config_dict(config) if config is not None else None}
+        now = {**_start_record(), "run_id": self.run_id, "config": config_dict(config) if config is not None else None}
         earlier = isinstance(record, dict) and "started" in record
-        if earlier and not fresh:
+        if earlier and not fresh and step is None:
+            record.setdefault("runs", []).append(now)
+        elif earlier and not fresh:
             changed = {k: v for k, v in (now["config"] or {}).items() if (record.get("config") or {}).get(k) != v}
             record.setdefault("resumes", []).append({**now, "config": changed, "resumed_from_step": step})
         else:
@@ -433,7 +438,7 @@ class RunDir:
         if not self.write:
             return
         path = self.path / name
-        data = (json.dumps(row, default=float) + "\n").encode("utf-8")
+        data = (json.dumps({**row, "run_id": self.run_id}, default=float) + "\n").encode("utf-8")
         fd = open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
             size = os.fstat(fd).st_size
