@@ -353,10 +353,16 @@ def _interrupted(path: list[str], rest: list[str], config: Any) -> str:
         kept = f"what was written to {out} is kept"
     else:
         kept = f"nothing was written to {out}"
-    if getattr(config, "cache_dir", None):
-        kept += f", and the features cached in {config.cache_dir} are reused"
+    cache = getattr(config, "cache_dir", None)
+    if not cache and out is not None and (out / "feature_cache").is_dir():  # compare, eval all, embed cache there
+        cache = out / "feature_cache"
+    if cache:
+        kept += f", and the features extracted into {cache} are kept (whole parts, checked before reuse)"
     if not hasattr(config, "resume"):
-        return f"{kept}; run the same command again to continue: {shlex.join(again)}"
+        if cache or not hasattr(config, "cache_dir"):
+            return f"{kept}; run the same command again to continue: {shlex.join(again)}"
+        starts_over = "without --cache-dir nothing of the features is kept, so running it again starts over"
+        return f"{kept}; {starts_over}: {shlex.join(again)}"
     checkpoint = (out or Path()) / CHECKPOINT_NAME
     if isinstance(config.resume, bool):
         again = [*_without_flag(again, "--resume", takes_value=False), "--resume"]

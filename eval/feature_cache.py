@@ -171,3 +171,77 @@ def _feature_bytes(
     for feats, labs in rest:
         yield feats.numpy().astype(dtype).tobytes()
         labels.append(labs)
+
+
+PART_ROWS = 8192  # rows of each checksummed part an extraction in progress keeps (whole batches)
+
+
+class Parts:
+    """The checksummed parts of an extraction in progress: what a cut run kept, and where a rerun continues.
+
+    Each part is ``<key>.part<first row>.npz`` (features in the cache dtype, labels), written atomically after
+    about ``PART_ROWS`` rows of whole global batches, and listed with its sha256 in ``<key>.parts.json``
+    (rewritten atomically after each part). A rerun checks every listed part and continues after the last
+    good one of an unbroken run from row 0, so its batches are those an uninterrupted extraction has
+    there (the features equal, bit for bit); parts of another global batch size start over.
+    """
+
+    def __init__(self, cache: FeatureCache, key: str, global_batch: int, dtype: np.dtype) -> None:
+        self.directory, self.key, self.global_batch, self.dtype = Path(cache.directory), key, global_batch, dtype
+        self.index = self.directory / f"{key}.parts.json"
+        self.parts: list[dict[str, Any]] = []
+
+    def resume(self) -> int:
+        """The first row still to extract: after the listed parts whose files still hold what was written."""
+        try:
+            listed = json.loads(self.index.read_text())
+        except (OSError, ValueError):
+            listed = {}
+        if listed.get("global_batch") != self.global_batch or listed.get("dtype") != str(self.dtype):
+            listed = {}
+        for part in listed.get("parts", []):
+            path = self.directory / part["file"]
+            if part["first"] != self.rows or not path.is_file() or file_sha256(path) != part["sha256"]:
+                break
+            self.parts.append(part)
+        return self.rows
+
+    @property
+    def rows(self) -> int:
+        """Rows the kept parts hold."""
+        return self.parts[-1]["stop"] if self.parts else 0
+
+    def extend(self, chunks: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write ``chunks`` (the batches from :meth:`resume`'s row on) as parts, each listed once it is whole."""
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for chunk in chunks:
+            pending.append(chunk)
+            if sum(len(f) for f, _ in pending) >= PART_ROWS:
+                self._write(pending)
+                pending = []
+        if pending:
+            self._write(pending)
+
+    def _write(self, chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        features = torch.cat([f for f, _ in chunks]).numpy().astype(self.dtype)
+        labels = torch.cat([lab for _, lab in chunks]).numpy()
+        buffer = io.BytesIO()
+        np.savez(buffer, features=features, labels=labels)
+        data = buffer.getvalue()
+        path = atomic_write(self.directory / f"{self.key}.part{self.rows}.npz", lambda f: f.write(data))
+        sha = hashlib.sha256(data).hexdigest()
+        self.parts.append({"file": path.name, "first": self.rows, "stop": self.rows + len(features), "sha256": sha})
+        listing = {"global_batch": self.global_batch, "dtype": str(self.dtype), "parts": self.parts}
+        atomic_write(self.index, lambda f: f.write(json.dumps(listing).encode()))
+
+    def read(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every part's (features, labels) in row order, as ``write_cache`` takes them."""
+        for part in self.parts:
+            with np.load(self.directory / part["file"], allow_pickle=False) as data:
+                yield torch.from_numpy(data["features"]), torch.from_numpy(data["labels"])
+
+    def remove(self) -> None:
+        """Delete the parts and their list once the whole features file is written (bt_hub's own names only)."""
+        for part in self.parts:
+            (self.directory / part["file"]).unlink(missing_ok=True)
+        self.index.unlink(missing_ok=True)

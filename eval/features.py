@@ -52,7 +52,7 @@ from bt_hub.data.decode import EncodedImage, read_encoded, to_device_images
 from bt_hub.data.precision import autocast_dtype
 from bt_hub.data.prefetch import Prefetcher
 from bt_hub.eval.config import EvalWarning
-from bt_hub.eval.feature_cache import CACHE_MISSING, FeatureCache, cache_problem, read_cache, write_cache
+from bt_hub.eval.feature_cache import CACHE_MISSING, FeatureCache, Parts, cache_problem, read_cache, write_cache
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms
 
 Pool = Literal["avg", "voc_res5"]
@@ -182,15 +182,15 @@ def _res5_pool(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.flatten(nn.functional.avg_pool2d(x, kernel_size=6, stride=1), 1)
 
 
-def _global_batches(n: int, batch_size: int, world_size: int, rank: int) -> list[list[int]]:
-    """This rank's index lists: global step s covers [s*B*W, (s+1)*B*W), rank r the r-th B of it.
+def _global_batches(n: int, batch_size: int, world_size: int, rank: int, first: int = 0) -> list[list[int]]:
+    """This rank's index lists: global step s covers [first + s*B*W, first + (s+1)*B*W), rank r the r-th B of it.
 
     Under several ranks every list has B entries (padded by repeating the last index) so
     the per-step gather has equal shapes; the padding is trimmed after the gather.
     """
     step = batch_size * world_size
     batches = []
-    for start in range(0, n, step):
+    for start in range(first, n, step):
         lo = start + rank * batch_size
         idx = (
             [min(i, n - 1) for i in range(lo, lo + batch_size)]
@@ -240,6 +240,7 @@ def iter_feature_batches(
     num_workers: int = 0,
     desc: str = "features",
     precision: str = "fp32",
+    first: int = 0,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield ``(features float32 [b, F], labels [b, ...])`` on CPU, consecutive chunks in dataset order.
 
@@ -250,7 +251,8 @@ def iter_feature_batches(
     there, and on CUDA the next batch is prepared on a side stream while this one runs
     (``bt_hub.data.prefetch``). ``precision`` is a resolved ``--precision`` (fp32, bf16, fp16:
     the autocast dtype); the backbone and its inputs are channels-last. ``desc`` names the
-    progress report (``features train``, ``features test``).
+    progress report (``features train``, ``features test``). ``first`` (a multiple of the global
+    batch) starts at that row, with the batches an extraction from row 0 would have there.
     """
     if pool not in ("avg", "voc_res5"):
         raise ValueError(f"pool {pool!r} is unknown; expected 'avg' or 'voc_res5'")
@@ -259,7 +261,7 @@ def iter_feature_batches(
     on_device = isinstance(transform, DeviceEvalTransform)
     loader = DataLoader(
         EncodedItems(dataset) if on_device else TransformedDataset(dataset, transform),
-        batch_sampler=_global_batches(n, batch_size, world, get_rank()),
+        batch_sampler=_global_batches(n, batch_size, world, get_rank(), first),
         num_workers=num_workers,
         pin_memory=device.type == "cuda" and not on_device,
         collate_fn=_collate_encoded if on_device else None,
@@ -282,7 +284,7 @@ def iter_feature_batches(
                 feats = torch.flatten(feats, 1).float()
                 if is_distributed():
                     feats, labels = all_gather_cat(feats), all_gather_cat(labels)
-                take = min(len(feats), n - done)
+                take = min(len(feats), n - first - done)
                 done += take
                 yield feats[:take].cpu(), labels[:take].cpu()
     finally:
@@ -367,7 +369,7 @@ def extract_with_source(
     if not len(dataset):
         raise ValueError("cannot extract features from an empty dataset")
     transform = transform or eval_transforms(224)
-    batches = lambda: iter_feature_batches(  # noqa: E731
+    batches = lambda first=0: iter_feature_batches(  # noqa: E731
         backbone,
         dataset,
         transform=transform,
@@ -377,6 +379,7 @@ def extract_with_source(
         num_workers=num_workers,
         desc=desc,
         precision=precision,
+        first=first,
     )
     if cache is None:
         chunks = list(batches())
@@ -389,8 +392,11 @@ def extract_with_source(
         return read_cache(features_path, labels_path) + (f"cached {key}",)
     if problem != CACHE_MISSING:
         warnings.warn(f"feature cache {problem}; computing the features again", EvalWarning, stacklevel=3)
+    parts = Parts(cache, key, batch_size * get_world_size(), np.dtype(dtype))
+    first = int(broadcast_object(parts.resume() if is_main_process() else 0))  # rows a cut run already kept
     if is_main_process():
-        files = write_cache(batches(), len(dataset), np.dtype(dtype), features_path, labels_path)
+        parts.extend(batches(first))
+        files = write_cache(parts.read(), len(dataset), np.dtype(dtype), features_path, labels_path)
         atomic_write_json(
             meta_path,
             {
@@ -406,12 +412,14 @@ def extract_with_source(
                 "files": files,
             },
         )
+        parts.remove()
     else:
-        for _ in batches():  # the other ranks take part in every gather, then read rank 0's file
+        for _ in batches(first):  # the other ranks take part in every gather, then read rank 0's file
             pass
     barrier()
     features, labels = read_cache(features_path, labels_path)
-    return features, labels, "computed" if problem == CACHE_MISSING else f"computed ({problem})"
+    source = "computed" if problem == CACHE_MISSING else f"computed ({problem})"
+    return features, labels, source + (f", continued at row {first} of a cut run" if first else "")
 
 
 def as_float32(features: torch.Tensor | np.ndarray, start: int = 0, stop: int | None = None) -> torch.Tensor:

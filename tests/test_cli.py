@@ -256,8 +256,14 @@ def test_ctrl_c_says_what_was_kept_and_the_command_that_continues(tmp_path, monk
     ev = tmp_path / "ev"
     assert cli.main(["eval", "knn", "--weights", "w w.pth", "--out", str(ev), "--cache-dir", "c"]) == 130
     assert one_sentence(capsys.readouterr().err) == (
-        f"bt-hub eval knn: interrupted; nothing was written to {ev}, and the features cached in c are reused; "
-        f"run the same command again to continue: bt-hub eval knn --weights 'w w.pth' --out {ev} --cache-dir c"
+        f"bt-hub eval knn: interrupted; nothing was written to {ev}, and the features extracted into c are kept "
+        "(whole parts, checked before reuse); run the same command again to continue: "
+        f"bt-hub eval knn --weights 'w w.pth' --out {ev} --cache-dir c"
+    )
+    assert cli.main(["eval", "knn", "--weights", "w w.pth", "--out", str(tmp_path / "ev2")]) == 130
+    assert one_sentence(capsys.readouterr().err).endswith(
+        "without --cache-dir nothing of the features is kept, so running it again starts over: "
+        f"bt-hub eval knn --weights 'w w.pth' --out {tmp_path / 'ev2'}"
     )
 
 

@@ -337,3 +337,37 @@ def test_a_same_size_edit_of_any_training_image_invalidates_the_cached_features(
         assert run.features_used["train"] == "computed"
     row = sorted(p.name for p in (root / "train" / "a").iterdir()).index(victim.name)
     assert not np.allclose(np.asarray(second)[row], first[row])
+
+
+def test_an_extraction_cut_short_continues_from_its_last_whole_part_to_the_same_features(
+    small_stem_weights, tmp_path, monkeypatch
+):
+    # guards: Ctrl-C said "run the same command again to continue", but the rerun extracted from batch 1 again
+    import bt_hub.eval.feature_cache as feature_cache
+    from bt_hub.eval.knn import KnnConfig
+    from bt_hub.eval.runner import evaluation
+
+    monkeypatch.setattr(feature_cache, "PART_ROWS", 16)  # a part every 2 batches of 8
+    config = dict(weights=str(small_stem_weights), data="synthetic:80", image_size=8, batch_size=8, out=None)
+    with evaluation(KnnConfig(**config, cache_dir=str(tmp_path / "whole"))) as run:
+        whole = np.array(run.features("train")[0])
+    cut = KnnConfig(**config, cache_dir=str(tmp_path / "cut"))
+    with evaluation(cut) as run:
+        net, calls = run.weights.network, []
+        forward = net.forward
+
+        def stop_at_the_fifth_batch(x):
+            calls.append(len(x))
+            if len(calls) == 5:
+                raise KeyboardInterrupt
+            return forward(x)
+
+        monkeypatch.setattr(net, "forward", stop_at_the_fifth_batch)
+        with pytest.raises(KeyboardInterrupt):
+            run.features("train")
+    assert len(list((tmp_path / "cut").glob("*.part*.npz"))) == 2  # rows 0-15 and 16-31: 4 whole batches
+    with evaluation(cut) as run:
+        resumed = np.array(run.features("train")[0])
+        assert run.features_used["train"] == "computed, continued at row 32 of a cut run"
+    np.testing.assert_array_equal(resumed, whole)
+    assert not list((tmp_path / "cut").glob("*.part*"))  # the parts go once the whole file is written
