@@ -281,6 +281,7 @@ class CompareConfig(EvalConfig):
     """Flags of ``bt-hub eval compare``: weights against baselines, every cell mean ± std over seeds."""
 
     RUN_FIELDS: ClassVar[tuple[str, ...]] = EvalConfig.RUN_FIELDS + ("seeds",)
+    CACHE_UNDER_OUT: ClassVar[bool] = True
 
     weights: list[str] = field(
         metadata={
@@ -339,6 +340,29 @@ class CompareConfig(EvalConfig):
             val_fraction=self.val_fraction,
             epochs_flag="--linear-epochs",
         )
+
+    def unused_flags(self) -> dict[str, str]:
+        """Each protocol's and baseline's flags when it is not in ``--protocols`` / ``--baselines``."""
+        unused = super().unused_flags()
+        grid = "linear" in self.protocols or ("semi" in self.protocols and "pixels" in self.baselines)
+        for names, used, what in (
+            (("knn_k",), "knn" in self.protocols, "the kNN column, which --protocols leaves out"),
+            (("fractions", "semi_epochs"), "semi" in self.protocols, "the semi columns, which --protocols leaves out"),
+            (
+                ("linear_epochs", "lr_grid", "weight_decay_grid", "val_fraction"),
+                grid,
+                "the grid probe, which runs for --protocols linear (and semi's pixels row) only",
+            ),
+            (
+                ("semi_preset",),
+                "semi" in self.protocols or "supervised" in self.baselines,
+                "fine-tuning, which runs for --protocols semi or --baselines supervised only",
+            ),
+            (("supervised_epochs",), "supervised" in self.baselines, "--baselines supervised, which is not asked for"),
+        ):
+            if not used:
+                unused.update(dict.fromkeys(names, f"sets {what}"))
+        return unused
 
     def columns(self) -> list[str]:
         """The table's columns, in protocol order."""

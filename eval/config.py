@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from bt_hub.common.config import MAX_IMAGE_SIZE, RunConfig, out_field
-from bt_hub.common.presets import preset_values
+from bt_hub.common.presets import overrides, preset_values
 from bt_hub.common.runs import check_run_dir
 from bt_hub.method.model import ARCHITECTURES
 
@@ -50,6 +50,8 @@ class EvalConfig(RunConfig):
         "precision",
         "decode",
     )
+    # The command caches features under OUT/feature_cache when --cache-dir is not given (compare, eval all, embed).
+    CACHE_UNDER_OUT: ClassVar[bool] = False
 
     weights: str = field(
         metadata={
@@ -160,8 +162,27 @@ class EvalConfig(RunConfig):
         preset = getattr(self, "preset", None)
         if preset is not None:
             preset_values(type(self), preset)  # an unknown name fails here, listing the valid ones
+        given = overrides(self)
+        for name, why in self.unused_flags().items():
+            if name in given:
+                raise ValueError(f"--{name.replace('_', '-')} {why}; leave it out")
         if self.out is not None:
             check_run_dir(self.out, kind="eval", overwrite=self.overwrite)
+
+    def unused_flags(self) -> dict[str, str]:
+        """Field -> why this run would not read it; a flag among them that was given is refused, never ignored.
+
+        Given: differs from its preset (bt_hub.common.presets.overrides). Protocols add their own.
+        """
+        unused = {}
+        if self.cache_dir is None and not (self.CACHE_UNDER_OUT and self.out is not None):
+            unused["cache_dtype"] = "sets the dtype of the feature cache, and this run has none (--cache-dir)"
+        if self.holdout is not None:
+            unused["test_split"] = "names the held-out folder, which --holdout replaces by a part of the training split"
+        if getattr(self, "schedule", None) == "cosine":
+            why = "only moves the LR of --schedule step, and this run's schedule is cosine"
+            unused.update(milestones=why, gamma=why)
+        return unused
 
 
 def preset_warnings(config: Any, *, num_classes: int, train_images: int, image_side: int | None) -> list[str]:

@@ -41,6 +41,7 @@ class EmbedConfig(EvalConfig):
     """Flags of ``bt-hub embed``: which weights, data and splits, and the output format."""
 
     RUN_FIELDS: ClassVar[tuple[str, ...]] = EvalConfig.RUN_FIELDS + ("format",)
+    CACHE_UNDER_OUT: ClassVar[bool] = True
 
     splits: list[str] = field(
         default_factory=lambda: ["train", "test"],
@@ -66,6 +67,13 @@ class EmbedConfig(EvalConfig):
         if self.format == "parquet":
             require("pyarrow", "bt-hub embed --format parquet")
         super().__post_init__()
+
+    def unused_flags(self) -> dict[str, str]:
+        """``--test-split`` when the held-out split is not embedded."""
+        unused = super().unused_flags()
+        if "test" not in self.splits:
+            unused["test_split"] = "names the held-out folder, which --splits without test does not embed"
+        return unused
 
 
 def index_rows(dataset: Dataset, split: str, data: str) -> list[dict[str, Any]]:

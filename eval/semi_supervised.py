@@ -161,6 +161,10 @@ class SemiSupervisedConfig(EvalConfig):
         default=True,
         metadata={"help": "random horizontal flips of the training images (paper: on; --no-flip for digits or text)"},
     )
+    decode: Literal["workers"] = field(
+        default="workers",
+        metadata={"help": "the fine-tuning loop decodes and augments in PIL in the loader workers; the only choice"},
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -180,6 +184,15 @@ class SemiSupervisedConfig(EvalConfig):
             raise ValueError(f"--milestones must be increasing positive epochs, got {self.milestones}")
         if not 0 < self.crop_scale_min <= 1:
             raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
+
+    def unused_flags(self) -> dict[str, str]:
+        """The shared flags fine-tuning does not read: the feature cache, device decoding, CPU autocast."""
+        no_features = "does not apply to eval semi: fine-tuning trains on images and extracts no features"
+        unused = super().unused_flags() | {"cache_dir": no_features, "cache_dtype": no_features}
+        unused["decode"] = "does not apply to eval semi: fine-tuning decodes and augments in PIL in the loader workers"
+        if self.precision == "bf16" and not self.device.startswith("cuda"):
+            unused["precision"] = "applies to fine-tuning on CUDA only; on the CPU the loop runs in fp32"
+        return unused
 
 
 def run(config: SemiSupervisedConfig) -> dict[str, Any]:

@@ -27,12 +27,15 @@ from bt_hub.eval.runner import evaluation, run_child
 
 # EvalConfig fields that only the image-folder protocols take (the VOC07 devkit has its own lists).
 _SPLIT_FIELDS = ("test_split", "holdout")
+# EvalConfig fields of feature extraction, which fine-tuning does not do (its batch is --semi-batch-size).
+_EXTRACTION_FIELDS = ("batch_size", "cache_dir", "cache_dtype", "decode")
 
 
 @dataclass
 class SuiteConfig(EvalConfig):
     """Flags of ``bt-hub eval all``; the shared flags are passed to every protocol."""
 
+    CACHE_UNDER_OUT: ClassVar[bool] = True
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "paper": {},
         "small": {"linear_preset": "small", "semi_preset": "small"},
@@ -102,6 +105,14 @@ class SuiteConfig(EvalConfig):
                         "expected SimCLR's published lists there"
                     )
 
+    def unused_flags(self) -> dict[str, str]:
+        """The semi-supervised flags when ``--fractions`` is empty (no semi-supervised run)."""
+        unused = super().unused_flags()
+        if not self.fractions:
+            why = "sets the semi-supervised runs, which an empty --fractions skips"
+            unused.update(dict.fromkeys(("semi_preset", "semi_epochs", "semi_batch_size", "subset_dir"), why))
+        return unused
+
 
 def _shared(config: SuiteConfig, name: str, skip: tuple[str, ...] = (), **overrides: Any) -> dict[str, Any]:
     """The EvalConfig flags of the suite (less ``skip``), with the protocol's own folder ``OUT/name`` (or none)."""
@@ -113,6 +124,11 @@ def _shared(config: SuiteConfig, name: str, skip: tuple[str, ...] = (), **overri
 def _given(**values: Any) -> dict[str, Any]:
     """The values that were set (None: keep the preset's)."""
     return {k: v for k, v in values.items() if v is not None}
+
+
+def _semi_skips(config: SuiteConfig) -> tuple[str, ...]:
+    """The shared flags fine-tuning does not read (on the CPU its loop runs in fp32 whatever --precision says)."""
+    return _EXTRACTION_FIELDS + (() if config.device.startswith("cuda") else ("precision",))
 
 
 def run(config: SuiteConfig) -> dict[str, Any]:
@@ -143,7 +159,7 @@ def run(config: SuiteConfig) -> dict[str, Any]:
             semi_config = from_preset(
                 semi_supervised.SemiSupervisedConfig,
                 config.semi_preset,
-                **_shared(config, f"semi_{pct}percent", skip=("batch_size",)),
+                **_shared(config, f"semi_{pct}percent", skip=_semi_skips(config)),
                 **subset,
                 **_given(epochs=config.semi_epochs, batch_size=config.semi_batch_size),
             )

@@ -340,15 +340,13 @@ class Voc07SvmConfig(EvalConfig):
         self.require_positive("max_iter")
         if self.n_jobs == 0:
             raise ValueError("--n-jobs must be -1 (all cores) or a positive number of jobs, got 0")
-        if self.decode != "workers":
-            raise ValueError(
-                f"--decode {self.decode} does not apply to voc07-svm: VISSL's two resizes run in PIL in the loader "
-                "workers; leave --decode out"
-            )
-        if self.holdout is not None:
-            raise ValueError(
-                "--holdout does not apply to VOC07: the devkit's ImageSets/Main lists give trainval and test"
-            )
+
+    def unused_flags(self) -> dict[str, str]:
+        """VOC07 decodes in PIL and takes its splits from the devkit's lists."""
+        return super().unused_flags() | {
+            "decode": "does not apply to voc07-svm: VISSL's two resizes run in PIL in the loader workers",
+            "holdout": "does not apply to VOC07: the devkit's ImageSets/Main lists give trainval and test",
+        }
 
 
 def run(config: Voc07SvmConfig) -> dict[str, Any]:

@@ -270,7 +270,8 @@ def test_cli_transfer_takes_an_imagefolder_by_path_with_the_pirl_preset(resnet18
 
 
 def test_cli_rejects_bad_milestones_in_one_line(resnet18_weights, capsys):
-    assert cli.main(["eval", "linear", "--weights", str(resnet18_weights), "--milestones", "9", "3"]) == 2
+    argv = ["eval", "linear", "--weights", str(resnet18_weights), "--schedule", "step", "--milestones", "9", "3"]
+    assert cli.main(argv) == 2
     assert "--milestones must be increasing" in capsys.readouterr().err
 
 
@@ -415,7 +416,7 @@ def test_cli_linear_on_digits_like_data_runs_the_grid_and_records_it(resnet18_we
         (["--epochs", "0"], "--epochs must be an integer in [1, 100000]"),
         (["--batch-size", "0"], "--batch-size must be positive"),
         (["--val-fraction", "0.9"], "--val-fraction must be in (0, 0.5]"),
-        (["--gamma", "0"], "--gamma must be in (0, 1]"),
+        (["--gamma", "0", "--schedule", "step"], "--gamma must be in (0, 1]"),
     ],
 )
 def test_cli_rejects_probe_settings_out_of_range_in_one_line(resnet18_weights, tmp_path, capsys, flags, message):

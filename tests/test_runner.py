@@ -11,9 +11,13 @@ import pytest
 
 import bt_hub.weights as bt_weights
 from bt_hub import cli
+from bt_hub.common.presets import from_preset
 from bt_hub.eval import comparison, knn, runner, suite
-from bt_hub.eval.linear import LinearConfig
+from bt_hub.eval.embedding import EmbedConfig
+from bt_hub.eval.linear import LinearConfig, TransferConfig
+from bt_hub.eval.semi_supervised import SemiSupervisedConfig
 from bt_hub.eval.suite import SuiteConfig
+from bt_hub.eval.voc07_svm import Voc07SvmConfig
 
 SMALL = ["--data", "synthetic:40", "--image-size", "8", "--batch-size", "16"]
 
@@ -53,6 +57,79 @@ def test_eval_all_reads_and_hashes_the_weights_once_for_every_protocol(small_ste
     assert [r["protocol"] for r in records] == ["knn", "linear", "semi"]
     assert len({r["weights"]["fingerprint"] for r in records}) == 1
     assert all(r["settings"]["image_size"] == 8 for r in records)
+
+
+def test_eval_all_passes_its_protocols_only_the_shared_flags_they_read(small_stem_weights, tmp_path):
+    # guards: a shared flag that fine-tuning refuses (cache, decode, CPU bf16) must never break eval all
+    config = SuiteConfig(
+        weights=str(small_stem_weights),
+        data="synthetic:40",
+        image_size=8,
+        batch_size=16,
+        fractions=[10],
+        linear_epochs=1,
+        semi_epochs=1,
+        cache_dtype="float16",
+        decode="workers",
+        precision="bf16",
+        out=str(tmp_path / "all"),
+    )
+    records = suite.run(config)["results"]
+    assert [r["settings"]["decode"] for r in records] == ["workers", "workers", "workers"]
+    assert records[0]["hyperparameters"]["cache_dtype"] == "float16"
+
+
+@pytest.mark.parametrize(
+    ("cls", "flags", "flag"),
+    [
+        (knn.KnnConfig, {"cache_dtype": "float16"}, "--cache-dtype"),
+        (knn.KnnConfig, {"holdout": 0.2, "test_split": "test"}, "--test-split"),
+        (LinearConfig, {"schedule": "cosine", "milestones": [3]}, "--milestones"),
+        (TransferConfig, {"schedule": "cosine", "gamma": 0.5}, "--gamma"),
+        (SemiSupervisedConfig, {"cache_dir": "c"}, "--cache-dir"),
+        (SemiSupervisedConfig, {"cache_dtype": "float16"}, "--cache-dtype"),
+        (SemiSupervisedConfig, {"decode": "device"}, "--decode"),
+        (SemiSupervisedConfig, {"precision": "bf16"}, "--precision"),
+        (SemiSupervisedConfig, {"preset": "reference", "milestones": [3]}, "--milestones"),
+        (Voc07SvmConfig, {"data": "voc", "decode": "device"}, "--decode"),
+        (Voc07SvmConfig, {"data": "voc", "holdout": 0.2}, "--holdout"),
+        (SuiteConfig, {"fractions": [], "semi_epochs": 2}, "--semi-epochs"),
+        (SuiteConfig, {"fractions": [], "semi_preset": "small"}, "--semi-preset"),
+        (SuiteConfig, {"out": None, "cache_dtype": "float16"}, "--cache-dtype"),
+        (comparison.CompareConfig, {"protocols": ["knn"], "fractions": [5]}, "--fractions"),
+        (comparison.CompareConfig, {"protocols": ["knn"], "semi_epochs": 2}, "--semi-epochs"),
+        (comparison.CompareConfig, {"protocols": ["knn"], "lr_grid": [0.1]}, "--lr-grid"),
+        (comparison.CompareConfig, {"protocols": ["semi"], "baselines": ["random-init"], "val_fraction": 0.3}, "--val"),
+        (comparison.CompareConfig, {"protocols": ["linear"], "knn_k": 5}, "--knn-k"),
+        (comparison.CompareConfig, {"semi_preset": "paper"}, "--semi-preset"),
+        (comparison.CompareConfig, {"supervised_epochs": 2}, "--supervised-epochs"),
+        (EmbedConfig, {"splits": ["train"], "test_split": "test"}, "--test-split"),
+        (EmbedConfig, {"out": None, "cache_dtype": "float16"}, "--cache-dtype"),
+    ],
+)
+def test_a_flag_the_run_would_not_read_is_refused_naming_it(cls, flags, flag, tmp_path):
+    # guards: these flags were accepted, ignored by the run, and recorded as if they had applied
+    flags = {"out": str(tmp_path / "o"), **flags}
+    weights = ["w"] if cls is comparison.CompareConfig else "w"
+    with pytest.raises(ValueError, match=f"^{flag}.*; leave it out$"):
+        from_preset(cls, flags.pop("preset", None), weights=weights, **flags)
+
+
+@pytest.mark.parametrize(
+    ("cls", "flags"),
+    [
+        (knn.KnnConfig, {"cache_dtype": "float16", "cache_dir": "c"}),
+        (SemiSupervisedConfig, {"schedule": "cosine", "precision": "fp32"}),
+        (SuiteConfig, {"fractions": [], "preset": "small", "cache_dtype": "float16"}),
+        (comparison.CompareConfig, {"protocols": ["semi"], "baselines": ["pixels"], "lr_grid": [0.1]}),
+        (comparison.CompareConfig, {"baselines": ["supervised"], "semi_preset": "paper", "supervised_epochs": 2}),
+        (EmbedConfig, {"splits": ["test"], "test_split": "test", "cache_dtype": "float16"}),
+    ],
+)
+def test_a_flag_the_run_reads_is_accepted(cls, flags, tmp_path):
+    flags = {"out": str(tmp_path / "o"), **flags}
+    weights = ["w"] if cls is comparison.CompareConfig else "w"
+    from_preset(cls, flags.pop("preset", None), weights=weights, **flags)
 
 
 def test_a_failed_evaluation_leaves_no_folder_behind(tmp_path):
