@@ -173,6 +173,7 @@ class LinearConfig(EvalConfig):
     )
 
     def __post_init__(self) -> None:
+        self._use_every_flag()  # the search is settled first: which flags the run reads depends on it
         super().__post_init__()
         check_probe_settings(
             epochs=self.epochs,
@@ -187,7 +188,16 @@ class LinearConfig(EvalConfig):
             raise ValueError(f"--milestones must be increasing positive epochs, got {self.milestones}")
         if not 0 < self.crop_scale_min <= 1:
             raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
-        self._use_every_flag()
+
+    def unused_flags(self) -> dict[str, str]:
+        """The feature cache and CPU autocast under the paper's loop (``--search fixed`` without ``--cached``)."""
+        unused = super().unused_flags()
+        if self.search == "fixed" and not self.cached:
+            why = "does not apply to the paper's loop (--search fixed without --cached), which extracts no features"
+            unused |= {"cache_dir": why, "cache_dtype": why}
+            if self.precision == "bf16" and not self.device.startswith("cuda"):
+                unused["precision"] = "applies to the paper's loop on CUDA only; on the CPU it runs in fp32"
+        return unused
 
     def _use_every_flag(self) -> None:
         """Flags of one search switch ``--search auto`` to it; flags the chosen search would ignore are refused."""

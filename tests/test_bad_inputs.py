@@ -449,6 +449,13 @@ def _cases() -> list[Case]:
         Case("eval voc07-svm", "unknown pool", (*voc, "--pool", "max"), ("--pool",), weights),
         Case("eval voc07-svm", "decode device", (*voc, "--decode", "device"), ("--decode",), weights),
         Case("eval linear", "gamma under cosine", (*lin, "--gamma", "0.5"), ("--gamma",), weights),
+        Case(
+            "eval linear",
+            "cache-dir in the paper loop",
+            (*lin, "--lr", "0.1", "--cache-dir", "{d}/c"),
+            ("--cache-dir",),
+            weights,
+        ),
         *_eval_cases("transfer"),
         *_eval_cases("all"),
         Case("eval all", "fractions 150", (*suite, "--fractions", "150"), ("--fractions",), weights),

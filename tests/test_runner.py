@@ -86,6 +86,8 @@ def test_eval_all_passes_its_protocols_only_the_shared_flags_they_read(small_ste
         (knn.KnnConfig, {"holdout": 0.2, "test_split": "test"}, "--test-split"),
         (LinearConfig, {"schedule": "cosine", "milestones": [3]}, "--milestones"),
         (TransferConfig, {"schedule": "cosine", "gamma": 0.5}, "--gamma"),
+        (LinearConfig, {"search": "fixed", "cache_dir": "c"}, "--cache-dir"),
+        (LinearConfig, {"lr": 0.1, "precision": "bf16"}, "--precision"),
         (SemiSupervisedConfig, {"cache_dir": "c"}, "--cache-dir"),
         (SemiSupervisedConfig, {"cache_dtype": "float16"}, "--cache-dtype"),
         (SemiSupervisedConfig, {"decode": "device"}, "--decode"),
@@ -119,6 +121,8 @@ def test_a_flag_the_run_would_not_read_is_refused_naming_it(cls, flags, flag, tm
     ("cls", "flags"),
     [
         (knn.KnnConfig, {"cache_dtype": "float16", "cache_dir": "c"}),
+        (LinearConfig, {"search": "fixed", "cached": True, "cache_dir": "c", "precision": "bf16"}),
+        (TransferConfig, {"cache_dir": "c"}),
         (SemiSupervisedConfig, {"schedule": "cosine", "precision": "fp32"}),
         (SuiteConfig, {"fractions": [], "preset": "small", "cache_dtype": "float16"}),
         (comparison.CompareConfig, {"protocols": ["semi"], "baselines": ["pixels"], "lr_grid": [0.1]}),
