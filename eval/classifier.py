@@ -92,6 +92,11 @@ def make_loader(
     )
 
 
+def loop_precision(device: torch.device, precision: str) -> str:
+    """The precision the image loops run in (recorded beside the extraction's): :func:`loop_autocast`'s, by name."""
+    return precision if loop_autocast(device, precision) is not None else "fp32"
+
+
 def loop_autocast(device: torch.device, precision: str) -> torch.dtype | None:
     """The autocast dtype of the image loops: the run's resolved ``--precision`` on CUDA (bf16 where the GPU
     has it), fp32 on the CPU, where bf16 training of these loops is unmeasured."""

@@ -42,6 +42,7 @@ from bt_hub.common.presets import overrides
 from bt_hub.common.runs import RunDir
 from bt_hub.eval.classifier import (
     evaluate_loader,
+    loop_precision,
     make_classifier,
     make_loader,
     train_classifier,
@@ -272,6 +273,7 @@ def score(run: EvalRun) -> Scored:
         metrics = _fixed_on_features(run, num_classes)
     else:
         metrics = _paper_loop(run, num_classes)
+        notes["loop_precision"] = loop_precision(run.device, run.settings.precision)
     return Scored(
         "transfer" if isinstance(config, TransferConfig) else "linear",
         metrics,

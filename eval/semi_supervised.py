@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 
 from bt_hub.common.distributed import convert_sync_batchnorm, is_distributed
-from bt_hub.eval.classifier import evaluate_loader, make_classifier, make_loader, train_classifier
+from bt_hub.eval.classifier import evaluate_loader, loop_precision, make_classifier, make_loader, train_classifier
 from bt_hub.eval.config import EvalConfig, warn_about_settings
 from bt_hub.eval.features import TransformedDataset, train_transform
 from bt_hub.eval.label_subsets import read_subset_file, subset_indices
@@ -264,4 +264,5 @@ def score(run: EvalRun) -> Scored:
         paper_task=paper_task(config, labels),
         labels=labels,
         warnings=warned,
+        notes={"loop_precision": loop_precision(run.device, run.settings.precision)},
     )

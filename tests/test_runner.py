@@ -202,10 +202,12 @@ def test_a_flag_the_chosen_search_would_ignore_is_refused(flags, message, tmp_pa
         LinearConfig(weights="w", out=str(tmp_path / "o"), **flags)
 
 
-def test_compare_cells_without_spread_say_so(small_stem_weights, tmp_path):
+def test_compare_cells_without_spread_say_so(small_stem_weights, tmp_path, capsys):
     out = tmp_path / "cmp"
     args = ["eval", "compare", "--weights", str(small_stem_weights), "--baselines", "pixels", "--protocols", "knn"]
     assert cli.main([*args, "--seeds", "2", "--knn-k", "5", *SMALL, "--out", str(out)]) == 0
+    # guards: compare was silent while it trained its heads; its cells now report progress
+    assert "compare: 4/4 cell (100%)" in capsys.readouterr().err
     table = (out / "compare.md").read_text()
     assert "± 0.0" not in table and "(deterministic)" in table
     assert "- network: resnet18, small-image stem (3x3, no max-pool); images 8 px (--image-size)" in table

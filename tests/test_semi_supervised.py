@@ -225,3 +225,11 @@ def test_milestones_that_never_fire_are_a_warning():
     ]
     assert schedule_warnings(SemiSupervisedConfig(weights="w")) == []
     assert schedule_warnings(from_preset(SemiSupervisedConfig, "small", weights="w", epochs=5)) == []  # cosine
+
+
+def test_the_record_says_the_precision_the_fine_tuning_ran_in(small_stem_weights):
+    # guards: under --precision auto on a bf16 CPU the record said bf16 (the extraction's) while the loop ran fp32
+    from bt_hub.eval import evaluate
+
+    result = evaluate(small_stem_weights, "synthetic:40", "semi", preset="small", fraction=50, epochs=1, image_size=8)
+    assert result.records[0]["notes"]["loop_precision"] == "fp32"  # on the CPU, whatever --precision resolved to
