@@ -14,6 +14,14 @@ from bt_hub.train.compile_auto import TIMED_STEPS, AutoCompile, compile_pays
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def amx(monkeypatch):
+    """An AMX CPU, where compiling measured faster (the rule's CPU case); a test may set other flags."""
+    flags = {"amx_bf16", "avx512_bf16"}
+    monkeypatch.setattr(compile_auto, "cpu_flags", lambda: frozenset(flags))
+    return flags
+
+
 @pytest.fixture
 def fake_compile(monkeypatch):
     """``torch.compile`` -> a stand-in that tags results ``compiled`` (or raises, when ``fail`` is set)."""
@@ -46,6 +54,14 @@ def test_compile_pays_only_when_the_steps_left_save_more_than_compiling_costs():
     assert compile_pays(10_000, 1.0, "cpu")[0] and compile_pays(10_000, 0.1, "cuda")[0]
     assert not compile_pays(100, 1.0, "cpu")[0] and not compile_pays(1000, 0.1, "cuda")[0]
     assert "100 steps left" in compile_pays(100, 1.0, "cpu")[1]
+
+
+def test_a_cpu_without_amx_stays_eager_however_long_the_run(amx):
+    # guards: auto compiled on an AMD EPYC with avx512_bf16, where the compiled step took 6.45 s against 4.68 eager
+    amx.discard("amx_bf16")
+    pays, reason = compile_pays(10**6, 10.0, "cpu")
+    assert not pays and "without AMX" in reason
+    assert compile_pays(10_000, 0.1, "cuda")[0]  # GPUs are not affected
 
 
 def test_a_long_run_compiles_after_timing_its_first_eager_steps(fake_compile, monkeypatch):

@@ -2,8 +2,11 @@
 
 Compiling costs minutes once (Inductor generates and builds its kernels) and then saves about a
 quarter of every step: 2.23x -> 3.07x the reference loop on an AMX CPU, 1,801 -> 2,387 images/s
-on an H100 (docs/performance.md). ``auto`` times the first eager steps and compiles when the
-steps still to run would save more than compiling is expected to cost:
+on an H100 (docs/performance.md). On a CPU without AMX it cost time: on a 2-core AMD EPYC with
+avx512_bf16 the compiled step took 4.99 s against 4.15 s eager (benchmarks/pretrain_step.py, median
+of 8 steps, load under 2; another pair 6.45 against 4.68), so ``auto`` stays eager there. Elsewhere
+it times the first eager steps and compiles when the steps still to run would save more than
+compiling is expected to cost:
 
     steps left x eager seconds per step x SAVED_FRACTION  >  COMPILE_SECONDS[device type]
 
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 
 from bt_hub.common.distributed import broadcast_object
+from bt_hub.data.precision import cpu_flags
 
 SAVED_FRACTION = 0.25
 COMPILE_SECONDS = {"cuda": 120.0, "cpu": 300.0}
@@ -30,6 +34,8 @@ TIMED_STEPS = 4  # eager steps timed before deciding; the first step (warming ca
 
 def compile_pays(steps_left: int, step_seconds: float, device_type: str) -> tuple[bool, str]:
     """Whether compiling repays itself over ``steps_left`` eager steps of ``step_seconds``; the reason in words."""
+    if device_type == "cpu" and "amx_bf16" not in cpu_flags():
+        return False, "auto: a CPU without AMX, where the compiled step measured slower than eager"
     cost = COMPILE_SECONDS.get(device_type, COMPILE_SECONDS["cpu"])
     saved = steps_left * step_seconds * SAVED_FRACTION
     verdict = ">" if saved > cost else "<="
