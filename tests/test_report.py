@@ -375,3 +375,12 @@ def test_a_damaged_history_is_named_before_the_work_and_the_new_record_is_never_
     assert lines[:2] == [good.strip(), "not json at all"] and lines[2] == good[: len(good) // 2]
     assert json.loads(lines[3])["metrics"] == json.loads(good)["metrics"]  # the new record, whole, on its own line
     assert (out / "results.md").read_text().count("| ours: knn |") == 2  # both whole records, not the damaged lines
+
+
+def test_a_grid_probe_says_so_in_its_setting():
+    # guards: a linear result chosen over a grid on validation data read "cached features, no augmentation",
+    # like the preset's one recipe
+    grid = {"protocol": "linear", "mode": "cached", "preset": "imagenet", "notes": {"search": "grid"}, "metrics": {}}
+    fixed = {**grid, "notes": {"search": "fixed"}}
+    assert "grid of heads chosen on a validation split" in setting(grid)
+    assert "grid" not in setting(fixed)

@@ -293,11 +293,14 @@ def overrides_text(record: Mapping[str, Any]) -> str:
 
 
 def setting(record: Mapping[str, Any]) -> str:
-    """What was run, in words: labels, preset, mode, changed hyper-parameters and a held-out test split."""
+    """What was run, in words: labels, preset, mode, a grid search, changed hyper-parameters, a held-out test split."""
     parts = [labels_text(record)]
     if record.get("preset"):
         parts.append(f"preset {record['preset']}")
     parts.append(MODES.get(str(record.get("mode")), ""))
+    notes = record.get("notes") or {}
+    if notes.get("search") == "grid" or "chosen" in notes:  # the probe chose its LR and decay on validation data
+        parts.append("grid of heads chosen on a validation split")
     parts.append(overrides_text(record))
     holdout = (record.get("dataset") or {}).get("holdout") if isinstance(record.get("dataset"), Mapping) else None
     if holdout:
