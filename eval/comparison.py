@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
-from bt_hub.common.presets import baseline
+from bt_hub.common.presets import baseline, overrides
 from bt_hub.common.progress import progress
 from bt_hub.eval.comparison_report import SEED_VARIES, Comparison, describe_settings, render_markdown, write_comparison
 from bt_hub.eval.config import EvalConfig
@@ -61,9 +61,9 @@ class Source:
     """One row: a name, how to get its network for a seed, and whether it is a baseline.
 
     ``network(seed)`` returns the feature extractor (``nn.Flatten()`` for pixels); ``per_seed``
-    says it differs by seed (random-init), else it is built once. ``fingerprint`` names fixed
-    weights in the records. ``trainable`` networks are fine-tuned by ``semi``; others get the
-    grid probe on the labelled subset's features.
+    says it differs by seed (random-init; pretraining runs ``--as-seeds``), else it is built once.
+    ``fingerprint`` names fixed weights in the records. ``trainable`` networks are fine-tuned by ``semi``; others
+    get the grid probe on the labelled subset's features.
     """
 
     name: str
@@ -72,6 +72,12 @@ class Source:
     per_seed: bool = False
     fingerprint: str | None = None
     trainable: bool = True
+    seed_fingerprints: dict[int, str] = field(default_factory=dict)  # --as-seeds: the run each seed scores
+    position: dict[str, float] = field(default_factory=dict)  # --over-steps: pretraining step and seconds
+
+    def fingerprint_for(self, seed: int) -> str | None:
+        """The sha256 of the weights this row scores at ``seed`` (None: a baseline)."""
+        return self.seed_fingerprints.get(seed, self.fingerprint)
 
 
 def default_init_backbone(arch: str, small_image_stem: bool, seed: int) -> nn.Module:
@@ -119,6 +125,7 @@ def compare(
     names = [s.name for s in sources] + (["supervised"] if supervised else [])
     values: dict[str, dict[str, list[float]]] = {name: {c: [] for c in columns} for name in names}
     result = Comparison(list(seeds), list(columns), values, [s.name for s in sources if s.baseline], len(splits.test))
+    result.positions = {s.name: s.position for s in sources if s.position}
     if supervised:
         result.baselines.append("supervised")
     targets = np.asarray(splits.train.targets)
@@ -128,7 +135,8 @@ def compare(
         for source in sources:
             net = source.network(seed)
             train_x, train_y, test_x, test_y = features(source, net, seed)
-            network_id = {"network_fingerprint": module_fingerprint(net)} if source.per_seed else {}
+            network_id = {"network_fingerprint": module_fingerprint(net)} if source.per_seed and source.baseline else {}
+            network_id |= {"curve": source.position} if source.position else {}
             for column in columns:
                 tick = time.perf_counter()
                 pct = _labels_column(column)
@@ -155,7 +163,7 @@ def compare(
                     score = _finetune(copy.deepcopy(net), run, subsets[pct], settings, seed, _semi_recipe(settings))
                     notes = {"recipe": f"semi preset {settings.semi_preset}", "epochs": settings.semi_epochs}
                 values[source.name][column].append(score["top1"])
-                cell = (source.name, source.fingerprint, column, seed)
+                cell = (source.name, source.fingerprint_for(seed), column, seed)
                 result.records.append(
                     _record(run, settings, cell, score, subsets.get(pct or 0), tick, {**notes, **network_id})
                 )
@@ -296,7 +304,23 @@ class CompareConfig(EvalConfig):
         default_factory=lambda: ["knn", "linear"],
         metadata={"help": f"columns, comma- or space-separated: {', '.join(PROTOCOLS)} (semi: one per --fractions)"},
     )
-    seeds: int = field(default=3, metadata={"help": "seeds per cell (--seed, --seed + 1, ...)"})
+    seeds: int = field(
+        default=3, metadata={"help": "seeds per cell (--seed, --seed + 1, ...); with --as-seeds, one per run"}
+    )
+    as_seeds: bool = field(
+        default=False,
+        metadata={
+            "help": "the --weights are pretraining runs of one recipe that differ in their seed: one row, run i "
+            "scored with evaluation seed --seed + i, so the spread is over pretraining runs"
+        },
+    )
+    over_steps: bool = field(
+        default=False,
+        metadata={
+            "help": "a learning curve: one row per step whose weights each --weights run kept (bt-hub pretrain "
+            "--keep-every), drawn against the baselines' bands in curve.png"
+        },
+    )
     fractions: list[int] = field(default_factory=lambda: [1, 10], metadata={"help": "label percentages of semi"})
     knn_k: int = field(default=20, metadata={"help": "neighbours of the kNN vote (T = 0.07)"})
     linear_epochs: int = field(default=100, metadata={"help": "epochs of the linear grid probe"})
@@ -327,6 +351,16 @@ class CompareConfig(EvalConfig):
             if unknown or not given:
                 raise ValueError(f"{flag} must list some of {', '.join(known)}, got {' '.join(given) or 'none'}")
         super().__post_init__()
+        if self.as_seeds:
+            if len(self.weights) < 2:
+                raise ValueError(f"--as-seeds needs two or more pretraining runs in --weights, got {self.weights}")
+            if "seeds" not in overrides(self):
+                self.seeds = len(self.weights)
+            elif self.seeds != len(self.weights):
+                raise ValueError(
+                    f"--as-seeds scores run i with seed --seed + i: --seeds must be {len(self.weights)} (the number "
+                    f"of --weights), got {self.seeds}"
+                )
         if not 1 <= self.seeds <= 100:
             raise ValueError(f"--seeds must be an integer in [1, 100], got {self.seeds}")
         if not self.fractions or any(not 0 < f <= 100 for f in self.fractions):
@@ -370,8 +404,60 @@ class CompareConfig(EvalConfig):
         return [c for p in self.protocols for c in names[p]]
 
 
-def sources_of(run: EvalRun, baselines: Sequence[str]) -> list[Source]:
-    """The weights rows (keyed by sha256, labelled apart when their names collide) and the chosen baselines."""
+@dataclass
+class WeightsRow:
+    """The weights of one row: a label (None: the file's name), one file per pretraining run, a curve position."""
+
+    label: str | None
+    paths: list[str]
+    position: dict[str, float] = field(default_factory=dict)
+
+
+def weights_rows(config: CompareConfig) -> list[WeightsRow]:
+    """``--weights`` as rows: one each; all in one with ``--as-seeds``; one per kept step with ``--over-steps``."""
+    if not config.over_steps:
+        if config.as_seeds:
+            return [WeightsRow(f"{', '.join(Path(w).name or w for w in config.weights)} (as seeds)", config.weights)]
+        return [WeightsRow(None, [w]) for w in config.weights]
+    from bt_hub.train.pretrain import kept_weights
+
+    kept = {}
+    for w in config.weights:
+        kept[w] = {step: (seconds, str(path)) for step, seconds, path in kept_weights(Path(w))}
+        if not kept[w]:
+            raise ValueError(
+                f"--over-steps scores the weights a pretraining run kept, and --weights {w} holds none in kept/; "
+                "pretrain with --keep-every N (or 'log')"
+            )
+    if config.as_seeds:
+        steps = sorted(kept[config.weights[0]])
+        for w in config.weights[1:]:
+            if sorted(kept[w]) != steps:
+                raise ValueError(
+                    f"--as-seeds --over-steps pairs the runs step by step, and --weights {w} kept steps "
+                    f"{sorted(kept[w])} where {config.weights[0]} kept {steps}; keep the same steps in every run"
+                )
+        return [
+            WeightsRow(
+                f"step {step}",
+                [kept[w][step][1] for w in config.weights],
+                {"step": step, "seconds": float(np.mean([kept[w][step][0] for w in config.weights]))},
+            )
+            for step in steps
+        ]
+    prefix = {w: f"{Path(w).name} " if len(config.weights) > 1 else "" for w in config.weights}
+    return [
+        WeightsRow(f"{prefix[w]}step {step}", [path], {"step": step, "seconds": seconds})
+        for w in config.weights
+        for step, (seconds, path) in sorted(kept[w].items())
+    ]
+
+
+def sources_of(run: EvalRun, baselines: Sequence[str], rows: Sequence[WeightsRow] | None = None) -> list[Source]:
+    """The weights rows (keyed by sha256, labelled apart when their names collide) and the chosen baselines.
+
+    ``rows`` groups ``run.all_weights`` in order (``weights_rows``); by default each weights is a row.
+    """
     seen: dict[str, str] = {}
     for w in run.all_weights:
         if w.sha256 in seen:
@@ -380,21 +466,36 @@ def sources_of(run: EvalRun, baselines: Sequence[str]) -> list[Source]:
                 "name each checkpoint once"
             )
         seen[w.sha256] = w.source
-    labels = [w.label for w in run.all_weights]
-    rows = [
+    rows = rows or [WeightsRow(None, [w.source]) for w in run.all_weights]
+    loaded = iter(run.all_weights)
+    groups = [(row, [next(loaded) for _ in row.paths]) for row in rows]
+    labels = [row.label or ws[0].label for row, ws in groups]
+    seeds = [run.config.seed + i for i in range(len(rows[0].paths))]
+    sources = [
         Source(
-            label if labels.count(label) == 1 else f"{label} ({w.sha256[:8]})",
-            lambda s, n=w.network: n,
-            fingerprint=w.sha256,
+            label if labels.count(label) == 1 else f"{label} ({ws[0].sha256[:8]})",
+            lambda s, n=ws[0].network: n,
+            fingerprint=ws[0].sha256,
+            position=row.position,
         )
-        for label, w in zip(labels, run.all_weights)
+        if len(ws) == 1
+        else Source(
+            label,
+            lambda s, nets=[w.network for w in ws]: nets[seeds.index(s)],
+            per_seed=True,
+            seed_fingerprints={seed: w.sha256 for seed, w in zip(seeds, ws)},
+            position=row.position,
+        )
+        for label, (row, ws) in zip(labels, groups)
     ]
     arch, stem = run.settings.arch, run.settings.small_image_stem
     if "pixels" in baselines:
-        rows.append(Source("pixels", lambda s: nn.Flatten(), baseline=True, trainable=False))
+        sources.append(Source("pixels", lambda s: nn.Flatten(), baseline=True, trainable=False))
     if "random-init" in baselines:
-        rows.append(Source("random-init", lambda s: default_init_backbone(arch, stem, s), baseline=True, per_seed=True))
-    return rows
+        sources.append(
+            Source("random-init", lambda s: default_init_backbone(arch, stem, s), baseline=True, per_seed=True)
+        )
+    return sources
 
 
 def feature_source(run: EvalRun) -> Callable[[Source, nn.Module, int], tuple[Any, Any, Any, Any]]:
@@ -402,9 +503,9 @@ def feature_source(run: EvalRun) -> Callable[[Source, nn.Module, int], tuple[Any
     extracted: dict[tuple[str, int | None], tuple[Any, Any, Any, Any]] = {}
 
     def features(source: Source, net: nn.Module, seed: int) -> tuple[Any, Any, Any, Any]:
-        key = (source.fingerprint if not source.baseline else source.name, seed if source.per_seed else None)
+        key = (source.fingerprint_for(seed) or source.name, seed if source.baseline and source.per_seed else None)
         if key not in extracted:
-            weights_id = module_fingerprint(net) if source.per_seed or source.baseline else source.fingerprint
+            weights_id = source.fingerprint_for(seed) or module_fingerprint(net)
             pairs = [
                 run.features(name, network=net, weights_id=weights_id, label=f"{name} ({source.name})")
                 for name in ("train", "test")
@@ -432,13 +533,14 @@ def compare_and_write(config: CompareConfig) -> tuple[Comparison, str]:
     """
     if config.out is not None and config.cache_dir is None:
         config = replace(config, cache_dir=str(Path(config.out) / "feature_cache"))
-    with evaluation(config) as ev:
+    rows = weights_rows(config)
+    with evaluation(config, weights=[path for row in rows for path in row.paths]) as ev:
         supervised = None
         if "supervised" in config.baselines:
             arch, stem = ev.settings.arch, ev.settings.small_image_stem
             supervised = lambda s: default_init_backbone(arch, stem, s)  # noqa: E731
         result = compare(
-            sources_of(ev, config.baselines),
+            sources_of(ev, config.baselines, rows),
             ev,
             columns=config.columns(),
             seeds=[config.seed + i for i in range(config.seeds)],

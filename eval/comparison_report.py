@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bt_hub.common.files import atomic_write_text
+from bt_hub.common.files import atomic_write_text, read_json
 from bt_hub.common.records import fmt_mean_std, mean_std, seeds_text
 from bt_hub.eval.runner import EvalRun
 
@@ -35,6 +35,39 @@ class Comparison:
     baselines: list[str]
     test_size: int
     records: list[dict[str, Any]] = field(default_factory=list)
+    positions: dict[str, dict[str, float]] = field(default_factory=dict)  # curve rows: pretraining step, seconds
+
+    def curves(self) -> dict[str, list[str]]:
+        """The learning curves: curve name ('' for one run) -> its rows, by pretraining step."""
+        curves: dict[str, list[str]] = {}
+        for row in sorted(self.positions, key=lambda r: self.positions[r]["step"]):
+            curves.setdefault(row.rsplit("step ", 1)[0].strip(), []).append(row)
+        return curves
+
+    def crossings(self) -> list[str]:
+        """Per curve, column and baseline, one line: the step (and seconds) from which the curve stays above the
+        baseline's band (mean + std), or that it never gets there."""
+        lines = []
+        for name, rows in self.curves().items():
+            for column in self.columns:
+                for b in (b for b in self.baselines if self.values[b].get(column)):
+                    mean, std = mean_std(self.values[b][column])
+                    means = [mean_std(self.values[r][column])[0] for r in rows]
+                    above = [i for i in range(len(rows)) if all(m > mean + std for m in means[i:])]
+                    where = f"{column}{f' ({name})' if name else ''} vs {b} ({self.cell(b, column)})"
+                    if above:
+                        at = self.positions[rows[above[0]]]
+                        lines.append(
+                            f"{where}: above its band from step {at['step']:g} ({at['seconds']:.0f} s of "
+                            "pretraining) on"
+                        )
+                    else:
+                        best = max(range(len(rows)), key=means.__getitem__)
+                        lines.append(
+                            f"{where}: never above its band; best {means[best]:.1f} at step "
+                            f"{self.positions[rows[best]]['step']:g}"
+                        )
+        return lines
 
     def cell(self, row: str, column: str) -> str:
         """``mean ± std`` of a cell; ``x (1 seed)`` or ``x (deterministic)`` where there is no spread; '—' if empty."""
@@ -75,9 +108,19 @@ def describe_settings(run: EvalRun) -> list[str]:
         f"- network: {st.arch}, {stem}; images {st.image_size} px ({st.image_size_from}); "
         f"precision {st.precision} on {st.device}",
     ]
-    for w in run.all_weights:
-        length = training_length(w.info.get("config") or {}) or "unknown (no bt_hub run config)"
-        lines.append(f"- {w.label} (sha256 {w.sha256[:12]}): pretraining {length}")
+    if getattr(config, "over_steps", False):
+        for w in config.weights:
+            length = training_length(read_json(Path(w) / "config.json") or {}) or "unknown (no bt_hub run config)"
+            lines.append(f"- {Path(w).name}: pretraining {length}; the curve scores the weights it kept")
+    else:
+        for w in run.all_weights:
+            length = training_length(w.info.get("config") or {}) or "unknown (no bt_hub run config)"
+            lines.append(f"- {w.label} (sha256 {w.sha256[:12]}): pretraining {length}")
+    if getattr(config, "as_seeds", False):
+        lines.append(
+            f"- pretraining runs as seeds: run i of {len(config.weights)} is scored with evaluation seed --seed + i,"
+            " so a weights row's spread, and the verdict's pairing, is over pretraining runs"
+        )
     lines += [
         f"- kNN: k = {config.knn_k}, T = 0.07, cosine similarity",
         f"- linear: grid of lr {', '.join(f'{v:g}' for v in config.lr_grid)} x weight decay "
@@ -93,7 +136,10 @@ def render_markdown(result: Comparison, title: str = "Did pretraining help?", se
     """``compare.md``: the mean ± std table with the verdict column, the paired comparisons, the rule and the seeds."""
     weights_rows = [r for r in result.values if r not in result.baselines]
     header = ["representation", *result.columns, "better than the best baseline?"]
-    lines = [f"# {title}", "", *([*settings, ""] if settings else []), "| " + " | ".join(header) + " |"]
+    lines = [f"# {title}", "", *([*settings, ""] if settings else [])]
+    if result.positions:
+        lines += ["## Learning curve", "", "![curve](curve.png)", "", *(f"- {c}" for c in result.crossings()), ""]
+    lines += ["| " + " | ".join(header) + " |"]
     lines.append("|---" * len(header) + "|")
     for row in result.values:
         verdicts = [] if row in result.baselines else [(c, result.verdict(row, c)) for c in result.columns]
@@ -159,6 +205,37 @@ def plot(result: Comparison, path: Path) -> Path:
     return save_png(fig, path)
 
 
+def plot_curve(result: Comparison, path: Path) -> Path:
+    """Accuracy against pretraining steps (top) and seconds (bottom) per column, each baseline a band (mean ± std)."""
+    import matplotlib
+
+    from bt_hub.data.plots import save_png
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = len(result.columns)
+    fig, axes = plt.subplots(2, cols, figsize=(4.2 * cols, 6.4), squeeze=False)
+    for j, column in enumerate(result.columns):
+        for i, axis in enumerate(("step", "seconds")):
+            ax = axes[i][j]
+            for k, b in enumerate(b for b in result.baselines if result.values[b].get(column)):
+                mean, std = mean_std(result.values[b][column])
+                ax.axhspan(mean - std, mean + std, color=f"C{k + 1}", alpha=0.2)
+                ax.axhline(mean, color=f"C{k + 1}", lw=1, label=f"{b} (mean ± std)")
+            for name, rows in result.curves().items():
+                xs = [result.positions[r][axis] for r in rows]
+                stats = [mean_std(result.values[r][column]) for r in rows]
+                ax.errorbar(xs, [m for m, _ in stats], [s for _, s in stats], marker="o", ms=3, label=name or "weights")
+                if max(xs) >= 20 * max(min(xs), 1e-9):
+                    ax.set_xscale("log")
+            ax.set(xlabel=f"pretraining {axis}", ylabel=f"{column} test top-1 (%)")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"learning curve: mean ± std over {seeds_text(len(result.seeds))}")
+    return save_png(fig, path)
+
+
 def table_rows(result: Comparison) -> list[dict[str, Any]]:
     """One row per representation: per column its mean, std and per-seed values; for weights, the verdicts."""
     rows = []
@@ -179,6 +256,7 @@ def write_comparison(run: EvalRun, result: Comparison, title: str = "Did pretrai
     text = render_markdown(result, title=title, settings=describe_settings(run))
     out = run.out
     written = [atomic_write_text(out / "compare.md", text), plot(result, out / "compare.png")]
+    written += [plot_curve(result, out / "curve.png")] if result.positions else []
     summary = {
         "results": result.records,
         "table": {
@@ -192,6 +270,8 @@ def write_comparison(run: EvalRun, result: Comparison, title: str = "Did pretrai
         },
         "wall_time_s": time.perf_counter() - run.started,
     }
+    if result.positions:
+        summary["curve"] = {"positions": result.positions, "crossings": result.crossings()}
     run.write(result.records, summary)
     written += [out / name for name in ("results.json", "results.jsonl", "results.md")]
     return text.split("\n\n## Paired by seed")[0] + "\n\n" + "\n".join(f"wrote {p}" for p in written)

@@ -302,11 +302,12 @@ def write_records(out: str | Path, records: Sequence[Record], summary: Mapping[s
 
 
 @contextlib.contextmanager
-def evaluation(config: Any, *, kind: str = "eval") -> Iterator[EvalRun]:
+def evaluation(config: Any, *, kind: str = "eval", weights: list[str] | None = None) -> Iterator[EvalRun]:
     """Claim ``config.out`` (a folder of ``kind``), load the weights, resolve the settings; the run, for one block.
 
-    ``config.out`` None writes nothing (the Python API, the demo). ``config.weights`` is one source or
-    a list (``compare``); each is read once. The process group (torchrun) lives as long as the block.
+    ``config.out`` None writes nothing (the Python API, the demo). ``config.weights`` (or ``weights``,
+    the files a command derived from it) is one source or a list (``compare``); each is read once.
+    The process group (torchrun) lives as long as the block.
     """
     out = Path(config.out) if config.out is not None else None
     with process_group(config.device) as device, contextlib.ExitStack() as claims:
@@ -317,7 +318,7 @@ def evaluation(config: Any, *, kind: str = "eval") -> Iterator[EvalRun]:
             if config.cache_dir:  # what writes cut short by a crash or a kill left in the cache
                 remove_stale_temp_files(config.cache_dir)
         torch.manual_seed(config.seed)
-        sources = config.weights if isinstance(config.weights, list) else [config.weights]
+        sources = weights or (config.weights if isinstance(config.weights, list) else [config.weights])
         loaded = [
             load_weights(
                 source,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -153,5 +154,76 @@ def test_cli_compare_rejects_bad_flags_in_one_line(small_stem_weights, tmp_path,
     assert (
         cli.main(["eval", "compare", "--weights", str(small_stem_weights), *flags, "--out", str(tmp_path / "o")]) == 2
     )
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def _kept_run(out: Path, seed: int) -> Path:
+    """A tiny pretraining run that kept its weights at steps 1, 2 and 4."""
+    flags = ["pretrain", "--data", "synthetic:40", "--arch", "resnet18", "--small-image-stem", "--image-size", "8"]
+    flags += ["--projector", "32-32", "--batch-size", "8", "--epochs", "1", "--warmup-epochs", "0", "--max-steps", "4"]
+    flags += ["--keep-every", "log", "--probe-max-dim", "0", "--seed", str(seed), "--out", str(out)]
+    assert cli.main(flags) == 0
+    return out
+
+
+def test_a_learning_curve_over_pretraining_runs_as_seeds_pairs_run_i_with_seed_i(tmp_path, capsys):
+    from bt_hub.common.files import file_sha256
+
+    runs = [_kept_run(tmp_path / f"run{s}", s) for s in (0, 1)]
+    out = tmp_path / "curve"
+    flags = ["eval", "compare", "--weights", *map(str, runs), "--as-seeds", "--over-steps", "--protocols", "knn"]
+    flags += ["--data", "synthetic:60", "--image-size", "8", "--knn-k", "5", "--out", str(out)]
+    assert cli.main(flags) == 0
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    kept = {(r["notes"]["compare"]["row"], r["seed"]): r for r in records}
+    assert {row for row, _ in kept} == {"step 1", "step 2", "step 4", "pixels", "random-init"}
+    for step in (1, 2, 4):
+        for seed, run in enumerate(runs):  # run i is scored with evaluation seed i, and its record names its weights
+            path = run / "kept" / f"step-{step:06d}.safetensors"
+            record = kept[(f"step {step}", seed)]
+            assert record["weights"]["fingerprint"] == file_sha256(path) and "baseline" not in record["weights"]
+            assert record["notes"]["curve"]["step"] == step
+            alone = tmp_path / f"knn-{step}-{seed}"
+            assert cli.main(["eval", "knn", "--weights", str(path), "--data", "synthetic:60", "--image-size", "8"]
+                            + ["--k", "5", "--out", str(alone)]) == 0  # fmt: skip
+            assert record["metrics"]["top1"] == json.loads((alone / "results.json").read_text())["metrics"]["top1"]
+    capsys.readouterr()
+    table = (out / "compare.md").read_text()
+    assert "## Learning curve" in table and "pretraining runs as seeds" in table and (out / "curve.png").exists()
+    summary = json.loads((out / "results.json").read_text())
+    assert [summary["curve"]["positions"][f"step {s}"]["step"] for s in (1, 2, 4)] == [1, 2, 4]
+    assert len(summary["curve"]["crossings"]) == 2  # one line per column and baseline
+    assert all(" vs pixels " in c or " vs random-init " in c for c in summary["curve"]["crossings"])
+
+
+def test_crossings_name_the_step_from_which_a_curve_stays_above_each_baselines_band():
+    values = {
+        "step 10": {"kNN": [50.0, 52.0]},
+        "step 20": {"kNN": [81.0, 83.0]},  # above random-init's band, then below it again
+        "step 40": {"kNN": [70.0, 72.0]},
+        "step 80": {"kNN": [90.0, 92.0]},
+        "pixels": {"kNN": [95.0, 95.0]},
+        "random-init": {"kNN": [74.0, 76.0]},
+    }
+    result = Comparison([0, 1], ["kNN"], values, ["pixels", "random-init"], 100)
+    result.positions = {f"step {s}": {"step": s, "seconds": s / 10} for s in (10, 20, 40, 80)}
+    assert result.crossings() == [
+        "kNN vs pixels (95.0 (deterministic)): never above its band; best 91.0 at step 80",
+        "kNN vs random-init (75.0 ± 1.4): above its band from step 80 (8 s of pretraining) on",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--as-seeds", "--seeds", "4"], "--as-seeds scores run i with seed --seed + i: --seeds must be 2"),
+        (["--over-steps"], "holds none in kept/; pretrain with --keep-every N (or 'log')"),
+    ],
+)
+def test_as_seeds_and_over_steps_refuse_what_they_cannot_pair(seeded_weights, tmp_path, capsys, extra, message):
+    weights = [str(seeded_weights("resnet18", seed=s, small_image_stem=True)) for s in (0, 1)]
+    flags = ["eval", "compare", "--weights", *weights, *extra, "--data", "synthetic:60", "--image-size", "8"]
+    assert cli.main([*flags, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1

@@ -360,3 +360,29 @@ def test_channels_last_auto_follows_the_resolved_precision():
     assert resolve_channels_last("off", "bf16") == "off" and resolve_channels_last("on", "fp32") == "on"
     with pytest.raises(ValueError, match="--channels-last 'yes' is unknown"):
         resolve_channels_last("yes", "bf16")
+
+
+def test_keep_every_keeps_the_backbone_at_its_steps_with_the_seconds_trained_across_a_resume(tmp_path):
+    from bt_hub.train.pretrain import kept_weights
+
+    out = tmp_path / "run"
+    assert cli_main(["pretrain", *TINY, "--out", str(out), "--keep-every", "3", "--max-steps", "5"]) == 0
+    assert [step for step, _, _ in kept_weights(out)] == [3, 5]  # every 3 steps, and the last one
+    assert cli_main(["pretrain", *TINY, "--out", str(out), "--keep-every", "3", "--resume", "auto"]) == 0
+    kept = kept_weights(out)
+    assert [step for step, _, _ in kept] == [3, 5, 6, 8]
+    seconds = [s for _, s, _ in kept]
+    assert all(s > 0 for s in seconds) and seconds == sorted(seconds)  # the resumed run counts on from step 5
+    final, last = load_file(out / "backbone.safetensors"), load_file(kept[-1][2])
+    assert final.keys() == last.keys() and all(torch.equal(final[k], last[k]) for k in final)
+    assert not torch.equal(load_file(kept[0][2])["conv1.weight"], final["conv1.weight"])
+    assert load_backbone(str(kept[0][2]), arch="resnet18").conv1.kernel_size == (3, 3)  # loads as any weights file
+
+    log_run = tmp_path / "log"
+    assert cli_main(["pretrain", *TINY, "--out", str(log_run), "--keep-every", "log", "--max-steps", "6"]) == 0
+    assert [step for step, _, _ in kept_weights(log_run)] == [1, 2, 4, 6]
+
+
+def test_keep_every_refuses_what_is_not_a_step_count_or_log(tmp_path, capsys):
+    assert cli_main(["pretrain", *TINY, "--out", str(tmp_path / "r"), "--keep-every", "often"]) == 2
+    assert "--keep-every must be a number of steps (0: off) or 'log', got 'often'" in capsys.readouterr().err

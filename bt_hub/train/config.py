@@ -178,6 +178,13 @@ class PretrainConfig(RunConfig):
         default=500,
         metadata={"help": "steps between checkpoints (one is also written at each epoch end); 0: epoch ends only"},
     )
+    keep_every: str = field(
+        default="0",
+        metadata={
+            "help": "keep the backbone's weights for a learning curve (bt-hub eval compare --over-steps): every N "
+            "steps, or 'log' at steps 1, 2, 4, 8, ...; as kept/step-NNNNNN.safetensors (no optimizer state); 0: off"
+        },
+    )
     resume: str | None = field(
         default=None, metadata={"help": "'auto': continue OUT/checkpoint.pth if present; or a checkpoint path"}
     )
@@ -231,6 +238,9 @@ class PretrainConfig(RunConfig):
         self.require_positive(*nonnegative, "probe_max_dim", "monitor_knn", or_zero=True)
         if not 0 < self.crop_scale_min <= 1:
             raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
+        self.keep_every = str(self.keep_every)
+        if self.keep_every != "log" and not self.keep_every.isdigit():
+            raise ValueError(f"--keep-every must be a number of steps (0: off) or 'log', got {self.keep_every!r}")
         try:
             widths = parse_projector(self.projector)
         except ValueError as err:
@@ -251,6 +261,12 @@ class PretrainConfig(RunConfig):
                 "lower --warmup-epochs or raise --epochs"
             )
         resolve_decode(self.decode, self.device, self.views)  # an impossible --decode / --views pair fails here
+
+    def keeps(self, step: int) -> bool:
+        """Whether ``--keep-every`` keeps the weights of ``step``."""
+        if self.keep_every == "log":
+            return step & (step - 1) == 0
+        return int(self.keep_every) > 0 and step % int(self.keep_every) == 0
 
     def schedule_steps(self, steps_per_epoch: int, start: int = 0) -> tuple[int, int, int]:
         """(total, warm-up, last) steps; refuses a ``--max-steps`` past the schedule or before the resumed ``start``."""

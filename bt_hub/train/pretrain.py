@@ -65,6 +65,7 @@ from bt_hub.train.resume import (
 
 WEIGHTS_NAME = "backbone.safetensors"
 # What a run writes beside its checkpoint (a fresh run with --overwrite removes an earlier run's copies first).
+KEPT_DIR = "kept"
 RUN_OUTPUTS = (WEIGHTS_NAME, "config.json", "cross_correlation_start.npy", "cross_correlation_end.npy")
 
 
@@ -137,6 +138,8 @@ def _clear_replaced_run(out: Path, config: PretrainConfig) -> None:
         return
     for name in (CHECKPOINT_NAME, *RUN_OUTPUTS, f"{config.backbone}.pth"):  # <arch>.pth: written by earlier versions
         (out / name).unlink(missing_ok=True)
+    for _, _, path in kept_weights(out):
+        path.unlink()
 
 
 def write_backbone(
@@ -146,13 +149,7 @@ def write_backbone(
 
     ``compiled`` is :class:`AutoCompile`'s record: the path the steps took (``compile: on|off``) and why.
     """
-    state = {
-        k: v.detach().cpu().contiguous().clone()
-        for k, v in model.backbone.state_dict().items()
-        if not k.startswith("fc.")
-    }
-    meta = {"architecture": config.backbone, "small_image_stem": str(config.small_image_stem)}
-    write_safetensors(state, out / WEIGHTS_NAME, metadata=meta)
+    _write_weights(out / WEIGHTS_NAME, model, config)
     atomic_write_json(
         out / "config.json",
         {
@@ -187,6 +184,39 @@ def write_backbone(
             "format": "torchvision",
         },
     )
+
+
+def _write_weights(path: Path, model: BarlowTwins, config: PretrainConfig, **meta: Any) -> None:
+    """The backbone's weights (torchvision keys, no fc) as safetensors, with its architecture and ``meta``."""
+    state = {
+        k: v.detach().cpu().contiguous().clone()
+        for k, v in model.backbone.state_dict().items()
+        if not k.startswith("fc.")
+    }
+    meta = {"architecture": config.backbone, "small_image_stem": str(config.small_image_stem), **meta}
+    write_safetensors(state, path, metadata={k: str(v) for k, v in meta.items()})
+
+
+def kept_weights(run_dir: Path) -> list[tuple[int, float, Path]]:
+    """The weights ``--keep-every`` kept in a run: (step, training seconds until then, path), by step."""
+    from safetensors import safe_open
+
+    kept = []
+    for path in sorted((run_dir / KEPT_DIR).glob("step-*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        step = int(meta.get("step", path.stem.removeprefix("step-")))
+        kept.append((step, float(meta.get("train_seconds", "nan")), path))
+    return kept
+
+
+def _keep(loop: _Loop, step: int) -> None:
+    """Keep this step's backbone for the learning curve (main process), with the seconds trained so far."""
+    if is_main_process():
+        path = Path(loop.config.out) / KEPT_DIR / f"step-{step:06d}.safetensors"
+        path.parent.mkdir(exist_ok=True)
+        seconds = f"{loop.seconds:.3f}"
+        _write_weights(path, loop.model, loop.config, step=step, train_seconds=seconds, device=loop.device.type)
 
 
 def pretrain(config: PretrainConfig) -> Path:
@@ -259,6 +289,7 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
         last_step=last_step,
         monitor=_knn_monitor(config),
         scalars=TensorBoardScalars(out / "tensorboard") if config.tensorboard and is_main_process() else None,
+        seconds=max([s for k, s, _ in kept_weights(out) if k <= step and math.isfinite(s)], default=0.0),
     )
     step = _run_loop(loop, step)
     if is_main_process():
@@ -288,6 +319,7 @@ class _Loop:
     last_step: int
     monitor: KnnMonitor | None
     scalars: TensorBoardScalars | None
+    seconds: float = 0.0  # training time (data and steps) since step 0, carried over a resume by the kept weights
 
     @property
     def checkpoint_path(self) -> Path:
@@ -329,9 +361,13 @@ def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], termin
         device,
         depth=2 if device.type == "cuda" else 0,
     ) as batches:
+        mark = time.perf_counter()
         for y_a, y_b in batches:
             rates, terms, spread = _optimizer_step(loop, y_a, y_b, step)
             step += 1
+            loop.seconds += time.perf_counter() - mark
+            if config.keeps(step) or (step == loop.last_step and config.keep_every != "0"):
+                _keep(loop, step)
             row: dict[str, Any] = {}
             if step % config.log_every == 0 or step == loop.last_step:
                 now = time.perf_counter()
@@ -357,6 +393,7 @@ def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], termin
                 if not due:
                     _checkpoint(loop, step)
                 raise Terminated
+            mark = time.perf_counter()
     return step
 
 
