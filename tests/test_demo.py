@@ -11,11 +11,21 @@ from bt_hub import cli
 from bt_hub.common.records import fmt_mean_std
 from bt_hub.common.runs import RunDir, claim_run_dir
 
-# 4 pretraining steps, 2 evaluation seeds, fine-tuning 1 epoch on 10% and 10 on 1%: what the report says, not how well
-SHORT = ["--epochs", "1", "--max-steps", "4", "--seeds", "2", "--semi-epochs", "1", "--linear-epochs", "10"]
+# 2 pretraining runs of 10 steps (batch 256), the curve at steps 5 and 10, a 10-epoch grid: what the report says
+SHORT = [
+    "--epochs",
+    "2",
+    "--batch-size",
+    "256",
+    "--pretrain-seeds",
+    "2",
+    "--curve-points",
+    "2",
+    "--linear-epochs",
+    "10",
+]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-PRETRAINED, RANDOM_INIT, PIXELS = "Barlow Twins (pretrained)", "random init (torchvision default init)", "raw pixels"
-COLUMNS = ("kNN", "linear", "semi 1%", "semi 10%")
+ROWS = ("step 10", "pixels", "random-init")
 
 
 @pytest.fixture(scope="module")
@@ -25,71 +35,71 @@ def short_demo(tmp_path_factory):
     return out
 
 
-def _per_seed(results: dict) -> dict[tuple[str, str], list[float]]:
-    """(row, column) -> top-1 of each seed, in seed order, from the per-seed records."""
+def _per_seed(out: Path) -> dict[tuple[str, str], list[float]]:
+    """(row, column) -> top-1 of each seed, in seed order, from the comparison's per-seed records."""
     cells: dict[tuple[str, str], list[tuple[int, float]]] = {}
-    for record in results["records"]:
+    for line in (out / "compare" / "results.jsonl").read_text().splitlines():
+        record = json.loads(line)
         where = record["notes"]["compare"]
         cells.setdefault((where["row"], where["column"]), []).append((record["seed"], record["metrics"]["top1"]))
     return {cell: [v for _, v in sorted(values)] for cell, values in cells.items()}
 
 
-def test_shortened_demo_writes_the_report_and_the_plots(short_demo):
+def test_shortened_demo_leads_with_the_curve_over_pretraining_runs_and_writes_the_plots(short_demo):
     report = (short_demo / "report.md").read_text()
-    for name in ("loss.png", "cross_correlation.png", "accuracy.png"):
-        data = (short_demo / name).read_bytes()
-        assert data.startswith(PNG_MAGIC) and len(data) > 5_000
-        assert f"![{name}]({name})" in report
-    for row in (PRETRAINED, RANDOM_INIT, PIXELS, "supervised"):
-        assert f"| {row}" in report
+    assert report.index("## The learning curve") < report.index("## At the last step (step 10)")
+    assert "![curve](compare/curve.png)" in report and (short_demo / "compare" / "curve.png").stat().st_size > 5_000
+    for name in ("loss.png", "cross_correlation.png"):
+        assert (short_demo / name).read_bytes().startswith(PNG_MAGIC) and f"![{name}]({name})" in report
     results = json.loads((short_demo / "results.json").read_text())
-    assert results["seeds"] == [0, 1]
-    labelled = {r["labels"]["count"] for r in results["records"] if r.get("labels")}
-    assert labelled == {10, 142}
+    assert results["seeds"] == [0, 1] and results["last_step"] == "step 10"
+    assert len(results["curve"]["crossings"]) == 4  # kNN and linear, each against pixels and random-init
+    assert all(f"- {line}" in report for line in results["curve"]["crossings"])
+    for run in ("pretrain", "pretrain-seed1"):  # two pretraining runs, each keeping steps 5 and 10
+        assert sorted(p.name for p in (short_demo / run / "kept").iterdir()) == [
+            "step-000005.safetensors",
+            "step-000010.safetensors",
+        ]
+    records = [json.loads(line) for line in (short_demo / "compare" / "results.jsonl").read_text().splitlines()]
+    fingerprints = {
+        (r["seed"], r["weights"]["fingerprint"]) for r in records if r["notes"]["compare"]["row"] == "step 10"
+    }
+    assert len(fingerprints) == 2  # run i, scored with seed i
 
 
 def test_every_cell_of_the_report_is_the_mean_and_std_of_its_per_seed_records(short_demo):
-    results = json.loads((short_demo / "results.json").read_text())
-    per_seed = _per_seed(results)
+    per_seed = _per_seed(short_demo)
     rows = {}
     for line in (short_demo / "report.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 6 and cells[0].removesuffix(" (baseline)") in (PRETRAINED, RANDOM_INIT, PIXELS, "supervised"):
-            rows[cells[0].removesuffix(" (baseline)")] = cells[1:5]
-    assert set(rows) == {PRETRAINED, RANDOM_INIT, PIXELS, "supervised"}
+        if len(cells) == 4 and cells[0].removesuffix(" (baseline)") in ROWS:
+            rows[cells[0].removesuffix(" (baseline)")] = cells[1:3]
+    assert set(rows) == set(ROWS)
     for row, cells in rows.items():
-        for column, cell in zip(COLUMNS, cells):
-            values = per_seed.get((row, column), [])
-            assert len(values) in (0, 2), (row, column)
+        for column, cell in zip(("kNN", "linear"), cells):
+            values = per_seed[(row, column)]
+            assert len(values) == 2, (row, column)
             same = len(set(values)) == 1  # a deterministic cell says so instead of "± 0.0"
-            assert cell == (f"{fmt_mean_std(values[:1])} (deterministic)" if same else fmt_mean_std(values)), (
-                row,
-                column,
-                cell,
-                values,
-            )
-            if values and not same:
-                assert "±" in cell
-    assert not per_seed.get(("supervised", "kNN"))  # from scratch only where labels are scarce
+            assert cell == (f"{fmt_mean_std(values[:1])} (deterministic)" if same else fmt_mean_std(values))
 
 
 def test_the_random_init_row_is_not_degenerate_on_the_digits(short_demo):
     # Guards: the random-init baseline was the zero-initialised residual network (18.3 linear on the digits).
-    per_seed = _per_seed(json.loads((short_demo / "results.json").read_text()))
-    assert min(per_seed[(RANDOM_INIT, "linear")]) >= 80.0
-    assert min(per_seed[(RANDOM_INIT, "kNN")]) >= 80.0
+    per_seed = _per_seed(short_demo)
+    assert min(per_seed[("random-init", "linear")]) >= 80.0
+    assert min(per_seed[("random-init", "kNN")]) >= 80.0
 
 
 def test_bt_hub_eval_compare_reproduces_the_demos_per_seed_values(short_demo, tmp_path):
-    demo = _per_seed(json.loads((short_demo / "results.json").read_text()))
-    argv = ["eval", "compare", "--weights", str(short_demo / "pretrain"), "--baselines", "pixels,random-init"]
-    argv += ["--protocols", "knn,linear", "--seeds", "2", "--linear-epochs", "10", "--data", "digits"]
-    argv += ["--image-size", "8", "--test-split", "test", "--out", str(tmp_path / "compare")]
-    assert cli.main(argv) == 0
+    demo = json.loads((short_demo / "results.json").read_text())["table"]
+    argv = ["eval", "compare", "--weights", str(short_demo / "pretrain"), str(short_demo / "pretrain-seed1")]
+    argv += ["--as-seeds", "--over-steps", "--baselines", "pixels,random-init", "--protocols", "knn,linear"]
+    argv += ["--linear-epochs", "10", "--data", "digits", "--image-size", "8", "--test-split", "test"]
+    assert cli.main([*argv, "--out", str(tmp_path / "compare")]) == 0
     table = json.loads((tmp_path / "compare" / "results.json").read_text())["table"]
-    for row, theirs in ((PRETRAINED, "pretrain"), (RANDOM_INIT, "random-init"), (PIXELS, "pixels")):
+    for row in ("step 5", *ROWS):
         for column in ("kNN", "linear"):
-            assert table[theirs][column]["per_seed"] == demo[(row, column)], (row, column)
+            assert table[row][column]["per_seed"] == demo[row][column]["per_seed"], (row, column)
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -153,7 +163,7 @@ def test_demo_with_overwrite_claims_a_used_folder_and_keeps_its_other_files(tmp_
 
 @pytest.mark.slow
 def test_demo_is_deterministic_for_a_seed(tmp_path):
-    tiny = ["--epochs", "1", "--max-steps", "2", "--seeds", "2", "--semi-epochs", "1", "--linear-epochs", "2"]
+    tiny = ["--epochs", "1", "--max-steps", "2", "--pretrain-seeds", "2", "--curve-points", "1", "--linear-epochs", "2"]
     tables = []
     for run in ("a", "b"):
         assert cli.main(["demo", "--out", str(tmp_path / run), *tiny]) == 0
@@ -173,6 +183,7 @@ def test_the_demo_pretrains_with_the_digits_preset_of_bt_hub_pretrain(tmp_path, 
         return tmp_path
 
     monkeypatch.setattr(demo, "pretrain", capture)
-    demo._pretrain(demo.DemoConfig(out=str(tmp_path / "d")), tmp_path / "d" / "pretrain")
+    demo._pretrain(demo.DemoConfig(out=str(tmp_path / "d")), tmp_path / "d" / "pretrain", 0, [22, 88])
     for key, value in PretrainConfig.PRESETS["digits"].items():
         assert getattr(seen["config"], key) == value, key
+    assert seen["config"].keep_every == "22,88"

@@ -381,8 +381,13 @@ def test_keep_every_keeps_the_backbone_at_its_steps_with_the_seconds_trained_acr
     log_run = tmp_path / "log"
     assert cli_main(["pretrain", *TINY, "--out", str(log_run), "--keep-every", "log", "--max-steps", "6"]) == 0
     assert [step for step, _, _ in kept_weights(log_run)] == [1, 2, 4, 6]
+    listed = tmp_path / "listed"
+    assert cli_main(["pretrain", *TINY, "--out", str(listed), "--keep-every", "2,5", "--max-steps", "6"]) == 0
+    assert [step for step, _, _ in kept_weights(listed)] == [2, 5, 6]
 
 
 def test_keep_every_refuses_what_is_not_a_step_count_or_log(tmp_path, capsys):
     assert cli_main(["pretrain", *TINY, "--out", str(tmp_path / "r"), "--keep-every", "often"]) == 2
-    assert "--keep-every must be a number of steps (0: off) or 'log', got 'often'" in capsys.readouterr().err
+    assert "--keep-every must be a number of steps (0: off), 'log' or steps joined by ',', got 'often'" in (
+        capsys.readouterr().err
+    )

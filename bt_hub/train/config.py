@@ -182,7 +182,8 @@ class PretrainConfig(RunConfig):
         default="0",
         metadata={
             "help": "keep the backbone's weights for a learning curve (bt-hub eval compare --over-steps): every N "
-            "steps, or 'log' at steps 1, 2, 4, 8, ...; as kept/step-NNNNNN.safetensors (no optimizer state); 0: off"
+            "steps, 'log' (steps 1, 2, 4, 8, ...) or at the steps listed ('100,400'); and at the last step; as "
+            "kept/step-NNNNNN.safetensors (no optimizer state); 0: off"
         },
     )
     resume: str | None = field(
@@ -239,8 +240,11 @@ class PretrainConfig(RunConfig):
         if not 0 < self.crop_scale_min <= 1:
             raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
         self.keep_every = str(self.keep_every)
-        if self.keep_every != "log" and not self.keep_every.isdigit():
-            raise ValueError(f"--keep-every must be a number of steps (0: off) or 'log', got {self.keep_every!r}")
+        if self.keep_every != "log" and not self.keep_every.replace(",", "").isdigit():
+            raise ValueError(
+                "--keep-every must be a number of steps (0: off), 'log' or steps joined by ',', got "
+                f"{self.keep_every!r}"
+            )
         try:
             widths = parse_projector(self.projector)
         except ValueError as err:
@@ -266,6 +270,8 @@ class PretrainConfig(RunConfig):
         """Whether ``--keep-every`` keeps the weights of ``step``."""
         if self.keep_every == "log":
             return step & (step - 1) == 0
+        if "," in self.keep_every:
+            return step in {int(s) for s in self.keep_every.split(",") if s}
         return int(self.keep_every) > 0 and step % int(self.keep_every) == 0
 
     def schedule_steps(self, steps_per_epoch: int, start: int = 0) -> tuple[int, int, int]:
