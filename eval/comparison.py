@@ -23,6 +23,7 @@ column seed by seed (``verdict``).
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -161,7 +162,7 @@ def compare(
                     score, notes = found.pop("metrics"), found
                 else:
                     score = _finetune(copy.deepcopy(net), run, subsets[pct], settings, seed, _semi_recipe(settings))
-                    notes = {"recipe": f"semi preset {settings.semi_preset}", "epochs": settings.semi_epochs}
+                    notes = {"recipe": f"semi preset {settings.semi_preset}", "epochs": score.pop("epochs")}
                 values[source.name][column].append(score["top1"])
                 cell = (source.name, source.fingerprint_for(seed), column, seed)
                 result.records.append(
@@ -201,23 +202,29 @@ def _finetune(
     seed: int,
     recipe: dict[str, Any],
 ) -> dict[str, float]:
-    """Fine-tune ``net`` and a new classifier on the labelled ``indices``; test top-1 / top-5."""
+    """Fine-tune ``net`` and a new classifier on the labelled ``indices``; test top-1 / top-5 and the epochs run.
+
+    The epochs rise until they make ``--finetune-steps`` SGD steps at the recipe's batch size.
+    """
     recipe = dict(recipe)
     size, splits = run.settings.image_size, run.splits
+    steps_per_epoch = math.ceil(len(indices) / recipe["batch_size"])
+    epochs = max(recipe.pop("epochs", settings.semi_epochs), math.ceil(settings.finetune_steps / steps_per_epoch))
     augment = train_transform(size, crop_scale_min=recipe.pop("crop_scale_min"), flip=recipe.pop("flip"))
     train: Dataset = Subset(TransformedDataset(splits.train, augment), list(indices))
-    return finetune(
+    score = finetune(
         net,
         len(splits.classes),
         train,
         TransformedDataset(splits.test, eval_transforms(size)),
-        epochs=recipe.pop("epochs", settings.semi_epochs),
+        epochs=epochs,
         seed=seed,
         device=run.device,
         desc=f"fine-tune ({len(indices)} labels)",
         precision=run.settings.precision,
         **recipe,
     )
+    return {**score, "epochs": epochs}
 
 
 def _supervised_row(
@@ -239,11 +246,7 @@ def _supervised_row(
         if pct not in done:
             done[pct] = _finetune(network(seed), run, subsets.get(pct, everything), settings, seed, recipe)
         result.values["supervised"][column].append(done[pct]["top1"])
-        notes = {
-            "recipe": SUPERVISED,
-            "epochs": settings.supervised_epochs,
-            "labelled": len(subsets.get(pct, everything)),
-        }
+        notes = {"recipe": SUPERVISED, "epochs": done[pct]["epochs"], "labelled": len(subsets.get(pct, everything))}
         cell = ("supervised", None, column, seed)
         result.records.append(_record(run, settings, cell, done[pct], subsets.get(pct), tick, notes))
 
@@ -332,6 +335,13 @@ class CompareConfig(EvalConfig):
     semi_preset: str = field(default="small", metadata={"help": "fine-tuning recipe of semi (bt-hub eval semi)"})
     semi_epochs: int = field(default=20, metadata={"help": "fine-tuning epochs of semi"})
     supervised_epochs: int = field(default=30, metadata={"help": "epochs of the supervised baseline"})
+    finetune_steps: int = field(
+        default=600,
+        metadata={
+            "help": "the fewest SGD steps of fine-tuning (semi) and of the supervised baseline: where the labelled "
+            "images are few, the epochs rise to reach it, so the from-scratch row learns (0: the epochs as given)"
+        },
+    )
     out: str = field(
         default="runs/compare",
         kw_only=True,
@@ -366,6 +376,7 @@ class CompareConfig(EvalConfig):
         if not self.fractions or any(not 0 < f <= 100 for f in self.fractions):
             raise ValueError(f"--fractions must be percentages in (0, 100], got {self.fractions}")
         self.require_positive("knn_k", "semi_epochs", "supervised_epochs")
+        self.require_positive("finetune_steps", or_zero=True)
         baseline(SemiSupervisedConfig, self.semi_preset)  # an unknown preset fails here, naming the valid ones
         check_probe_settings(
             epochs=self.linear_epochs,
@@ -388,7 +399,7 @@ class CompareConfig(EvalConfig):
                 "the grid probe, which runs for --protocols linear (and semi's pixels row) only",
             ),
             (
-                ("semi_preset",),
+                ("semi_preset", "finetune_steps"),
                 "semi" in self.protocols or "supervised" in self.baselines,
                 "fine-tuning, which runs for --protocols semi or --baselines supervised only",
             ),

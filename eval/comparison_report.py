@@ -121,14 +121,21 @@ def describe_settings(run: EvalRun) -> list[str]:
             f"- pretraining runs as seeds: run i of {len(config.weights)} is scored with evaluation seed --seed + i,"
             " so a weights row's spread, and the verdict's pairing, is over pretraining runs"
         )
-    lines += [
-        f"- kNN: k = {config.knn_k}, T = 0.07, cosine similarity",
-        f"- linear: grid of lr {', '.join(f'{v:g}' for v in config.lr_grid)} x weight decay "
-        f"{', '.join(f'{v:g}' for v in config.weight_decay_grid)}, {config.linear_epochs} epochs, chosen on a seeded "
-        f"{config.val_fraction:g} of the training split",
-        f"- semi: preset {config.semi_preset}, {config.semi_epochs} epochs; supervised baseline: "
-        f"{config.supervised_epochs} epochs from scratch",
-    ]
+    unused = config.unused_flags()
+    if "knn_k" not in unused:
+        lines.append(f"- kNN: k = {config.knn_k}, T = 0.07, cosine similarity")
+    if "lr_grid" not in unused:
+        lines.append(
+            f"- linear: grid of lr {', '.join(f'{v:g}' for v in config.lr_grid)} x weight decay "
+            f"{', '.join(f'{v:g}' for v in config.weight_decay_grid)}, {config.linear_epochs} epochs, chosen on a "
+            f"seeded {config.val_fraction:g} of the training split"
+        )
+    if "finetune_steps" not in unused:
+        lines.append(
+            f"- semi: preset {config.semi_preset}, {config.semi_epochs} epochs; supervised baseline: "
+            f"{config.supervised_epochs} epochs from scratch; each at least {config.finetune_steps} SGD steps (the "
+            "epochs a cell ran are in its record)"
+        )
     return lines
 
 

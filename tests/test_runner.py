@@ -105,6 +105,7 @@ def test_eval_all_passes_its_protocols_only_the_shared_flags_they_read(small_ste
         (comparison.CompareConfig, {"protocols": ["linear"], "knn_k": 5}, "--knn-k"),
         (comparison.CompareConfig, {"semi_preset": "paper"}, "--semi-preset"),
         (comparison.CompareConfig, {"supervised_epochs": 2}, "--supervised-epochs"),
+        (comparison.CompareConfig, {"finetune_steps": 9}, "--finetune-steps"),
         (EmbedConfig, {"splits": ["train"], "test_split": "test"}, "--test-split"),
         (EmbedConfig, {"out": None, "cache_dtype": "float16"}, "--cache-dtype"),
     ],
