@@ -28,12 +28,19 @@ from bt_hub.common.distributed import is_main_process
 from bt_hub.common.optional import require
 from bt_hub.eval.config import EvalConfig, EvalWarning
 from bt_hub.eval.features import as_float32
+from bt_hub.eval.report import Table
 from bt_hub.eval.runner import EvalRun, Scored, run_protocol
 from bt_hub.method.knn import knn_vote
 
 # ----------------------------------------------------------------------------- search and vote
 
 
+# top1 / top5 repeat the first k's columns
+TABLE = Table(
+    "Weighted kNN (community protocol, not in the paper)",
+    ("top1_k20", "top5_k20", "top1_k200", "top5_k200"),
+    ("top1", "top5"),
+)
 BACKENDS = ("auto", "faiss", "torch")
 TORCH_CHUNK_ROWS = 65_536  # bounds the torch backend's similarity block: 4096 queries x 65,536 rows = 1 GiB
 
@@ -254,4 +261,4 @@ def score(run: EvalRun) -> Scored:
         metrics.update({f"top1_k{k}": result["top1"], f"top5_k{k}": result["top5"]})
     metrics = {"top1": metrics[f"top1_k{used[0]}"], "top5": metrics[f"top5_k{used[0]}"], **metrics}
     notes = {"neighbours_used": {str(k): min(k, len(train_y)) for k in config.k}, "backend": backend}
-    return Scored("knn", metrics, mode="features", warnings=warned, notes=notes)
+    return Scored("knn", metrics, mode="features", warnings=warned, notes=notes, table=TABLE)

@@ -58,6 +58,7 @@ from bt_hub.eval.heads import (
     score_heads,
     train_heads,
 )
+from bt_hub.eval.report import IMAGENET_FOLDERS, PaperRow, Table
 from bt_hub.eval.runner import EvalRun, Scored, run_protocol
 from bt_hub.method.transforms import eval_transforms
 
@@ -67,8 +68,23 @@ def equally_spaced_milestones(epochs: int, drops: int = 2) -> list[int]:
     return [round(epochs * (i + 1) / (drops + 1)) for i in range(drops)]
 
 
-# the paper's rows (bt_hub.common.records.PAPER_RESULTS) that a run from these presets follows
-PAPER_TASKS = {"imagenet": "imagenet_linear", "places205": "places205_linear", "inat18": "inat18_linear"}
+LINEAR_TABLE = Table("Linear evaluation (paper Table 1)", ("top1", "top5"))
+TRANSFER_TABLE = Table("Transfer to other classification tasks (paper Table 3)", ("top1", "mAP", "mAP_11point"))
+_LOOP = "paper loop with augmentation"
+# the paper's rows that a run from these presets follows, unless it searches a grid
+PAPER_ROWS = {
+    "imagenet": PaperRow("imagenet_linear", "ImageNet", f"preset imagenet; {_LOOP}", IMAGENET_FOLDERS, 50000),
+    "places205": PaperRow(
+        "places205_linear", "Places-205", f"preset places205; {_LOOP}", ("places205", "places"), 20500
+    ),
+    "inat18": PaperRow(
+        "inat18_linear",
+        "iNat18",
+        f"preset inat18; {_LOOP}",
+        ("inat18", "inat2018", "inaturalist2018", "inaturalist"),
+        24426,
+    ),
+}
 
 
 class FrozenBackboneClassifier(nn.Module):
@@ -231,7 +247,7 @@ class LinearConfig(EvalConfig):
         if self.search != "auto":
             return self.search == "grid"
         assumed = self.PRESET_ASSUMPTIONS.get(self.preset, {}).get("num_classes")
-        return not (self.preset in PAPER_TASKS and num_classes == assumed)
+        return not (self.preset in PAPER_ROWS and num_classes == assumed)
 
 
 @dataclass
@@ -274,12 +290,14 @@ def score(run: EvalRun) -> Scored:
     else:
         metrics = _paper_loop(run, num_classes)
         notes["loop_precision"] = loop_precision(run.device, run.settings.precision)
+    transfer = isinstance(config, TransferConfig)
     return Scored(
-        "transfer" if isinstance(config, TransferConfig) else "linear",
+        "transfer" if transfer else "linear",
         metrics,
         mode="cached" if config.cached or grid else "loop",
         preset=config.preset,
-        paper_task=None if grid else PAPER_TASKS.get(config.preset or ""),
+        paper=None if grid else PAPER_ROWS.get(config.preset or ""),
+        table=TRANSFER_TABLE if transfer or config.preset in ("places205", "inat18") else LINEAR_TABLE,
         warnings=warned,
         notes=notes,
     )

@@ -42,7 +42,7 @@ from bt_hub.data.precision import resolve_precision
 from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalWarning
 from bt_hub.eval.feature_cache import FeatureCache
 from bt_hub.eval.features import Pool, architecture_fingerprint, extract_with_source
-from bt_hub.eval.report import append_results, check_history
+from bt_hub.eval.report import PaperRow, Table, append_results, check_history
 from bt_hub.eval.splits import Splits, load_splits
 from bt_hub.method.transforms import DeviceEvalTransform, eval_transforms
 
@@ -144,7 +144,8 @@ class Scored:
     metrics: Mapping[str, float]
     mode: str | None = None
     preset: str | None = None
-    paper_task: str | None = None
+    paper: PaperRow | None = None  # the paper's number this run follows
+    table: Table | None = None  # the results.md table of its records
     labels: Mapping[str, Any] | None = None
     notes: Mapping[str, Any] | None = None
     warnings: Sequence[str] = ()
@@ -280,7 +281,8 @@ class EvalRun:
             labels=scored.labels,
             warnings=scored.warnings,
             notes=scored.notes,
-            paper_task=scored.paper_task,
+            paper=scored.paper.block() if scored.paper else None,
+            table=scored.table.block() if scored.table else None,
         )
         record["settings"] = self.settings.as_dict()
         return record

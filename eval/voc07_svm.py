@@ -35,6 +35,8 @@ from bt_hub.common.images import open_rgb
 from bt_hub.eval.average_precision import average_precision, voc07_11point_ap
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.features import as_float32, dataset_fingerprint
+from bt_hub.eval.linear import TRANSFER_TABLE
+from bt_hub.eval.report import PaperRow
 from bt_hub.eval.runner import EvalRun, Scored, run_protocol
 from bt_hub.eval.splits import check_disjoint
 
@@ -65,6 +67,7 @@ VOC_CLASSES = (
     "train",
     "tvmonitor",
 )
+PAPER_ROW = PaperRow("voc07_svm", "VOC2007", "frozen features, no training", ("voc2007", "voc07"), 4952)
 COSTS = (0.01, 0.1, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 50.0, 100.0, 1000.0)
 
 # ----------------------------------------------------------------------------- the devkit
@@ -396,4 +399,6 @@ def score(run: EvalRun) -> Scored:
         "classes_without_test_positives": [c for c, s in zip(train.classes, scored) if not s],
         "feature_dim": int(data["train"][0].shape[1]),
     }
-    return Scored("voc07-svm", metrics, mode="features", paper_task="voc07_svm", notes=notes, dataset=info)
+    return Scored(
+        "voc07-svm", metrics, mode="features", paper=PAPER_ROW, table=TRANSFER_TABLE, notes=notes, dataset=info
+    )

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -44,13 +43,6 @@ from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, transforms_for
 TAGS = ["barlow-twins", "self-supervised-learning", "image-feature-extraction", "pytorch", "timm", "bt_hub"]
 # timm builds ResNet(**model_args): this argument, unknown to timm, makes it refuse a small-stem folder by name.
 SMALL_STEM_TIMM_ARG = "bt_hub_small_image_stem"
-# Protocol name (as eval/ writes it) -> Hugging Face task type.
-_TASKS = {
-    "detect": "object-detection",
-    "detection": "object-detection",
-    "voc07+12": "object-detection",
-    "coco": "object-detection",
-}
 # The weights fingerprint earlier ``eval compare`` records carried for their baseline rows; newer ones name the
 # baseline (pixels, random-init, supervised) in ``weights.baseline``.
 BASELINE_FINGERPRINT = "baseline"
@@ -146,7 +138,7 @@ def model_index(rows: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
         results.append(
             {
                 "task": {
-                    "type": _TASKS.get(re.split(r"[- ]", protocol)[0], "image-classification"),
+                    "type": (first.get("table") or {}).get("task", "image-classification"),
                     "name": f"{protocol} ({setting})" if setting else protocol,
                 },
                 "dataset": {

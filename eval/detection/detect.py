@@ -24,14 +24,40 @@ from bt_hub.common.config import RunConfig, out_field
 from bt_hub.common.optional import require
 from bt_hub.common.runs import check_run_dir, claimed_run_dir
 from bt_hub.eval.detection.config import CONFIGS
+from bt_hub.eval.report import DETECTION_METRICS, PaperRow, Table
 from bt_hub.eval.runner import LoadedWeights, load_weights, write_records
 
 __all__ = ["DetectConfig", "aggregate_trials", "main", "prepare_weights", "resolve_engine"]
 
 INSTALL_PURPOSE = "bt-hub detect --engine detectron2 (detection transfer)"
 ENGINES = ("auto", "torchvision", "detectron2")
-# the paper's rows (bt_hub.common.records.PAPER_RESULTS) that the shipped configs follow
-PAPER_TASKS = {"voc": "voc07+12_faster_rcnn_c4", "coco": "coco_mask_rcnn_c4_1x"}
+_TASK = "object-detection"  # the Hugging Face task type
+# the results.md table and the paper's row of each shipped config; other data gets the last table and no row
+TABLES = {
+    "voc": Table("Detection transfer: VOC07+12 Faster R-CNN R50-C4 (paper Table 4)", DETECTION_METRICS[:3], task=_TASK),
+    "coco": Table("Detection transfer: COCO Mask R-CNN R50-C4 1x (paper Table 4)", DETECTION_METRICS, task=_TASK),
+    None: Table(
+        "Detection on other data (e.g. the generated shapes of the installation check; no paper row)",
+        DETECTION_METRICS,
+        task=_TASK,
+    ),
+}
+PAPER_ROWS = {
+    "voc": PaperRow(
+        "voc07+12_faster_rcnn_c4",
+        "VOC07+12 (test: VOC07 test)",
+        "preset voc; Faster R-CNN R50-C4, 24k iterations, 5 trials",
+        ("voc", "vocdevkit", "voc0712", "voc2007", "voc2012"),
+        4952,
+    ),
+    "coco": PaperRow(
+        "coco_mask_rcnn_c4_1x",
+        "COCO 2017 (test: val2017)",
+        "preset coco; Mask R-CNN R50-C4, 1x schedule",
+        ("coco", "coco2017", "mscoco"),
+        5000,
+    ),
+}
 # overrides that change how a run executes, not what a trial computes: the paper's row still applies
 EXECUTION_OVERRIDES = ("trials", "DATALOADER.NUM_WORKERS", "SOLVER.CHECKPOINT_PERIOD")
 
@@ -297,7 +323,7 @@ def _write(
         **overrides(config, ignore=(*DetectConfig.RUN_FIELDS, "engine", "opts")),
         **opts_overrides(yaml_path, config.opts),
     }
-    paper = PAPER_TASKS.get(str(preset)) if set(changed) <= set(EXECUTION_OVERRIDES) else None
+    paper = PAPER_ROWS.get(str(preset)) if set(changed) <= set(EXECUTION_OVERRIDES) else None
     record = make_record(
         protocol="detect",
         metrics=aggregate_trials([t["metrics"] for t in trials]),
@@ -319,7 +345,8 @@ def _write(
         wall_time_s=time.time() - start,
         overrides=changed,
         notes={"engine": engine, "trials": [{"seed": t["seed"], "metrics": t["metrics"]} for t in trials]},
-        paper_task=paper,
+        paper=paper.block() if paper else None,
+        table=TABLES.get(str(preset), TABLES[None]).block(),
     )
     write_records(config.out, [record])
     return record
