@@ -1,31 +1,8 @@
-"""Linear probe on a frozen backbone, and linear transfer (docs/protocols.md §2).
+"""Linear probe on a frozen backbone, and linear transfer (docs/protocols.md §2, docs/evaluation.md).
 
-Presets (``--preset``; bt_hub.common.presets):
-
-- ``imagenet`` (the paper, Table 1): backbone frozen in eval mode (BN uses running
-  statistics); fc init N(0, 0.01), bias 0; SGD momentum 0.9, lr 0.3, wd 1e-6, batch 256,
-  100 epochs, cosine per epoch, no warm-up; train RandomResizedCrop (8-100% of the area) +
-  flip, test Resize + CenterCrop; top-1 / top-5.
-- ``places205`` / ``inat18`` (PIRL's settings, the paper's Table 3): SGD momentum 0.9, lr
-  0.01, wd 5e-4, batch 256, 14 / 84 epochs, lr x0.1 at two equally spaced points. VISSL's
-  configs drop three times instead ([4, 8, 12] and [24, 48, 72]): pass ``--milestones``.
-- ``small``: the imagenet recipe with crops of 40-100% of the area and no flip, for small
-  images of few classes (the digits demo's crops; on its 8-px digits the paper's crops and
-  flips cost 20 points of top-1, docs/performance.md "Cached linear probe").
-
-``--cached`` trains the same classifier, with the same optimiser and schedule, on the
-cached test-transform features of bt_hub.eval.features (no augmentation, so no backbone pass
-per epoch); results say ``mode: cached`` ("cached features, no augmentation"). Under
-torchrun the loop shards the data with a DistributedSampler and averages classifier
-gradients with DDP.
-
-``--search grid`` (the default on data that is not the preset's own, e.g. anything but
-ImageNet for ``imagenet``) trains one head per (``--lr-grid`` x ``--weight-decay-grid``) pair
-at once on the frozen features (bt_hub.eval.heads, DINOv2's linear evaluation), scores every head
-on a seeded, class-stratified ``--val-fraction`` of the training split (never the test
-split), and reports the test accuracy of the best head (ties: lower validation loss, then
-grid order) as trained on the rest; the record's ``notes`` hold the whole grid, the choice
-and the validation split. ``--search fixed`` is the preset's single recipe.
+Presets: ``imagenet`` (the paper's Table 1), ``places205`` / ``inat18`` (PIRL's settings, Table 3) and
+``small`` (larger crops, no flip, for small images). ``--cached`` trains on cached test-transform features;
+``--search grid`` picks one of a grid of heads on a validation part of the training split (bt_hub.eval.heads).
 """
 
 from __future__ import annotations
@@ -252,22 +229,15 @@ class LinearConfig(EvalConfig):
 
 @dataclass
 class TransferConfig(LinearConfig):
-    """Flags of ``bt-hub eval transfer``: the linear probe with PIRL's settings on any ImageFolder dataset.
-
-    Build it with ``bt_hub.common.presets.from_preset(TransferConfig, ...)`` (as the CLI does): the
-    default preset is ``places205``.
-    """
+    """Flags of ``bt-hub eval transfer``: the linear probe with PIRL's settings on any ImageFolder dataset."""
 
     preset: str = field(default="places205", metadata={"help": "named sets of flag values; flags given override them"})
 
 
 def run(config: LinearConfig) -> dict[str, Any]:
-    """Train and score a linear classifier on the frozen backbone of ``--weights``; write the results.
+    """Train and score a linear classifier on the frozen backbone of ``--weights``; write and return the record.
 
     A ``TransferConfig`` is recorded as protocol ``transfer``, a ``LinearConfig`` as ``linear``.
-
-    Returns:
-        The results record (metrics ``top1`` / ``top5`` in percent; bt_hub.common.records).
     """
     return run_protocol(config, score)
 

@@ -1,20 +1,8 @@
 """One evaluation run, start to end: the one place that claims, loads, resolves and records.
 
-Every protocol (knn, linear, transfer, semi, voc07-svm), ``eval all``, ``compare``, ``embed`` and
-the demo go through :func:`evaluation`, in this order:
-
-1. claim ``--out`` (when given) as a folder of an explicit kind, before any heavy work;
-2. load the weights once: one read, one sha256 (the hash of the bytes that were loaded), reused by
-   the cache key and the record;
-3. resolve the settings (architecture, stem, image size and where it came from, precision, decode,
-   device) into a frozen :class:`Settings` that every record stores; the user's config is never
-   written to;
-4. build the splits once and the features through the checksummed cache (:meth:`EvalRun.features`);
-5. write one record per scored result through :meth:`EvalRun.write` (results.json, results.jsonl,
-   results.md).
-
-A protocol supplies only its scoring step: ``score(run) -> Scored`` (features and splits in,
-metrics and notes out); :func:`run_protocol` does the rest.
+:func:`evaluation` claims ``--out``, reads and hashes the weights once, resolves the :class:`Settings`
+(never writing to the user's config), builds splits and cached features, and writes the records; a
+protocol supplies only ``score(run) -> Scored`` (docs/architecture.md, "One runner").
 """
 
 from __future__ import annotations
@@ -95,12 +83,8 @@ def load_weights(
 def eval_image_size(given: int | None, weights_config: Mapping[str, Any] | None, weights: str) -> tuple[int, str]:
     """The evaluation crop side and where it came from: ``--image-size``, ``weights config.json`` or ``default``.
 
-    Weights pretrained at one size score lower at another, so the size a run or Hugging Face
-    folder's ``config.json`` records is the default; an ``--image-size`` that differs from it is
-    used, with one ``EvalWarning``.
-
-    Raises:
-        ValueError: the config.json's ``image_size`` is not a positive integer.
+    The size the weights' config.json records is the default; a different ``--image-size`` is used with
+    one ``EvalWarning`` (features at another size usually score lower).
     """
     trained = (weights_config or {}).get("image_size")
     if trained is not None and (isinstance(trained, bool) or not isinstance(trained, int) or trained <= 0):
@@ -210,9 +194,8 @@ class EvalRun:
     ) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
         """Features and labels of a split (``train`` / ``test``, or ``dataset``), through the cache when one is set.
 
-        ``network`` defaults to the run's weights and ``weights_id`` to their sha256; the cache key also
-        holds the architecture, the dataset fingerprint, the transform, pool, dtype and precision.
-        ``label`` names the entry of the record's ``features`` (``computed`` or ``cached <key>``).
+        ``network`` defaults to the run's weights and ``weights_id`` to their sha256; ``label`` names the
+        entry of the record's ``features``.
         """
         network = network if network is not None else self.weights.network
         weights_id = weights_id or self.weights.sha256
@@ -249,10 +232,7 @@ class EvalRun:
         config: Any = None,
         wall_time_s: float | None = None,
     ) -> Record:
-        """The results record of ``scored``: the config as given, the resolved settings, weights, splits, metrics.
-
-        ``weights``, ``seed`` and ``config`` default to the run's; ``wall_time_s`` to the time since it started.
-        """
+        """The results record of ``scored``; weights, seed, config and wall time default to the run's."""
         config = config or self.config
         changed = (
             overrides(config, ignore=getattr(config, "RUN_FIELDS", ())) if dataclasses.is_dataclass(config) else {}
@@ -307,8 +287,8 @@ def write_records(out: str | Path, records: Sequence[Record], summary: Mapping[s
 def evaluation(config: Any, *, kind: str = "eval") -> Iterator[EvalRun]:
     """Claim ``config.out`` (a folder of ``kind``), load the weights, resolve the settings; the run, for one block.
 
-    ``config.out`` None writes nothing (the Python API, the demo). ``config.weights`` is one source or
-    a list (``compare``); each is read once. The process group (torchrun) lives as long as the block.
+    ``config.out`` None writes nothing; ``config.weights`` may be a list (``compare``). The process group
+    (torchrun) lives as long as the block.
     """
     out = Path(config.out) if config.out is not None else None
     with process_group(config.device) as device, contextlib.ExitStack() as claims:

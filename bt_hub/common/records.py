@@ -1,8 +1,7 @@
 """Evaluation results records: the schema, their human labels, reading and rendering.
 
-One JSON object per evaluation run; docs/evaluation.md lists its fields. A protocol writes into its
-record everything the tables need (its ``paper`` row, its results.md ``table``, the label
-``fraction``), so this module reads them generically and knows no protocol, preset or file name.
+A protocol writes into its record what the tables need (its ``paper`` row, its results.md ``table``, the
+label ``fraction``), so this module knows no protocol, preset or file name; docs/evaluation.md lists the fields.
 """
 
 from __future__ import annotations
@@ -239,11 +238,7 @@ def weights_label(record: Mapping[str, Any]) -> str:
 
 
 def paper_comparable(record: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The record's ``paper`` row when its data is the paper's too (folder name, test split size), else None.
-
-    A run of the paper's recipe on other data (the digits, a held-out part of the paper's train split, a
-    subset of its classes) gets no paper number beside it.
-    """
+    """The record's ``paper`` row when its data is the paper's too (folder name, test split size), else None."""
     paper = record.get("paper")
     dataset = record.get("dataset")
     if not isinstance(paper, Mapping) or not isinstance(dataset, Mapping) or dataset.get("holdout"):
@@ -300,8 +295,7 @@ def group_by_seed(
 ) -> list[list[Mapping[str, Any]]]:
     """Records that differ only in their seed, grouped by ``key``, in order of first appearance.
 
-    A group holds each seed once: a seed met again under the same key starts a new group, so
-    running seeds 0, 1, 2 twice gives two groups of three and no record is dropped or counted twice.
+    A seed met again under the same key starts a new group, so no record is dropped or counted twice.
     """
     groups: list[list[Mapping[str, Any]]] = []
     latest: dict[Hashable, list[Mapping[str, Any]]] = {}
@@ -349,11 +343,9 @@ def summary_text(records: Sequence[Mapping[str, Any]], written: Sequence[str | o
 
 
 def card_table(records: Sequence[Mapping[str, Any]]) -> str:
-    """A markdown table for the model card: one row per run and metric, with the paper's value where it applies.
+    """The model card's markdown table: one row per run and metric, with the paper's value where it applies.
 
-    Runs that differ only in their seed (``seed_group_key``) share a row: ours is the mean ± sample standard
-    deviation over them, beside the number of seeds ("1 seed" for one run). The paper column is filled only
-    where protocol and data are the paper's (``paper_comparable``).
+    Runs that differ only in their seed share a row (mean ± sample std, and the number of seeds).
     """
     lines = ["| protocol | setting | data | metric | ours | seeds | paper |", "|---|---|---|---|---|---|---|"]
     for group in group_by_seed(records, seed_group_key):
