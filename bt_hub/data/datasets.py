@@ -1,19 +1,7 @@
 """Datasets: the embedded ``digits`` default, ImageFolder / ImageNet trees by path, synthetic.
 
-Every dataset returns ``(image, label)`` with ``image`` an RGB PIL image, so the same
-objects feed the PIL view pipeline, the batched tensor views (through ``to_uint8_tensor``)
-and the evaluation transforms. ``WithIndex`` adds the sample index, for features
-gathered in dataset order and for seeding per-sample augmentation.
-
-``build_dataset(name_or_path, split, image_size=32, seed=0, test_fraction=0.2)`` is the
-one entry used by pretraining and the evaluation protocols:
-
-- ``"digits"``: scikit-learn's 1797 handwritten digits (8x8, 10 classes), upsampled to
-  ``image_size`` as 3-channel images; ``split`` "train"/"test" is a seeded stratified split.
-- ``"synthetic"`` or ``"synthetic:N"``: N (default 512) seeded class-structured images.
-- a directory: an ImageNet layout whose ``train/``, ``val/`` or ``test/`` subdirectory is
-  chosen by ``split``, or a flat ImageFolder tree (``class/image.png``), which serves as a
-  training split only (pretraining; eval/splits.py holds out part of it on request).
+Every dataset returns ``(RGB PIL image, label)``; ``build_dataset`` is the one entry of pretraining
+and the evaluation protocols.
 """
 
 from __future__ import annotations
@@ -67,13 +55,7 @@ def _upsample_gray(images: np.ndarray, image_size: int) -> np.ndarray:
 def load_digits_split(
     seed: int = 0, test_fraction: float = 0.2, image_size: int = 32
 ) -> tuple[ArrayImageDataset, ArrayImageDataset]:
-    """scikit-learn's handwritten digits, upsampled, as a seeded stratified (train, test) split.
-
-    Args:
-        seed: seed of the split (the same seed always gives the same split).
-        test_fraction: share of each class held out for testing.
-        image_size: side of the upsampled square images.
-    """
+    """scikit-learn's handwritten digits, upsampled to ``image_size``, as a seeded stratified (train, test) split."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -119,10 +101,7 @@ def synthetic_dataset(
 class ImageFolderDataset(Dataset):
     """``root/<class>/<image>`` with classes sorted by name; unreadable files fail naming the file.
 
-    Args:
-        root: the directory holding one subdirectory per class.
-        image_size: if given, every image is resized to a square of this side (bicubic);
-            leave it None to keep the originals (the evaluation transforms resize).
+    ``image_size`` resizes every image to that square (bicubic); None keeps the originals.
     """
 
     def __init__(self, root: str | os.PathLike, image_size: int | None = None) -> None:
@@ -207,14 +186,8 @@ def build_dataset(
 ) -> Dataset:
     """The dataset behind a ``--data`` value; items are ``(PIL RGB image, label)``.
 
-    Args:
-        name_or_path: ``"digits"``, ``"synthetic"`` / ``"synthetic:N"``, or a directory
-            (ImageNet layout with ``train/`` and ``val/`` or ``test/``; a flat ImageFolder for "train" only).
-        split: "train", "val" or "test" ("val" and "test" are the same held-out part for
-            digits and synthetic data).
-        image_size: side of the square images; for directories None keeps original sizes.
-        seed: seed of the digits split and of the synthetic images.
-        test_fraction: held-out share for digits and synthetic data.
+    ``name_or_path`` is ``digits``, ``synthetic[:N]`` or a directory (ImageNet layout, or a flat ImageFolder
+    for "train" only). For the built-in sets "val" and "test" are the same seeded held-out part.
     """
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is unknown; expected one of {SPLITS}")

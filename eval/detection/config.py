@@ -1,10 +1,6 @@
-"""Where the detection YAMLs live, and how each engine reads them (one source of truth).
-
-The YAMLs sit in ``detection_configs/`` at the repository root and install as the
-``bt_hub.detection_configs`` package (pyproject ``package-dir``). detectron2 reads them
-through its own ``get_cfg`` (:func:`build_cfg`); the torchvision engine reads the same files
-with PyYAML (:func:`load_settings`), which is why the shared base writes out every value the
-torchvision engine uses, detectron2's defaults included.
+"""Where the detection YAMLs live, and how each engine reads them: detectron2 through its ``get_cfg``
+(:func:`build_cfg`), the torchvision engine with PyYAML (:func:`load_settings`), so the shared base writes
+out every value the torchvision engine uses.
 """
 
 from __future__ import annotations
@@ -47,11 +43,7 @@ def configs_dir() -> Path:
 
 
 def resolve_config(name_or_path: str) -> Path:
-    """``voc`` / ``coco`` -> the shipped YAML; anything else must be an existing YAML file.
-
-    Raises:
-        FileNotFoundError: the name is neither an alias nor an existing file.
-    """
+    """``voc`` / ``coco`` -> the shipped YAML; anything else must be an existing YAML file (else FileNotFoundError)."""
     if name_or_path in CONFIGS:
         path = configs_dir() / CONFIGS[name_or_path]
         if not path.is_file():
@@ -79,15 +71,7 @@ def _check_opts(opts: Sequence[str]) -> list[str]:
 def build_cfg(
     path: str | Path, opts: Sequence[str], *, weights: str, device: str, seed: int, output_dir: str | Path
 ) -> Any:
-    """A frozen detectron2 ``CfgNode``: defaults, then the YAML, then the flags, then ``opts``.
-
-    Args:
-        path: the YAML (``_BASE_`` is resolved relative to it).
-        opts: ``KEY VALUE`` pairs, detectron2's command-line override syntax.
-        weights: ``MODEL.WEIGHTS`` (a detectron2 ``.pkl``).
-        device: ``MODEL.DEVICE``.
-        seed: ``SEED``.
-        output_dir: ``OUTPUT_DIR``.
+    """A frozen detectron2 ``CfgNode``: defaults, then the YAML at ``path``, then the flags, then ``opts``.
 
     Raises:
         ValueError: an odd number of opts, an opt that a flag owns, or a key detectron2 does not know.
@@ -110,12 +94,7 @@ def build_cfg(
 
 
 class Settings:
-    """A merged YAML tree read by dotted key; a missing key is an error naming the file.
-
-    Args:
-        tree: the nested dict (``_BASE_`` chain merged, opts applied).
-        source: the YAML it came from (named in errors).
-    """
+    """A merged YAML tree read by dotted key; a missing key is an error naming ``source``, the file."""
 
     def __init__(self, tree: dict[str, Any], source: str | Path) -> None:
         self.tree = tree
@@ -202,9 +181,7 @@ def load_settings(path: str | Path, opts: Sequence[str] = ()) -> Settings:
 def opts_overrides(path: str | Path, opts: Sequence[str]) -> dict[str, dict[str, Any]]:
     """``{KEY: {"value": opts' value, "preset": the config's}}`` for every ``KEY VALUE`` pair that changes the config.
 
-    The config's value is the YAML's (``_BASE_`` chain merged) or, for a key the YAML leaves
-    to detectron2 (only the detectron2 engine accepts those), detectron2's default. The
-    results record lists these, so a run that is not its preset says so.
+    The config's value is the YAML's or, for a key it leaves to detectron2, detectron2's default.
     """
     opts = _check_opts(opts)
     settings = Settings(_read_tree(Path(path)), path)
@@ -231,8 +208,6 @@ def _detectron2_default(key: str) -> Any:
 
 def scale_to_world_size(settings: Settings, world_size: int) -> Settings:
     """``SOLVER.REFERENCE_WORLD_SIZE`` as detectron2 applies it: batch and lr x N/ref, iterations x ref/N.
-
-    Nothing changes when the reference is 0 or equals ``world_size``.
 
     Raises:
         ValueError: the scaled batch does not split evenly over ``world_size`` processes.
