@@ -1,14 +1,7 @@
-"""``bt-hub eval all``: every classification protocol on one checkpoint, one combined table.
+"""``bt-hub eval all``: every classification protocol on one checkpoint, on the same splits, one combined table.
 
-Runs kNN, the linear probe (cached by default, ``--full-linear`` for the paper's loop),
-semi-supervised fine-tuning on each ``--fractions`` percent of the labels (from the
-SimCLR lists in ``--subset-dir`` when given), and the VOC07 SVMs when ``--voc07-devkit``
-is given, all on the same splits (``--test-split`` / ``--holdout``). ``--preset`` picks the
-protocols' presets: ``paper`` (linear ``imagenet``, semi ``paper``) or ``small`` (both
-``small``). kNN and the cached linear probe share one feature cache (``--cache-dir``,
-default ``OUT/feature_cache``), so the backbone runs over the data once. Each protocol
-writes its own ``OUT/<protocol>/results.json``; ``OUT/results.json`` lists this run's
-records, ``OUT/results.jsonl`` gains them and ``OUT/results.md`` holds the tables.
+kNN, the linear probe, semi-supervised fine-tuning per ``--fractions`` and, with ``--voc07-devkit``, the
+VOC07 SVMs; each writes ``OUT/<protocol>/`` and ``OUT/results.json`` lists this run's records.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Named Barlow Twins weights, torchvision-style, and the facts that travel with them.
 
-The one home of the paper's numbers (docs/protocols.md §4), the pretraining recipe,
-ImageNet mean/std and the evaluation transform: ``bt_hub.method.views``, ``eval/`` and the
-model card import them from here. ``BarlowTwinsWeights`` is a torchvision ``WeightsEnum`` whose
-members are torchvision ``Weights`` records (URL, transforms, meta) that also carry the file
-name, the sha256 when one is published, the architecture and whether the projector is included.
-So torchvision's own builders refuse them (``resnet50(weights=BarlowTwinsWeights.DEFAULT)`` is a
-TypeError, never a silent load of supervised weights), and they read as torchvision's do:
-``.url``, ``.transforms()`` (PIL images and tensors, as torchvision's presets), ``.meta``,
-``.get_state_dict()``, ``DEFAULT`` and ``verify`` (a member, its short name such as
-``"barlowtwins-in1k"``, its member name or its dotted name).
+The one home of the paper's numbers and the pretraining recipe. ``BarlowTwinsWeights`` is a torchvision
+``WeightsEnum`` of ``Weights`` records that also carry file name, sha256, architecture and projector, so
+torchvision's builders refuse them and they read as torchvision's do (``.url``, ``.meta``, ``verify``).
 """
 
 from __future__ import annotations
@@ -76,14 +69,9 @@ class Weights(torchvision.models.Weights):
     """One set of published weights: torchvision's record (``url``, ``transforms``, ``meta``) and bt_hub's fields.
 
     Attributes:
-        url: ``https://`` URL or ``hf://org/name[@revision]``.
-        transforms: builds the evaluation transforms.
-        meta: the paper's and the release's numbers, the recipe, parameter count, one sentence of docs.
         short_name: the name commands accept (``--weights barlowtwins-in1k``).
         file_name: the file's name in the download cache (two releases are both called ``resnet50.pth``).
-        sha256: the published hash, checked after download and on every load; None when none is published
-            (then the sha256 of the first download is recorded beside the cached file and checked instead).
-        architecture: the backbone the weights belong to.
+        sha256: the published hash, or None (then the first download's is recorded and checked).
         has_projector: the file carries the projector too (``barlow_twins`` can load it).
     """
 
@@ -161,11 +149,7 @@ class BarlowTwinsWeights(torchvision.models.WeightsEnum):
         return found
 
     def __getattr__(self, name: str) -> Any:
-        """bt_hub's fields of the record, as attributes.
-
-        ``short_name``, ``file_name``, ``sha256``, ``architecture``, ``has_projector`` (``url``,
-        ``transforms`` and ``meta`` are torchvision's properties).
-        """
+        """bt_hub's fields of the record (``short_name``, ``file_name``, ``sha256``, ...), as attributes."""
         if name in _FIELDS:
             return getattr(self.value, name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
@@ -175,10 +159,7 @@ class BarlowTwinsWeights(torchvision.models.WeightsEnum):
         return None if self.url.startswith("hf://") else cache_path(self.url, self.value.file_name)
 
     def get_state_dict(self, progress: bool = True, *, allow_non_finite: bool = False) -> dict[str, torch.Tensor]:
-        """The backbone state dict (torchvision names, no ``fc``).
-
-        Downloaded and verified once, then read from the cache.
-        """
+        """The backbone state dict (torchvision names, no ``fc``), downloaded and verified once."""
         hub = self.url.startswith("hf://")
         if hub:
             path = hf_download(self.url[len("hf://") :], "model.safetensors")
@@ -219,11 +200,9 @@ class ListWeightsConfig:
 
 
 def weights_table(config: ListWeightsConfig | None = None) -> str:
-    """``bt-hub weights list``: one line per registered weight: name, architecture, cached?, sha256, URL, cache path.
+    """``bt-hub weights list``: per registered weight its name, architecture, cached?, sha256, URL and cache path.
 
-    The sha256 column shows the start of the published hash; where none is published, the hash recorded
-    beside the cached file at first use (``recorded:<hex>``; a later change is refused), or "unverified"
-    before then. The cache path is where the loaders read the file (put it there by hand to work offline).
+    Where no hash is published the sha256 column shows the one recorded at first use, or "unverified".
     """
     rows = [("name", "architecture", "cached", "sha256", "url", "cache path")]
     for member in BarlowTwinsWeights:

@@ -1,12 +1,7 @@
 """``bt-hub detect``: Faster/Mask R-CNN R50-C4 transfer (docs/protocols.md §3) on one of two engines.
 
-Reads top to bottom: the flags (``DetectConfig``), the engine (``--engine``: detectron2, or
-the torchvision R50-C4 of ``bt_hub.eval.detection.torchvision_engine.model``; ``auto`` takes detectron2 when
-it is importable), the config (a shipped YAML or a file, then ``opts``; both engines read the
-same YAML), one trial per seed, and ``results.json`` with the mean and standard deviation
-over the trials. detectron2 trials run through detectron2's own ``launch`` (one process per
-GPU, several machines) and trainer (``bt_hub.eval.detection.detectron2_engine.trainer``); torchvision trials run in
-this process, one per torchrun process (``bt_hub.eval.detection.torchvision_engine.trainer``).
+The flags, the engine (detectron2 when importable, else the torchvision R50-C4), the YAML and ``opts``,
+one trial per seed, then one record with the mean and standard deviation over the trials.
 """
 
 from __future__ import annotations
@@ -170,8 +165,7 @@ def resolve_engine(engine: str) -> str:
 def prepare_weights(weights: LoadedWeights, out_dir: Path) -> tuple[str, dict[str, Any]]:
     """``MODEL.WEIGHTS`` for the loaded weights and the backbone's detectron2 tensors (to check the load).
 
-    A ``.pkl`` is used as it is; anything else is written as ``out_dir/weights.pkl`` (detectron2
-    names, ``matching_heuristics``) from the tensors that were loaded (and hashed) once.
+    A ``.pkl`` is used as it is; anything else is written as ``out_dir/weights.pkl`` from the loaded tensors.
     """
     from bt_hub.weights import save_detectron2, to_detectron2
 
@@ -195,11 +189,7 @@ def aggregate_trials(trials: list[dict[str, float]]) -> dict[str, float]:
 
 
 def main(config: DetectConfig) -> dict[str, Any] | None:
-    """Run ``config.trials`` detection transfers and write ``results.json`` (machine / rank 0).
-
-    Returns:
-        The results record on the main process, None on the others.
-    """
+    """Run ``config.trials`` detection transfers; the record on the main process, else None."""
     start = time.time()
     engine = resolve_engine(config.engine)
     with claimed_run_dir(Path(config.out).expanduser(), kind="detect", overwrite=config.overwrite) as out:
@@ -305,13 +295,10 @@ def _write(
     trials: list[dict[str, Any]],
     start: float,
 ) -> dict[str, Any]:
-    """Write ``results.json`` and append to ``results.jsonl`` / ``results.md``; the record.
+    """Write the record (results.json, .jsonl, .md) and return it.
 
-    Its ``overrides`` are every flag changed from its default and every ``KEY VALUE`` of the
-    opts that changes the config, with the config's value beside it, so a shortened run never
-    reads like its preset; the paper's row stands beside it only when nothing but
-    ``EXECUTION_OVERRIDES`` changed. (The runner's ``EvalRun.record`` takes overrides from a config
-    dataclass only, and the opts are not fields of one.)
+    Its ``overrides`` include every opt that changes the config, so a shortened run never reads like its
+    preset; the paper's row applies only when nothing but ``EXECUTION_OVERRIDES`` changed.
     """
     from bt_hub.common.presets import overrides
     from bt_hub.common.records import make_record
