@@ -1,10 +1,5 @@
-"""The settings every command that runs shares, and their one check.
-
-``RunConfig`` is the base of the config dataclasses of ``bt-hub pretrain``, ``eval``,
-``detect`` and ``demo``: where the run writes (``out``, with ``overwrite``), on which
-device, with which seed, on how many CPU threads. Each command keeps its own default
-``out`` and says what it writes there; the device is checked here and nowhere else.
-What a run computes from (weights, data) differs by command and lives in its config.
+"""``RunConfig``: the settings every command that runs shares (``out``, ``overwrite``, device, seed,
+threads), and the one device check.
 """
 
 from __future__ import annotations
