@@ -359,7 +359,6 @@ def _diverged(config: LinearConfig, epoch: int) -> NonFiniteLoss:
 
 
 def _log_epoch(run_dir: RunDir, config: LinearConfig, epoch: int, loss: float) -> None:
-    """Log an epoch's mean training loss; stop the run when it is not finite."""
     if not math.isfinite(loss):
         raise _diverged(config, epoch)
     run_dir.log({"epoch": epoch, "train_loss": loss})

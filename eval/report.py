@@ -1,7 +1,5 @@
-"""Evaluation results on disk: ``results.json`` (this run), ``results.jsonl`` (every run), ``results.md``.
-
-results.md has one table per ``Table`` that the records name, the paper's row (a protocol's ``PaperRow``)
-above the runs that follow it; the protocols declare both, so this module names none of them.
+"""Evaluation results on disk: ``results.json`` (this run), ``results.jsonl`` (every run), ``results.md``: one
+table per ``Table`` the records name, the paper's row above the runs that follow it.
 """
 
 from __future__ import annotations
@@ -143,11 +141,7 @@ def render_markdown(results: list[Mapping[str, Any]]) -> str:
 
 
 def load_results(out_dir: str | Path) -> tuple[list[dict[str, Any]], list[int]]:
-    """Every record appended to ``<out_dir>/results.jsonl``, oldest first, and the numbers of damaged lines.
-
-    A line cut short by a crash or edited by hand is no record: it is left in the file (bt_hub deletes
-    nothing of it) and out of ``results.md``; :func:`check_history` says which before a run's work.
-    """
+    """Every record of ``<out_dir>/results.jsonl``, oldest first, and the numbers of damaged lines."""
     path = Path(out_dir) / "results.jsonl"
     if not path.exists():
         return [], []
@@ -180,9 +174,8 @@ def check_history(out_dir: str | Path) -> None:
 def append_results(out_dir: str | Path, records: Sequence[Record]) -> list[Record]:
     """Append records to ``results.jsonl`` and rewrite ``results.md`` from the whole history; return it.
 
-    The records go in with one ``write`` on a descriptor opened ``O_APPEND | O_NOFOLLOW`` and
-    locked (``flock``) until ``results.md`` is rewritten, so processes appending to one folder
-    at once keep every record, each on a line of its own, and ``results.md`` shows them all.
+    One ``write`` on a descriptor opened ``O_APPEND | O_NOFOLLOW`` and locked until ``results.md`` is
+    rewritten, so concurrent appenders keep every record.
 
     Raises:
         WriteError: ``results.jsonl`` is a symbolic link, or could not be written (it is left as it was).

@@ -134,7 +134,6 @@ def _name(spec: str) -> str:
 
 
 def _check_layout(root: Path, test_split: str, holdout: float | None) -> None:
-    """Fail with the accepted layouts when a directory cannot give the splits asked for."""
     if not root.is_dir():
         return  # build_dataset names the problem
     present = [s for s in SPLITS if (root / s).is_dir()]

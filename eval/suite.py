@@ -115,7 +115,6 @@ def _shared(config: SuiteConfig, name: str, skip: tuple[str, ...] = (), **overri
 
 
 def _given(**values: Any) -> dict[str, Any]:
-    """The values that were set (None: keep the preset's)."""
     return {k: v for k, v in values.items() if v is not None}
 
 

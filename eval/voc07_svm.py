@@ -168,7 +168,6 @@ def _svm(cost: float, max_iter: int, seed: int) -> Any:
 
 
 def _train_targets(targets: np.ndarray, cls: int) -> np.ndarray:
-    """SVM targets for training: present -> 1, absent and difficult-only -> -1."""
     return np.where(targets[:, cls] == 1, 1, -1)
 
 
@@ -186,7 +185,6 @@ def _fitted_svm(features: np.ndarray, y: np.ndarray, cost: float, max_iter: int,
 def _fold_ap(
     features: np.ndarray, targets: np.ndarray, cls: int, cost: float, fold: int, folds: int, max_iter: int, seed: int
 ) -> float:
-    """Average precision on one of scikit-learn's ``cv=folds`` folds (stratified, unshuffled)."""
     from sklearn.metrics import get_scorer
     from sklearn.model_selection import StratifiedKFold
 

@@ -48,7 +48,6 @@ def check_out(out: str, flag: str = "--out") -> None:
 
 
 def _shown(value: Any) -> str:
-    """``value`` for a message: numbers longer than 30 digits cut to their first and last digits."""
     text = repr(value)
     return f"{text[:12]}...{text[-6:]} ({len(text)} characters)" if len(text) > 30 else text
 

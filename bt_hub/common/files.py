@@ -282,19 +282,16 @@ def read_file_and_sha256(path: Path) -> tuple[Any, str]:
 
 
 def _rewound(source: Path | io.BytesIO) -> Path | io.BytesIO:
-    """``source`` ready to be read from its start (bytes are rewound; a path is opened afresh by its reader)."""
     if isinstance(source, io.BytesIO):
         source.seek(0)
     return source
 
 
 def _opened(source: Path | io.BytesIO) -> contextlib.AbstractContextManager[Any]:
-    """A binary file at its start: ``source`` opened, or the bytes rewound."""
     return open(source, "rb") if isinstance(source, Path) else contextlib.nullcontext(_rewound(source))
 
 
 def _read(path: Path, source: Path | io.BytesIO) -> Any:
-    """``read_file`` of ``source``: the file at ``path`` itself, or bytes read from it."""
     with _opened(source) as f:
         head = f.read(64)
     if not head:
@@ -325,7 +322,6 @@ def _unpickle(source: Path | io.BytesIO) -> Any:
 def _explain(
     path: Path, source: Path | io.BytesIO, head: bytes, kind: str, err: Exception, is_zip: bool
 ) -> CheckpointError:
-    """Why ``path`` did not load: not a checkpoint, pickled code, or damaged."""
     code = re.search(r"GLOBAL ([\w.]+)|global '([\w.]+)' is forbidden", str(err))
     if code:  # first: a protocol-0 pickle of code is plain text too
         return _code_refused(path, code.group(1) or code.group(2))

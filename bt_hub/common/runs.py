@@ -100,7 +100,6 @@ def run_kind(path: str | os.PathLike) -> str | None:
 
 
 def _check_kind(path: Path, kind: str, flag: str) -> None:
-    """Refuse a folder that records another kind of run than ``kind``."""
     found = run_kind(path)
     if found is None or found == kind:
         return

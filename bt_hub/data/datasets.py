@@ -10,7 +10,6 @@ import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -45,7 +44,6 @@ class ArrayImageDataset(Dataset):
 
 
 def _upsample_gray(images: np.ndarray, image_size: int) -> np.ndarray:
-    """N x h x w floats in [0, 1] -> N x S x S x 3 uint8, bilinear."""
     t = torch.from_numpy(images).float().unsqueeze(1)
     t = torch.nn.functional.interpolate(t, size=(image_size, image_size), mode="bilinear", align_corners=False)
     t = (t.clamp(0, 1) * 255).round().to(torch.uint8)
@@ -147,20 +145,6 @@ class ImageFolderDataset(Dataset):
         if self.image_size is not None and image.size != (self.image_size, self.image_size):
             image = image.resize((self.image_size, self.image_size), Image.Resampling.BICUBIC)
         return image, label
-
-
-class WithIndex(Dataset):
-    """Wrap a dataset so that items are ``(image, label, index)``."""
-
-    def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> tuple[Any, int, int]:
-        image, label = self.dataset[index]
-        return image, label, index
 
 
 def _folder_for_split(root: Path, split: str) -> Path:

@@ -119,7 +119,6 @@ LAMBD = 0.0051
 
 
 def _scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
-    """Same value as ``x``; gradient multiplied by ``factor``."""
     return x * factor + x.detach() * (1.0 - factor)
 
 

@@ -185,7 +185,6 @@ class TwoViewTransform(_TwoViews):
 
 
 def _gray(x: torch.Tensor) -> torch.Tensor:
-    """Luma of B x 3 x H x W images, B x 1 x H x W (torchvision's weights)."""
     w = torch.tensor(GRAY_WEIGHTS, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
     return (x * w).sum(dim=1, keepdim=True)
 

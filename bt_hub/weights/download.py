@@ -246,7 +246,6 @@ def _describe(err: BaseException, timeout: float) -> str:
 
 
 def _final(partial: Path) -> Path:
-    """The cache path a staging file is destined for."""
     return partial.parent.parent / partial.name
 
 

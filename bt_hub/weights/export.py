@@ -105,7 +105,6 @@ def save_torchvision(state_dict: Mapping[str, torch.Tensor], path: str | os.Path
 
 
 def _written_by_bt_hub(path: Path) -> bool:
-    """Whether bt_hub wrote this file of a Hugging Face folder (see the module docstring)."""
     try:
         if path.suffix == ".safetensors":
             with open(path, "rb") as f:

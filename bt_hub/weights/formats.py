@@ -1,6 +1,4 @@
-"""Key layouts of ResNet checkpoints in the wild (docs/protocols.md §1, §3): every tensor flattened to a
-dotted key, the backbone found under the one prefix with a torchvision ResNet's keys.
-"""
+"""Key layouts of ResNet checkpoints in the wild (docs/protocols.md §1, §3)."""
 
 from __future__ import annotations
 
@@ -109,9 +107,7 @@ def _rank(prefix: str) -> tuple[int, int, int]:
 
 
 def extract_backbone(obj: Any, source: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The torchvision-named backbone state dict (no ``fc``) in what ``read_file`` returned, and ``info``
-    (``format``, ``prefix``, ``dropped`` keys).
-    """
+    """The torchvision-named backbone state dict (no ``fc``) in what ``read_file`` returned, and its ``info``."""
     flat = flatten_tensors(obj)
     candidates = sorted(_candidates(flat), key=lambda c: _rank(c[0]))
     if not candidates:

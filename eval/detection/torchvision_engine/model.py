@@ -146,7 +146,6 @@ class C4Transform(GeneralizedRCNNTransform):
 
 
 def _check_supported(s: Settings) -> None:
-    """Refuse settings this engine does not implement, naming the key."""
     fixed = {
         "MODEL.BACKBONE.FREEZE_AT": 0,
         "MODEL.RESNETS.STRIDE_IN_1X1": False,

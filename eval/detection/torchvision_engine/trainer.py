@@ -254,7 +254,6 @@ def run_trial(
 
 
 def _seed_this_rank(seed: int) -> None:
-    """Seed torch and numpy with ``seed`` + this process's rank."""
     torch.manual_seed(seed + get_rank())
     np.random.seed((seed + get_rank()) % 2**32)
 
@@ -278,7 +277,6 @@ def _model(
 
 
 def _optimizer(model: nn.Module, settings: Settings) -> tuple[torch.optim.Optimizer, Any]:
-    """SGD with momentum over ``param_groups`` and its warm-up-and-steps schedule (``lr_factor``)."""
     optimizer = torch.optim.SGD(
         param_groups(model, settings["SOLVER.WEIGHT_DECAY"], settings["SOLVER.WEIGHT_DECAY_NORM"]),
         lr=settings["SOLVER.BASE_LR"],
@@ -302,7 +300,6 @@ def _resume(
 
 
 def _distributed(model: nn.Module, device: torch.device) -> nn.Module:
-    """``model`` wrapped in DistributedDataParallel under torchrun, else ``model`` itself."""
     if not is_distributed():
         return model
     return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
