@@ -1,8 +1,4 @@
-"""``bt-hub embed``: the features of any weights on any supported data, with the file each row came from.
-
-Through the runner and the checksummed cache, so a rerun reuses every split done; writes ``<split>.npy``
-and ``index.csv`` (or one ``embeddings.parquet``) and ``embed.json`` (docs/evaluation.md).
-"""
+"""``bt-hub embed``: the features of any weights on any data, with the file each row came from."""
 
 from __future__ import annotations
 

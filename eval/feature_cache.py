@@ -1,8 +1,4 @@
-"""The on-disk feature cache of bt_hub.eval.features: keyed, checksummed ``.npy`` files read as memmaps.
-
-The key hashes everything that changes the features (weights, architecture, dataset, transform, pool,
-dtype, precision); each file's size, sha256, shape and dtype are checked before it is read.
-"""
+"""The on-disk feature cache: checksummed ``.npy`` files keyed by everything that changes the features."""
 
 from __future__ import annotations
 

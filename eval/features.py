@@ -1,10 +1,4 @@
-"""One frozen-backbone feature extractor shared by every protocol, with an on-disk cache.
-
-Images are preprocessed by PIL in the loader workers or, as pretraining does, decoded and resized on the
-device (``DeviceEvalTransform``). Pools: ``avg`` (the backbone's output) and ``voc_res5`` (VISSL's VOC07
-feature: the res5 map through AvgPool2d(6, 1), 8192-d at 224 px). Under torchrun every rank ends with
-the full features in dataset order; docs/evaluation.md has the details.
-"""
+"""One frozen-backbone feature extractor shared by every protocol (PIL or on-device preprocessing, cached)."""
 
 from __future__ import annotations
 

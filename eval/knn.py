@@ -1,9 +1,4 @@
-"""Weighted k-nearest-neighbour classification on frozen features (``bt-hub eval knn``).
-
-DINO's protocol (docs/protocols.md §2; not in the paper): cosine similarity, the k nearest vote with
-weight exp(sim / T), T = 0.07. The exact search runs over chunks of the training set (faiss on the CPU,
-a torch matrix product + top-k on CUDA or with ``--backend torch``), so no feature file is loaded whole.
-"""
+"""Weighted kNN on frozen features (``bt-hub eval knn``; DINO's protocol, docs/protocols.md §2)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""Linear probe on a frozen backbone, and linear transfer (docs/protocols.md §2, docs/evaluation.md).
-
-Presets: ``imagenet`` (the paper's Table 1), ``places205`` / ``inat18`` (PIRL's settings, Table 3) and
-``small`` (larger crops, no flip, for small images). ``--cached`` trains on cached test-transform features;
-``--search grid`` picks one of a grid of heads on a validation part of the training split (bt_hub.eval.heads).
-"""
+"""Linear probe on a frozen backbone, and linear transfer (docs/protocols.md §2, docs/evaluation.md)."""
 
 from __future__ import annotations
 

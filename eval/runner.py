@@ -1,9 +1,4 @@
-"""One evaluation run, start to end: the one place that claims, loads, resolves and records.
-
-:func:`evaluation` claims ``--out``, reads and hashes the weights once, resolves the :class:`Settings`
-(never writing to the user's config), builds splits and cached features, and writes the records; a
-protocol supplies only ``score(run) -> Scored`` (docs/architecture.md, "One runner").
-"""
+"""One evaluation run, start to end: the one place that claims, loads, resolves and records."""
 
 from __future__ import annotations
 

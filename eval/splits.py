@@ -1,8 +1,4 @@
-"""The train and test splits every protocol reads; ``load_splits`` is the one way in.
-
-The test split is always held out explicitly (the built-in sets' seeded part, a ``val/`` or ``test/``
-folder, or ``--holdout``) and refused when it shares files or images with the training split.
-"""
+"""The explicit, disjoint train and test splits every protocol reads; ``load_splits`` is the one way in."""
 
 from __future__ import annotations
 

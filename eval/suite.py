@@ -1,8 +1,4 @@
-"""``bt-hub eval all``: every classification protocol on one checkpoint, on the same splits, one combined table.
-
-kNN, the linear probe, semi-supervised fine-tuning per ``--fractions`` and, with ``--voc07-devkit``, the
-VOC07 SVMs; each writes ``OUT/<protocol>/`` and ``OUT/results.json`` lists this run's records.
-"""
+"""``bt-hub eval all``: every classification protocol on one checkpoint and the same splits, one table."""
 
 from __future__ import annotations
 

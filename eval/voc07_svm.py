@@ -1,9 +1,4 @@
-"""Per-class linear SVMs on frozen features of PASCAL VOC2007 (``bt-hub eval voc07-svm``).
-
-VISSL's protocol (docs/protocols.md §2): 8192-d res5 features, L2-normalised, one ``LinearSVC`` per class
-and cost chosen by 3-fold cross-validated AP and refitted on trainval; ``mAP`` and ``mAP_11point``. The
-fits run in joblib worker processes (liblinear's generator is process-global) and equal a sequential run.
-"""
+"""Per-class linear SVMs on frozen VOC2007 features (``bt-hub eval voc07-svm``; VISSL's protocol)."""
 
 from __future__ import annotations
 

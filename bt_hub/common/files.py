@@ -1,8 +1,4 @@
-"""Files, written atomically and read safely: the one home of bt_hub's file I/O below the run folders.
-
-Writes go through ``atomic_write`` (temp file, fsync, rename) and never through a symbolic link; reads
-never execute code (``weights_only`` torch.load, safetensors, a restricted unpickler for ``.pkl``).
-"""
+"""Files written atomically (never through a symbolic link) and read without executing code."""
 
 from __future__ import annotations
 

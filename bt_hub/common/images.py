@@ -1,9 +1,4 @@
-"""Image files read as 8-bit RGB, whatever PIL mode they decode to, or refused in one sentence.
-
-``convert("RGB")`` clips 16-bit images to white and drops transparency: 16-bit is divided by 257, floats
-in 0..1 scaled by 255, transparency composited over white; unknown scales and decompression bombs are
-refused (docs/reliability.md).
-"""
+"""Image files read as 8-bit RGB whatever their PIL mode (docs/reliability.md), or refused in one sentence."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""One preset mechanism for every config dataclass: named sets of field values (litgpt's named configs).
-
-A config class lists ``PRESETS`` (name -> the values that differ from its defaults); ``from_preset``
-applies defaults, then the preset, then the flags given, and ``overrides`` says what a run changed.
-"""
+"""One preset mechanism for every config dataclass: named sets of field values (litgpt's named configs)."""
 
 from __future__ import annotations
 

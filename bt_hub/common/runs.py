@@ -1,9 +1,4 @@
-"""Run directories: who owns a folder, who may write into it, and what it records.
-
-A folder is bt_hub's when it holds the marker ``.bt_hub_run``, which records its kind (``pretrain``,
-``eval``, ...); a command writes only into folders of its own kind, and a training run holds a lock on
-it for its whole life. docs/reliability.md ("Run folders") has the rules.
-"""
+"""Run directories: who owns a folder (its marker and kind), who may write into it, and what it records."""
 
 from __future__ import annotations
 

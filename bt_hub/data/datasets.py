@@ -1,8 +1,4 @@
-"""Datasets: the embedded ``digits`` default, ImageFolder / ImageNet trees by path, synthetic.
-
-Every dataset returns ``(RGB PIL image, label)``; ``build_dataset`` is the one entry of pretraining
-and the evaluation protocols.
-"""
+"""Datasets of ``(RGB PIL image, label)``: the embedded ``digits``, ImageFolder / ImageNet trees, synthetic."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Image files decoded in batches on the training device (``--decode device``).
-
-Workers only read bytes (:func:`read_encoded`); ``torchvision.io.decode_jpeg`` decodes the batch on the
-device (nvJPEG on CUDA, libjpeg-turbo on the CPU), and PIL takes what it refuses. Images keep their sizes.
-"""
+"""Image files decoded in batches on the training device (``--decode device``); PIL takes what it refuses."""
 
 from __future__ import annotations
 

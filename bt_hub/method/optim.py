@@ -1,8 +1,4 @@
-"""LARS, its two parameter groups and the per-step learning-rate schedule (docs/protocols.md §1).
-
-As the reference: parameters with ``ndim == 1`` get neither weight decay nor the LARS adaptation, and
-the learning rate is a function of the global step only, so a resumed run recovers it.
-"""
+"""LARS, its two parameter groups and the per-step learning-rate schedule (docs/protocols.md §1)."""
 
 from __future__ import annotations
 

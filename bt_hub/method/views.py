@@ -1,9 +1,4 @@
-"""The two asymmetric Barlow Twins views (BYOL's parameters, docs/protocols.md §1).
-
-:func:`sample_view_params` draws every random choice per image for both paths: :class:`TwoViewTransform`
-(PIL, in loader workers, the reference's operations) and :class:`BatchedTwoViews` (whole batches on the
-device; crops resampled by ``roi_align``, no uint8 rounding). docs/pretraining.md compares the two.
-"""
+"""The two asymmetric Barlow Twins views, drawn per image for the PIL and the batched tensor paths."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""``--compile auto``: torch.compile a long run's training step, leave a short one eager.
-
-Compiling costs minutes once and then saves about a quarter of every step on CUDA and AMX CPUs, but
-cost time on a CPU without AMX; docs/performance.md has the measurements and the rule below.
-"""
+"""``--compile auto``: compile a long run's step where it pays, else stay eager (docs/performance.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""The model card (README.md) and the timm fields of a Hugging Face folder's config.json.
-
-The card shows as its own results only records of the same weights (sha256), never a baseline row as
-the model's, names every entry's architecture, stem and image size, and says "pretrained with Barlow
-Twins" only where the provenance shows it (docs/weights.md, "The model card").
-"""
+"""The model card (README.md) and timm's fields of a Hugging Face folder's config.json (docs/weights.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""The download cache: URL-keyed, verified before it is kept, bounded in time; and Hugging Face Hub files.
-
-A URL's file lives at ``<torch hub dir>/checkpoints/bt_hub/<16 hex of sha256(URL)>/<file name>``; it is
-kept only when its size, sha256 and format check out, and its sha256 is recorded beside it when none is
-expected. docs/weights.md ("Downloads") has the timeouts, retries and messages.
-"""
+"""The verified, URL-keyed download cache, bounded in time, and Hugging Face Hub files (docs/weights.md)."""
 
 from __future__ import annotations
 

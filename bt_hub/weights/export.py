@@ -1,8 +1,4 @@
-"""Write backbone weights as torchvision ``.pth``, safetensors, detectron2 ``.pkl`` or a Hugging Face folder.
-
-A small-image-stem backbone is refused for ``.pth`` and ``.pkl`` (those libraries cannot build it); with
-``--force`` a Hugging Face folder replaces only the files bt_hub wrote (docs/weights.md, "Export").
-"""
+"""Write backbone weights as torchvision ``.pth``, safetensors, detectron2 ``.pkl`` or a Hugging Face folder."""
 
 from __future__ import annotations
 

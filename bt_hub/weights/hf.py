@@ -1,8 +1,4 @@
-"""Hugging Face Hub: ``save_pretrained`` / ``from_pretrained`` / ``push_to_hub``, strict loads.
-
-A folder holds ``model.safetensors``, ``projector.safetensors`` when known, ``config.json`` (ours and timm's
-fields) and the model card; docs/weights.md ("Hugging Face") has the layout and the Hub options.
-"""
+"""Hugging Face Hub: ``save_pretrained`` / ``from_pretrained`` (strict) / ``push_to_hub`` (docs/weights.md)."""
 
 from __future__ import annotations
 

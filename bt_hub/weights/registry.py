@@ -1,9 +1,4 @@
-"""Named Barlow Twins weights, torchvision-style, and the facts that travel with them.
-
-The one home of the paper's numbers and the pretraining recipe. ``BarlowTwinsWeights`` is a torchvision
-``WeightsEnum`` of ``Weights`` records that also carry file name, sha256, architecture and projector, so
-torchvision's builders refuse them and they read as torchvision's do (``.url``, ``.meta``, ``verify``).
-"""
+"""Named Barlow Twins weights, torchvision-style, and the paper's numbers and recipe that travel with them."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""``resolve(source)``: the one way every entry point turns a weights argument into a local file.
-
-Tried in order: a registry member, ``hf://org/name[@revision]``, a URL, an existing local path, a
-registered name, a bare ``org/name`` Hub id (docs/weights.md). A path-like string that does not exist is
-"no such file or folder" at once, never a Hub error.
-"""
+"""``resolve(source)``: the one way every entry point turns a weights argument into a local file."""
 
 from __future__ import annotations
 

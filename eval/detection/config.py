@@ -1,7 +1,4 @@
-"""Where the detection YAMLs live, and how each engine reads them: detectron2 through its ``get_cfg``
-(:func:`build_cfg`), the torchvision engine with PyYAML (:func:`load_settings`), so the shared base writes
-out every value the torchvision engine uses.
-"""
+"""Where the detection YAMLs live, and how detectron2 (``get_cfg``) and the torchvision engine read them."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Detection data without detectron2: dataset names -> files, annotation records, a torch Dataset.
-
-:func:`locate` maps detectron2's names (``voc_{year}_{split}``, ``coco_{year}_{split}``) onto ``--data ROOT``
-for both engines; records use detectron2's conventions (XYXY continuous boxes, 0-based classes).
-"""
+"""Detection data without detectron2: dataset names -> files, annotation records, a torch Dataset."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""``bt-hub detect``: Faster/Mask R-CNN R50-C4 transfer (docs/protocols.md §3) on one of two engines.
-
-The flags, the engine (detectron2 when importable, else the torchvision R50-C4), the YAML and ``opts``,
-one trial per seed, then one record with the mean and standard deviation over the trials.
-"""
+"""``bt-hub detect``: Faster/Mask R-CNN R50-C4 transfer (docs/protocols.md §3) on one of two engines."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Detection metrics without detectron2: the PASCAL VOC devkit's AP and COCO AP through pycocotools.
-
-Predictions are, per image id, numpy ``boxes`` (XYXY, original pixels), ``scores``, 0-based ``labels`` and
-optional ``masks``; results are percentages under detectron2's names (``{"bbox": {"AP", "AP50", "AP75"}}``).
-"""
+"""Detection metrics without detectron2: the VOC devkit's AP and COCO AP, under detectron2's names."""
 
 from __future__ import annotations
 

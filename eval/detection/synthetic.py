@@ -1,8 +1,4 @@
-"""A learnable generated detection set: four coloured shapes on textured canvases, with boxes and masks.
-
-``bt-hub make-detection-data`` writes it as a VOC devkit (with its own ``classes.txt``) and as COCO json;
-a working detector learns it within minutes of CPU (docs/detection.md, "Check an installation").
-"""
+"""A generated detection set of four coloured shapes, as a VOC devkit and COCO json (docs/detection.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""``Res5ROIHeadsExtraNorm``: detectron2's C4 RoI head with MoCo's extra norm after res5 (docs/protocols.md §3).
-
-Importing this module registers the head in detectron2's ``ROI_HEADS_REGISTRY``; it needs detectron2.
-"""
+"""detectron2's C4 RoI head with MoCo's extra norm after res5, registered on import."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""The paper's R50-C4 Faster / Mask R-CNN built from torchvision parts, configured by the detection YAMLs.
-
-As detectron2's ``GeneralizedRCNN`` + ``Res5ROIHeads`` (+ MoCo's extra norm): trunk ``conv1 .. layer3``,
-an RPN on its one map, 14x14 ``roi_align(aligned=True)``, res5 as the box head and shared with the mask
-head; docs/detection.md lists each part.
-"""
+"""The paper's R50-C4 Faster / Mask R-CNN from torchvision parts, as detectron2's (docs/detection.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The torchvision engine of ``bt-hub detect``: one trial (train, precise BN, evaluate) from the YAML.
-
-It follows detectron2's ``DefaultTrainer`` as the C4 configs use it (docs/detection.md), with no detectron2.
-"""
+"""The torchvision engine of ``bt-hub detect``: one trial (train, precise BN, evaluate) from the YAML."""
 
 from __future__ import annotations
 
