@@ -93,10 +93,7 @@ def _open_temp(path: Path) -> tuple[Path, int]:
 
 
 def remove_stale_temp_files(path: str | os.PathLike, min_age_s: float = STALE_AFTER_S) -> list[Path]:
-    """Delete the leftovers of interrupted atomic writes in the folder ``path``; return them.
-
-    Only bt_hub's temp files untouched for ``min_age_s`` seconds whose ``flock`` no live writer holds.
-    """
+    """Delete (and return) the temp files interrupted atomic writes left in ``path`` that no live writer holds."""
     removed = []
     folder = Path(path)
     entries = list(folder.iterdir()) if folder.is_dir() and not folder.is_symlink() else []

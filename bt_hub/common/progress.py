@@ -20,10 +20,7 @@ PERCENT_ENV = "BT_HUB_PROGRESS_EVERY"
 
 
 class LineProgress:
-    """tqdm's interface for logs: ``desc: n/total unit (pct%), rate, elapsed, ETA, postfix`` every ``every`` steps.
-
-    ``total`` None writes lines after 1, 2, 4, 8, ... steps; ``initial`` counts steps already done.
-    """
+    """tqdm's interface for logs: ``desc: n/total unit (pct%), rate, elapsed, ETA, postfix`` every ``every`` steps."""
 
     def __init__(
         self,

@@ -293,10 +293,7 @@ def seeds_text(count: int) -> str:
 def group_by_seed(
     records: Sequence[Mapping[str, Any]], key: Callable[[Mapping[str, Any]], Hashable]
 ) -> list[list[Mapping[str, Any]]]:
-    """Records that differ only in their seed, grouped by ``key``, in order of first appearance.
-
-    A seed met again under the same key starts a new group, so no record is dropped or counted twice.
-    """
+    """Records that differ only in their seed, grouped by ``key``; a seed met again starts a new group."""
     groups: list[list[Mapping[str, Any]]] = []
     latest: dict[Hashable, list[Mapping[str, Any]]] = {}
     for record in records:
@@ -343,10 +340,7 @@ def summary_text(records: Sequence[Mapping[str, Any]], written: Sequence[str | o
 
 
 def card_table(records: Sequence[Mapping[str, Any]]) -> str:
-    """The model card's markdown table: one row per run and metric, with the paper's value where it applies.
-
-    Runs that differ only in their seed share a row (mean ± sample std, and the number of seeds).
-    """
+    """The model card's markdown table: one row per run and metric (seeds averaged) with the paper's value."""
     lines = ["| protocol | setting | data | metric | ours | seeds | paper |", "|---|---|---|---|---|---|---|"]
     for group in group_by_seed(records, seed_group_key):
         first = group[0]

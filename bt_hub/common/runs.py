@@ -220,10 +220,7 @@ def claimed_run_dir(
 
 
 class RunLock:
-    """An advisory ``flock`` on ``<dir>/.bt_hub_run.lock`` holding this process's pid and host.
-
-    The kernel drops the lock when the holder dies; a lock file that is a symbolic link is refused.
-    """
+    """An advisory ``flock`` on ``<dir>/.bt_hub_run.lock`` holding this process's pid and host."""
 
     def __init__(self, directory: str | os.PathLike, flag: str = "--out") -> None:
         self.path = Path(directory) / LOCK_NAME

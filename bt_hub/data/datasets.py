@@ -93,10 +93,7 @@ def synthetic_dataset(
 
 
 class ImageFolderDataset(Dataset):
-    """``root/<class>/<image>`` with classes sorted by name; unreadable files fail naming the file.
-
-    ``image_size`` resizes every image to that square (bicubic); None keeps the originals.
-    """
+    """``root/<class>/<image>``, classes sorted by name, optionally resized to ``image_size`` squares (bicubic)."""
 
     def __init__(self, root: str | os.PathLike, image_size: int | None = None) -> None:
         self.root = Path(root)

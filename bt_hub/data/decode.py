@@ -78,10 +78,7 @@ def _decode_jpegs(data: list[torch.Tensor], device: torch.device) -> list[torch.
 
 
 def decode_images(items: Sequence[EncodedImage], device: str | torch.device) -> list[torch.Tensor]:
-    """Decode a batch of files into 3 x H x W uint8 RGB tensors on ``device``, in order.
-
-    JPEGs of 1 or 3 components go to ``decode_jpeg`` in one call (each alone if that fails); the rest to PIL.
-    """
+    """Decode a batch of files into 3 x H x W uint8 RGB tensors on ``device``, in order; PIL takes what it refuses."""
     device = torch.device(device)
     out: list[torch.Tensor | None] = [None] * len(items)
     batch = [i for i, item in enumerate(items) if item.device_decodable]

@@ -25,10 +25,7 @@ def knn_vote(
     temperature: float,
     num_classes: int,
 ) -> dict[str, float]:
-    """Top-1 / top-5 (percent) of the exp(sim / T)-weighted vote of the first ``k`` neighbours (DINO).
-
-    Computed as exp((sim - max sim) / T) in float64: the same vote, but finite for every positive T.
-    """
+    """Top-1 / top-5 (percent) of the exp(sim / T)-weighted vote of the first ``k`` neighbours, in float64 (DINO)."""
     if k > similarities.shape[1]:
         raise ValueError(f"k={k} exceeds the {similarities.shape[1]} neighbours searched")
     if not (math.isfinite(temperature) and temperature > 0):

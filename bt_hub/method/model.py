@@ -34,10 +34,7 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 
 def build_backbone(name: str = "resnet50", *, small_image_stem: bool = False) -> resnet.ResNet:
-    """A torchvision ResNet (one of ``ARCHITECTURES``) with zero-initialised residual BNs and ``fc = Identity``.
-
-    ``small_image_stem`` replaces the 7x7/2 conv and max-pool by a 3x3/1 conv, for 32-px data.
-    """
+    """A torchvision ResNet with zero-initialised residual BNs, ``fc = Identity``, optionally a 3x3/1 stem."""
     if name not in ARCHITECTURES:
         raise ValueError(f"backbone {name!r} is unknown; expected one of {sorted(ARCHITECTURES)}")
     net = ARCHITECTURES[name].builder(weights=None, zero_init_residual=True)

@@ -33,10 +33,7 @@ def eval_transforms(image_size: int = 224, resize_size: int | None = None) -> T.
 
 
 class DeviceEvalTransform:
-    """``eval_transforms`` on decoded uint8 images of any sizes where they are (GPU or CPU): one float32 batch out.
-
-    Pixels match the PIL path within one or two levels (resize rounding and the decoder's tolerance).
-    """
+    """``eval_transforms`` on decoded uint8 images of any sizes where they are (GPU or CPU): one float32 batch out."""
 
     def __init__(self, image_size: int = 224, resize_size: int | None = None) -> None:
         self.image_size = image_size
@@ -62,10 +59,7 @@ class DeviceEvalTransform:
 
 
 def transforms_for(config: Mapping[str, Any] | None) -> ImageClassification:
-    """The evaluation transforms of weights whose run config says ``image_size`` (224 when it does not).
-
-    Like torchvision's presets they take PIL images and tensors (C x H x W or batches, uint8 or float).
-    """
+    """The evaluation transforms (PIL images and tensors) of weights whose run config says ``image_size`` (else 224)."""
     size = int((config or {}).get("image_size") or 224)
     return ImageClassification(
         crop_size=size, resize_size=round(size * 256 / 224), mean=IMAGENET_MEAN, std=IMAGENET_STD

@@ -283,10 +283,7 @@ def to_float_rgb(images: torch.Tensor) -> torch.Tensor:
 def crop_to_views(
     images: Sequence[torch.Tensor], params: Sequence[dict[str, torch.Tensor]]
 ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-    """Images of different sizes -> one padded uint8 batch of the regions the views read, and shifted boxes.
-
-    ``apply_view`` on that batch with the shifted boxes gives the views of the full images (to float rounding).
-    """
+    """Images of different sizes -> one padded uint8 batch of the regions the views read, and the shifted boxes."""
     heights = torch.tensor([im.shape[-2] for im in images])
     widths = torch.tensor([im.shape[-1] for im in images])
     top = torch.stack([p["top"] for p in params]).amin(0).sub(1).clamp_min(0)

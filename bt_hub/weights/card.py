@@ -79,10 +79,7 @@ def card_rows(
 
 
 def described(record: Mapping[str, Any], weights_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The record with its network and image size in its protocol (``knn [resnet18, 7x7 stem, 32 px]``).
-
-    Read from the run's settings (else hyperparameters), else ``weights_config``, else "unknown".
-    """
+    """The record with its network and image size in its protocol (``knn [resnet18, 7x7 stem, 32 px]``) or "unknown"."""
     hyper, known = record.get("settings") or record.get("hyperparameters") or {}, weights_config or {}
     arch = hyper.get("arch") or known.get("architecture") or "unknown architecture"
     small = known.get("small_image_stem") if hyper.get("small_image_stem") is None else hyper["small_image_stem"]
@@ -263,10 +260,7 @@ def model_card(
     name: str | None,
     license: str = "apache-2.0",
 ) -> str:
-    """The README.md of a Hugging Face folder: YAML metadata, usage, preprocessing, recipe and results.
-
-    Only ``rows["own"]`` reaches the model-index; ``config["provenance"]`` (None: unknown) decides the wording.
-    """
+    """The README.md of a Hugging Face folder; only ``rows["own"]`` reaches the model-index."""
     hf = require("huggingface_hub", "writing a model card")
     dataset = config.get("dataset")
     small = bool(config.get("small_image_stem"))

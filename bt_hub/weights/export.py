@@ -88,10 +88,7 @@ def _torchvision_bytes(state_dict: Mapping[str, torch.Tensor], path: str | os.Pa
 
 
 def save_torchvision(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike) -> tuple[Path, str]:
-    """Write a torchvision ``.pth`` named ``<stem>-<8 hex of its sha256>.pth``; return the path and full sha256.
-
-    It holds no ``fc``: load it into ``resnet50()`` after ``model.fc = nn.Identity()``.
-    """
+    """Write a torchvision ``.pth`` (no ``fc``) named ``<stem>-<8 hex of its sha256>.pth``; the path and sha256."""
     target, data, sha = _torchvision_bytes(state_dict, path)
     atomic_write(target, lambda f: f.write(data))
     return target, sha

@@ -23,11 +23,7 @@ __all__ = ["load_backbone", "read_backbone_state_dict", "read_projector_state_di
 def read_backbone_state_dict(
     source: WeightsSource, *, progress: bool = True, allow_non_finite: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The backbone weights of ``source`` in torchvision names (no ``fc``), and what was recognised.
-
-    ``info`` holds ``file``, ``sha256`` (of the bytes read), ``format``, ``prefix``, ``dropped`` keys,
-    ``config``, the registered ``weights`` name and ``provenance``.
-    """
+    """The backbone weights of ``source`` in torchvision names (no ``fc``), and ``info`` on what was recognised."""
     resolved = resolve(source, progress=progress)
     state, info = read_backbone(resolved.path, allow_non_finite=allow_non_finite)
     info.update(
