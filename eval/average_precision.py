@@ -26,11 +26,7 @@ def ap_from_curve(recall: np.ndarray, precision: np.ndarray, *, eleven_point: bo
 
 
 def precision_recall(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(recall, precision)`` after each sample ranked by decreasing score (stable); ``labels`` > 0 positive.
-
-    Raises:
-        ValueError: no positive sample.
-    """
+    """``(recall, precision)`` after each sample ranked by decreasing score; ValueError without a positive sample."""
     scores, positive = np.asarray(scores, dtype=np.float64), np.asarray(labels) > 0
     if positive.sum() == 0:
         raise ValueError("average precision needs at least one positive sample")

@@ -57,10 +57,7 @@ CACHE_MISSING = "missing"  # ``cache_problem`` of a key never computed: computed
 
 
 def cache_problem(meta_path: Path, key: str) -> str | None:
-    """None when the cached files of ``key`` are what was written; else what is wrong, in words.
-
-    ``CACHE_MISSING`` when nothing was cached; a truncated, edited, replaced or deleted file is reported, never read.
-    """
+    """None when the cached files of ``key`` are what was written; else what is wrong (``CACHE_MISSING``, ...)."""
     if not meta_path.exists():
         return CACHE_MISSING
     try:

@@ -154,10 +154,7 @@ def _res5_pool(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _global_batches(n: int, batch_size: int, world_size: int, rank: int, first: int = 0) -> list[list[int]]:
-    """This rank's index lists: global step s covers [first + s*B*W, first + (s+1)*B*W), rank r the r-th B of it.
-
-    Under several ranks each list is padded to B (repeating the last index); the padding is trimmed after the gather.
-    """
+    """This rank's index lists of each global batch from row ``first``, padded to B under several ranks."""
     step = batch_size * world_size
     batches = []
     for start in range(first, n, step):

@@ -230,10 +230,7 @@ class TransferConfig(LinearConfig):
 
 
 def run(config: LinearConfig) -> dict[str, Any]:
-    """Train and score a linear classifier on the frozen backbone of ``--weights``; write and return the record.
-
-    A ``TransferConfig`` is recorded as protocol ``transfer``, a ``LinearConfig`` as ``linear``.
-    """
+    """Train and score a linear classifier on the frozen backbone of ``--weights``; write and return the record."""
     return run_protocol(config, score)
 
 

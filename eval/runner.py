@@ -187,11 +187,7 @@ class EvalRun:
         pool: Pool = "avg",
         label: str | None = None,
     ) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
-        """Features and labels of a split (``train`` / ``test``, or ``dataset``), through the cache when one is set.
-
-        ``network`` defaults to the run's weights and ``weights_id`` to their sha256; ``label`` names the
-        entry of the record's ``features``.
-        """
+        """Features and labels of a split (or ``dataset``) of the run's weights (or ``network``), through the cache."""
         network = network if network is not None else self.weights.network
         weights_id = weights_id or self.weights.sha256
         if dataset is None:

@@ -68,11 +68,7 @@ def _check_opts(opts: Sequence[str]) -> list[str]:
 def build_cfg(
     path: str | Path, opts: Sequence[str], *, weights: str, device: str, seed: int, output_dir: str | Path
 ) -> Any:
-    """A frozen detectron2 ``CfgNode``: defaults, then the YAML at ``path``, then the flags, then ``opts``.
-
-    Raises:
-        ValueError: an odd number of opts, an opt that a flag owns, or a key detectron2 does not know.
-    """
+    """A frozen detectron2 ``CfgNode``: defaults, YAML, flags, then ``opts`` (ValueError for a bad one)."""
     from detectron2.config import get_cfg
 
     opts = _check_opts(opts)
@@ -155,11 +151,7 @@ def _parse_value(text: str) -> Any:
 
 
 def load_settings(path: str | Path, opts: Sequence[str] = ()) -> Settings:
-    """The YAML at ``path`` (``_BASE_`` chain merged), then ``opts`` (``KEY VALUE`` pairs).
-
-    Raises:
-        ValueError: an odd number of opts, an opt that a flag owns, or a key the YAML does not set.
-    """
+    """The YAML at ``path`` (``_BASE_`` merged), then ``opts`` (ValueError for a bad one)."""
     path = Path(path)
     settings = Settings(_read_tree(path), path)
     opts = _check_opts(opts)
@@ -176,10 +168,7 @@ def load_settings(path: str | Path, opts: Sequence[str] = ()) -> Settings:
 
 
 def opts_overrides(path: str | Path, opts: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """``{KEY: {"value": opts' value, "preset": the config's}}`` for every ``KEY VALUE`` pair that changes the config.
-
-    The config's value is the YAML's or, for a key it leaves to detectron2, detectron2's default.
-    """
+    """``{KEY: {"value": opts' value, "preset": the config's}}`` for every opt that changes the config."""
     opts = _check_opts(opts)
     settings = Settings(_read_tree(Path(path)), path)
     changed = {}
@@ -204,11 +193,7 @@ def _detectron2_default(key: str) -> Any:
 
 
 def scale_to_world_size(settings: Settings, world_size: int) -> Settings:
-    """``SOLVER.REFERENCE_WORLD_SIZE`` as detectron2 applies it: batch and lr x N/ref, iterations x ref/N.
-
-    Raises:
-        ValueError: the scaled batch does not split evenly over ``world_size`` processes.
-    """
+    """``SOLVER.REFERENCE_WORLD_SIZE`` as detectron2 applies it (ValueError when the batch does not split evenly)."""
     reference = int(settings["SOLVER.REFERENCE_WORLD_SIZE"])
     if reference in (0, world_size):
         return settings

@@ -50,12 +50,7 @@ class Record:
 
 
 def locate(name: str, root: str | Path) -> DatasetLocation:
-    """The files of dataset ``name`` under ``root``.
-
-    Raises:
-        FileNotFoundError: a file or folder the dataset needs is missing under ``root``.
-        ValueError: ``name`` is neither ``voc_<year>_<split>`` nor ``coco_<year>_<split>``.
-    """
+    """The files of dataset ``name`` under ``root`` (FileNotFoundError if missing, ValueError for another name)."""
     root = Path(root).expanduser()
     if match := _VOC.match(name):
         year, split = match.groups()
@@ -182,10 +177,7 @@ def masks_of(record: Record, keep: np.ndarray) -> np.ndarray:
 
 
 class DetectionDataset(Dataset):
-    """Images of ``records`` as float RGB tensors in [0, 1] with torchvision detection targets (1-based labels).
-
-    Crowd objects are left out; ``flip`` mirrors half the images (detectron2's ``RANDOM_FLIP``).
-    """
+    """Images of ``records`` as [0, 1] RGB tensors with torchvision targets (1-based labels, no crowds)."""
 
     def __init__(self, records: list[Record], *, with_masks: bool = False, flip: bool = False) -> None:
         self.records = records

@@ -159,10 +159,7 @@ def resolve_engine(engine: str) -> str:
 
 
 def prepare_weights(weights: LoadedWeights, out_dir: Path) -> tuple[str, dict[str, Any]]:
-    """``MODEL.WEIGHTS`` for the loaded weights and the backbone's detectron2 tensors (to check the load).
-
-    A ``.pkl`` is used as it is; anything else is written as ``out_dir/weights.pkl`` from the loaded tensors.
-    """
+    """``MODEL.WEIGHTS`` (a ``.pkl`` as is, else ``out_dir/weights.pkl``) and the backbone's detectron2 tensors."""
     from bt_hub.weights import save_detectron2, to_detectron2
 
     state = weights.network.state_dict()

@@ -116,10 +116,7 @@ def voc_evaluate(
     *,
     use_07_metric: bool,
 ) -> dict[str, dict[str, float]]:
-    """PASCAL VOC box AP (percent) as the devkit computes it: AP50, AP75 and AP, their mean over IoU 0.50:0.95.
-
-    ``difficult`` boxes count neither way; classes without ground truth are left out of the mean.
-    """
+    """PASCAL VOC box AP, AP50 and AP75 (percent) as the devkit computes them; classes without ground truth left out."""
     per_class = [_class_ap(records, predictions, c, VOC_IOU_THRESHOLDS, use_07_metric) for c in range(num_classes)]
     present = (
         np.stack([ap for ap in per_class if ap is not None])

@@ -177,10 +177,7 @@ def write_coco(
     size: int = 128,
     seed: int = 0,
 ) -> Path:
-    """Write COCO-layout data: ``root/annotations/instances_{split}.json`` and ``root/{split}/``; return ``root``.
-
-    With the same seed and counts the images equal those of :func:`write_voc`.
-    """
+    """Write the images of :func:`write_voc` in COCO layout under ``root``; return ``root``."""
     root = Path(root)
     splits = splits or {"train2017": 8, "val2017": 4}
     rng = np.random.default_rng(seed)

@@ -38,12 +38,7 @@ def _register_coco(loc: DatasetLocation) -> None:
 
 
 def register_datasets(names: Iterable[str], root: str | Path) -> None:
-    """Register every VOC/COCO name in ``names`` on the data under ``root``; other names must be registered already.
-
-    Raises:
-        FileNotFoundError: a file or folder a dataset needs is missing under ``root``.
-        ValueError: a name is neither VOC, COCO nor already registered.
-    """
+    """Register the VOC/COCO ``names`` on ``root`` (FileNotFoundError if missing, ValueError for others)."""
     root = Path(root).expanduser()
     if not root.is_dir():
         raise FileNotFoundError(f"--data {root} is not a directory")

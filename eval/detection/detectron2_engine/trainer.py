@@ -115,10 +115,7 @@ def _bare(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def unloaded_parameters(model: torch.nn.Module, expected: Mapping[str, Any]) -> list[str]:
-    """The model's backbone and res5 names whose tensor is missing from ``expected`` (a ``.pkl``'s) or differs.
-
-    The extra norm after res5 (new) and ``num_batches_tracked`` are skipped.
-    """
+    """The model's backbone and res5 names whose tensor is missing from ``expected`` (a ``.pkl``'s) or differs."""
     bad = []
     for name, tensor in _bare(model).state_dict().items():
         if name.endswith("num_batches_tracked") or name.startswith("roi_heads.res5.norm."):

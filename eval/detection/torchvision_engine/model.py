@@ -183,11 +183,7 @@ def _check_supported(s: Settings) -> None:
 
 
 def build_c4_model(settings: Settings, resnet: nn.Module) -> FasterRCNN:
-    """The C4 detector of ``settings`` around ``resnet`` (whose tensors it takes over), in train mode.
-
-    Raises:
-        ValueError: a setting the engine does not implement (named).
-    """
+    """The C4 detector of ``settings`` around ``resnet``'s tensors, in train mode."""
     s = settings
     _check_supported(s)
     num_classes = int(s["MODEL.ROI_HEADS.NUM_CLASSES"]) + 1  # torchvision's class 0 is the background
