@@ -177,8 +177,7 @@ class EvalConfig(RunConfig):
 def preset_warnings(config: Any, *, num_classes: int, train_images: int, image_side: int | None) -> list[str]:
     """One sentence when ``config.preset``'s assumptions are far from the data, else [].
 
-    Far: ten times more or fewer classes, images three times smaller or larger, or fewer than four
-    batches per epoch (``train_images``: the images an epoch walks; ``image_side`` None: unknown).
+    Far: ten times more or fewer classes, images three times smaller or larger, under four batches per epoch.
     """
     name = getattr(config, "preset", None)
     assumes: Mapping[str, Any] = (getattr(type(config), "PRESET_ASSUMPTIONS", None) or {}).get(name, {})

@@ -89,9 +89,8 @@ def _sampled_content(paths: list[Path]) -> bytes:
 def dataset_fingerprint(dataset_or_path: Dataset | str | os.PathLike) -> str:
     """A sha256 that changes when the images, their order or their labels change.
 
-    File-backed datasets hash each file's relative path, size, mtime and label plus the bytes of 32 evenly
-    spaced files (so a ``val/`` that repeats ``train/``'s names and sizes differs); in-memory datasets hash
-    the array and labels; any other dataset every item's pixels and label.
+    Files: relative path, size, mtime and label, plus the bytes of 32 evenly spaced files; in-memory sets:
+    the array and labels; other datasets: every item's pixels and label.
     """
     h = hashlib.sha256()
     if isinstance(dataset_or_path, (str, os.PathLike)):
@@ -206,8 +205,7 @@ def iter_feature_batches(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield ``(features float32 [b, F], labels)`` on CPU, consecutive chunks in dataset order.
 
-    ``first`` (a multiple of the global batch) starts at that row, with the batches an extraction from
-    row 0 would have there. ``precision`` is a resolved ``--precision``; inputs are channels-last.
+    ``first`` (a multiple of the global batch) starts at that row with the batches a run from row 0 has there.
     """
     if pool not in ("avg", "voc_res5"):
         raise ValueError(f"pool {pool!r} is unknown; expected 'avg' or 'voc_res5'")
@@ -268,10 +266,8 @@ def extract_features(
 ) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
     """Features and labels of a frozen backbone over a dataset of ``(image, label)``, in dataset order.
 
-    ``transform`` defaults to ``eval_transforms(224)``; a ``DeviceEvalTransform`` decodes on ``device``.
-    With a ``cache`` the features are stored under a key of everything that changes them (``dtype`` float16
-    halves the disk use) and returned as a read-only memmap; a cached file whose sha256, shape or dtype
-    differs from its record is computed again, with one ``EvalWarning``.
+    ``transform`` defaults to ``eval_transforms(224)``. With a ``cache`` they are stored under a key of all that
+    changes them and returned as a read-only memmap; a cached file that fails its checks is computed again.
     """
     return extract_with_source(
         backbone,

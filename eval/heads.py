@@ -30,11 +30,7 @@ class NonFiniteLoss(ValueError):
 
 @dataclass
 class LinearHeads:
-    """K linear classifiers over the same features: ``weight`` K x C x D, ``bias`` K x C.
-
-    ``diverged[k]`` is the epoch in which head k's loss became non-finite (it keeps the weights it had
-    at the start of that epoch), else None.
-    """
+    """K linear classifiers over the same features (``weight`` K x C x D); ``diverged[k]``: the epoch head k stopped."""
 
     weight: torch.Tensor
     bias: torch.Tensor
@@ -74,12 +70,10 @@ def train_heads(
     progress: bool = True,
     desc: str = "linear heads",
 ) -> LinearHeads:
-    """Train one linear head per ``(lrs[k], weight_decays[k])`` at once on fixed features.
+    """Train one linear head per ``(lrs[k], weight_decays[k])`` at once on fixed features (optionally ``rows`` only).
 
-    Every head starts from the same paper initialisation and sees the same batches, so each equals the
-    paper's classifier as ``train_classifier`` trains it with that LR (to float32 rounding), at the cost of
-    one pass over the features per epoch. A head that becomes non-finite in an epoch is put back to where
-    that epoch started and stops (``diverged``). ``rows`` restricts training to those rows.
+    Each head equals the paper's classifier as ``train_classifier`` trains it with that LR (to float32
+    rounding); a head that becomes non-finite goes back to where that epoch started and stops (``diverged``).
     """
     if len(lrs) != len(weight_decays) or not lrs:
         raise ValueError(
@@ -128,10 +122,9 @@ def train_heads(
 def _cross_entropy_gradient(
     params: torch.Tensor, x: torch.Tensor, targets: torch.Tensor, classes: torch.Tensor, out: torch.Tensor
 ) -> None:
-    """Write every head's mean cross-entropy gradient on the batch ``x`` (N x D+1) into ``out`` (K*C x D+1).
+    """Write every head's mean cross-entropy gradient on ``x`` (N x D+1) into ``out`` (K*C x D+1).
 
-    Laid out K x C x N so the softmax runs along contiguous rows; probabilities below TINY_PROBABILITY
-    become 0 so that no subnormal float slows the products.
+    Probabilities below TINY_PROBABILITY become 0, so that no subnormal float slows the products.
     """
     n = len(x)
     logits = torch.mm(params, x.T).view(-1, len(classes), n)
@@ -206,12 +199,8 @@ def grid_probe(
 ) -> dict[str, Any]:
     """The linear probe with its LR and weight decay chosen on a validation split carved from the training data.
 
-    The best head on a seeded, class-stratified ``val_fraction`` of the training rows (ties: lower
-    validation loss, then grid order) is scored on the test features. Returns ``metrics``, ``chosen``,
-    ``grid`` (every head's result) and ``validation`` (fraction, seed, size, sha256 of the indices).
-
-    Raises:
-        NonFiniteLoss: every head diverged.
+    The best head on a seeded, class-stratified ``val_fraction`` (ties: lower loss, then grid order) is scored
+    on the test features; returns ``metrics``, ``chosen``, ``grid`` and ``validation``. NonFiniteLoss when all diverge.
     """
     pairs = [(lr, wd) for wd in weight_decays for lr in lrs]
     fit_rows, val_rows = stratified_holdout(np.asarray(train_y), val_fraction, seed)

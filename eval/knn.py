@@ -75,10 +75,9 @@ def knn_search(
     backend: str = "auto",
     device: str | torch.device = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosine similarities and indices (on the CPU) of each query's ``k`` nearest training rows, most similar first.
+    """Cosine similarities and indices (CPU) of each query's ``k`` nearest training rows, most similar first.
 
-    Both backends are exact (they may order ties differently); ``train_chunk`` bounds memory to
-    train_chunk x F floats; ``auto`` is torch on CUDA, faiss otherwise.
+    Exact in both backends; ``train_chunk`` bounds memory; ``auto`` is torch on CUDA, faiss otherwise.
     """
     backend = resolve_backend(backend, device)
     n, q = len(train_features), len(test_features)
@@ -202,11 +201,7 @@ def run(config: KnnConfig) -> dict[str, Any]:
 
 
 def score(run: EvalRun) -> Scored:
-    """Weighted kNN of the test split's features against the training split's, for every ``--k``.
-
-    A ``--k`` above the number of training images is scored with that number, with one warning
-    (``notes.neighbours_used``). Only the main process searches.
-    """
+    """Weighted kNN of test against training features for every ``--k`` (capped at the training size, warned)."""
     config = run.config
     train_x, train_y = run.features("train")
     test_x, test_y = run.features("test")

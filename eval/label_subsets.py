@@ -100,10 +100,7 @@ def indices_from_list(dataset: object, subset: SubsetList) -> list[int]:
 def balanced_subset_indices(
     targets: Sequence[int], percent: float, seed: int = 0, *, leave_one: bool = False
 ) -> list[int]:
-    """A seeded class-balanced subset: ``percent`` % of each class, at least one sample per class.
-
-    ``leave_one`` never takes a whole class, so the rest keeps every class (the holdout of bt_hub.eval.splits).
-    """
+    """A seeded class-balanced subset: ``percent`` % of each class, at least one (``leave_one``: never all of it)."""
     if not 0 < percent <= 100:
         raise ValueError(f"--fraction must be a percentage in (0, 100], got {percent}")
     targets = np.asarray(targets)

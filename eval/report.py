@@ -174,11 +174,8 @@ def check_history(out_dir: str | Path) -> None:
 def append_results(out_dir: str | Path, records: Sequence[Record]) -> list[Record]:
     """Append records to ``results.jsonl`` and rewrite ``results.md`` from the whole history; return it.
 
-    One ``write`` on a descriptor opened ``O_APPEND | O_NOFOLLOW`` and locked until ``results.md`` is
-    rewritten, so concurrent appenders keep every record.
-
-    Raises:
-        WriteError: ``results.jsonl`` is a symbolic link, or could not be written (it is left as it was).
+    One ``O_APPEND | O_NOFOLLOW`` write, locked until ``results.md`` is rewritten, so concurrent appenders keep
+    every record; WriteError for a symbolic link or a failed write (the file is left as it was).
     """
     out = Path(out_dir)
     path = out / "results.jsonl"

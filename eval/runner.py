@@ -76,11 +76,7 @@ def load_weights(
 
 
 def eval_image_size(given: int | None, weights_config: Mapping[str, Any] | None, weights: str) -> tuple[int, str]:
-    """The evaluation crop side and where it came from: ``--image-size``, ``weights config.json`` or ``default``.
-
-    The size the weights' config.json records is the default; a different ``--image-size`` is used with
-    one ``EvalWarning`` (features at another size usually score lower).
-    """
+    """The crop side and its source: ``--image-size`` (warned if unlike the weights'), their config.json, or default."""
     trained = (weights_config or {}).get("image_size")
     if trained is not None and (isinstance(trained, bool) or not isinstance(trained, int) or trained <= 0):
         raise ValueError(f"config.json of weights {weights} has image_size {trained!r}; expected a positive integer")
@@ -276,11 +272,7 @@ def write_records(out: str | Path, records: Sequence[Record], summary: Mapping[s
 
 @contextlib.contextmanager
 def evaluation(config: Any, *, kind: str = "eval") -> Iterator[EvalRun]:
-    """Claim ``config.out`` (a folder of ``kind``), load the weights, resolve the settings; the run, for one block.
-
-    ``config.out`` None writes nothing; ``config.weights`` may be a list (``compare``). The process group
-    (torchrun) lives as long as the block.
-    """
+    """Claim ``config.out``, load the weights once, resolve the settings; the run, for one block."""
     out = Path(config.out) if config.out is not None else None
     with process_group(config.device) as device, contextlib.ExitStack() as claims:
         if is_main_process():

@@ -44,10 +44,7 @@ def launched_by_torchrun() -> bool:
 
 
 def exit_with_launcher() -> None:
-    """Under torchrun on Linux, have the kernel SIGKILL this worker when its launcher dies (``PR_SET_PDEATHSIG``).
-
-    Without it, killing torchrun leaves its workers running and writing into ``--out``.
-    """
+    """Under torchrun on Linux, have the kernel SIGKILL this worker when its launcher dies, so none writes on."""
     if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     pr_set_pdeathsig = 1
@@ -145,10 +142,9 @@ def barrier() -> None:
 
 
 class GlobalBatchNorm(_BatchNorm):
-    """BatchNorm whose training statistics are those of the global batch, on any device.
+    """BatchNorm whose training statistics are those of the global batch (differentiable all-reduces), on any device.
 
-    Mean and biased variance are summed over ranks with differentiable all-reduces, so outputs and
-    gradients equal one process's on the concatenated batch; without a group, or in eval mode, a plain BatchNorm.
+    Without a process group, or in eval mode, a plain BatchNorm.
     """
 
     def _check_input_dim(self, input: torch.Tensor) -> None:

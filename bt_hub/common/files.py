@@ -256,11 +256,7 @@ _SAFE_GLOBAL_PREFIXES = (
 
 
 def read_file(path: Path) -> Any:
-    """The object stored in a weights file, read without executing any code.
-
-    Raises:
-        CheckpointError: naming the file and whether it is no checkpoint, pickled code or damaged.
-    """
+    """The object stored in a weights file, read without executing code (CheckpointError says why it is not one)."""
     if not path.is_file():
         raise CheckpointError(f"weights file {path} does not exist")
     return _read(path, path)

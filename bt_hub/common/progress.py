@@ -94,10 +94,9 @@ def progress(
     leave: bool = True,
     stream: IO[str] | None = None,
 ) -> Any:
-    """Report the progress of ``iterable`` (or of manual ``update`` calls when it is None) under the name ``desc``.
+    """Report the progress of ``iterable`` (or of ``update`` calls) as ``desc``: a tqdm bar, or lines off a terminal.
 
-    Off a terminal, a line every ``every`` steps, else every ``BT_HUB_PROGRESS_EVERY`` percent (10). Returns
-    a tqdm bar, a :class:`LineProgress`, or a disabled bar on non-zero ranks and when silenced.
+    Lines every ``every`` steps, else every ``BT_HUB_PROGRESS_EVERY`` percent (10); silent on non-zero ranks.
     """
     stream = stream if stream is not None else sys.stderr
     if total is None and iterable is not None and hasattr(iterable, "__len__"):

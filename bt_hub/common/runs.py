@@ -130,11 +130,8 @@ def _busy(directory: Path, lock: Path, flag: str) -> str:
 def check_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False, flag: str = "--out") -> Path:
     """Refuse, before any heavy work, an output directory a run of ``kind`` must not write into.
 
-    Raises:
-        ValueError: ``path`` (or a parent) is a file; a non-empty directory without bt_hub's marker and
-            ``overwrite`` False; or a folder of another kind.
-        RunDirBusyError: a live run holds the directory's lock.
-        WriteError: its lock file is a symbolic link.
+    ValueError for a file, a non-empty folder without bt_hub's marker (unless ``overwrite``) or of another
+    kind; RunDirBusyError while a live run holds its lock; WriteError for a symbolic-link lock file.
     """
     return _check_run_dir(Path(path), overwrite=overwrite, flag=flag, kind=kind)
 
@@ -295,10 +292,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 class RunDir:
-    """A run directory: ``run.json`` (command, host, git, version, config; later starts appended) and JSON-lines logs.
-
-    ``write`` is False on non-zero ranks; ``lock`` holds the folder's :class:`RunLock` until :meth:`close`.
-    """
+    """A run directory: ``run.json`` (command, host, git, version, config, later starts) and JSON-lines logs."""
 
     def __init__(
         self,
@@ -349,8 +343,7 @@ class RunDir:
     def start(self, config: Any, step: int | None = None, *, fresh: bool = False) -> None:
         """Record this start in ``run.json``; with ``step`` (the step it resumes from) cut ``metrics.jsonl`` back to it.
 
-        The first start writes the whole record; later ones go to its ``resumes`` (or ``runs``) list, and a
-        ``fresh`` start keeps the earlier records under ``replaced``.
+        Later starts go to its ``resumes`` (or ``runs``) list; a ``fresh`` one keeps earlier ones under ``replaced``.
         """
         if not self.write:
             return

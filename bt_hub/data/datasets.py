@@ -161,11 +161,7 @@ def build_dataset(
     seed: int = 0,
     test_fraction: float = 0.2,
 ) -> Dataset:
-    """The dataset behind a ``--data`` value; items are ``(PIL RGB image, label)``.
-
-    ``name_or_path`` is ``digits``, ``synthetic[:N]`` or a directory (ImageNet layout, or a flat ImageFolder
-    for "train" only). For the built-in sets "val" and "test" are the same seeded held-out part.
-    """
+    """The dataset behind a ``--data`` value (``digits``, ``synthetic[:N]`` or a directory) of (RGB image, label)."""
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is unknown; expected one of {SPLITS}")
     spec = str(name_or_path)

@@ -49,12 +49,7 @@ def save_png(fig: Any, path: Path) -> Path:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The rows of a run's ``metrics.jsonl``, in file order.
-
-    Raises:
-        FileNotFoundError: there is no ``metrics.jsonl``.
-        ValueError: a line is not a JSON object, or a loss row lacks a number (naming file and line).
-    """
+    """The rows of a run's ``metrics.jsonl`` (FileNotFoundError without one, ValueError naming a bad line)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; expected the run directory of bt-hub pretrain")
@@ -138,10 +133,7 @@ def _recorded_lambd(run_dir: Path) -> float:
 def run_plots(
     run_dir: str | Path, out: str | Path, lambd: float | None = None, claim: Callable[[], object] | None = None
 ) -> list[Path]:
-    """Draw loss.png, cross_correlation.png (when the run saved C) and knn.png (when it monitored kNN) into ``out``.
-
-    Every input is checked before ``claim()`` and the first PNG, so a damaged file leaves nothing behind.
-    """
+    """Draw loss.png, cross_correlation.png and knn.png into ``out``, every input checked before ``claim()``."""
     run_dir, out = Path(run_dir), Path(out)
     rows = read_metrics(run_dir)
     if lambd is None:

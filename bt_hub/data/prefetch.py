@@ -16,11 +16,9 @@ _END = object()
 
 
 class Prefetcher:
-    """``prepare(item)`` for each item, in order, with up to ``depth`` results made ahead in a thread.
+    """``prepare(item)`` for each item, in order, with up to ``depth`` results made ahead in a thread (own CUDA stream).
 
-    On CUDA results are handed over with an event the consumer's stream waits on; ``depth`` 0 runs
-    everything in the calling thread. An exception while preparing an item is raised by ``next`` at that
-    item; :meth:`close` (or ``with``) stops the thread when the loop ends early.
+    ``depth`` 0 runs in the calling thread; an error is raised by ``next`` at its item; :meth:`close` stops it.
     """
 
     def __init__(

@@ -35,10 +35,9 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 class EpochBatchSampler:
-    """This rank's share of the global batches of one epoch, from step ``start`` on, as ``(epoch, index)`` keys.
+    """This rank's share of an epoch's global batches from step ``start``, as ``(epoch, index)`` keys.
 
-    Global batch k holds positions [kB, (k+1)B) of the epoch's seeded permutation; rank r takes the r-th
-    contiguous slice of B / world_size. The last partial batch is dropped.
+    Global batch k is positions [kB, (k+1)B) of the epoch's seeded permutation, sliced over the ranks.
     """
 
     def __init__(
@@ -150,11 +149,7 @@ def save_checkpoint(path: str | os.PathLike, **state: Any) -> Path:
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a checkpoint written by ``save_checkpoint`` through the safe reader of bt_hub.common.files.
-
-    Raises:
-        CheckpointError: the file holds code or is not a checkpoint, or a model or optimiser tensor is NaN or inf.
-    """
+    """Read a ``save_checkpoint`` file safely (CheckpointError for code, no checkpoint, or NaN/inf tensors)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")

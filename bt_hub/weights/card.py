@@ -90,11 +90,7 @@ def described(record: Mapping[str, Any], weights_config: Mapping[str, Any] | Non
 
 
 def model_index(rows: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    """The card's ``model-index``: one entry per protocol, setting and dataset, its metrics averaged over seeds.
-
-    Written directly in the Hub's schema: huggingface_hub's ``EvalResult`` would merge entries of the
-    same task type and dataset.
-    """
+    """The card's ``model-index``, written in the Hub's schema: one entry per protocol, setting and dataset."""
     results = []
     for group in group_by_seed(rows, seed_group_key):
         first = group[0]

@@ -274,12 +274,9 @@ def hf_download(
     local_files_only: bool = False,
     token: str | bool | None = None,
 ) -> Path | None:
-    """``filename`` of the Hub repo ``org/name[@revision]``, through huggingface_hub's cache.
+    """``filename`` of the Hub repo ``org/name[@revision]`` through huggingface_hub's cache, asked once, never retried.
 
-    The Hub is asked once, within ``HF_HUB_ETAG_TIMEOUT`` seconds, and never retried: the cached copy is
-    used, or the failure is one ``DownloadError`` naming ``hf://spec``. A cached file of a commit is read
-    without asking. ``required=False`` returns None for a file absent from the repo; the other options
-    are ``hf_hub_download``'s.
+    A failure is one ``DownloadError`` naming ``hf://spec``; ``required=False`` returns None for an absent file.
     """
     from bt_hub.common.optional import require
 

@@ -147,13 +147,7 @@ def save_hf_folder(
 ) -> Path:
     """Write model.safetensors, [projector.safetensors], config.json and README.md into ``folder``.
 
-    Args:
-        config: training facts (e.g. a run's config.json) for config.json and the card; ours win on conflicts.
-        results: ``results.json`` paths or dicts of these weights (``sha256``) and baselines, for the card.
-        other_results: results of other weights, shown in the card as theirs (never in its model-index).
-        force: replace files bt_hub wrote in a non-empty folder (never others).
-        sha256: the sha256 of the weights file (None: unknown, no own results).
-        provenance: how the weights were trained (None: unknown).
+    The arguments are ``save_pretrained``'s, and ``sha256`` and ``provenance`` of the weights file (None: unknown).
     """
     folder = Path(folder)
     check_hf_target(folder, force=force)

@@ -195,10 +195,7 @@ class ListWeightsConfig:
 
 
 def weights_table(config: ListWeightsConfig | None = None) -> str:
-    """``bt-hub weights list``: per registered weight its name, architecture, cached?, sha256, URL and cache path.
-
-    Where no hash is published the sha256 column shows the one recorded at first use, or "unverified".
-    """
+    """``bt-hub weights list``: name, architecture, cached?, sha256 (published or recorded), URL and cache path."""
     rows = [("name", "architecture", "cached", "sha256", "url", "cache path")]
     for member in BarlowTwinsWeights:
         path = member.cache_path()

@@ -57,12 +57,7 @@ class ResolvedWeights:
 
 
 def resolve(source: WeightsSource, *, progress: bool = True, projector: bool = False) -> ResolvedWeights:
-    """The local weights file behind ``source`` (downloaded and verified first when remote).
-
-    Raises:
-        CheckpointError: no such file or folder, a folder without weights, an unknown name.
-        DownloadError: a URL or Hub file that could not be fetched or failed its checks.
-    """
+    """The local weights file behind ``source``, fetched and verified first when remote."""
     if isinstance(source, BarlowTwinsWeights):
         return _from_record(source, progress, projector)
     text = os.fspath(source)

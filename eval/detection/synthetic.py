@@ -241,13 +241,9 @@ class DetectionDataConfig:
 
 
 def make_detection_data(config: DetectionDataConfig) -> Path:
-    """Write the generated set in both layouts under ``config.out``.
+    """Write the generated set in both layouts under ``config.out``, through a partial folder renamed when complete.
 
-    It is written into a partial folder beside ``--out`` and renamed into place once complete; a folder
-    that already holds the same set is left as it is.
-
-    Raises:
-        FileExistsError: ``--out`` holds other files, or the partial folder's name is taken by a folder not bt_hub's.
+    A folder that already holds the same set is left as it is; FileExistsError when ``--out`` holds other files.
     """
     root = Path(config.out).expanduser().resolve()
     record: dict[str, Any] = {**asdict(config), "classes": list(CLASSES), "layouts": ["voc2007", "coco2017"]}

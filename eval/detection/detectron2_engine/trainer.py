@@ -133,13 +133,10 @@ def unloaded_parameters(model: torch.nn.Module, expected: Mapping[str, Any]) -> 
 
 
 def run_trial(cfg: CfgNode, data_root: str, expected: Mapping[str, Any] | None, resume: bool) -> None:
-    """Train and evaluate one seed in a process ``detectron2.engine.launch`` started; the main one writes
-    ``OUTPUT_DIR/trial_metrics.json``.
+    """Train and evaluate one seed in a ``launch``-ed process; the main one writes ``OUTPUT_DIR/trial_metrics.json``.
 
-    ``expected`` (the backbone's detectron2 tensors; None skips the check) is compared after loading.
-
-    Raises:
-        ValueError: the weights leave backbone/res5 tensors unloaded, or the class count does not fit the data.
+    ``expected`` (None skips the check) is compared after loading: ValueError for unloaded backbone/res5
+    tensors or a class count that does not fit the data.
     """
     out = Path(cfg.OUTPUT_DIR)
     rank = comm.get_rank()

@@ -207,15 +207,10 @@ def run_trial(
     device: torch.device,
     resume: bool,
 ) -> dict[str, Any] | None:
-    """Train and evaluate one seed in this process (one of the torchrun processes, or alone).
+    """Train and evaluate one seed in this process; ``{"seed", "metrics", "config"}`` on the main process, else None.
 
-    ``settings`` are the YAML's values before the world-size rescaling; ``expected`` (the backbone's
-    torchvision-named tensors, None when resuming) is compared with the model's after building.
-    Returns ``{"seed", "metrics", "config"}`` on the main process (also ``trial_metrics.json``), else None.
-
-    Raises:
-        ValueError: backbone tensors that did not load, a class count that does not fit the data.
-        FloatingPointError: the loss became infinite or NaN.
+    ``settings`` are the YAML's before the world-size rescaling; ``expected`` (None when resuming) is compared
+    with the built model. ValueError for unloaded tensors or classes, FloatingPointError for a non-finite loss.
     """
     settings = scale_to_world_size(settings, get_world_size())
     _seed_this_rank(seed)
