@@ -1,9 +1,5 @@
-"""Downstream protocols of the Barlow Twins paper, one module each, run by bt_hub.eval.runner.
-
-The Python API (bt_hub.eval.api) is here too: ``evaluate``, ``compare``, ``embed`` and their ``Results``.
-
-This folder installs as ``bt_hub.eval`` (pyproject ``package-dir``); it is not a top-level
-``eval`` package, which would collide with other research code in the same environment.
+"""Downstream protocols of the Barlow Twins paper, one module each, run by bt_hub.eval.runner, and the
+Python API (``evaluate``, ``compare``, ``embed``). Installed as ``bt_hub.eval``, never as a top-level ``eval``.
 """
 
 if __name__ != "bt_hub.eval":

@@ -1,11 +1,4 @@
-"""Average precision, the one implementation behind the VOC07 SVMs and the VOC detection devkit.
-
-:func:`ap_from_curve` integrates a precision/recall curve in one of the PASCAL VOC's two ways:
-the VOC2007 11-point mean or the all-point area (VOC2010+, VISSL's ``calculate_ap``).
-:func:`average_precision` and :func:`voc07_11point_ap` build the curve from per-sample scores
-and labels (``bt_hub.eval.voc07_svm``); the detection devkit's evaluation builds it from matched
-boxes.
-"""
+"""Average precision, the one implementation behind the VOC07 SVMs and the VOC detection devkit."""
 
 from __future__ import annotations
 
@@ -17,14 +10,8 @@ __all__ = ["ap_from_curve", "average_precision", "precision_recall", "voc07_11po
 def ap_from_curve(recall: np.ndarray, precision: np.ndarray, *, eleven_point: bool) -> float:
     """Area under a precision/recall curve: VOC2007's 11-point mean, or the all-point area (VOC2010+).
 
-    11-point: the mean over t = 0, 0.1, ..., 1 of the best precision at recall >= t (0 if none).
-    All-point: precision is made monotone (the best precision at any higher recall), then
-    summed over the recall steps.
-
-    Args:
-        recall: recall after each ranked prediction (non-decreasing).
-        precision: precision after each ranked prediction.
-        eleven_point: the VOC2007 11-point mean instead of the all-point area.
+    11-point: the mean over t = 0, 0.1, ..., 1 of the best precision at recall >= t. All-point: precision
+    made monotone, then summed over the recall steps.
     """
     recall, precision = np.asarray(recall), np.asarray(precision)
     if eleven_point:
@@ -39,15 +26,7 @@ def ap_from_curve(recall: np.ndarray, precision: np.ndarray, *, eleven_point: bo
 
 
 def precision_recall(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(recall, precision)`` after each sample, the samples ranked by decreasing score (stable on ties).
-
-    Args:
-        scores: one score per sample, higher = more confident.
-        labels: > 0 positive, <= 0 negative.
-
-    Raises:
-        ValueError: no positive sample.
-    """
+    """``(recall, precision)`` after each sample ranked by decreasing score; ValueError without a positive sample."""
     scores, positive = np.asarray(scores, dtype=np.float64), np.asarray(labels) > 0
     if positive.sum() == 0:
         raise ValueError("average precision needs at least one positive sample")
@@ -58,12 +37,7 @@ def precision_recall(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray
 
 
 def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
-    """All-point interpolated AP (VISSL's ``calculate_ap``): sum over recall steps of the max precision to the right.
-
-    Args:
-        scores: one score per sample, higher = more confident.
-        labels: > 0 positive, <= 0 negative (leave difficult samples out beforehand).
-    """
+    """All-point interpolated AP (VISSL's ``calculate_ap``); ``labels`` > 0 positive (leave difficult ones out)."""
     return ap_from_curve(*precision_recall(scores, labels), eleven_point=False)
 
 

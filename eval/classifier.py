@@ -1,11 +1,5 @@
-"""The SGD classifier shared by the linear probe, transfer and semi-supervised fine-tuning.
-
-One loop over images (``train_classifier``: a frozen backbone + linear layer, or a whole
-network being fine-tuned) with the paper's per-epoch LR (``lr_factor``: cosine without
-warm-up, or steps) and a seeded data order (``epoch_permutation``, DistributedSampler's
-rule) that the heads over cached features (bt_hub.eval.heads) share, so on the same inputs
-both train the same classifier; the classifier is initialised as in the paper (weight ~
-N(0, 0.01), bias 0) and scored by top-1 / top-5 accuracy.
+"""The SGD classifier shared by the linear probe, transfer and semi-supervised fine-tuning: the paper's
+initialisation and per-epoch LR, and a seeded data order that the cached-feature heads share.
 """
 
 from __future__ import annotations
@@ -27,12 +21,7 @@ from bt_hub.data.precision import autocast_dtype
 
 
 def lr_factor(epoch: int, epochs: int, schedule: str, milestones: Sequence[int] = (), gamma: float = 0.1) -> float:
-    """Multiplier of the base LR during ``epoch`` (0-based): cosine per epoch (no warm-up) or steps.
-
-    ``cosine`` is ``0.5 (1 + cos(pi epoch / epochs))`` (torch's CosineAnnealingLR stepped per
-    epoch, as the reference evaluate.py); ``step`` multiplies by ``gamma`` once for every
-    milestone ``m <= epoch`` ("×0.2 after epochs 12 and 16": milestones [12, 16]).
-    """
+    """Multiplier of the base LR during ``epoch``: cosine per epoch (no warm-up), or ``gamma`` per milestone passed."""
     if schedule == "cosine":
         return 0.5 * (1 + math.cos(math.pi * epoch / epochs))
     if schedule == "step":
@@ -73,12 +62,7 @@ def set_epoch_lr(optimizer: torch.optim.Optimizer, base_lrs: Sequence[float], fa
 def make_loader(
     dataset: Dataset, batch_size: int, *, shuffle: bool, seed: int, num_workers: int, device: torch.device
 ) -> DataLoader:
-    """A loader of ``batch_size`` images in all, split over the ranks under torchrun.
-
-    The order of an epoch is :func:`epoch_permutation` (DistributedSampler's rule, also in a
-    single process; :func:`train_classifier` sets the epoch), so a loop over images and
-    ``bt_hub.eval.heads.train_heads`` over their cached features see the same batches.
-    """
+    """A loader of ``batch_size`` images in all, split over the ranks, in :func:`epoch_permutation`'s order."""
     world = get_world_size()
     sampler = DistributedSampler(
         dataset, num_replicas=world, rank=get_rank(), shuffle=shuffle, seed=seed, drop_last=False
@@ -140,12 +124,8 @@ def train_classifier(
 ) -> None:
     """SGD with per-epoch LR on images: the loop shared by the linear probe and fine-tuning.
 
-    Args:
-        model: images -> logits (DDP-wrapped by the caller when distributed).
-        param_groups: ``[{"params": ..., "lr": base_lr}, ...]``.
-        on_epoch: optional ``callable(epoch, mean_loss)`` after each epoch.
-        precision: the run's resolved ``--precision``; autocast as :func:`loop_autocast` says (a gradient
-            scaler only for fp16).
+    ``model`` is DDP-wrapped by the caller when distributed; ``on_epoch(epoch, mean_loss)`` runs after each
+    epoch; ``precision`` sets the autocast (a gradient scaler only for fp16).
     """
     optimizer = torch.optim.SGD(param_groups, lr=0.0, momentum=momentum, weight_decay=weight_decay)
     base_lrs = [g["lr"] for g in param_groups]

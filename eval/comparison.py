@@ -38,6 +38,7 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from bt_hub.common.presets import baseline, overrides
 from bt_hub.common.progress import progress
+from bt_hub.eval import knn, linear, semi_supervised
 from bt_hub.eval.comparison_report import SEED_VARIES, Comparison, describe_settings, render_markdown, write_comparison
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.features import TransformedDataset, module_fingerprint, train_transform
@@ -274,6 +275,7 @@ def _record(
         protocol,
         {k: v for k, v in score.items() if k.startswith(("top1", "top5"))},
         mode={"knn": "features", "linear": "cached"}.get(protocol, "loop"),
+        table={"knn": knn.TABLE, "linear": linear.LINEAR_TABLE}.get(protocol, semi_supervised.TABLE),
         labels={"fraction": pct, "source": "seeded", "seed": seed, "count": len(subset or [])} if pct else None,
         notes={"compare": {"row": name, "column": column, "seed_varies": SEED_VARIES[protocol]}, **notes},
     )

@@ -1,10 +1,5 @@
-"""``EvalConfig``: the flags every evaluation protocol shares (``bt-hub eval <protocol>``).
-
-Each protocol's config dataclass subclasses it and adds its own fields; the CLI turns
-every field into a kebab-case flag whose help is the field's ``metadata["help"]``.
-Presets are named sets of field values (``PRESETS``, bt_hub.common.presets); ``PRESET_ASSUMPTIONS``
-says what data each preset was set for; ``warn_about_settings`` says when the data is far
-from it, or when a step schedule's milestones never fire.
+"""``EvalConfig``: the flags every evaluation protocol shares, and the warnings when a preset's assumptions
+(``PRESET_ASSUMPTIONS``) are far from the data or a step schedule's milestones never fire.
 """
 
 from __future__ import annotations
@@ -27,10 +22,7 @@ class EvalWarning(UserWarning):
 
 
 class PresetWarning(UserWarning):
-    """A preset's assumptions are far from the data's, or its schedule idles.
-
-    The assumptions: classes, image size, batches per epoch.
-    """
+    """A preset's assumptions are far from the data's, or its schedule idles."""
 
 
 @dataclass
@@ -170,10 +162,7 @@ class EvalConfig(RunConfig):
             check_run_dir(self.out, kind="eval", overwrite=self.overwrite)
 
     def unused_flags(self) -> dict[str, str]:
-        """Field -> why this run would not read it; a flag among them that was given is refused, never ignored.
-
-        Given: differs from its preset (bt_hub.common.presets.overrides). Protocols add their own.
-        """
+        """Field -> why this run would not read it; such a flag, when given, is refused, never ignored."""
         unused = {}
         if self.cache_dir is None and not (self.CACHE_UNDER_OUT and self.out is not None):
             unused["cache_dtype"] = "sets the dtype of the feature cache, and this run has none (--cache-dir)"
@@ -188,15 +177,7 @@ class EvalConfig(RunConfig):
 def preset_warnings(config: Any, *, num_classes: int, train_images: int, image_side: int | None) -> list[str]:
     """One sentence when ``config.preset``'s assumptions are far from the data, else [].
 
-    Far means: ten times more or fewer classes than the preset was set for, images three
-    times smaller or larger, or fewer than four batches of ``--batch-size`` per epoch.
-
-    Args:
-        config: a protocol config with ``preset``, ``batch_size``, ``image_size`` and
-            ``PRESET_ASSUMPTIONS`` (``{preset: {"num_classes": .., "image_size": ..}}``).
-        num_classes: classes of the training split.
-        train_images: images a training epoch walks (the labelled ones for fine-tuning).
-        image_side: the shorter side of the data's images (None: unknown).
+    Far: ten times more or fewer classes, images three times smaller or larger, under four batches per epoch.
     """
     name = getattr(config, "preset", None)
     assumes: Mapping[str, Any] = (getattr(type(config), "PRESET_ASSUMPTIONS", None) or {}).get(name, {})
@@ -241,10 +222,7 @@ def schedule_warnings(config: Any) -> list[str]:
 
 
 def warn_about_settings(config: Any, *, num_classes: int, train_images: int, image_side: int | None) -> list[str]:
-    """``preset_warnings`` and ``schedule_warnings`` of a run, each issued as a ``PresetWarning``.
-
-    Returns them for the results.
-    """
+    """Issue ``preset_warnings`` and ``schedule_warnings`` as ``PresetWarning``s and return them for the record."""
     messages = preset_warnings(config, num_classes=num_classes, train_images=train_images, image_side=image_side)
     messages += schedule_warnings(config)
     for message in messages:

@@ -1,16 +1,4 @@
-"""``bt-hub embed``: the features of any weights on any supported data, with the file each row came from.
-
-Every SSL analysis (UMAP, CKA, a custom probe) starts from the embeddings and the row -> image map.
-Through the runner (bt_hub.eval.runner) like every protocol: the weights read and hashed once, the
-settings resolved and recorded, the features through the checksummed cache (``--cache-dir``, default
-``OUT/feature_cache``, so a rerun after an interruption reuses every split already done). Writes:
-
-- ``<split>.npy``: float32 ``[N, D]`` features (the backbone's pooled output), rows in dataset order;
-- ``index.csv``: ``split, row, path, label, class`` per row (``path`` is the image file, or
-  ``digits[i]`` for an in-memory set); or, with ``--format parquet``, one ``embeddings.parquet`` with
-  those columns and a ``features`` list column (``pip install pyarrow``);
-- ``embed.json``: weights, settings, splits and files (the run's record).
-"""
+"""``bt-hub embed``: the features of any weights on any data, with the file each row came from."""
 
 from __future__ import annotations
 

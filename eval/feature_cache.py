@@ -1,15 +1,4 @@
-"""The on-disk feature cache of bt_hub.eval.features: keyed, checksummed ``.npy`` files.
-
-With a ``FeatureCache`` the features are streamed into ``<key>.features.npy`` (float32 or
-float16) and returned as a read-only memmap; the key hashes everything that changes the
-features: the weights fingerprint, the architecture they were loaded into, the dataset
-fingerprint, the transform (so the image size and where it runs), the pool, the dtype and
-the precision, so a second protocol that asks for the same features loads them instead of
-running the model, and any other request computes its own. Each file's size, sha256, shape
-and dtype are recorded when it is written and checked before it is read: a file that fails
-is computed again, with one warning. Either way, ``np.asarray(features[a:b],
-dtype=np.float32)`` reads rows ``a:b``.
-"""
+"""The on-disk feature cache: checksummed ``.npy`` files keyed by everything that changes the features."""
 
 from __future__ import annotations
 
@@ -30,16 +19,7 @@ from bt_hub.common.files import atomic_write, file_sha256
 
 @dataclass(frozen=True)
 class FeatureCache:
-    """Where cached features live and what they were computed from.
-
-    Args:
-        directory: the cache directory (created on first write).
-        weights: the weights fingerprint (``weights_info["sha256"]`` of the loaded weights, or
-            ``module_fingerprint``).
-        dataset: the dataset fingerprint (``dataset_fingerprint``).
-        model: what the weights were loaded into (``architecture_fingerprint``): the same
-            file read as another architecture or stem gives other features.
-    """
+    """Where cached features live and what they were computed from: the weights, dataset and model fingerprints."""
 
     directory: str | os.PathLike
     weights: str
@@ -77,12 +57,7 @@ CACHE_MISSING = "missing"  # ``cache_problem`` of a key never computed: computed
 
 
 def cache_problem(meta_path: Path, key: str) -> str | None:
-    """None when the cached files of ``key`` are what was written; else what is wrong, in words.
-
-    ``CACHE_MISSING`` when nothing was cached under ``key``. The features and labels files must
-    have the size, sha256 (of the whole ``.npy``), shape and dtype that ``meta_path`` recorded when
-    they were written: a truncated, edited, replaced or deleted file is reported, never read.
-    """
+    """None when the cached files of ``key`` are what was written; else what is wrong (``CACHE_MISSING``, ...)."""
     if not meta_path.exists():
         return CACHE_MISSING
     try:
@@ -119,10 +94,7 @@ def read_cache(features_path: Path, labels_path: Path) -> tuple[np.ndarray, torc
 def write_cache(
     chunks: Iterator[tuple[torch.Tensor, torch.Tensor]], n: int, dtype: np.dtype, features_path: Path, labels_path: Path
 ) -> dict[str, dict[str, Any]]:
-    """Stream feature chunks into an .npy file (header first, rows in order), atomically.
-
-    Returns what ``cache_problem`` checks later of each file: name, bytes, sha256, shape and dtype.
-    """
+    """Stream feature chunks into an .npy file atomically; return its name, bytes, sha256, shape and dtype."""
     first_features, first_labels = next(chunks)
     labels = [first_labels]
     digest = hashlib.sha256()
@@ -179,11 +151,9 @@ PART_ROWS = 8192  # rows of each checksummed part an extraction in progress keep
 class Parts:
     """The checksummed parts of an extraction in progress: what a cut run kept, and where a rerun continues.
 
-    Each part is ``<key>.part<first row>.npz`` (features in the cache dtype, labels), written atomically after
-    about ``PART_ROWS`` rows of whole global batches, and listed with its sha256 in ``<key>.parts.json``
-    (rewritten atomically after each part). A rerun checks every listed part and continues after the last
-    good one of an unbroken run from row 0, so its batches are those an uninterrupted extraction has
-    there (the features equal, bit for bit); parts of another global batch size start over.
+    Each ``<key>.part<first row>.npz`` holds whole global batches and is listed with its sha256 in
+    ``<key>.parts.json``; a rerun continues after the last good part, so its features equal, bit for bit,
+    an uninterrupted extraction's.
     """
 
     def __init__(self, cache: FeatureCache, key: str, global_batch: int, dtype: np.dtype) -> None:

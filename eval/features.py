@@ -1,24 +1,4 @@
-"""One frozen-backbone feature extractor shared by every protocol, with an on-disk cache.
-
-``extract_features`` runs the backbone in eval mode without gradients, channels-last, in
-the precision asked for (fp32, or bf16 / fp16 autocast) over a dataset in its own order and
-returns ``(features, labels)``. Images are preprocessed either per image by PIL in the
-loader's workers, or as the pretraining pipeline does (``DeviceEvalTransform``): workers read
-bytes, the device decodes the batch and resizes, crops and normalises it, the next batch
-prepared on a side stream on CUDA. Pools:
-
-- ``"avg"``: the backbone's output (global average pool of res5; 2048-d for ResNet-50).
-- ``"voc_res5"``: VISSL's VOC07 feature: the res5 map (7x7 at 224 px) through
-  ``AvgPool2d(6, stride=1)`` then flattened channel-major, 2x2x2048 = 8192-d. Other
-  input sizes go through the same op, giving (H-5)x(W-5)xC features; the res5 map must
-  be at least 6x6 (>= 161 px input with the standard stem).
-
-Under torchrun each rank embeds its share of every global batch and the shares are
-gathered back in dataset order, so every rank ends with the full, ordered features.
-
-With a ``FeatureCache`` (bt_hub.eval.feature_cache) the features are streamed to disk under a key
-of everything that changes them and returned as a read-only memmap.
-"""
+"""One frozen-backbone feature extractor shared by every protocol (PIL or on-device preprocessing, cached)."""
 
 from __future__ import annotations
 
@@ -62,11 +42,7 @@ Pool = Literal["avg", "voc_res5"]
 
 
 def train_transform(image_size: int = 224, crop_scale_min: float = 0.08, flip: bool = True) -> transforms.Compose:
-    """The training transform of the linear and semi-supervised protocols: RandomResizedCrop + flip.
-
-    The paper's crops cover 8% to 100% of the image and are flipped half the time; small
-    images want larger crops (``crop_scale_min``) and digits or text no flips.
-    """
+    """The linear and semi-supervised training transform: RandomResizedCrop (``crop_scale_min``..1) + optional flip."""
     steps: list[Callable[[Any], Any]] = [transforms.RandomResizedCrop(image_size, scale=(crop_scale_min, 1.0))]
     if flip:
         steps.append(transforms.RandomHorizontalFlip())
@@ -113,14 +89,8 @@ def _sampled_content(paths: list[Path]) -> bytes:
 def dataset_fingerprint(dataset_or_path: Dataset | str | os.PathLike) -> str:
     """A sha256 that changes when the images, their order or their labels change.
 
-    Directories and file-backed datasets (a ``samples`` list of ``(path, label)``) hash
-    the folder's name, and every file's relative path, size, modification time (ns) and label,
-    so an edit of any image, even one that keeps its size, gives another fingerprint (and
-    computes the features again); plus the bytes of 32 evenly spaced files, so a ``val/`` whose
-    file names and sizes repeat ``train/``'s still gets its own fingerprint. One ``stat`` per
-    file: docs/performance.md has its cost on a large listing.
-    In-memory datasets (an ``images`` array) hash the array and labels; any other dataset
-    hashes every item's pixels and label.
+    Files: relative path, size, mtime and label, plus the bytes of 32 evenly spaced files; in-memory sets:
+    the array and labels; other datasets: every item's pixels and label.
     """
     h = hashlib.sha256()
     if isinstance(dataset_or_path, (str, os.PathLike)):
@@ -183,11 +153,7 @@ def _res5_pool(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _global_batches(n: int, batch_size: int, world_size: int, rank: int, first: int = 0) -> list[list[int]]:
-    """This rank's index lists: global step s covers [first + s*B*W, first + (s+1)*B*W), rank r the r-th B of it.
-
-    Under several ranks every list has B entries (padded by repeating the last index) so
-    the per-step gather has equal shapes; the padding is trimmed after the gather.
-    """
+    """This rank's index lists of each global batch from row ``first``, padded to B under several ranks."""
     step = batch_size * world_size
     batches = []
     for start in range(first, n, step):
@@ -202,12 +168,7 @@ def _global_batches(n: int, batch_size: int, world_size: int, rank: int, first: 
 
 
 class EncodedItems(Dataset):
-    """``(undecoded image, label)`` of a dataset, for the device path: a file's bytes, or in-memory pixels.
-
-    File-backed datasets (a ``samples`` list of ``(path, label)``, images at their own size) give
-    ``read_encoded(path)``: the workers read bytes and decode nothing. Others, and file datasets
-    that resize their images (an ``image_size``), give their image as a 3 x H x W uint8 tensor.
-    """
+    """``(undecoded image, label)`` for the device path: a file's bytes, or in-memory pixels as a uint8 tensor."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -242,17 +203,9 @@ def iter_feature_batches(
     precision: str = "fp32",
     first: int = 0,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield ``(features float32 [b, F], labels [b, ...])`` on CPU, consecutive chunks in dataset order.
+    """Yield ``(features float32 [b, F], labels)`` on CPU, consecutive chunks in dataset order.
 
-    A per-image ``transform`` runs in the loader's workers (the PIL path). A
-    ``DeviceEvalTransform`` is the pretraining pipeline's path: workers only read bytes
-    (``EncodedItems``), the batch is decoded on ``device`` (``bt_hub.data.decode``: nvJPEG on
-    CUDA, libjpeg-turbo on the CPU, PIL for what they refuse), resized, cropped and normalised
-    there, and on CUDA the next batch is prepared on a side stream while this one runs
-    (``bt_hub.data.prefetch``). ``precision`` is a resolved ``--precision`` (fp32, bf16, fp16:
-    the autocast dtype); the backbone and its inputs are channels-last. ``desc`` names the
-    progress report (``features train``, ``features test``). ``first`` (a multiple of the global
-    batch) starts at that row, with the batches an extraction from row 0 would have there.
+    ``first`` (a multiple of the global batch) starts at that row with the batches a run from row 0 has there.
     """
     if pool not in ("avg", "voc_res5"):
         raise ValueError(f"pool {pool!r} is unknown; expected 'avg' or 'voc_res5'")
@@ -311,28 +264,10 @@ def extract_features(
     desc: str = "features",
     precision: str = "fp32",
 ) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
-    """Features of a frozen backbone over a dataset of ``(image, label)``, in dataset order.
+    """Features and labels of a frozen backbone over a dataset of ``(image, label)``, in dataset order.
 
-    Args:
-        backbone: the network (``fc = Identity``); put in eval mode for the pass, restored after.
-        dataset: items ``(image, label)``; ``transform`` turns the image into a tensor.
-        transform: default ``eval_transforms(224)``; ``describe_transform`` of it is part of the cache key.
-            A ``DeviceEvalTransform`` decodes and preprocesses on ``device`` (``iter_feature_batches``).
-        pool: ``"avg"`` (backbone output) or ``"voc_res5"`` (see the module docstring).
-        batch_size: images per forward pass (per rank under torchrun).
-        device: where the backbone runs (channels-last).
-        num_workers: DataLoader workers.
-        cache: where to store / find the features; None computes them in memory. Cached files are
-            used only when they match the sha256, shape and dtype recorded when they were written;
-            otherwise they are computed again, with one ``EvalWarning`` that names the file.
-        dtype: dtype of the cached features (float16 halves the disk use).
-        desc: the progress report's name, e.g. ``features train``.
-        precision: a resolved ``--precision``: ``fp32``, or the autocast dtype ``bf16`` / ``fp16``
-            (part of the cache key: features differ in rounding).
-
-    Returns:
-        ``(features [N, F], labels [N, ...])``: a float32 tensor without a cache, a
-        read-only numpy memmap with one; labels as a tensor.
+    ``transform`` defaults to ``eval_transforms(224)``. With a ``cache`` they are stored under a key of all that
+    changes them and returned as a read-only memmap; a cached file that fails its checks is computed again.
     """
     return extract_with_source(
         backbone,

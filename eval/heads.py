@@ -1,9 +1,4 @@
-"""K linear heads trained at once on fixed features, and the grid probe that picks one on a validation split.
-
-DINOv2's linear evaluation: one stacked weight tensor, every head updated from the same batch,
-one pass over the features per epoch. ``bt-hub eval linear --search grid`` and ``eval compare``
-train their probes here.
-"""
+"""K linear heads trained at once on fixed features (DINOv2's linear evaluation), and the grid probe that picks one."""
 
 from __future__ import annotations
 
@@ -35,12 +30,7 @@ class NonFiniteLoss(ValueError):
 
 @dataclass
 class LinearHeads:
-    """K linear classifiers over the same features: ``weight`` K x C x D, ``bias`` K x C.
-
-    ``lrs`` / ``weight_decays`` are each head's hyper-parameters; ``diverged[k]`` is the epoch
-    (0-based) in which head k's loss became non-finite, else None (it stopped training there and
-    keeps the weights it had at the start of that epoch).
-    """
+    """K linear classifiers over the same features (``weight`` K x C x D); ``diverged[k]``: the epoch head k stopped."""
 
     weight: torch.Tensor
     bias: torch.Tensor
@@ -80,23 +70,10 @@ def train_heads(
     progress: bool = True,
     desc: str = "linear heads",
 ) -> LinearHeads:
-    """Train one linear head per ``(lrs[k], weight_decays[k])`` at once on fixed features.
+    """Train one linear head per ``(lrs[k], weight_decays[k])`` at once on fixed features (optionally ``rows`` only).
 
-    Every head starts from the same paper initialisation (``make_classifier`` after ``torch.manual_seed(seed)``)
-    and sees the same batches (``epoch_permutation``), and each follows SGD with momentum and weight decay on its
-    own LR, so one head is the paper's classifier as ``train_classifier`` trains it over the same features (to
-    float32 rounding); the cost of K heads is one pass over the features per epoch, one K-times wider matrix
-    product each way per batch (the bias rides as an extra weight column) and three element-wise updates of one
-    flat parameter buffer. Finiteness is checked once per epoch: a head whose weights became non-finite in an
-    epoch is put back to where it started that epoch and trains no further (``diverged``).
-
-    Args:
-        features, labels: N x D features (tensor or memmap) and N labels.
-        lrs, weight_decays: per-head base LR and weight decay (equal lengths).
-        epochs, batch_size, momentum, schedule, milestones, gamma: as the paper's probe.
-        seed: seeds the initialisation and the data order.
-        rows: train on these rows only (default all), e.g. the training part of a validation split.
-        device: where the heads train (default: the features' device, CPU for arrays).
+    Each head equals the paper's classifier as ``train_classifier`` trains it with that LR (to float32
+    rounding); a head that becomes non-finite goes back to where that epoch started and stops (``diverged``).
     """
     if len(lrs) != len(weight_decays) or not lrs:
         raise ValueError(
@@ -145,12 +122,9 @@ def train_heads(
 def _cross_entropy_gradient(
     params: torch.Tensor, x: torch.Tensor, targets: torch.Tensor, classes: torch.Tensor, out: torch.Tensor
 ) -> None:
-    """Write every head's mean cross-entropy gradient on the batch ``x`` (N x D+1) into ``out`` (K*C x D+1).
+    """Write every head's mean cross-entropy gradient on ``x`` (N x D+1) into ``out`` (K*C x D+1).
 
-    The gradient in closed form, (softmax - one-hot) / n per head, laid out K x C x N so that the softmax
-    runs along contiguous rows (20x faster than over 10 classes last); probabilities below
-    TINY_PROBABILITY become 0 so that no subnormal float reaches the exponential or the products
-    (logits more than 70 below their row's best give e^-70 < TINY_PROBABILITY).
+    Probabilities below TINY_PROBABILITY become 0, so that no subnormal float slows the products.
     """
     n = len(x)
     logits = torch.mm(params, x.T).view(-1, len(classes), n)
@@ -168,10 +142,7 @@ def _stop_diverged(
     head_velocity: torch.Tensor,
     epoch_start: torch.Tensor,
 ) -> None:
-    """Put each head whose weights became non-finite back to where ``epoch`` started, and stop training it.
-
-    One host sync per epoch: a non-finite loss makes that head's weights non-finite in the same step.
-    """
+    """Put each head whose weights became non-finite back to where ``epoch`` started, and stop training it."""
     finite = torch.isfinite(head_params).all(1, keepdim=True)
     if bool(finite.all()):
         return
@@ -228,22 +199,8 @@ def grid_probe(
 ) -> dict[str, Any]:
     """The linear probe with its LR and weight decay chosen on a validation split carved from the training data.
 
-    Trains ``len(lrs) x len(weight_decays)`` heads at once (``train_heads``) on the training
-    rows outside a seeded, class-stratified ``val_fraction`` of them, picks the head with the
-    best validation top-1 (ties: lower validation loss, then grid order) and scores it on the
-    test features. The test split takes no part in the choice.
-
-    Args:
-        hyper: ``epochs``, ``batch_size``, ``momentum``, ``schedule``, ``milestones``, ``gamma``,
-            ``device``, ``progress``, ``desc`` of ``train_heads``.
-
-    Returns:
-        ``metrics`` (the chosen head's test top-1 / top-5), ``chosen`` (its lr, weight decay and
-        validation top-1), ``grid`` (every head's lr, weight decay, validation top-1 and loss, or the
-        epoch it diverged in) and ``validation`` (fraction, seed, size, sha256 of the indices).
-
-    Raises:
-        NonFiniteLoss: every head diverged.
+    The best head on a seeded, class-stratified ``val_fraction`` (ties: lower loss, then grid order) is scored
+    on the test features; returns ``metrics``, ``chosen``, ``grid`` and ``validation``. NonFiniteLoss when all diverge.
     """
     pairs = [(lr, wd) for wd in weight_decays for lr in lrs]
     fit_rows, val_rows = stratified_holdout(np.asarray(train_y), val_fraction, seed)
@@ -323,11 +280,7 @@ def check_probe_settings(
     val_fraction: float = 0.2,
     epochs_flag: str = "--epochs",
 ) -> None:
-    """Refuse linear-probe settings outside their working ranges, in one sentence naming the flag.
-
-    ``lrs`` / ``weight_decays`` map each flag to its values. LRs must lie in (0, ``MAX_LR``], weight
-    decays in [0, 1), momentum in [0, 1), epochs in [1, ``MAX_EPOCHS``], the validation share in (0, 0.5].
-    """
+    """Refuse linear-probe settings outside their working ranges, in one sentence naming the flag."""
     if not 1 <= epochs <= MAX_EPOCHS:
         raise ValueError(f"{epochs_flag} must be an integer in [1, {MAX_EPOCHS}], got {epochs}")
     for flag, values in lrs.items():

@@ -1,16 +1,4 @@
-"""Weighted k-nearest-neighbour classification on frozen features (``bt-hub eval knn``).
-
-The community protocol of DINO's eval_knn.py (docs/protocols.md §2; not in the paper):
-L2-normalised features, cosine similarity, the k most similar training images vote for
-their class with weight exp(sim / T), T = 0.07; top-1 / top-5 for k = 20 and 200.
-
-The search is exact and runs over chunks of the training set, the running top-k of each
-query merged after every chunk, with queries in batches: a memory-mapped 1.28M x 2048
-feature file is never loaded whole. On the CPU it runs in faiss (``IndexFlatIP``); on
-CUDA (faiss-gpu is not on PyPI) as a matrix product + top-k in torch, which
-``--backend torch`` also selects on the CPU (faster than faiss-cpu's bundled BLAS on
-many-core machines: benchmarks/knn.py).
-"""
+"""Weighted kNN on frozen features (``bt-hub eval knn``; DINO's protocol, docs/protocols.md §2)."""
 
 from __future__ import annotations
 
@@ -28,12 +16,19 @@ from bt_hub.common.distributed import is_main_process
 from bt_hub.common.optional import require
 from bt_hub.eval.config import EvalConfig, EvalWarning
 from bt_hub.eval.features import as_float32
+from bt_hub.eval.report import Table
 from bt_hub.eval.runner import EvalRun, Scored, run_protocol
 from bt_hub.method.knn import knn_vote
 
 # ----------------------------------------------------------------------------- search and vote
 
 
+# top1 / top5 repeat the first k's columns
+TABLE = Table(
+    "Weighted kNN (community protocol, not in the paper)",
+    ("top1_k20", "top5_k20", "top1_k200", "top5_k200"),
+    ("top1", "top5"),
+)
 BACKENDS = ("auto", "faiss", "torch")
 TORCH_CHUNK_ROWS = 65_536  # bounds the torch backend's similarity block: 4096 queries x 65,536 rows = 1 GiB
 
@@ -80,22 +75,9 @@ def knn_search(
     backend: str = "auto",
     device: str | torch.device = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosine similarities and indices of each query's ``k`` nearest training rows, most similar first.
+    """Cosine similarities and indices (CPU) of each query's ``k`` nearest training rows, most similar first.
 
-    Args:
-        train_features: [N, F] tensor or (memmapped) array; L2-normalised here, chunk by chunk.
-        test_features: [Q, F] queries, normalised likewise.
-        k: neighbours per query (at most N).
-        query_batch: queries per search call.
-        train_chunk: training rows searched at a time; bounds memory to train_chunk x F floats
-            (and the torch backend's similarity block to query_batch x train_chunk).
-        backend: "faiss" (exact ``IndexFlatIP`` on the CPU), "torch" (matrix product + top-k on
-            ``device``) or "auto" (torch on CUDA, faiss otherwise). Both are exact; they can
-            order neighbours differently only where similarities tie to float rounding.
-        device: where the torch backend computes.
-
-    Returns:
-        ``(similarities [Q, k] float32, indices [Q, k] int64)``, on the CPU.
+    Exact in both backends; ``train_chunk`` bounds memory; ``auto`` is torch on CUDA, faiss otherwise.
     """
     backend = resolve_backend(backend, device)
     n, q = len(train_features), len(test_features)
@@ -135,11 +117,7 @@ def knn_classify(
     backend: str = "auto",
     device: str | torch.device = "cpu",
 ) -> dict[str, float]:
-    """Weighted kNN accuracy: ``{"top1": .., "top5": ..}`` in percent.
-
-    ``num_classes`` defaults to ``max(label) + 1`` over both label sets; ``backend`` and
-    ``device`` as :func:`knn_search`.
-    """
+    """Weighted kNN accuracy: ``{"top1": .., "top5": ..}`` in percent."""
     if num_classes is None:
         num_classes = int(max(torch.as_tensor(train_labels).max(), torch.as_tensor(test_labels).max())) + 1
     sims, idx = knn_search(
@@ -223,12 +201,7 @@ def run(config: KnnConfig) -> dict[str, Any]:
 
 
 def score(run: EvalRun) -> Scored:
-    """Weighted kNN of the test split's features against the training split's, for every ``--k``.
-
-    A ``--k`` above the number of training images is scored (and named in the metrics) with k
-    equal to that number, with one warning; ``notes.neighbours_used`` maps each requested k to
-    the k used. Every rank holds all features; only the main process searches.
-    """
+    """Weighted kNN of test against training features for every ``--k`` (capped at the training size, warned)."""
     config = run.config
     train_x, train_y = run.features("train")
     test_x, test_y = run.features("test")
@@ -254,4 +227,4 @@ def score(run: EvalRun) -> Scored:
         metrics.update({f"top1_k{k}": result["top1"], f"top5_k{k}": result["top5"]})
     metrics = {"top1": metrics[f"top1_k{used[0]}"], "top5": metrics[f"top5_k{used[0]}"], **metrics}
     notes = {"neighbours_used": {str(k): min(k, len(train_y)) for k in config.k}, "backend": backend}
-    return Scored("knn", metrics, mode="features", warnings=warned, notes=notes)
+    return Scored("knn", metrics, mode="features", warnings=warned, notes=notes, table=TABLE)

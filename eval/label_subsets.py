@@ -1,15 +1,5 @@
-"""Label subsets for semi-supervised evaluation (docs/protocols.md §2).
-
-Two sources:
-
-- a SimCLR-format list file given by path (``1percent.txt`` / ``10percent.txt``): one
-  training file name per line, e.g. ``n04235860_14959.JPEG``; the class is the text before
-  the first ``_``. The sha256 of the two published lists is pinned here; a file with one
-  of their names but another hash is read with a warning (the lists themselves are never
-  copied into the package);
-- a seeded class-balanced subset of any labelled dataset.
-
-Both return indices into the dataset, sorted.
+"""Label subsets for semi-supervised evaluation (docs/protocols.md §2): a SimCLR-format list file
+(``1percent.txt``, whose published hashes are pinned here) or a seeded class-balanced subset; sorted indices.
 """
 
 from __future__ import annotations
@@ -35,15 +25,7 @@ SHOWN_MISSING = 5
 
 @dataclass(frozen=True)
 class SubsetList:
-    """A label-subset list read from a file.
-
-    Attributes:
-        path: the file read.
-        names: training file names, in file order.
-        sha256: hash of the file's bytes.
-        published: ``"1percent.txt"`` / ``"10percent.txt"`` when the hash is a published
-            list's, else None.
-    """
+    """A label-subset list read from a file: its ``names`` in order, ``sha256``, and which ``published`` list it is."""
 
     path: Path
     names: tuple[str, ...]
@@ -67,14 +49,7 @@ def class_of(name: str) -> str:
 
 
 def read_subset_file(path: str | os.PathLike) -> SubsetList:
-    """Read a SimCLR-format subset list; warn when a published list's name has another hash.
-
-    Args:
-        path: the list file (one training file name per line; blank lines ignored).
-
-    Returns:
-        The names, the file's hash and which published list it is (if any).
-    """
+    """Read a SimCLR-format subset list; warn when a published list's name has another hash."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(
@@ -109,11 +84,7 @@ def dataset_file_names(dataset: object) -> list[str]:
 
 
 def indices_from_list(dataset: object, subset: SubsetList) -> list[int]:
-    """Indices of the samples a subset list names (matched by base file name).
-
-    Raises:
-        ValueError: some listed names are not in the dataset (says how many, shows a few).
-    """
+    """Indices of the samples a subset list names, by base file name (ValueError when some are missing)."""
     position = {name: i for i, name in enumerate(dataset_file_names(dataset))}
     missing = [n for n in subset.names if os.path.basename(n) not in position]
     if missing:
@@ -129,15 +100,7 @@ def indices_from_list(dataset: object, subset: SubsetList) -> list[int]:
 def balanced_subset_indices(
     targets: Sequence[int], percent: float, seed: int = 0, *, leave_one: bool = False
 ) -> list[int]:
-    """A seeded class-balanced subset: ``percent`` % of each class, at least one sample per class.
-
-    Args:
-        targets: the label of every sample.
-        percent: share of each class to keep, in percent (1 or 10 in the paper).
-        seed: the same seed always picks the same samples.
-        leave_one: never take a whole class (a class of one sample gives none), so that
-            the rest keeps every class (bt_hub.eval.splits' holdout).
-    """
+    """A seeded class-balanced subset: ``percent`` % of each class, at least one (``leave_one``: never all of it)."""
     if not 0 < percent <= 100:
         raise ValueError(f"--fraction must be a percentage in (0, 100], got {percent}")
     targets = np.asarray(targets)

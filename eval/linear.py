@@ -1,32 +1,4 @@
-"""Linear probe on a frozen backbone, and linear transfer (docs/protocols.md §2).
-
-Presets (``--preset``; bt_hub.common.presets):
-
-- ``imagenet`` (the paper, Table 1): backbone frozen in eval mode (BN uses running
-  statistics); fc init N(0, 0.01), bias 0; SGD momentum 0.9, lr 0.3, wd 1e-6, batch 256,
-  100 epochs, cosine per epoch, no warm-up; train RandomResizedCrop (8-100% of the area) +
-  flip, test Resize + CenterCrop; top-1 / top-5.
-- ``places205`` / ``inat18`` (PIRL's settings, the paper's Table 3): SGD momentum 0.9, lr
-  0.01, wd 5e-4, batch 256, 14 / 84 epochs, lr x0.1 at two equally spaced points. VISSL's
-  configs drop three times instead ([4, 8, 12] and [24, 48, 72]): pass ``--milestones``.
-- ``small``: the imagenet recipe with crops of 40-100% of the area and no flip, for small
-  images of few classes (the digits demo's crops; on its 8-px digits the paper's crops and
-  flips cost 20 points of top-1, docs/performance.md "Cached linear probe").
-
-``--cached`` trains the same classifier, with the same optimiser and schedule, on the
-cached test-transform features of bt_hub.eval.features (no augmentation, so no backbone pass
-per epoch); results say ``mode: cached`` ("cached features, no augmentation"). Under
-torchrun the loop shards the data with a DistributedSampler and averages classifier
-gradients with DDP.
-
-``--search grid`` (the default on data that is not the preset's own, e.g. anything but
-ImageNet for ``imagenet``) trains one head per (``--lr-grid`` x ``--weight-decay-grid``) pair
-at once on the frozen features (bt_hub.eval.heads, DINOv2's linear evaluation), scores every head
-on a seeded, class-stratified ``--val-fraction`` of the training split (never the test
-split), and reports the test accuracy of the best head (ties: lower validation loss, then
-grid order) as trained on the rest; the record's ``notes`` hold the whole grid, the choice
-and the validation split. ``--search fixed`` is the preset's single recipe.
-"""
+"""Linear probe on a frozen backbone, and linear transfer (docs/protocols.md §2, docs/evaluation.md)."""
 
 from __future__ import annotations
 
@@ -58,6 +30,7 @@ from bt_hub.eval.heads import (
     score_heads,
     train_heads,
 )
+from bt_hub.eval.report import IMAGENET_FOLDERS, PaperRow, Table
 from bt_hub.eval.runner import EvalRun, Scored, run_protocol
 from bt_hub.method.transforms import eval_transforms
 
@@ -67,8 +40,23 @@ def equally_spaced_milestones(epochs: int, drops: int = 2) -> list[int]:
     return [round(epochs * (i + 1) / (drops + 1)) for i in range(drops)]
 
 
-# the paper's rows (bt_hub.common.records.PAPER_RESULTS) that a run from these presets follows
-PAPER_TASKS = {"imagenet": "imagenet_linear", "places205": "places205_linear", "inat18": "inat18_linear"}
+LINEAR_TABLE = Table("Linear evaluation (paper Table 1)", ("top1", "top5"))
+TRANSFER_TABLE = Table("Transfer to other classification tasks (paper Table 3)", ("top1", "mAP", "mAP_11point"))
+_LOOP = "paper loop with augmentation"
+# the paper's rows that a run from these presets follows, unless it searches a grid
+PAPER_ROWS = {
+    "imagenet": PaperRow("imagenet_linear", "ImageNet", f"preset imagenet; {_LOOP}", IMAGENET_FOLDERS, 50000),
+    "places205": PaperRow(
+        "places205_linear", "Places-205", f"preset places205; {_LOOP}", ("places205", "places"), 20500
+    ),
+    "inat18": PaperRow(
+        "inat18_linear",
+        "iNat18",
+        f"preset inat18; {_LOOP}",
+        ("inat18", "inat2018", "inaturalist2018", "inaturalist"),
+        24426,
+    ),
+}
 
 
 class FrozenBackboneClassifier(nn.Module):
@@ -231,28 +219,18 @@ class LinearConfig(EvalConfig):
         if self.search != "auto":
             return self.search == "grid"
         assumed = self.PRESET_ASSUMPTIONS.get(self.preset, {}).get("num_classes")
-        return not (self.preset in PAPER_TASKS and num_classes == assumed)
+        return not (self.preset in PAPER_ROWS and num_classes == assumed)
 
 
 @dataclass
 class TransferConfig(LinearConfig):
-    """Flags of ``bt-hub eval transfer``: the linear probe with PIRL's settings on any ImageFolder dataset.
-
-    Build it with ``bt_hub.common.presets.from_preset(TransferConfig, ...)`` (as the CLI does): the
-    default preset is ``places205``.
-    """
+    """Flags of ``bt-hub eval transfer``: the linear probe with PIRL's settings on any ImageFolder dataset."""
 
     preset: str = field(default="places205", metadata={"help": "named sets of flag values; flags given override them"})
 
 
 def run(config: LinearConfig) -> dict[str, Any]:
-    """Train and score a linear classifier on the frozen backbone of ``--weights``; write the results.
-
-    A ``TransferConfig`` is recorded as protocol ``transfer``, a ``LinearConfig`` as ``linear``.
-
-    Returns:
-        The results record (metrics ``top1`` / ``top5`` in percent; bt_hub.common.records).
-    """
+    """Train and score a linear classifier on the frozen backbone of ``--weights``; write and return the record."""
     return run_protocol(config, score)
 
 
@@ -274,12 +252,14 @@ def score(run: EvalRun) -> Scored:
     else:
         metrics = _paper_loop(run, num_classes)
         notes["loop_precision"] = loop_precision(run.device, run.settings.precision)
+    transfer = isinstance(config, TransferConfig)
     return Scored(
-        "transfer" if isinstance(config, TransferConfig) else "linear",
+        "transfer" if transfer else "linear",
         metrics,
         mode="cached" if config.cached or grid else "loop",
         preset=config.preset,
-        paper_task=None if grid else PAPER_TASKS.get(config.preset or ""),
+        paper=None if grid else PAPER_ROWS.get(config.preset or ""),
+        table=TRANSFER_TABLE if transfer or config.preset in ("places205", "inat18") else LINEAR_TABLE,
         warnings=warned,
         notes=notes,
     )
@@ -371,7 +351,6 @@ def _diverged(config: LinearConfig, epoch: int) -> NonFiniteLoss:
 
 
 def _log_epoch(run_dir: RunDir, config: LinearConfig, epoch: int, loss: float) -> None:
-    """Log an epoch's mean training loss; stop the run when it is not finite."""
     if not math.isfinite(loss):
         raise _diverged(config, epoch)
     run_dir.log({"epoch": epoch, "train_loss": loss})

@@ -1,12 +1,5 @@
-"""Evaluation results on disk: ``results.json`` (this run), ``results.jsonl`` (every run), ``results.md``.
-
-Every run's records (bt_hub.common.records: what was run, in which mode, from which preset and
-with which changes, on which weights and splits, the metrics) are written by the runner
-(``bt_hub.eval.runner.write_records``): ``<out>/results.json``, then ``append_results`` appends them to
-``<out>/results.jsonl`` and rewrites ``<out>/results.md`` from that history: one table per
-protocol family (``FAMILIES``: linear, semi-supervised, transfer, detection, kNN; add an entry
-for a new family), each run's setting in words, metrics rounded to 0.1, and the paper's row
-beside ours only where the run follows the paper's protocol for that number.
+"""Evaluation results on disk: ``results.json`` (this run), ``results.jsonl`` (every run), ``results.md``: one
+table per ``Table`` the records name, the paper's row above the runs that follow it.
 """
 
 from __future__ import annotations
@@ -24,9 +17,6 @@ from typing import Any
 
 from bt_hub.common.files import WriteError, atomic_write_text, write_failure
 from bt_hub.common.records import (
-    PAPER_NAME,
-    PAPER_RESULTS,
-    PAPER_SETTINGS,
     Record,
     data_label,
     fmt,
@@ -34,7 +24,6 @@ from bt_hub.common.records import (
     group_by_seed,
     mean_std,
     metric_label,
-    paper_task,
     seed_free_setting,
     seed_group_key,
     seeds_text,
@@ -42,78 +31,84 @@ from bt_hub.common.records import (
     weights_label,
 )
 from bt_hub.eval.config import EvalWarning
+from bt_hub.weights.registry import PAPER_RESULTS
+
+PAPER_NAME = "Barlow Twins paper (ResNet-50, 1000 epochs)"
+# the folder names (lower case, letters and digits only) under which ImageNet is the paper's data
+IMAGENET_FOLDERS = ("imagenet", "imagenet1k", "in1k", "ilsvrc", "ilsvrc2012", "imagenet2012")
+DETECTION_METRICS = tuple(f"{task}_{m}" for task in ("bbox", "segm") for m in ("AP", "AP50", "AP75"))
 
 
 @dataclass(frozen=True)
-class Family:
-    """One table of results.md: a title, the metrics it shows first (others a run has follow) and any it leaves out."""
+class Table:
+    """A table of results.md a protocol's records go in: its title, the metrics it shows first (others a run
+    has follow), any it leaves out, and the Hugging Face task type of its results."""
 
     title: str
     metrics: tuple[str, ...]
     hidden: tuple[str, ...] = ()
+    task: str = "image-classification"
+
+    def block(self) -> dict[str, Any]:
+        """The record's ``table``."""
+        return {"title": self.title, "metrics": list(self.metrics), "hidden": list(self.hidden), "task": self.task}
 
 
-_DETECTION_METRICS = tuple(f"{task}_{m}" for task in ("bbox", "segm") for m in ("AP", "AP50", "AP75"))
+@dataclass(frozen=True)
+class PaperRow:
+    """One of the paper's numbers a protocol's run follows: its ``PAPER_RESULTS`` key, its dataset and setting in
+    words, and the data it was measured on (dataset folder names, test split size) for the card's paper column."""
 
-FAMILIES: dict[str, Family] = {
-    "linear": Family("Linear evaluation (paper Table 1)", ("top1", "top5")),
-    "semi": Family("Semi-supervised fine-tuning (paper Table 2)", ("top1", "top5")),
-    "transfer": Family("Transfer to other classification tasks (paper Table 3)", ("top1", "mAP", "mAP_11point")),
-    "detect_voc": Family("Detection transfer: VOC07+12 Faster R-CNN R50-C4 (paper Table 4)", _DETECTION_METRICS[:3]),
-    "detect_coco": Family("Detection transfer: COCO Mask R-CNN R50-C4 1x (paper Table 4)", _DETECTION_METRICS),
-    "detect": Family(
-        "Detection on other data (e.g. the generated shapes of the installation check; no paper row)",
-        _DETECTION_METRICS,
-    ),
-    # top1 / top5 repeat the first k's columns
-    "knn": Family(
-        "Weighted kNN (community protocol, not in the paper)",
-        ("top1_k20", "top5_k20", "top1_k200", "top5_k200"),
-        ("top1", "top5"),
-    ),
-}
+    task: str
+    data: str
+    setting: str
+    folders: tuple[str, ...]
+    test_size: int
+
+    def block(self) -> dict[str, Any]:
+        """The record's ``paper``: everything results.md and the card show of this row."""
+        return {
+            "task": self.task,
+            "name": PAPER_NAME,
+            "metrics": PAPER_RESULTS[self.task],
+            "data": self.data,
+            "setting": self.setting,
+            "folders": list(self.folders),
+            "test_size": self.test_size,
+        }
 
 
-def family_of(result: Mapping[str, Any]) -> str:
-    """The table a result belongs to.
-
-    One of ``linear``, ``semi``, ``transfer``, ``detect_voc`` / ``detect_coco`` / ``detect``, ``knn`` or its protocol.
-    """
-    protocol = str(result.get("protocol", ""))
-    if protocol == "linear" and result.get("preset") in ("places205", "inat18"):
-        return "transfer"
-    if protocol in ("transfer", "voc07-svm"):
-        return "transfer"
-    if protocol in ("semi", "semi_supervised", "semi-supervised"):
-        return "semi"
-    if protocol == "detect":
-        return {"voc": "detect_voc", "coco": "detect_coco"}.get(str(result.get("preset")), "detect")
-    return protocol
+def table_of(record: Mapping[str, Any]) -> Table:
+    """The table a record belongs to; a record that names none gets a table of its protocol's name."""
+    block = record.get("table")
+    if not isinstance(block, Mapping):
+        return Table(str(record.get("protocol", "")), ())
+    return Table(block["title"], tuple(block.get("metrics", ())), tuple(block.get("hidden", ())))
 
 
 def _row(cells: Sequence[str]) -> str:
     return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
 
-def _table(name: str, rows: list[Mapping[str, Any]]) -> str:
-    family = FAMILIES.get(name, Family(name, ()))
-    shown = [m for m in family.metrics if any(m in (r.get("metrics") or {}) for r in rows)]
-    shown += [m for r in rows for m in (r.get("metrics") or {}) if m not in family.metrics and m not in family.hidden]
+def _paper_key(record: Mapping[str, Any]) -> str | None:
+    paper = record.get("paper")
+    return paper.get("task") if isinstance(paper, Mapping) else None
+
+
+def _table(rows: list[Mapping[str, Any]]) -> str:
+    tables = [table_of(r) for r in rows]
+    shown = [m for t in tables for m in t.metrics if any(m in (r.get("metrics") or {}) for r in rows)]
+    hidden = {m for t in tables for m in t.hidden}
+    shown += [m for r in rows for m in (r.get("metrics") or {}) if m not in hidden]
     shown = list(dict.fromkeys(shown))
     header = ["Run", "Setting", "Weights", "Data", "Seeds"] + [metric_label(m) for m in shown] + ["Wall time (s)"]
-    lines = [f"### {family.title}", "", _row(header), "|" + "---|" * len(header)]
-    tasks = list(dict.fromkeys(paper_task(r) for r in rows))  # our rows grouped by the paper number they match
-    for task in tasks:
-        if task in PAPER_RESULTS:
-            data, words = PAPER_SETTINGS[task]
-            lines.append(
-                _row(
-                    [PAPER_NAME, words, "paper's", data, "not stated"]
-                    + [fmt(PAPER_RESULTS[task].get(m)) for m in shown]
-                    + ["—"]
-                )
-            )
-        for runs in group_by_seed([r for r in rows if paper_task(r) == task], seed_group_key):
+    lines = [f"### {tables[0].title}", "", _row(header), "|" + "---|" * len(header)]
+    papers = {_paper_key(r): r.get("paper") for r in rows}  # our rows grouped by the paper number they follow
+    for key, paper in papers.items():
+        if paper:
+            cells = [paper["name"], paper["setting"], "paper's", paper["data"], "not stated"]
+            lines.append(_row(cells + [fmt(paper["metrics"].get(m)) for m in shown] + ["—"]))
+        for runs in group_by_seed([r for r in rows if _paper_key(r) == key], seed_group_key):
             first = runs[0]
             words = seed_free_setting(first) if len(runs) > 1 else setting(first)
             cells = [f"ours: {first.get('protocol')}", words or "—", weights_label(first)]
@@ -126,12 +121,11 @@ def _table(name: str, rows: list[Mapping[str, Any]]) -> str:
 
 
 def render_table(results: list[Mapping[str, Any]]) -> str:
-    """Markdown tables, one per protocol family; the paper's row above our runs of the same protocol."""
-    by_family: dict[str, list[Mapping[str, Any]]] = {}
+    """Markdown tables, one per ``Table`` in order of first appearance, the paper's row above the runs following it."""
+    by_table: dict[str, list[Mapping[str, Any]]] = {}
     for result in results:
-        by_family.setdefault(family_of(result), []).append(result)
-    order = [f for f in FAMILIES if f in by_family] + sorted(f for f in by_family if f not in FAMILIES)
-    return "\n\n".join(_table(name, by_family[name]) for name in order) + "\n"
+        by_table.setdefault(table_of(result).title, []).append(result)
+    return "\n\n".join(_table(rows) for rows in by_table.values()) + "\n"
 
 
 def render_markdown(results: list[Mapping[str, Any]]) -> str:
@@ -147,11 +141,7 @@ def render_markdown(results: list[Mapping[str, Any]]) -> str:
 
 
 def load_results(out_dir: str | Path) -> tuple[list[dict[str, Any]], list[int]]:
-    """Every record appended to ``<out_dir>/results.jsonl``, oldest first, and the numbers of damaged lines.
-
-    A line cut short by a crash or edited by hand is no record: it is left in the file (bt_hub deletes
-    nothing of it) and out of ``results.md``; :func:`check_history` says which before a run's work.
-    """
+    """Every record of ``<out_dir>/results.jsonl``, oldest first, and the numbers of damaged lines."""
     path = Path(out_dir) / "results.jsonl"
     if not path.exists():
         return [], []
@@ -184,12 +174,8 @@ def check_history(out_dir: str | Path) -> None:
 def append_results(out_dir: str | Path, records: Sequence[Record]) -> list[Record]:
     """Append records to ``results.jsonl`` and rewrite ``results.md`` from the whole history; return it.
 
-    The records go in with one ``write`` on a descriptor opened ``O_APPEND | O_NOFOLLOW`` and
-    locked (``flock``) until ``results.md`` is rewritten, so processes appending to one folder
-    at once keep every record, each on a line of its own, and ``results.md`` shows them all.
-
-    Raises:
-        WriteError: ``results.jsonl`` is a symbolic link, or could not be written (it is left as it was).
+    One ``O_APPEND | O_NOFOLLOW`` write, locked until ``results.md`` is rewritten, so concurrent appenders keep
+    every record; WriteError for a symbolic link or a failed write (the file is left as it was).
     """
     out = Path(out_dir)
     path = out / "results.jsonl"

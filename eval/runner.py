@@ -1,21 +1,4 @@
-"""One evaluation run, start to end: the one place that claims, loads, resolves and records.
-
-Every protocol (knn, linear, transfer, semi, voc07-svm), ``eval all``, ``compare``, ``embed`` and
-the demo go through :func:`evaluation`, in this order:
-
-1. claim ``--out`` (when given) as a folder of an explicit kind, before any heavy work;
-2. load the weights once: one read, one sha256 (the hash of the bytes that were loaded), reused by
-   the cache key and the record;
-3. resolve the settings (architecture, stem, image size and where it came from, precision, decode,
-   device) into a frozen :class:`Settings` that every record stores; the user's config is never
-   written to;
-4. build the splits once and the features through the checksummed cache (:meth:`EvalRun.features`);
-5. write one record per scored result through :meth:`EvalRun.write` (results.json, results.jsonl,
-   results.md).
-
-A protocol supplies only its scoring step: ``score(run) -> Scored`` (features and splits in,
-metrics and notes out); :func:`run_protocol` does the rest.
-"""
+"""One evaluation run, start to end: the one place that claims, loads, resolves and records."""
 
 from __future__ import annotations
 
@@ -42,7 +25,7 @@ from bt_hub.data.precision import resolve_precision
 from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalWarning
 from bt_hub.eval.feature_cache import FeatureCache
 from bt_hub.eval.features import Pool, architecture_fingerprint, extract_with_source
-from bt_hub.eval.report import append_results, check_history
+from bt_hub.eval.report import PaperRow, Table, append_results, check_history
 from bt_hub.eval.splits import Splits, load_splits
 from bt_hub.method.transforms import DeviceEvalTransform, eval_transforms
 
@@ -93,15 +76,7 @@ def load_weights(
 
 
 def eval_image_size(given: int | None, weights_config: Mapping[str, Any] | None, weights: str) -> tuple[int, str]:
-    """The evaluation crop side and where it came from: ``--image-size``, ``weights config.json`` or ``default``.
-
-    Weights pretrained at one size score lower at another, so the size a run or Hugging Face
-    folder's ``config.json`` records is the default; an ``--image-size`` that differs from it is
-    used, with one ``EvalWarning``.
-
-    Raises:
-        ValueError: the config.json's ``image_size`` is not a positive integer.
-    """
+    """The crop side and its source: ``--image-size`` (warned if unlike the weights'), their config.json, or default."""
     trained = (weights_config or {}).get("image_size")
     if trained is not None and (isinstance(trained, bool) or not isinstance(trained, int) or trained <= 0):
         raise ValueError(f"config.json of weights {weights} has image_size {trained!r}; expected a positive integer")
@@ -144,7 +119,8 @@ class Scored:
     metrics: Mapping[str, float]
     mode: str | None = None
     preset: str | None = None
-    paper_task: str | None = None
+    paper: PaperRow | None = None  # the paper's number this run follows
+    table: Table | None = None  # the results.md table of its records
     labels: Mapping[str, Any] | None = None
     notes: Mapping[str, Any] | None = None
     warnings: Sequence[str] = ()
@@ -207,12 +183,7 @@ class EvalRun:
         pool: Pool = "avg",
         label: str | None = None,
     ) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
-        """Features and labels of a split (``train`` / ``test``, or ``dataset``), through the cache when one is set.
-
-        ``network`` defaults to the run's weights and ``weights_id`` to their sha256; the cache key also
-        holds the architecture, the dataset fingerprint, the transform, pool, dtype and precision.
-        ``label`` names the entry of the record's ``features`` (``computed`` or ``cached <key>``).
-        """
+        """Features and labels of a split (or ``dataset``) of the run's weights (or ``network``), through the cache."""
         network = network if network is not None else self.weights.network
         weights_id = weights_id or self.weights.sha256
         if dataset is None:
@@ -248,10 +219,7 @@ class EvalRun:
         config: Any = None,
         wall_time_s: float | None = None,
     ) -> Record:
-        """The results record of ``scored``: the config as given, the resolved settings, weights, splits, metrics.
-
-        ``weights``, ``seed`` and ``config`` default to the run's; ``wall_time_s`` to the time since it started.
-        """
+        """The results record of ``scored``; weights, seed, config and wall time default to the run's."""
         config = config or self.config
         changed = (
             overrides(config, ignore=getattr(config, "RUN_FIELDS", ())) if dataclasses.is_dataclass(config) else {}
@@ -280,7 +248,8 @@ class EvalRun:
             labels=scored.labels,
             warnings=scored.warnings,
             notes=scored.notes,
-            paper_task=scored.paper_task,
+            paper=scored.paper.block() if scored.paper else None,
+            table=scored.table.block() if scored.table else None,
         )
         record["settings"] = self.settings.as_dict()
         return record
@@ -303,12 +272,8 @@ def write_records(out: str | Path, records: Sequence[Record], summary: Mapping[s
 
 @contextlib.contextmanager
 def evaluation(config: Any, *, kind: str = "eval", weights: list[str] | None = None) -> Iterator[EvalRun]:
-    """Claim ``config.out`` (a folder of ``kind``), load the weights, resolve the settings; the run, for one block.
-
-    ``config.out`` None writes nothing (the Python API, the demo). ``config.weights`` (or ``weights``,
-    the files a command derived from it) is one source or a list (``compare``); each is read once.
-    The process group (torchrun) lives as long as the block.
-    """
+    """Claim ``config.out``, load the weights (``config.weights``, or the files ``weights`` derived from it) once,
+    resolve the settings; the run, for one block."""
     out = Path(config.out) if config.out is not None else None
     with process_group(config.device) as device, contextlib.ExitStack() as claims:
         if is_main_process():

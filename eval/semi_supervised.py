@@ -35,6 +35,7 @@ from bt_hub.eval.classifier import evaluate_loader, loop_precision, make_classif
 from bt_hub.eval.config import EvalConfig, warn_about_settings
 from bt_hub.eval.features import TransformedDataset, train_transform
 from bt_hub.eval.label_subsets import read_subset_file, subset_indices
+from bt_hub.eval.report import IMAGENET_FOLDERS, PaperRow, Table
 from bt_hub.eval.runner import EvalRun, Scored, run_protocol
 from bt_hub.method.transforms import eval_transforms
 
@@ -200,11 +201,23 @@ def run(config: SemiSupervisedConfig) -> dict[str, Any]:
     return run_protocol(config, score)
 
 
-def paper_task(config: SemiSupervisedConfig, labels: Mapping[str, Any]) -> str | None:
+TABLE = Table("Semi-supervised fine-tuning (paper Table 2)", ("top1", "top5"))
+# the paper's rows, by label percentage, that a run of the ``paper`` preset follows
+PAPER_ROWS = {
+    pct: PaperRow(
+        f"semi_supervised_{pct}pct",
+        "ImageNet",
+        f"{pct}% labels (SimCLR list {pct}percent.txt); preset paper; paper loop with augmentation",
+        IMAGENET_FOLDERS,
+        50000,
+    )
+    for pct in (1, 10)
+}
+
+
+def paper_row(config: SemiSupervisedConfig, labels: Mapping[str, Any]) -> PaperRow | None:
     """The paper's row this run follows: the ``paper`` preset on 1% or 10% of the labels, else None."""
-    if config.preset == "paper" and labels.get("fraction") in (1, 10):
-        return f"semi_supervised_{labels['fraction']:g}pct"
-    return None
+    return PAPER_ROWS.get(labels.get("fraction")) if config.preset == "paper" else None
 
 
 def _labels(config: SemiSupervisedConfig, indices: Sequence[int], train_size: int) -> dict[str, Any]:
@@ -261,7 +274,8 @@ def score(run: EvalRun) -> Scored:
         metrics,
         mode="loop",
         preset=config.preset,
-        paper_task=paper_task(config, labels),
+        paper=paper_row(config, labels),
+        table=TABLE,
         labels=labels,
         warnings=warned,
         notes={"loop_precision": loop_precision(run.device, run.settings.precision)},

@@ -1,19 +1,4 @@
-"""The train and test splits every protocol reads (kNN, linear, transfer, semi-supervised, all, the demo).
-
-``load_splits`` is the one way in. A test split is always held out explicitly:
-
-- ``digits`` / ``synthetic[:N]``: their seeded stratified held-out part (``val`` and
-  ``test`` name the same part);
-- a directory: ``DIR/train/`` beside ``DIR/val/`` (ImageNet layout) or ``DIR/test/``, chosen by
-  ``--test-split``; a directory without one is an error that names the layouts;
-- ``--holdout FRACTION``: a seeded, class-stratified share of the training split (of a flat
-  ImageFolder, or of ``train/`` to tune without touching the test split); the sha256 of
-  the held-out indices goes into the results.
-
-The test split is refused when it overlaps the training split: the same file paths, or
-byte-identical images in a seeded sample of the test split. Test labels follow the
-training split's class order (a ``val/`` that lacks a class keeps the right labels).
-"""
+"""The explicit, disjoint train and test splits every protocol reads; ``load_splits`` is the one way in."""
 
 from __future__ import annotations
 
@@ -75,17 +60,9 @@ def load_splits(
 ) -> Splits:
     """The training and test splits of ``--data``, checked to be disjoint.
 
-    Args:
-        data: ``digits``, ``synthetic[:N]`` or a directory.
-        test_split: ``val`` or ``test``: the held-out subdirectory of a directory.
-        holdout: score on this seeded, class-stratified fraction of the training split instead.
-        seed: seed of the built-in sets and of the holdout.
-        image_size: side the built-in sets are drawn at (directories keep their images' sizes).
-
     Raises:
         FileNotFoundError: a directory without the held-out split asked for.
-        ValueError: a bad fraction, an empty split, a training split of one class, or a test
-            split that overlaps the training split.
+        ValueError: a bad fraction, an empty split, a training split of one class, or overlapping splits.
     """
     if test_split not in TEST_SPLITS:
         raise ValueError(f"--test-split must be one of {TEST_SPLITS}, got {test_split!r}")
@@ -124,11 +101,7 @@ def load_splits(
 
 
 def check_scorable(data: str, train: Dataset, test: Dataset, test_name: str) -> None:
-    """Refuse splits whose accuracy means nothing: an empty split, or a training split of one class.
-
-    Raises:
-        ValueError: one sentence naming ``--data`` and what is too small.
-    """
+    """Refuse splits whose accuracy means nothing: an empty split, or a training split of one class."""
     if not len(train) or not len(test):
         hint = (
             " (synthetic:N holds out about a fifth of its N images: give a larger N, e.g. synthetic:100)"
@@ -157,7 +130,6 @@ def _name(spec: str) -> str:
 
 
 def _check_layout(root: Path, test_split: str, holdout: float | None) -> None:
-    """Fail with the accepted layouts when a directory cannot give the splits asked for."""
     if not root.is_dir():
         return  # build_dataset names the problem
     present = [s for s in SPLITS if (root / s).is_dir()]
@@ -194,11 +166,7 @@ def _targets(dataset: Dataset) -> np.ndarray:
 def stratified_holdout(
     targets: Sequence[int] | np.ndarray, fraction: float, seed: int = 0
 ) -> tuple[list[int], list[int]]:
-    """Seeded, class-stratified ``(train indices, held-out indices)``, both sorted.
-
-    Each class gives ``round(n_c * fraction)`` of its ``n_c`` samples, at least one and never
-    all of them (a class with one sample stays in training).
-    """
+    """Seeded, class-stratified ``(train indices, held-out indices)``, both sorted."""
     if not 0 < fraction < 1:
         raise ValueError(f"--holdout must be a fraction in (0, 1), got {fraction}")
     held = balanced_subset_indices(targets, 100 * fraction, seed, leave_one=True)
@@ -264,9 +232,8 @@ def _item_digest(dataset: Dataset, index: int) -> str:
 def check_disjoint(train: Dataset, test: Dataset, sample: int = OVERLAP_SAMPLE) -> dict[str, Any]:
     """Refuse a test split that shares files or images with the training split; return what was checked.
 
-    Every test path is compared with every training path; the bytes of a seeded sample of
-    ``sample`` test images are compared with the training images of the same file size (or
-    with every training image of an in-memory dataset).
+    All paths are compared, and the bytes of a seeded ``sample`` of test images with the training images
+    of the same file size.
     """
     train_paths, test_paths = _paths(train), _paths(test)
     if train_paths is not None and test_paths is not None:

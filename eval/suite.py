@@ -1,15 +1,4 @@
-"""``bt-hub eval all``: every classification protocol on one checkpoint, one combined table.
-
-Runs kNN, the linear probe (cached by default, ``--full-linear`` for the paper's loop),
-semi-supervised fine-tuning on each ``--fractions`` percent of the labels (from the
-SimCLR lists in ``--subset-dir`` when given), and the VOC07 SVMs when ``--voc07-devkit``
-is given, all on the same splits (``--test-split`` / ``--holdout``). ``--preset`` picks the
-protocols' presets: ``paper`` (linear ``imagenet``, semi ``paper``) or ``small`` (both
-``small``). kNN and the cached linear probe share one feature cache (``--cache-dir``,
-default ``OUT/feature_cache``), so the backbone runs over the data once. Each protocol
-writes its own ``OUT/<protocol>/results.json``; ``OUT/results.json`` lists this run's
-records, ``OUT/results.jsonl`` gains them and ``OUT/results.md`` holds the tables.
-"""
+"""``bt-hub eval all``: every classification protocol on one checkpoint and the same splits, one table."""
 
 from __future__ import annotations
 
@@ -122,7 +111,6 @@ def _shared(config: SuiteConfig, name: str, skip: tuple[str, ...] = (), **overri
 
 
 def _given(**values: Any) -> dict[str, Any]:
-    """The values that were set (None: keep the preset's)."""
     return {k: v for k, v in values.items() if v is not None}
 
 

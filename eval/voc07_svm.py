@@ -1,22 +1,4 @@
-"""Per-class linear SVMs on frozen features of PASCAL VOC2007 (``bt-hub eval voc07-svm``).
-
-VISSL's protocol (docs/protocols.md §2; the paper's Table 3): images Resize 256 then Resize (224, 224); res5
-features pooled to 2x2x2048 = 8192-d (``--pool avg`` for the 2048-d variant); every
-sample scaled to x / (||x|| + 1e-5); for each class and each cost C a
-``LinearSVC(C, class_weight={1: 2, -1: 1}, squared hinge, l2, dual, tol 1e-4,
-max_iter 2000)`` scored by 3-fold cross-validation on average precision (scikit-learn's,
-as VISSL); the best cost per class (the smallest on ties) is refitted on all of
-trainval. Training treats difficult-only images as negatives; testing leaves them out.
-Mean AP x 100 is reported as VISSL's all-point AP (``mAP``) and as the VOC07 11-point
-AP (``mAP_11point``).
-
-Targets use VISSL's coding per image and class: 1 present, 0 absent, -1 only difficult
-instances. The (class, cost, fold) cross-validation fits and the per-class refits run in parallel
-worker processes (joblib; liblinear's random generator is process-global, so threads
-would race); its coordinate descent is seeded, so the result equals a sequential run.
-The module imports torch only inside the functions that need it, so that the workers,
-which import this module to find the SVM jobs, start in a second.
-"""
+"""Per-class linear SVMs on frozen VOC2007 features (``bt-hub eval voc07-svm``; VISSL's protocol)."""
 
 from __future__ import annotations
 
@@ -35,6 +17,8 @@ from bt_hub.common.images import open_rgb
 from bt_hub.eval.average_precision import average_precision, voc07_11point_ap
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.features import as_float32, dataset_fingerprint
+from bt_hub.eval.linear import TRANSFER_TABLE
+from bt_hub.eval.report import PaperRow
 from bt_hub.eval.runner import EvalRun, Scored, run_protocol
 from bt_hub.eval.splits import check_disjoint
 
@@ -65,6 +49,7 @@ VOC_CLASSES = (
     "train",
     "tvmonitor",
 )
+PAPER_ROW = PaperRow("voc07_svm", "VOC2007", "frozen features, no training", ("voc2007", "voc07"), 4952)
 COSTS = (0.01, 0.1, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 50.0, 100.0, 1000.0)
 
 # ----------------------------------------------------------------------------- the devkit
@@ -97,12 +82,9 @@ def read_annotation(path: Path) -> list[tuple[str, bool]]:
 
 
 class VocClassification:
-    """VOC2007 images of one split with VISSL-coded multi-label targets (1 present, 0 absent, -1 difficult only).
+    """VOC2007 images of one ``split`` with VISSL-coded multi-label targets (1 present, 0 absent, -1 difficult only).
 
-    Args:
-        path: the devkit (see ``voc_root``).
-        split: an ``ImageSets/Main/<split>.txt`` list, e.g. "trainval" or "test".
-        classes: class order; default: the VOC classes found in this split, then any others sorted.
+    ``classes`` defaults to the VOC classes found in this split, then any others sorted.
     """
 
     def __init__(self, path: str | os.PathLike, split: str, classes: Sequence[str] | None = None) -> None:
@@ -181,7 +163,6 @@ def _svm(cost: float, max_iter: int, seed: int) -> Any:
 
 
 def _train_targets(targets: np.ndarray, cls: int) -> np.ndarray:
-    """SVM targets for training: present -> 1, absent and difficult-only -> -1."""
     return np.where(targets[:, cls] == 1, 1, -1)
 
 
@@ -199,10 +180,6 @@ def _fitted_svm(features: np.ndarray, y: np.ndarray, cost: float, max_iter: int,
 def _fold_ap(
     features: np.ndarray, targets: np.ndarray, cls: int, cost: float, fold: int, folds: int, max_iter: int, seed: int
 ) -> float:
-    """Average precision on one cross-validation fold.
-
-    The folds are scikit-learn's for ``cv=folds`` (stratified, unshuffled).
-    """
     from sklearn.metrics import get_scorer
     from sklearn.model_selection import StratifiedKFold
 
@@ -231,17 +208,8 @@ def svm_grid(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[float]]:
     """Cross-validate every (class, cost), refit each class at its best cost on all samples.
 
-    Args:
-        features: [N, F] L2-normalised training features.
-        targets: [N, C] VISSL-coded targets (1 present, 0 absent, -1 difficult only).
-        costs: the C values tried.
-        folds: cross-validation folds (stratified, unshuffled, as scikit-learn's ``cv=int``).
-        max_iter: liblinear iterations.
-        n_jobs: parallel jobs (joblib; -1 = all cores, 1 = sequential); results do not depend on it.
-        seed: liblinear's random state.
-
-    Returns:
-        ``(cv_ap [C, len(costs)], weights [C, F], biases [C], best cost per class)``.
+    ``n_jobs`` (joblib) does not change the result. Returns ``(cv_ap [C, len(costs)], weights [C, F],
+    biases [C], best cost per class)``.
     """
     from joblib import Parallel, delayed
 
@@ -396,4 +364,6 @@ def score(run: EvalRun) -> Scored:
         "classes_without_test_positives": [c for c, s in zip(train.classes, scored) if not s],
         "feature_dim": int(data["train"][0].shape[1]),
     }
-    return Scored("voc07-svm", metrics, mode="features", paper_task="voc07_svm", notes=notes, dataset=info)
+    return Scored(
+        "voc07-svm", metrics, mode="features", paper=PAPER_ROW, table=TRANSFER_TABLE, notes=notes, dataset=info
+    )

@@ -17,18 +17,19 @@ from safetensors.torch import save_file  # noqa: E402
 from bt_hub.common.files import file_sha256  # noqa: E402
 from bt_hub.common.records import card_table  # noqa: E402
 from bt_hub.common.runs import claim_run_dir  # noqa: E402
+from bt_hub.eval import linear  # noqa: E402
 from bt_hub.method.model import build_backbone  # noqa: E402
 from bt_hub.method.transforms import eval_transforms  # noqa: E402
 from bt_hub.weights import ExportConfig, export, get_weights, save_pretrained  # noqa: E402
 
 
 def _record(
-    protocol, metrics, *, seed=0, name="digits", split="test", size=360, preset=None, task=None, sha="ab" * 32, **extra
+    protocol, metrics, *, seed=0, name="digits", split="test", size=360, preset=None, paper=None, sha="ab" * 32, **extra
 ):
     return {
         "protocol": protocol,
         "preset": preset,
-        "paper_task": task,
+        "paper": paper,
         "seed": seed,
         "dataset": {"name": name, "test": {"split": split, "size": size}, "holdout": extra.pop("holdout", None)},
         "weights": {"name": extra.pop("weights_name", "bt.safetensors"), "fingerprint": sha},
@@ -111,7 +112,7 @@ def test_seeded_label_subsets_of_each_seed_share_one_row():
 
 def test_paper_numbers_sit_only_beside_the_papers_protocol_on_the_papers_data():
     """Guards against the paper's ImageNet 73.2 printed beside a digits result of the imagenet preset."""
-    imagenet = dict(preset="imagenet", task="imagenet_linear")
+    imagenet = dict(preset="imagenet", paper=linear.PAPER_ROWS["imagenet"].block())
     table = card_table(
         [
             _record("linear", {"top1": 91.0}, **imagenet),
@@ -289,3 +290,19 @@ def test_runs_differing_only_in_image_size_are_two_entries_naming_size_architect
     assert f"| knn [{model}, 8 px] | — | digits | Top-1 | 85.3 | 1 seed | — |" in card
     assert f"| knn [{model}, 16 px] | — | digits | Top-1 | 92.8 | 1 seed | — |" in card
     assert "| knn [unknown architecture, unknown stem, unknown image size] | — | digits | Top-1 | 96.4 |" in card
+
+
+def test_a_protocols_declared_paper_row_reaches_its_record_and_the_card(tmp_path, small_stem_weights):
+    from bt_hub import cli
+
+    out = tmp_path / "probe"
+    args = ["eval", "linear", "--weights", str(small_stem_weights), "--data", "synthetic:40", "--image-size", "8"]
+    args += ["--preset", "imagenet", "--search", "fixed", "--cached", "--epochs", "1", "--out", str(out)]
+    assert cli.main(args) == 0
+    record = json.loads((out / "results.json").read_text())
+    assert record["paper"] == linear.PAPER_ROWS["imagenet"].block() and record["table"] == linear.LINEAR_TABLE.block()
+    assert "73.2" not in card_table([record])  # synthetic data is not the paper's: no paper number beside it
+    record["dataset"] |= {"name": "imagenet", "test": {"split": "val", "size": 50000}}  # as if run on ImageNet val
+    results = _results(tmp_path / "imagenet.json", record)
+    export(ExportConfig(weights=str(small_stem_weights), format="hf", out=str(tmp_path / "hf"), results=[results]))
+    assert "| Top-1 |" in (card := _card(tmp_path / "hf")) and "| 73.2 |" in card and "| 91.0 |" in card

@@ -158,7 +158,7 @@ def test_views_of_decoded_files_equal_per_image_pil_views_within_the_batched_tol
             with Image.open(path) as img:
                 pil_views.append(apply_view_pil(img.convert("RGB"), {k: v[i : i + 1] for k, v in p.items()}, 24, view))
         pil_views = torch.stack(pil_views)
-        # the bound of tests/test_augment.py: bicubic vs roi_align and PIL's uint8 rounding
+        # the bound of tests/test_views.py: bicubic vs roi_align and PIL's uint8 rounding
         assert (pil_views - out).abs().mean() < 0.06
         torch.testing.assert_close(pil_views.mean(dim=(0, 2, 3)), out.mean(dim=(0, 2, 3)), atol=0.03, rtol=0)
 

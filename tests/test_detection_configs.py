@@ -20,7 +20,7 @@ import yaml
 from bt_hub.cli import main as cli_main
 from bt_hub.eval.detection.config import CONFIGS, configs_dir, resolve_config
 from bt_hub.eval.detection.data import load_records, locate
-from bt_hub.eval.detection.detect import PAPER_TASKS, aggregate_trials
+from bt_hub.eval.detection.detect import PAPER_ROWS, TABLES, aggregate_trials
 from bt_hub.eval.detection.synthetic import (
     CLASSES,
     COLOURS,
@@ -335,7 +335,7 @@ def test_detection_record_lists_every_override_and_the_table_marks_a_run_that_is
         }
     for written in (record, json.loads((tmp_path / "out" / "results.json").read_text())):
         assert written["overrides"] == expected
-        assert written["paper_task"] == (None if shortened else PAPER_TASKS["voc"])
+        assert written["paper"] == (None if shortened else PAPER_ROWS["voc"].block())
     (line,) = (tmp_path / "out" / "results.jsonl").read_text().splitlines()
     assert json.loads(line)["overrides"] == expected
     table = (tmp_path / "out" / "results.md").read_text()
@@ -354,7 +354,8 @@ def test_detection_results_get_the_papers_rows_in_the_report():
         return {
             "protocol": "detect",
             "preset": preset,
-            "paper_task": PAPER_TASKS.get(preset),
+            "paper": PAPER_ROWS[preset].block() if preset in PAPER_ROWS else None,
+            "table": TABLES.get(preset, TABLES[None]).block(),
             "metrics": metrics,
             "weights": {"name": "bt.pth", "fingerprint": "ab"},
             "dataset": {"name": "d"},

@@ -400,7 +400,7 @@ def test_cli_linear_on_digits_like_data_runs_the_grid_and_records_it(resnet18_we
     notes = record["notes"]
     assert notes["search"] == "grid" and len(notes["grid"]) == 12 and record["mode"] == "cached"
     assert notes["chosen"]["lr"] in GRID_LRS and notes["validation"]["source_split"] == "train"
-    assert record["paper_task"] is None  # the grid is not the paper's recipe: no paper row beside it
+    assert record["paper"] is None  # the grid is not the paper's recipe: no paper row beside it
 
 
 @pytest.mark.parametrize(

@@ -12,10 +12,11 @@ import pytest
 from bt_hub.common.presets import from_preset
 from bt_hub.common.presets import overrides as changed_from_preset
 from bt_hub.common.records import SCHEMA, card_table, make_record, read_records, setting, summary_text
-from bt_hub.eval import linear, semi_supervised
+from bt_hub.eval import knn, linear, semi_supervised, voc07_svm
 from bt_hub.eval.detection import detect
 from bt_hub.eval.report import render_table
 from bt_hub.eval.runner import write_records
+from bt_hub.weights.registry import PAPER_RESULTS
 
 FIELDS = {
     "schema",
@@ -33,7 +34,8 @@ FIELDS = {
     "timestamp",
     "versions",
     "warnings",
-    "paper_task",
+    "paper",
+    "table",
 }
 
 
@@ -74,7 +76,9 @@ def _write(out, config=None, **overrides):
         wall_time_s=12.5,
     )
     kwargs.update(overrides)
-    kwargs.setdefault("paper_task", _paper_task(kwargs["protocol"], kwargs["preset"], kwargs.get("labels")))
+    row = _paper_row(kwargs["protocol"], kwargs["preset"], kwargs.get("labels"))
+    kwargs.setdefault("paper", row and row.block())
+    kwargs.setdefault("table", _TABLES.get(kwargs["protocol"], linear.LINEAR_TABLE).block())
     config = kwargs.pop("config")
     weights = {"name": kwargs.pop("weights"), "fingerprint": kwargs.pop("weights_sha256")}
     changed = changed_from_preset(config, ignore=getattr(config, "RUN_FIELDS", ())) if is_dataclass(config) else {}
@@ -83,30 +87,35 @@ def _write(out, config=None, **overrides):
     return record
 
 
-def _paper_task(protocol, preset, labels=None):
+_TABLES = {"semi": semi_supervised.TABLE, "knn": knn.TABLE, "transfer": linear.TRANSFER_TABLE}
+
+
+def _paper_row(protocol, preset, labels=None):
     """The paper row the protocol module itself declares for a run from ``preset`` (as the protocol passes it)."""
     if protocol in ("linear", "transfer"):
-        return linear.PAPER_TASKS.get(preset or "")
+        return linear.PAPER_ROWS.get(preset or "")
     if protocol == "semi":
-        return semi_supervised.paper_task(SimpleNamespace(preset=preset), labels or {})
+        return semi_supervised.paper_row(SimpleNamespace(preset=preset), labels or {})
     if protocol == "detect":
-        return detect.PAPER_TASKS.get(preset or "")
+        return detect.PAPER_ROWS.get(preset or "")
     return None
 
 
-def test_each_protocol_declares_the_paper_rows_it_follows_and_the_records_check_the_key(tmp_path):
-    assert linear.PAPER_TASKS == {
+def test_each_protocol_declares_the_paper_rows_it_follows_with_the_papers_numbers():
+    assert {k: r.task for k, r in linear.PAPER_ROWS.items()} == {
         "imagenet": "imagenet_linear",
         "places205": "places205_linear",
         "inat18": "inat18_linear",
     }
-    assert _paper_task("semi", "paper", {"fraction": 10}) == "semi_supervised_10pct"
+    assert _paper_row("semi", "paper", {"fraction": 10}).task == "semi_supervised_10pct"
     assert (
-        _paper_task("semi", "paper", {"fraction": 50}) is None and _paper_task("semi", "small", {"fraction": 1}) is None
+        _paper_row("semi", "paper", {"fraction": 50}) is None and _paper_row("semi", "small", {"fraction": 1}) is None
     )
-    assert _paper_task("detect", "coco") == "coco_mask_rcnn_c4_1x" and _paper_task("detect", "shapes-voc") is None
-    with pytest.raises(ValueError, match="paper_task 'imagenet' is unknown"):
-        _write(tmp_path, paper_task="imagenet")
+    assert _paper_row("detect", "coco").task == "coco_mask_rcnn_c4_1x" and _paper_row("detect", "shapes-voc") is None
+    rows = [*linear.PAPER_ROWS.values(), *semi_supervised.PAPER_ROWS.values(), *detect.PAPER_ROWS.values()]
+    rows.append(voc07_svm.PAPER_ROW)
+    assert sorted(r.task for r in rows) == sorted(PAPER_RESULTS)  # every paper number has its protocol's row
+    assert linear.PAPER_ROWS["imagenet"].block()["metrics"] == {"top1": 73.2, "top5": 91.0}
 
 
 def test_results_json_has_every_documented_field_and_no_absolute_path(tmp_path):
@@ -263,7 +272,8 @@ def test_transfer_presets_land_in_the_transfer_table_with_their_paper_row():
         **base,
         "protocol": "transfer",
         "preset": "inat18",
-        "paper_task": _paper_task("transfer", "inat18"),
+        "paper": _paper_row("transfer", "inat18").block(),
+        "table": linear.TRANSFER_TABLE.block(),
         "metrics": {"top1": 30.0},
     }
     md = render_table([record])

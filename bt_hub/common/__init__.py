@@ -1,4 +1,1 @@
-"""Shared infrastructure every layer may use.
-
-Run folders and atomic writes, safe reads, progress, records, presets, distributed helpers.
-"""
+"""Shared infrastructure every layer may use: run folders, atomic writes, safe reads, progress, records, presets."""

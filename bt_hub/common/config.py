@@ -1,10 +1,5 @@
-"""The settings every command that runs shares, and their one check.
-
-``RunConfig`` is the base of the config dataclasses of ``bt-hub pretrain``, ``eval``,
-``detect`` and ``demo``: where the run writes (``out``, with ``overwrite``), on which
-device, with which seed, on how many CPU threads. Each command keeps its own default
-``out`` and says what it writes there; the device is checked here and nowhere else.
-What a run computes from (weights, data) differs by command and lives in its config.
+"""``RunConfig``: the settings every command that runs shares (``out``, ``overwrite``, device, seed,
+threads), and the one device check.
 """
 
 from __future__ import annotations
@@ -53,7 +48,6 @@ def check_out(out: str, flag: str = "--out") -> None:
 
 
 def _shown(value: Any) -> str:
-    """``value`` for a message: numbers longer than 30 digits cut to their first and last digits."""
     text = repr(value)
     return f"{text[:12]}...{text[-6:]} ({len(text)} characters)" if len(text) > 30 else text
 

@@ -1,10 +1,5 @@
-"""The one place that talks to ``torch.distributed``.
-
-Rank helpers work without a process group (rank 0 of 1), the backend follows the
-device (gloo on CPU, nccl on CUDA), and the collectives used inside the loss are
-autograd-aware so that gradients are those of the global batch. ``torch.nn.SyncBatchNorm``
-has no CPU kernel, so :func:`convert_sync_batchnorm` swaps in :class:`GlobalBatchNorm`
-(built on the same differentiable collectives) off CUDA.
+"""The one place that talks to ``torch.distributed``: rank helpers that work without a process group, the
+backend chosen from the device, autograd-aware collectives, and a CPU stand-in for SyncBatchNorm.
 """
 
 from __future__ import annotations
@@ -49,14 +44,7 @@ def launched_by_torchrun() -> bool:
 
 
 def exit_with_launcher() -> None:
-    """Under torchrun on Linux, have the kernel SIGKILL this worker when its launcher (the elastic agent) dies.
-
-    Without it, killing torchrun leaves its workers running and writing into ``--out``.
-    ``PR_SET_PDEATHSIG`` fires when the thread that started the worker ends; torchrun
-    starts workers from its main thread, so that is when the agent process ends. (A worker
-    whose agent died before this call cannot reach the agent's rendezvous store either, so
-    it never joins a group nor writes.)
-    """
+    """Under torchrun on Linux, have the kernel SIGKILL this worker when its launcher dies, so none writes on."""
     if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     pr_set_pdeathsig = 1
@@ -64,11 +52,7 @@ def exit_with_launcher() -> None:
 
 
 def init_distributed(device: str = "cpu") -> torch.device:
-    """Join the torchrun process group if launched by torchrun; return this rank's device.
-
-    The backend follows the device: nccl for CUDA, gloo otherwise. A torchrun worker
-    also ends with its launcher (:func:`exit_with_launcher`).
-    """
+    """Join the torchrun process group if launched by torchrun (nccl on CUDA, else gloo); return this rank's device."""
     exit_with_launcher()
     if not launched_by_torchrun():
         return torch.device(device)
@@ -100,11 +84,7 @@ def cleanup_distributed() -> None:
 
 @contextlib.contextmanager
 def process_group(device: str = "cpu") -> Iterator[torch.device]:
-    """Join torchrun's process group for the block, yielding this rank's device.
-
-    The group is left at the end only if this block joined it, so a protocol run inside
-    another (``bt-hub eval all``) leaves its caller's group alone.
-    """
+    """Join torchrun's process group for the block, yielding this rank's device; leave it only if this block joined."""
     joined_here = not is_distributed()
     dev = init_distributed(device)
     try:
@@ -115,12 +95,7 @@ def process_group(device: str = "cpu") -> Iterator[torch.device]:
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Differentiable sum over ranks (identity without a process group).
-
-    Its backward sums the incoming gradients over ranks, so every rank's gradient is
-    that of the sum of all ranks' (identical) losses; DDP's averaging then yields the
-    gradient of the global-batch loss.
-    """
+    """Differentiable sum over ranks (identity without a process group); its backward sums gradients over ranks."""
     if not is_distributed():
         return x
     return dist_nn.all_reduce(x, op=dist.ReduceOp.SUM)
@@ -167,13 +142,9 @@ def barrier() -> None:
 
 
 class GlobalBatchNorm(_BatchNorm):
-    """BatchNorm whose training statistics are those of the global batch, on any device.
+    """BatchNorm whose training statistics are those of the global batch (differentiable all-reduces), on any device.
 
-    Inside a process group the per-channel mean and biased variance are summed over ranks
-    with differentiable all-reduces (two passes, in float32), so the output and gradients
-    equal those of one process on the concatenated batch; running statistics are updated
-    as ``nn.BatchNorm`` does (unbiased variance). Without a process group, or in eval
-    mode, it is a plain BatchNorm. Works for 2-D to 5-D inputs (BatchNorm1d/2d/3d).
+    Without a process group, or in eval mode, a plain BatchNorm.
     """
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
@@ -212,11 +183,8 @@ class GlobalBatchNorm(_BatchNorm):
 
 
 def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
-    """Make every BatchNorm of ``module`` use global-batch statistics under DDP.
-
-    CUDA models get ``torch.nn.SyncBatchNorm`` (fused kernels); others get
-    :class:`GlobalBatchNorm`, which shares parameters and buffers with the layer it
-    replaces, so the state dict keeps its keys.
+    """Make every BatchNorm use global-batch statistics: SyncBatchNorm on CUDA, else :class:`GlobalBatchNorm`
+    (sharing parameters and buffers, so the state dict keeps its keys).
     """
     if any(p.is_cuda for p in module.parameters()):
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)

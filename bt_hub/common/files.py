@@ -1,16 +1,4 @@
-"""Files, written atomically and read safely: the one home of bt_hub's file I/O below the run folders.
-
-Every file bt_hub writes goes through ``atomic_write`` (a temp file ``.<name>.<8 hex>.tmp``
-beside the target, ``flock``-ed until the rename, fsync, rename), so a crash never leaves a
-half-written checkpoint or result, and a failed write (disk full, quota, ``ulimit -f``) is one sentence naming the file
-while the previous version stays intact. Files follow the umask like any other file. A
-symbolic link where bt_hub writes is refused, never followed nor replaced, so no write lands
-outside the folder it was meant for (:func:`open_no_follow` for files written in place).
-
-Reading never executes code: ``.pth`` / ``.torch`` / ``.ckpt`` files go through
-``torch.load(weights_only=True)``, ``.safetensors`` through safetensors, and detectron2
-``.pkl`` files through an unpickler that admits numpy arrays and plain containers only.
-"""
+"""Files written atomically (never through a symbolic link) and read without executing code."""
 
 from __future__ import annotations
 
@@ -71,11 +59,7 @@ def symlink_refused(path: Path) -> WriteError:
 
 
 def open_no_follow(path: str | os.PathLike, flags: int, mode: int = 0o666) -> int:
-    """``os.open`` that refuses a symbolic link at ``path`` (``O_NOFOLLOW``): for files bt_hub writes in place.
-
-    Raises:
-        WriteError: ``path`` is a symbolic link.
-    """
+    """``os.open`` that refuses (``WriteError``) a symbolic link at ``path``: for files bt_hub writes in place."""
     try:
         return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     except OSError as err:
@@ -109,12 +93,7 @@ def _open_temp(path: Path) -> tuple[Path, int]:
 
 
 def remove_stale_temp_files(path: str | os.PathLike, min_age_s: float = STALE_AFTER_S) -> list[Path]:
-    """Delete the leftovers of interrupted atomic writes in the folder ``path``; return them.
-
-    Only regular files of bt_hub's temp-name pattern, untouched for ``min_age_s`` seconds, whose
-    ``flock`` no live writer holds (``atomic_write`` holds it until its rename), so a write in
-    progress in another process is never cut.
-    """
+    """Delete (and return) the temp files interrupted atomic writes left in ``path`` that no live writer holds."""
     removed = []
     folder = Path(path)
     entries = list(folder.iterdir()) if folder.is_dir() and not folder.is_symlink() else []
@@ -141,9 +120,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[io.BufferedWriter], N
     """Write a file through ``write(fileobj)`` into a temp file beside it, then rename.
 
     Raises:
-        WriteError: the disk is full, a limit was hit, the directory is not writable or ``path``
-            is a symbolic link; the previous file at ``path`` (if any) is untouched and no temp
-            file is left.
+        WriteError: disk full, a limit hit, a directory not writable or ``path`` a symbolic link; the
+            previous file is untouched and no temp file is left.
     """
     path = Path(path)
     tmp: Path | None = None
@@ -278,25 +256,14 @@ _SAFE_GLOBAL_PREFIXES = (
 
 
 def read_file(path: Path) -> Any:
-    """The object stored in a weights file, read without executing any code.
-
-    A file that fails to load is then explained: not a checkpoint at all (HTML, text,
-    unrecognised bytes), pickled code (refused, never run), or damaged.
-
-    Raises:
-        CheckpointError: one sentence naming the file and which of these it is.
-    """
+    """The object stored in a weights file, read without executing code (CheckpointError says why it is not one)."""
     if not path.is_file():
         raise CheckpointError(f"weights file {path} does not exist")
     return _read(path, path)
 
 
 def read_file_and_sha256(path: Path) -> tuple[Any, str]:
-    """``read_file``, and the sha256 of the very bytes it parsed.
-
-    The file is read once, so the weights and their hash always belong together: a file replaced
-    meanwhile can never pair one file's tensors with another's hash.
-    """
+    """``read_file``, and the sha256 of the very bytes it parsed (one read, so the two always belong together)."""
     if not path.is_file():
         raise CheckpointError(f"weights file {path} does not exist")
     data = path.read_bytes()
@@ -304,19 +271,16 @@ def read_file_and_sha256(path: Path) -> tuple[Any, str]:
 
 
 def _rewound(source: Path | io.BytesIO) -> Path | io.BytesIO:
-    """``source`` ready to be read from its start (bytes are rewound; a path is opened afresh by its reader)."""
     if isinstance(source, io.BytesIO):
         source.seek(0)
     return source
 
 
 def _opened(source: Path | io.BytesIO) -> contextlib.AbstractContextManager[Any]:
-    """A binary file at its start: ``source`` opened, or the bytes rewound."""
     return open(source, "rb") if isinstance(source, Path) else contextlib.nullcontext(_rewound(source))
 
 
 def _read(path: Path, source: Path | io.BytesIO) -> Any:
-    """``read_file`` of ``source``: the file at ``path`` itself, or bytes read from it."""
     with _opened(source) as f:
         head = f.read(64)
     if not head:
@@ -347,7 +311,6 @@ def _unpickle(source: Path | io.BytesIO) -> Any:
 def _explain(
     path: Path, source: Path | io.BytesIO, head: bytes, kind: str, err: Exception, is_zip: bool
 ) -> CheckpointError:
-    """Why ``path`` did not load: not a checkpoint, pickled code, or damaged."""
     code = re.search(r"GLOBAL ([\w.]+)|global '([\w.]+)' is forbidden", str(err))
     if code:  # first: a protocol-0 pickle of code is plain text too
         return _code_refused(path, code.group(1) or code.group(2))
@@ -397,11 +360,7 @@ def file_sha256(path: Path) -> str:
 
 
 def _sorted_metadata(data: bytes) -> bytes:
-    """safetensors bytes with the ``__metadata__`` keys sorted.
-
-    safetensors serialises metadata from a hash map in random order, so the same weights
-    would hash differently from one save to the next; the header keeps its length.
-    """
+    """safetensors bytes with the ``__metadata__`` keys sorted, so the same weights always hash the same."""
     size = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + size])
     metadata = header.pop("__metadata__", None)
@@ -413,10 +372,7 @@ def _sorted_metadata(data: bytes) -> bytes:
 def write_safetensors(
     tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None
 ) -> Path:
-    """Write tensors as safetensors atomically, marked ``written_by: bt_hub`` in the metadata.
-
-    The metadata is sorted, so the file is reproducible.
-    """
+    """Write tensors as safetensors atomically, marked ``written_by: bt_hub``, with sorted (reproducible) metadata."""
     from safetensors.torch import save
 
     data = _sorted_metadata(save(dict(tensors), metadata={**(metadata or {}), **WRITTEN_BY}))

@@ -1,21 +1,4 @@
-"""Image files read as 8-bit RGB, whatever PIL mode they decode to, or refused in one sentence.
-
-``Image.convert("RGB")`` is only right for 8-bit modes: it clips 16-bit grayscale (PNG
-``I;16``) to 255, so a 16-bit scan becomes a white image, maps float images to black, and
-drops transparency, leaving whatever colours lie under the transparent pixels. The rules
-here, for every reader of image files in bt_hub (pretraining, evaluation, VOC07, detection):
-
-- ``RGB``, ``L``, ``1``, ``CMYK``, ``YCbCr``, ``HSV``, ``LAB``: PIL's own conversion to RGB.
-- ``I;16`` (16-bit, any byte order): value / 257, rounded (65535 -> 255).
-- ``I`` (32-bit integer): values within 0..65535 are read as 16-bit, as above; other
-  ranges carry no known scale and are refused.
-- ``F`` (32-bit float): values within 0..1 are scaled by 255, values within 0..255 are
-  kept; other ranges and non-finite values are refused.
-- with transparency (``RGBA``, ``LA``, ``PA``, ``La``, ``RGBa``, ``P`` with a transparent
-  colour): composited over white, as an image viewer shows it.
-- a file whose header claims more pixels than PIL's decompression-bomb limit
-  (``PIL.Image.MAX_IMAGE_PIXELS`` x 2) is refused before it is decoded.
-"""
+"""Image files read as 8-bit RGB whatever their PIL mode (docs/reliability.md), or refused in one sentence."""
 
 from __future__ import annotations
 

@@ -1,19 +1,4 @@
-"""One preset mechanism for every config dataclass: named sets of field values (litgpt's named configs).
-
-A config class lists its presets in a class attribute::
-
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "reference": {},                                   # the dataclass defaults themselves
-        "digits": {"data": "digits", "image_size": 16},    # only what differs from the defaults
-    }
-
-``from_preset(cls, name, **given)`` builds a config from the dataclass defaults, then the
-preset's values, then the values ``given`` (the flags a user typed win). When the class
-has a ``preset`` field, it records the name, and its default is the preset used when none
-is named. Adding a preset is adding one entry to ``PRESETS``; ``bt-hub <command> --help``
-lists what each one sets (``describe_presets``), and ``overrides(config)`` gives every
-value a run changed from its preset, so results can say so.
-"""
+"""One preset mechanism for every config dataclass: named sets of field values (litgpt's named configs)."""
 
 from __future__ import annotations
 
@@ -38,11 +23,7 @@ def default_preset(cls: type) -> str | None:
 
 
 def preset_values(cls: type, name: str) -> dict[str, Any]:
-    """The field values preset ``name`` of ``cls`` sets over the dataclass defaults.
-
-    Raises:
-        ValueError: ``name`` is not a preset of ``cls`` (the message lists the valid ones).
-    """
+    """The field values preset ``name`` of ``cls`` sets over the defaults (else ValueError)."""
     presets = presets_of(cls)
     if name not in presets:
         raise ValueError(f"--preset {name!r} is unknown; expected one of {', '.join(presets) or '(none)'}")
@@ -79,8 +60,8 @@ def baseline(cls: type, name: str | None) -> dict[str, Any]:
 def overrides(config: Any, ignore: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
     """``{field: {"value": run's value, "preset": the preset's value}}`` for every field that differs.
 
-    The preset is ``config.preset`` when the config has one, else the dataclass defaults;
-    ``ignore`` names fields that say where or how a run executes rather than what it computes.
+    The preset is ``config.preset`` when the config has one, else the defaults; ``ignore`` names fields
+    that say where or how a run executes rather than what it computes.
     """
     cls = type(config)
     name = getattr(config, "preset", None)
@@ -103,10 +84,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def describe_presets(cls: type) -> str:
-    """One clause per preset naming the flags it sets, for ``--preset``'s help.
-
-    ``paper: the defaults; small: --lr-classifier 0.05 --schedule cosine --no-flip``.
-    """
+    """One clause per preset naming the flags it sets, for ``--preset``'s help."""
     flags = {
         f.name: f.metadata.get("flag", f.name) for f in dataclasses.fields(cls)
     }  # a field may have a flag of another name

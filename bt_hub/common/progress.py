@@ -1,12 +1,5 @@
-"""Progress of long loops: a tqdm bar on a terminal, a plain log line every so often elsewhere.
-
-tqdm turns itself off when stderr is not a terminal, which leaves CI, Slurm and ``nohup``
-logs silent for hours. :func:`progress` keeps the bar on a terminal and, off one, returns a
-:class:`LineProgress` with tqdm's ``update`` / ``set_postfix`` / ``close`` (and iteration)
-that writes self-contained lines such as
-``features train: 2/20 batch (10%), 4.1 batch/s, 0 s, ETA 4 s`` to stderr: every ``every``
-steps when given (pretraining's ``--log-every``), else every ``BT_HUB_PROGRESS_EVERY``
-percent (default 10; 0 silences the lines), and at the end. Only the main process reports.
+"""Progress of long loops: a tqdm bar on a terminal, a plain log line every so often elsewhere
+(tqdm alone leaves CI, Slurm and ``nohup`` logs silent for hours).
 """
 
 from __future__ import annotations
@@ -27,17 +20,7 @@ PERCENT_ENV = "BT_HUB_PROGRESS_EVERY"
 
 
 class LineProgress:
-    """tqdm's interface for logs: ``desc: n/total unit (pct%), rate, elapsed, ETA, postfix`` every ``every`` steps.
-
-    Args:
-        total: steps in all (None: lines after 1, 2, 4, 8, ... steps).
-        desc: what is running.
-        initial: steps already done (a resumed run).
-        unit: name of a step.
-        every: steps between lines.
-        file: where lines go (stderr by default).
-        iterable: what iterating over the object yields (counting one step per item).
-    """
+    """tqdm's interface for logs: ``desc: n/total unit (pct%), rate, elapsed, ETA, postfix`` every ``every`` steps."""
 
     def __init__(
         self,
@@ -111,20 +94,9 @@ def progress(
     leave: bool = True,
     stream: IO[str] | None = None,
 ) -> Any:
-    """Report the progress of ``iterable`` (or of manual ``update`` calls when it is None) under the name ``desc``.
+    """Report the progress of ``iterable`` (or of ``update`` calls) as ``desc``: a tqdm bar, or lines off a terminal.
 
-    Args:
-        iterable: the loop to report on, or None to count with ``update``.
-        desc: what the loop does, e.g. ``"features train"`` or ``"pretrain"``.
-        total: number of steps (default ``len(iterable)`` when it has one).
-        initial: steps already done (a resumed run).
-        unit: a step's name in the report.
-        every: off a terminal, a line every this many steps; default every ``BT_HUB_PROGRESS_EVERY`` percent (10).
-        leave: keep the finished bar on the terminal.
-        stream: where reports go (default stderr).
-
-    Returns:
-        A tqdm bar, a :class:`LineProgress` or, on non-zero ranks and when silenced, a disabled tqdm bar.
+    Lines every ``every`` steps, else every ``BT_HUB_PROGRESS_EVERY`` percent (10); silent on non-zero ranks.
     """
     stream = stream if stream is not None else sys.stderr
     if total is None and iterable is not None and hasattr(iterable, "__len__"):

@@ -1,25 +1,7 @@
-"""Evaluation results records: the schema, their human labels, the paper's numbers, reading and rendering.
+"""Evaluation results records: the schema, their human labels, reading and rendering.
 
-One record per evaluation run (``bt-hub eval``), a JSON object::
-
-    schema          "bt_hub.results/3" (3: the record says which paper row it follows, paper_task)
-    protocol        linear | semi | transfer | knn | voc07-svm | detect | ...
-    mode            cached | loop | features (MODES gives the words: "cached features, no augmentation", ...)
-    preset          the preset the run started from (None when the protocol has none)
-    paper_task      the key of PAPER_RESULTS whose setting the run follows, as its protocol says (or None)
-    overrides       {field: {"value": ..., "preset": ...}}: every hyper-parameter changed from the preset
-    hyperparameters the whole config (absolute paths reduced to their base name)
-    labels          semi-supervised only: fraction, source (seeded / SimCLR list), file, sha256, count, seed
-    dataset         name, path (relative or base name only), fingerprint, train / test splits (split name,
-                    size, fingerprint), holdout (fraction, seed, sha256 of the held-out indices), overlap check
-    weights         name (base name, URL or Hub id) and fingerprint (sha256 of the file)
-    seed, metrics (flat, percent, the paper's names: top1, top5, mAP, ...), wall_time_s, timestamp,
-    versions        bt_hub, torch, torchvision, python, git sha and dirty flag
-    warnings        what the run found doubtful (a preset far from the data, ...)
-    notes           protocol extras (per-class APs, backend, ...)
-
-``eval/report.py`` writes and tabulates records and the model card (bt_hub/weights/card.py) shows
-them; both use the labels and formatting here, so a result reads the same everywhere.
+A protocol writes into its record what the tables need (its ``paper`` row, its results.md ``table``, the
+label ``fraction``), so this module knows no protocol, preset or file name; docs/evaluation.md lists the fields.
 """
 
 from __future__ import annotations
@@ -36,17 +18,9 @@ from typing import Any
 
 from bt_hub.common.runs import config_dict, git_state, package_version
 
-SCHEMA = "bt_hub.results/3"
+SCHEMA = "bt_hub.results/4"
 RESULT_FILES = ("results.json", "results.jsonl", "results.md")
 
-PROTOCOLS = {
-    "linear": "linear probe",
-    "transfer": "linear transfer",
-    "semi": "semi-supervised fine-tuning",
-    "knn": "weighted kNN",
-    "voc07-svm": "VOC07 linear SVMs",
-    "detect": "detection transfer",
-}
 MODES = {
     "cached": "cached features, no augmentation",
     "loop": "paper loop with augmentation",
@@ -62,59 +36,6 @@ METRIC_LABELS = {
         for task, kind in (("bbox", "box"), ("segm", "mask"))
         for m in ("AP", "AP50", "AP75")
     },
-}
-
-# The paper's Barlow Twins numbers (ResNet-50, 1000 epochs; Tables 1-4 of Zbontar et al., 2021).
-PAPER_NAME = "Barlow Twins paper (ResNet-50, 1000 epochs)"
-PAPER_RESULTS: dict[str, dict[str, float]] = {
-    "imagenet_linear": {"top1": 73.2, "top5": 91.0},
-    "semi_supervised_1pct": {"top1": 55.0, "top5": 79.2},
-    "semi_supervised_10pct": {"top1": 69.7, "top5": 89.3},
-    "places205_linear": {"top1": 54.1},
-    "voc07_svm": {"mAP": 86.2},
-    "inat18_linear": {"top1": 46.5},
-    "voc07+12_faster_rcnn_c4": {"bbox_AP": 56.8, "bbox_AP50": 82.6, "bbox_AP75": 63.4},
-    "coco_mask_rcnn_c4_1x": {
-        "bbox_AP": 39.2,
-        "bbox_AP50": 59.0,
-        "bbox_AP75": 42.5,
-        "segm_AP": 34.3,
-        "segm_AP50": 56.0,
-        "segm_AP75": 36.5,
-    },
-}
-# (dataset, setting in the words of ``setting``) of each paper number, for its row beside ours.
-PAPER_SETTINGS = {
-    "imagenet_linear": ("ImageNet", "preset imagenet; paper loop with augmentation"),
-    "semi_supervised_1pct": (
-        "ImageNet",
-        "1% labels (SimCLR list 1percent.txt); preset paper; paper loop with augmentation",
-    ),
-    "semi_supervised_10pct": (
-        "ImageNet",
-        "10% labels (SimCLR list 10percent.txt); preset paper; paper loop with augmentation",
-    ),
-    "places205_linear": ("Places-205", "preset places205; paper loop with augmentation"),
-    "voc07_svm": ("VOC2007", "frozen features, no training"),
-    "inat18_linear": ("iNat18", "preset inat18; paper loop with augmentation"),
-    "voc07+12_faster_rcnn_c4": (
-        "VOC07+12 (test: VOC07 test)",
-        "preset voc; Faster R-CNN R50-C4, 24k iterations, 5 trials",
-    ),
-    "coco_mask_rcnn_c4_1x": ("COCO 2017 (test: val2017)", "preset coco; Mask R-CNN R50-C4, 1x schedule"),
-}
-# The folder names (lower case, letters and digits only) of each paper number's dataset, and the size of the
-# test split the paper scored on: the paper's number sits beside ours only on that data (``paper_comparable``).
-_IMAGENET = ("imagenet", "imagenet1k", "in1k", "ilsvrc", "ilsvrc2012", "imagenet2012")
-PAPER_DATASETS: dict[str, tuple[tuple[str, ...], int]] = {
-    "imagenet_linear": (_IMAGENET, 50000),
-    "semi_supervised_1pct": (_IMAGENET, 50000),
-    "semi_supervised_10pct": (_IMAGENET, 50000),
-    "places205_linear": (("places205", "places"), 20500),
-    "voc07_svm": (("voc2007", "voc07"), 4952),
-    "inat18_linear": (("inat18", "inat2018", "inaturalist2018", "inaturalist"), 24426),
-    "voc07+12_faster_rcnn_c4": (("voc", "vocdevkit", "voc0712", "voc2007", "voc2012"), 4952),
-    "coco_mask_rcnn_c4_1x": (("coco", "coco2017", "mscoco"), 5000),
 }
 
 Record = dict[str, Any]
@@ -164,7 +85,8 @@ def make_record(
     labels: Mapping[str, Any] | None = None,
     warnings: Sequence[str] = (),
     notes: Mapping[str, Any] | None = None,
-    paper_task: str | None = None,
+    paper: Mapping[str, Any] | None = None,
+    table: Mapping[str, Any] | None = None,
 ) -> Record:
     """A results record (see the module docstring); raises on metrics that are not flat numbers."""
     bad = {k: v for k, v in metrics.items() if not isinstance(v, (int, float)) or isinstance(v, bool)}
@@ -172,15 +94,14 @@ def make_record(
         raise ValueError(f"metrics must be a flat dict of numbers; got {bad!r}")
     if mode is not None and mode not in MODES:
         raise ValueError(f"mode {mode!r} is unknown; expected one of {sorted(MODES)}")
-    if paper_task is not None and paper_task not in PAPER_RESULTS:
-        raise ValueError(f"paper_task {paper_task!r} is unknown; expected one of {sorted(PAPER_RESULTS)}")
     record: Record = {
         "schema": SCHEMA,
         "protocol": protocol,
         "mode": mode,
         "mode_description": MODES.get(mode or ""),
         "preset": preset,
-        "paper_task": paper_task,
+        "paper": dict(paper) if paper else None,
+        "table": dict(table) if table else None,
         "overrides": {k: {kk: display_path(vv) for kk, vv in v.items()} for k, v in (overrides or {}).items()},
         "hyperparameters": {k: display_path(v) for k, v in config_dict(config).items()},
         "dataset": {k: display_path(v) if k == "path" else v for k, v in dataset.items()},
@@ -254,24 +175,12 @@ def metric_label(name: str) -> str:
     return METRIC_LABELS.get(name, name)
 
 
-def label_fraction(record: Mapping[str, Any]) -> float | None:
-    """The label percentage of a semi-supervised record (1, 10, ...), None for other protocols."""
-    labels = record.get("labels") or {}
-    if labels.get("fraction") is not None:
-        return labels["fraction"]
-    hyper = record.get("hyperparameters") or {}
-    if hyper.get("fraction") is not None:
-        return hyper["fraction"]
-    name = Path(str(hyper.get("subset_file") or "")).name
-    return next((pct for pct in (10, 1) if name.startswith(f"{pct}percent")), None)
-
-
 def labels_text(record: Mapping[str, Any]) -> str:
-    """``1% labels (seeded class-balanced, seed 0)``, ``10% labels (SimCLR list 10percent.txt)``; '' when not semi."""
-    pct = label_fraction(record)
+    """The record's label subset in words (``1% labels (seeded class-balanced, seed 0)``); '' without one."""
+    labels = record.get("labels") or {}
+    pct = labels.get("fraction")
     if pct is None:
         return ""
-    labels = record.get("labels") or {}
     source = labels.get("source")
     if source == "list":
         published = labels.get("published")
@@ -328,28 +237,16 @@ def weights_label(record: Mapping[str, Any]) -> str:
     return f"{Path(str(name or '')).name} ({str(fingerprint or '')[:8]})"
 
 
-def paper_task(record: Mapping[str, Any]) -> str | None:
-    """The key of ``PAPER_RESULTS`` of the paper's protocol this record follows (its protocol decided), else None."""
-    task = record.get("paper_task")
-    return task if task in PAPER_RESULTS else None
-
-
-def paper_comparable(record: Mapping[str, Any]) -> str | None:
-    """``paper_task`` when the data is the paper's too (``PAPER_DATASETS``: folder name, test split size), else None.
-
-    A run on the paper's protocol but other data (a preset imagenet probe on the digits, a held-out part
-    of ImageNet's train split, a 10-class ImageNet subset) gets no paper number beside it.
-    """
-    task = paper_task(record)
-    if task is None:
-        return None
-    names, test_size = PAPER_DATASETS[task]
+def paper_comparable(record: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The record's ``paper`` row when its data is the paper's too (folder name, test split size), else None."""
+    paper = record.get("paper")
     dataset = record.get("dataset")
-    info = dataset if isinstance(dataset, Mapping) else {"name": Path(str(dataset or "")).name}
-    size = (info.get("test") or {}).get("size")
-    if re.sub(r"[^a-z0-9]", "", str(info.get("name") or "").lower()) not in names or info.get("holdout"):
+    if not isinstance(paper, Mapping) or not isinstance(dataset, Mapping) or dataset.get("holdout"):
         return None
-    return task if size is None or size == test_size else None
+    size = (dataset.get("test") or {}).get("size")
+    if re.sub(r"[^a-z0-9]", "", str(dataset.get("name") or "").lower()) not in paper.get("folders", ()):
+        return None
+    return paper if size is None or size == paper.get("test_size") else None
 
 
 def _number(value: Any) -> str:
@@ -396,11 +293,7 @@ def seeds_text(count: int) -> str:
 def group_by_seed(
     records: Sequence[Mapping[str, Any]], key: Callable[[Mapping[str, Any]], Hashable]
 ) -> list[list[Mapping[str, Any]]]:
-    """Records that differ only in their seed, grouped by ``key``, in order of first appearance.
-
-    A group holds each seed once: a seed met again under the same key starts a new group, so
-    running seeds 0, 1, 2 twice gives two groups of three and no record is dropped or counted twice.
-    """
+    """Records that differ only in their seed, grouped by ``key``; a seed met again starts a new group."""
     groups: list[list[Mapping[str, Any]]] = []
     latest: dict[Hashable, list[Mapping[str, Any]]] = {}
     for record in records:
@@ -447,16 +340,11 @@ def summary_text(records: Sequence[Mapping[str, Any]], written: Sequence[str | o
 
 
 def card_table(records: Sequence[Mapping[str, Any]]) -> str:
-    """A markdown table for the model card: one row per run and metric, with the paper's value where it applies.
-
-    Runs that differ only in their seed (``seed_group_key``) share a row: ours is the mean ± sample standard
-    deviation over them, beside the number of seeds ("1 seed" for one run). The paper column is filled only
-    where protocol and data are the paper's (``paper_comparable``).
-    """
+    """The model card's markdown table: one row per run and metric (seeds averaged) with the paper's value."""
     lines = ["| protocol | setting | data | metric | ours | seeds | paper |", "|---|---|---|---|---|---|---|"]
     for group in group_by_seed(records, seed_group_key):
         first = group[0]
-        paper = PAPER_RESULTS.get(paper_comparable(first) or "", {})
+        paper = (paper_comparable(first) or {}).get("metrics") or {}
         for metric in dict.fromkeys(m for r in group for m in r.get("metrics") or {}):
             values = [r["metrics"][metric] for r in group if metric in (r.get("metrics") or {})]
             cells = [

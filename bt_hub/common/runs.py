@@ -1,20 +1,4 @@
-"""Run directories: who owns a folder, who may write into it, and what it records.
-
-Files inside them are written through ``bt_hub.common.files.atomic_write``.
-
-A run directory is bt_hub's when it holds the marker ``.bt_hub_run`` (written when bt_hub
-creates or adopts the directory; a ``run.json`` or ``results.json`` written by an earlier
-bt_hub counts too). Writing into a non-empty directory without it is refused unless the
-caller passes ``overwrite`` (``--overwrite``). The marker and ``run.json`` record the folder's
-kind (``pretrain``, ``eval``, ``demo``, ``detect``, ...): a command writes only into folders of
-its own kind, so an evaluation never appends to a pretraining run's logs. A training run also
-holds an advisory ``fcntl.flock`` on ``.bt_hub_run.lock`` for its whole life, so a second run
-(or any other command) into the same directory fails at once naming the holder. Claiming a
-folder removes the temp files that interrupted writes left there. ``run.json`` records the command
-line, host, git sha, package version and resolved config of the first run, and appends every
-later start (a resume) to its ``resumes`` list; ``metrics.jsonl`` takes JSON lines. Nothing is
-written through a symbolic link (bt_hub.common.files refuses them).
-"""
+"""Run directories: who owns a folder (its marker and kind), who may write into it, and what it records."""
 
 from __future__ import annotations
 
@@ -97,11 +81,7 @@ def is_bt_hub_dir(path: str | os.PathLike) -> bool:
 
 
 def run_kind(path: str | os.PathLike) -> str | None:
-    """The kind of run folder ``path`` is (``pretrain``, ``eval``, ``demo``, ...), or None when it records none.
-
-    The marker says it, else ``run.json``; a folder of an earlier bt_hub without either is a
-    pretraining run when its ``run.json`` holds a pretraining config (``projector``, ``lr_weights``).
-    """
+    """The kind of run folder ``path`` is (from its marker, else ``run.json``), or None when it records none."""
     path = Path(path)
     marker = read_json(path / MARKER_NAME) if _regular_file(path / MARKER_NAME) else None
     record = read_json(path / "run.json")
@@ -115,7 +95,6 @@ def run_kind(path: str | os.PathLike) -> str | None:
 
 
 def _check_kind(path: Path, kind: str, flag: str) -> None:
-    """Refuse a folder that records another kind of run than ``kind``."""
     found = run_kind(path)
     if found is None or found == kind:
         return
@@ -149,15 +128,10 @@ def _busy(directory: Path, lock: Path, flag: str) -> str:
 
 
 def check_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False, flag: str = "--out") -> Path:
-    """Refuse, before any heavy work, an output directory bt_hub must not write into.
+    """Refuse, before any heavy work, an output directory a run of ``kind`` must not write into.
 
-    ``kind`` is the kind of run the caller writes (``pretrain``, ``eval``, ``demo``, ``detect``, ...).
-
-    Raises:
-        ValueError: ``path`` (or a parent) is an existing file; it is a non-empty directory
-            without bt_hub's marker and ``overwrite`` is False; or it holds another kind of run.
-        RunDirBusyError: a live run holds the directory's lock.
-        WriteError: its lock file is a symbolic link.
+    ValueError for a file, a non-empty folder without bt_hub's marker (unless ``overwrite``) or of another
+    kind; RunDirBusyError while a live run holds its lock; WriteError for a symbolic-link lock file.
     """
     return _check_run_dir(Path(path), overwrite=overwrite, flag=flag, kind=kind)
 
@@ -183,10 +157,7 @@ def _check_run_dir(path: Path, *, overwrite: bool, flag: str, kind: str) -> Path
 
 
 def claim_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False, flag: str = "--out") -> Path:
-    """``check_run_dir``, then create the directory and its marker, which records ``kind`` (idempotent).
-
-    Also removes the stale temp files that interrupted writes left there (``remove_stale_temp_files``).
-    """
+    """``check_run_dir``, then create the directory and its marker (idempotent) and remove stale temp files."""
     path = _check_run_dir(Path(path), overwrite=overwrite, flag=flag, kind=kind)
     marker = path / MARKER_NAME
     if _regular_file(marker):
@@ -246,15 +217,7 @@ def claimed_run_dir(
 
 
 class RunLock:
-    """An advisory ``flock`` on ``<dir>/.bt_hub_run.lock``, holding this process's pid and host.
-
-    The lock file is written in place (the lock lives on its inode) and left behind on
-    release; the kernel drops the lock when the holder dies, however it dies.
-
-    Raises:
-        RunDirBusyError: another process holds the lock (the message names its pid and host).
-        WriteError: the lock file is a symbolic link (never followed, so nothing outside is truncated).
-    """
+    """An advisory ``flock`` on ``<dir>/.bt_hub_run.lock`` holding this process's pid and host."""
 
     def __init__(self, directory: str | os.PathLike, flag: str = "--out") -> None:
         self.path = Path(directory) / LOCK_NAME
@@ -305,11 +268,7 @@ def _start_record() -> dict[str, Any]:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The rows of a JSON-lines log; a last line cut short by a crash or a full disk is dropped with a warning.
-
-    Raises:
-        ValueError: a line before the last one is not JSON (the file was edited or damaged).
-    """
+    """The rows of a JSON-lines log; a last line cut short by a crash is dropped with a warning."""
     path = Path(path)
     if not path.exists():
         return []
@@ -333,17 +292,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 class RunDir:
-    """A run directory: ``run.json`` (command, host, git, version, config; later starts appended) and JSON-lines logs.
-
-    Args:
-        path: the directory (created with bt_hub's marker; see :func:`claim_run_dir`).
-        config: the resolved config dataclass; when given, :meth:`start` records it at once.
-        write: False on non-zero ranks, which must not write.
-        overwrite: allow a non-empty directory bt_hub did not create (default: ``config.overwrite`` if it has one).
-        lock: hold the directory's :class:`RunLock` until :meth:`close` and remove stale temp files.
-        kind: the kind of run the caller writes (``pretrain``, ``eval``, ``detect``, ...); a folder of
-            another kind is refused.
-    """
+    """A run directory: ``run.json`` (command, host, git, version, config, later starts) and JSON-lines logs."""
 
     def __init__(
         self,
@@ -377,10 +326,7 @@ class RunDir:
 
     @classmethod
     def for_training(cls, path: str | os.PathLike, *, kind: str, overwrite: bool = False) -> RunDir:
-        """Called by every rank: the main process claims and locks ``path`` (a folder of ``kind``).
-
-        If that fails, every rank raises the same error.
-        """
+        """Called by every rank: the main process claims and locks ``path``; if that fails every rank raises."""
         from bt_hub.common.distributed import broadcast_object, is_main_process
 
         run, error = None, None
@@ -397,12 +343,7 @@ class RunDir:
     def start(self, config: Any, step: int | None = None, *, fresh: bool = False) -> None:
         """Record this start in ``run.json``; with ``step`` (the step it resumes from) cut ``metrics.jsonl`` back to it.
 
-        The first start writes the whole record; each later one is appended to its ``resumes``
-        list with the step it resumed from or, when it resumes nothing (another evaluation into the
-        same folder), to its ``runs`` list, so the original run is never lost. Every start records
-        its ``run_id``, which every row it logs carries too.
-        A ``fresh`` start (a new run in place of an earlier one) writes a new record and keeps
-        the earlier ones under ``replaced``.
+        Later starts go to its ``resumes`` (or ``runs``) list; a ``fresh`` one keeps earlier ones under ``replaced``.
         """
         if not self.write:
             return

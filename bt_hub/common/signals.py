@@ -1,10 +1,5 @@
-"""SIGTERM, what a cluster scheduler sends before it kills a job: Ctrl-C's path, or a stop at a step boundary.
-
-``bt-hub`` turns SIGTERM into :class:`Terminated`, a ``KeyboardInterrupt``, so every command ends
-as on Ctrl-C, saying in one line what it kept (exit code ``EXIT_CODE``). A training loop that can
-stop cleanly defers the signal instead (:func:`deferred_sigterm`): it only sets a flag, which the
-loop reads at each step boundary; under torchrun the ranks agree through one all-reduce, so all of
-them stop after the same step.
+"""SIGTERM, what a cluster scheduler sends before it kills a job: Ctrl-C's path (:class:`Terminated`), or, in
+a training loop, a flag read at each step boundary (:func:`deferred_sigterm`) so every rank stops together.
 """
 
 from __future__ import annotations
@@ -33,10 +28,7 @@ def raise_terminated(signum: int, frame: Any) -> None:
 
 @contextlib.contextmanager
 def deferred_sigterm(device: torch.device) -> Iterator[Callable[[], bool]]:
-    """Within the block SIGTERM only sets a flag; yields ``requested()``: True once any rank got SIGTERM.
-
-    ``requested()`` is a collective under torchrun: every rank calls it at the same points.
-    """
+    """Within the block SIGTERM only sets a flag; yields ``requested()`` (a collective under torchrun)."""
     received: list[int] = []
     main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum)) if main else None

@@ -1,20 +1,4 @@
-"""Datasets: the embedded ``digits`` default, ImageFolder / ImageNet trees by path, synthetic.
-
-Every dataset returns ``(image, label)`` with ``image`` an RGB PIL image, so the same
-objects feed the PIL view pipeline, the batched tensor views (through ``to_uint8_tensor``)
-and the evaluation transforms. ``WithIndex`` adds the sample index, for features
-gathered in dataset order and for seeding per-sample augmentation.
-
-``build_dataset(name_or_path, split, image_size=32, seed=0, test_fraction=0.2)`` is the
-one entry used by pretraining and the evaluation protocols:
-
-- ``"digits"``: scikit-learn's 1797 handwritten digits (8x8, 10 classes), upsampled to
-  ``image_size`` as 3-channel images; ``split`` "train"/"test" is a seeded stratified split.
-- ``"synthetic"`` or ``"synthetic:N"``: N (default 512) seeded class-structured images.
-- a directory: an ImageNet layout whose ``train/``, ``val/`` or ``test/`` subdirectory is
-  chosen by ``split``, or a flat ImageFolder tree (``class/image.png``), which serves as a
-  training split only (pretraining; eval/splits.py holds out part of it on request).
-"""
+"""Datasets of ``(RGB PIL image, label)``: the embedded ``digits``, ImageFolder / ImageNet trees, synthetic."""
 
 from __future__ import annotations
 
@@ -22,7 +6,6 @@ import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -57,7 +40,6 @@ class ArrayImageDataset(Dataset):
 
 
 def _upsample_gray(images: np.ndarray, image_size: int) -> np.ndarray:
-    """N x h x w floats in [0, 1] -> N x S x S x 3 uint8, bilinear."""
     t = torch.from_numpy(images).float().unsqueeze(1)
     t = torch.nn.functional.interpolate(t, size=(image_size, image_size), mode="bilinear", align_corners=False)
     t = (t.clamp(0, 1) * 255).round().to(torch.uint8)
@@ -67,13 +49,7 @@ def _upsample_gray(images: np.ndarray, image_size: int) -> np.ndarray:
 def load_digits_split(
     seed: int = 0, test_fraction: float = 0.2, image_size: int = 32
 ) -> tuple[ArrayImageDataset, ArrayImageDataset]:
-    """scikit-learn's handwritten digits, upsampled, as a seeded stratified (train, test) split.
-
-    Args:
-        seed: seed of the split (the same seed always gives the same split).
-        test_fraction: share of each class held out for testing.
-        image_size: side of the upsampled square images.
-    """
+    """scikit-learn's handwritten digits, upsampled to ``image_size``, as a seeded stratified (train, test) split."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -117,13 +93,7 @@ def synthetic_dataset(
 
 
 class ImageFolderDataset(Dataset):
-    """``root/<class>/<image>`` with classes sorted by name; unreadable files fail naming the file.
-
-    Args:
-        root: the directory holding one subdirectory per class.
-        image_size: if given, every image is resized to a square of this side (bicubic);
-            leave it None to keep the originals (the evaluation transforms resize).
-    """
+    """``root/<class>/<image>``, classes sorted by name, optionally resized to ``image_size`` squares (bicubic)."""
 
     def __init__(self, root: str | os.PathLike, image_size: int | None = None) -> None:
         self.root = Path(root)
@@ -170,20 +140,6 @@ class ImageFolderDataset(Dataset):
         return image, label
 
 
-class WithIndex(Dataset):
-    """Wrap a dataset so that items are ``(image, label, index)``."""
-
-    def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> tuple[Any, int, int]:
-        image, label = self.dataset[index]
-        return image, label, index
-
-
 def _folder_for_split(root: Path, split: str) -> Path:
     """``root/<split>`` when present; a flat ImageFolder is a training split only (never its own test split)."""
     if (root / split).is_dir():
@@ -205,17 +161,7 @@ def build_dataset(
     seed: int = 0,
     test_fraction: float = 0.2,
 ) -> Dataset:
-    """The dataset behind a ``--data`` value; items are ``(PIL RGB image, label)``.
-
-    Args:
-        name_or_path: ``"digits"``, ``"synthetic"`` / ``"synthetic:N"``, or a directory
-            (ImageNet layout with ``train/`` and ``val/`` or ``test/``; a flat ImageFolder for "train" only).
-        split: "train", "val" or "test" ("val" and "test" are the same held-out part for
-            digits and synthetic data).
-        image_size: side of the square images; for directories None keeps original sizes.
-        seed: seed of the digits split and of the synthetic images.
-        test_fraction: held-out share for digits and synthetic data.
-    """
+    """The dataset behind a ``--data`` value (``digits``, ``synthetic[:N]`` or a directory) of (RGB image, label)."""
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is unknown; expected one of {SPLITS}")
     spec = str(name_or_path)

@@ -1,15 +1,4 @@
-"""Image files decoded in batches on the training device (``bt-hub pretrain --decode device``).
-
-Data-loader workers only read each file's bytes (:func:`read_encoded`, which also reads
-the JPEG header to tell whether the device decoder can take the file); the training
-process decodes the whole batch at once with ``torchvision.io.decode_jpeg(list,
-device=...)`` (nvJPEG on CUDA, batched and on the hardware decoder where the GPU has
-one; libjpeg-turbo through the same call on the CPU). What the device decoder refuses
-(PNG and other formats, CMYK JPEGs, a batch nvJPEG rejects) is decoded by PIL on the CPU,
-as the workers' path does, and moved to the device; only a file PIL cannot read either
-stops the run, with one sentence naming it. The decoded images keep their own sizes:
-``BatchedTwoViews`` takes the list and cuts each image to the region its views read.
-"""
+"""Image files decoded in batches on the training device (``--decode device``); PIL takes what it refuses."""
 
 from __future__ import annotations
 
@@ -38,10 +27,7 @@ class EncodedImage(NamedTuple):
 
 
 def jpeg_frame(data: bytes | memoryview) -> tuple[int, int]:
-    """(start-of-frame marker, colour components) of a JPEG's header; (0, 0) if it is not a readable JPEG.
-
-    Components: 1 gray, 3 YCbCr/RGB, 4 CMYK/YCCK; markers 0xC0 baseline, 0xC1 extended, 0xC2 progressive.
-    """
+    """(start-of-frame marker, colour components) of a JPEG's header; (0, 0) if it is not a readable JPEG."""
     if len(data) < 4 or data[0] != 0xFF or data[1] != 0xD8:
         return 0, 0
     pos = 2
@@ -92,11 +78,7 @@ def _decode_jpegs(data: list[torch.Tensor], device: torch.device) -> list[torch.
 
 
 def decode_images(items: Sequence[EncodedImage], device: str | torch.device) -> list[torch.Tensor]:
-    """Decode a batch of files into 3 x H x W uint8 RGB tensors on ``device``, in order.
-
-    JPEGs of 1 or 3 components go to ``decode_jpeg`` in one call; if that call fails, each
-    is retried alone, and what still fails, like every other file, is decoded by PIL.
-    """
+    """Decode a batch of files into 3 x H x W uint8 RGB tensors on ``device``, in order; PIL takes what it refuses."""
     device = torch.device(device)
     out: list[torch.Tensor | None] = [None] * len(items)
     batch = [i for i, item in enumerate(items) if item.device_decodable]

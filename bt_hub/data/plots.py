@@ -1,9 +1,5 @@
-"""The plots of a pretraining run (``bt-hub report RUN_DIR``), shared with ``bt-hub demo``.
-
-From what ``bt-hub pretrain`` writes: ``loss.png`` (the loss and its two parts per step),
-``cross_correlation.png`` (C of the fixed probe batch at the start and the end),
-``knn.png`` (the online kNN monitor's top-1, when the run had ``--monitor-knn``);
-:func:`plot_accuracy_bars` draws the demo's accuracy table. matplotlib runs headless (Agg).
+"""The plots of a pretraining run (``bt-hub report RUN_DIR``), shared with ``bt-hub demo``: ``loss.png``,
+``cross_correlation.png`` (start and end) and ``knn.png`` (with ``--monitor-knn``); matplotlib headless.
 """
 
 from __future__ import annotations
@@ -53,12 +49,7 @@ def save_png(fig: Any, path: Path) -> Path:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The rows of a run's ``metrics.jsonl``, in file order.
-
-    Raises:
-        FileNotFoundError: there is no ``metrics.jsonl``.
-        ValueError: a line is not a JSON object, or a loss row lacks a number; the message names the file and line.
-    """
+    """The rows of a run's ``metrics.jsonl`` (FileNotFoundError without one, ValueError naming a bad line)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; expected the run directory of bt-hub pretrain")
@@ -74,11 +65,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def read_cross_correlation(path: Path) -> np.ndarray:
-    """A saved cross-correlation matrix (a square float array; pickled objects are refused).
-
-    Raises:
-        ValueError: the file is not a readable ``.npy`` array of that shape; the message names it.
-    """
+    """A saved cross-correlation matrix (a square float array; pickles refused), else ValueError naming the file."""
     try:
         c = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as err:
@@ -131,20 +118,6 @@ def plot_knn(rows: Sequence[dict[str, Any]]) -> Any:
     return fig
 
 
-def plot_accuracy_bars(table: dict[str, dict[str, float]], columns: Sequence[str], title: str) -> Any:
-    """Grouped bars: one group per column, one bar per row of ``table`` (missing cells left out)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    width = 0.8 / len(table)
-    for i, (method, scores) in enumerate(table.items()):
-        xs = [j + i * width for j, col in enumerate(columns) if col in scores]
-        ax.bar(xs, [scores[col] for col in columns if col in scores], width, label=method)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(columns))], columns)
-    ax.set(ylabel="test top-1 (%)", ylim=(0, 100), title=title)
-    ax.legend(fontsize=8, loc="lower right")
-    return fig
-
-
 def _recorded_lambd(run_dir: Path) -> float:
     """λ of the run's recorded config (the paper's when the run has no run.json)."""
     path = run_dir / "run.json"
@@ -160,11 +133,7 @@ def _recorded_lambd(run_dir: Path) -> float:
 def run_plots(
     run_dir: str | Path, out: str | Path, lambd: float | None = None, claim: Callable[[], object] | None = None
 ) -> list[Path]:
-    """Draw loss.png, cross_correlation.png (when the run saved C) and knn.png (when it monitored kNN) into ``out``.
-
-    Every input is read and checked before ``claim()`` (which may refuse ``out``) and the first
-    PNG, so a damaged file leaves no plot and no folder behind.
-    """
+    """Draw loss.png, cross_correlation.png and knn.png into ``out``, every input checked before ``claim()``."""
     run_dir, out = Path(run_dir), Path(out)
     rows = read_metrics(run_dir)
     if lambd is None:
@@ -187,12 +156,7 @@ def run_plots(
 
 
 def report(config: ReportConfig) -> list[Path]:
-    """``bt-hub report``: the plots of ``config.run_dir`` into ``config.out``; returns the files.
-
-    ``config.out`` defaults to RUN_DIR/report. It is claimed like every run folder
-    (bt_hub.common.runs): a folder of yours is refused without ``--overwrite``, so your own
-    ``loss.png`` is never replaced.
-    """
+    """``bt-hub report``: the plots of ``config.run_dir`` into ``config.out`` (default RUN_DIR/report); the files."""
     run_dir = Path(config.run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")

@@ -1,9 +1,5 @@
-"""``--precision auto``: bfloat16 where the hardware computes it fast, float32 elsewhere.
-
-bf16 autocast pays on CUDA GPUs with bf16 support (Ampere and later) and on CPUs with
-native bf16 arithmetic (``avx512_bf16`` or AMX, Cooper Lake / Sapphire Rapids and later).
-On other CPUs oneDNN emulates bf16 through float32 conversions and autocast is slower
-than float32 (benchmarks/pretrain_step.py), so ``auto`` keeps float32 there.
+"""``--precision auto``: bfloat16 where the hardware computes it fast (CUDA with bf16, CPUs with avx512_bf16 or
+AMX), float32 elsewhere, where emulated bf16 autocast is slower than float32.
 """
 
 from __future__ import annotations

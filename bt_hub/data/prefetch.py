@@ -1,11 +1,5 @@
-"""Prepare the next batches while the device trains on this one.
-
-Pretraining on a GPU decodes the JPEGs and draws the views on the GPU (``bt_hub.data.decode``,
-``bt_hub.method.views``). Done in the training thread, that work waits for the step before it
-(every ``nonzero`` or host-to-device copy synchronises the stream) and the GPU then waits for
-it: the two run one after the other. :class:`Prefetcher` moves it to a background thread with
-a CUDA stream of its own, as NVIDIA's data prefetchers and DALI's pipelines do, so that it
-overlaps the training step queued on the main stream.
+"""Prepare the next batches while the device trains on this one: decoding and views in a background thread
+with a CUDA stream of its own, as NVIDIA's data prefetchers do, overlapping the training step.
 """
 
 from __future__ import annotations
@@ -22,20 +16,9 @@ _END = object()
 
 
 class Prefetcher:
-    """``prepare(item)`` for each item, in order, with up to ``depth`` results made ahead in a thread.
+    """``prepare(item)`` for each item, in order, with up to ``depth`` results made ahead in a thread (own CUDA stream).
 
-    On CUDA the thread works on its own stream; each result is handed over with an event that
-    the consumer's stream waits on, and its tensors are marked as used by that stream so their
-    memory is not reused while it still reads them. With ``depth`` 0 everything runs in the
-    calling thread (what the CPU uses: its cores are busy with the step anyway). An exception
-    raised while preparing an item is raised by ``next`` at that item. Call :meth:`close` (or
-    use it as a context manager) to stop the thread when the loop ends early.
-
-    Args:
-        items: what to prepare (e.g. ``enumerate(loader, step)``); iterated in the thread.
-        prepare: item -> a tensor or a tuple of tensors.
-        device: the training device.
-        depth: how many prepared results may wait.
+    ``depth`` 0 runs in the calling thread; an error is raised by ``next`` at its item; :meth:`close` stops it.
     """
 
     def __init__(

@@ -1,10 +1,4 @@
-"""The weighted kNN vote (DINO's eval_knn.py) shared by ``bt-hub eval knn`` and the pretraining monitor.
-
-L2-normalised features, cosine similarity; the k most similar bank images vote for their
-class with weight exp(sim / T). ``eval/knn.py`` adds the chunked exact search over
-millions of features; the monitor's bank is small enough for one matrix product
-(:func:`nearest_neighbours`).
-"""
+"""The weighted kNN vote (DINO's eval_knn.py) shared by ``bt-hub eval knn`` and the pretraining monitor."""
 
 from __future__ import annotations
 
@@ -31,12 +25,7 @@ def knn_vote(
     temperature: float,
     num_classes: int,
 ) -> dict[str, float]:
-    """Top-1 / top-5 (percent) of the exp(sim / T)-weighted vote of the first ``k`` neighbours (DINO).
-
-    The weights are computed as exp((sim - max sim) / T) in float64: the same vote (each query's
-    weights share one factor), but finite for every positive T. As T -> 0 the vote becomes the
-    nearest neighbour's label; as T grows, a plain majority of the k.
-    """
+    """Top-1 / top-5 (percent) of the exp(sim / T)-weighted vote of the first ``k`` neighbours, in float64 (DINO)."""
     if k > similarities.shape[1]:
         raise ValueError(f"k={k} exceeds the {similarities.shape[1]} neighbours searched")
     if not (math.isfinite(temperature) and temperature > 0):

@@ -39,10 +39,8 @@ class LossTerms(NamedTuple):
 class _Standardize(torch.autograd.Function):
     """Affine-free batch norm over the global batch with the fused batch-norm backward.
 
-    Forward: a = (z − mean) · rsqrt(var + eps). Backward: dz = rsqrt(var + eps) ·
-    (g − mean(g) − a · mean(g ⊙ a)), the means over the global batch (the sums are
-    all-reduced, as autograd through the forward's all-reduces would do). About half the
-    full-size element-wise passes of the autograd graph of the same formula.
+    Backward: dz = rsqrt(var + eps) · (g − mean(g) − a · mean(g ⊙ a)), the means over the global batch;
+    about half the element-wise passes of autograd's graph of the same formula.
     """
 
     @staticmethod
@@ -64,10 +62,7 @@ class _Standardize(torch.autograd.Function):
 
 
 def standardize(z: torch.Tensor, eps: float = EPS) -> tuple[torch.Tensor, int]:
-    """Per-dimension (z − mean) / sqrt(biased var + eps) over the global batch.
-
-    Returns the standardised local rows and the global batch size N.
-    """
+    """Per-dimension (z − mean) / sqrt(biased var + eps) over the global batch; the rows and the global N."""
     n_local = torch.tensor([float(z.shape[0])], device=z.device)
     n = int(all_reduce_sum(n_local).item()) if get_world_size() > 1 else z.shape[0]
     return _Standardize.apply(z, n, eps), n
@@ -79,10 +74,7 @@ def choose_method(n: int, d: int) -> str:
 
 
 def dense_terms(a: torch.Tensor, b: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Invariance and redundancy terms from the D x D cross-correlation C = aᵀb / N.
-
-    ``a`` and ``b`` are this rank's standardised rows; C is summed over ranks.
-    """
+    """Invariance and redundancy terms from the D x D cross-correlation C = aᵀb / N, summed over ranks."""
     c = all_reduce_sum(a.T @ b) / n
     diag = torch.diagonal(c)
     invariance = (1 - diag).pow(2).sum()
@@ -93,10 +85,8 @@ def dense_terms(a: torch.Tensor, b: torch.Tensor, n: int) -> tuple[torch.Tensor,
 class _GramFrobenius(torch.autograd.Function):
     """Σ_{n,m} (A Aᵀ)_{nm} (B Bᵀ)_{nm} over the global batch (= N² ‖C‖_F²), in float64.
 
-    Each rank forms only its rows of the Gram matrices (local x global). As both Gram
-    matrices are symmetric the gradient is 2 (B Bᵀ) A for A (and 2 (A Aᵀ) B for B), one
-    matrix product per view instead of autograd's two; the upstream gradient is summed
-    over ranks, as the backward of a differentiable all-reduce of the result would be.
+    Each rank forms only its rows of the Gram matrices; the gradient is 2 (B Bᵀ) A for A (and 2 (A Aᵀ) B
+    for B), one matrix product per view.
     """
 
     @staticmethod
@@ -115,11 +105,7 @@ class _GramFrobenius(torch.autograd.Function):
 
 
 def gram_terms(a: torch.Tensor, b: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same terms without forming C: ‖C‖_F² = Σ_{n,m} (A Aᵀ)_{nm} (B Bᵀ)_{nm} / N².
-
-    Each rank computes the rows of the global Gram matrices that belong to its local
-    samples (local x global), so nothing D x D and nothing N x N beyond N_local x N.
-    """
+    """The same terms without forming C: ‖C‖_F² = Σ_{n,m} (A Aᵀ)_{nm} (B Bᵀ)_{nm} / N², local x global rows."""
     diag = all_reduce_sum((a * b).sum(dim=0)) / n
     # float64 accumulation: ‖C‖² − Σ C_ii² subtracts two numbers of size ~D.
     frob = _GramFrobenius.apply(a, b) / (n * n)
@@ -133,7 +119,6 @@ LAMBD = 0.0051
 
 
 def _scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
-    """Same value as ``x``; gradient multiplied by ``factor``."""
     return x * factor + x.detach() * (1.0 - factor)
 
 

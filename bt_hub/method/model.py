@@ -1,9 +1,5 @@
-"""Backbones, projector and the Barlow Twins model (docs/protocols.md §1).
-
-The backbone is a plain torchvision ResNet with ``zero_init_residual=True`` and
-``fc = Identity``, so its state dict loads into ``torchvision.models.resnet50()``
-(strict apart from ``fc.*``). The projector is the reference ``Sequential``
-(indices 0..6): Linear(bias=False) -> BN -> ReLU twice, then Linear(bias=False).
+"""Backbones, projector and the Barlow Twins model (docs/protocols.md §1): a torchvision ResNet with
+``fc = Identity`` and the reference's ``Sequential`` projector.
 """
 
 from __future__ import annotations
@@ -38,12 +34,7 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 
 def build_backbone(name: str = "resnet50", *, small_image_stem: bool = False) -> resnet.ResNet:
-    """A torchvision ResNet with zero-initialised residual BNs and ``fc = Identity``.
-
-    Args:
-        name: one of ``ARCHITECTURES`` (resnet18, resnet34, resnet50, resnet101).
-        small_image_stem: replace the 7x7/2 conv and max-pool by a 3x3/1 conv, for 32-px data.
-    """
+    """A torchvision ResNet with zero-initialised residual BNs, ``fc = Identity``, optionally a 3x3/1 stem."""
     if name not in ARCHITECTURES:
         raise ValueError(f"backbone {name!r} is unknown; expected one of {sorted(ARCHITECTURES)}")
     net = ARCHITECTURES[name].builder(weights=None, zero_init_residual=True)
@@ -82,13 +73,11 @@ class BarlowTwins(nn.Module):
     """Backbone + projector trained with the Barlow Twins loss (Zbontar et al., ICML 2021).
 
     Args:
-        backbone: torchvision ResNet name (resnet18/34/50/101).
         projector: widths of the projector layers, e.g. ``"8192-8192-8192"``.
         lambd: weight of the redundancy-reduction term (0.0051 in the reference code).
-        small_image_stem: 3x3 stem without max-pool, for 32-px inputs.
         loss_method: ``"auto"``, ``"dense"`` (D x D) or ``"gram"`` (N x N); same value.
-        reference_grad_scale: reproduce the reference code's gradients, 1/world_size of
-            the global loss's (docs/protocols.md §1); off by default (exact gradients).
+        reference_grad_scale: reproduce the reference code's gradients, 1/world_size of the global
+            loss's (docs/protocols.md §1); off by default.
     """
 
     def __init__(

@@ -1,11 +1,4 @@
-"""LARS, its two parameter groups and the per-step learning-rate schedule (docs/protocols.md §1).
-
-As in the reference code: momentum 0.9, trust coefficient η = 0.001, no Nesterov;
-parameters with ``ndim == 1`` (biases, BatchNorm) get neither weight decay nor the
-LARS adaptation; the update of every other parameter is scaled by the trust ratio
-η‖p‖ / ‖g + wd·p‖ (1 when either norm is 0). The learning rate is a function of the
-global step only, so a resumed run recovers it from the step counter.
-"""
+"""LARS, its two parameter groups and the per-step learning-rate schedule (docs/protocols.md §1)."""
 
 from __future__ import annotations
 
@@ -32,14 +25,8 @@ def trust_ratio(param_norm: torch.Tensor, update_norm: torch.Tensor, eta: float)
 
 
 class LARS(torch.optim.Optimizer):
-    """Layer-wise Adaptive Rate Scaling (You et al., 2017) as in the Barlow Twins reference code.
-
-    Args:
-        params: parameters or parameter groups (see ``param_groups``).
-        lr: learning rate (overwritten per step by the schedule).
-        weight_decay: L2 coefficient added to the gradient of multi-dimensional parameters.
-        momentum: heavy-ball momentum (no Nesterov).
-        eta: LARS trust coefficient.
+    """Layer-wise Adaptive Rate Scaling (You et al., 2017) as in the reference code: momentum without
+    Nesterov, trust ratio ``eta`` ‖p‖ / ‖g + wd·p‖ (1 when either norm is 0).
     """
 
     def __init__(
@@ -84,10 +71,7 @@ class LARS(torch.optim.Optimizer):
 def param_groups(
     model: nn.Module, lr_weights: float, lr_biases: float, weight_decay: float = 1e-6
 ) -> list[dict[str, Any]]:
-    """Two groups split by ``ndim``: weights (index 0) and biases/BN (index 1, weight decay 0).
-
-    ``lr_weights`` / ``lr_biases`` are the base rates (× batch/256 is applied by the schedule).
-    """
+    """Two groups split by ``ndim``: weights (index 0) and biases/BN (index 1, weight decay 0)."""
     weights = [p for p in model.parameters() if p.requires_grad and not excluded_from_adaptation(p)]
     biases = [p for p in model.parameters() if p.requires_grad and excluded_from_adaptation(p)]
     return [
@@ -97,15 +81,7 @@ def param_groups(
 
 
 def lr_at_step(step: int, total_steps: int, warmup_steps: int, base_lr: float, final_factor: float = 0.001) -> float:
-    """Linear warm-up from 0 over ``warmup_steps``, then cosine from ``base_lr`` to ``base_lr × final_factor``.
-
-    Args:
-        step: global optimisation step (0-based).
-        total_steps: epochs × steps per epoch.
-        warmup_steps: 10 epochs' worth of steps in the recipe.
-        base_lr: the group's rate, already scaled by batch/256.
-        final_factor: the end of the cosine as a fraction of ``base_lr``.
-    """
+    """Linear warm-up from 0 over ``warmup_steps``, then cosine from ``base_lr`` to ``base_lr × final_factor``."""
     if step < warmup_steps:
         return base_lr * step / warmup_steps
     decay_steps = max(total_steps - warmup_steps, 1)

@@ -1,9 +1,4 @@
-"""Normalisation and the evaluation preprocessing: one home below everything that uses them.
-
-torchvision's ``_presets.py`` plays this role there: the weights registry attaches these
-transforms to each weights record, the protocols score with them, and the pretraining views
-normalise with the same ImageNet statistics.
-"""
+"""Normalisation and the evaluation preprocessing, below everything that uses them (torchvision's ``_presets.py``)."""
 
 from __future__ import annotations
 
@@ -26,10 +21,7 @@ def normalize(x: torch.Tensor) -> torch.Tensor:
 
 
 def eval_transforms(image_size: int = 224, resize_size: int | None = None) -> T.Compose:
-    """The evaluation preprocessing: Resize(image_size·256/224) -> CenterCrop(image_size) -> tensor -> normalised.
-
-    At 224 px that is the paper's Resize(256) + CenterCrop(224).
-    """
+    """The evaluation preprocessing: Resize(image_size·256/224) -> CenterCrop(image_size) -> tensor -> normalised."""
     return T.Compose(
         [
             T.Resize(resize_size or round(image_size * 256 / 224), interpolation=T.InterpolationMode.BILINEAR),
@@ -41,14 +33,7 @@ def eval_transforms(image_size: int = 224, resize_size: int | None = None) -> T.
 
 
 class DeviceEvalTransform:
-    """``eval_transforms`` on decoded uint8 images where they are (the GPU, or the CPU): one batch out.
-
-    Each 3 x H x W uint8 image is resized (shorter side to ``resize_size``, bilinear with
-    antialiasing, as PIL) and centre-cropped, then the batch is stacked, scaled to [0, 1] and
-    normalised with the ImageNet statistics. The images may differ in size; the output is
-    B x 3 x image_size x image_size float32 on the images' device. Pixels match the PIL path
-    within one or two levels (rounding of the resize, and the decoder's own tolerance).
-    """
+    """``eval_transforms`` on decoded uint8 images of any sizes where they are (GPU or CPU): one float32 batch out."""
 
     def __init__(self, image_size: int = 224, resize_size: int | None = None) -> None:
         self.image_size = image_size
@@ -74,11 +59,7 @@ class DeviceEvalTransform:
 
 
 def transforms_for(config: Mapping[str, Any] | None) -> ImageClassification:
-    """The evaluation transforms of weights whose run config says ``image_size`` (224 when it does not).
-
-    ``eval_transforms`` as torchvision's preset, which every loaded model carries as ``transforms``: the
-    same tensor for a PIL image, and tensors (C x H x W or batches, uint8 or float) accepted too.
-    """
+    """The evaluation transforms (PIL images and tensors) of weights whose run config says ``image_size`` (else 224)."""
     size = int((config or {}).get("image_size") or 224)
     return ImageClassification(
         crop_size=size, resize_size=round(size * 256 / 224), mean=IMAGENET_MEAN, std=IMAGENET_STD

@@ -1,21 +1,4 @@
-"""The two asymmetric Barlow Twins views (BYOL's parameters, docs/protocols.md §1).
-
-Every random choice is drawn per image by :func:`sample_view_params`, which both paths
-share: :class:`TwoViewTransform` (PIL, for data-loader workers, the reference pipeline's
-operations) and :class:`BatchedTwoViews` (tensors on the training device, whole-batch
-operations, no Python loop over samples). Both take an optional ``torch.Generator`` so a
-data loader can seed each sample from ``(seed, epoch, index)`` and resume exactly.
-
-Order of operations, as in the reference ``Transform``: RandomResizedCrop, horizontal
-flip, ColorJitter (brightness, contrast, saturation, hue in a random order per image),
-grayscale, Gaussian blur, solarise, ImageNet normalisation.
-
-Differences of the tensor path from the PIL one: the crop is resampled by ``roi_align``
-(bilinear, averaging ``ceil(crop / size)²`` samples per output pixel when shrinking)
-instead of PIL's bicubic filter, and intermediate values are not rounded to uint8.
-The blur kernel is odd and about a tenth of the output size (23 px at 224, as BYOL),
-at least 3 px; σ ~ U(0.1, 2.0) in output pixels.
-"""
+"""The two asymmetric Barlow Twins views, drawn per image for the PIL and the batched tensor paths."""
 
 from __future__ import annotations
 
@@ -73,10 +56,7 @@ def _crop_boxes(
     generator: torch.Generator | None,
     device: torch.device,
 ) -> dict[str, torch.Tensor]:
-    """RandomResizedCrop boxes, torchvision's algorithm vectorised: first of 10 valid tries, else centre.
-
-    ``height`` and ``width`` are one size for the whole batch or one per image (int64 tensors).
-    """
+    """RandomResizedCrop boxes, torchvision's algorithm vectorised: first of 10 valid tries, else centre."""
     shape = (batch_size, CROP_ATTEMPTS)
     u_area, u_ratio, u_top, u_left = torch.rand((4, *shape), generator=generator, device=device, dtype=torch.float64)
     height = torch.as_tensor(height, device=device).to(torch.float64).expand(batch_size)
@@ -117,21 +97,12 @@ def sample_view_params(
     height: int | torch.Tensor = 224,
     width: int | torch.Tensor = 224,
 ) -> dict[str, torch.Tensor]:
-    """Draw every random choice of one view for ``batch_size`` images of height x width.
+    """Draw every random choice of one view for ``batch_size`` images of height x width (ints or per-image tensors).
 
-    ``height`` and ``width`` are ints (one size for the batch) or int64 tensors of one
-    size per image (decoded files of different sizes); the draws are the same either way.
-
-    The number and order of draws is fixed (it does not depend on earlier outcomes), so a
-    generator state determines the result exactly. Tensors live on the generator's
-    device (CPU without a generator).
-
-    Returns:
-        dict of (batch_size,) tensors: crop ``top``, ``left``, ``height``, ``width`` (int64);
-        ``flip``, ``jitter``, ``grayscale``, ``blur``, ``solarize`` (bool); jitter factors
-        ``brightness``, ``contrast``, ``saturation`` (multiplicative) and ``hue`` (shift in
-        turns); ``sigma`` of the blur; and ``jitter_order`` (batch_size x 4, a permutation of
-        0=brightness, 1=contrast, 2=saturation, 3=hue per image).
+    The number and order of draws is fixed, so a generator state determines the result. Returns (batch_size,)
+    tensors: crop ``top``, ``left``, ``height``, ``width``; the ``flip``, ``jitter``, ``grayscale``, ``blur``
+    and ``solarize`` flags; jitter factors (``hue`` a shift in turns); blur ``sigma``; and ``jitter_order``
+    (batch_size x 4, a permutation of brightness, contrast, saturation, hue).
     """
     device = generator.device if generator is not None else torch.device("cpu")
     params = _crop_boxes(batch_size, height, width, view, generator, device)
@@ -190,12 +161,7 @@ class _TwoViews:
 
 
 class TwoViewTransform(_TwoViews):
-    """PIL image -> (view A, view B), float 3 x size x size, normalised.
-
-    Args:
-        size: output resolution (224 for ImageNet, 32 for CIFAR-sized data).
-        views: the two views' parameters, ``(VIEW_A, VIEW_B)`` by default.
-    """
+    """PIL image -> (view A, view B), float 3 x size x size, normalised."""
 
     def sample(self, height: int, width: int, generator: torch.Generator | None = None) -> tuple[dict, dict]:
         """Both views' parameters for one image of height x width (what ``__call__`` draws)."""
@@ -214,7 +180,6 @@ class TwoViewTransform(_TwoViews):
 
 
 def _gray(x: torch.Tensor) -> torch.Tensor:
-    """Luma of B x 3 x H x W images, B x 1 x H x W (torchvision's weights)."""
     w = torch.tensor(GRAY_WEIGHTS, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
     return (x * w).sum(dim=1, keepdim=True)
 
@@ -318,14 +283,7 @@ def to_float_rgb(images: torch.Tensor) -> torch.Tensor:
 def crop_to_views(
     images: Sequence[torch.Tensor], params: Sequence[dict[str, torch.Tensor]]
 ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-    """Images of different sizes -> one padded uint8 batch of the regions the views read, and shifted boxes.
-
-    Each image is cut to the union of its views' crop boxes plus the one pixel beyond them
-    that ``roi_align`` interpolates with, copied into a B x 3 x H x W batch (H, W: the
-    largest cut plus one), and the row and column after each cut repeat its last ones, as
-    ``roi_align`` clamps at an image's border. ``apply_view`` on the batch with the shifted
-    boxes gives the views of the full images (to float rounding). ``params`` live on the CPU.
-    """
+    """Images of different sizes -> one padded uint8 batch of the regions the views read, and the shifted boxes."""
     heights = torch.tensor([im.shape[-2] for im in images])
     widths = torch.tensor([im.shape[-1] for im in images])
     top = torch.stack([p["top"] for p in params]).amin(0).sub(1).clamp_min(0)
@@ -345,16 +303,7 @@ def crop_to_views(
 
 
 class BatchedTwoViews(_TwoViews):
-    """Batch of images on any device -> (views A, views B), per-image random parameters.
-
-    The batch is a B x C x H x W tensor, or a list of C x H x W uint8 tensors of different
-    sizes (decoded files): the views' boxes are drawn for each image's own size and
-    :func:`crop_to_views` batches the regions they read.
-
-    Args:
-        size: output resolution.
-        views: the two views' parameters, ``(VIEW_A, VIEW_B)`` by default.
-    """
+    """Batch of images on any device (a tensor, or a list of uint8 images of different sizes) -> (views A, views B)."""
 
     def sample(
         self,
@@ -369,11 +318,7 @@ class BatchedTwoViews(_TwoViews):
     def __call__(
         self, images: torch.Tensor | Sequence[torch.Tensor], generator: torch.Generator | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two normalised float32 views, B x 3 x size x size, on the images' device.
-
-        For a list of images pass a CPU generator (or none): the boxes are then cut
-        without waiting for the device.
-        """
+        """Two normalised float32 views, B x 3 x size x size, on the images' device."""
         if isinstance(images, torch.Tensor):
             x = to_float_rgb(images)
             params = self.sample(x.shape[0], x.shape[2], x.shape[3], generator)

@@ -1,18 +1,4 @@
-"""``--compile auto``: torch.compile a long run's training step, leave a short one eager.
-
-Compiling costs minutes once (Inductor generates and builds its kernels) and then saves about a
-quarter of every step: 2.23x -> 3.07x the reference loop on an AMX CPU, 1,801 -> 2,387 images/s
-on an H100 (docs/performance.md). On a CPU without AMX it cost time: on a 2-core AMD EPYC with
-avx512_bf16 the compiled step took 4.99 s against 4.15 s eager (benchmarks/pretrain_step.py, median
-of 8 steps, load under 2; another pair 6.45 against 4.68), so ``auto`` stays eager there. Elsewhere
-it times the first eager steps and compiles when the steps still to run would save more than
-compiling is expected to cost:
-
-    steps left x eager seconds per step x SAVED_FRACTION  >  COMPILE_SECONDS[device type]
-
-(120 s on CUDA, 300 s on a CPU: on 2 CPU cores a ResNet-18 step alone takes minutes to compile).
-A compile that fails falls back to eager with one warning; ``record`` says which path ran and why.
-"""
+"""``--compile auto``: compile a long run's step where it pays, else stay eager (docs/performance.md)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Runs you can watch: an online kNN monitor of the backbone, and optional TensorBoard scalars.
-
-``--monitor-knn N`` scores the backbone every N steps as solo-learn's online kNN does:
-features of a small labelled bank (a seeded subset of the training split) and of held-out
-queries (the val/test split, or a disjoint subset when the data has none), the weighted
-vote of the 20 nearest bank images (T = 0.07, :func:`bt_hub.method.knn.knn_vote`), top-1 in
-percent. Images are resized (shorter side) and centre-cropped to ``--image-size`` once at
-the start and kept as uint8, so a check costs one forward pass over bank and queries.
+"""Runs you can watch: an online kNN monitor of the backbone (solo-learn's: a small labelled bank, held-out
+queries, the weighted vote of 20 neighbours), and optional TensorBoard scalars.
 """
 
 from __future__ import annotations
@@ -45,12 +39,7 @@ def _stack(dataset: Any, indices: torch.Tensor, size: int) -> tuple[torch.Tensor
 def monitor_sets(
     data: str, image_size: int, seed: int, bank_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(bank images, bank labels, query images, query labels) of ``data``, uint8, seeded.
-
-    The bank is a random subset of the training split; the queries come from the held-out
-    split (val/ or test/, the digits' test split), or from training images outside the
-    bank when the data has no held-out split.
-    """
+    """(bank images, bank labels, query images, query labels) of ``data``, uint8, seeded; queries held out."""
     in_memory = data == "digits" or data.startswith("synthetic")
     train = build_dataset(data, "train", image_size=image_size if in_memory else None, seed=seed)
     held_out = build_dataset(data, "val", image_size=image_size if in_memory else None, seed=seed)
@@ -76,13 +65,7 @@ def monitor_sets(
 
 
 class KnnMonitor:
-    """Weighted kNN top-1 (percent) of a backbone's features: bank and queries fixed at construction.
-
-    Args:
-        bank, bank_labels: N x 3 x S x S uint8 images and their classes.
-        queries, query_labels: the images scored against the bank.
-        batch_size: images per forward pass.
-    """
+    """Weighted kNN top-1 (percent) of a backbone's features; bank and queries (uint8 images) fixed at construction."""
 
     def __init__(
         self,

@@ -1,11 +1,5 @@
-"""What makes a resumed run equal an uninterrupted one: seeded data order, seeded views, full checkpoints.
-
-Nothing in the training loop depends on hidden state: the sample order of an epoch is a
-permutation drawn from a generator seeded by (seed, epoch); each sample's PIL views
-are drawn from a generator seeded by (seed, epoch, index), and the batched views from
-one seeded by (seed, step, rank). The position inside an epoch is therefore the step
-counter, and a checkpoint (model, optimiser, scaler, step, RNG states, config) is
-enough to continue bit for bit.
+"""What makes a resumed run equal an uninterrupted one: seeded data order, seeded views, full checkpoints
+(docs/pretraining.md, "Exact resume").
 """
 
 from __future__ import annotations
@@ -41,20 +35,9 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 class EpochBatchSampler:
-    """This rank's share of the global batches of one epoch, from step ``start`` on.
+    """This rank's share of an epoch's global batches from step ``start``, as ``(epoch, index)`` keys.
 
-    Yields lists of ``(epoch, index)`` keys; the dataset seeds each sample's views from
-    them. Global batch k holds positions [kB, (k+1)B) of the epoch permutation; rank r
-    takes the r-th contiguous slice of B / world_size. The last partial batch is dropped.
-
-    Args:
-        num_samples: dataset length.
-        batch_size: the global batch size (a multiple of ``world_size``).
-        seed: run seed.
-        epoch: epoch number (0-based).
-        start: first step within the epoch (0 for a fresh epoch).
-        rank: this process's rank.
-        world_size: number of processes.
+    Global batch k is positions [kB, (k+1)B) of the epoch's seeded permutation, sliced over the ranks.
     """
 
     def __init__(
@@ -128,11 +111,7 @@ def _non_finite_state(state: dict[str, Any]) -> list[str]:
 
 
 def training_stopped(checkpoint: str | os.PathLike, step: int, what: str) -> str:
-    """The sentence that stops a diverged run: what went wrong at which step, and what the kept checkpoint holds.
-
-    The checkpoint is read back and checked, so the sentence says whether it is finite
-    (then the flags are to blame: resuming diverges again) or not (then it cannot be resumed).
-    """
+    """The sentence that stops a diverged run: what went wrong, when, and whether the checkpoint is finite."""
     checkpoint = Path(checkpoint)
     advice = (
         "resuming with the same flags diverges again (training is deterministic), so start a new --out with a lower "
@@ -156,12 +135,7 @@ def training_stopped(checkpoint: str | os.PathLike, step: int, what: str) -> str
 
 
 def save_checkpoint(path: str | os.PathLike, **state: Any) -> Path:
-    """Write a full training checkpoint atomically (a crash leaves the previous one intact).
-
-    Raises:
-        RuntimeError: a parameter, buffer or optimiser tensor is NaN or inf; nothing is written,
-            so the checkpoint already at ``path`` (if any) stays the last good one.
-    """
+    """Write a full training checkpoint atomically; a NaN or inf tensor raises RuntimeError and writes nothing."""
     bad = _non_finite_state(state)
     if bad:
         raise RuntimeError(
@@ -175,14 +149,7 @@ def save_checkpoint(path: str | os.PathLike, **state: Any) -> Path:
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a checkpoint written by ``save_checkpoint``.
-
-    With ``weights_only=True``, through the safe reader of bt_hub.common.files.
-
-    Raises:
-        CheckpointError: the file holds code or is not a checkpoint, or a model or optimiser
-            tensor is NaN or inf (resuming it would train on, or publish, non-finite weights).
-    """
+    """Read a ``save_checkpoint`` file safely (CheckpointError for code, no checkpoint, or NaN/inf tensors)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")

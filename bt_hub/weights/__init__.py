@@ -1,14 +1,5 @@
-"""The weights wing: one home for everything that names, fetches, reads, converts or publishes weights.
-
-- ``registry``: named weights (``BarlowTwinsWeights``, torchvision-style), the paper's numbers and
-  the recipe (ImageNet mean/std and the evaluation transform come from ``bt_hub.method.transforms``).
-- ``download``: the URL-keyed, verified, time-bounded download cache and Hugging Face Hub files.
-- ``sources``: ``resolve(source)`` for a name, file, folder, URL, ``hf://org/name`` or ``org/name``.
-- ``formats``: checkpoint layouts, key mapping, finite checks (files are read by ``bt_hub.common.files``).
-- ``load``: ``load_backbone`` and friends (strict loading).
-- ``builders``: ``resnet50`` and ``barlow_twins``, the torch.hub entry points.
-- ``export``: torchvision ``.pth``, safetensors, detectron2 ``.pkl`` and Hugging Face folders.
-- ``card`` and ``hf``: the model card; ``save_pretrained`` / ``from_pretrained`` / ``push_to_hub``.
+"""The weights wing: everything that names, fetches, reads, converts or publishes weights (registry, download,
+sources, formats, load, builders, export, card, hf).
 """
 
 from bt_hub.common.files import CheckpointError

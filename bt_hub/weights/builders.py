@@ -1,11 +1,5 @@
-"""The builders torch.hub and pip users call (``hubconf.py`` lists them), torchvision's way.
-
-``resnet50(*, weights=None, progress=True, **kwargs)``: ``weights`` is anything ``resolve``
-accepts (a ``BarlowTwinsWeights`` member or name, a file or folder, a URL, ``hf://org/name``
-or ``org/name``); None gives the architecture alone, with no network access. The reference
-repository's ``pretrained=True`` still works, with a FutureWarning naming the new spelling
-(torchvision's ``handle_legacy_interface``). The result has ``fc = Identity`` (2048-d
-features, never a randomly initialised classifier) and carries ``transforms``.
+"""The builders torch.hub and pip users call (``hubconf.py`` lists them), torchvision's way: keyword-only
+``weights`` (anything ``resolve`` accepts), ``fc = Identity``, ``transforms`` attached.
 """
 
 from __future__ import annotations
@@ -59,12 +53,11 @@ def resnet50(*, weights: WeightsSource | None = None, progress: bool = True, **k
     https://arxiv.org/abs/2103.03230).
 
     Args:
-        weights: ``BarlowTwinsWeights.DEFAULT`` / ``"DEFAULT"`` / ``"barlowtwins-in1k"`` (the reference
-            release), another registered name, a URL, ``hf://org/name[@revision]``, ``org/name``, a
-            local file or run directory; None (default) for the architecture alone.
-        progress: show a progress bar while downloading.
-        **kwargs: ``small_image_stem`` (must agree with the weights when both are given),
-            ``allow_non_finite`` (load NaN/inf weights, for forensics), and the deprecated ``pretrained``.
+        weights: ``BarlowTwinsWeights.DEFAULT`` / ``"barlowtwins-in1k"`` (the reference release), another
+            registered name, a URL, ``hf://org/name[@revision]``, ``org/name``, a file or run directory;
+            None (default) for the architecture alone.
+        **kwargs: ``small_image_stem`` (must agree with the weights), ``allow_non_finite`` (forensics),
+            and the deprecated ``pretrained`` (a FutureWarning names the new spelling).
     """
     weights = _legacy_pretrained("resnet50", weights, kwargs, BarlowTwinsWeights.DEFAULT)
     small = kwargs.pop("small_image_stem", None)
@@ -89,14 +82,8 @@ def barlow_twins(
 ) -> BarlowTwins:
     """The whole Barlow Twins model (backbone + projector + λ) from weights that carry the projector.
 
-    Args:
-        weights: a record or name with a projector (``"barlowtwins-in1k-full"``, the reference
-            ``checkpoint.pth``), a URL, ``hf://`` id, ``org/name``, file, run directory or Hugging Face
-            folder; None (default) gives the untrained ResNet-50 with the 8192-8192-8192 projector.
-        progress: show a progress bar while downloading.
-        lambd: weight of the redundancy-reduction term; by default the one in the weights'
-            config.json, else the paper's 0.0051.
-        **kwargs: ``allow_non_finite`` and the deprecated ``pretrained``.
+    ``weights`` None gives the untrained ResNet-50 with the 8192-8192-8192 projector; ``lambd`` defaults
+    to the weights' config.json, else 0.0051.
 
     Raises:
         CheckpointError: the weights carry no projector (use ``resnet50`` for the backbone).

@@ -1,25 +1,9 @@
-"""The model card (README.md) and the timm fields of a Hugging Face folder's config.json.
-
-The card's preprocessing is read from the weights' own evaluation transforms (image size
-from the run's config), and timm's ``crop_pct`` is chosen so that timm's eval transform resizes
-to exactly the same side; a small-image-stem backbone, which timm's ResNet cannot build, is said
-to be a bt_hub-only layout with the bt_hub line that loads it. The training length is the steps
-and epochs run against the schedule's. Results are grouped as ``bt_hub.common.records`` groups
-them (runs that differ only in their seed share one entry, mean ± std): one model-index entry
-per group, and the evaluation table rendered by ``results_section`` alone.
-
-A card shows as the model's own results only records of the same weights file (their sha256), and
-never a baseline row (``eval compare``'s pixels, random-init and supervised rows) as the model's:
-baselines and, when asked for, other weights' records get tables of their own, labelled so. Every
-entry names its architecture, stem and image size. "Pretrained with Barlow Twins" is said only where
-the weights' provenance shows it (``ResolvedWeights.provenance``); otherwise the card says it is unknown.
-"""
+"""The model card (README.md) and timm's fields of a Hugging Face folder's config.json (docs/weights.md)."""
 
 from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -44,13 +28,6 @@ from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, transforms_for
 TAGS = ["barlow-twins", "self-supervised-learning", "image-feature-extraction", "pytorch", "timm", "bt_hub"]
 # timm builds ResNet(**model_args): this argument, unknown to timm, makes it refuse a small-stem folder by name.
 SMALL_STEM_TIMM_ARG = "bt_hub_small_image_stem"
-# Protocol name (as eval/ writes it) -> Hugging Face task type.
-_TASKS = {
-    "detect": "object-detection",
-    "detection": "object-detection",
-    "voc07+12": "object-detection",
-    "coco": "object-detection",
-}
 # The weights fingerprint earlier ``eval compare`` records carried for their baseline rows; newer ones name the
 # baseline (pixels, random-init, supervised) in ``weights.baseline``.
 BASELINE_FINGERPRINT = "baseline"
@@ -77,8 +54,7 @@ def card_rows(
     """The card's records by whose they are: ``own`` (weights sha256 ``sha256``), ``baselines`` and ``others``.
 
     Raises:
-        ValueError: a record of ``results`` that is of other weights (or of weights whose sha256 is unknown):
-            one sentence naming the file, the record and both hashes.
+        ValueError: a ``results`` record of other (or unknown) weights, naming the file, the record and both hashes.
     """
     rows: dict[str, list[dict[str, Any]]] = {"own": [], "baselines": [], "others": []}
     for sources, other in ((results, False), (other_results, True)):
@@ -103,11 +79,7 @@ def card_rows(
 
 
 def described(record: Mapping[str, Any], weights_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The record with its network and image size in its protocol (``knn [resnet18, 7x7 stem, 32 px]``).
-
-    Read from the settings the run resolved (else its hyperparameters), else ``weights_config``, else "unknown":
-    runs of other networks or image sizes never merge into one entry or look alike.
-    """
+    """The record with its network and image size in its protocol (``knn [resnet18, 7x7 stem, 32 px]``) or "unknown"."""
     hyper, known = record.get("settings") or record.get("hyperparameters") or {}, weights_config or {}
     arch = hyper.get("arch") or known.get("architecture") or "unknown architecture"
     small = known.get("small_image_stem") if hyper.get("small_image_stem") is None else hyper["small_image_stem"]
@@ -118,13 +90,7 @@ def described(record: Mapping[str, Any], weights_config: Mapping[str, Any] | Non
 
 
 def model_index(rows: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    """The card's ``model-index``: one entry per protocol, setting and dataset, its metrics averaged over seeds.
-
-    huggingface_hub's ``EvalResult`` merges every entry of the same task type and dataset into one
-    (so a kNN and a linear probe on the same data would share one task name); this writes the
-    Hub's model-index schema directly: task type and name, dataset name, type and split, metrics
-    with type, value and name.
-    """
+    """The card's ``model-index``, written in the Hub's schema: one entry per protocol, setting and dataset."""
     results = []
     for group in group_by_seed(rows, seed_group_key):
         first = group[0]
@@ -146,7 +112,7 @@ def model_index(rows: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
         results.append(
             {
                 "task": {
-                    "type": _TASKS.get(re.split(r"[- ]", protocol)[0], "image-classification"),
+                    "type": (first.get("table") or {}).get("task", "image-classification"),
                     "name": f"{protocol} ({setting})" if setting else protocol,
                 },
                 "dataset": {
@@ -165,10 +131,7 @@ def results_section(
     baselines: Sequence[Mapping[str, Any]] = (),
     others: Sequence[Mapping[str, Any]] = (),
 ) -> str:
-    """The card's "Evaluation": its own results, then baselines and other weights' results, one table per row name.
-
-    One row per run and metric, with the paper's number for the same protocol on the same data.
-    """
+    """The card's "Evaluation": its own results, then baselines and other weights' results, one table per name."""
     parts = [f"## Evaluation\n\nResults of these weights:\n\n{card_table(results)}"]
     for title, rows, column in (
         ("Baselines, for comparison (not these weights, not pretrained)", baselines, "baseline"),
@@ -191,18 +154,14 @@ def preprocessing(config: Mapping[str, Any]) -> tuple[int, int]:
 def timm_crop_pct(resize: int, crop: int) -> float:
     """The ``crop_pct`` for which timm's eval transform resizes to ``resize`` (timm takes floor(crop / crop_pct)).
 
-    ``crop / resize`` itself can land a hair below ``resize`` in floating point (and rounded to 4
-    digits it gave timm Resize(36) where bt_hub uses Resize(37) at 32 px); half a pixel more is exact.
+    ``crop / resize`` can land a hair below ``resize`` in floating point; half a pixel more is exact.
     """
     pct = crop / resize
     return pct if math.floor(crop / pct) == resize else crop / (resize + 0.5)
 
 
 def timm_fields(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields timm reads from config.json (its ResNets use torchvision's parameter names).
-
-    ``create_transform(**resolve_data_config(model=...))`` on these fields gives bt_hub's own eval transform.
-    """
+    """The fields timm reads from config.json, from which timm builds bt_hub's own eval transform."""
     resize, crop = preprocessing(config)
     small = bool(config.get("small_image_stem"))
     fields: dict[str, Any] = {
@@ -228,11 +187,7 @@ def timm_fields(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def training_length(config: Mapping[str, Any]) -> str | None:
-    """``20 of 110 steps (1.82 of 10 epochs, 11 steps per epoch); stopped before the end of the schedule``.
-
-    Read from a run's config.json: ``steps`` done, ``epochs`` of the schedule, ``num_samples`` and the
-    recipe's ``batch_size`` (steps per epoch = samples // batch, as pretraining counts them).
-    """
+    """``20 of 110 steps (1.82 of 10 epochs, 11 steps per epoch); stopped before the end of the schedule``."""
     epochs, steps = config.get("epochs"), config.get("steps")
     batch, samples = (config.get("recipe") or {}).get("batch_size"), config.get("num_samples")
     per_epoch = samples // batch if isinstance(samples, int) and isinstance(batch, int) and batch > 0 else 0
@@ -301,11 +256,7 @@ def model_card(
     name: str | None,
     license: str = "apache-2.0",
 ) -> str:
-    """The README.md of a Hugging Face folder: YAML metadata, usage, preprocessing, recipe and results.
-
-    ``rows`` is ``card_rows``'s: only ``own`` reaches the model-index; ``config["provenance"]`` (None: unknown)
-    decides whether the card says the weights were pretrained with Barlow Twins.
-    """
+    """The README.md of a Hugging Face folder; only ``rows["own"]`` reaches the model-index."""
     hf = require("huggingface_hub", "writing a model card")
     dataset = config.get("dataset")
     small = bool(config.get("small_image_stem"))

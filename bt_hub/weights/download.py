@@ -1,25 +1,4 @@
-"""The download cache: URL-keyed, verified before it is kept, bounded in time; and Hugging Face Hub files.
-
-A URL's file lives at ``<torch hub dir>/checkpoints/bt_hub/<first 16 hex of sha256(URL)>/<file
-name>`` (``$TORCH_HOME`` moves it): two URLs that end in the same file name never share a
-file, and the file keeps its readable name. A download goes to a private temporary folder
-beside it and is kept (renamed into place) only when its size matches Content-Length, its
-sha256 matches the expected one (a registered sha256, or the hash prefix in a
-``name-<hex>.ext`` file name, torch.hub's convention) and it parses as weights. Where no hash is
-expected, the sha256 of that first verified download (or of a file first found there, placed
-by hand) is recorded beside it (``<file name>.sha256``, sha256sum's format), so a file that
-changes later is refused, never read under the URL's name; cached files are hashed again on
-every load. Connecting and every wait for data are bounded
-by ``timeout`` seconds (``BT_HUB_DOWNLOAD_TIMEOUT``, default 30) and failed attempts are retried
-a bounded number of times (``BT_HUB_DOWNLOAD_RETRIES``, default 2). Every failure names the
-URL, the cache path and what to do, and leaves nothing behind; the staging folder of a
-download killed mid-way is removed by the next download of that URL once it has been idle
-for an hour.
-
-Hub files go through huggingface_hub's own cache (``HF_HOME``, ``HF_ENDPOINT``,
-``HF_HUB_OFFLINE=1``, ``HF_HUB_DOWNLOAD_TIMEOUT``), asked once within ``HF_HUB_ETAG_TIMEOUT`` and
-never retried (``hf_download``); its errors are turned into one sentence naming the ``hf://`` spec.
-"""
+"""The verified, URL-keyed download cache, bounded in time, and Hugging Face Hub files (docs/weights.md)."""
 
 from __future__ import annotations
 
@@ -119,11 +98,9 @@ def recorded_sha256(path: Path) -> str | None:
 
 
 def check_cached(path: Path, url: str, sha256: str | None, actual: str) -> str:
-    """Refuse ``actual`` (the sha256 of bytes read from the cached ``path``) unless it is the expected one.
+    """Return ``actual`` (the sha256 of the bytes read from the cached ``path``) if it is the expected one, else raise.
 
-    With no expected hash it must be the one recorded beside the file, and is recorded where there
-    is none. The caller hashes the very bytes it loads, so what was checked is what was loaded.
-    Returns ``actual``.
+    With no expected hash it must be the one recorded beside the file (recorded now where there is none).
     """
     expected, origin = expected_hash(path.name, sha256)
     if expected is not None:
@@ -157,17 +134,14 @@ def download(
     """The cached, verified local copy of ``url``, downloaded first if it is not cached.
 
     Args:
-        url: ``http(s)://`` address of a weights file.
         file_name: the name to keep in the cache (default: the URL's last path segment).
         sha256: the full sha256 the file must have (else the file name's hash prefix, if any, is checked).
-        progress: show a progress bar (on a terminal).
         timeout: seconds to connect and to wait for each piece of data (default ``BT_HUB_DOWNLOAD_TIMEOUT`` or 30).
         retries: further attempts after a timeout, dropped connection, HTTP 5xx or short body
             (default ``BT_HUB_DOWNLOAD_RETRIES`` or 2).
 
     Raises:
-        DownloadError: unreachable, HTTP error, timeout, wrong size or hash, or not a weights file;
-            the message names the URL, the cache path and the fix, and nothing is left in the cache.
+        DownloadError: naming the URL, the cache path and the fix; nothing is left in the cache.
     """
     target, fresh = download_unchecked(
         url, file_name=file_name, sha256=sha256, progress=progress, timeout=timeout, retries=retries
@@ -186,10 +160,7 @@ def download_unchecked(
     timeout: float | None = None,
     retries: int | None = None,
 ) -> tuple[Path, bool]:
-    """``download`` without hashing a file found in the cache, and whether it was downloaded (and verified) now.
-
-    The caller hashes the bytes it loads and passes the hash to ``check_cached``: one read.
-    """
+    """``download`` without hashing a cached file, and whether it was downloaded (and verified) now."""
     target = cache_path(url, file_name)
     if target.is_file():
         return target, False
@@ -219,10 +190,7 @@ def download_unchecked(
 
 
 def _remove_stale_staging(folder: Path, idle_s: float = 3600.0) -> None:
-    """Delete staging folders of downloads killed mid-way (nothing written to them for an hour).
-
-    A live download writes every few seconds.
-    """
+    """Delete staging folders of downloads killed mid-way (idle for an hour; a live one writes every few seconds)."""
     for staging in folder.glob(".partial-*"):
         newest = max((p.stat().st_mtime for p in staging.rglob("*")), default=staging.stat().st_mtime)
         if time.time() - newest > idle_s:
@@ -273,15 +241,11 @@ def _describe(err: BaseException, timeout: float) -> str:
 
 
 def _final(partial: Path) -> Path:
-    """The cache path a staging file is destined for."""
     return partial.parent.parent / partial.name
 
 
 def _verify(partial: Path, url: str, target: Path, sha256: str | None) -> str:
-    """Hash and parse checks of a complete download (not retried: the server would send the same bytes).
-
-    Returns its sha256.
-    """
+    """Hash and parse a complete download (not retried: the server would send the same bytes); its sha256."""
     expected, origin = expected_hash(target.name, sha256)
     actual = file_sha256(partial)
     if expected is not None:
@@ -310,22 +274,9 @@ def hf_download(
     local_files_only: bool = False,
     token: str | bool | None = None,
 ) -> Path | None:
-    """``filename`` of the Hub repo ``org/name[@revision]``, through huggingface_hub's cache.
+    """``filename`` of the Hub repo ``org/name[@revision]`` through huggingface_hub's cache, asked once, never retried.
 
-    The Hub is asked once, within ``HF_HUB_ETAG_TIMEOUT`` seconds (default 10), and never again when it
-    refuses, drops or leaves that request unanswered (huggingface_hub would then retry for up to six
-    minutes, a line of noise each time): the cached copy is used, or the failure is one sentence. A file
-    of a commit (``org/name@<40 hex>``) that is in the cache is read without asking.
-
-    Args:
-        spec: ``org/name[@revision]``.
-        filename: the file in the repo.
-        required: False returns None for a file absent from the repo (or not cached while offline).
-        cache_dir, force_download, local_files_only, token: ``hf_hub_download``'s options
-            (``PyTorchModelHubMixin.from_pretrained``'s Hub options).
-
-    Raises:
-        DownloadError: one sentence naming ``hf://spec``, what went wrong and what to do.
+    A failure is one ``DownloadError`` naming ``hf://spec``; ``required=False`` returns None for an absent file.
     """
     from bt_hub.common.optional import require
 
@@ -405,30 +356,19 @@ def _not_cached(
 
 
 def at_commit(spec: str, downloaded: Path) -> str:
-    """``org/name@<commit>`` of a file ``hf_download`` returned, so the repo's other files come from the same commit.
-
-    A file of a commit that is in the cache is then read without asking the Hub again.
-    """
+    """``org/name@<commit>`` of a file ``hf_download`` returned, so the repo's other files come from the same commit."""
     return f"{spec.partition('@')[0]}@{downloaded.parent.name}"
 
 
 def hub_client_errors(errors: Any) -> tuple[type[BaseException], ...]:
-    """The exceptions of a failed Hub request: OSError and the HTTP client's error class.
-
-    ``huggingface_hub.errors.HfHubHTTPError`` derives from its HTTP client's error class (requests',
-    httpx's or httpx2's, by version), whose connection errors are not all OSErrors.
-    """
+    """OSError and the Hub's HTTP client's error class, whose connection errors are not all OSErrors."""
     return (OSError, *(c for c in errors.HfHubHTTPError.__bases__ if c is not OSError))
 
 
 def _ask_once(
     hf, errors, repo_id: str, filename: str, revision: str | None, token: str | bool | None, constants
 ) -> str | None:
-    """One metadata request, no retries: None when the Hub answered, else what went wrong.
-
-    ``HF_HUB_ETAG_TIMEOUT`` bounds the wait. A missing repo, revision or file, or a bad repo id, is
-    raised as huggingface_hub's error.
-    """
+    """One metadata request, no retries: None when the Hub answered, else what went wrong."""
     url = hf.hf_hub_url(repo_id, filename, revision=revision)
     try:
         hf.get_hf_file_metadata(url, token=token, timeout=constants.HF_HUB_ETAG_TIMEOUT)

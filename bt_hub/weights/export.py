@@ -1,16 +1,4 @@
-"""Write backbone weights as torchvision ``.pth``, safetensors, detectron2 ``.pkl`` or a Hugging Face folder.
-
-A small-image-stem backbone (3x3 ``conv1``, no max-pool) is refused for torchvision ``.pth`` and
-detectron2 ``.pkl``: both libraries build a 7x7 ``conv1`` with a max-pool, so such a file would not
-load there. safetensors and the Hugging Face folder carry the stem (its config.json says so).
-
-``bt-hub export`` refuses a target that exists unless ``--force``. Even with ``--force`` a
-Hugging Face folder keeps every file bt_hub did not write: only ``model.safetensors``,
-``projector.safetensors``, ``config.json`` and ``README.md`` are replaced, and each only when
-bt_hub wrote it (safetensors metadata ``written_by: bt_hub``, a ``bt_hub_version`` in
-config.json, ``library_name: bt_hub`` in the card); one of those names written by someone
-else (say, your own README.md) stops the export before anything is written.
-"""
+"""Write backbone weights as torchvision ``.pth``, safetensors, detectron2 ``.pkl`` or a Hugging Face folder."""
 
 from __future__ import annotations
 
@@ -69,11 +57,7 @@ def _standard_stem_only(state: Mapping[str, torch.Tensor], target: str, library:
 
 
 def to_detectron2(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """The detectron2 pickle payload (docs/protocols.md §3) for a torchvision-named ResNet state dict.
-
-    Raises:
-        ValueError: a small-image-stem backbone, which detectron2's ResNet cannot load.
-    """
+    """The detectron2 pickle payload (docs/protocols.md §3) of a torchvision-named ResNet state dict."""
     _standard_stem_only(state_dict, "a detectron2 .pkl", "detectron2's ResNet")
     model = {torchvision_to_detectron2_key(k): v.numpy() for k, v in _backbone_only(state_dict).items()}
     return {"model": model, "__author__": "bt_hub", "matching_heuristics": True}
@@ -104,16 +88,7 @@ def _torchvision_bytes(state_dict: Mapping[str, torch.Tensor], path: str | os.Pa
 
 
 def save_torchvision(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike) -> tuple[Path, str]:
-    """Write a torchvision ``.pth`` named ``<stem>-<first 8 hex of its sha256>.pth`` (torch.hub's convention).
-
-    It holds no ``fc``: load it into ``resnet50()`` after ``model.fc = nn.Identity()``, or with ``strict=False``.
-
-    Returns:
-        ``(path written, full sha256)``.
-
-    Raises:
-        ValueError: a small-image-stem backbone, which torchvision's resnet cannot load.
-    """
+    """Write a torchvision ``.pth`` (no ``fc``) named ``<stem>-<8 hex of its sha256>.pth``; the path and sha256."""
     target, data, sha = _torchvision_bytes(state_dict, path)
     atomic_write(target, lambda f: f.write(data))
     return target, sha
@@ -123,7 +98,6 @@ def save_torchvision(state_dict: Mapping[str, torch.Tensor], path: str | os.Path
 
 
 def _written_by_bt_hub(path: Path) -> bool:
-    """Whether bt_hub wrote this file of a Hugging Face folder (see the module docstring)."""
     try:
         if path.suffix == ".safetensors":
             with open(path, "rb") as f:
@@ -173,21 +147,7 @@ def save_hf_folder(
 ) -> Path:
     """Write model.safetensors, [projector.safetensors], config.json and README.md into ``folder``.
 
-    Args:
-        backbone_state: torchvision-named ResNet weights (``fc`` is dropped).
-        folder: the folder (created).
-        projector: the projector's ``Sequential`` weights, if known.
-        config: training facts (e.g. a run's config.json) for config.json and the card; ours win on conflicts.
-        results: evaluation ``results.json`` paths or dicts of these weights (``sha256``), and baselines, for the card.
-        other_results: results of other weights, shown in the card as theirs (never in its model-index).
-        name: the model's Hub id in the card (``org/name``).
-        license: the card's license.
-        force: replace files bt_hub wrote in a non-empty folder (never others; see the module docstring).
-        sha256: the sha256 of the weights file ``backbone_state`` was read from (None: unknown, no own results).
-        provenance: how the weights were trained (``ResolvedWeights.provenance``; None: unknown).
-
-    Raises:
-        ValueError: a ``results`` record of other weights (see ``card_rows``).
+    The arguments are ``save_pretrained``'s, and ``sha256`` and ``provenance`` of the weights file (None: unknown).
     """
     folder = Path(folder)
     check_hf_target(folder, force=force)
@@ -290,10 +250,7 @@ def check_results_files(results: list[str], other_results: list[str]) -> None:
 
 
 def check_repo_id(flag: str, repo_id: str) -> None:
-    """Refuse, in one sentence naming ``flag``, a Hub id that is not ``org/name`` as the Hub accepts it.
-
-    The Hub's own ``validate_repo_id`` decides, so a path (``../x``, ``a/b/c``, ``a\\b``) never passes.
-    """
+    """Refuse, in one sentence naming ``flag``, a Hub id that is not ``org/name``."""
     if repo_id.count("/") != 1:
         raise ValueError(f"{flag} must be 'org/name', got {repo_id!r}")
     utils = require("huggingface_hub.utils", f"checking {flag}")

@@ -1,10 +1,4 @@
-"""Key layouts of ResNet checkpoints in the wild (docs/protocols.md §1, §3).
-
-Files are read by ``bt_hub.common.files.read_file``, which never executes code. Every nested
-tensor is flattened to a dotted key (``state_dict.model.backbone.conv1.weight``); the backbone
-is then the one prefix under which a torchvision ResNet's keys sit, after undoing the
-detectron2 and VISSL renames.
-"""
+"""Key layouts of ResNet checkpoints in the wild (docs/protocols.md §1, §3)."""
 
 from __future__ import annotations
 
@@ -113,16 +107,7 @@ def _rank(prefix: str) -> tuple[int, int, int]:
 
 
 def extract_backbone(obj: Any, source: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The torchvision-named backbone state dict (no ``fc``) inside a loaded checkpoint object.
-
-    Args:
-        obj: what ``read_file`` returned.
-        source: the file name, for error messages.
-
-    Returns:
-        ``(state_dict, info)``; ``info`` has ``format``, ``prefix`` and ``dropped`` (the
-        keys of the file that are not backbone weights).
-    """
+    """The torchvision-named backbone state dict (no ``fc``) in what ``read_file`` returned, and its ``info``."""
     flat = flatten_tensors(obj)
     candidates = sorted(_candidates(flat), key=lambda c: _rank(c[0]))
     if not candidates:
@@ -217,10 +202,7 @@ def infer_architecture(state: Mapping[str, torch.Tensor], source: str) -> tuple[
 
 
 def check_fits(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], arch: str, source: str) -> None:
-    """Raise one sentence when ``state`` misses keys of, or has shapes unlike, ``expected``.
-
-    ``num_batches_tracked`` may be absent (detectron2 and some exporters drop it).
-    """
+    """Raise one sentence when ``state`` misses keys of, or has shapes unlike, ``expected``."""
     missing = [k for k in expected if k not in state and not k.endswith("num_batches_tracked")]
     unexpected = [k for k in state if k not in expected]
     wrong = [
@@ -249,10 +231,7 @@ def check_fits(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.T
 
 
 def check_finite(state: Mapping[str, torch.Tensor], source: str, *, allow: bool = False) -> None:
-    """Raise one sentence naming ``source`` and the first tensors holding NaN or inf, unless ``allow``.
-
-    Parameters and buffers alike (a diverged run leaves NaN in BatchNorm ``running_var``).
-    """
+    """Raise one sentence naming ``source`` and the first parameters or buffers holding NaN or inf, unless ``allow``."""
     bad = non_finite_tensors(state)
     if bad and not allow:
         raise CheckpointError(
@@ -263,10 +242,7 @@ def check_finite(state: Mapping[str, torch.Tensor], source: str, *, allow: bool 
 
 
 def read_backbone(path: Path, *, allow_non_finite: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The checked backbone state dict in a weights file (``read_file`` + ``extract_backbone`` + ``check_finite``).
-
-    ``info["sha256"]`` is the hash of the very bytes the weights were read from (one read).
-    """
+    """The checked backbone state dict in a weights file; ``info["sha256"]`` is of the very bytes read."""
     obj, sha256 = read_file_and_sha256(path)
     state, info = extract_backbone(obj, str(path))
     check_finite(state, str(path), allow=allow_non_finite)

@@ -1,18 +1,4 @@
-"""Hugging Face Hub: ``save_pretrained`` / ``from_pretrained`` / ``push_to_hub``.
-
-A folder holds ``model.safetensors`` (the backbone in torchvision names, no ``fc``),
-``projector.safetensors`` when the projector is known, ``config.json`` (ours: architecture,
-stem, projector widths, λ, recipe, dataset, epochs; timm's: ``num_classes: 0``,
-``pretrained_cfg``, so ``timm.create_model("hf-hub:org/name", pretrained=True, num_classes=0)``
-loads a standard-stem backbone) and ``README.md``, the model card (``bt_hub.weights.card``).
-``BarlowTwins.save_pretrained`` / ``BarlowTwins.from_pretrained`` / ``push_to_hub`` follow
-huggingface_hub's ``ModelHubMixin`` contract through these functions: ``from_pretrained`` takes
-exactly ``PyTorchModelHubMixin.from_pretrained``'s Hub options (``revision``, ``cache_dir``,
-``force_download``, ``local_files_only``, ``token``) and passes them to ``hf_hub_download``.
-Loading is strict (the mixin defaults to ``strict=False``; this module does not use it). A push
-that cannot reach the Hub, or that the Hub refuses, is one ``PushError`` sentence naming the
-endpoint, the repo and the fix.
-"""
+"""Hugging Face Hub: ``save_pretrained`` / ``from_pretrained`` (strict) / ``push_to_hub`` (docs/weights.md)."""
 
 from __future__ import annotations
 
@@ -54,25 +40,16 @@ def save_pretrained(
     license: str = "apache-2.0",
     force: bool = True,
 ) -> Path:
-    """Write a Hugging Face folder: model.safetensors, [projector.safetensors], config.json, README.md.
+    """Write a Hugging Face folder: model.safetensors, [projector.safetensors], config.json, README.md; return it.
 
-    Weights given by name, path or URL keep their sha256 and provenance (``save_hf_folder``); a network
-    in memory may have changed since it was loaded, so its card says the provenance is unknown and
-    takes no results as its own.
+    Weights given by name, path or URL keep their sha256 and provenance; a network in memory may have
+    changed since it was loaded, so its card says the provenance is unknown and takes no results as its own.
 
     Args:
-        model_or_backbone: a ``BarlowTwins`` model (backbone, projector and λ are kept), a ResNet
-            backbone, or any weights ``load_backbone`` reads (its projector is kept when it has one).
-        save_directory: the folder (created).
+        model_or_backbone: a ``BarlowTwins`` model, a ResNet backbone, or any weights ``load_backbone`` reads.
         config: training facts for config.json and the card (e.g. a run's config.json).
-        results: evaluation ``results.json`` paths or dicts of these weights, for the card's model-index.
-        other_results: results of other weights, shown in the card as theirs.
-        name: the model's Hub id in the card (``org/name``).
-        license: the card's license.
+        results: ``results.json`` paths or dicts of these weights; ``other_results``: of other weights.
         force: replace what bt_hub wrote in a non-empty folder (never files it did not write).
-
-    Returns:
-        The folder.
     """
     projector: dict[str, torch.Tensor] = {}
     info: dict[str, Any] = {}
@@ -114,22 +91,12 @@ def from_pretrained(
 ) -> nn.Module:
     """The backbone of a Hugging Face repo or folder, loaded strictly (``fc = Identity``, with ``transforms``).
 
-    The Hub options are ``PyTorchModelHubMixin.from_pretrained``'s, passed to ``hf_hub_download``;
-    a local folder needs none of them (``revision`` is refused there: it cannot be honoured).
-
-    Args:
-        repo_id_or_dir: ``org/name`` (or ``hf://org/name[@revision]``) on the Hub; anything else
-            ``load_backbone`` takes (a local folder or file, a registered name, a URL) is loaded by it.
-        revision: branch, tag or commit of the Hub repo.
-        cache_dir: the Hugging Face cache to use instead of ``HF_HUB_CACHE``.
-        force_download: fetch the files again even when they are cached.
-        local_files_only: read the cache only, never the network.
-        token: Hub token (``False``: none); by default ``HF_TOKEN`` or the cached login.
-        map_location: device of the returned network.
-        allow_non_finite: load weights holding NaN or inf (for forensics only).
+    ``repo_id_or_dir`` is ``org/name`` (or ``hf://org/name[@revision]``), or anything ``load_backbone`` takes.
+    The Hub options are ``PyTorchModelHubMixin.from_pretrained``'s, passed to ``hf_hub_download``
+    (``revision`` is refused for a local folder).
 
     Raises:
-        DownloadError: a Hub file that could not be fetched (one sentence naming ``hf://org/name``).
+        DownloadError: a Hub file that could not be fetched.
         CheckpointError: weights that do not load strictly.
     """
     text = os.fspath(repo_id_or_dir)
@@ -167,11 +134,7 @@ def push_to_hub(
     license: str = "apache-2.0",
     endpoint: str | None = None,
 ) -> Any:
-    """Create ``repo_id`` if needed and upload the ``save_pretrained`` folder as one commit.
-
-    Returns:
-        huggingface_hub's ``CommitInfo``.
-    """
+    """Create ``repo_id`` if needed and upload the ``save_pretrained`` folder as one commit."""
     hf = require("huggingface_hub", "pushing to the Hugging Face Hub")
     errors = require("huggingface_hub.errors", "pushing to the Hugging Face Hub")
     api = hf.HfApi(endpoint=endpoint, token=token)

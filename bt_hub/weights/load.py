@@ -1,10 +1,5 @@
-"""Load a ResNet backbone (and the projector) from anything ``resolve`` accepts, strictly and safely.
-
-The file's key layout is recognised (``bt_hub.weights.formats``) and the weights are loaded
-strictly into ``bt_hub.method.model.build_backbone``: a missing key, a wrong shape or a NaN/inf
-tensor is an error naming the file, never a partial or silent load. The returned network
-carries ``weights_info`` (what was recognised) and ``transforms`` (its evaluation
-preprocessing: the registered record's, else from the run's ``config.json``).
+"""Load a ResNet backbone (and the projector) from anything ``resolve`` accepts, strictly and safely:
+a missing key, a wrong shape or a NaN/inf tensor is an error naming the file, never a partial load.
 """
 
 from __future__ import annotations
@@ -28,17 +23,7 @@ __all__ = ["load_backbone", "read_backbone_state_dict", "read_projector_state_di
 def read_backbone_state_dict(
     source: WeightsSource, *, progress: bool = True, allow_non_finite: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The backbone weights of ``source`` in torchvision names (no ``fc``), and what was recognised.
-
-    Returns:
-        ``(state_dict, info)``; ``info`` holds ``file``, ``sha256`` (of the bytes the weights were read from),
-        ``format``, ``prefix``, ``dropped`` (keys of the file that are not backbone weights),
-        ``config`` (config.json or None), ``weights`` (the registered name, or None) and
-        ``provenance`` (``ResolvedWeights.provenance``).
-
-    Raises:
-        CheckpointError: unreadable or unknown file, or NaN/inf tensors (unless ``allow_non_finite``).
-    """
+    """The backbone weights of ``source`` in torchvision names (no ``fc``), and ``info`` on what was recognised."""
     resolved = resolve(source, progress=progress)
     state, info = read_backbone(resolved.path, allow_non_finite=allow_non_finite)
     info.update(
@@ -82,23 +67,11 @@ def load_backbone(
 ) -> nn.Module:
     """A ``build_backbone`` ResNet (``fc = Identity``) with the weights of ``source`` loaded strictly.
 
-    Args:
-        source: a registered name or member, a local file or folder, a URL, ``hf://org/name[@revision]``
-            or a bare ``org/name`` Hub id (see ``bt_hub.weights.resolve``).
-        arch: resnet18/34/50/101; by default from config.json, else inferred from the keys.
-        small_image_stem: 3x3 stem; by default from config.json, else from conv1's shape.
-        map_location: device of the returned network.
-        progress: show a progress bar while downloading.
-        allow_non_finite: load weights holding NaN or inf (for forensics only).
-
-    Returns:
-        The network in train mode, with ``weights_info`` (file, sha256, format, prefix, dropped keys,
-        config.json or None, registered name, architecture, small_image_stem) and
-        ``transforms`` (its evaluation preprocessing).
+    ``arch`` and ``small_image_stem`` default to config.json, else what the keys show. The network (in
+    train mode) carries ``weights_info`` and ``transforms`` (its evaluation preprocessing).
 
     Raises:
-        CheckpointError: unreadable file, unknown layout, missing keys, wrong shapes or non-finite
-            values (one sentence naming the file).
+        CheckpointError: unreadable file, unknown layout, missing keys, wrong shapes or non-finite values.
     """
     state, info = read_backbone_state_dict(source, progress=progress, allow_non_finite=allow_non_finite)
     arch, small = _architecture(state, info, arch, small_image_stem)
@@ -116,11 +89,7 @@ def load_backbone(
 def read_projector_state_dict(
     source: WeightsSource, *, progress: bool = True, allow_non_finite: bool = False
 ) -> dict[str, torch.Tensor]:
-    """The projector weights of ``source`` (``Sequential`` keys ``0.weight`` ...), or ``{}`` when it has none.
-
-    Beside a ``.safetensors`` backbone, ``projector.safetensors`` (Hugging Face folder) and
-    ``checkpoint.pth`` (run directory) are looked at too.
-    """
+    """The projector weights of ``source`` (``Sequential`` keys), or ``{}``; looks beside a backbone file too."""
     resolved = resolve(source, progress=progress, projector=True)
     path = resolved.path
     candidates = [path]

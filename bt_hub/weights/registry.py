@@ -1,16 +1,4 @@
-"""Named Barlow Twins weights, torchvision-style, and the facts that travel with them.
-
-The one home of the paper's numbers (docs/protocols.md §4), the pretraining recipe,
-ImageNet mean/std and the evaluation transform: ``bt_hub.method.views``, ``eval/`` and the
-model card import them from here. ``BarlowTwinsWeights`` is a torchvision ``WeightsEnum`` whose
-members are torchvision ``Weights`` records (URL, transforms, meta) that also carry the file
-name, the sha256 when one is published, the architecture and whether the projector is included.
-So torchvision's own builders refuse them (``resnet50(weights=BarlowTwinsWeights.DEFAULT)`` is a
-TypeError, never a silent load of supervised weights), and they read as torchvision's do:
-``.url``, ``.transforms()`` (PIL images and tensors, as torchvision's presets), ``.meta``,
-``.get_state_dict()``, ``DEFAULT`` and ``verify`` (a member, its short name such as
-``"barlowtwins-in1k"``, its member name or its dotted name).
-"""
+"""Named Barlow Twins weights, torchvision-style, and the paper's numbers and recipe that travel with them."""
 
 from __future__ import annotations
 
@@ -23,7 +11,6 @@ from typing import Any
 import torch
 import torchvision.models
 
-from bt_hub.common.records import PAPER_RESULTS
 from bt_hub.method.loss import LAMBD
 from bt_hub.method.transforms import transforms_for
 from bt_hub.weights.download import (
@@ -36,6 +23,25 @@ from bt_hub.weights.download import (
 )
 from bt_hub.weights.formats import read_backbone
 
+# The paper's Barlow Twins numbers (ResNet-50, 1000 epochs; Tables 1-4 of Zbontar et al., 2021), by the task
+# names that the evaluation protocols' paper rows refer to.
+PAPER_RESULTS: dict[str, dict[str, float]] = {
+    "imagenet_linear": {"top1": 73.2, "top5": 91.0},
+    "semi_supervised_1pct": {"top1": 55.0, "top5": 79.2},
+    "semi_supervised_10pct": {"top1": 69.7, "top5": 89.3},
+    "places205_linear": {"top1": 54.1},
+    "voc07_svm": {"mAP": 86.2},
+    "inat18_linear": {"top1": 46.5},
+    "voc07+12_faster_rcnn_c4": {"bbox_AP": 56.8, "bbox_AP50": 82.6, "bbox_AP75": 63.4},
+    "coco_mask_rcnn_c4_1x": {
+        "bbox_AP": 39.2,
+        "bbox_AP50": 59.0,
+        "bbox_AP75": 42.5,
+        "segm_AP": 34.3,
+        "segm_AP50": 56.0,
+        "segm_AP75": 36.5,
+    },
+}
 # docs/protocols.md §1: the recipe of the released ResNet-50.
 RECIPE = {
     "dataset": "ImageNet-1k (train, no labels)",
@@ -58,14 +64,9 @@ class Weights(torchvision.models.Weights):
     """One set of published weights: torchvision's record (``url``, ``transforms``, ``meta``) and bt_hub's fields.
 
     Attributes:
-        url: ``https://`` URL or ``hf://org/name[@revision]``.
-        transforms: builds the evaluation transforms.
-        meta: the paper's and the release's numbers, the recipe, parameter count, one sentence of docs.
         short_name: the name commands accept (``--weights barlowtwins-in1k``).
         file_name: the file's name in the download cache (two releases are both called ``resnet50.pth``).
-        sha256: the published hash, checked after download and on every load; None when none is published
-            (then the sha256 of the first download is recorded beside the cached file and checked instead).
-        architecture: the backbone the weights belong to.
+        sha256: the published hash, or None (then the first download's is recorded and checked).
         has_projector: the file carries the projector too (``barlow_twins`` can load it).
     """
 
@@ -143,11 +144,7 @@ class BarlowTwinsWeights(torchvision.models.WeightsEnum):
         return found
 
     def __getattr__(self, name: str) -> Any:
-        """bt_hub's fields of the record, as attributes.
-
-        ``short_name``, ``file_name``, ``sha256``, ``architecture``, ``has_projector`` (``url``,
-        ``transforms`` and ``meta`` are torchvision's properties).
-        """
+        """bt_hub's fields of the record (``short_name``, ``file_name``, ``sha256``, ...), as attributes."""
         if name in _FIELDS:
             return getattr(self.value, name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
@@ -157,10 +154,7 @@ class BarlowTwinsWeights(torchvision.models.WeightsEnum):
         return None if self.url.startswith("hf://") else cache_path(self.url, self.value.file_name)
 
     def get_state_dict(self, progress: bool = True, *, allow_non_finite: bool = False) -> dict[str, torch.Tensor]:
-        """The backbone state dict (torchvision names, no ``fc``).
-
-        Downloaded and verified once, then read from the cache.
-        """
+        """The backbone state dict (torchvision names, no ``fc``), downloaded and verified once."""
         hub = self.url.startswith("hf://")
         if hub:
             path = hf_download(self.url[len("hf://") :], "model.safetensors")
@@ -201,12 +195,7 @@ class ListWeightsConfig:
 
 
 def weights_table(config: ListWeightsConfig | None = None) -> str:
-    """``bt-hub weights list``: one line per registered weight: name, architecture, cached?, sha256, URL, cache path.
-
-    The sha256 column shows the start of the published hash; where none is published, the hash recorded
-    beside the cached file at first use (``recorded:<hex>``; a later change is refused), or "unverified"
-    before then. The cache path is where the loaders read the file (put it there by hand to work offline).
-    """
+    """``bt-hub weights list``: name, architecture, cached?, sha256 (published or recorded), URL and cache path."""
     rows = [("name", "architecture", "cached", "sha256", "url", "cache path")]
     for member in BarlowTwinsWeights:
         path = member.cache_path()

@@ -1,21 +1,4 @@
-"""``resolve(source)``: the one way every entry point turns a weights argument into a local file.
-
-Accepted, in the order they are tried:
-
-1. a ``BarlowTwinsWeights`` member;
-2. ``hf://org/name[@revision]`` (a Hugging Face Hub repo, through huggingface_hub's cache);
-3. an ``http(s)://`` URL (the verified download cache of ``bt_hub.weights.download``);
-4. a local file or folder that exists (a run directory, a Hugging Face folder, any checkpoint);
-5. a registered name (``barlowtwins-in1k``, ``IN1K_LJNG``, ``BarlowTwinsWeights.DEFAULT``);
-6. a bare ``org/name[@revision]`` Hub id.
-
-A local path wins over a name or Hub id of the same spelling. A string that looks like a
-path (``./x``, ``/x``, ``~/x``, ``a/b/c``, a weights file suffix) and does not exist is "no such
-file or folder" at once, never a Hub error. A bare ``org/name`` that is no local file or folder
-is asked of the Hub (once, without retries, as every Hub file is) and a failure names both
-readings; anything else unknown lists the registered names. A ``config.json`` naming an architecture bt_hub does not
-build is refused by name.
-"""
+"""``resolve(source)``: the one way every entry point turns a weights argument into a local file."""
 
 from __future__ import annotations
 
@@ -42,14 +25,8 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 @dataclass(frozen=True)
 class ResolvedWeights:
-    """Where a weights argument led.
-
-    Attributes:
-        source: the argument as text (a member's short name for a member).
-        path: the local weights file.
-        config: the ``config.json`` that belongs to it (run directory, Hugging Face folder), or None.
-        record: the registered weights it names, or None.
-        url: the URL whose download cache holds ``path``, or None.
+    """Where a weights argument led: the local ``path``, its ``config.json`` (or None), the registered ``record``
+    and the ``url`` whose download cache holds it (or None).
     """
 
     source: str
@@ -69,11 +46,7 @@ class ResolvedWeights:
         return self.check(file_sha256(self.path))
 
     def provenance(self) -> str | None:
-        """How the weights were trained, where bt_hub can tell; None when it cannot (a model card says "unknown").
-
-        Registered weights are Barlow Twins weights; a file in a bt_hub pretraining run folder comes from
-        that run; a Hugging Face folder says what the export that wrote it knew (config.json ``provenance``).
-        """
+        """How the weights were trained, where bt_hub can tell (registry, pretraining run, config.json)."""
         if self.record is not None:
             return f"registered Barlow Twins weights {self.record.short_name}"
         if run_kind(self.path.parent) == "pretrain":
@@ -84,17 +57,7 @@ class ResolvedWeights:
 
 
 def resolve(source: WeightsSource, *, progress: bool = True, projector: bool = False) -> ResolvedWeights:
-    """The local weights file behind ``source`` (downloaded and verified first when remote).
-
-    Args:
-        source: see the module docstring.
-        progress: show a progress bar while downloading.
-        projector: also fetch ``projector.safetensors`` of a Hub repo, when it has one.
-
-    Raises:
-        CheckpointError: no such file or folder, a folder without weights, an unknown name.
-        DownloadError: a URL or Hub file that could not be fetched or failed its checks.
-    """
+    """The local weights file behind ``source``, fetched and verified first when remote."""
     if isinstance(source, BarlowTwinsWeights):
         return _from_record(source, progress, projector)
     text = os.fspath(source)

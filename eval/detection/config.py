@@ -1,11 +1,4 @@
-"""Where the detection YAMLs live, and how each engine reads them (one source of truth).
-
-The YAMLs sit in ``detection_configs/`` at the repository root and install as the
-``bt_hub.detection_configs`` package (pyproject ``package-dir``). detectron2 reads them
-through its own ``get_cfg`` (:func:`build_cfg`); the torchvision engine reads the same files
-with PyYAML (:func:`load_settings`), which is why the shared base writes out every value the
-torchvision engine uses, detectron2's defaults included.
-"""
+"""Where the detection YAMLs live, and how detectron2 (``get_cfg``) and the torchvision engine read them."""
 
 from __future__ import annotations
 
@@ -47,11 +40,7 @@ def configs_dir() -> Path:
 
 
 def resolve_config(name_or_path: str) -> Path:
-    """``voc`` / ``coco`` -> the shipped YAML; anything else must be an existing YAML file.
-
-    Raises:
-        FileNotFoundError: the name is neither an alias nor an existing file.
-    """
+    """``voc`` / ``coco`` -> the shipped YAML; anything else must be an existing YAML file (else FileNotFoundError)."""
     if name_or_path in CONFIGS:
         path = configs_dir() / CONFIGS[name_or_path]
         if not path.is_file():
@@ -79,19 +68,7 @@ def _check_opts(opts: Sequence[str]) -> list[str]:
 def build_cfg(
     path: str | Path, opts: Sequence[str], *, weights: str, device: str, seed: int, output_dir: str | Path
 ) -> Any:
-    """A frozen detectron2 ``CfgNode``: defaults, then the YAML, then the flags, then ``opts``.
-
-    Args:
-        path: the YAML (``_BASE_`` is resolved relative to it).
-        opts: ``KEY VALUE`` pairs, detectron2's command-line override syntax.
-        weights: ``MODEL.WEIGHTS`` (a detectron2 ``.pkl``).
-        device: ``MODEL.DEVICE``.
-        seed: ``SEED``.
-        output_dir: ``OUTPUT_DIR``.
-
-    Raises:
-        ValueError: an odd number of opts, an opt that a flag owns, or a key detectron2 does not know.
-    """
+    """A frozen detectron2 ``CfgNode``: defaults, YAML, flags, then ``opts`` (ValueError for a bad one)."""
     from detectron2.config import get_cfg
 
     opts = _check_opts(opts)
@@ -110,12 +87,7 @@ def build_cfg(
 
 
 class Settings:
-    """A merged YAML tree read by dotted key; a missing key is an error naming the file.
-
-    Args:
-        tree: the nested dict (``_BASE_`` chain merged, opts applied).
-        source: the YAML it came from (named in errors).
-    """
+    """A merged YAML tree read by dotted key; a missing key is an error naming ``source``, the file."""
 
     def __init__(self, tree: dict[str, Any], source: str | Path) -> None:
         self.tree = tree
@@ -179,11 +151,7 @@ def _parse_value(text: str) -> Any:
 
 
 def load_settings(path: str | Path, opts: Sequence[str] = ()) -> Settings:
-    """The YAML at ``path`` (``_BASE_`` chain merged), then ``opts`` (``KEY VALUE`` pairs).
-
-    Raises:
-        ValueError: an odd number of opts, an opt that a flag owns, or a key the YAML does not set.
-    """
+    """The YAML at ``path`` (``_BASE_`` merged), then ``opts`` (ValueError for a bad one)."""
     path = Path(path)
     settings = Settings(_read_tree(path), path)
     opts = _check_opts(opts)
@@ -200,12 +168,7 @@ def load_settings(path: str | Path, opts: Sequence[str] = ()) -> Settings:
 
 
 def opts_overrides(path: str | Path, opts: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """``{KEY: {"value": opts' value, "preset": the config's}}`` for every ``KEY VALUE`` pair that changes the config.
-
-    The config's value is the YAML's (``_BASE_`` chain merged) or, for a key the YAML leaves
-    to detectron2 (only the detectron2 engine accepts those), detectron2's default. The
-    results record lists these, so a run that is not its preset says so.
-    """
+    """``{KEY: {"value": opts' value, "preset": the config's}}`` for every opt that changes the config."""
     opts = _check_opts(opts)
     settings = Settings(_read_tree(Path(path)), path)
     changed = {}
@@ -230,13 +193,7 @@ def _detectron2_default(key: str) -> Any:
 
 
 def scale_to_world_size(settings: Settings, world_size: int) -> Settings:
-    """``SOLVER.REFERENCE_WORLD_SIZE`` as detectron2 applies it: batch and lr x N/ref, iterations x ref/N.
-
-    Nothing changes when the reference is 0 or equals ``world_size``.
-
-    Raises:
-        ValueError: the scaled batch does not split evenly over ``world_size`` processes.
-    """
+    """``SOLVER.REFERENCE_WORLD_SIZE`` as detectron2 applies it (ValueError when the batch does not split evenly)."""
     reference = int(settings["SOLVER.REFERENCE_WORLD_SIZE"])
     if reference in (0, world_size):
         return settings

@@ -1,18 +1,4 @@
-"""Detection data without detectron2: dataset names -> files, annotation records, a torch Dataset.
-
-The configs name datasets as detectron2 does; :func:`locate` maps a name onto ``--data ROOT``
-(both engines use it, so they read the same files):
-
-- ``voc_{year}_{split}``: ``ROOT/VOC{year}/`` in devkit layout (``Annotations/``,
-  ``ImageSets/Main/{split}.txt``, ``JPEGImages/``). The classes are the 20 PASCAL VOC classes,
-  or the lines of ``ROOT/VOC{year}/classes.txt`` when the devkit has one (a devkit of other
-  classes, e.g. ``bt-hub make-detection-data``), so AP is averaged over the set's own classes.
-- ``coco_{year}_{split}``: ``ROOT/annotations/instances_{split}{year}.json`` with images in
-  ``ROOT/{split}{year}/``; the classes are the json's categories in id order.
-
-Records use detectron2's conventions: boxes are XYXY in continuous pixel coordinates (a VOC
-box ``xmin=1 .. xmax=W`` covers the whole image: ``0 .. W``), class indices are 0-based.
-"""
+"""Detection data without detectron2: dataset names -> files, annotation records, a torch Dataset."""
 
 from __future__ import annotations
 
@@ -64,12 +50,7 @@ class Record:
 
 
 def locate(name: str, root: str | Path) -> DatasetLocation:
-    """The files of dataset ``name`` under ``root`` (see the module doc).
-
-    Raises:
-        FileNotFoundError: a file or folder the dataset needs is missing under ``root``.
-        ValueError: ``name`` is neither ``voc_<year>_<split>`` nor ``coco_<year>_<split>``.
-    """
+    """The files of dataset ``name`` under ``root`` (FileNotFoundError if missing, ValueError for another name)."""
     root = Path(root).expanduser()
     if match := _VOC.match(name):
         year, split = match.groups()
@@ -196,12 +177,7 @@ def masks_of(record: Record, keep: np.ndarray) -> np.ndarray:
 
 
 class DetectionDataset(Dataset):
-    """Images of ``records`` as float RGB tensors in [0, 1] with torchvision detection targets.
-
-    Targets: ``boxes`` (XYXY), ``labels`` (1-based: torchvision's 0 is the background) and,
-    with ``with_masks``, ``masks``. Crowd objects are left out. ``flip`` mirrors an image and
-    its targets horizontally with probability 1/2 (detectron2's ``RANDOM_FLIP horizontal``).
-    """
+    """Images of ``records`` as [0, 1] RGB tensors with torchvision targets (1-based labels, no crowds)."""
 
     def __init__(self, records: list[Record], *, with_masks: bool = False, flip: bool = False) -> None:
         self.records = records

@@ -1,13 +1,4 @@
-"""``bt-hub detect``: Faster/Mask R-CNN R50-C4 transfer (docs/protocols.md §3) on one of two engines.
-
-Reads top to bottom: the flags (``DetectConfig``), the engine (``--engine``: detectron2, or
-the torchvision R50-C4 of ``bt_hub.eval.detection.torchvision_engine.model``; ``auto`` takes detectron2 when
-it is importable), the config (a shipped YAML or a file, then ``opts``; both engines read the
-same YAML), one trial per seed, and ``results.json`` with the mean and standard deviation
-over the trials. detectron2 trials run through detectron2's own ``launch`` (one process per
-GPU, several machines) and trainer (``bt_hub.eval.detection.detectron2_engine.trainer``); torchvision trials run in
-this process, one per torchrun process (``bt_hub.eval.detection.torchvision_engine.trainer``).
-"""
+"""``bt-hub detect``: Faster/Mask R-CNN R50-C4 transfer (docs/protocols.md §3) on one of two engines."""
 
 from __future__ import annotations
 
@@ -24,14 +15,40 @@ from bt_hub.common.config import RunConfig, out_field
 from bt_hub.common.optional import require
 from bt_hub.common.runs import check_run_dir, claimed_run_dir
 from bt_hub.eval.detection.config import CONFIGS
+from bt_hub.eval.report import DETECTION_METRICS, PaperRow, Table
 from bt_hub.eval.runner import LoadedWeights, load_weights, write_records
 
 __all__ = ["DetectConfig", "aggregate_trials", "main", "prepare_weights", "resolve_engine"]
 
 INSTALL_PURPOSE = "bt-hub detect --engine detectron2 (detection transfer)"
 ENGINES = ("auto", "torchvision", "detectron2")
-# the paper's rows (bt_hub.common.records.PAPER_RESULTS) that the shipped configs follow
-PAPER_TASKS = {"voc": "voc07+12_faster_rcnn_c4", "coco": "coco_mask_rcnn_c4_1x"}
+_TASK = "object-detection"  # the Hugging Face task type
+# the results.md table and the paper's row of each shipped config; other data gets the last table and no row
+TABLES = {
+    "voc": Table("Detection transfer: VOC07+12 Faster R-CNN R50-C4 (paper Table 4)", DETECTION_METRICS[:3], task=_TASK),
+    "coco": Table("Detection transfer: COCO Mask R-CNN R50-C4 1x (paper Table 4)", DETECTION_METRICS, task=_TASK),
+    None: Table(
+        "Detection on other data (e.g. the generated shapes of the installation check; no paper row)",
+        DETECTION_METRICS,
+        task=_TASK,
+    ),
+}
+PAPER_ROWS = {
+    "voc": PaperRow(
+        "voc07+12_faster_rcnn_c4",
+        "VOC07+12 (test: VOC07 test)",
+        "preset voc; Faster R-CNN R50-C4, 24k iterations, 5 trials",
+        ("voc", "vocdevkit", "voc0712", "voc2007", "voc2012"),
+        4952,
+    ),
+    "coco": PaperRow(
+        "coco_mask_rcnn_c4_1x",
+        "COCO 2017 (test: val2017)",
+        "preset coco; Mask R-CNN R50-C4, 1x schedule",
+        ("coco", "coco2017", "mscoco"),
+        5000,
+    ),
+}
 # overrides that change how a run executes, not what a trial computes: the paper's row still applies
 EXECUTION_OVERRIDES = ("trials", "DATALOADER.NUM_WORKERS", "SOLVER.CHECKPOINT_PERIOD")
 
@@ -142,11 +159,7 @@ def resolve_engine(engine: str) -> str:
 
 
 def prepare_weights(weights: LoadedWeights, out_dir: Path) -> tuple[str, dict[str, Any]]:
-    """``MODEL.WEIGHTS`` for the loaded weights and the backbone's detectron2 tensors (to check the load).
-
-    A ``.pkl`` is used as it is; anything else is written as ``out_dir/weights.pkl`` (detectron2
-    names, ``matching_heuristics``) from the tensors that were loaded (and hashed) once.
-    """
+    """``MODEL.WEIGHTS`` (a ``.pkl`` as is, else ``out_dir/weights.pkl``) and the backbone's detectron2 tensors."""
     from bt_hub.weights import save_detectron2, to_detectron2
 
     state = weights.network.state_dict()
@@ -169,11 +182,7 @@ def aggregate_trials(trials: list[dict[str, float]]) -> dict[str, float]:
 
 
 def main(config: DetectConfig) -> dict[str, Any] | None:
-    """Run ``config.trials`` detection transfers and write ``results.json`` (machine / rank 0).
-
-    Returns:
-        The results record on the main process, None on the others.
-    """
+    """Run ``config.trials`` detection transfers; the record on the main process, else None."""
     start = time.time()
     engine = resolve_engine(config.engine)
     with claimed_run_dir(Path(config.out).expanduser(), kind="detect", overwrite=config.overwrite) as out:
@@ -279,13 +288,10 @@ def _write(
     trials: list[dict[str, Any]],
     start: float,
 ) -> dict[str, Any]:
-    """Write ``results.json`` and append to ``results.jsonl`` / ``results.md``; the record.
+    """Write the record (results.json, .jsonl, .md) and return it.
 
-    Its ``overrides`` are every flag changed from its default and every ``KEY VALUE`` of the
-    opts that changes the config, with the config's value beside it, so a shortened run never
-    reads like its preset; the paper's row stands beside it only when nothing but
-    ``EXECUTION_OVERRIDES`` changed. (The runner's ``EvalRun.record`` takes overrides from a config
-    dataclass only, and the opts are not fields of one.)
+    Its ``overrides`` include every opt that changes the config, so a shortened run never reads like its
+    preset; the paper's row applies only when nothing but ``EXECUTION_OVERRIDES`` changed.
     """
     from bt_hub.common.presets import overrides
     from bt_hub.common.records import make_record
@@ -297,7 +303,7 @@ def _write(
         **overrides(config, ignore=(*DetectConfig.RUN_FIELDS, "engine", "opts")),
         **opts_overrides(yaml_path, config.opts),
     }
-    paper = PAPER_TASKS.get(str(preset)) if set(changed) <= set(EXECUTION_OVERRIDES) else None
+    paper = PAPER_ROWS.get(str(preset)) if set(changed) <= set(EXECUTION_OVERRIDES) else None
     record = make_record(
         protocol="detect",
         metrics=aggregate_trials([t["metrics"] for t in trials]),
@@ -319,7 +325,8 @@ def _write(
         wall_time_s=time.time() - start,
         overrides=changed,
         notes={"engine": engine, "trials": [{"seed": t["seed"], "metrics": t["metrics"]} for t in trials]},
-        paper_task=paper,
+        paper=paper.block() if paper else None,
+        table=TABLES.get(str(preset), TABLES[None]).block(),
     )
     write_records(config.out, [record])
     return record

@@ -1,11 +1,4 @@
-"""Detection metrics without detectron2: the PASCAL VOC devkit's AP and COCO AP through pycocotools.
-
-Predictions are, per image id, a dict of numpy arrays: ``boxes`` (N x 4, XYXY in the pixels
-of the original image), ``scores`` (N), ``labels`` (N, 0-based class indices) and, for masks,
-``masks`` (N x H x W bool, or a list of COCO RLE dicts). Both evaluators return percentages
-under detectron2's names: ``{"bbox": {"AP", "AP50", "AP75"}}`` (VOC; AP is the mean over IoU
-0.50:0.95 of the class-mean AP) and ``{"bbox": ..., "segm": ...}`` (COCO).
-"""
+"""Detection metrics without detectron2: the VOC devkit's AP and COCO AP, under detectron2's names."""
 
 from __future__ import annotations
 
@@ -123,14 +116,7 @@ def voc_evaluate(
     *,
     use_07_metric: bool,
 ) -> dict[str, dict[str, float]]:
-    """PASCAL VOC box AP (percent): ``{"bbox": {"AP", "AP50", "AP75"}}``.
-
-    Each class's AP follows the devkit: detections sorted by score, a detection is a true
-    positive when its IoU with an unmatched ground-truth box of its class exceeds the
-    threshold, ``difficult`` boxes count neither way. AP50/AP75 are class means at IoU 0.5 /
-    0.75, AP their mean over IoU 0.50:0.95. Classes without ground truth in ``records`` are
-    left out of the mean (detectron2 counts them as 0).
-    """
+    """PASCAL VOC box AP, AP50 and AP75 (percent) as the devkit computes them; classes without ground truth left out."""
     per_class = [_class_ap(records, predictions, c, VOC_IOU_THRESHOLDS, use_07_metric) for c in range(num_classes)]
     present = (
         np.stack([ap for ap in per_class if ap is not None])
@@ -156,14 +142,7 @@ def encode_masks(masks: Any) -> list[dict[str, Any]]:
 def coco_evaluate(
     coco_gt: Any, predictions: Mapping[Any, Mapping[str, Any]], category_ids: Sequence[int], *, with_masks: bool
 ) -> dict[str, dict[str, float]]:
-    """COCO box (and mask) AP / AP50 / AP75 in percent, computed by pycocotools' ``COCOeval``.
-
-    Args:
-        coco_gt: the ground truth as a ``pycocotools.coco.COCO``.
-        predictions: per image id, as the module doc says (boxes are converted to XYWH here).
-        category_ids: the COCO category id of each 0-based class index.
-        with_masks: evaluate ``segm`` too (predictions must carry ``masks``).
-    """
+    """COCO box (and, ``with_masks``, mask) AP / AP50 / AP75 in percent by pycocotools' ``COCOeval``."""
     cocoeval = require("pycocotools.cocoeval", "COCO evaluation")
     results = []
     for image_id, p in predictions.items():

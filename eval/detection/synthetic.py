@@ -1,21 +1,4 @@
-"""A learnable generated detection set: coloured shapes on textured canvases, boxes and masks.
-
-Four classes that nothing else looks like — a red square, a green disc, a blue triangle and
-a yellow cross — are drawn at random positions and sizes (from 10% to 45% of the image side,
-so some are COCO-"small") on a grey texture, 2 to 5 per image, never overlapping. Every
-choice comes from one seed. ``bt-hub make-detection-data`` writes the same images in both
-layouts the detection configs read:
-
-- VOC devkit: ``ROOT/VOC2007/{Annotations,ImageSets/Main/{trainval,test}.txt,JPEGImages}``
-  (1-based inclusive corners, ``difficult`` 0) and ``ROOT/VOC2007/classes.txt``, the set's own
-  class list (one name a line), which both detection engines register instead of the 20 VOC
-  classes so that AP is averaged over these four classes only;
-- COCO json: ``ROOT/annotations/instances_{train,val}2017.json`` (``[x, y, w, h]`` boxes,
-  polygon masks, areas of the rasterised masks) with images in ``ROOT/{train,val}2017/``.
-
-A detector that works learns these shapes within minutes of CPU (docs/detection.md, "Check
-an installation"); one that does not is broken, not unlucky.
-"""
+"""A generated detection set of four coloured shapes, as a VOC devkit and COCO json (docs/detection.md)."""
 
 from __future__ import annotations
 
@@ -122,16 +105,7 @@ def _overlaps(box: Sequence[int], others: Sequence[Shape], gap: int = 2) -> bool
 
 
 def draw_image(rng: np.random.Generator, size: int, max_objects: int = 5) -> tuple[Image.Image, list[Shape]]:
-    """A textured ``size`` x ``size`` image with 2..max_objects non-overlapping shapes.
-
-    Args:
-        rng: the random generator every choice is drawn from.
-        size: image side in pixels.
-        max_objects: the most shapes per image.
-
-    Returns:
-        The RGB image and its shapes (drawn exactly as their polygons rasterise).
-    """
+    """A textured ``size`` x ``size`` image with 2..max_objects non-overlapping shapes."""
     pixels = _texture(rng, size)
     shapes: list[Shape] = []
     low, high = max(6, round(0.10 * size)), max(8, round(0.45 * size))
@@ -179,20 +153,7 @@ def write_voc(
     size: int = 128,
     seed: int = 0,
 ) -> Path:
-    """Write a VOC devkit of generated images: ``root/VOC{year}/`` with its own ``classes.txt``.
-
-    Boxes follow the devkit's convention (1-based, inclusive integer corners); every
-    object has ``difficult`` 0.
-
-    Args:
-        root: the devkit root (``bt-hub detect --data`` takes this directory).
-        splits: images per split per year; default 2007 trainval 8 / test 4, 2012 trainval 8.
-        size: image side in pixels.
-        seed: seed of every image and shape (splits are drawn in the order given).
-
-    Returns:
-        ``root``.
-    """
+    """Write a VOC devkit of generated images under ``root/VOC{year}/`` (1-based inclusive corners); return ``root``."""
     root = Path(root)
     splits = splits or {"2007": {"trainval": 8, "test": 4}, "2012": {"trainval": 8}}
     rng = np.random.default_rng(seed)
@@ -216,21 +177,7 @@ def write_coco(
     size: int = 128,
     seed: int = 0,
 ) -> Path:
-    """Write COCO-layout data of generated images: ``root/annotations/instances_{split}.json`` and ``root/{split}/``.
-
-    Categories are the classes (ids 1..4); each annotation carries its box ``[x, y, w, h]``,
-    its polygon and the pixel area of the rasterised polygon. With the same seed and counts,
-    the images equal those of :func:`write_voc` (split by split).
-
-    Args:
-        root: the dataset root (``bt-hub detect --data`` takes this directory).
-        splits: images per split; default train2017 8, val2017 4.
-        size: image side in pixels.
-        seed: seed of every image and shape.
-
-    Returns:
-        ``root``.
-    """
+    """Write the images of :func:`write_voc` in COCO layout under ``root``; return ``root``."""
     root = Path(root)
     splits = splits or {"train2017": 8, "val2017": 4}
     rng = np.random.default_rng(seed)
@@ -294,16 +241,9 @@ class DetectionDataConfig:
 
 
 def make_detection_data(config: DetectionDataConfig) -> Path:
-    """Write the generated set in both layouts under ``config.out`` (see the module doc).
+    """Write the generated set in both layouts under ``config.out``, through a partial folder renamed when complete.
 
-    A folder that already holds the same set (same flags) is left as it is. The set is written
-    into ``.<out name>.bt_hub-partial/`` beside ``--out`` and renamed into place once complete,
-    so an interrupted run never leaves a half-written ``--out``; the next run removes the
-    partial folder it left (one warning line).
-
-    Raises:
-        FileExistsError: ``--out`` holds other files, or a folder of the partial folder's name is
-            not bt_hub's (nothing is overwritten or removed).
+    A folder that already holds the same set is left as it is; FileExistsError when ``--out`` holds other files.
     """
     root = Path(config.out).expanduser().resolve()
     record: dict[str, Any] = {**asdict(config), "classes": list(CLASSES), "layouts": ["voc2007", "coco2017"]}
@@ -328,11 +268,7 @@ def make_detection_data(config: DetectionDataConfig) -> Path:
 
 
 def _clear_partial(root: Path) -> Path:
-    """The partial folder of ``root``, emptied of what an interrupted run left there (only if bt_hub made it).
-
-    Raises:
-        FileExistsError: a folder of that name exists without bt_hub's partial marker.
-    """
+    """The partial folder of ``root``, emptied of an interrupted run's files (only if bt_hub made it)."""
     partial = root.parent / f".{root.name}{PARTIAL_SUFFIX}"
     if partial.is_symlink() or partial.exists():
         if partial.is_symlink() or not (partial / PARTIAL_MARKER).is_file():

@@ -1,19 +1,5 @@
-"""Point detectron2's standard dataset names at a data root given on the command line.
-
-The configs name the datasets as detectron2 does (``voc_2007_trainval``, ``coco_2017_val``,
-...). detectron2 registers those names at import time under ``$DETECTRON2_DATASETS``;
-:func:`register_datasets` replaces each name used by a config with the same dataset under
-``--data ROOT``, located by ``bt_hub.eval.detection.data.locate`` (the torchvision engine reads the
-same files):
-
-- ``voc_{year}_{split}``: ``ROOT/VOC{year}/`` in devkit layout, registered with the devkit's
-  own class list (``classes.txt``, else the 20 VOC classes); evaluated with detectron2's VOC
-  evaluator (11-point AP for 2007, as the VOC07 devkit).
-- ``coco_{year}_{split}``: ``ROOT/annotations/instances_{split}{year}.json`` with images in
-  ``ROOT/{split}{year}/``; evaluated with detectron2's COCO evaluator (box, and mask when
-  the model predicts masks).
-
-Other names are left as they are if already registered (a caller's own datasets).
+"""Point detectron2's standard dataset names (``voc_2007_trainval``, ``coco_2017_val``, ...) at ``--data ROOT``,
+located as the torchvision engine locates them (``bt_hub.eval.detection.data.locate``).
 """
 
 from __future__ import annotations
@@ -52,12 +38,7 @@ def _register_coco(loc: DatasetLocation) -> None:
 
 
 def register_datasets(names: Iterable[str], root: str | Path) -> None:
-    """Register every VOC/COCO name in ``names`` on the data under ``root`` (see the module doc).
-
-    Raises:
-        FileNotFoundError: a file or folder a dataset needs is missing under ``root``.
-        ValueError: a name is neither VOC, COCO nor already registered.
-    """
+    """Register the VOC/COCO ``names`` on ``root`` (FileNotFoundError if missing, ValueError for others)."""
     root = Path(root).expanduser()
     if not root.is_dir():
         raise FileNotFoundError(f"--data {root} is not a directory")

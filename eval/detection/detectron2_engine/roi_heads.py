@@ -1,11 +1,4 @@
-"""``Res5ROIHeadsExtraNorm``: detectron2's C4 RoI head with one more norm layer after res5.
-
-When the backbone's BN layers are fine-tuned (FREEZE_AT 0, SyncBN), MoCo's detection
-configs add a norm layer (the backbone's ``MODEL.RESNETS.NORM``) after the last res5 block
-of the head; the Barlow Twins detection transfer uses the same head (docs/protocols.md §3).
-Importing this module registers the head in detectron2's ``ROI_HEADS_REGISTRY``; it needs
-detectron2, so only code that already requires detectron2 imports it.
-"""
+"""detectron2's C4 RoI head with MoCo's extra norm after res5, registered on import."""
 
 from __future__ import annotations
 
@@ -19,7 +12,6 @@ __all__ = ["Res5ROIHeadsExtraNorm"]
 
 
 def _register(cls: type) -> type:
-    """Register ``cls`` once (a second import, e.g. by a spawned worker, must not fail)."""
     if cls.__name__ not in ROI_HEADS_REGISTRY:
         ROI_HEADS_REGISTRY.register(cls)
     return cls

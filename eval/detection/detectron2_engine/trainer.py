@@ -1,8 +1,4 @@
-"""The detectron2 trainer of the transfer runs, the weights check and one trial end to end.
-
-Everything here needs detectron2; ``bt_hub.eval.detection.detect`` imports this module only
-after checking that detectron2 is installed (and inside each launched process).
-"""
+"""The detectron2 trainer of the transfer runs, the weights check and one trial end to end (needs detectron2)."""
 
 from __future__ import annotations
 
@@ -51,11 +47,7 @@ class LossLog(HookBase):
 
 
 class Trainer(DefaultTrainer):
-    """DefaultTrainer with VOC/COCO evaluators, a per-iteration loss log and one final evaluation.
-
-    The periodic EvalHook is dropped: the protocol's number is the evaluation after the last
-    iteration (and after precise BN), which :func:`run_trial` runs explicitly.
-    """
+    """DefaultTrainer with VOC/COCO evaluators, a per-iteration loss log and one final evaluation (no periodic one)."""
 
     def __init__(self, cfg: CfgNode, run_dir: RunDir) -> None:
         self._run_dir = run_dir
@@ -87,15 +79,7 @@ def _evaluator(
 def evaluate_dataset(
     data_root: str | Path, dataset_name: str, predictions: Mapping[Any, Mapping[str, Any]], *, with_masks: bool
 ) -> dict[str, dict[str, float]]:
-    """detectron2's own evaluator of ``dataset_name`` (under ``data_root``) on given predictions.
-
-    ``predictions`` are per image id as ``bt_hub.eval.detection.evaluation`` describes them (XYXY
-    boxes in original pixels, 0-based labels, masks as bool arrays or RLEs); they are handed
-    to the evaluator as the ``Instances`` a detectron2 model would output.
-
-    Returns:
-        ``{"bbox": {"AP", "AP50", "AP75", ...}}`` (+ ``"segm"``), as detectron2 reports them.
-    """
+    """detectron2's own evaluator of ``dataset_name`` on predictions in bt_hub.eval.detection.evaluation's form."""
     from detectron2.data import DatasetCatalog
     from detectron2.structures import Boxes, Instances
     from pycocotools import mask as mask_util
@@ -131,15 +115,7 @@ def _bare(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def unloaded_parameters(model: torch.nn.Module, expected: Mapping[str, Any]) -> list[str]:
-    """Backbone and res5 tensors of a detectron2 R50-C4 model that differ from ``expected``.
-
-    ``expected`` is the ``"model"`` dict of a detectron2 ``.pkl`` (``stem.*``, ``res2``..``res5``
-    names); ``res5.*`` lives in the model at ``roi_heads.res5.*``. The extra norm after res5 is
-    new (not in any backbone) and ``num_batches_tracked`` is bookkeeping: both are skipped.
-
-    Returns:
-        The model's names whose tensor is missing from ``expected`` or not equal to it.
-    """
+    """The model's backbone and res5 names whose tensor is missing from ``expected`` (a ``.pkl``'s) or differs."""
     bad = []
     for name, tensor in _bare(model).state_dict().items():
         if name.endswith("num_batches_tracked") or name.startswith("roi_heads.res5.norm."):
@@ -157,21 +133,10 @@ def unloaded_parameters(model: torch.nn.Module, expected: Mapping[str, Any]) -> 
 
 
 def run_trial(cfg: CfgNode, data_root: str, expected: Mapping[str, Any] | None, resume: bool) -> None:
-    """Train and evaluate one seed; the main process writes ``OUTPUT_DIR/trial_metrics.json``.
+    """Train and evaluate one seed in a ``launch``-ed process; the main one writes ``OUTPUT_DIR/trial_metrics.json``.
 
-    Runs inside each process that ``detectron2.engine.launch`` starts (or in the caller's
-    process on one device).
-
-    Args:
-        cfg: the frozen config of this trial (its ``SEED`` and ``OUTPUT_DIR`` included).
-        data_root: ``--data``; the config's dataset names are registered on it.
-        expected: the backbone's detectron2 tensors, checked after loading ``MODEL.WEIGHTS``
-            (None skips the check, e.g. when resuming).
-        resume: continue from the last checkpoint in ``OUTPUT_DIR`` when there is one.
-
-    Raises:
-        ValueError: the weights leave backbone/res5 tensors unloaded, or the model's class
-            count does not match the data.
+    ``expected`` (None skips the check) is compared after loading: ValueError for unloaded backbone/res5
+    tensors or a class count that does not fit the data.
     """
     out = Path(cfg.OUTPUT_DIR)
     rank = comm.get_rank()

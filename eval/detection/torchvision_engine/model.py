@@ -1,24 +1,4 @@
-"""The paper's R50-C4 Faster / Mask R-CNN built from torchvision parts, configured by the detection YAMLs.
-
-As detectron2's ``GeneralizedRCNN`` + ``Res5ROIHeads`` (+ MoCo's extra norm):
-
-- trunk: a torchvision ResNet's ``conv1 .. layer3`` (1024 channels, stride 16), every layer
-  trained (``FREEZE_AT 0``), BatchNorm in train mode (SyncBN under DDP);
-- RPN on that one map: anchors ``ANCHOR_GENERATOR.SIZES`` x ``ASPECT_RATIOS`` (32..512 x
-  0.5/1/2), torchvision's ``RPNHead`` (3x3 conv + 1x1 objectness / deltas), the YAML's
-  IoU thresholds, sampling and pre/post-NMS top-k;
-- RoI features: ``roi_align(aligned=True)`` (detectron2's ``ROIAlignV2``) at
-  ``ROI_BOX_HEAD.POOLER_RESOLUTION`` (14) and scale 1/16;
-- box head: ``layer4`` (res5) + the extra BatchNorm (``Res5ROIHeadsExtraNorm``) + mean pool,
-  then a linear classifier and class-specific box deltas;
-- mask head (``MASK_ON``): the same res5 features — during training the rows res5 already
-  computed for the foreground RoIs, as detectron2 does — then a 2x2 stride-2 deconvolution
-  2048 -> ``ROI_MASK_HEAD.CONV_DIM`` (256), ReLU and a 1x1 predictor;
-- images: RGB in [0, 1] normalised by ``PIXEL_MEAN / 255`` and ``PIXEL_STD / 255``, shorter
-  side drawn from ``MIN_SIZE_TRAIN`` when training (``MIN_SIZE_TEST`` otherwise), capped by
-  ``MAX_SIZE_*``, padded to the batch's largest image only (detectron2's C4 has no size
-  divisibility).
-"""
+"""The paper's R50-C4 Faster / Mask R-CNN from torchvision parts, as detectron2's (docs/detection.md)."""
 
 from __future__ import annotations
 
@@ -75,10 +55,7 @@ class RoIAlignC4(MultiScaleRoIAlign):
 
 
 class Res5Head(nn.Module):
-    """res5 (``layer4``) + the extra norm; ``forward`` mean-pools for the box predictor.
-
-    In training the res5 maps are kept until the mask branch takes its foreground rows.
-    """
+    """res5 (``layer4``) + the extra norm; ``forward`` mean-pools for the box predictor."""
 
     def __init__(self, layer4: nn.Module, extra_norm: bool) -> None:
         super().__init__()
@@ -102,10 +79,8 @@ class Res5Head(nn.Module):
 class Res5MaskFeatures(MultiScaleRoIAlign):
     """The mask branch's input: res5 maps of the mask boxes, shared with the box head.
 
-    Training: the rows the box head computed for the same (foreground) proposals, found by
-    their coordinates — the boxes are copies of rows of the sampled proposals. Inference:
-    res5 of the RoIAlign features of the predicted boxes. Holds no parameters of its own;
-    the pooler and head it uses are registered in the box branch only.
+    Training reuses the rows the box head computed for the same foreground proposals; inference runs
+    res5 on the predicted boxes. It holds no parameters of its own.
     """
 
     def __init__(self, pooler: RoIAlignC4, head: Res5Head) -> None:
@@ -166,7 +141,6 @@ class C4Transform(GeneralizedRCNNTransform):
 
 
 def _check_supported(s: Settings) -> None:
-    """Refuse settings this engine does not implement, naming the key."""
     fixed = {
         "MODEL.BACKBONE.FREEZE_AT": 0,
         "MODEL.RESNETS.STRIDE_IN_1X1": False,
@@ -209,18 +183,7 @@ def _check_supported(s: Settings) -> None:
 
 
 def build_c4_model(settings: Settings, resnet: nn.Module) -> FasterRCNN:
-    """The C4 detector of ``settings`` around ``resnet`` (whose tensors it takes over, not copies).
-
-    Args:
-        settings: the YAML's values (:func:`bt_hub.eval.detection.config.load_settings`).
-        resnet: a torchvision ResNet with the backbone weights (``fc`` is not used).
-
-    Returns:
-        A ``FasterRCNN`` (``MaskRCNN`` when ``MODEL.MASK_ON``) in train mode.
-
-    Raises:
-        ValueError: a setting the engine does not implement (named).
-    """
+    """The C4 detector of ``settings`` around ``resnet``'s tensors, in train mode."""
     s = settings
     _check_supported(s)
     num_classes = int(s["MODEL.ROI_HEADS.NUM_CLASSES"]) + 1  # torchvision's class 0 is the background
@@ -291,12 +254,7 @@ def c4_backbone_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def unloaded_backbone_tensors(model: nn.Module, expected: Mapping[str, torch.Tensor]) -> list[str]:
-    """Backbone names whose tensor in ``model`` is missing from ``expected`` or differs from it.
-
-    ``expected`` is a torchvision-named ResNet state dict (``fc`` ignored); every tensor of the
-    trunk and of res5 is compared, ``num_batches_tracked`` included, and a tensor of
-    ``expected`` that the model lacks is reported too.
-    """
+    """Backbone names whose tensor in ``model`` is missing from ``expected`` (torchvision names) or differs from it."""
     ours = c4_backbone_state_dict(model)
     bad = [
         k

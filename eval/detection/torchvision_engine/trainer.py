@@ -1,13 +1,4 @@
-"""The torchvision engine of ``bt-hub detect``: one trial (train, precise BN, evaluate) from the YAML.
-
-It follows detectron2's ``DefaultTrainer`` as the C4 configs use it: an endless shuffled
-stream of the training images (``IMS_PER_BATCH`` split over the torchrun processes), SGD with
-momentum and weight decay (none on norm layers, ``WEIGHT_DECAY_NORM``), a linear warm-up then
-x ``GAMMA`` at each of ``STEPS``, ``MAX_ITER`` iterations, periodic checkpoints, precise BN
-after the last iteration, and the VOC / COCO evaluation of every test dataset. The model is
-``bt_hub.eval.detection.torchvision_engine.model``; data and metrics come from ``bt_hub.eval.detection.data`` and
-``bt_hub.eval.detection.evaluation``, so nothing here needs detectron2.
-"""
+"""The torchvision engine of ``bt-hub detect``: one trial (train, precise BN, evaluate) from the YAML."""
 
 from __future__ import annotations
 
@@ -130,11 +121,7 @@ def _to(
 
 @torch.no_grad()
 def precise_bn(model: nn.Module, batches: Iterator[Any], num_iter: int, device: torch.device) -> None:
-    """Replace every BatchNorm's running statistics by their average over ``num_iter`` training batches.
-
-    The model runs in train mode without gradients; each batch's mean and variance count
-    equally (detectron2's ``TEST.PRECISE_BN``).
-    """
+    """Replace every BatchNorm's running statistics by their average over ``num_iter`` training batches (PRECISE_BN)."""
     bns = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
     saved = [(bn.momentum, bn.num_batches_tracked.clone()) for bn in bns]
     for bn in bns:
@@ -151,12 +138,7 @@ def precise_bn(model: nn.Module, batches: Iterator[Any], num_iter: int, device: 
 def predict(
     model: nn.Module, records: list[Record], device: torch.device, *, with_masks: bool
 ) -> dict[Any, dict[str, Any]]:
-    """This rank's share of ``records`` run through the model in eval mode, one image at a time.
-
-    Returns:
-        Per image id: ``boxes`` (XYXY, original pixels), ``scores``, ``labels`` (0-based) and,
-        with masks, ``masks`` as COCO RLEs (pixels with probability >= 0.5).
-    """
+    """This rank's share of ``records`` in eval mode: boxes (XYXY), scores, 0-based labels, mask RLEs."""
     model.eval()
     dataset = DetectionDataset(records)
     out = {}
@@ -177,11 +159,7 @@ def predict(
 def evaluate_dataset(
     data_root: str | Path, dataset_name: str, predictions: Mapping[Any, Mapping[str, Any]], *, with_masks: bool
 ) -> dict[str, dict[str, float]]:
-    """Metrics of ``predictions`` on a named dataset: VOC AP (11-point for VOC2007, as the devkit) or COCO AP.
-
-    Returns:
-        ``{"bbox": {"AP", "AP50", "AP75"}}`` (+ ``"segm"`` for COCO with masks), percent.
-    """
+    """Percent metrics of ``predictions`` on a named dataset: VOC AP (11-point for VOC2007) or COCO AP."""
     loc = locate(dataset_name, data_root)
     records, names, category_ids = load_records(loc)
     if loc.kind == "voc":
@@ -229,26 +207,10 @@ def run_trial(
     device: torch.device,
     resume: bool,
 ) -> dict[str, Any] | None:
-    """Train and evaluate one seed in this process (one of the torchrun processes, or alone).
+    """Train and evaluate one seed in this process; ``{"seed", "metrics", "config"}`` on the main process, else None.
 
-    Args:
-        settings: the YAML's values (before the world-size rescaling, which happens here).
-        data_root: ``--data``; the config's dataset names are located under it.
-        resnet: a torchvision ResNet with the backbone weights (its tensors become the model's).
-        expected: the backbone's torchvision-named tensors, compared with the model's after
-            building; None skips the check (when resuming).
-        out: the trial's directory (``config.yaml``, ``metrics.jsonl``, ``checkpoint.pth``).
-        seed: this trial's seed (each rank adds its rank).
-        device: this rank's device.
-        resume: continue from ``out/checkpoint.pth`` when there is one.
-
-    Returns:
-        ``{"seed", "metrics", "config"}`` on the main process (also written as
-        ``trial_metrics.json``), None on the others.
-
-    Raises:
-        ValueError: backbone tensors that did not load, a class count that does not fit the data.
-        FloatingPointError: the loss became infinite or NaN.
+    ``settings`` are the YAML's before the world-size rescaling; ``expected`` (None when resuming) is compared
+    with the built model. ValueError for unloaded tensors or classes, FloatingPointError for a non-finite loss.
     """
     settings = scale_to_world_size(settings, get_world_size())
     _seed_this_rank(seed)
@@ -284,7 +246,6 @@ def run_trial(
 
 
 def _seed_this_rank(seed: int) -> None:
-    """Seed torch and numpy with ``seed`` + this process's rank."""
     torch.manual_seed(seed + get_rank())
     np.random.seed((seed + get_rank()) % 2**32)
 
@@ -308,7 +269,6 @@ def _model(
 
 
 def _optimizer(model: nn.Module, settings: Settings) -> tuple[torch.optim.Optimizer, Any]:
-    """SGD with momentum over ``param_groups`` and its warm-up-and-steps schedule (``lr_factor``)."""
     optimizer = torch.optim.SGD(
         param_groups(model, settings["SOLVER.WEIGHT_DECAY"], settings["SOLVER.WEIGHT_DECAY_NORM"]),
         lr=settings["SOLVER.BASE_LR"],
@@ -332,7 +292,6 @@ def _resume(
 
 
 def _distributed(model: nn.Module, device: torch.device) -> nn.Module:
-    """``model`` wrapped in DistributedDataParallel under torchrun, else ``model`` itself."""
     if not is_distributed():
         return model
     return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -362,11 +321,7 @@ def _train(
     out: Path,
     device: torch.device,
 ) -> None:
-    """Iterations ``start`` to ``MAX_ITER``: a row of ``metrics.jsonl`` each, a checkpoint every period and at the end.
-
-    ``trained`` is what runs the batches (``model``, or its DistributedDataParallel wrapper);
-    ``model`` is what the checkpoints hold.
-    """
+    """Iterations ``start`` to ``MAX_ITER``: a ``metrics.jsonl`` row each, a checkpoint every period and at the end."""
     max_iter, period = int(settings["SOLVER.MAX_ITER"]), int(settings["SOLVER.CHECKPOINT_PERIOD"])
     trained.train()
     bar = progress(range(start, max_iter), "detect train", total=max_iter, initial=start, unit="iter")
@@ -436,10 +391,7 @@ def _evaluate(
 def _write_trial(
     results: Mapping[str, dict[str, dict[str, float]]], settings: Settings, seed: int, out: Path
 ) -> dict[str, Any]:
-    """``{"seed", "metrics", "config"}`` with the metrics in ``REPORTED``, also written as ``trial_metrics.json``.
-
-    One test dataset reports its metrics unprefixed (``bbox_AP``), several prefix them with its name.
-    """
+    """``{"seed", "metrics", "config"}`` (metrics prefixed by dataset if several), also as ``trial_metrics.json``."""
     results = results[settings["DATASETS.TEST"][0]] if len(results) == 1 else results
     metrics = {k: v for k, v in flatten_metrics(results).items() if k.rsplit("_", 1)[-1] in REPORTED}
     trial = {"seed": seed, "metrics": metrics, "config": settings.tree}

@@ -4,7 +4,7 @@ The shipped configs build on CPU, the exported Barlow Twins backbone loads into 
 backbone and res5 tensor, detectron2 reads every value of the YAMLs exactly as the
 torchvision engine does, and misconfigurations are named. The training run of
 `bt-hub detect --engine detectron2` on generated shapes is the detectron2 case of the
-engine-parametrised test in tests/test_detection_torchvision.py. The configs' SyncBN runs as
+engine-parametrised test in tests/test_torchvision_engine.py. The configs' SyncBN runs as
 plain BN in a single CPU process (no process group), so it is not overridden here.
 """
 
