@@ -1,23 +1,6 @@
 """``bt-hub eval compare``: are these weights better than no pretraining, on this data, by more than the noise?
 
-Rows are the ``--weights`` (any source the resolver takes) and the ``--baselines``:
-
-- ``pixels``: the test-transformed images, flattened, through the same classifiers;
-- ``random-init``: the same architecture and stem at torchvision's default initialisation
-  (residual BNs at 1, not the zero-initialised branches pretraining starts from), a new
-  network per seed;
-- ``supervised``: the same network trained from scratch on the labelled images (all training
-  labels for kNN and linear, the subset for ``semi``) with ``SUPERVISED`` for
-  ``--supervised-epochs``; its own test top-1 fills each column.
-
-Columns are the ``--protocols``: ``knn`` (weighted kNN, bt_hub.eval.knn), ``linear`` (the grid probe
-of bt_hub.eval.heads, chosen on a validation split of the training data) and ``semi``
-(fine-tuning on ``--fractions`` percent of the labels with the ``--semi-preset`` recipe; pixels
-get the grid probe on the subset). Every cell is the mean ± sample standard deviation over
-``--seeds`` seeds (``--seed``, ``--seed`` + 1, ...); ``SEED_VARIES`` says what a seed changes
-in each. Features are extracted once per network (and cached under ``--cache-dir``) and reused
-by every protocol and seed. ``better`` compares each weights row with the best baseline of a
-column seed by seed (``verdict``).
+Rows (weights, baselines), columns (protocols), seeds, curves and the verdict rule: docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -34,7 +17,6 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset, Subset
-from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from bt_hub.common.presets import baseline, overrides
 from bt_hub.common.progress import progress
@@ -47,8 +29,9 @@ from bt_hub.eval.knn import knn_classify
 from bt_hub.eval.label_subsets import balanced_subset_indices
 from bt_hub.eval.runner import EvalRun, Scored, evaluation
 from bt_hub.eval.semi_supervised import SemiSupervisedConfig, finetune
-from bt_hub.method.model import build_backbone
+from bt_hub.method.model import default_init_backbone
 from bt_hub.method.transforms import eval_transforms
+from bt_hub.train.kept import WeightsRow, curve_rows
 
 BASELINES = ("pixels", "random-init", "supervised")
 PROTOCOLS = ("knn", "linear", "semi")
@@ -60,13 +43,8 @@ SUPERVISED = {"lr_backbone": 0.1, "lr_classifier": 0.1, "weight_decay": 5e-4, "m
 
 @dataclass
 class Source:
-    """One row: a name, how to get its network for a seed, and whether it is a baseline.
-
-    ``network(seed)`` returns the feature extractor (``nn.Flatten()`` for pixels); ``per_seed``
-    says it differs by seed (random-init; pretraining runs ``--as-seeds``), else it is built once.
-    ``fingerprint`` names fixed weights in the records. ``trainable`` networks are fine-tuned by ``semi``; others
-    get the grid probe on the labelled subset's features.
-    """
+    """One row: its name, ``network(seed)`` (``per_seed``: a new one per seed, else built once), whether it is a
+    baseline, the sha256 of its weights, and whether ``semi`` fine-tunes it (else: the grid probe on the subset)."""
 
     name: str
     network: Callable[[int], nn.Module]
@@ -80,20 +58,6 @@ class Source:
     def fingerprint_for(self, seed: int) -> str | None:
         """The sha256 of the weights this row scores at ``seed`` (None: a baseline)."""
         return self.seed_fingerprints.get(seed, self.fingerprint)
-
-
-def default_init_backbone(arch: str, small_image_stem: bool, seed: int) -> nn.Module:
-    """The backbone at torchvision's default initialisation (residual BN weights 1, Kaiming-normal small stem)."""
-    torch.manual_seed(seed)
-    net = build_backbone(arch, small_image_stem=small_image_stem)
-    if small_image_stem:  # torchvision's initialisation of every convolution, which the 3x3 stem replaced
-        nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")
-    for module in net.modules():
-        if isinstance(module, Bottleneck):
-            nn.init.ones_(module.bn3.weight)
-        elif isinstance(module, BasicBlock):
-            nn.init.ones_(module.bn2.weight)
-    return net
 
 
 def _labels_column(column: str) -> int | None:
@@ -110,17 +74,9 @@ def compare(
     supervised: Callable[[int], nn.Module] | None = None,
     settings: CompareConfig | None = None,
 ) -> Comparison:
-    """Score every source in every column for every seed; return the per-seed values and their records.
-
-    Args:
-        sources: the rows (weights first, then baselines).
-        run: the evaluation (its splits, device and settings; the test split is only ever scored).
-        columns: ``kNN``, ``linear`` and ``semi P%`` columns.
-        seeds: one run of every cell per seed.
-        features: ``(source, network, seed) -> (train_x, train_y, test_x, test_y)`` (``feature_source``).
-        supervised: ``seed -> network`` at its default initialisation, to add the supervised baseline.
-        settings: the protocols' settings (default: the run's ``CompareConfig``).
-    """
+    """Score every source in every column (``kNN``, ``linear``, ``semi P%``) for every seed: the per-seed values
+    and their records. ``features(source, network, seed)`` gives (train_x, train_y, test_x, test_y)
+    (``feature_source``); ``supervised(seed)``, a network at its default initialisation, adds that baseline."""
     settings = settings or run.config
     splits = run.splits
     num_classes = len(splits.classes)
@@ -417,53 +373,13 @@ class CompareConfig(EvalConfig):
         return [c for p in self.protocols for c in names[p]]
 
 
-@dataclass
-class WeightsRow:
-    """The weights of one row: a label (None: the file's name), one file per pretraining run, a curve position."""
-
-    label: str | None
-    paths: list[str]
-    position: dict[str, float] = field(default_factory=dict)
-
-
 def weights_rows(config: CompareConfig) -> list[WeightsRow]:
     """``--weights`` as rows: one each; all in one with ``--as-seeds``; one per kept step with ``--over-steps``."""
-    if not config.over_steps:
-        if config.as_seeds:
-            return [WeightsRow(f"{', '.join(Path(w).name or w for w in config.weights)} (as seeds)", config.weights)]
-        return [WeightsRow(None, [w]) for w in config.weights]
-    from bt_hub.train.pretrain import kept_weights
-
-    kept = {}
-    for w in config.weights:
-        kept[w] = {step: (seconds, str(path)) for step, seconds, path in kept_weights(Path(w))}
-        if not kept[w]:
-            raise ValueError(
-                f"--over-steps scores the weights a pretraining run kept, and --weights {w} holds none in kept/; "
-                "pretrain with --keep-every N (or 'log')"
-            )
+    if config.over_steps:
+        return curve_rows(config.weights, config.as_seeds)
     if config.as_seeds:
-        steps = sorted(kept[config.weights[0]])
-        for w in config.weights[1:]:
-            if sorted(kept[w]) != steps:
-                raise ValueError(
-                    f"--as-seeds --over-steps pairs the runs step by step, and --weights {w} kept steps "
-                    f"{sorted(kept[w])} where {config.weights[0]} kept {steps}; keep the same steps in every run"
-                )
-        return [
-            WeightsRow(
-                f"step {step}",
-                [kept[w][step][1] for w in config.weights],
-                {"step": step, "seconds": float(np.mean([kept[w][step][0] for w in config.weights]))},
-            )
-            for step in steps
-        ]
-    prefix = {w: f"{Path(w).name} " if len(config.weights) > 1 else "" for w in config.weights}
-    return [
-        WeightsRow(f"{prefix[w]}step {step}", [path], {"step": step, "seconds": seconds})
-        for w in config.weights
-        for step, (seconds, path) in sorted(kept[w].items())
-    ]
+        return [WeightsRow(f"{', '.join(Path(w).name or w for w in config.weights)} (as seeds)", config.weights)]
+    return [WeightsRow(None, [w]) for w in config.weights]
 
 
 def sources_of(run: EvalRun, baselines: Sequence[str], rows: Sequence[WeightsRow] | None = None) -> list[Source]:

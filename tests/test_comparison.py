@@ -13,12 +13,12 @@ import torch
 from bt_hub import cli
 from bt_hub.common.records import fmt_mean_std
 from bt_hub.data.datasets import ArrayImageDataset
-from bt_hub.eval.comparison import Source, compare, default_init_backbone
+from bt_hub.eval.comparison import Source, compare
 from bt_hub.eval.comparison_report import Comparison, render_markdown
 from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS
 from bt_hub.eval.runner import EvalRun, Settings
 from bt_hub.eval.splits import Splits
-from bt_hub.method.model import build_backbone
+from bt_hub.method.model import build_backbone, default_init_backbone
 
 SETTINGS = SimpleNamespace(
     knn_k=5,

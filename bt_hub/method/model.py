@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torchvision.models import resnet
+from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from bt_hub.method.loss import LAMBD, LossTerms, barlow_twins_loss
 
@@ -117,3 +118,17 @@ class BarlowTwins(nn.Module):
             method=self.loss_method,
             reference_grad_scale=self.reference_grad_scale,
         )
+
+
+def default_init_backbone(arch: str, small_image_stem: bool, seed: int) -> nn.Module:
+    """The backbone at torchvision's default initialisation (residual BN weights 1, Kaiming-normal small stem)."""
+    torch.manual_seed(seed)
+    net = build_backbone(arch, small_image_stem=small_image_stem)
+    if small_image_stem:  # torchvision's initialisation of every convolution, which the 3x3 stem replaced
+        nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")
+    for module in net.modules():
+        if isinstance(module, Bottleneck):
+            nn.init.ones_(module.bn3.weight)
+        elif isinstance(module, BasicBlock):
+            nn.init.ones_(module.bn2.weight)
+    return net

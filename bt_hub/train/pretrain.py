@@ -1,14 +1,6 @@
 """``bt-hub pretrain``: the Barlow Twins training loop (single process or torchrun/DDP).
 
-images -> two views -> backbone -> projector -> loss -> LARS step, with the recipe of
-docs/protocols.md §1 (LRs × batch/256, 10-epoch warm-up then cosine to ×0.001, per step).
-The run directory gets ``run.json``, ``metrics.jsonl`` (one line per logged step),
-``checkpoint.pth`` (every ``--checkpoint-every`` steps and at each epoch end, atomic),
-and at the end the final weights once: ``backbone.safetensors`` (torchvision keys, no
-``fc``; other formats come from ``bt-hub export``) and ``config.json``; with a projector of
-at most ``--probe-max-dim`` dimensions also ``cross_correlation_{start,end}.npy`` of a fixed
-probe batch. ``--resume`` continues bit for bit on CPU (see bt_hub/train/resume.py); a
-finished run is never replaced without ``--overwrite``.
+The recipe is docs/protocols.md §1; what a run directory holds, resuming and preemption: docs/pretraining.md.
 """
 
 from __future__ import annotations
@@ -52,6 +44,7 @@ from bt_hub.method.views import BatchedTwoViews
 from bt_hub.train.batches import ViewDataset, probe_views, save_probe, to_views, view_pair
 from bt_hub.train.compile_auto import AutoCompile
 from bt_hub.train.config import RESUME_INVARIANTS, PretrainConfig
+from bt_hub.train.kept import kept_path, kept_weights
 from bt_hub.train.monitor import KnnMonitor, TensorBoardScalars, monitor_sets
 from bt_hub.train.resume import (
     CHECKPOINT_NAME,
@@ -65,7 +58,6 @@ from bt_hub.train.resume import (
 
 WEIGHTS_NAME = "backbone.safetensors"
 # What a run writes beside its checkpoint (a fresh run with --overwrite removes an earlier run's copies first).
-KEPT_DIR = "kept"
 RUN_OUTPUTS = (WEIGHTS_NAME, "config.json", "cross_correlation_start.npy", "cross_correlation_end.npy")
 
 
@@ -197,23 +189,10 @@ def _write_weights(path: Path, model: BarlowTwins, config: PretrainConfig, **met
     write_safetensors(state, path, metadata={k: str(v) for k, v in meta.items()})
 
 
-def kept_weights(run_dir: Path) -> list[tuple[int, float, Path]]:
-    """The weights ``--keep-every`` kept in a run: (step, training seconds until then, path), by step."""
-    from safetensors import safe_open
-
-    kept = []
-    for path in sorted((run_dir / KEPT_DIR).glob("step-*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-        step = int(meta.get("step", path.stem.removeprefix("step-")))
-        kept.append((step, float(meta.get("train_seconds", "nan")), path))
-    return kept
-
-
 def _keep(loop: _Loop, step: int) -> None:
     """Keep this step's backbone for the learning curve (main process), with the seconds trained so far."""
     if is_main_process():
-        path = Path(loop.config.out) / KEPT_DIR / f"step-{step:06d}.safetensors"
+        path = kept_path(Path(loop.config.out), step)
         path.parent.mkdir(exist_ok=True)
         seconds = f"{loop.seconds:.3f}"
         _write_weights(path, loop.model, loop.config, step=step, train_seconds=seconds, device=loop.device.type)
