@@ -294,7 +294,7 @@ class CompareConfig(EvalConfig):
     semi_epochs: int = field(default=20, metadata={"help": "fine-tuning epochs of semi"})
     supervised_epochs: int = field(default=30, metadata={"help": "epochs of the supervised baseline"})
     finetune_steps: int = field(
-        default=600,
+        default=800,
         metadata={
             "help": "the fewest SGD steps of fine-tuning (semi) and of the supervised baseline: where the labelled "
             "images are few, the epochs rise to reach it, so the from-scratch row learns (0: the epochs as given)"
