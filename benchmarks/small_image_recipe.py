@@ -35,6 +35,7 @@ RECIPES = {
     "epochs-40": {"epochs": 40},
     "epochs-20-fp32": {"epochs": 20, "precision": "fp32"},
     "batch-256-epochs-40": {"epochs": 40, "batch_size": 256},
+    "batch-256-epochs-80": {"epochs": 80, "batch_size": 256},
     "projector-512-epochs-20": {"epochs": 20, "projector": "512-512-128"},
     "lambda-0.03-epochs-20": {"epochs": 20, "lambd": 0.03},
     "crops-0.2-epochs-20": {"epochs": 20, "crop_scale_min": 0.2},

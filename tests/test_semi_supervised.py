@@ -48,12 +48,13 @@ def test_reference_preset_uses_0_005_and_a_cosine_schedule():
     )
 
 
-def test_small_preset_is_the_demos_fine_tuning_recipe():
-    # The demo fine-tunes through the `small` preset itself, so the preset is the recipe the demo measured.
-    from bt_hub.eval import demo
+def test_small_preset_is_eval_compares_fine_tuning_recipe():
+    # eval compare fine-tunes through the `small` preset itself, so the preset is the recipe its semi columns measure.
+    from bt_hub.eval.comparison import CompareConfig
 
-    c = from_preset(SemiSupervisedConfig, demo.SEMI_PRESET, weights="w")
-    assert demo.SEMI_PRESET == "small"
+    preset = CompareConfig(weights=["w"], out=None).semi_preset
+    c = from_preset(SemiSupervisedConfig, preset, weights="w")
+    assert preset == "small"
     assert (c.lr_backbone, c.lr_classifier, c.schedule, c.batch_size) == (0.002, 0.05, "cosine", 32)
     assert (c.crop_scale_min, c.flip) == (0.4, False)
 
