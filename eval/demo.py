@@ -30,7 +30,6 @@ import numpy as np
 from bt_hub.common.config import RunConfig, out_field
 from bt_hub.common.files import atomic_write_json, atomic_write_text
 from bt_hub.common.presets import from_preset, preset_values
-from bt_hub.common.records import seeds_text
 from bt_hub.common.runs import LOCK_NAME, MARKER_NAME, check_run_dir, claim_run_dir, package_version
 from bt_hub.data.datasets import build_dataset
 from bt_hub.data.plots import run_plots
@@ -197,6 +196,14 @@ def compare_settings(config: DemoConfig, runs: list[Path], out: Path) -> Compare
 def _report(config: DemoConfig, result: Comparison, timings: dict[str, float], plots: list[str]) -> str:
     stem = " (3x3 stem)" if config.small_image_stem else ""
     steps = ", ".join(f"{p['step']:g}" for p in sorted(result.positions.values(), key=lambda p: p["step"]))
+    n = config.pretrain_seeds
+    runs = f"{n} pretraining runs, seeds {config.seed} to {config.seed + n - 1}"
+    runs = f"pretraining seed {config.seed}" if n == 1 else runs
+    spread = (
+        "one pretraining run, one evaluation seed: no spread and no verdict"
+        if n == 1
+        else "pretraining run i with evaluation seed i (`--as-seeds`), so every spread is over pretraining runs"
+    )
     last = max(result.positions, key=lambda row: result.positions[row]["step"])
     table = Comparison(
         result.seeds,
@@ -210,13 +217,10 @@ def _report(config: DemoConfig, result: Comparison, timings: dict[str, float], p
         head,
         "",
         f"bt_hub {package_version()}. A {config.backbone}{stem} pretrained with the Barlow Twins loss on the 1,437 "
-        f"training digits at {config.image_size} px ({seeds_text(config.pretrain_seeds)} of pretraining: "
-        f"{config.seed} to {config.seed + config.pretrain_seeds - 1}), {config.epochs} epochs of batch "
-        f"{config.batch_size}, projector {config.projector}, λ = {config.lambd}, LARS base LR {config.lr_weights}, "
-        f"crops of ≥ {config.crop_scale_min:.0%} of the area, no flip, no blur; its backbone kept at steps "
-        f"{steps} and scored on the 360 held-out digits (top-1 %) as "
-        "`bt-hub eval compare --over-steps --as-seeds` scores: pretraining run i with evaluation seed i, so every "
-        "spread is over pretraining runs.",
+        f"training digits at {config.image_size} px ({runs}), {config.epochs} epochs of batch {config.batch_size}, "
+        f"projector {config.projector}, λ = {config.lambd}, LARS base LR {config.lr_weights}, crops of ≥ "
+        f"{config.crop_scale_min:.0%} of the area, no flip, no blur; its backbone kept at steps {steps} and scored "
+        f"on the 360 held-out digits (top-1 %) as `bt-hub eval compare --over-steps` scores: {spread}.",
         "",
         "## The learning curve",
         "",
