@@ -77,6 +77,9 @@ def test_knn_monitor_rises_on_the_digits_within_the_first_epoch_and_is_logged(mo
     knn = {r["step"]: r["knn_top1"] for r in rows if "knn_top1" in r}
     assert sorted(knn) == [0, 5, 10]  # before training, then every 5 steps (22 steps make an epoch)
     assert knn[10] > knn[0] + 30, knn
+    first = rows[0]  # the baselines beside the first point: the same vote on pixels and a default-init network
+    assert first["step"] == 0 and 80 < first["knn_pixels"] <= 100 and 50 < first["knn_random_init"] <= 100
+    assert sum("knn_pixels" in r for r in rows) == 1
     assert all("loss" in r for r in rows if r["step"] in (5, 10))
 
 

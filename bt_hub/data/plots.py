@@ -109,11 +109,17 @@ def plot_cross_correlations(matrices: dict[str, np.ndarray]) -> Any:
 
 
 def plot_knn(rows: Sequence[dict[str, Any]]) -> Any:
-    """The online kNN monitor's top-1 per step."""
+    """The online kNN monitor's top-1 per step, beside the same vote on raw pixels and a random-init network."""
     plt = _pyplot()
     points = [(r["step"], r["knn_top1"]) for r in rows if "knn_top1" in r]
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot([s for s, _ in points], [v for _, v in points], marker="o", color="tab:green")
+    ax.plot([s for s, _ in points], [v for _, v in points], marker="o", color="tab:green", label="backbone")
+    first = next((r for r in rows if "knn_pixels" in r), {})
+    lines = (("knn_pixels", "raw pixels", "tab:orange"), ("knn_random_init", "random init", "tab:blue"))
+    for key, name, color in lines:
+        if key in first:
+            ax.axhline(first[key], color=color, lw=1, ls="--", label=f"{name} (same vote)")
+    ax.legend(fontsize=8, loc="lower right")
     ax.set(xlabel="step", ylabel="top-1 (%)", ylim=(0, 100), title="online kNN monitor (k = 20, T = 0.07)")
     return fig
 

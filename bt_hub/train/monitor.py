@@ -15,6 +15,7 @@ from torch import nn
 from bt_hub.common.optional import require
 from bt_hub.data.datasets import ImageFolderDataset, build_dataset, to_uint8_tensor
 from bt_hub.method.knn import knn_vote, nearest_neighbours
+from bt_hub.method.model import default_init_backbone
 from bt_hub.method.transforms import normalize
 from bt_hub.train.resume import seeded_generator
 
@@ -105,6 +106,17 @@ class KnnMonitor:
         return knn_vote(
             sims.cpu(), idx.cpu(), self.bank_labels, self.query_labels, k, MONITOR_TEMPERATURE, self.num_classes
         )["top1"]
+
+    def baselines(
+        self, arch: str, small_image_stem: bool, seed: int, device: torch.device | str, amp_dtype: torch.dtype | None
+    ) -> dict[str, float]:
+        """The same vote on the raw pixels and on the network at torchvision's default initialisation (``seed``):
+        what the curve must beat, logged beside its first point."""
+        random_init = default_init_backbone(arch, small_image_stem, seed).to(device)
+        return {
+            "knn_pixels": self(nn.Flatten(), device, amp_dtype),
+            "knn_random_init": self(random_init, device, amp_dtype),
+        }
 
 
 class TensorBoardScalars:

@@ -119,12 +119,8 @@ def _resume_state(config: PretrainConfig, out: Path) -> dict[str, Any] | None:
 
 
 def _clear_replaced_run(out: Path, config: PretrainConfig) -> None:
-    """Before a fresh run with ``--overwrite``: remove what an earlier bt-hub run wrote here.
-
-    Its checkpoint could otherwise be resumed into the new run, and its final weights
-    would sit beside the new run's record until the new run ends. Only in a folder that
-    holds bt_hub's run record: in an adopted folder, same-named files are replaced at the end.
-    """
+    """Before a fresh run with ``--overwrite`` in a bt_hub run folder: remove what the earlier run wrote (its
+    checkpoint would be resumed, its weights would sit beside the new record); an adopted folder keeps them."""
     record = read_json(out / "run.json")
     if not (isinstance(record, dict) and "bt_hub_version" in record):
         return
@@ -312,7 +308,10 @@ def _run_loop(loop: _Loop, step: int) -> int:
     postfix: dict[str, str] = {}
     if loop.monitor is not None and step == 0:
         postfix["knn"] = f"{loop.monitor(model.backbone, device, loop.amp_dtype):.1f}"
-        loop.run.log({"step": 0, "knn_top1": float(postfix["knn"])})
+        baselines = loop.monitor.baselines(
+            config.backbone, config.small_image_stem, config.seed, device, loop.amp_dtype
+        )
+        loop.run.log({"step": 0, "knn_top1": float(postfix["knn"]), **baselines})
     model.train()
     with deferred_sigterm(device) as terminated:
         while step < loop.last_step:
