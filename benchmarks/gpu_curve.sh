@@ -2,10 +2,10 @@
 # The learning curve of the small-image recipe on a GPU, with images/s (issue 27, item 6):
 #
 #     bash benchmarks/gpu_curve.sh                  # on a CUDA machine, from the repository root (~5 min on an H100)
-#     GPU_CURVE_DRY=1 bash benchmarks/gpu_curve.sh  # the same steps on the CPU, 1 epoch, 300 generated images
+#     GPU_CURVE_DRY=1 bash benchmarks/gpu_curve.sh  # the same steps on the CPU, 1 epoch, 600 generated images
 #
 # On the embedded digits (8 px) and on generated 32-px images (synthetic:2000): three pretraining
-# runs (seeds 0-2) of the `digits` preset (`--epochs 20`, `--keep-every log`), then
+# runs (seeds 0-2) of the `digits` preset (batch 256, 40 epochs, `--keep-every log`), then
 # `bt-hub eval compare --over-steps --as-seeds` of their kept steps against pixels and random init
 # (kNN and the linear grid). Writes to $OUT (default ./gpu_curve_out): curve_<data>/ (compare.md,
 # curve.png, the records) and summary.md (the crossings, and the pretraining images/s: the median
@@ -16,9 +16,9 @@ set -euo pipefail
 OUT=${OUT:-./gpu_curve_out}
 PY=${PYTHON:-python3}
 DRY=${GPU_CURVE_DRY:-0}
-DEVICE=cuda EPOCHS=20 SYNTHETIC=synthetic:2000
+DEVICE=cuda EPOCHS=40 SYNTHETIC=synthetic:2000
 if [[ "$DRY" == 1 ]]; then
-    DEVICE=cpu EPOCHS=1 SYNTHETIC=synthetic:300
+    DEVICE=cpu EPOCHS=1 SYNTHETIC=synthetic:600
 elif ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
     echo "gpu_curve.sh: no CUDA device here; the GPU curve is unmeasured (run this script where one is lent)"
     exit 0

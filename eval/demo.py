@@ -91,7 +91,7 @@ class DemoConfig(RunConfig):
     lambd: float = field(default=DIGITS["lambd"], metadata={"help": "weight of the redundancy-reduction term"})
     warmup_epochs: int = field(default=DIGITS["warmup_epochs"], metadata={"help": "LARS warm-up epochs"})
     pretrain_seeds: int = field(
-        default=3,
+        default=2,
         metadata={
             "help": "pretraining runs (seeds --seed, --seed + 1, ...); run i is scored with evaluation seed "
             "--seed + i, so every cell is mean ± std over pretraining runs"
