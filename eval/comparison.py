@@ -84,6 +84,7 @@ def compare(
     values: dict[str, dict[str, list[float]]] = {name: {c: [] for c in columns} for name in names}
     result = Comparison(list(seeds), list(columns), values, [s.name for s in sources if s.baseline], len(splits.test))
     result.positions = {s.name: s.position for s in sources if s.position}
+    result.varying = {s.name for s in sources if s.per_seed} | ({"supervised"} if supervised else set())
     if supervised:
         result.baselines.append("supervised")
     targets = np.asarray(splits.train.targets)

@@ -36,6 +36,12 @@ class Comparison:
     test_size: int
     records: list[dict[str, Any]] = field(default_factory=list)
     positions: dict[str, dict[str, float]] = field(default_factory=dict)  # curve rows: pretraining step, seconds
+    varying: set[str] = field(default_factory=set)  # rows whose network differs by seed (random init, --as-seeds)
+
+    def _alike(self, rows: Sequence[str], column: str, n: int) -> str:
+        """Why equal values have no spread: a kNN vote of fixed networks is deterministic; others are alike."""
+        fixed = column == "kNN" and not any(r in self.varying for r in rows)
+        return "1 seed" if n == 1 else "deterministic" if fixed else f"{n} seeds alike"
 
     def curves(self) -> dict[str, list[str]]:
         """The learning curves: curve name ('' for one run) -> its rows, by pretraining step."""
@@ -70,10 +76,11 @@ class Comparison:
         return lines
 
     def cell(self, row: str, column: str) -> str:
-        """``mean ± std`` of a cell; ``x (1 seed)`` or ``x (deterministic)`` where there is no spread; '—' if empty."""
+        """``mean ± std`` of a cell; ``x (1 seed)``, ``x (deterministic)`` or ``x (3 seeds alike)`` where there is no
+        spread; '—' if empty."""
         values = self.values[row].get(column, [])
         if len(values) == 1 or (values and len(set(values)) == 1):
-            return f"{fmt_mean_std(values[:1])} ({'1 seed' if len(values) == 1 else 'deterministic'})"
+            return f"{fmt_mean_std(values[:1])} ({self._alike([row], column, len(values))})"
         return fmt_mean_std(values)
 
     def verdict(self, row: str, column: str) -> dict[str, Any] | None:
@@ -90,6 +97,7 @@ class Comparison:
         loses_to = {b: gap for b, gap in sorted(behind.items(), key=lambda kv: -kv[1]) if gap > 0}
         return {
             "baseline": best,
+            "alike": self._alike([row, best], column, len(diffs)),
             "differences": diffs,
             "mean": mean,
             "std": std,
@@ -178,10 +186,10 @@ def render_markdown(result: Comparison, title: str = "Did pretraining help?", se
 
 
 def _difference(v: dict[str, Any]) -> str:
-    """``+1.2 ± 0.4``; ``-5.3 (deterministic)`` or ``+2.0 (1 seed)`` where the differences have no spread."""
+    """``+1.2 ± 0.4``; ``-5.3 (deterministic)``, ``+2.0 (1 seed)`` or ``+0.0 (2 seeds alike)`` without spread."""
     diffs = v["differences"]
     if len(diffs) == 1 or len(set(diffs)) == 1:
-        return f"{v['mean']:+.1f} ({'1 seed' if len(diffs) == 1 else 'deterministic'})"
+        return f"{v['mean']:+.1f} ({v.get('alike', 'deterministic')})"
     return f"{v['mean']:+.1f} ± {v['std']:.1f}"
 
 

@@ -211,6 +211,7 @@ def _report(config: DemoConfig, result: Comparison, timings: dict[str, float], p
         {row: cells for row, cells in result.values.items() if row == last or row in result.baselines},
         result.baselines,
         result.test_size,
+        varying=result.varying,
     )
     head, rest = render_markdown(table, title="When does pretraining pay? Barlow Twins on the digits").split("\n\n", 1)
     lines = [

@@ -82,7 +82,7 @@ def test_identical_features_are_never_better_than_the_baseline():
         verdict = result.verdict("pretrained", column)
         assert verdict["differences"] == [0.0, 0.0, 0.0] and verdict["better"] is False
     # guards: a difference without spread read "+0.0 ± 0.0", as if measured to be exactly certain
-    assert "linear: no (+0.0 (deterministic) vs same)" in render_markdown(result)
+    assert "linear: no (+0.0 (3 seeds alike) vs same)" in render_markdown(result)
     assert "± 0.0" not in render_markdown(result)
 
 
@@ -130,8 +130,9 @@ def test_cli_compare_prints_mean_std_that_match_the_per_seed_records(small_stem_
                 if (r["notes"]["compare"]["row"], r["protocol"]) == (row, protocol)
             ]
             assert len(per_seed) == 2
-            same = len(set(per_seed)) == 1  # a deterministic cell says so instead of "± 0.0"
-            cells.append(f"{fmt_mean_std(per_seed[:1])} (deterministic)" if same else fmt_mean_std(per_seed))
+            same = len(set(per_seed)) == 1  # a cell without spread says why instead of "± 0.0"
+            why = "deterministic" if protocol == "knn" and row != "random-init" else "2 seeds alike"
+            cells.append(f"{fmt_mean_std(per_seed[:1])} ({why})" if same else fmt_mean_std(per_seed))
         assert f"| {' | '.join(cells)} |" in table
     assert {r["seed"] for r in records} == {0, 1} and (out / "compare.png").stat().st_size > 0
     results_md = (out / "results.md").read_text()
@@ -208,6 +209,12 @@ def test_crossings_name_the_step_from_which_a_curve_stays_above_each_baselines_b
     }
     result = Comparison([0, 1], ["kNN"], values, ["pixels", "random-init"], 100)
     result.positions = {f"step {s}": {"step": s, "seconds": s / 10} for s in (10, 20, 40, 80)}
+    result.varying = {"step 10", "random-init"}
+    values["step 10"]["linear"] = [60.0, 60.0]
+    result.columns.append("linear")
+    assert result.cell("step 10", "kNN") == "51.0 ± 1.4" and result.cell("pixels", "kNN") == "95.0 (deterministic)"
+    assert result.cell("step 10", "linear") == "60.0 (2 seeds alike)"  # two runs that scored alike are no vote
+    result.columns.remove("linear")
     assert result.crossings() == [
         "kNN vs pixels (95.0 (deterministic)): never above its band; best 91.0 at step 80",
         "kNN vs random-init (75.0 ± 1.4): above its band from step 80 (8 s of pretraining) on",
