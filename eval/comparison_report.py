@@ -116,7 +116,7 @@ def describe_settings(run: EvalRun) -> list[str]:
         f"- network: {st.arch}, {stem}; images {st.image_size} px ({st.image_size_from}); "
         f"precision {st.precision} on {st.device}",
     ]
-    if getattr(config, "over_steps", False):
+    if config.over_steps:
         for w in config.weights:
             length = training_length(read_json(Path(w) / "config.json") or {}) or "unknown (no bt_hub run config)"
             lines.append(f"- {Path(w).name}: pretraining {length}; the curve scores the weights it kept")
@@ -124,7 +124,7 @@ def describe_settings(run: EvalRun) -> list[str]:
         for w in run.all_weights:
             length = training_length(w.info.get("config") or {}) or "unknown (no bt_hub run config)"
             lines.append(f"- {w.label} (sha256 {w.sha256[:12]}): pretraining {length}")
-    if getattr(config, "as_seeds", False):
+    if config.as_seeds:
         lines.append(
             f"- pretraining runs as seeds: run i of {len(config.weights)} is scored with evaluation seed --seed + i,"
             " so a weights row's spread, and the verdict's pairing, is over pretraining runs"
@@ -189,7 +189,7 @@ def _difference(v: dict[str, Any]) -> str:
     """``+1.2 ± 0.4``; ``-5.3 (deterministic)``, ``+2.0 (1 seed)`` or ``+0.0 (2 seeds alike)`` without spread."""
     diffs = v["differences"]
     if len(diffs) == 1 or len(set(diffs)) == 1:
-        return f"{v['mean']:+.1f} ({v.get('alike', 'deterministic')})"
+        return f"{v['mean']:+.1f} ({v['alike']})"
     return f"{v['mean']:+.1f} ± {v['std']:.1f}"
 
 

@@ -268,13 +268,14 @@ class PretrainConfig(RunConfig):
             )
         resolve_decode(self.decode, self.device, self.views)  # an impossible --decode / --views pair fails here
 
-    def keeps(self, step: int) -> bool:
-        """Whether ``--keep-every`` keeps the weights of ``step``."""
+    def keeps(self, step: int, last_step: int) -> bool:
+        """Whether ``--keep-every`` keeps the weights of ``step`` (the last step too, whenever it keeps any)."""
         if self.keep_every == "log":
-            return step & (step - 1) == 0
+            return step & (step - 1) == 0 or step == last_step
         if "," in self.keep_every:
-            return step in {int(s) for s in self.keep_every.split(",") if s}
-        return int(self.keep_every) > 0 and step % int(self.keep_every) == 0
+            return step in {int(s) for s in self.keep_every.split(",") if s} or step == last_step
+        every = int(self.keep_every)
+        return every > 0 and (step % every == 0 or step == last_step)
 
     def schedule_steps(self, steps_per_epoch: int, start: int = 0) -> tuple[int, int, int]:
         """(total, warm-up, last) steps; refuses a ``--max-steps`` past the schedule or before the resumed ``start``."""

@@ -344,7 +344,7 @@ def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], termin
             rates, terms, spread = _optimizer_step(loop, y_a, y_b, step)
             step += 1
             loop.seconds += time.perf_counter() - mark
-            if config.keeps(step) or (step == loop.last_step and config.keep_every != "0"):
+            if config.keeps(step, loop.last_step):
                 _keep(loop, step)
             row: dict[str, Any] = {}
             if step % config.log_every == 0 or step == loop.last_step:
