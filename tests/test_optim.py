@@ -93,3 +93,37 @@ def test_set_learning_rates_scales_each_group_by_batch_over_256():
     rates = set_learning_rates(opt, step=10, total_steps=100, warmup_steps=10, batch_size=512)
     assert rates == pytest.approx([0.4, 0.0096])
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.4, 0.0096])
+
+
+def _reference_lars_step(params, groups):
+    """The reference code's LARS loop: one tensor at a time, the update in new tensors."""
+    for p, g, mu, group in zip(params, groups["grads"], groups["mu"], groups["group"]):
+        update = g
+        if p.ndim != 1:
+            update = update.add(p, alpha=group["weight_decay"])
+            update = update.mul(trust_ratio(torch.norm(p), torch.norm(update), group["eta"]))
+        mu.mul_(group["momentum"]).add_(update)
+        p.add_(mu, alpha=-group["lr"])
+
+
+def test_lars_updates_a_network_bit_for_bit_as_the_reference_loop_does():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(8 * 6 * 6, 5), nn.Linear(5, 4))
+    with torch.no_grad():
+        model[4].weight.zero_()  # a zero norm: trust ratio 1
+    reference = [p.detach().clone() for p in model.parameters()]
+    groups = param_groups(model, 0.2, 0.0048, 1e-3)
+    opt = LARS(groups, weight_decay=1e-3)
+    for g in opt.param_groups:
+        g["lr"] = 0.7
+    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+    hand = {"mu": [torch.zeros_like(p) for p in reference], "group": [group_of[id(p)] for p in model.parameters()]}
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in reference]
+        hand["grads"] = grads
+        _reference_lars_step(reference, hand)
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone()
+        opt.step()
+        for p, r in zip(model.parameters(), reference):
+            assert torch.equal(p.detach(), r)

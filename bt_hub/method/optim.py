@@ -46,25 +46,33 @@ class LARS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """One update: p ← p − lr · μ, μ ← momentum · μ + trust · (g + wd · p)."""
+        """One update: p ← p − lr · μ, μ ← momentum · μ + trust · (g + wd · p), a group's tensors at once.
+
+        The update is formed in ``p.grad`` (which holds it afterwards), so a step allocates no weight-sized
+        tensor: the same arithmetic as the reference loop, bit for bit, without its two copies of each weight.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                update = p.grad
-                if not excluded_from_adaptation(p):
-                    update = update.add(p, alpha=group["weight_decay"])
-                    update = update.mul(trust_ratio(torch.norm(p), torch.norm(update), group["eta"]))
-                state = self.state[p]
-                if "mu" not in state:
-                    state["mu"] = torch.zeros_like(p)
-                mu = state["mu"]
-                mu.mul_(group["momentum"]).add_(update)
-                p.add_(mu, alpha=-group["lr"])
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            adapted = [(p, g) for p, g in zip(params, grads) if not excluded_from_adaptation(p)]
+            if adapted:
+                weights, updates = (list(t) for t in zip(*adapted))
+                torch._foreach_add_(updates, weights, alpha=group["weight_decay"])
+                norms = torch.stack(torch._foreach_norm(weights)), torch.stack(torch._foreach_norm(updates))
+                torch._foreach_mul_(updates, list(trust_ratio(*norms, group["eta"]).unbind()))
+            for p in params:
+                if "mu" not in self.state[p]:
+                    self.state[p]["mu"] = torch.zeros_like(p)
+            momenta = [self.state[p]["mu"] for p in params]
+            torch._foreach_mul_(momenta, group["momentum"])
+            torch._foreach_add_(momenta, grads)
+            torch._foreach_add_(params, momenta, alpha=-group["lr"])
         return loss
 
 
