@@ -1,4 +1,4 @@
-"""Pairs per second of one full pretraining step: ours vs a reference-style step, same process.
+"""Pairs per second of one full pretraining step: ours vs a reference-style step, each in a process of its own.
 
     python benchmarks/pretrain_step.py                      # ResNet-18 small stem, 32 px, 128 pairs, default path
     python benchmarks/pretrain_step.py --curve-steps 50     # plus both loss curves over 50 steps
@@ -11,29 +11,37 @@ view. Ours: bt_hub's batched tensor views on the device, bt_hub's loss (``auto``
 Gram form when 2N < D), and by default the path a long ``bt-hub pretrain`` takes:
 ``--precision auto``, channels-last where that gives bf16/fp16, and ``--compile auto`` as
 ``bt_hub.train.compile_auto.compile_pays`` decides it for a run of ``--planned-steps`` from
-ours' eager warm-up steps (the table says which path ran and why). Both start
-from the same weights, see the same images in the same order, use bt_hub's LARS and the
-same warm-up + cosine schedule, and are timed step by step in alternation so that load
-from other processes hits both alike. The loss curves differ only through the random
-views, so they should agree within noise.
+ours' eager warm-up steps (the table says which path ran and why), its foreach LARS, and the
+allocator setting every ``bt-hub`` command makes (``keep_freed_memory``: glibc reuses freed
+blocks instead of unmapping them). The reference-style step runs with the reference code's
+per-tensor LARS and the default allocator, as the reference runs; a third row gives it bt_hub's
+allocator setting, so the table shows what that setting alone is worth. All start from the same
+weights (checked), see the same images in the same order, use the same warm-up + cosine
+schedule, and are timed step by step in alternation (one process works while the others wait)
+so that load from other processes hits all alike. The loss curves differ only through the
+random views, so they should agree within noise.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import time
+from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 import torchvision.transforms as T
 from PIL import Image, ImageFilter, ImageOps
 from torch import nn
 
+from bt_hub.common.config import keep_freed_memory
 from bt_hub.data.datasets import build_dataset, to_uint8_tensor
 from bt_hub.data.precision import autocast_dtype, resolve_channels_last, resolve_precision
 from bt_hub.method.loss import barlow_twins_loss
 from bt_hub.method.model import BarlowTwins
-from bt_hub.method.optim import LARS, param_groups, set_learning_rates
+from bt_hub.method.optim import LARS, param_groups, set_learning_rates, trust_ratio
 from bt_hub.method.views import BatchedTwoViews
 from bt_hub.train.compile_auto import compile_pays
 
@@ -100,21 +108,48 @@ class ReferenceLoss(nn.Module):
         return on_diag + self.lambd * off_diagonal(c).pow_(2).sum()
 
 
+class ReferenceLARS(LARS):
+    """The reference code's LARS step: one parameter at a time, the update in two new tensors."""
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                update = p.grad
+                if p.ndim != 1:
+                    update = update.add(p, alpha=group["weight_decay"])
+                    update = update.mul(trust_ratio(torch.norm(p), torch.norm(update), group["eta"]))
+                mu = self.state[p].setdefault("mu", torch.zeros_like(p))
+                mu.mul_(group["momentum"]).add_(update)
+                p.add_(mu, alpha=-group["lr"])
+
+
 class Pipeline:
     """One training setup: model, optimiser, how views are made and how the loss is computed."""
 
-    def __init__(self, name: str, model: BarlowTwins, args: argparse.Namespace, *, ours: bool) -> None:
-        self.name, self.model, self.args, self.ours = name, model, args, ours
+    def __init__(self, name: str, args: argparse.Namespace) -> None:
+        torch.manual_seed(args.seed)
+        ours = name == OURS
+        model = BarlowTwins("resnet18", args.projector, small_image_stem=True, loss_method=args.loss_method)
+        self.name, self.model, self.args, self.ours = name, model.to(args.device), args, ours
         self.device = torch.device(args.device)
         self.channels_last = ours and args.channels_last
         if self.channels_last:
             model.to(memory_format=torch.channels_last)
-        self.optimizer = LARS(param_groups(model, 0.2, 0.0048, 1e-6), weight_decay=1e-6)
+        lars = LARS if ours else ReferenceLARS
+        self.optimizer = lars(param_groups(model, 0.2, 0.0048, 1e-6), weight_decay=1e-6)
         self.batched = BatchedTwoViews(args.image_size)
         self.ref_views = reference_transforms(args.image_size)
         self.ref_loss = ReferenceLoss(int(args.projector.split("-")[-1]), model.lambd).to(self.device)
         self.amp = autocast_dtype(args.precision) if ours else None
         self.forward = torch.compile(model.embed) if ours and args.compile == "on" else model.embed
+
+    def fingerprint(self) -> float:
+        """A number that differs between two models that do not start from the same weights."""
+        with torch.no_grad():
+            return float(sum(p.double().sum() * (i + 1) for i, p in enumerate(self.model.parameters())))
 
     def views(self, images: list[Image.Image], step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ours:
@@ -166,14 +201,6 @@ class Pipeline:
         return time.perf_counter()
 
 
-def build_pipelines(args: argparse.Namespace) -> list[Pipeline]:
-    torch.manual_seed(args.seed)
-    ours = BarlowTwins("resnet18", args.projector, small_image_stem=True, loss_method=args.loss_method).to(args.device)
-    reference = BarlowTwins("resnet18", args.projector, small_image_stem=True).to(args.device)
-    reference.load_state_dict(ours.state_dict())
-    return [Pipeline("reference-style", reference, args, ours=False), Pipeline("bt_hub", ours, args, ours=True)]
-
-
 def batches(args: argparse.Namespace) -> list[list[Image.Image]]:
     data = build_dataset("digits", "train", image_size=args.image_size)
     images = [data[i][0] for i in range(len(data))]
@@ -182,6 +209,61 @@ def batches(args: argparse.Namespace) -> list[list[Image.Image]]:
         images[(k * per) % (len(images) - per) :][:per]
         for k in range(max(args.warmup + args.timed_steps, args.curve_steps))
     ]
+
+
+REFERENCE, REFERENCE_ALLOCATOR, OURS = "reference-style", "reference-style, bt_hub's allocator setting", "bt_hub"
+
+
+def serve(name: str, args: argparse.Namespace, conn: Connection) -> None:
+    """One pipeline in its own process: answers ``(op, ...)`` requests from the driver until ``None``."""
+    if name != REFERENCE:
+        keep_freed_memory()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data = batches(args)
+    pipe = Pipeline(name, args)
+    conn.send((pipe.fingerprint(), torch.get_num_threads()))
+    while (request := conn.recv()) is not None:
+        op, *rest = request
+        if op == "step":
+            k, total = rest
+            phases: dict[str, float] = {}
+            conn.send((*pipe.step(data[k], k, total, phases), phases))
+        elif op == "compile":  # compiling happens in the first call: one more untimed step
+            pipe.forward = torch.compile(pipe.model.embed)
+            pipe.step(data[rest[0]], rest[0], rest[1])
+            conn.send(None)
+        elif op == "curve":
+            fresh = Pipeline(name, args)
+            conn.send([fresh.step(data[k], k, rest[0])[0] for k in range(rest[0])])
+
+
+class Workers:
+    """The pipelines' processes (spawned), asked in turn."""
+
+    def __init__(self, names: list[str], args: argparse.Namespace) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conns, self.procs = {}, []
+        for name in names:
+            here, there = ctx.Pipe()
+            proc = ctx.Process(target=serve, args=(name, args, there), daemon=True)
+            proc.start()
+            self.conns[name] = here
+            self.procs.append(proc)
+        started = {name: conn.recv() for name, conn in self.conns.items()}
+        if len({fingerprint for fingerprint, _ in started.values()}) != 1:
+            raise RuntimeError(f"the pipelines do not start from the same weights: {started}")
+        self.threads = next(iter(started.values()))[1]
+
+    def ask(self, name: str, *request: object) -> Any:
+        self.conns[name].send(request)
+        return self.conns[name].recv()
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.send(None)
+        for proc in self.procs:
+            proc.join()
 
 
 def main() -> None:
@@ -218,41 +300,45 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     args.precision = resolve_precision(args.precision, args.device)
     if args.channels_last is None:
         args.channels_last = resolve_channels_last("auto", args.precision) == "on"
-    data = batches(args)
-    pipes = build_pipelines(args)
-    times: dict[str, list[float]] = {p.name: [] for p in pipes}
-    phases: dict[str, dict[str, float]] = {p.name: {} for p in pipes}
+    names = [REFERENCE, REFERENCE_ALLOCATOR, OURS]
+    workers = Workers(names, args)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    phases: dict[str, dict[str, float]] = {name: {} for name in names}
     total = args.warmup + args.timed_steps
     reason = f"--compile {args.compile}"
-    for k in range(total):
-        for p in pipes:
-            _, seconds = p.step(data[k], k, total, phases[p.name] if k >= args.warmup else None)
-            times[p.name].append(seconds)
-        if k == args.warmup - 1 and args.compile == "auto":
-            eager = statistics.median(times["bt_hub"])
-            pays, reason = compile_pays(args.planned_steps - args.warmup, eager, torch.device(args.device).type)
-            args.compile = "on" if pays else "off"
-            if pays:  # compiling happens in the first call: one more untimed step
-                pipes[1].forward = torch.compile(pipes[1].model.embed)
-                pipes[1].step(data[k], k, total)
+    try:
+        for k in range(total):
+            for name in names:
+                _, seconds, step_phases = workers.ask(name, "step", k, total)
+                times[name].append(seconds)
+                if k >= args.warmup:
+                    for phase, value in step_phases.items():
+                        phases[name][phase] = phases[name].get(phase, 0.0) + value
+            if k == args.warmup - 1 and args.compile == "auto":
+                eager = statistics.median(times[OURS])
+                pays, reason = compile_pays(args.planned_steps - args.warmup, eager, torch.device(args.device).type)
+                args.compile = "on" if pays else "off"
+                if pays:
+                    workers.ask(OURS, "compile", k, total)
+        curves = {name: workers.ask(name, "curve", args.curve_steps) for name in names} if args.curve_steps else {}
+    finally:
+        workers.close()
     times = {name: t[args.warmup :] for name, t in times.items()}
     print(
         f"ResNet-18 small stem, {args.image_size} px, {args.pairs} pairs, projector {args.projector}, "
-        f"device {args.device}, "
-        f"threads {torch.get_num_threads()}, median of {args.timed_steps} steps after {args.warmup} warm-up"
+        f"device {args.device}, threads {workers.threads}, median of {args.timed_steps} steps after {args.warmup} "
+        "warm-up, each pipeline in its own process"
     )
     print(f"{'step':<56}{'s/step':>10}{'pairs/s':>10}{'speed-up':>10}")
-    ref = statistics.median(times["reference-style"])
-    for p in pipes:
-        med = statistics.median(times[p.name])
+    ref = statistics.median(times[REFERENCE])
+    for name in names:
+        med = statistics.median(times[name])
         label = (
-            p.name
-            if not p.ours
+            name
+            if name != OURS
             else (
                 f"bt_hub ({args.precision}, {'channels-last' if args.channels_last else 'NCHW'}, "
                 f"loss {args.loss_method}, compile {args.compile})"
@@ -261,20 +347,16 @@ def main() -> None:
         print(f"{label:<56}{med:>10.3f}{args.pairs / med:>10.1f}{ref / med:>9.2f}x")
     print(f"compile {args.compile}: {reason}")
     if args.profile:
-        names = list(next(iter(phases.values())))
         print(f"\nseconds per step by phase (mean of {args.timed_steps} steps)")
-        print(f"{'phase':<34}" + "".join(f"{p.name:>18}" for p in pipes))
-        for name in names:
-            print(f"{name:<34}" + "".join(f"{phases[p.name][name] / args.timed_steps:>18.3f}" for p in pipes))
-    if args.curve_steps:
-        curves = {}
-        for p in build_pipelines(args):
-            curves[p.name] = [p.step(data[k], k, args.curve_steps)[0] for k in range(args.curve_steps)]
+        print(f"{'phase':<34}" + "".join(f"{name[:20]:>22}" for name in names))
+        for phase in phases[OURS]:
+            print(f"{phase:<34}" + "".join(f"{phases[name][phase] / args.timed_steps:>22.3f}" for name in names))
+    if curves:
         marks = sorted({0, *range(9, args.curve_steps, 10), args.curve_steps - 1})
         print(f"\nloss over {args.curve_steps} steps (same init, same images, independent random views)")
-        print(f"{'step':<8}" + "".join(f"{name:>18}" for name in curves))
+        print(f"{'step':<8}" + "".join(f"{name[:20]:>22}" for name in curves))
         for k in marks:
-            print(f"{k + 1:<8}" + "".join(f"{curves[name][k]:>18.2f}" for name in curves))
+            print(f"{k + 1:<8}" + "".join(f"{curves[name][k]:>22.2f}" for name in curves))
 
 
 if __name__ == "__main__":

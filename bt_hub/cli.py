@@ -268,13 +268,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _print_warning(prefix)
-            from bt_hub.common.config import torch_threads  # torch loads with the command's module, not for --help
+            # torch loads with the command's module, not for --help
+            from bt_hub.common.config import keep_freed_memory, torch_threads
 
             module = importlib.import_module(command.module)
             config_cls = getattr(module, command.config)
             parser = _Parser(prog=prefix, description=command.help)
             add_dataclass_arguments(parser, config_cls)
             config = build_config(config_cls, parser.parse_args(rest))
+            keep_freed_memory()
             with torch_threads(getattr(config, "threads", 0)):
                 result = getattr(module, command.function)(config)
     except KeyboardInterrupt as err:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -81,3 +85,31 @@ def test_every_command_refuses_hostile_run_fields_naming_the_flag_and_range(
 
 def test_the_largest_seed_is_accepted(tmp_path):
     assert PretrainConfig(out=str(tmp_path / "o"), seed=2**32 - 1).seed == 2**32 - 1
+
+
+_FRESH_BLOCK_FAULTS = """
+import resource, torch
+from bt_hub.common.config import keep_freed_memory
+applied = keep_freed_memory()
+def faults_of_a_256_mib_block():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(64 * 2**20)  # made and freed
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults_of_a_256_mib_block(), faults_of_a_256_mib_block()  # the heap settles: a block and its neighbours freed
+print(applied, faults_of_a_256_mib_block())
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the allocator setting is glibc's")
+def test_freed_memory_is_reused_without_new_page_faults_unless_the_user_set_mallocs_own_variables():
+    def run(**extra: str) -> tuple[str, int]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | extra
+        out = subprocess.run([sys.executable, "-c", _FRESH_BLOCK_FAULTS], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        applied, faults = out.stdout.split()
+        return applied, int(faults)
+
+    applied, faults = run()
+    assert applied == "True" and faults < 1000  # the block reuses the freed blocks' pages
+    applied, faults = run(MALLOC_MMAP_MAX_="65536")
+    assert applied == "False" and faults > 30_000  # glibc's default: 65,536 pages mapped and zeroed anew
