@@ -14,6 +14,9 @@ one device, each row after an untimed warm-up pass over ``--warmup`` batches:
     (``--decode device``: workers read bytes, the device decodes, resizes and crops the batch,
     the next batch prepared on a side stream on CUDA; ``--precision auto``: bf16 on GPUs and
     on AMX / avx512_bf16 CPUs; channels-last);
+(i) the input side alone: bt_hub's loader over the files (workers read bytes and hand over one
+    tensor a batch), against the same loader handing over a list of tensors a batch (DataLoader's
+    per-item transfer: one shared-memory block a file); files/s, no model;
 (c) reference: the usual loop: torchvision ``ImageFolder`` + PIL ``Resize/CenterCrop/ToTensor/
     Normalize`` in the same number of workers (or once per count of ``--reference-workers``),
     fp32 on the CPU / fp16 autocast on CUDA, NCHW.
@@ -44,8 +47,9 @@ import machine  # noqa: E402
 from pretrain_throughput import write_jpegs  # noqa: E402
 
 from bt_hub.data.datasets import build_dataset  # noqa: E402
+from bt_hub.data.decode import PackedItems, collate_packed  # noqa: E402
 from bt_hub.data.precision import autocast_dtype, resolve_precision  # noqa: E402
-from bt_hub.eval.features import extract_features  # noqa: E402
+from bt_hub.eval.features import EncodedItems, extract_features  # noqa: E402
 from bt_hub.method.model import build_backbone  # noqa: E402
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms  # noqa: E402
 
@@ -100,6 +104,32 @@ def bt_hub_extraction(args: argparse.Namespace, data: Path, device: torch.device
     tick = time.perf_counter()
     run(dataset)
     _sync(device)
+    return len(dataset) / (time.perf_counter() - tick)
+
+
+def _packed(items: list) -> PackedItems:
+    return collate_packed([image for image, _ in items])
+
+
+def _listed(items: list) -> list:
+    return [image for image, _ in items]
+
+
+def input_side(args: argparse.Namespace, data: Path, packed: bool) -> float:
+    """(i): files/s of bt_hub's loader alone (one tensor a batch if ``packed``, else a list of tensors)."""
+    dataset = EncodedItems(build_dataset(str(data), "train", image_size=None))
+
+    def run(ds: torch.utils.data.Dataset) -> None:
+        loader = DataLoader(
+            ds, batch_size=args.batch_size, num_workers=args.workers, collate_fn=_packed if packed else _listed
+        )
+        for batch in loader:
+            if packed:
+                batch.unpack()
+
+    run(Subset(dataset, range(args.warmup * args.batch_size)))
+    tick = time.perf_counter()
+    run(dataset)
     return len(dataset) / (time.perf_counter() - tick)
 
 
@@ -162,7 +192,7 @@ def main() -> None:
     )
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="(a) and (b)")
     parser.add_argument("--decode", default="device", choices=["device", "workers"], help="(b)'s --decode")
-    parser.add_argument("--rows", default="abc", help="which of the rows a, b, c to run")
+    parser.add_argument("--rows", default="abic", help="which of the rows a, b, i, c to run")
     parser.add_argument("--jpeg-size", default="500x375", help="WIDTHxHEIGHT of the generated JPEGs")
     parser.add_argument(
         "--data-dir", default=None, help="where the JPEGs go (reused when present); default: a temp dir"
@@ -193,6 +223,18 @@ def main() -> None:
             "b",
             f"(b) bt_hub extract_features from files ({precision})",
             lambda: bt_hub_extraction(args, data, device, precision),
+        ),
+    ]
+    runs += [
+        (
+            "i",
+            f"(i) input side: bt_hub's loader, one tensor a batch, {args.workers} workers (files/s)",
+            lambda: input_side(args, data, packed=True),
+        ),
+        (
+            "i",
+            f"(i) input side: the same, a list of tensors a batch, {args.workers} workers (files/s)",
+            lambda: input_side(args, data, packed=False),
         ),
     ]
     runs += [

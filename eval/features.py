@@ -28,7 +28,7 @@ from bt_hub.common.distributed import (
 from bt_hub.common.files import atomic_write_json, file_sha256
 from bt_hub.common.progress import progress
 from bt_hub.data.datasets import to_uint8_tensor
-from bt_hub.data.decode import EncodedImage, read_encoded, to_device_images
+from bt_hub.data.decode import EncodedImage, PackedItems, collate_packed, read_encoded, to_device_images
 from bt_hub.data.precision import autocast_dtype
 from bt_hub.data.prefetch import Prefetcher
 from bt_hub.eval.config import EvalWarning
@@ -186,8 +186,8 @@ class EncodedItems(Dataset):
         return (image if isinstance(image, torch.Tensor) else to_uint8_tensor(image)), label
 
 
-def _collate_encoded(items: list[tuple[Any, Any]]) -> tuple[list[Any], torch.Tensor]:
-    return [item[0] for item in items], default_collate([item[1] for item in items])
+def _collate_encoded(items: list[tuple[Any, Any]]) -> tuple[PackedItems, torch.Tensor]:
+    return collate_packed([item[0] for item in items]), default_collate([item[1] for item in items])
 
 
 def iter_feature_batches(

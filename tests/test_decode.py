@@ -11,7 +11,15 @@ import torch
 from PIL import Image, JpegImagePlugin
 
 from bt_hub.cli import main as cli_main
-from bt_hub.data.decode import decode_images, device_decodable, read_encoded, resolve_decode
+from bt_hub.data.decode import (
+    PackedItems,
+    collate_packed,
+    decode_images,
+    device_decodable,
+    read_encoded,
+    resolve_decode,
+    to_device_images,
+)
 from bt_hub.method.views import (
     VIEW_A,
     VIEW_B,
@@ -108,6 +116,25 @@ def test_batch_decoded_through_the_device_path_equals_pil_on_the_cpu(tmp_path):
     assert_decoded_like_pil(decoded, paths)
     rgb = [p for name, p in files.items() if name.startswith("rgb")]
     assert all(torch.equal(d, _pil(p)) for d, p in zip(decoded, rgb))  # libjpeg-turbo both ways on the CPU
+
+
+def test_a_batch_of_files_or_of_images_of_their_own_sizes_crosses_from_workers_as_one_tensor(tmp_path):
+    files = write_images(tmp_path)
+    paths = list(files.values())
+    images = [_pil(p) for p in paths]
+    for items in ([read_encoded(p) for p in paths], images):
+        loader = torch.utils.data.DataLoader(items, batch_size=4, num_workers=2, collate_fn=collate_packed)
+        batches = list(loader)
+        assert all(isinstance(b, PackedItems) and b.data.ndim == 1 for b in batches)
+        unpacked = [item for b in batches for item in b.unpack()]
+        if isinstance(items[0], torch.Tensor):
+            assert all(torch.equal(a, b) for a, b in zip(unpacked, items)) and len(unpacked) == len(items)
+        else:
+            assert [u.path for u in unpacked] == [str(p) for p in paths]
+            assert [u.device_decodable for u in unpacked] == [i.device_decodable for i in items]
+            assert all(torch.equal(u.data, i.data) for u, i in zip(unpacked, items))
+            decoded = [image for b in batches for image in to_device_images(b, "cpu")]
+            assert all(torch.equal(d, i) for d, i in zip(decoded, images))
 
 
 def test_a_corrupt_file_fails_with_one_sentence_naming_it(tmp_path):

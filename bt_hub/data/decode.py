@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -59,9 +59,38 @@ def read_encoded(path: str | os.PathLike) -> EncodedImage:
     return EncodedImage(torch.from_numpy(data), str(path), device_decodable(memoryview(data)))
 
 
-def collate_list(items: Sequence[Any]) -> list[Any]:
-    """A batch as the list of its items (images of different sizes cannot be stacked)."""
-    return list(items)
+class PackedItems(NamedTuple):
+    """A loader batch of differently sized tensors (file bytes or images) as one tensor, so that a worker hands
+    the main process one shared-memory block a batch instead of one an item (7x the files/s with 2 workers).
+    """
+
+    data: torch.Tensor  # every item flattened, end to end
+    shapes: list[torch.Size]
+    paths: list[str] | None  # for file bytes (EncodedImage items): their paths and decodability
+    device_decodable: list[bool] | None
+
+    def unpack(self) -> list[EncodedImage] | list[torch.Tensor]:
+        """The items again, as views of ``data``."""
+        parts = torch.split(self.data, [shape.numel() for shape in self.shapes])
+        if self.paths is None or self.device_decodable is None:
+            return [part.view(shape) for part, shape in zip(parts, self.shapes)]
+        return [EncodedImage(*item) for item in zip(parts, self.paths, self.device_decodable)]
+
+    def pin_memory(self) -> PackedItems:
+        """The same batch with ``data`` in page-locked memory (what a loader's ``pin_memory=True`` calls)."""
+        return self._replace(data=self.data.pin_memory())
+
+
+def collate_packed(items: Sequence[EncodedImage | torch.Tensor]) -> PackedItems:
+    """A batch of files' bytes or of images of their own sizes as :class:`PackedItems`."""
+    files = bool(items) and isinstance(items[0], EncodedImage)
+    tensors = [item.data if isinstance(item, EncodedImage) else item for item in items]
+    return PackedItems(
+        torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0, dtype=torch.uint8),
+        [t.shape for t in tensors],
+        [item.path for item in items] if files else None,  # type: ignore[union-attr]
+        [item.device_decodable for item in items] if files else None,  # type: ignore[union-attr]
+    )
 
 
 def decode_on_cpu(item: EncodedImage) -> torch.Tensor:
@@ -100,8 +129,12 @@ def decode_images(items: Sequence[EncodedImage], device: str | torch.device) -> 
     return out  # type: ignore[return-value]
 
 
-def to_device_images(batch: Sequence[EncodedImage | torch.Tensor], device: str | torch.device) -> list[torch.Tensor]:
-    """A loader's list batch on ``device``: files decoded there (:func:`decode_images`), tensors moved."""
+def to_device_images(
+    batch: PackedItems | Sequence[EncodedImage | torch.Tensor], device: str | torch.device
+) -> list[torch.Tensor]:
+    """A loader's batch of items on ``device``: files decoded there (:func:`decode_images`), tensors moved."""
+    if isinstance(batch, PackedItems):
+        batch = batch.unpack()
     if batch and isinstance(batch[0], EncodedImage):
         return decode_images(batch, device)
     return [image.to(device, non_blocking=True) for image in batch]

@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 from bt_hub.common.distributed import get_rank
 from bt_hub.common.files import atomic_write
 from bt_hub.data.datasets import to_uint8_tensor
-from bt_hub.data.decode import read_encoded, to_device_images
+from bt_hub.data.decode import PackedItems, read_encoded, to_device_images
 from bt_hub.method.loss import EPS
 from bt_hub.method.model import BarlowTwins, parse_projector
 from bt_hub.method.views import VIEW_A, VIEW_B, BatchedTwoViews, TwoViewTransform, ViewParams
@@ -67,9 +67,7 @@ def to_views(
     batch: Any, step: int, config: PretrainConfig, device: torch.device, batched: BatchedTwoViews | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The two view batches on the device (batched views are drawn per (seed, step, rank))."""
-    if batched is not None and isinstance(
-        batch, list
-    ):  # image files of their own sizes: boxes drawn on the CPU, images decoded on the device
+    if batched is not None and isinstance(batch, PackedItems):  # images of their own sizes, decoded on the device
         y_a, y_b = batched(to_device_images(batch, device), generator=seeded_generator(config.seed, step, get_rank()))
     elif batched is not None:
         images = batch.to(device, non_blocking=True)

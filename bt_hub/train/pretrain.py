@@ -34,7 +34,7 @@ from bt_hub.common.progress import progress
 from bt_hub.common.runs import RunDir
 from bt_hub.common.signals import Terminated, deferred_sigterm
 from bt_hub.data.datasets import build_dataset
-from bt_hub.data.decode import collate_list, resolve_decode
+from bt_hub.data.decode import collate_packed, resolve_decode
 from bt_hub.data.precision import autocast_dtype, resolve_channels_last, resolve_precision
 from bt_hub.data.prefetch import Prefetcher
 from bt_hub.method.loss import LossTerms, barlow_twins_loss
@@ -472,7 +472,7 @@ def _epoch_loader(
         batch_sampler=sampler,
         num_workers=config.num_workers,
         pin_memory=device.type == "cuda",
-        collate_fn=collate_list if views.file_items else None,
+        collate_fn=collate_packed if views.file_items else None,
         generator=torch.Generator().manual_seed(derive_seed(config.seed, epoch, rank)),
     )
 
