@@ -148,8 +148,12 @@ def _grid(settings: CompareConfig, seed: int, device: torch.device | str) -> dic
 
 def _semi_recipe(settings: CompareConfig) -> dict[str, Any]:
     recipe = baseline(SemiSupervisedConfig, settings.semi_preset)
-    keys = ("lr_backbone", "lr_classifier", "weight_decay", "momentum", "schedule", "milestones", "gamma", "batch_size")
-    return {k: recipe[k] for k in keys} | {"crop_scale_min": recipe["crop_scale_min"], "flip": recipe["flip"]}
+    keys = ("lr_backbone", "lr_classifier", "weight_decay", "momentum", "schedule", "milestones", "gamma")
+    return {k: recipe[k] for k in keys} | {
+        "crop_scale_min": recipe["crop_scale_min"],
+        "flip": recipe["flip"],
+        "batch_size": settings.finetune_batch_size,
+    }
 
 
 def _finetune(
@@ -177,6 +181,7 @@ def _finetune(
         TransformedDataset(splits.test, eval_transforms(size)),
         epochs=epochs,
         seed=seed,
+        num_workers=settings.num_workers,
         device=run.device,
         desc=f"fine-tune ({len(indices)} labels)",
         precision=run.settings.precision,
@@ -367,6 +372,13 @@ class CompareConfig(EvalConfig):
             if not used:
                 unused.update(dict.fromkeys(names, f"sets {what}"))
         return unused
+
+    @property
+    def finetune_batch_size(self) -> int:
+        """The batch of fine-tuning (semi, supervised): ``--batch-size`` where given, else ``--semi-preset``'s."""
+        if "batch_size" in overrides(self):
+            return self.batch_size
+        return int(baseline(SemiSupervisedConfig, self.semi_preset)["batch_size"])
 
     def columns(self) -> list[str]:
         """The table's columns, in protocol order."""

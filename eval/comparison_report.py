@@ -140,7 +140,8 @@ def describe_settings(run: EvalRun) -> list[str]:
         )
     if "finetune_steps" not in unused:
         lines.append(
-            f"- semi: preset {config.semi_preset}, {config.semi_epochs} epochs; supervised baseline: "
+            f"- semi: preset {config.semi_preset}, batch {config.finetune_batch_size}, {config.semi_epochs} epochs; "
+            "supervised baseline: "
             f"{config.supervised_epochs} epochs from scratch; each at least {config.finetune_steps} SGD steps (the "
             "epochs a cell ran are in its record)"
         )

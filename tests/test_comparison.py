@@ -236,21 +236,23 @@ def test_as_seeds_and_over_steps_refuse_what_they_cannot_pair(seeded_weights, tm
     assert message in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("batch_flag", [[], ["--batch-size", "8", "--num-workers", "1"]])
 def test_fine_tuning_and_the_supervised_row_run_at_least_finetune_steps_and_record_their_epochs(
-    small_stem_weights, tmp_path
+    small_stem_weights, tmp_path, batch_flag
 ):
     out = tmp_path / "semi"
     argv = ["eval", "compare", "--weights", str(small_stem_weights), "--protocols", "semi", "--fractions", "10"]
     argv += ["--baselines", "random-init,supervised", "--seeds", "1", "--semi-epochs", "1", "--supervised-epochs", "1"]
-    argv += ["--finetune-steps", "5", "--data", "synthetic:300", "--image-size", "8", "--out", str(out)]
+    argv += ["--finetune-steps", "5", "--data", "synthetic:300", "--image-size", "8", "--out", str(out), *batch_flag]
     assert cli.main(argv) == 0
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     labelled = records[0]["labels"]["count"]
-    batch = 32  # the small preset's
+    batch = 8 if batch_flag else 32  # a --batch-size given is fine-tuning's batch too; else the small preset's
     expected = -(-5 // -(-labelled // batch))  # ceil(5 steps / ceil(labelled / batch) steps per epoch)
     assert expected > 1 and {r["notes"]["compare"]["row"]: r["notes"]["epochs"] for r in records} == {
         small_stem_weights.name: expected,
         "random-init": expected,
         "supervised": expected,
     }
+    assert f"batch {batch}, 1 epochs" in (out / "compare.md").read_text()
     assert "each at least 5 SGD steps" in (out / "compare.md").read_text()
