@@ -104,9 +104,8 @@ def train_heads(
         epoch_start.copy_(params)
         order = pool[epoch_permutation(len(pool), seed, epoch)]
         for first in range(0, len(order), batch_size):
-            idx = order[first : first + batch_size]
-            if not isinstance(features, torch.Tensor):
-                idx = idx.sort().values
+            # rows in file order: quick to read from a memmap, and the same sums (so the same heads) as a tensor
+            idx = order[first : first + batch_size].sort().values
             n = len(idx)
             x = rows_with_one[:n]
             _copy_feature_rows(features, idx, x[:, :d])
