@@ -343,11 +343,11 @@ def _interrupted(path: list[str], rest: list[str], config: Any) -> str:
     flag); any other command is run again: files are written whole, so what it finished is kept, and features
     it cached are reused.
     """
+    again = ["bt-hub", *path, *rest]
+    if config is None:  # perhaps cut inside ``import torch``: import nothing that imports it
+        return f"nothing was written; run the command again: {shlex.join(again)}"
     from bt_hub.train.resume import CHECKPOINT_NAME
 
-    again = ["bt-hub", *path, *rest]
-    if config is None:
-        return f"nothing was written; run the command again: {shlex.join(again)}"
     out = Path(config.out) if getattr(config, "out", None) else None
     if out is None:
         kept = "no file is left half-written"

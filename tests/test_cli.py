@@ -232,6 +232,19 @@ def test_ctrl_c_or_sigterm_in_any_command_is_one_line_with_its_exit_code(
     assert line.startswith(f"bt-hub {' '.join(path)}: {said}; ") and "bt-hub " + " ".join(path) in line[20:]
 
 
+def test_ctrl_c_or_sigterm_while_torch_loads_is_answered_in_one_line():
+    # Guards: bt-hub imported torch (seconds) before its SIGTERM handler was set, so SIGTERM in the first
+    # seconds ended it silently with -15, and Ctrl-C there printed a traceback; the line for a command cut
+    # before its flags were read imported torch again, which a half-imported torch crashed (SIGSEGV).
+    code = (
+        "import sys; import bt_hub.cli as cli; assert 'torch' not in sys.modules, 'the CLI imports torch'; "
+        "sys.modules['torch'] = None; print(cli._interrupted(['export'], ['--out', 'x'], None))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "nothing was written; run the command again: bt-hub export --out x"
+
+
 def test_ctrl_c_says_what_was_kept_and_the_command_that_continues(tmp_path, monkeypatch, capsys):
     import bt_hub.train.pretrain as pretrain
 

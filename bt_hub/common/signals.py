@@ -8,11 +8,10 @@ import contextlib
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from bt_hub.common.distributed import any_rank
+if TYPE_CHECKING:  # torch loads with the command, after the CLI's handlers are set
+    import torch
 
 EXIT_CODE = 143  # 128 + SIGTERM: what a shell reports for a job that SIGTERM ended
 
@@ -29,6 +28,8 @@ def raise_terminated(signum: int, frame: Any) -> None:
 @contextlib.contextmanager
 def deferred_sigterm(device: torch.device) -> Iterator[Callable[[], bool]]:
     """Within the block SIGTERM only sets a flag; yields ``requested()`` (a collective under torchrun)."""
+    from bt_hub.common.distributed import any_rank
+
     received: list[int] = []
     main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum)) if main else None
