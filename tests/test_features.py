@@ -303,6 +303,7 @@ def test_a_rerun_removes_the_stale_temp_files_interrupted_writes_left_in_the_cac
     image_folder, seeded_weights, tmp_path
 ):
     # Guards: a killed extraction's temp file (a full-size features file) stayed in --cache-dir for good.
+    import fcntl
     import os
 
     from bt_hub import cli
@@ -316,10 +317,13 @@ def test_a_rerun_removes_the_stale_temp_files_interrupted_writes_left_in_the_cac
     for path in left:
         path.write_bytes(b"\x93NUMPY cut short")
         os.utime(path, (path.stat().st_mtime - 3600,) * 2)
-    kept = cache / ".0123abcd.features.npy.2c3d4e5f.tmp"  # written a moment ago: perhaps a live write
-    kept.write_bytes(b"")
-    assert cli.main(argv) == 0
-    assert not [p for p in left if p.exists()] and kept.exists()
+    left.append(cache / ".0123abcd.labels.npy.3d4e5f6a.tmp")  # a write killed a moment ago: no lock, a leftover
+    left[-1].write_bytes(b"")
+    live = cache / ".0123abcd.features.npy.2c3d4e5f.tmp"
+    with open(live, "wb") as writer:
+        fcntl.flock(writer, fcntl.LOCK_EX)  # as atomic_write holds it until its rename
+        assert cli.main(argv) == 0
+    assert not [p for p in left if p.exists()] and live.exists()
 
 
 def test_a_same_size_edit_of_any_training_image_invalidates_the_cached_features(
