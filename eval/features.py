@@ -332,6 +332,7 @@ def extract_with_source(
     if is_main_process():
         parts.extend(batches(first))
         files = write_cache(parts.read(), len(dataset), np.dtype(dtype), features_path, labels_path)
+        parts.remove()  # before the meta file that makes the cache whole: a kill between them leaves no part for good
         atomic_write_json(
             meta_path,
             {
@@ -347,7 +348,6 @@ def extract_with_source(
                 "files": files,
             },
         )
-        parts.remove()
     else:
         for _ in batches(first):  # the other ranks take part in every gather, then read rank 0's file
             pass

@@ -389,6 +389,31 @@ def test_an_extraction_cut_short_continues_from_its_last_whole_part_to_the_same_
     assert not list((tmp_path / "cut").glob("*.part*"))  # the parts go once the whole file is written
 
 
+def test_a_kill_as_the_cache_is_completed_leaves_no_part_files_after_the_rerun(
+    small_stem_weights, tmp_path, monkeypatch
+):
+    # guards: killed after the cache's meta file was written but before its parts were deleted, the parts stayed
+    # for good beside a cache that the rerun reused
+    import bt_hub.eval.feature_cache as feature_cache
+    from bt_hub.eval.knn import KnnConfig
+    from bt_hub.eval.runner import evaluation
+
+    config = KnnConfig(weights=str(small_stem_weights), data="synthetic:40", image_size=8, batch_size=8, out=None)
+    config.cache_dir = str(tmp_path)
+    remove = feature_cache.Parts.remove
+
+    def killed(parts):
+        monkeypatch.setattr(feature_cache.Parts, "remove", remove)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(feature_cache.Parts, "remove", killed)
+    with evaluation(config) as run, pytest.raises(KeyboardInterrupt):
+        run.features("train")
+    with evaluation(config) as run:
+        run.features("train")
+    assert sorted(p.name.split(".", 1)[1] for p in tmp_path.iterdir()) == ["features.npy", "labels.npy", "meta.json"]
+
+
 FORMATS = {
     "jpeg 4:4:4": ("jpg", {"quality": 95, "subsampling": 0}),
     "jpeg 4:2:0": ("jpg", {"quality": 90}),
