@@ -353,6 +353,8 @@ def _interrupted(path: list[str], rest: list[str], config: Any) -> str:
         kept = "no file is left half-written"
     elif out.is_file() or (out.is_dir() and any(out.iterdir())):
         kept = f"what was written to {out} is kept"
+        if getattr(config, "force", None) is False:  # bt-hub export replaces what it wrote only with --force
+            again.append("--force")
     else:
         kept = f"nothing was written to {out}"
     cache = getattr(config, "cache_dir", None)

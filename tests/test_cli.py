@@ -273,6 +273,17 @@ def test_ctrl_c_says_what_was_kept_and_the_command_that_continues(tmp_path, monk
         "(whole parts, checked before reuse); run the same command again to continue: "
         f"bt-hub eval knn --weights 'w w.pth' --out {ev} --cache-dir c"
     )
+    # Guards: a cut hf export said to run it again, which then refused without --force
+    export = importlib.import_module("bt_hub.weights.export")
+
+    def cut_after_the_first_file(config):
+        (tmp_path / "hf").mkdir()
+        (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
+        _interrupt(config)
+
+    monkeypatch.setattr(export, "export", cut_after_the_first_file)
+    assert cli.main(["export", "--weights", "w.pth", "--format", "hf", "--out", str(tmp_path / "hf")]) == 130
+    assert one_sentence(capsys.readouterr().err).endswith(f"--format hf --out {tmp_path / 'hf'} --force")
     assert cli.main(["eval", "knn", "--weights", "w w.pth", "--out", str(tmp_path / "ev2")]) == 130
     assert one_sentence(capsys.readouterr().err).endswith(
         "without --cache-dir nothing of the features is kept, so running it again starts over: "
