@@ -249,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     130 interrupted (Ctrl-C: one line saying what was kept and the command that continues),
     143 stopped by SIGTERM (the same line; ``bt-hub pretrain`` first checkpoints the step it is on).
     """
+    console = argv is None  # the bt-hub script: once its work is done, a signal would only cut its exit short
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-V"]):
         from bt_hub import __version__
@@ -310,7 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN if console else previous)
+            if console:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
     summary = _summary(result, getattr(config, "out", None))
     if summary:
         print(summary)

@@ -245,6 +245,17 @@ def test_ctrl_c_or_sigterm_while_torch_loads_is_answered_in_one_line():
     assert done.stdout.strip() == "nothing was written; run the command again: bt-hub export --out x"
 
 
+def test_sigterm_or_ctrl_c_after_the_work_is_done_does_not_cut_the_exit_short():
+    # Guards: SIGTERM in the moment after a command's work (its last line, the interpreter's exit) ended it with
+    # -15 and no line though every file was written; Ctrl-C there printed a traceback.
+    code = (
+        "import os, signal, sys; from bt_hub import cli; sys.argv = ['bt-hub', 'weights', 'list']; rc = cli.main(); "
+        "os.kill(os.getpid(), signal.SIGTERM); os.kill(os.getpid(), signal.SIGINT); sys.exit(rc)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
 def test_ctrl_c_says_what_was_kept_and_the_command_that_continues(tmp_path, monkeypatch, capsys):
     import bt_hub.train.pretrain as pretrain
 
