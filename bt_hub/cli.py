@@ -262,17 +262,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefix = f"bt-hub {' '.join(path)}"
     debug = bool(os.environ.get("BT_HUB_DEBUG"))
     config = None
-    from bt_hub.common.signals import EXIT_CODE, Terminated, raise_terminated
+    from bt_hub.common.signals import EXIT_CODE, Terminated, held_signals, raise_terminated
 
     main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
     previous = signal.signal(signal.SIGTERM, raise_terminated) if main_thread else None  # Ctrl-C's path
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _print_warning(prefix)
-            # torch loads with the command's module, not for --help
-            from bt_hub.common.config import keep_freed_memory, torch_threads
+            with held_signals():  # torch loads with the command's module, not for --help
+                from bt_hub.common.config import keep_freed_memory, torch_threads
 
-            module = importlib.import_module(command.module)
+                module = importlib.import_module(command.module)
             config_cls = getattr(module, command.config)
             parser = _Parser(prog=prefix, description=command.help)
             add_dataclass_arguments(parser, config_cls)

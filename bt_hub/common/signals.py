@@ -38,3 +38,20 @@ def deferred_sigterm(device: torch.device) -> Iterator[Callable[[], bool]]:
     finally:
         if main:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+@contextlib.contextmanager
+def held_signals() -> Iterator[None]:
+    """Within the block Ctrl-C and SIGTERM are only noted, then raised at its end (KeyboardInterrupt, Terminated):
+    one landing inside ``import torch`` breaks that import into errors that no longer say they were an interrupt."""
+    received: list[int] = []
+    main = threading.current_thread() is threading.main_thread()
+    held = [s for s in (signal.SIGINT, signal.SIGTERM) if main and signal.getsignal(s) is not signal.SIG_IGN]
+    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+    if received:
+        raise Terminated if received[0] == signal.SIGTERM else KeyboardInterrupt
