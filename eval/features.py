@@ -242,7 +242,9 @@ def iter_feature_batches(
                 yield feats[:take].cpu(), labels[:take].cpu()
     finally:
         batches.close()
-        backbone.train(was_training)
+        # back to the layout as loaded: a protocol fine-tuning the network next (eval all's semi) would compute
+        # otherwise after an extraction than after features read from the cache
+        backbone.train(was_training).to(memory_format=torch.contiguous_format)
 
 
 def describe_transform(transform: Callable[[Any], torch.Tensor]) -> str:
