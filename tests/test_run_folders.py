@@ -355,6 +355,16 @@ def test_temp_files_of_interrupted_writes_go_however_recent_but_a_live_write_and
     assert yours.is_file()
 
 
+def test_writing_a_file_removes_the_temp_files_of_its_interrupted_writes_outside_a_run_folder_too(tmp_path):
+    # Guards: bt-hub export --force after a kill left the killed write's temp file in the Hugging Face folder (and
+    # beside a single exported file) for good: no run folder is claimed there, so nothing removed it.
+    left, others = tmp_path / ".config.json.0a1b2c3d.tmp", tmp_path / ".config.json.bak.1b2c3d4e.tmp"
+    for path in (left, others):
+        path.write_bytes(b"{")
+    atomic_write_text(tmp_path / "config.json", "{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["config.json", others.name])
+
+
 def test_a_write_whose_temp_file_a_cleaner_removed_before_its_lock_starts_again_and_ctrl_c_there_leaves_none(
     tmp_path, monkeypatch
 ):

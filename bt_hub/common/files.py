@@ -98,8 +98,9 @@ def _open_temp(path: Path) -> tuple[Path, int]:
     raise FileExistsError(f"could not create a temp file beside {path}")
 
 
-def remove_stale_temp_files(path: str | os.PathLike, min_age_s: float = 0.0) -> list[Path]:
-    """Delete (and return) the temp files interrupted atomic writes left in ``path`` that no live writer holds.
+def remove_stale_temp_files(path: str | os.PathLike, min_age_s: float = 0.0, *, of: str | None = None) -> list[Path]:
+    """Delete (and return) the temp files interrupted atomic writes left in ``path`` (of the file named ``of``
+    only, when given) that no live writer holds.
 
     Whatever their age: a writer locks its temp file before writing and starts again if it was removed first.
     """
@@ -108,6 +109,8 @@ def remove_stale_temp_files(path: str | os.PathLike, min_age_s: float = 0.0) -> 
     entries = list(folder.iterdir()) if folder.is_dir() and not folder.is_symlink() else []
     for entry in entries:
         if not TEMP_FILE.match(entry.name) or entry.is_symlink() or not entry.is_file():
+            continue
+        if of is not None and entry.name.rsplit(".", 2)[0] != f".{of}":
             continue
         try:
             fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -158,6 +161,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[io.BufferedWriter], N
         if cause is None or isinstance(err, WriteError):
             raise
         raise write_failure(path, cause) from err
+    with contextlib.suppress(OSError):  # what interrupted writes of this file left, also outside a run folder
+        remove_stale_temp_files(path.parent, of=path.name)
     return path
 
 
