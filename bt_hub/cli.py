@@ -249,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     130 interrupted (Ctrl-C: one line saying what was kept and the command that continues),
     143 stopped by SIGTERM (the same line; ``bt-hub pretrain`` first checkpoints the step it is on).
     """
+    console = argv is None  # the bt-hub script: once its work is done, a signal would only cut its exit short
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-V"]):
         from bt_hub import __version__
@@ -261,17 +262,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefix = f"bt-hub {' '.join(path)}"
     debug = bool(os.environ.get("BT_HUB_DEBUG"))
     config = None
-    from bt_hub.common.signals import EXIT_CODE, Terminated, raise_terminated
+    from bt_hub.common.signals import EXIT_CODE, Terminated, held_signals, raise_terminated
 
     main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
     previous = signal.signal(signal.SIGTERM, raise_terminated) if main_thread else None  # Ctrl-C's path
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _print_warning(prefix)
-            # torch loads with the command's module, not for --help
-            from bt_hub.common.config import keep_freed_memory, torch_threads
+            with held_signals():  # torch loads with the command's module, not for --help
+                from bt_hub.common.config import keep_freed_memory, torch_threads
 
-            module = importlib.import_module(command.module)
+                module = importlib.import_module(command.module)
             config_cls = getattr(module, command.config)
             parser = _Parser(prog=prefix, description=command.help)
             add_dataclass_arguments(parser, config_cls)
@@ -310,7 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN if console else previous)
+            if console:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
     summary = _summary(result, getattr(config, "out", None))
     if summary:
         print(summary)
@@ -343,16 +346,18 @@ def _interrupted(path: list[str], rest: list[str], config: Any) -> str:
     flag); any other command is run again: files are written whole, so what it finished is kept, and features
     it cached are reused.
     """
+    again = ["bt-hub", *path, *rest]
+    if config is None:  # perhaps cut inside ``import torch``: import nothing that imports it
+        return f"nothing was written; run the command again: {shlex.join(again)}"
     from bt_hub.train.resume import CHECKPOINT_NAME
 
-    again = ["bt-hub", *path, *rest]
-    if config is None:
-        return f"nothing was written; run the command again: {shlex.join(again)}"
     out = Path(config.out) if getattr(config, "out", None) else None
     if out is None:
         kept = "no file is left half-written"
     elif out.is_file() or (out.is_dir() and any(out.iterdir())):
         kept = f"what was written to {out} is kept"
+        if getattr(config, "force", None) is False:  # bt-hub export replaces what it wrote only with --force
+            again.append("--force")
     else:
         kept = f"nothing was written to {out}"
     cache = getattr(config, "cache_dir", None)

@@ -242,7 +242,9 @@ def iter_feature_batches(
                 yield feats[:take].cpu(), labels[:take].cpu()
     finally:
         batches.close()
-        backbone.train(was_training)
+        # back to the layout as loaded: a protocol fine-tuning the network next (eval all's semi) would compute
+        # otherwise after an extraction than after features read from the cache
+        backbone.train(was_training).to(memory_format=torch.contiguous_format)
 
 
 def describe_transform(transform: Callable[[Any], torch.Tensor]) -> str:
@@ -332,6 +334,7 @@ def extract_with_source(
     if is_main_process():
         parts.extend(batches(first))
         files = write_cache(parts.read(), len(dataset), np.dtype(dtype), features_path, labels_path)
+        parts.remove()  # before the meta file that makes the cache whole: a kill between them leaves no part for good
         atomic_write_json(
             meta_path,
             {
@@ -347,7 +350,6 @@ def extract_with_source(
                 "files": files,
             },
         )
-        parts.remove()
     else:
         for _ in batches(first):  # the other ranks take part in every gather, then read rank 0's file
             pass

@@ -232,6 +232,48 @@ def test_ctrl_c_or_sigterm_in_any_command_is_one_line_with_its_exit_code(
     assert line.startswith(f"bt-hub {' '.join(path)}: {said}; ") and "bt-hub " + " ".join(path) in line[20:]
 
 
+def test_ctrl_c_or_sigterm_while_torch_loads_is_answered_in_one_line():
+    # Guards: bt-hub imported torch (seconds) before its SIGTERM handler was set, so SIGTERM in the first
+    # seconds ended it silently with -15, and Ctrl-C there printed a traceback; the line for a command cut
+    # before its flags were read imported torch again, which a half-imported torch crashed (SIGSEGV).
+    code = (
+        "import sys; import bt_hub.cli as cli; assert 'torch' not in sys.modules, 'the CLI imports torch'; "
+        "sys.modules['torch'] = None; print(cli._interrupted(['export'], ['--out', 'x'], None))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "nothing was written; run the command again: bt-hub export --out x"
+
+
+def test_sigterm_while_the_command_module_loads_waits_for_the_import_and_says_so(monkeypatch, capsys):
+    # Guards: SIGTERM or Ctrl-C landing inside ``import torch`` (numpy, torch's C init) came out as an unrelated
+    # error ("module 'numpy._core' has no attribute '_multiarray_umath'; this is a bug in bt-hub"), exit code 1.
+    real_import = importlib.import_module
+
+    def import_cut_by_sigterm(name):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+        except BaseException:  # as an extension module's C init turns an exception into its own error
+            raise AttributeError("partially initialized module") from None
+        return real_import(name)
+
+    monkeypatch.setattr(cli.importlib, "import_module", import_cut_by_sigterm)
+    assert cli.main(["weights", "list"]) == 143
+    assert one_sentence(capsys.readouterr().err).startswith("bt-hub weights list: stopped by SIGTERM; nothing was")
+
+
+def test_sigterm_or_ctrl_c_after_the_work_is_done_does_not_cut_the_exit_short():
+    # Guards: SIGTERM in the moment after a command's work (its last line, the interpreter's exit) ended it with
+    # -15 and no line though every file was written; Ctrl-C there printed a traceback.
+    code = (
+        "import os, signal, sys; from bt_hub import cli; sys.argv = ['bt-hub', 'weights', 'list']; rc = cli.main(); "
+        "os.kill(os.getpid(), signal.SIGTERM); os.kill(os.getpid(), signal.SIGINT); sys.exit(rc)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
 def test_ctrl_c_says_what_was_kept_and_the_command_that_continues(tmp_path, monkeypatch, capsys):
     import bt_hub.train.pretrain as pretrain
 
@@ -260,6 +302,17 @@ def test_ctrl_c_says_what_was_kept_and_the_command_that_continues(tmp_path, monk
         "(whole parts, checked before reuse); run the same command again to continue: "
         f"bt-hub eval knn --weights 'w w.pth' --out {ev} --cache-dir c"
     )
+    # Guards: a cut hf export said to run it again, which then refused without --force
+    export = importlib.import_module("bt_hub.weights.export")
+
+    def cut_after_the_first_file(config):
+        (tmp_path / "hf").mkdir()
+        (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
+        _interrupt(config)
+
+    monkeypatch.setattr(export, "export", cut_after_the_first_file)
+    assert cli.main(["export", "--weights", "w.pth", "--format", "hf", "--out", str(tmp_path / "hf")]) == 130
+    assert one_sentence(capsys.readouterr().err).endswith(f"--format hf --out {tmp_path / 'hf'} --force")
     assert cli.main(["eval", "knn", "--weights", "w w.pth", "--out", str(tmp_path / "ev2")]) == 130
     assert one_sentence(capsys.readouterr().err).endswith(
         "without --cache-dir nothing of the features is kept, so running it again starts over: "

@@ -23,8 +23,6 @@ import torch
 
 # the temp names of atomic_write (and of earlier versions, which used tempfile.mkstemp)
 TEMP_FILE = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
-# a temp file untouched this long, whose lock no writer holds, is the leftover of an interrupted write
-STALE_AFTER_S = 60.0
 _FULL = {errno.ENOSPC: "no space is left on the device", errno.EDQUOT: "the disk quota is exceeded"}
 # the metadata that marks a safetensors file as bt_hub's (so bt_hub may replace it)
 WRITTEN_BY = {"written_by": "bt_hub"}
@@ -87,18 +85,32 @@ def _open_temp(path: Path) -> tuple[Path, int]:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         except FileExistsError:
             continue
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        return tmp, fd
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_nlink:  # not removed as a leftover in the moment before the lock
+                return tmp, fd
+        except BaseException:  # Ctrl-C included: the file goes with the fd
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            os.close(fd)
+            raise
+        os.close(fd)
     raise FileExistsError(f"could not create a temp file beside {path}")
 
 
-def remove_stale_temp_files(path: str | os.PathLike, min_age_s: float = STALE_AFTER_S) -> list[Path]:
-    """Delete (and return) the temp files interrupted atomic writes left in ``path`` that no live writer holds."""
+def remove_stale_temp_files(path: str | os.PathLike, min_age_s: float = 0.0, *, of: str | None = None) -> list[Path]:
+    """Delete (and return) the temp files interrupted atomic writes left in ``path`` (of the file named ``of``
+    only, when given) that no live writer holds.
+
+    Whatever their age: a writer locks its temp file before writing and starts again if it was removed first.
+    """
     removed = []
     folder = Path(path)
     entries = list(folder.iterdir()) if folder.is_dir() and not folder.is_symlink() else []
     for entry in entries:
         if not TEMP_FILE.match(entry.name) or entry.is_symlink() or not entry.is_file():
+            continue
+        if of is not None and entry.name.rsplit(".", 2)[0] != f".{of}":
             continue
         try:
             fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -149,6 +161,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[io.BufferedWriter], N
         if cause is None or isinstance(err, WriteError):
             raise
         raise write_failure(path, cause) from err
+    with contextlib.suppress(OSError):  # what interrupted writes of this file left, also outside a run folder
+        remove_stale_temp_files(path.parent, of=path.name)
     return path
 
 

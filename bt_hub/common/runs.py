@@ -320,7 +320,6 @@ class RunDir:
         )
         if lock:
             self._lock = RunLock(self.path)
-            remove_stale_temp_files(self.path, min_age_s=0)  # the lock holder is this folder's only writer
         if config is not None:
             self.start(config)
 

@@ -8,11 +8,10 @@ import contextlib
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from bt_hub.common.distributed import any_rank
+if TYPE_CHECKING:  # torch loads with the command, after the CLI's handlers are set
+    import torch
 
 EXIT_CODE = 143  # 128 + SIGTERM: what a shell reports for a job that SIGTERM ended
 
@@ -29,6 +28,8 @@ def raise_terminated(signum: int, frame: Any) -> None:
 @contextlib.contextmanager
 def deferred_sigterm(device: torch.device) -> Iterator[Callable[[], bool]]:
     """Within the block SIGTERM only sets a flag; yields ``requested()`` (a collective under torchrun)."""
+    from bt_hub.common.distributed import any_rank
+
     received: list[int] = []
     main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum)) if main else None
@@ -37,3 +38,20 @@ def deferred_sigterm(device: torch.device) -> Iterator[Callable[[], bool]]:
     finally:
         if main:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+@contextlib.contextmanager
+def held_signals() -> Iterator[None]:
+    """Within the block Ctrl-C and SIGTERM are only noted, then raised at its end (KeyboardInterrupt, Terminated):
+    one landing inside ``import torch`` breaks that import into errors that no longer say they were an interrupt."""
+    received: list[int] = []
+    main = threading.current_thread() is threading.main_thread()
+    held = [s for s in (signal.SIGINT, signal.SIGTERM) if main and signal.getsignal(s) is not signal.SIG_IGN]
+    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+    if received:
+        raise Terminated if received[0] == signal.SIGTERM else KeyboardInterrupt
