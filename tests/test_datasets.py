@@ -111,6 +111,19 @@ def test_macos_appledouble_files_beside_images_are_skipped_with_one_warning(imag
     assert [ds[i][1] for i in range(len(ds))] == [0, 0, 1, 1]  # every sample decodes
 
 
+def test_a_symlink_loop_is_refused_not_listed_again_and_again(image_folder, tmp_path):
+    """Guards: a link back up the tree (cat/up -> the root) had each image listed ~40 times, dog's as cats too
+    (and two such links take exponential time)."""
+    root = image_folder(tmp_path / "data", classes=("cat", "dog"), per_class=2, splits=())
+    for link, target in (("up", root), ("again", root / "cat")):
+        (root / "cat" / link).symlink_to(target)
+        with pytest.raises(ValueError, match=r"leads back to .* \(a symlink loop\); remove the link"):
+            build_dataset(root, image_size=None)
+        (root / "cat" / link).unlink()
+    (root / "dog" / "more").symlink_to(image_folder(tmp_path / "elsewhere", classes=("x",), per_class=1, splits=()))
+    assert build_dataset(root, image_size=None).targets == [0, 0, 1, 1, 1]  # a link elsewhere is followed
+
+
 def test_bad_names_and_splits_are_rejected():
     with pytest.raises(ValueError, match="'synthetic:x' is malformed"):
         build_dataset("synthetic:x")

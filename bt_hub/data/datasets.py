@@ -92,6 +92,17 @@ def synthetic_dataset(
     return ArrayImageDataset(images, labels, [str(c) for c in range(num_classes)])
 
 
+def _walk(top: Path) -> list[tuple[str, list[str]]]:
+    """``(folder, file names)`` under ``top``, symlinks followed; a link back to a folder already listed is refused."""
+    seen, found = set(), []
+    for dirpath, _, filenames in os.walk(top, followlinks=True):  # alone, it would list a loop's images again
+        if (real := os.path.realpath(dirpath)) in seen:
+            raise ValueError(f"data directory {dirpath} leads back to {real} (a symlink loop); remove the link")
+        seen.add(real)
+        found.append((dirpath, filenames))
+    return found
+
+
 class ImageFolderDataset(Dataset):
     """``root/<class>/<image>``, classes sorted by name, optionally resized to ``image_size`` squares (bicubic)."""
 
@@ -112,7 +123,7 @@ class ImageFolderDataset(Dataset):
         self.samples: list[tuple[Path, int]] = []
         apple_double: list[Path] = []  # macOS's "._x.png" beside "x.png": Finder metadata, not an image
         for label, name in enumerate(self.classes):
-            for dirpath, _, filenames in sorted(os.walk(self.root / name, followlinks=True)):
+            for dirpath, filenames in sorted(_walk(self.root / name)):
                 for fname in sorted(f for f in filenames if f.lower().endswith(IMAGE_EXTENSIONS)):
                     (apple_double if fname.startswith("._") else self.samples).append((Path(dirpath) / fname, label))
         if apple_double:
