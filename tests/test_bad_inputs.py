@@ -255,6 +255,7 @@ def _eval_cases(protocol: str, data: str = "digits") -> list[Case]:
         Case(command, "out is a file", good, ("--out",), both(weights, write("out", "mine"))),
         Case(command, "batch-size 0", (*good, "--batch-size", "0"), ("--batch-size",), weights),
         Case(command, "image-size -8", (*good, "--image-size", "-8"), ("--image-size",), weights),
+        Case(command, "image-size 1", (*good, "--image-size", "1"), ("--image-size", "below 2 px"), weights),
         Case(command, "data missing", (*good, "--data", "{d}/nodata"), ("nodata",), weights),
     ]
     return cases
@@ -281,6 +282,7 @@ def _cases() -> list[Case]:
         # pretrain
         *_run_config_cases("pretrain", pre),
         Case("pretrain", "epochs 0", (*pre, "--epochs", "0"), ("--epochs",)),
+        Case("pretrain", "image-size 1", (*pre, "--image-size", "1"), ("--image-size", "below 2 px")),
         Case("pretrain", "batch-size -5", (*pre, "--batch-size", "-5"), ("--batch-size",)),
         Case("pretrain", "batch-size not a number", (*pre, "--batch-size", "lots"), ("--batch-size",)),
         Case("pretrain", "batch-size past the data", (*pre, "--batch-size", "100000"), ("--batch-size",)),
@@ -327,6 +329,8 @@ def _cases() -> list[Case]:
         Case("demo", "epochs 0", ("demo", "--epochs", "0", "--out", "{d}/demo"), ("--epochs",)),
         Case("demo", "unknown architecture", (*demo, "--arch", "resnet9000"), ("--arch",)),
         Case("demo", "knn-k 0", (*demo, "--knn-k", "0"), ("--knn-k",)),
+        Case("demo", "image-size 1", (*demo, "--image-size", "1"), ("--image-size", "below 2 px")),
+        Case("demo", "image-size 100000", (*demo, "--image-size", "100000"), ("--image-size", "2048 px")),
         Case("demo", "out is a user folder", demo, ("--out", "--overwrite"), write("demo/report.md", "my report")),
         Case("demo", "out holds a pretraining run", demo, ("--out",), run_with(at="demo/pretrain")),
         # embed
