@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -122,6 +124,21 @@ def test_a_symlink_loop_is_refused_not_listed_again_and_again(image_folder, tmp_
         (root / "cat" / link).unlink()
     (root / "dog" / "more").symlink_to(image_folder(tmp_path / "elsewhere", classes=("x",), per_class=1, splits=()))
     assert build_dataset(root, image_size=None).targets == [0, 0, 1, 1, 1]  # a link elsewhere is followed
+
+
+def test_a_class_folder_that_cannot_be_listed_is_named_not_skipped(image_folder, tmp_path, monkeypatch):
+    """Guards: os.walk skipped an unreadable folder (chmod 000) in silence, so its class lost every image."""
+    root = image_folder(tmp_path, classes=("cat", "dog", "eel"), per_class=1, splits=())
+    scandir = os.scandir
+
+    def denied(path):
+        if os.fspath(path) == str(root / "dog"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", denied)
+    with pytest.raises(OSError, match=f"data directory {root / 'dog'} cannot be listed \\(Permission denied\\)"):
+        build_dataset(root, image_size=None)
 
 
 def test_bad_names_and_splits_are_rejected():

@@ -95,7 +95,11 @@ def synthetic_dataset(
 def _walk(top: Path) -> list[tuple[str, list[str]]]:
     """``(folder, file names)`` under ``top``, symlinks followed; a link back to a folder already listed is refused."""
     seen, found = set(), []
-    for dirpath, _, filenames in os.walk(top, followlinks=True):  # alone, it would list a loop's images again
+
+    def unlisted(err: OSError) -> None:  # os.walk would skip the folder, and a class would lose its images unsaid
+        raise OSError(f"data directory {err.filename} cannot be listed ({err.strerror}); fix its permissions")
+
+    for dirpath, _, filenames in os.walk(top, followlinks=True, onerror=unlisted):  # alone, it lists a loop again
         if (real := os.path.realpath(dirpath)) in seen:
             raise ValueError(f"data directory {dirpath} leads back to {real} (a symlink loop); remove the link")
         seen.add(real)
