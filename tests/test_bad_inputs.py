@@ -530,6 +530,13 @@ def _cases() -> list[Case]:
             both(run_with(), write("plots", "mine")),
         ),
         # export
+        Case(
+            "export",
+            "out a .safetensors name for torchvision",
+            ("export", "--weights", "{d}/w.pth", "--out", "{d}/x.safetensors"),
+            ("--out", "--format safetensors"),
+            weights,
+        ),
         Case("export", "weights missing", ("export", "--weights", "{d}/nope.pth", "--out", "{d}/x.pth"), ("nope.pth",)),
         Case(
             "export",
