@@ -57,7 +57,12 @@ def read_subset_file(path: str | os.PathLike) -> SubsetList:
             f"({PUBLISHED_URL.format(name='1percent.txt')})"
         )
     sha = file_sha256(path)
-    names = tuple(line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    try:
+        names = tuple(line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"subset file {path} is not UTF-8 text (byte {err.start}); expected a file name a line"
+        ) from None
     if not names:
         raise ValueError(f"subset file {path} is empty; expected one training file name per line")
     for n in names:

@@ -48,6 +48,16 @@ def test_class_is_the_text_before_the_first_underscore():
         class_of("cat.png")
 
 
+def test_a_subset_file_that_is_not_text_is_named(tmp_path):
+    """Guards: a binary --subset-file failed with "'utf-8' codec can't decode byte 0xff", naming no file."""
+    path = tmp_path / "1percent.txt"
+    path.write_bytes(b"\xff\xfe\x00n01440764_10026.JPEG\n")
+    with pytest.raises(
+        ValueError, match=f"subset file {path} is not UTF-8 text \\(byte 0\\); expected a file name a line"
+    ):
+        read_subset_file(path)
+
+
 def _image_folder(root, names):
     for name in names:
         folder = root / class_of(name)
