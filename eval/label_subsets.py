@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,7 +91,13 @@ def dataset_file_names(dataset: object) -> list[str]:
 
 def indices_from_list(dataset: object, subset: SubsetList) -> list[int]:
     """Indices of the samples a subset list names, by base file name (ValueError when some are missing)."""
-    position = {name: i for i, name in enumerate(dataset_file_names(dataset))}
+    names = dataset_file_names(dataset)
+    position = {name: i for i, name in enumerate(names)}
+    repeated = {n for n, c in Counter(names).items() if c > 1} if len(position) < len(names) else set()
+    if twice := sorted({os.path.basename(n) for n in subset.names} & repeated):
+        raise ValueError(
+            f"subset file {subset.path} names {twice[0]}, found in several class folders; rename them apart"
+        )
     missing = [n for n in subset.names if os.path.basename(n) not in position]
     if missing:
         shown = ", ".join(missing[:SHOWN_MISSING])

@@ -77,6 +77,18 @@ def test_list_selects_the_named_files_of_an_imagefolder(tmp_path):
     assert [dataset.targets[i] for i in idx] == [0, 1, 2]
 
 
+def test_a_listed_name_that_two_class_folders_hold_is_refused_not_guessed(tmp_path):
+    """Guards: cat/img_0.png and dog/img_0.png, and a list naming img_0.png took dog's (the last) in silence."""
+    for folder in ("cat", "dog"):
+        (tmp_path / "train" / folder).mkdir(parents=True)
+        for i in range(2):
+            Image.new("RGB", (4, 4)).save(tmp_path / "train" / folder / f"img_{i}.png")
+    listing = tmp_path / "mine.txt"
+    listing.write_text("img_0.png\n")
+    with pytest.raises(ValueError, match="names img_0.png, found in several class folders; rename them apart"):
+        indices_from_list(ImageFolderDataset(tmp_path / "train"), read_subset_file(listing))
+
+
 def test_list_naming_absent_files_is_rejected_with_count_and_examples(shared_data, tmp_path):
     real = (shared_data / "imagenet_subsets" / "1percent.txt").read_text().split()
     dataset = _image_folder(tmp_path / "train", real[:3])
