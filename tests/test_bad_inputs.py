@@ -479,6 +479,13 @@ def _cases() -> list[Case]:
         ),
         *_eval_cases("compare"),
         Case("eval compare", "seeds 0", (*compare, "--seeds", "0"), ("--seeds",), weights),
+        Case(
+            "eval compare",
+            "fractions 1 of 144 digits a class for the pixels' grid",
+            (*compare, "--protocols", "semi", "--fractions", "1", "--baselines", "pixels"),
+            ("--fractions 1", "--baselines"),
+            weights,
+        ),
         Case("eval compare", "unknown protocol", (*compare, "--protocols", "svm"), ("svm",), weights),
         Case("eval compare", "val-fraction 1", (*compare, "--val-fraction", "1"), ("--val-fraction",), weights),
         Case("eval compare", "fractions without semi", (*compare, "--fractions", "5"), ("--fractions",), weights),
