@@ -21,7 +21,6 @@ OVERWRITE_HELP = "write into an --out that is not empty and was not created by b
 SEED_MAX = 2**32 - 1  # numpy's legacy seeding takes 32 bits; torch, random and seed + epoch sums stay in range
 THREADS_MAX = 1024
 MAX_IMAGE_SIZE = 2048  # largest --image-size: batches are N x 3 x size^2 floats; the paper uses 224
-MIN_IMAGE_SIZE = 2  # a side of 1 px breaks torch's antialiased resize and the blur's reflect padding
 
 
 def check_device(device: str) -> None:
@@ -52,16 +51,11 @@ def check_out(out: str, flag: str = "--out") -> None:
 
 
 def check_image_size(size: int | None, command: str) -> None:
-    """Refuse an ``--image-size`` outside 2 to 2048 px (None: the weights' own size) in one sentence."""
-    if size is not None and not MIN_IMAGE_SIZE <= size <= MAX_IMAGE_SIZE:
-        bound = (
-            f"larger than {MAX_IMAGE_SIZE} px, the most"
-            if size > MAX_IMAGE_SIZE
-            else f"below {MIN_IMAGE_SIZE} px, the least"
-        )
+    """Refuse an ``--image-size`` outside 2 to 2048 px (1 px breaks torch's antialiased resize and blur padding)."""
+    if size is not None and not 2 <= size <= MAX_IMAGE_SIZE:
+        bound = f"larger than {MAX_IMAGE_SIZE} px, the most" if size > 2 else "below 2 px, the least"
         raise ValueError(
-            f"--image-size {size} is {bound} bt-hub {command} accepts (the paper uses 224 px); "
-            "choose another --image-size"
+            f"--image-size {size} is {bound} bt-hub {command} accepts (the paper uses 224); choose another --image-size"
         )
 
 
