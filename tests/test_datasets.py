@@ -141,6 +141,15 @@ def test_a_class_folder_that_cannot_be_listed_is_named_not_skipped(image_folder,
         build_dataset(root, image_size=None)
 
 
+def test_a_folder_named_like_a_built_in_set_is_refused_not_shadowed(image_folder, tmp_path, monkeypatch):
+    """Guards: --data digits, with a ./digits ImageFolder in the working directory, scored the embedded digits."""
+    monkeypatch.chdir(tmp_path)
+    image_folder(tmp_path / "digits", classes=("0", "1"), per_class=2, splits=())
+    with pytest.raises(ValueError, match="--data digits names a built-in set and a folder here; pass ./digits"):
+        build_dataset("digits", image_size=None)
+    assert len(build_dataset("./digits", image_size=None)) == 4
+
+
 def test_bad_names_and_splits_are_rejected():
     with pytest.raises(ValueError, match="'synthetic:x' is malformed"):
         build_dataset("synthetic:x")

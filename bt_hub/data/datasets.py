@@ -180,6 +180,8 @@ def build_dataset(
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is unknown; expected one of {SPLITS}")
     spec = str(name_or_path)
+    if (spec == "digits" or spec.split(":")[0] == "synthetic") and Path(spec).is_dir():
+        raise ValueError(f"--data {spec} names a built-in set and a folder here; pass ./{spec} for the folder")
     if spec == "digits":
         train, test = load_digits_split(seed=seed, test_fraction=test_fraction, image_size=image_size or 32)
         return train if split == "train" else test
