@@ -124,6 +124,8 @@ def balanced_subset_indices(
         if leave_one:
             k = min(k, len(members) - 1)
         chosen.extend(rng.choice(members, size=k, replace=False).tolist())
+    if not leave_one and len(chosen) > 2 * percent / 100 * len(targets):  # one a class at least: far more labels
+        warnings.warn(f"{percent}% labels {len(chosen)} of {len(targets)} images (one a class at least)", stacklevel=2)
     return sorted(chosen)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -116,6 +117,15 @@ def test_balanced_subset_takes_the_share_of_every_class_and_is_seeded():
     assert idx == balanced_subset_indices(targets, 10, seed=3)
     assert idx != balanced_subset_indices(targets, 10, seed=4)
     assert Counter(targets[balanced_subset_indices(targets, 1)].tolist()) == {0: 1, 1: 2, 2: 1, 3: 1, 4: 10}
+
+
+def test_a_fraction_that_one_image_a_class_far_exceeds_is_a_warning():
+    """Guards: 10% of 150 classes of one image each fine-tuned on all 150 images under a '10% labels' heading."""
+    with pytest.warns(UserWarning, match=r"^10% labels 150 of 150 images \(one a class at least\)$"):
+        assert len(balanced_subset_indices(list(range(150)), 10)) == 150
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(balanced_subset_indices([0] * 10 + [1] * 10, 10)) == 2  # the share asked for: no warning
 
 
 def test_balanced_subset_rejects_a_fraction_outside_0_to_100():
