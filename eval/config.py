@@ -138,8 +138,6 @@ class EvalConfig(RunConfig):
             raise ValueError("--weights must name a checkpoint, got an empty string")
         self.require_positive("batch_size", "image_size")
         check_image_size(self.image_size, "eval")
-        if self.num_workers < 0:
-            raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
         super().__post_init__()
         if self.precision == "fp16" and not self.device.startswith("cuda"):
             raise ValueError("--precision fp16 needs --device cuda; use bf16 on the CPU")

@@ -282,6 +282,7 @@ def _cases() -> list[Case]:
         # pretrain
         *_run_config_cases("pretrain", pre),
         Case("pretrain", "epochs 0", (*pre, "--epochs", "0"), ("--epochs",)),
+        Case("pretrain", "num-workers 5000", (*pre, "--num-workers", "5000"), ("--num-workers", "1024")),
         Case("pretrain", "image-size 1", (*pre, "--image-size", "1"), ("--image-size", "below 2 px")),
         Case("pretrain", "batch-size -5", (*pre, "--batch-size", "-5"), ("--batch-size",)),
         Case("pretrain", "batch-size not a number", (*pre, "--batch-size", "lots"), ("--batch-size",)),
@@ -365,6 +366,7 @@ def _cases() -> list[Case]:
         Case("eval knn", "unknown backend", (*knn, "--backend", "gpu"), ("--backend",), weights),
         Case("eval knn", "holdout 1.5", (*knn, "--holdout", "1.5"), ("--holdout",), weights),
         Case("eval knn", "num-workers -1", (*knn, "--num-workers", "-1"), ("--num-workers",), weights),
+        Case("eval knn", "num-workers 24 digits", (*knn, "--num-workers", HUGE), ("--num-workers", "1024"), weights),
         Case("eval knn", "weights truncated", knn, ("w.pth",), truncated),
         Case("eval knn", "weights hold NaN", knn, ("w.pth", "--allow-non-finite"), non_finite),
         Case("eval knn", "weights pickle code", knn, ("w.pth",), pickled_code),

@@ -94,6 +94,8 @@ class RunConfig:
             raise ValueError(
                 f"--threads must be an integer from 0 (torch's default) to {THREADS_MAX}, got {_shown(self.threads)}"
             )
+        if not 0 <= (workers := getattr(self, "num_workers", 0)) <= THREADS_MAX:  # each one a forked process
+            raise ValueError(f"--num-workers must be an integer from 0 to {THREADS_MAX}, got {_shown(workers)}")
 
     def require_positive(self, *names: str, or_zero: bool = False) -> None:
         """Refuse the first field of ``names`` set below 1 (``or_zero``: below 0) in one sentence naming its flag."""
