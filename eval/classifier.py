@@ -139,6 +139,8 @@ def train_classifier(
         model.train()
         total, count = 0.0, 0
         for images, labels in train_loader:
+            if len(labels) == 1 and count:  # a last batch of one: BatchNorm cannot train on one 1x1 map (small images)
+                continue
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 loss = F.cross_entropy(model(images).float(), labels)

@@ -91,6 +91,11 @@ def compare(
     say = progress(None, "compare", total=len(seeds) * len(sources) * len(columns), unit="cell")
     for seed in seeds:
         subsets = {p: balanced_subset_indices(targets, p, seed) for c in columns if (p := _labels_column(c))}
+        for p in (p for p, rows in subsets.items() if len(set(targets[rows])) == len(rows) and "pixels" in names):
+            raise ValueError(
+                f"--fractions {p} labels one image a class, too few for the pixels' grid probe to validate on; "
+                "raise --fractions or leave pixels out of --baselines"
+            )
         for source in sources:
             net = source.network(seed)
             train_x, train_y, test_x, test_y = features(source, net, seed)

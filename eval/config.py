@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from bt_hub.common.config import MAX_IMAGE_SIZE, RunConfig, out_field
+from bt_hub.common.config import RunConfig, check_image_size, out_field
 from bt_hub.common.presets import overrides, preset_values
 from bt_hub.common.runs import check_run_dir
 from bt_hub.method.model import ARCHITECTURES
@@ -137,13 +137,7 @@ class EvalConfig(RunConfig):
         if not str(self.weights).strip():
             raise ValueError("--weights must name a checkpoint, got an empty string")
         self.require_positive("batch_size", "image_size")
-        if self.image_size is not None and self.image_size > MAX_IMAGE_SIZE:
-            raise ValueError(
-                f"--image-size {self.image_size} is larger than {MAX_IMAGE_SIZE} px, the most bt-hub eval accepts "
-                "(the paper evaluates at 224 px); choose a smaller --image-size"
-            )
-        if self.num_workers < 0:
-            raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
+        check_image_size(self.image_size, "eval")
         super().__post_init__()
         if self.precision == "fp16" and not self.device.startswith("cuda"):
             raise ValueError("--precision fp16 needs --device cuda; use bf16 on the CPU")

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from bt_hub.common.config import RunConfig, out_field
+from bt_hub.common.config import RunConfig, check_image_size, out_field
 from bt_hub.common.files import atomic_write_json, atomic_write_text
 from bt_hub.common.presets import from_preset, preset_values
 from bt_hub.common.runs import LOCK_NAME, MARKER_NAME, check_run_dir, claim_run_dir, package_version
@@ -111,6 +111,7 @@ class DemoConfig(RunConfig):
             raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
         self.require_positive("epochs", "batch_size", "lr_weights", "image_size", "knn_k", "linear_epochs")
         self.require_positive("pretrain_seeds", "curve_points")
+        check_image_size(self.image_size, "demo")
         self.require_positive("max_steps", "warmup_epochs", or_zero=True)
 
 

@@ -30,6 +30,7 @@ class EmbedConfig(EvalConfig):
 
     RUN_FIELDS: ClassVar[tuple[str, ...]] = EvalConfig.RUN_FIELDS + ("format",)
     CACHE_UNDER_OUT: ClassVar[bool] = True
+    SCORED: ClassVar[bool] = False  # features only: one class, or no held-out split (--splits train), will do
 
     splits: list[str] = field(
         default_factory=lambda: ["train", "test"],

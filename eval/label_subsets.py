@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +58,12 @@ def read_subset_file(path: str | os.PathLike) -> SubsetList:
             f"({PUBLISHED_URL.format(name='1percent.txt')})"
         )
     sha = file_sha256(path)
-    names = tuple(line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    try:
+        names = tuple(line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"subset file {path} is not UTF-8 text (byte {err.start}); expected a file name a line"
+        ) from None
     if not names:
         raise ValueError(f"subset file {path} is empty; expected one training file name per line")
     for n in names:
@@ -85,7 +91,13 @@ def dataset_file_names(dataset: object) -> list[str]:
 
 def indices_from_list(dataset: object, subset: SubsetList) -> list[int]:
     """Indices of the samples a subset list names, by base file name (ValueError when some are missing)."""
-    position = {name: i for i, name in enumerate(dataset_file_names(dataset))}
+    names = dataset_file_names(dataset)
+    position = {name: i for i, name in enumerate(names)}
+    repeated = {n for n, c in Counter(names).items() if c > 1} if len(position) < len(names) else set()
+    if twice := sorted({os.path.basename(n) for n in subset.names} & repeated):
+        raise ValueError(
+            f"subset file {subset.path} names {twice[0]}, found in several class folders; rename them apart"
+        )
     missing = [n for n in subset.names if os.path.basename(n) not in position]
     if missing:
         shown = ", ".join(missing[:SHOWN_MISSING])
@@ -112,6 +124,8 @@ def balanced_subset_indices(
         if leave_one:
             k = min(k, len(members) - 1)
         chosen.extend(rng.choice(members, size=k, replace=False).tolist())
+    if not leave_one and len(chosen) > 2 * percent / 100 * len(targets):  # one a class at least: far more labels
+        warnings.warn(f"{percent}% labels {len(chosen)} of {len(targets)} images (one a class at least)", stacklevel=2)
     return sorted(chosen)
 
 

@@ -152,10 +152,12 @@ class EvalRun:
         if self.given_splits is not None:
             return self.given_splits
         c = self.config
-        key = (c.data, c.test_split, c.holdout, c.seed, self.settings.image_size)
+        test_split = c.test_split if "test" in getattr(c, "splits", ["test"]) else None  # embed --splits train
+        key = (c.data, test_split, c.holdout, c.seed, self.settings.image_size, getattr(c, "SCORED", True))
         if key not in self._splits:
+            size, scored = self.settings.image_size, key[-1]
             self._splits[key] = load_splits(
-                c.data, test_split=c.test_split, holdout=c.holdout, seed=c.seed, image_size=self.settings.image_size
+                c.data, test_split=test_split, holdout=c.holdout, seed=c.seed, image_size=size, scored=scored
             )
         return self._splits[key]
 

@@ -56,21 +56,29 @@ def is_builtin(data: str) -> bool:
 
 
 def load_splits(
-    data: str, *, test_split: str = "val", holdout: float | None = None, seed: int = 0, image_size: int | None = None
+    data: str,
+    *,
+    test_split: str | None = "val",
+    holdout: float | None = None,
+    seed: int = 0,
+    image_size: int | None = None,
+    scored: bool = True,
 ) -> Splits:
     """The training and test splits of ``--data``, checked to be disjoint.
+
+    ``test_split`` None: no held-out split is read (an empty one); ``scored`` False: features only, one class will do.
 
     Raises:
         FileNotFoundError: a directory without the held-out split asked for.
         ValueError: a bad fraction, an empty split, a training split of one class, or overlapping splits.
     """
-    if test_split not in TEST_SPLITS:
+    if test_split not in (*TEST_SPLITS, None):
         raise ValueError(f"--test-split must be one of {TEST_SPLITS}, got {test_split!r}")
     if holdout is not None and not 0 < holdout < 1:
         raise ValueError(f"--holdout must be a fraction in (0, 1), e.g. 0.2, got {holdout}")
     spec = str(data)
     size = image_size if is_builtin(spec) else None
-    if not is_builtin(spec):
+    if not is_builtin(spec) and test_split is not None:
         _check_layout(Path(spec).expanduser(), test_split, holdout)
     train = build_dataset(spec, "train", image_size=size, seed=seed)
     info: dict[str, Any] = {"name": _name(spec), "path": spec, "holdout": None}
@@ -88,10 +96,12 @@ def load_splits(
             "test_size": len(test_idx),
         }
         test_name = "holdout"
+    elif test_split is None:
+        test, test_name = take(train, []), "none"
     else:
         test = align_classes(train, build_dataset(spec, test_split, image_size=size, seed=seed), test_split)
         test_name = test_split
-    check_scorable(spec, train, test, test_name)
+    check_scorable(spec, train, test, test_name, scored=scored)
     info["overlap_check"] = check_disjoint(train, test)
     train_fp, test_fp = dataset_fingerprint(train), dataset_fingerprint(test)
     info["train"] = {"split": "train", "size": len(train), "fingerprint": train_fp}
@@ -100,9 +110,9 @@ def load_splits(
     return Splits(train, test, info)
 
 
-def check_scorable(data: str, train: Dataset, test: Dataset, test_name: str) -> None:
-    """Refuse splits whose accuracy means nothing: an empty split, or a training split of one class."""
-    if not len(train) or not len(test):
+def check_scorable(data: str, train: Dataset, test: Dataset, test_name: str, *, scored: bool = True) -> None:
+    """Refuse splits whose accuracy means nothing: an empty split, or (``scored``) a training split of one class."""
+    if not len(train) or not (len(test) or test_name == "none"):
         hint = (
             " (synthetic:N holds out about a fifth of its N images: give a larger N, e.g. synthetic:100)"
             if data.startswith("synthetic")
@@ -113,7 +123,7 @@ def check_scorable(data: str, train: Dataset, test: Dataset, test_name: str) -> 
             f"a run needs at least one of each{hint}"
         )
     classes = np.unique(_targets(train))
-    if len(classes) < 2:
+    if len(classes) < 2 and scored:
         raise ValueError(
             f"--data {data}: every training image is of one class ({_class_name(train, classes)}), so any "
             "classifier scores 100% and accuracy means nothing; give at least 2 classes"

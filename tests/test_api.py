@@ -84,6 +84,16 @@ def test_embed_writes_features_and_an_index_of_files_in_dataset_order(small_stem
     assert record["settings"]["image_size"] == 16 and record["notes"]["rows"] == {"train": 6, "test": 6}
 
 
+def test_embed_takes_a_flat_folder_of_one_class_with_splits_train(small_stem_weights, image_folder, tmp_path, capsys):
+    """Guards: embed ("any data") refused one class (no accuracy to mean anything) and a folder without val/."""
+    root = image_folder(tmp_path / "photos", classes=("all",), per_class=3, size=16, splits=())
+    args = ["--weights", str(small_stem_weights), "--data", str(root), "--image-size", "16"]
+    assert cli.main(["embed", *args, "--splits", "train", "--out", str(tmp_path / "emb")]) == 0
+    assert np.load(tmp_path / "emb" / "train.npy").shape == (3, 512)
+    assert cli.main(["eval", "knn", *args, "--holdout", "0.4", "--out", str(tmp_path / "knn")]) == 2
+    assert "every training image is of one class (all)" in capsys.readouterr().err  # scoring still refuses it
+
+
 def test_embed_reuses_the_features_of_a_split_done_before_an_interruption(small_stem_weights, tmp_path):
     out = tmp_path / "emb"
     args = ["embed", "--weights", str(small_stem_weights), "--data", "synthetic:40", "--image-size", "8"]

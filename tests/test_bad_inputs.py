@@ -255,6 +255,7 @@ def _eval_cases(protocol: str, data: str = "digits") -> list[Case]:
         Case(command, "out is a file", good, ("--out",), both(weights, write("out", "mine"))),
         Case(command, "batch-size 0", (*good, "--batch-size", "0"), ("--batch-size",), weights),
         Case(command, "image-size -8", (*good, "--image-size", "-8"), ("--image-size",), weights),
+        Case(command, "image-size 1", (*good, "--image-size", "1"), ("--image-size", "below 2 px"), weights),
         Case(command, "data missing", (*good, "--data", "{d}/nodata"), ("nodata",), weights),
     ]
     return cases
@@ -281,6 +282,8 @@ def _cases() -> list[Case]:
         # pretrain
         *_run_config_cases("pretrain", pre),
         Case("pretrain", "epochs 0", (*pre, "--epochs", "0"), ("--epochs",)),
+        Case("pretrain", "num-workers 5000", (*pre, "--num-workers", "5000"), ("--num-workers", "1024")),
+        Case("pretrain", "image-size 1", (*pre, "--image-size", "1"), ("--image-size", "below 2 px")),
         Case("pretrain", "batch-size -5", (*pre, "--batch-size", "-5"), ("--batch-size",)),
         Case("pretrain", "batch-size not a number", (*pre, "--batch-size", "lots"), ("--batch-size",)),
         Case("pretrain", "batch-size past the data", (*pre, "--batch-size", "100000"), ("--batch-size",)),
@@ -327,6 +330,8 @@ def _cases() -> list[Case]:
         Case("demo", "epochs 0", ("demo", "--epochs", "0", "--out", "{d}/demo"), ("--epochs",)),
         Case("demo", "unknown architecture", (*demo, "--arch", "resnet9000"), ("--arch",)),
         Case("demo", "knn-k 0", (*demo, "--knn-k", "0"), ("--knn-k",)),
+        Case("demo", "image-size 1", (*demo, "--image-size", "1"), ("--image-size", "below 2 px")),
+        Case("demo", "image-size 100000", (*demo, "--image-size", "100000"), ("--image-size", "2048 px")),
         Case("demo", "out is a user folder", demo, ("--out", "--overwrite"), write("demo/report.md", "my report")),
         Case("demo", "out holds a pretraining run", demo, ("--out",), run_with(at="demo/pretrain")),
         # embed
@@ -361,6 +366,7 @@ def _cases() -> list[Case]:
         Case("eval knn", "unknown backend", (*knn, "--backend", "gpu"), ("--backend",), weights),
         Case("eval knn", "holdout 1.5", (*knn, "--holdout", "1.5"), ("--holdout",), weights),
         Case("eval knn", "num-workers -1", (*knn, "--num-workers", "-1"), ("--num-workers",), weights),
+        Case("eval knn", "num-workers 24 digits", (*knn, "--num-workers", HUGE), ("--num-workers", "1024"), weights),
         Case("eval knn", "weights truncated", knn, ("w.pth",), truncated),
         Case("eval knn", "weights hold NaN", knn, ("w.pth", "--allow-non-finite"), non_finite),
         Case("eval knn", "weights pickle code", knn, ("w.pth",), pickled_code),
@@ -475,6 +481,13 @@ def _cases() -> list[Case]:
         ),
         *_eval_cases("compare"),
         Case("eval compare", "seeds 0", (*compare, "--seeds", "0"), ("--seeds",), weights),
+        Case(
+            "eval compare",
+            "fractions 1 of 144 digits a class for the pixels' grid",
+            (*compare, "--protocols", "semi", "--fractions", "1", "--baselines", "pixels"),
+            ("--fractions 1", "--baselines"),
+            weights,
+        ),
         Case("eval compare", "unknown protocol", (*compare, "--protocols", "svm"), ("svm",), weights),
         Case("eval compare", "val-fraction 1", (*compare, "--val-fraction", "1"), ("--val-fraction",), weights),
         Case("eval compare", "fractions without semi", (*compare, "--fractions", "5"), ("--fractions",), weights),
@@ -526,6 +539,13 @@ def _cases() -> list[Case]:
             both(run_with(), write("plots", "mine")),
         ),
         # export
+        Case(
+            "export",
+            "out a .safetensors name for torchvision",
+            ("export", "--weights", "{d}/w.pth", "--out", "{d}/x.safetensors"),
+            ("--out", "--format safetensors"),
+            weights,
+        ),
         Case("export", "weights missing", ("export", "--weights", "{d}/nope.pth", "--out", "{d}/x.pth"), ("nope.pth",)),
         Case(
             "export",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -109,6 +111,43 @@ def test_macos_appledouble_files_beside_images_are_skipped_with_one_warning(imag
     ]
     assert [path.name for path, _ in ds.samples] == ["cat_0.png", "cat_1.png", "dog_0.png", "dog_1.png"]
     assert [ds[i][1] for i in range(len(ds))] == [0, 0, 1, 1]  # every sample decodes
+
+
+def test_a_symlink_loop_is_refused_not_listed_again_and_again(image_folder, tmp_path):
+    """Guards: a link back up the tree (cat/up -> the root) had each image listed ~40 times, dog's as cats too
+    (and two such links take exponential time)."""
+    root = image_folder(tmp_path / "data", classes=("cat", "dog"), per_class=2, splits=())
+    for link, target in (("up", root), ("again", root / "cat")):
+        (root / "cat" / link).symlink_to(target)
+        with pytest.raises(ValueError, match=r"leads back to .* \(a symlink loop\); remove the link"):
+            build_dataset(root, image_size=None)
+        (root / "cat" / link).unlink()
+    (root / "dog" / "more").symlink_to(image_folder(tmp_path / "elsewhere", classes=("x",), per_class=1, splits=()))
+    assert build_dataset(root, image_size=None).targets == [0, 0, 1, 1, 1]  # a link elsewhere is followed
+
+
+def test_a_class_folder_that_cannot_be_listed_is_named_not_skipped(image_folder, tmp_path, monkeypatch):
+    """Guards: os.walk skipped an unreadable folder (chmod 000) in silence, so its class lost every image."""
+    root = image_folder(tmp_path, classes=("cat", "dog", "eel"), per_class=1, splits=())
+    scandir = os.scandir
+
+    def denied(path):
+        if os.fspath(path) == str(root / "dog"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", denied)
+    with pytest.raises(OSError, match=f"data directory {root / 'dog'} cannot be listed \\(Permission denied\\)"):
+        build_dataset(root, image_size=None)
+
+
+def test_a_folder_named_like_a_built_in_set_is_refused_not_shadowed(image_folder, tmp_path, monkeypatch):
+    """Guards: --data digits, with a ./digits ImageFolder in the working directory, scored the embedded digits."""
+    monkeypatch.chdir(tmp_path)
+    image_folder(tmp_path / "digits", classes=("0", "1"), per_class=2, splits=())
+    with pytest.raises(ValueError, match="--data digits names a built-in set and a folder here; pass ./digits"):
+        build_dataset("digits", image_size=None)
+    assert len(build_dataset("./digits", image_size=None)) == 4
 
 
 def test_bad_names_and_splits_are_rejected():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -48,6 +49,16 @@ def test_class_is_the_text_before_the_first_underscore():
         class_of("cat.png")
 
 
+def test_a_subset_file_that_is_not_text_is_named(tmp_path):
+    """Guards: a binary --subset-file failed with "'utf-8' codec can't decode byte 0xff", naming no file."""
+    path = tmp_path / "1percent.txt"
+    path.write_bytes(b"\xff\xfe\x00n01440764_10026.JPEG\n")
+    with pytest.raises(
+        ValueError, match=f"subset file {path} is not UTF-8 text \\(byte 0\\); expected a file name a line"
+    ):
+        read_subset_file(path)
+
+
 def _image_folder(root, names):
     for name in names:
         folder = root / class_of(name)
@@ -65,6 +76,18 @@ def test_list_selects_the_named_files_of_an_imagefolder(tmp_path):
     picked = sorted(dataset.samples[i][0].name for i in idx)
     assert picked == ["n00000000_0.png", "n00000001_2.png", "n00000002_3.png"]
     assert [dataset.targets[i] for i in idx] == [0, 1, 2]
+
+
+def test_a_listed_name_that_two_class_folders_hold_is_refused_not_guessed(tmp_path):
+    """Guards: cat/img_0.png and dog/img_0.png, and a list naming img_0.png took dog's (the last) in silence."""
+    for folder in ("cat", "dog"):
+        (tmp_path / "train" / folder).mkdir(parents=True)
+        for i in range(2):
+            Image.new("RGB", (4, 4)).save(tmp_path / "train" / folder / f"img_{i}.png")
+    listing = tmp_path / "mine.txt"
+    listing.write_text("img_0.png\n")
+    with pytest.raises(ValueError, match="names img_0.png, found in several class folders; rename them apart"):
+        indices_from_list(ImageFolderDataset(tmp_path / "train"), read_subset_file(listing))
 
 
 def test_list_naming_absent_files_is_rejected_with_count_and_examples(shared_data, tmp_path):
@@ -94,6 +117,15 @@ def test_balanced_subset_takes_the_share_of_every_class_and_is_seeded():
     assert idx == balanced_subset_indices(targets, 10, seed=3)
     assert idx != balanced_subset_indices(targets, 10, seed=4)
     assert Counter(targets[balanced_subset_indices(targets, 1)].tolist()) == {0: 1, 1: 2, 2: 1, 3: 1, 4: 10}
+
+
+def test_a_fraction_that_one_image_a_class_far_exceeds_is_a_warning():
+    """Guards: 10% of 150 classes of one image each fine-tuned on all 150 images under a '10% labels' heading."""
+    with pytest.warns(UserWarning, match=r"^10% labels 150 of 150 images \(one a class at least\)$"):
+        assert len(balanced_subset_indices(list(range(150)), 10)) == 150
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(balanced_subset_indices([0] * 10 + [1] * 10, 10)) == 2  # the share asked for: no warning
 
 
 def test_balanced_subset_rejects_a_fraction_outside_0_to_100():

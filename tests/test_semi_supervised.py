@@ -88,6 +88,25 @@ def test_finetuning_trains_the_backbone_and_its_batchnorm_statistics():
     assert int(after["bn1.num_batches_tracked"]) == 4
 
 
+def test_a_last_batch_of_one_small_image_is_skipped_not_a_batchnorm_error():
+    """Guards: 17 labels in batches of 8 at 8 px (a 1x1 res5 map) stopped fine-tuning on its last batch with
+    "Expected more than 1 value per channel when training"."""
+    torch.manual_seed(0)
+    backbone = build_backbone("resnet18", small_image_stem=True)
+    x, y = torch.randn(17, 3, 8, 8), torch.arange(17) % 2
+    finetune(
+        backbone,
+        2,
+        TensorDataset(x, y),
+        TensorDataset(x, y),
+        lr_backbone=0.01,
+        lr_classifier=0.5,
+        epochs=1,
+        batch_size=8,
+    )
+    assert int(backbone.state_dict()["bn1.num_batches_tracked"]) == 2  # the two full batches
+
+
 def test_cli_semi_with_a_balanced_fraction_writes_results(resnet18_weights, tmp_path):
     out = tmp_path / "semi"
     assert (

@@ -50,6 +50,15 @@ def check_out(out: str, flag: str = "--out") -> None:
         raise ValueError(f"{flag} must be a path without NUL bytes, got {str(out)!r}")
 
 
+def check_image_size(size: int | None, command: str) -> None:
+    """Refuse an ``--image-size`` outside 2 to 2048 px (1 px breaks torch's antialiased resize and blur padding)."""
+    if size is not None and not 2 <= size <= MAX_IMAGE_SIZE:
+        bound = f"larger than {MAX_IMAGE_SIZE} px, the most" if size > 2 else "below 2 px, the least"
+        raise ValueError(
+            f"--image-size {size} is {bound} bt-hub {command} accepts (the paper uses 224); choose another --image-size"
+        )
+
+
 def _shown(value: Any) -> str:
     text = repr(value)
     return f"{text[:12]}...{text[-6:]} ({len(text)} characters)" if len(text) > 30 else text
@@ -85,6 +94,8 @@ class RunConfig:
             raise ValueError(
                 f"--threads must be an integer from 0 (torch's default) to {THREADS_MAX}, got {_shown(self.threads)}"
             )
+        if not 0 <= (workers := getattr(self, "num_workers", 0)) <= THREADS_MAX:  # each one a forked process
+            raise ValueError(f"--num-workers must be an integer from 0 to {THREADS_MAX}, got {_shown(workers)}")
 
     def require_positive(self, *names: str, or_zero: bool = False) -> None:
         """Refuse the first field of ``names`` set below 1 (``or_zero``: below 0) in one sentence naming its flag."""

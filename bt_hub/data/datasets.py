@@ -92,6 +92,21 @@ def synthetic_dataset(
     return ArrayImageDataset(images, labels, [str(c) for c in range(num_classes)])
 
 
+def _walk(top: Path) -> list[tuple[str, list[str]]]:
+    """``(folder, file names)`` under ``top``, symlinks followed; a link back to a folder already listed is refused."""
+    seen, found = set(), []
+
+    def unlisted(err: OSError) -> None:  # os.walk would skip the folder, and a class would lose its images unsaid
+        raise OSError(f"data directory {err.filename} cannot be listed ({err.strerror}); fix its permissions")
+
+    for dirpath, _, filenames in os.walk(top, followlinks=True, onerror=unlisted):  # alone, it lists a loop again
+        if (real := os.path.realpath(dirpath)) in seen:
+            raise ValueError(f"data directory {dirpath} leads back to {real} (a symlink loop); remove the link")
+        seen.add(real)
+        found.append((dirpath, filenames))
+    return found
+
+
 class ImageFolderDataset(Dataset):
     """``root/<class>/<image>``, classes sorted by name, optionally resized to ``image_size`` squares (bicubic)."""
 
@@ -112,7 +127,7 @@ class ImageFolderDataset(Dataset):
         self.samples: list[tuple[Path, int]] = []
         apple_double: list[Path] = []  # macOS's "._x.png" beside "x.png": Finder metadata, not an image
         for label, name in enumerate(self.classes):
-            for dirpath, _, filenames in sorted(os.walk(self.root / name, followlinks=True)):
+            for dirpath, filenames in sorted(_walk(self.root / name)):
                 for fname in sorted(f for f in filenames if f.lower().endswith(IMAGE_EXTENSIONS)):
                     (apple_double if fname.startswith("._") else self.samples).append((Path(dirpath) / fname, label))
         if apple_double:
@@ -165,6 +180,8 @@ def build_dataset(
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is unknown; expected one of {SPLITS}")
     spec = str(name_or_path)
+    if (spec == "digits" or spec.split(":")[0] == "synthetic") and Path(spec).is_dir():
+        raise ValueError(f"--data {spec} names a built-in set and a folder here; pass ./{spec} for the folder")
     if spec == "digits":
         train, test = load_digits_split(seed=seed, test_fraction=test_fraction, image_size=image_size or 32)
         return train if split == "train" else test

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from bt_hub.common.config import MAX_IMAGE_SIZE, RunConfig, out_field
+from bt_hub.common.config import RunConfig, check_image_size, out_field
 from bt_hub.data.decode import resolve_decode
 from bt_hub.method.loss import LAMBD
 from bt_hub.method.model import ARCHITECTURES, parse_projector
@@ -232,11 +232,7 @@ class PretrainConfig(RunConfig):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
         positive = ("image_size", "epochs", "batch_size", "log_every", "monitor_size", "lr_weights", "lr_biases")
         self.require_positive(*positive)
-        if self.image_size > MAX_IMAGE_SIZE:
-            raise ValueError(
-                f"--image-size {self.image_size} is larger than {MAX_IMAGE_SIZE} px, the most bt-hub pretrain accepts "
-                "(the paper's views are 224 px); choose a smaller --image-size"
-            )
+        check_image_size(self.image_size, "pretrain")
         nonnegative = ("lambd", "weight_decay", "warmup_epochs", "num_workers", "checkpoint_every", "max_steps")
         self.require_positive(*nonnegative, "probe_max_dim", "monitor_knn", or_zero=True)
         if not 0 < self.crop_scale_min <= 1:

@@ -234,6 +234,9 @@ class ExportConfig:
         suffix = {"safetensors": ".safetensors", "detectron2": ".pkl"}.get(self.format)
         if suffix and not self.out.endswith(suffix):
             raise ValueError(f"--out for --format {self.format} must end in {suffix}, got {self.out!r}")
+        named = {".safetensors": "safetensors", ".pkl": "detectron2"}.get(Path(self.out).suffix, "torchvision")
+        if self.format == "torchvision" != named:
+            raise ValueError(f"--out {self.out} is a {named} name but --format is torchvision; pass --format {named}")
         if self.format != "hf" and (self.name or self.results or self.other_results):
             raise ValueError(f"--name, --results and --other-results apply to --format hf only, not {self.format}")
         if self.name is not None:
