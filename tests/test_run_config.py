@@ -93,23 +93,22 @@ from bt_hub.common.config import keep_freed_memory
 applied = keep_freed_memory()
 def faults_of_a_256_mib_block():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.ones(64 * 2**20)  # made and freed
+    torch.ones(64 * 2**20)  # made and freed, as a training step's gradients and casts are
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-faults_of_a_256_mib_block(), faults_of_a_256_mib_block()  # the heap settles: a block and its neighbours freed
-print(applied, faults_of_a_256_mib_block())
+print(applied, *(faults_of_a_256_mib_block() for _ in range(12)))
 """
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the allocator setting is glibc's")
 def test_freed_memory_is_reused_without_new_page_faults_unless_the_user_set_mallocs_own_variables():
-    def run(**extra: str) -> tuple[str, int]:
+    def run(**extra: str) -> tuple[str, list[int]]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | extra
         out = subprocess.run([sys.executable, "-c", _FRESH_BLOCK_FAULTS], env=env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
-        applied, faults = out.stdout.split()
-        return applied, int(faults)
+        applied, *faults = out.stdout.split()
+        return applied, [int(f) for f in faults]
 
-    applied, faults = run()
-    assert applied == "True" and faults < 1000  # the block reuses the freed blocks' pages
+    applied, faults = run()  # the first few blocks grow the heap (2 to 5 of them here) until freed ones fit
+    assert applied == "True" and max(faults[-3:]) < 1000, faults  # then the freed blocks' pages are reused
     applied, faults = run(MALLOC_MMAP_MAX_="65536")
-    assert applied == "False" and faults > 30_000  # glibc's default: 65,536 pages mapped and zeroed anew
+    assert applied == "False" and min(faults) > 30_000, faults  # glibc's default: 65,536 pages mapped and zeroed anew
