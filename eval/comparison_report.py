@@ -131,7 +131,9 @@ def describe_settings(run: EvalRun) -> list[str]:
         )
     unused = config.unused_flags()
     if "knn_k" not in unused:
-        lines.append(f"- kNN: k = {config.knn_k}, T = 0.07, cosine similarity")
+        k, train = min(config.knn_k, len(run.splits.train)), len(run.splits.train)
+        fewer = f" (--knn-k {config.knn_k} is more than the {train} training images)" if k < config.knn_k else ""
+        lines.append(f"- kNN: k = {k}{fewer}, T = 0.07, cosine similarity")
     if "lr_grid" not in unused:
         lines.append(
             f"- linear: grid of lr {', '.join(f'{v:g}' for v in config.lr_grid)} x weight decay "
