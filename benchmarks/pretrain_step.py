@@ -121,7 +121,10 @@ class ReferenceLARS(LARS):
                 if p.ndim != 1:
                     update = update.add(p, alpha=group["weight_decay"])
                     update = update.mul(trust_ratio(torch.norm(p), torch.norm(update), group["eta"]))
-                mu = self.state[p].setdefault("mu", torch.zeros_like(p))
+                state = self.state[p]
+                if "mu" not in state:
+                    state["mu"] = torch.zeros_like(p)
+                mu = state["mu"]
                 mu.mul_(group["momentum"]).add_(update)
                 p.add_(mu, alpha=-group["lr"])
 
