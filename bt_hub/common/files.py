@@ -12,7 +12,6 @@ import os
 import pickle
 import re
 import secrets
-import time
 import warnings
 import zipfile
 from collections.abc import Callable, Mapping
@@ -98,7 +97,7 @@ def _open_temp(path: Path) -> tuple[Path, int]:
     raise FileExistsError(f"could not create a temp file beside {path}")
 
 
-def remove_stale_temp_files(path: str | os.PathLike, min_age_s: float = 0.0, *, of: str | None = None) -> list[Path]:
+def remove_stale_temp_files(path: str | os.PathLike, *, of: str | None = None) -> list[Path]:
     """Delete (and return) the temp files interrupted atomic writes left in ``path`` (of the file named ``of``
     only, when given) that no live writer holds.
 
@@ -118,9 +117,8 @@ def remove_stale_temp_files(path: str | os.PathLike, min_age_s: float = 0.0, *, 
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if time.time() - os.fstat(fd).st_mtime >= min_age_s:
-                entry.unlink(missing_ok=True)
-                removed.append(entry)
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
         except OSError:  # held by a live writer (or gone): not a leftover
             pass
         finally:
