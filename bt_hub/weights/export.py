@@ -35,6 +35,7 @@ __all__ = [
 ]
 
 HF_FOLDER_FILES = ("model.safetensors", "projector.safetensors", "config.json", "README.md")
+FILE_SUFFIXES = {"safetensors": ".safetensors", "detectron2": ".pkl"}  # the single-file formats and their --out ends
 
 
 def _backbone_only(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -231,10 +232,10 @@ class ExportConfig:
             raise ValueError("--weights must name weights to convert")
         if not self.out:
             raise ValueError("--out must name a file or folder")
-        suffix = {"safetensors": ".safetensors", "detectron2": ".pkl"}.get(self.format)
+        suffix = FILE_SUFFIXES.get(self.format)
         if suffix and not self.out.endswith(suffix):
             raise ValueError(f"--out for --format {self.format} must end in {suffix}, got {self.out!r}")
-        named = {".safetensors": "safetensors", ".pkl": "detectron2"}.get(Path(self.out).suffix, "torchvision")
+        named = next((f for f, end in FILE_SUFFIXES.items() if end == Path(self.out).suffix), "torchvision")
         if self.format == "torchvision" != named:
             raise ValueError(f"--out {self.out} is a {named} name but --format is torchvision; pass --format {named}")
         if self.format != "hf" and (self.name or self.results or self.other_results):
