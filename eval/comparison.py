@@ -262,6 +262,7 @@ class CompareConfig(EvalConfig):
 
     RUN_FIELDS: ClassVar[tuple[str, ...]] = EvalConfig.RUN_FIELDS + ("seeds",)
     CACHE_UNDER_OUT: ClassVar[bool] = True
+    REUSES_SPLITS: ClassVar[bool] = True
 
     weights: list[str] = field(
         metadata={

@@ -41,9 +41,13 @@ class EvalConfig(RunConfig):
         "image_size",
         "precision",
         "decode",
+        "store",
     )
     # The command caches features under OUT/feature_cache when --cache-dir is not given (compare, eval all, embed).
     CACHE_UNDER_OUT: ClassVar[bool] = False
+    # The command extracts features of each split more than once (eval all's protocols, compare's rows and
+    # baselines): --store auto then decodes each split once into a store, even without a --cache-dir.
+    REUSES_SPLITS: ClassVar[bool] = False
 
     weights: str = field(
         metadata={
@@ -130,6 +134,17 @@ class EvalConfig(RunConfig):
             "help": "feature extraction's input pipeline: 'device' (workers read bytes; --device decodes, resizes, "
             "crops and normalises the batch, as pretraining does; on the CPU too, where it leaves the cores to the "
             "model: benchmarks/eval_throughput.py) or 'workers' (PIL per image in the workers)"
+        },
+    )
+
+    store: Literal["auto", "off", "disk", "device"] = field(
+        default="auto",
+        metadata={
+            "help": "with --decode device on a folder: decode each split once into a store of test crops that every "
+            "extraction reads (in --cache-dir/decoded, else in memory; its size is printed first), in GPU memory "
+            "(device) or memory-mapped (disk); auto: when a --cache-dir is given or the command extracts a split "
+            "several times (eval all, eval compare), on the GPU when it takes under 30% of its free memory; off: "
+            "decode the files for every extraction"
         },
     )
 

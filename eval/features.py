@@ -28,9 +28,10 @@ from bt_hub.common.distributed import (
 from bt_hub.common.files import atomic_write_json, file_sha256
 from bt_hub.common.progress import progress
 from bt_hub.data.datasets import to_uint8_tensor
-from bt_hub.data.decode import EncodedImage, PackedItems, collate_packed, read_encoded, to_device_images
+from bt_hub.data.decode import EncodedImage, PackedItems, collate_packed, to_device_images, worker_item
 from bt_hub.data.precision import autocast_dtype
 from bt_hub.data.prefetch import Prefetcher
+from bt_hub.data.store import DecodedImages, StoreView, rows
 from bt_hub.eval.config import EvalWarning
 from bt_hub.eval.feature_cache import CACHE_MISSING, FeatureCache, Parts, cache_problem, read_cache, write_cache
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms
@@ -168,10 +169,11 @@ def _global_batches(n: int, batch_size: int, world_size: int, rank: int, first: 
 
 
 class EncodedItems(Dataset):
-    """``(undecoded image, label)`` for the device path: a file's bytes, or in-memory pixels as a uint8 tensor."""
+    """``(image, label)`` for the device path: a file's bytes that ``device_decoder`` takes, else the image decoded
+    in the loader worker (:func:`bt_hub.data.decode.worker_item`), or in-memory pixels, as a uint8 tensor."""
 
-    def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
+    def __init__(self, dataset: Dataset, device_decoder: bool = False) -> None:
+        self.dataset, self.device_decoder = dataset, device_decoder
         resized = getattr(dataset, "image_size", None) is not None
         self.samples = None if resized else getattr(dataset, "samples", None)
 
@@ -181,7 +183,7 @@ class EncodedItems(Dataset):
     def __getitem__(self, index: int) -> tuple[EncodedImage | torch.Tensor, Any]:
         if self.samples is not None:
             path, label = self.samples[index][:2]
-            return read_encoded(path), label
+            return worker_item(path, self.device_decoder), label
         image, label = self.dataset[index][:2]
         return (image if isinstance(image, torch.Tensor) else to_uint8_tensor(image)), label
 
@@ -212,24 +214,44 @@ def iter_feature_batches(
     device = torch.device(device)
     n, world = len(dataset), get_world_size()
     on_device = isinstance(transform, DeviceEvalTransform)
-    loader = DataLoader(
-        EncodedItems(dataset) if on_device else TransformedDataset(dataset, transform),
-        batch_sampler=_global_batches(n, batch_size, world, get_rank(), first),
-        num_workers=num_workers,
-        pin_memory=device.type == "cuda" and not on_device,
-        collate_fn=_collate_encoded if on_device else None,
-    )
+    indices = _global_batches(n, batch_size, world, get_rank(), first)
+    if isinstance(dataset, DecodedImages):  # decoded once: one gather a batch, no loader, nothing opened
+        if not isinstance(transform, DeviceEvalTransform) or dataset.view not in (
+            StoreView(),
+            StoreView.for_eval(transform),
+        ):
+            raise ValueError(f"a decoded store of {dataset.view.describe()} cannot feed the transform {transform!r}")
+        targets = torch.as_tensor(dataset.targets)
+        finish = transform.finish if dataset.view.crop else transform
+        source: Any = progress(indices, desc, unit="batch")
 
-    def prepare(batch: tuple[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        images, labels = batch
-        images = transform(to_device_images(images, device)) if on_device else images.to(device, non_blocking=True)
-        return images.contiguous(memory_format=torch.channels_last), torch.as_tensor(labels).to(device)
+        def prepare(idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            images = finish(dataset.batch(idx, device))
+            return images.contiguous(memory_format=torch.channels_last), targets[rows(idx, targets.device)].to(device)
+
+    else:
+        source = progress(
+            DataLoader(
+                EncodedItems(dataset, device.type == "cuda") if on_device else TransformedDataset(dataset, transform),
+                batch_sampler=indices,
+                num_workers=num_workers,
+                pin_memory=device.type == "cuda",
+                collate_fn=_collate_encoded if on_device else None,
+            ),
+            desc,
+            unit="batch",
+        )
+
+        def prepare(batch: tuple[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+            images, labels = batch
+            images = transform(to_device_images(images, device)) if on_device else images.to(device, non_blocking=True)
+            return images.contiguous(memory_format=torch.channels_last), torch.as_tensor(labels).to(device)
 
     amp = autocast_dtype(precision)
     was_training = backbone.training
     backbone.eval().to(device, memory_format=torch.channels_last)
     done = 0
-    batches = Prefetcher(progress(loader, desc, unit="batch"), prepare, device, depth=2 if on_device else 0)
+    batches = Prefetcher(source, prepare, device, depth=2 if on_device else 0)
     try:
         with torch.no_grad(), torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
             for images, labels in batches:
@@ -299,8 +321,13 @@ def extract_with_source(
     dtype: Literal["float32", "float16"],
     desc: str,
     precision: str,
+    stored: Callable[[], Dataset] | None = None,
 ) -> tuple[torch.Tensor | np.ndarray, torch.Tensor, str]:
-    """``extract_features`` and where the features came from: ``computed`` or ``cached <key>``."""
+    """``extract_features`` and where the features came from: ``computed`` or ``cached <key>``.
+
+    ``stored``: where the images come from when the features are computed (the split's decoded store, opened or
+    made only then, never for a cache hit); ``dataset`` still names them for the cache.
+    """
     if dtype not in ("float32", "float16"):
         raise ValueError(f"cache dtype {dtype!r} is unknown; expected 'float32' or 'float16'")
     if not len(dataset):
@@ -308,7 +335,7 @@ def extract_with_source(
     transform = transform or eval_transforms(224)
     batches = lambda first=0: iter_feature_batches(  # noqa: E731
         backbone,
-        dataset,
+        stored() if stored is not None else dataset,
         transform=transform,
         pool=pool,
         batch_size=batch_size,

@@ -22,6 +22,7 @@ from bt_hub.common.presets import overrides
 from bt_hub.common.records import SCHEMA, Record, make_record
 from bt_hub.common.runs import claim_run_dir, claimed_run_dir, config_dict
 from bt_hub.data.precision import resolve_precision
+from bt_hub.data.store import DecodedImages, StoreView, fits_auto, open_store, store_device
 from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalWarning
 from bt_hub.eval.feature_cache import FeatureCache
 from bt_hub.eval.features import Pool, architecture_fingerprint, extract_with_source
@@ -138,7 +139,9 @@ class EvalRun:
     settings: Settings
     features_used: dict[str, str] = field(default_factory=dict)
     given_splits: Splits | None = None  # splits made elsewhere (tests, planted features) instead of --data's
+    reuses_splits: bool = False  # the command extracts each split several times (eval all, compare)
     _splits: dict[tuple[Any, ...], Splits] = field(default_factory=dict)
+    _stores: dict[tuple[Any, ...], Dataset] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -166,12 +169,38 @@ class EvalRun:
         if out is not None and is_main_process():
             claim_run_dir(out, overwrite=config.overwrite, kind="eval")
         settings = dataclasses.replace(self.settings, decode=config.decode)
-        return EvalRun(config, out, self.device, self.all_weights, settings, _splits=self._splits)
+        shared = {"reuses_splits": self.reuses_splits, "_splits": self._splits, "_stores": self._stores}
+        return EvalRun(config, out, self.device, self.all_weights, settings, **shared)
 
     def transform(self) -> Callable[[Any], torch.Tensor]:
         """The test transform at the run's image size: on the device (``--decode device``) or PIL in the workers."""
         size = self.settings.image_size
         return DeviceEvalTransform(size) if self.settings.decode == "device" else eval_transforms(size)
+
+    def decoded(self, split: str) -> Dataset:
+        """The split's images from its decoded store (``--store``, see :mod:`bt_hub.data.store`), made once per run
+        (in ``--cache-dir``/decoded, else in memory) and shared with child runs; the split itself when no store
+        applies: ``--store off``, PIL transforms, in-memory sets, or ``auto`` on a run that extracts each split
+        once without a feature cache."""
+        dataset, mode, transform = getattr(self.splits, split), self.config.store, self.transform()
+        if mode == "off" or not isinstance(transform, DeviceEvalTransform) or not getattr(dataset, "samples", None):
+            return dataset
+        cache_dir = self.config.cache_dir
+        directory = Path(cache_dir) / "decoded" if cache_dir else None
+        view = StoreView.for_eval(transform)
+        reused = bool(cache_dir) or self.reuses_splits
+        if mode == "auto" and not (reused and fits_auto(len(dataset), 3 * transform.image_size**2, directory)):
+            return dataset
+        key = self._store_key(split)
+        if key not in self._stores:
+            store = open_store(dataset, view, directory, num_workers=self.config.num_workers, desc=f"decode {split}")
+            where = store_device(mode, store.nbytes, self.device)
+            self._stores[key] = store.to(where) if where.type != "cpu" else store
+        return self._stores[key]
+
+    def _store_key(self, split: str) -> tuple[Any, ...]:
+        c = self.config
+        return (split, id(getattr(self.splits, split)), self.settings.image_size, c.cache_dir, c.store)
 
     def features(
         self,
@@ -188,8 +217,9 @@ class EvalRun:
         """Features and labels of a split (or ``dataset``) of the run's weights (or ``network``), through the cache."""
         network = network if network is not None else self.weights.network
         weights_id = weights_id or self.weights.sha256
+        stored = None
         if dataset is None:
-            dataset = getattr(self.splits, split)
+            dataset, stored = getattr(self.splits, split), lambda: self.decoded(split)
             dataset_id = self.splits.info[split]["fingerprint"]
         cache_dir = self.config.cache_dir
         cache = (
@@ -208,8 +238,11 @@ class EvalRun:
             dtype=self.config.cache_dtype,
             desc=f"features {name}",
             precision=self.settings.precision,
+            stored=stored,
         )
-        self.features_used[name] = source
+        store = self._stores.get(self._store_key(split)) if stored is not None else None
+        used = isinstance(store, DecodedImages) and source.startswith("computed")
+        self.features_used[name] = source + (f", images {store.where}" if used else "")  # type: ignore[union-attr]
         return features, labels
 
     def record(
@@ -295,7 +328,8 @@ def evaluation(config: Any, *, kind: str = "eval", weights: list[str] | None = N
             )
             for source in sources
         ]
-        yield EvalRun(config, out, device, loaded, resolve_settings(config, loaded[0], device))
+        settings = resolve_settings(config, loaded[0], device)
+        yield EvalRun(config, out, device, loaded, settings, reuses_splits=config.REUSES_SPLITS)
 
 
 def _score_and_write(run: EvalRun, score: Callable[[EvalRun], Scored]) -> Record:

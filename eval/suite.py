@@ -17,7 +17,7 @@ from bt_hub.eval.runner import evaluation, run_child
 # EvalConfig fields that only the image-folder protocols take (the VOC07 devkit has its own lists).
 _SPLIT_FIELDS = ("test_split", "holdout")
 # EvalConfig fields of feature extraction, which fine-tuning does not do (its batch is --semi-batch-size).
-_EXTRACTION_FIELDS = ("batch_size", "cache_dir", "cache_dtype", "decode")
+_EXTRACTION_FIELDS = ("batch_size", "cache_dir", "cache_dtype", "decode", "store")
 
 
 @dataclass
@@ -25,6 +25,7 @@ class SuiteConfig(EvalConfig):
     """Flags of ``bt-hub eval all``; the shared flags are passed to every protocol."""
 
     CACHE_UNDER_OUT: ClassVar[bool] = True
+    REUSES_SPLITS: ClassVar[bool] = True
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "paper": {},
         "small": {"linear_preset": "small", "semi_preset": "small"},
@@ -156,7 +157,7 @@ def run(config: SuiteConfig) -> dict[str, Any]:
             from bt_hub.eval import voc07_svm
 
             voc_config = voc07_svm.Voc07SvmConfig(
-                **_shared(config, "voc07_svm", skip=(*_SPLIT_FIELDS, "decode"), data=config.voc07_devkit)
+                **_shared(config, "voc07_svm", skip=(*_SPLIT_FIELDS, "decode", "store"), data=config.voc07_devkit)
             )
             records.append(run_child(parent, voc_config, voc07_svm.score))
         summary = {"results": records, "wall_time_s": time.perf_counter() - parent.started}

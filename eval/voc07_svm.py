@@ -313,6 +313,7 @@ class Voc07SvmConfig(EvalConfig):
         """VOC07 decodes in PIL and takes its splits from the devkit's lists."""
         return super().unused_flags() | {
             "decode": "does not apply to voc07-svm: VISSL's two resizes run in PIL in the loader workers",
+            "store": "does not apply to voc07-svm: VISSL's two resizes run in PIL in the loader workers",
             "holdout": "does not apply to VOC07: the devkit's ImageSets/Main lists give trainval and test",
         }
 

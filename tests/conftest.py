@@ -23,6 +23,14 @@ def _no_leftover_process_group():
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _decoded_stores_in_a_temporary_cache(tmp_path_factory):
+    """Pretraining's decoded stores (``--store``) go to a session folder, never to the user's ~/.cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BT_HUB_CACHE", str(tmp_path_factory.mktemp("bt_hub_cache")))
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _two_torch_threads():
     """Two torch threads for every test: the machines running the suite have few cores, shared with other jobs."""
     before = torch.get_num_threads()

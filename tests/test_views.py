@@ -229,3 +229,20 @@ def test_batched_views_run_on_cuda_with_a_cuda_generator():
     assert view_a.device.type == "cuda" and view_b.shape == (8, 3, 24, 24)
     cpu_a, _ = BatchedTwoViews(24)(images.cpu(), torch.Generator().manual_seed(0))
     assert np.isfinite(view_a.cpu().numpy()).all() and cpu_a.shape == view_a.shape
+
+
+def test_a_list_of_one_size_is_viewed_as_its_stacked_batch_and_like_the_padded_crops_of_mixed_sizes():
+    from bt_hub.method.views import apply_view, crop_to_views, to_float_rgb
+
+    images = [
+        torch.randint(0, 256, (3, 20, 30), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+        for i in range(6)
+    ]
+    views = BatchedTwoViews(8)
+    listed = views(images, generator=torch.Generator().manual_seed(1))
+    stacked = views(torch.stack(images), generator=torch.Generator().manual_seed(1))
+    assert all(torch.equal(a, b) for a, b in zip(listed, stacked))
+    drawn = views.sample(6, torch.full((6,), 20), torch.full((6,), 30), torch.Generator().manual_seed(1))
+    batch, params = crop_to_views(images, drawn)
+    padded = [apply_view(to_float_rgb(batch), p, 8, v) for p, v in zip(params, views.views)]
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(listed, padded))  # the mixed-size path, same views

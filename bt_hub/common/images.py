@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
@@ -63,11 +64,15 @@ def to_rgb(image: Image.Image, source: str = "<in memory>") -> Image.Image:
     return image.convert("RGB")
 
 
-def open_rgb(path: str | os.PathLike) -> Image.Image:
-    """The image file at ``path`` decoded as 8-bit RGB (see :func:`to_rgb`); one-sentence errors name the file."""
+def open_rgb(path: str | os.PathLike, data: bytes | memoryview | None = None) -> Image.Image:
+    """The image file at ``path`` decoded as 8-bit RGB (see :func:`to_rgb`); one-sentence errors name the file.
+
+    ``data``: the file's bytes, already read (a loader worker that read them once decodes them without opening
+    the file again); ``path`` then only names it in errors.
+    """
     path = Path(path)
     try:
-        with Image.open(path) as img:
+        with Image.open(path if data is None else io.BytesIO(data)) as img:
             image = to_rgb(img, str(path))
             return image.copy() if image is img else image  # the file's image is closed on leaving the block
     except ImageFileError:

@@ -126,3 +126,11 @@ def _is_terminal(stream: IO[str]) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError):
         return False
+
+
+def note(message: str, stream: IO[str] | None = None) -> None:
+    """One line on stderr from the main process, saying what a long step is about to do (and what it will cost)."""
+    if is_main_process():
+        stream = stream if stream is not None else sys.stderr
+        stream.write(message + "\n")
+        stream.flush()

@@ -328,6 +328,9 @@ class BatchedTwoViews(_TwoViews):
             heights = torch.tensor([im.shape[-2] for im in images])
             widths = torch.tensor([im.shape[-1] for im in images])
             drawn = [{k: v.cpu() for k, v in p.items()} for p in self.sample(len(images), heights, widths, generator)]
-            batch, params = crop_to_views(images, drawn)
-            x = to_float_rgb(batch)
+            if len({tuple(im.shape) for im in images}) == 1:  # one size (JPEGs of one camera): one batch, no crops
+                x, params = to_float_rgb(torch.stack(list(images))), drawn
+            else:
+                batch, params = crop_to_views(images, drawn)
+                x = to_float_rgb(batch)
         return tuple(apply_view(x, p, self.size, v) for p, v in zip(params, self.views))

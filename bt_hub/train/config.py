@@ -175,6 +175,21 @@ class PretrainConfig(RunConfig):
             "or workers decode with PIL (workers); auto: device on CUDA"
         },
     )
+    store: Literal["auto", "off", "disk", "device"] = field(
+        default="auto",
+        metadata={
+            "help": "with --views batched on a folder: decode it once into a store of whole images that every epoch "
+            "reads (bt_hub/data/store.py; its size is printed first), in GPU memory (device) or memory-mapped (disk); "
+            "auto: on the CPU, for images up to 128 px that fit half the free disk (on CUDA the loader workers "
+            "decoding every epoch measured faster); off: decode the files every epoch"
+        },
+    )
+    store_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "where --store keeps decoded stores (default $BT_HUB_CACHE/decoded or ~/.cache/bt_hub/decoded)"
+        },
+    )
     num_workers: int = field(default=0, metadata={"help": "data-loader worker processes per rank"})
     checkpoint_every: int = field(
         default=500,

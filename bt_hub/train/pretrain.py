@@ -41,7 +41,7 @@ from bt_hub.method.loss import LossTerms, barlow_twins_loss
 from bt_hub.method.model import BarlowTwins
 from bt_hub.method.optim import LARS, param_groups, set_learning_rates
 from bt_hub.method.views import BatchedTwoViews
-from bt_hub.train.batches import ViewDataset, probe_views, save_probe, to_views, view_pair
+from bt_hub.train.batches import ViewDataset, decoded_store, probe_views, save_probe, to_views, view_pair
 from bt_hub.train.compile_auto import AutoCompile
 from bt_hub.train.config import RESUME_INVARIANTS, PretrainConfig
 from bt_hub.train.kept import kept_path, kept_weights
@@ -242,7 +242,8 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
         batched is not None,
         view_params,
         files=is_dir,
-        encoded=is_dir and config.decode == "device",
+        device_decoder=config.decode == "device" and device.type == "cuda",
+        store=decoded_store(config, dataset, device) if is_dir and batched is not None else None,
     )
     probe = probe_views(views, config, device, batched) if is_main_process() else None
     if step == 0 and is_main_process():
@@ -335,7 +336,7 @@ def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], termin
     # on CUDA the next batches are decoded and viewed on a side stream while this step trains
     with Prefetcher(
         enumerate(loader, step),
-        lambda item: to_views(item[1], item[0], config, device, loop.batched),
+        lambda item: to_views(item[1], item[0], config, device, loop.batched, loop.views.store),
         device,
         depth=2 if device.type == "cuda" else 0,
     ) as batches:
@@ -467,6 +468,8 @@ def _epoch_loader(
     """This rank's batches of ``epoch`` from step ``start`` within it, in the seeded order (exact resume)."""
     rank, world = get_rank(), get_world_size()
     sampler = EpochBatchSampler(len(views), config.batch_size, config.seed, epoch, start, rank, world)
+    if views.store is not None:  # the keys alone: the prefetch thread gathers each batch from the decoded store
+        return sampler
     return DataLoader(
         views,
         batch_sampler=sampler,
