@@ -1,6 +1,6 @@
 """Images per second of evaluation feature extraction from image files: the ceiling, bt_hub and the usual loop.
 
-    python benchmarks/eval_throughput.py                                  # ResNet-50, 224 px, JPEGs 500x375, CUDA
+    python benchmarks/eval_throughput.py --rows abwsc                     # ResNet-50, 224 px, JPEGs 500x375, CUDA
     python benchmarks/eval_throughput.py --device cpu --arch resnet18 --small-image-stem --image-size 32 \\
         --jpeg-size 32x32 --batch-size 128 --workers 2                    # the CPU goal: CIFAR-like files, 2 cores
 
@@ -14,6 +14,11 @@ one device, each row after an untimed warm-up pass over ``--warmup`` batches:
     (``--decode device``: workers read bytes, the device decodes, resizes and crops the batch,
     the next batch prepared on a side stream on CUDA; ``--precision auto``: bf16 on GPUs and
     on AMX / avx512_bf16 CPUs; channels-last);
+(w) the same with ``--decode workers`` (PIL resize and crop per image in the workers);
+(s) the same from the files' decoded store (``--store``: decoded once, untimed; the test crops read back, on the
+    GPU when they fit), what every kept step and seed of a learning curve after the first costs;
+(p) the device path phase by phase (ms a batch, the device synchronised between phases): read, copy and
+    decode, resize and crop, normalise, forward;
 (i) the input side alone: bt_hub's loader over the files (workers read bytes and hand over one
     tensor a batch), against the same loader handing over a list of tensors a batch (DataLoader's
     per-item transfer: one shared-memory block a file); files/s, no model;
@@ -49,6 +54,7 @@ from pretrain_throughput import write_jpegs  # noqa: E402
 from bt_hub.data.datasets import build_dataset  # noqa: E402
 from bt_hub.data.decode import PackedItems, collate_packed  # noqa: E402
 from bt_hub.data.precision import autocast_dtype, resolve_precision  # noqa: E402
+from bt_hub.data.store import StoreView, open_store, store_device  # noqa: E402
 from bt_hub.eval.features import EncodedItems, extract_features  # noqa: E402
 from bt_hub.method.model import build_backbone  # noqa: E402
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms  # noqa: E402
@@ -81,11 +87,18 @@ def ceiling(args: argparse.Namespace, device: torch.device, precision: str) -> f
     return args.batch_size * args.steps / (time.perf_counter() - tick)
 
 
-def bt_hub_extraction(args: argparse.Namespace, data: Path, device: torch.device, precision: str) -> float:
-    """(b): ``extract_features`` over the files, as ``bt-hub eval`` runs it; images/s of the timed pass."""
+def bt_hub_extraction(
+    args: argparse.Namespace, data: Path, device: torch.device, precision: str, decode: str, store: bool = False
+) -> float:
+    """(b): ``extract_features`` over the files, as ``bt-hub eval`` runs it with ``--decode decode``; images/s of the
+    timed pass. ``store``: (s), from the files' decoded store (made first, untimed, as a curve's first step does;
+    on the GPU as ``--store auto`` puts it)."""
     net = _backbone(args, device)
-    dataset = build_dataset(str(data), "train", image_size=None)
-    transform = DeviceEvalTransform(args.image_size) if args.decode == "device" else eval_transforms(args.image_size)
+    dataset: torch.utils.data.Dataset = build_dataset(str(data), "train", image_size=None)
+    transform = DeviceEvalTransform(args.image_size) if decode == "device" else eval_transforms(args.image_size)
+    if store:
+        stored = open_store(dataset, StoreView.for_eval(transform), None, num_workers=args.workers)
+        dataset = stored.to(where) if (where := store_device("auto", stored.nbytes, device)).type != "cpu" else stored
 
     def run(ds: torch.utils.data.Dataset) -> None:
         extract_features(
@@ -99,12 +112,53 @@ def bt_hub_extraction(args: argparse.Namespace, data: Path, device: torch.device
             desc="bt_hub",
         )
 
-    run(Subset(dataset, range(args.warmup * args.batch_size)))
+    if not store:  # a store is read whole every pass; its warm-up pass is the same as the timed one
+        run(Subset(dataset, range(args.warmup * args.batch_size)))
+    else:
+        run(dataset)
     _sync(device)
     tick = time.perf_counter()
     run(dataset)
     _sync(device)
     return len(dataset) / (time.perf_counter() - tick)
+
+
+def phases(args: argparse.Namespace, data: Path, device: torch.device, precision: str) -> str:
+    """(p): milliseconds a batch of the device path spends in each phase, timed one after another with the device
+    synchronised between them (no overlap, unlike (b)): the loader's read, the host-to-device copy and decode
+    (``to_device_images``), the resize and crop (one call a size group), the normalisation, the forward pass."""
+    from bt_hub.data.decode import to_device_images
+
+    net = _backbone(args, device).to(memory_format=torch.channels_last)
+    transform = DeviceEvalTransform(args.image_size)
+    items = EncodedItems(build_dataset(str(data), "train", image_size=None), device.type == "cuda")
+    loader = DataLoader(items, batch_size=args.batch_size, num_workers=args.workers, collate_fn=_packed)
+    amp = autocast_dtype(precision)
+    totals = dict.fromkeys(("read", "copy + decode", "resize + crop", "normalise", "forward"), 0.0)
+    batches = 0
+    tick = time.perf_counter()
+    for i, packed in enumerate(loader):
+        marks = [tick, time.perf_counter()]  # the wait for the loader's batch: its read
+        images = to_device_images(packed, device)
+        _sync(device)
+        marks.append(time.perf_counter())
+        crops = transform.crop(images) if isinstance(images, torch.Tensor) else transform(images)
+        _sync(device)
+        marks.append(time.perf_counter())
+        x = transform.finish(crops) if isinstance(images, torch.Tensor) else crops
+        _sync(device)
+        marks.append(time.perf_counter())
+        with torch.no_grad(), torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            net(x.contiguous(memory_format=torch.channels_last))
+        _sync(device)
+        marks.append(time.perf_counter())
+        if i >= args.warmup:
+            batches += 1
+            for key, start, stop in zip(totals, marks, marks[1:]):
+                totals[key] += stop - start
+        tick = time.perf_counter()
+    per_batch = {k: 1000 * v / max(batches, 1) for k, v in totals.items()}
+    return "(p) ms a batch, phase by phase, synchronised: " + ", ".join(f"{k} {v:.1f}" for k, v in per_batch.items())
 
 
 def _packed(items: list) -> PackedItems:
@@ -192,13 +246,17 @@ def main() -> None:
     )
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="(a) and (b)")
     parser.add_argument("--decode", default="device", choices=["device", "workers"], help="(b)'s --decode")
-    parser.add_argument("--rows", default="abic", help="which of the rows a, b, i, c to run")
+    parser.add_argument("--rows", default="abic", help="which of the rows a, b, w, s, i, c, p (phases) to run")
     parser.add_argument("--jpeg-size", default="500x375", help="WIDTHxHEIGHT of the generated JPEGs")
+    parser.add_argument("--format", default="jpeg", choices=["jpeg", "png"], help="colour JPEGs or grey PNGs")
     parser.add_argument(
         "--data-dir", default=None, help="where the JPEGs go (reused when present); default: a temp dir"
     )
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for eval_throughput.txt (default: $OUT)")
     args = parser.parse_args()
+    if os.environ.get("BT_HUB_PARSE_ONLY"):  # the CPU suite's check of benchmarks/gpu_check.sh's command lines
+        print(f"{Path(__file__).name}: parsed (BT_HUB_PARSE_ONLY is set: nothing run)")
+        return
     device = torch.device(args.device)
     precision = resolve_precision(args.precision, device)
     if device.type == "cuda":
@@ -206,12 +264,13 @@ def main() -> None:
     width, height = (int(v) for v in args.jpeg_size.split("x"))
     work = Path(tempfile.mkdtemp(prefix="bt_hub_eval_throughput_"))
     data = Path(args.data_dir) if args.data_dir else work / "jpegs"
-    write_jpegs(data, args.batch_size * args.steps, width, height, max(args.workers, 1))
+    write_jpegs(data, args.batch_size * args.steps, width, height, max(args.workers, 1), args.format)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     header = (
         f"{args.arch}{' small stem' if args.small_image_stem else ''}, {args.image_size} px, batch "
         f"{args.batch_size}, {name}, bt_hub precision {precision}, channels-last, decode {args.decode}, "
-        f"{args.workers} workers, {args.batch_size * args.steps} JPEGs {width}x{height} q90; torch "
+        f"{args.workers} workers, {args.batch_size * args.steps} "
+        f"{'grey PNGs' if args.format == 'png' else 'JPEGs q90'} {width}x{height}; torch "
         f"{torch.__version__}, {torch.get_num_threads()} threads\n{machine_line()}"
     )
     print(header, flush=True)
@@ -221,8 +280,18 @@ def main() -> None:
         ("a", "(a) ceiling: backbone on in-memory tensors", lambda: ceiling(args, device, precision)),
         (
             "b",
-            f"(b) bt_hub extract_features from files ({precision})",
-            lambda: bt_hub_extraction(args, data, device, precision),
+            f"(b) bt_hub extract_features from files ({precision}, decode {args.decode})",
+            lambda: bt_hub_extraction(args, data, device, precision, args.decode),
+        ),
+        (
+            "w",
+            f"(w) bt_hub extract_features from files ({precision}, decode workers)",
+            lambda: bt_hub_extraction(args, data, device, precision, "workers"),
+        ),
+        (
+            "s",
+            f"(s) bt_hub extract_features from the decoded store ({precision})",
+            lambda: bt_hub_extraction(args, data, device, precision, "device", store=True),
         ),
     ]
     runs += [
@@ -245,6 +314,8 @@ def main() -> None:
         )
         for n in args.reference_workers or [args.workers]
     ]
+    if "p" in args.rows:
+        print(phases(args, data, device, precision), flush=True)
     for key, label, run in runs:
         if key in args.rows:
             tick = time.perf_counter()

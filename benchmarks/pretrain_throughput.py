@@ -3,6 +3,8 @@
     python benchmarks/pretrain_throughput.py                    # ResNet-50, 224 px, projector 8192-8192-8192, on CUDA
     python benchmarks/pretrain_throughput.py --device cpu --arch resnet18 --image-size 32 --projector 64-64 \\
         --batch-size 8 --warmup 1 --steps 2 --jpeg-size 64x48 --workers 1          # the CPU smoke run of the tests
+    python benchmarks/pretrain_throughput.py --arch resnet18 --small-image-stem --image-size 32 --format png \
+        --jpeg-size 28x28 --projector 2048-2048-2048 --batch-size 512 --rows abf    # small grey PNGs (MNIST-like)
 
 The script writes its own ImageNet-like JPEGs (``--jpeg-size`` 500x375, quality 90, textured
 so that files are ~100 KB like ImageNet's) into ``--data-dir`` (a temporary folder by default),
@@ -10,7 +12,9 @@ then times on one device, each after ``--warmup`` untimed steps:
 
 (a) ceiling: bt_hub's model + loss + LARS on view tensors already in device memory;
 (b) bt_hub: ``bt_hub.train.pretrain.pretrain`` itself from the files (``--views batched``,
-    ``--decode auto``: loader workers read bytes and the GPU decodes the batch), as a user runs it;
+    ``--decode auto``: loader workers read bytes and the GPU decodes the batch; ``--store auto``: a folder of
+    small images is decoded once into a store, kept on the GPU when it fits), as a user runs it;
+(f) the same with ``--store off``: every file decoded again each epoch (by the workers, or the GPU for JPEGs);
 (c) reference: facebookresearch/barlowtwins main.py's loop: per-image PIL views
     (``benchmarks/pretrain_step.py``'s copy of its ``Transform``) in ``--workers`` loader
     workers, fp16 autocast + GradScaler on CUDA (fp32 on the CPU), NCHW, the BatchNorm1d
@@ -53,8 +57,9 @@ UNIQUE_IMAGES = 256  # distinct pictures; the files repeat them (decoding costs 
 # ----------------------------------------------------------------------------- data
 
 
-def _photo(seed: int, width: int, height: int) -> bytes:
-    """A textured colour picture as a quality-90 JPEG (~100 KB at 500 x 375, like an ImageNet file)."""
+def _photo(seed: int, width: int, height: int, image_format: str = "jpeg") -> bytes:
+    """A textured colour picture as a quality-90 JPEG (~100 KB at 500 x 375, like an ImageNet file), or as a grey
+    PNG (``image_format`` "png": a small-image set of the MNIST kind)."""
     rng = np.random.default_rng(seed)
 
     def smooth(cells_h: int, cells_w: int) -> np.ndarray:
@@ -68,19 +73,25 @@ def _photo(seed: int, width: int, height: int) -> bytes:
         + rng.normal(0, 9, (height, width, 3))
     )
     buffer = io.BytesIO()
-    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buffer, format="JPEG", quality=90)
+    picture = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
+    if image_format == "png":
+        picture.convert("L").save(buffer, format="PNG")
+    else:
+        picture.save(buffer, format="JPEG", quality=90)
     return buffer.getvalue()
 
 
-def write_jpegs(folder: Path, count: int, width: int, height: int, processes: int) -> None:
-    """``count`` JPEG files in ``folder/<class>/`` (10 classes), made once and reused if present."""
-    marker = folder / f".bt_hub_throughput_{count}_{width}x{height}"
+def write_jpegs(folder: Path, count: int, width: int, height: int, processes: int, image_format: str = "jpeg") -> None:
+    """``count`` JPEG (or grey PNG) files in ``folder/<class>/`` (10 classes), made once and reused if present."""
+    marker = folder / f".bt_hub_throughput_{count}_{width}x{height}_{image_format}"
     if marker.exists():
         return
+    unique = min(UNIQUE_IMAGES, count)
     with Pool(processes) as pool:
-        pictures = pool.starmap(_photo, [(seed, width, height) for seed in range(min(UNIQUE_IMAGES, count))])
+        pictures = pool.starmap(_photo, [(seed, width, height, image_format) for seed in range(unique)])
+    suffix = ".png" if image_format == "png" else ".jpg"
     for i in range(count):
-        path = folder / f"class{i % 10}" / f"{i:07d}.jpg"
+        path = folder / f"class{i % 10}" / f"{i:07d}{suffix}"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(pictures[i % len(pictures)])
     marker.touch()
@@ -111,7 +122,7 @@ def _sync(device: torch.device) -> None:
 
 def _model(args: argparse.Namespace, device: torch.device) -> BarlowTwins:
     torch.manual_seed(0)
-    return BarlowTwins(args.arch, args.projector).to(device)
+    return BarlowTwins(args.arch, args.projector, small_image_stem=args.small_image_stem).to(device)
 
 
 def ceiling(args: argparse.Namespace, device: torch.device, precision: str, compile_model: bool) -> float:
@@ -147,15 +158,25 @@ def ceiling(args: argparse.Namespace, device: torch.device, precision: str, comp
 
 
 def bt_hub_pipeline(
-    args: argparse.Namespace, data: Path, device: torch.device, precision: str, compile_model: bool, work: Path
+    args: argparse.Namespace,
+    data: Path,
+    device: torch.device,
+    precision: str,
+    compile_model: bool,
+    work: Path,
+    store: str = "off",
 ) -> float:
-    """(b): ``bt_hub.train.pretrain.pretrain`` from the JPEG files; images/s over the steps after warm-up."""
+    """(b): ``bt_hub.train.pretrain.pretrain`` from the image files (``store``: its ``--store``); images/s over the
+    steps after warm-up (a store is made before step 1, outside the timed steps)."""
     out = work / ("run_compiled" if compile_model else "run")
     shutil.rmtree(out, ignore_errors=True)
     config = PretrainConfig(
         data=str(data),
         out=str(out),
         backbone=args.arch,
+        small_image_stem=args.small_image_stem,
+        store=store,
+        store_dir=str(work / "stores"),
         projector=args.projector,
         image_size=args.image_size,
         batch_size=args.batch_size,
@@ -262,8 +283,11 @@ def main() -> None:
         choices=["off", "also", "only"],
         help="also (or only) time (a) and (b) under torch.compile",
     )
-    parser.add_argument("--rows", default="abc", help="which of the rows a, b, c to run")
+    parser.add_argument("--rows", default="abc", help="which of the rows a, b, f, c to run (f: (b) with --store off)")
+    parser.add_argument("--store", default="auto", choices=["auto", "off", "disk", "device"], help="(b)'s --store")
     parser.add_argument("--jpeg-size", default="500x375", help="WIDTHxHEIGHT of the generated JPEGs")
+    parser.add_argument("--format", default="jpeg", choices=["jpeg", "png"], help="colour JPEGs or grey PNGs")
+    parser.add_argument("--small-image-stem", action="store_true", help="3x3 stem without max-pool (32-px data)")
     parser.add_argument(
         "--data-dir", default=None, help="where the JPEGs go (reused when present); default: a temporary folder"
     )
@@ -271,6 +295,9 @@ def main() -> None:
         "--out", default=os.environ.get("OUT"), help="folder for throughput.txt and throughput.json (default: $OUT)"
     )
     args = parser.parse_args()
+    if os.environ.get("BT_HUB_PARSE_ONLY"):  # the CPU suite's check of benchmarks/gpu_check.sh's command lines
+        print(f"{Path(__file__).name}: parsed (BT_HUB_PARSE_ONLY is set: nothing run)")
+        return
     device = torch.device(args.device)
     precision = resolve_precision(args.precision, device)
     if device.type == "cuda":
@@ -282,15 +309,15 @@ def main() -> None:
         args.warmup + args.steps + 1
     )  # (b) ends before its first epoch does (no epoch-end checkpoint)
     tick = time.perf_counter()
-    write_jpegs(data, count, width, height, max(args.workers, 1))
-    files = sorted(data.rglob("*.jpg"))
+    write_jpegs(data, count, width, height, max(args.workers, 1), args.format)
+    files = sorted(data.rglob("*.png" if args.format == "png" else "*.jpg"))
     mean_kb = statistics.mean(f.stat().st_size for f in files[:UNIQUE_IMAGES]) / 1024
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     header = (
         f"{args.arch}, {args.image_size} px, projector {args.projector}, batch {args.batch_size}, {name}, "
         f"precision {precision}, "
         f"{'channels-last' if args.channels_last else 'NCHW'}, {args.workers} workers, "
-        f"{len(files)} JPEGs {width}x{height} q90 "
+        f"{len(files)} {'grey PNGs' if args.format == 'png' else 'JPEGs'} {width}x{height} "
         f"(mean {mean_kb:.0f} KB, made in {time.perf_counter() - tick:.0f} s); torch {torch.__version__}; "
         f"{args.steps} timed steps after {args.warmup}"
     )
@@ -300,8 +327,13 @@ def main() -> None:
         ("a", "(a) ceiling: model + loss + LARS on in-memory tensors", lambda: ceiling(args, device, precision, False)),
         (
             "b",
-            f"(b) bt_hub pretrain from files (decode {args.decode})",
-            lambda: bt_hub_pipeline(args, data, device, precision, False, work),
+            f"(b) bt_hub pretrain from files (decode {args.decode}, store {args.store})",
+            lambda: bt_hub_pipeline(args, data, device, precision, False, work, args.store),
+        ),
+        (
+            "f",
+            "(f) bt_hub pretrain from files, --store off (decoded every epoch)",
+            lambda: bt_hub_pipeline(args, data, device, precision, False, work, store="off"),
         ),
         ("c", "(c) reference loop: PIL views in workers, AMP", lambda: reference_loop(args, files, device)),
     ]
@@ -312,8 +344,8 @@ def main() -> None:
             ("a", "(a) ceiling, torch.compile", lambda: ceiling(args, device, precision, True)),
             (
                 "b",
-                "(b) bt_hub pretrain from files, --compile",
-                lambda: bt_hub_pipeline(args, data, device, precision, True, work),
+                f"(b) bt_hub pretrain from files, --compile (store {args.store})",
+                lambda: bt_hub_pipeline(args, data, device, precision, True, work, args.store),
             ),
         ]
     for key, label, run in runs:

@@ -276,7 +276,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             config_cls = getattr(module, command.config)
             parser = _Parser(prog=prefix, description=command.help)
             add_dataclass_arguments(parser, config_cls)
-            config = build_config(config_cls, parser.parse_args(rest))
+            namespace = parser.parse_args(rest)
+            if os.environ.get("BT_HUB_PARSE_ONLY"):  # the CPU suite's check of GPU scripts' command lines
+                print(f"{prefix}: parsed (BT_HUB_PARSE_ONLY is set: nothing run)")
+                return 0
+            config = build_config(config_cls, namespace)
             keep_freed_memory()
             with torch_threads(getattr(config, "threads", 0)):
                 result = getattr(module, command.function)(config)
