@@ -22,7 +22,7 @@ from bt_hub.eval.classifier import evaluate_loader, make_classifier, make_loader
 from bt_hub.eval.heads import score_heads, train_heads
 from bt_hub.eval.knn import knn_search
 from bt_hub.eval.linear import FrozenBackboneClassifier
-from bt_hub.eval.voc07_svm import evaluate_svms, l2_normalize, svm_grid
+from bt_hub.eval.svm_grid import evaluate_svms, l2_normalize, svm_grid
 from bt_hub.method.knn import knn_vote
 from bt_hub.method.model import BarlowTwins, build_projector
 from bt_hub.method.optim import LARS, param_groups, set_learning_rates
