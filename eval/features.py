@@ -16,15 +16,15 @@ dropped. Every rank thus ends with the full, ordered features. With a cache, ran
 files while the other ranks take part in every gather; then all read rank 0's file after a barrier.
 
 Cache key (``FeatureCache.key``, the first 24 hex digits of a sha256 of a JSON record, computed on rank 0
-and broadcast): the weights (their file's sha256; a caller holding weights only in memory passes ``module_fingerprint``), the
-architecture they were loaded into (``architecture_fingerprint``: the module's repr), the dataset
-(``dataset_fingerprint``: each file's relative path, size, mtime and label plus the bytes of 32 evenly
-spaced files), the transform (``describe_transform``: its repr without memory addresses, so the image size
-and where preprocessing runs), the pool, the stored dtype (float32 or float16) and the precision. The same
-request from another protocol loads the features; any other request computes its own. The meta file,
-written last, records the key's parts and each file's size, sha256, shape and dtype, checked before a
-read; a file that fails is computed again with one warning. A cut extraction resumes from the rows it
-kept (a multiple of the global batch).
+and broadcast): the weights (their file's sha256; a caller holding weights only in memory passes
+``module_fingerprint``), the architecture they were loaded into (``architecture_fingerprint``: the
+module's repr), the dataset (``dataset_fingerprint``: each file's relative path, size, mtime and label
+plus the bytes of 32 evenly spaced files), the transform (``describe_transform``: its repr without memory
+addresses, so the image size and where preprocessing runs), the pool, the stored dtype (float32 or
+float16) and the precision. The same request from another protocol loads the features; any other
+request computes its own. The meta file, written last, records the key's parts and each file's size,
+sha256, shape and dtype, checked before a read; a file that fails is computed again with one warning. A
+cut extraction resumes from the rows it kept (a multiple of the global batch).
 """
 
 from __future__ import annotations
