@@ -36,11 +36,20 @@ def _fixture(name: str) -> tuple[dict[str, np.ndarray], dict]:
     return arrays, json.loads((FIXTURES / f"{name}.json").read_text())
 
 
+@pytest.fixture
+def one_thread():
+    """The reduction order the fixtures were written with (torch on one thread); small ops run faster too."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ----------------------------------------------------------------------------- kNN: DINO's knn_classifier
 
 
 @pytest.mark.parametrize("backend", ["faiss", "torch"])
-def test_knn_equals_dinos_knn_classifier_at_k_20_and_200(backend):
+def test_knn_equals_dinos_knn_classifier_at_k_20_and_200(backend, one_thread):
     data, reference = _fixture("knn")
     train_y, test_y = torch.from_numpy(data["train_y"]), torch.from_numpy(data["test_y"])
     classes = reference["num_classes"]
@@ -93,15 +102,6 @@ EPS = 2.0**-23  # float32's relative spacing: one ulp of a number in [1, 2)
 # 0.01, 135 and 1,073 ulps of the parameters after 1, 10 and 60 steps).
 LOSS_ULPS = {"dense": 8, "gram": 8}
 DISPLACEMENT_ULPS = {"dense": 64, "gram": 64}
-
-
-@pytest.fixture
-def one_thread():
-    """The reduction order the fixtures were written with: torch on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("method", ["dense", "gram"])
