@@ -55,6 +55,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from bt_hub.common.files import atomic_write, atomic_write_json
+
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "reference"
 KNN_KS = (20, 200)
 KNN_T = 0.07
@@ -84,9 +86,8 @@ def _commit(path: Path, given: str | None) -> str:
 
 
 def _write(out: Path, name: str, inputs: dict[str, np.ndarray], record: dict[str, Any]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(out / f"{name}.npz", **inputs)
-    (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    atomic_write(out / f"{name}.npz", lambda f: np.savez_compressed(f, **inputs))
+    atomic_write_json(out / f"{name}.json", record)
     print(f"wrote {out / name}.npz and .json")
 
 
