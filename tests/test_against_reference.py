@@ -20,7 +20,7 @@ from torch.utils.data import TensorDataset
 
 from bt_hub.eval.classifier import evaluate_loader, make_classifier, make_loader, train_classifier
 from bt_hub.eval.heads import score_heads, train_heads
-from bt_hub.eval.knn import knn_search
+from bt_hub.eval.knn import knn_classify, knn_search
 from bt_hub.eval.linear import FrozenBackboneClassifier
 from bt_hub.eval.svm_grid import evaluate_svms, l2_normalize, svm_grid
 from bt_hub.method.knn import knn_vote
@@ -48,24 +48,33 @@ def one_thread():
 # ----------------------------------------------------------------------------- kNN: DINO's knn_classifier
 
 
+def _predictions(sims, idx, train_y, k, temperature, classes):
+    """Each query's class, found as the fixture found DINO's: the label with which the query alone scores 100."""
+    found = []
+    for i in range(len(sims)):
+        query = sims[i : i + 1], idx[i : i + 1]
+        found.append(
+            next(
+                c
+                for c in range(classes)
+                if knn_vote(*query, train_y, torch.tensor([c]), k, temperature, classes)["top1"]
+            )
+        )
+    return found
+
+
 @pytest.mark.parametrize("backend", ["faiss", "torch"])
 def test_knn_equals_dinos_knn_classifier_at_k_20_and_200(backend, one_thread):
     data, reference = _fixture("knn")
     train_y, test_y = torch.from_numpy(data["train_y"]), torch.from_numpy(data["test_y"])
     classes = reference["num_classes"]
+    temperature = reference["temperature"]
     sims, idx = knn_search(data["train_x"], data["test_x"], 200, backend=backend)
     for k, expected in reference["results"].items():
         k = int(k)
-        got = knn_vote(sims, idx, train_y, test_y, k, reference["temperature"], classes)
+        got = knn_classify(data["train_x"], train_y, data["test_x"], test_y, k, temperature, classes, backend=backend)
         assert (got["top1"], got["top5"]) == (expected["top1"], expected["top5"]), k
-        predictions = [
-            next(
-                c
-                for c in range(classes)
-                if knn_vote(sims[i : i + 1], idx[i : i + 1], train_y, torch.tensor([c]), k, 0.07, classes)["top1"]
-            )
-            for i in range(len(test_y))
-        ]
+        predictions = _predictions(sims, idx, train_y, k, temperature, classes)
         assert predictions == expected["predictions"], k
 
 
