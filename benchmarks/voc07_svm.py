@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from bt_hub.eval.voc07_svm import COSTS, evaluate_svms, l2_normalize, svm_grid
+from bt_hub.eval.svm_grid import COSTS, evaluate_svms, l2_normalize, svm_grid
 
 
 def make_features(n: int, dim: int, classes: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

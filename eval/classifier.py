@@ -1,5 +1,7 @@
 """The SGD classifier shared by the linear probe, transfer and semi-supervised fine-tuning: the paper's
 initialisation and per-epoch LR, and a seeded data order that the cached-feature heads share.
+
+The linear probe's first epoch is held to the official evaluate.py in tests/test_against_reference.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,31 @@
-"""One frozen-backbone feature extractor shared by every protocol (PIL or on-device preprocessing, cached)."""
+"""One frozen-backbone feature extractor shared by every protocol (PIL or on-device preprocessing, cached).
+
+``extract_features`` runs the backbone in eval mode without gradients, channels-last, in the precision
+asked for (fp32, or bf16 / fp16 autocast), over a dataset in its own order, and returns ``(features,
+labels)``. Images are preprocessed either per image by PIL in the loader's workers, or as pretraining
+does (``DeviceEvalTransform``): workers read bytes, the device decodes, resizes, crops and normalises
+the batch. Pools: ``"avg"``, the backbone's output (2048-d for ResNet-50); ``"voc_res5"``, VISSL's VOC07
+feature, the res5 map through ``AvgPool2d(6, stride=1)`` flattened channel-major (8192-d at 224 px; the
+map must be at least 6x6).
+
+Gather order under torchrun: the rows go in global batches of ``batch_size x world_size``; rank r embeds
+rows ``start + r·B .. start + (r+1)·B`` of each (under several ranks the last global batch is padded by
+repeating row n−1, so that every rank runs as many equal batches and every collective lines up), and
+``all_gather_cat`` concatenates the shares in rank order, which is dataset order; the padding rows are
+dropped. Every rank thus ends with the full, ordered features. With a cache, rank 0 alone writes the
+files while the other ranks take part in every gather; then all read rank 0's file after a barrier.
+
+Cache key (``FeatureCache.key``, the first 24 hex digits of a sha256 of a JSON record, computed on rank 0
+and broadcast): the weights (their file's sha256; a caller holding weights only in memory passes
+``module_fingerprint``), the architecture they were loaded into (``architecture_fingerprint``: the
+module's repr), the dataset (``dataset_fingerprint``: each file's relative path, size, mtime and label
+plus the bytes of 32 evenly spaced files), the transform (``describe_transform``: its repr without memory
+addresses, so the image size and where preprocessing runs), the pool, the stored dtype (float32 or
+float16) and the precision. The same request from another protocol loads the features; any other
+request computes its own. The meta file, written last, records the key's parts and each file's size,
+sha256, shape and dtype, checked before a read; a file that fails is computed again with one warning. A
+cut extraction resumes from the rows it kept (a multiple of the global batch).
+"""
 
 from __future__ import annotations
 

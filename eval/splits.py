@@ -68,6 +68,22 @@ def load_splits(
 
     ``test_split`` None: no held-out split is read (an empty one); ``scored`` False: features only, one class will do.
 
+    Args:
+        data: ``digits`` or ``synthetic[:N]`` (built in, with their own held-out part), or a folder with
+            ``train/`` and ``val/`` or ``test/`` of class sub-folders (ImageFolder), whose test classes are
+            mapped to the training order.
+        test_split: the held-out folder, ``"val"`` or ``"test"``; None reads none (an empty test split).
+        holdout: instead of a test folder, a seeded class-stratified fraction in (0, 1) of ``train/`` (the
+            record keeps the fraction, seed and a sha256 of the held-out indices).
+        seed: the seed of ``holdout``'s draw and of the built-in sets' split.
+        image_size: the side the built-in sets are rendered at; folders ignore it (their transform resizes).
+        scored: False when only features are wanted (``bt-hub embed``): a training split of one class is then
+            accepted.
+
+    Returns:
+        ``Splits(train, test, info)``: ``info`` names the data and gives each split's name, size and
+        fingerprint, the overlap check and the holdout's facts, as the results record them.
+
     Raises:
         FileNotFoundError: a directory without the held-out split asked for.
         ValueError: a bad fraction, an empty split, a training split of one class, or overlapping splits.

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from voc_devkit import write_synthetic_devkit
 
 from bt_hub import cli
-from bt_hub.eval.voc07_svm import (
-    VocClassification,
-    average_precision,
-    evaluate_svms,
-    l2_normalize,
-    svm_grid,
-    voc07_11point_ap,
-)
+from bt_hub.eval.average_precision import average_precision, voc07_11point_ap
+from bt_hub.eval.svm_grid import evaluate_svms, l2_normalize, svm_grid
+from bt_hub.eval.voc07_svm import VocClassification
 
 # ranking: + - + - +  (scores 0.9 .. 0.5)
 # precision at each positive: 1/1, 2/3, 3/5 at recall 1/3, 2/3, 1
@@ -98,6 +95,27 @@ def test_parallel_grid_equals_sequential_grid():
     for a, b in zip(sequential, parallel):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert sequential[0].shape == (3, 3) and 0.3 < sequential[0].mean() < 1.0
+
+
+WORKER = """
+import sys
+import numpy as np
+from bt_hub.eval.svm_grid import l2_normalize, svm_grid
+rng = np.random.default_rng(0)
+targets = rng.choice([1, 0], size=(30, 2)).astype(np.int8)
+svm_grid(l2_normalize(rng.normal(size=(30, 4))), targets, [1.0], n_jobs=1)
+print("torch" in sys.modules)
+"""
+
+
+def test_the_svm_grid_runs_without_importing_torch():
+    """Guards the workers' start: each of --n-jobs processes imports bt_hub.eval.svm_grid to unpickle its jobs.
+
+    With torch among its imports (as when the grid lived in voc07_svm.py) every worker took seconds longer
+    to start and held hundreds of MB more; this runs the grid's module and jobs in a fresh interpreter.
+    """
+    done = subprocess.run([sys.executable, "-c", WORKER], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["False"]
 
 
 def test_grid_picks_each_class_best_cross_validated_cost_and_difficult_trains_as_negative():

@@ -1,4 +1,7 @@
-"""The weighted kNN vote (DINO's eval_knn.py) shared by ``bt-hub eval knn`` and the pretraining monitor."""
+"""The weighted kNN vote (DINO's eval_knn.py) shared by ``bt-hub eval knn`` and the pretraining monitor.
+
+Held to DINO's ``knn_classifier`` (top-1, top-5 and every prediction) in tests/test_against_reference.py.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,33 @@
-"""The two asymmetric Barlow Twins views, drawn per image for the PIL and the batched tensor paths."""
+"""The two asymmetric Barlow Twins views, drawn per image for the PIL and the batched tensor paths.
+
+BYOL's parameters (docs/protocols.md §1), as the reference ``Transform`` of barlowtwins' main.py:
+``VIEW_A`` always blurs and never solarises, ``VIEW_B`` blurs with p = 0.1 and solarises with p = 0.2.
+
+Every random choice is drawn per image by :func:`sample_view_params`, which both paths share, in a
+fixed number and order of draws: :class:`TwoViewTransform` (PIL, in data-loader workers, the reference
+pipeline's operations) and :class:`BatchedTwoViews` (whole batches on the training device, no Python loop
+over samples). Both take an optional ``torch.Generator``, so that a loader can seed each sample from
+``(seed, epoch, index)`` and a resumed run draws the same views.
+
+Order of operations, as in the reference: RandomResizedCrop (torchvision's algorithm: the first of 10
+valid tries, else a centre crop), horizontal flip, ColorJitter (brightness, contrast, saturation, hue,
+in a random order per image), grayscale, Gaussian blur, solarise, ImageNet normalisation.
+
+Where the tensor path differs from the PIL one (the views are alike, not equal pixel for pixel):
+
+- the crop is resampled by ``roi_align`` (bilinear, averaging ``ceil(crop / size)²`` samples per output
+  pixel when shrinking) instead of PIL's antialiased bicubic filter;
+- intermediate values stay float in [0, 1]: PIL rounds to uint8 after every operation;
+- grayscale weighs RGB by ``GRAY_WEIGHTS`` (torchvision's 0.2989, 0.587, 0.114), PIL by its 299/587/114
+  integer luma; solarise inverts values >= 0.5, PIL values >= 128;
+- a list of images of different sizes is first cut to the region the two views read (with a one-pixel
+  margin where the image has one) and padded into one uint8 batch whose extra row and column repeat the
+  last ones, so that ``roi_align`` reads no zero (:func:`crop_to_views`).
+
+In both paths the blur kernel is odd and about a tenth of the output side (23 px at 224, as BYOL), at
+least 3 px, with σ ~ U(0.1, 2.0) in output pixels; the reference's PIL ``GaussianBlur(σ)`` sizes its
+kernel from σ instead.
+"""
 
 from __future__ import annotations
 

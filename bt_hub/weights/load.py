@@ -70,6 +70,19 @@ def load_backbone(
     ``arch`` and ``small_image_stem`` default to config.json, else what the keys show. The network (in
     train mode) carries ``weights_info`` and ``transforms`` (its evaluation preprocessing).
 
+    Args:
+        source: what ``bt_hub.weights.sources.resolve`` accepts: a registered weights member or its name, a
+            file (torchvision ``.pth``, ``.safetensors``, a pretraining ``checkpoint.pth``, another framework's
+            checkpoint, a detectron2 ``.pkl``) or a folder holding one (with its config.json), an http(s) URL
+            (downloaded to the cache), or a Hugging Face repo as ``hf://org/name`` or ``org/name[@revision]``.
+        arch: the architecture to build (a key of ``ARCHITECTURES``, e.g. ``"resnet50"``); None: config.json's,
+            else the one the keys' shapes show. A value the weights do not fit raises.
+        small_image_stem: build the 3x3 stride-1 stem without max-pool (32-px images); None: config.json's,
+            else what the ``conv1`` weight's shape shows.
+        map_location: device the returned network is moved to (the tensors are read on the CPU).
+        progress: show a progress bar while a remote file downloads.
+        allow_non_finite: accept NaN or inf values (refused by default: such weights score nothing).
+
     Raises:
         CheckpointError: unreadable file, unknown layout, missing keys, wrong shapes or non-finite values.
     """
