@@ -347,3 +347,77 @@ def test_sigint_stops_a_real_pretraining_run_in_one_line_keeping_its_checkpoint(
     assert line.startswith(f"bt-hub pretrain: interrupted; the last checkpoint {out / 'checkpoint.pth'} (step {step})")
     assert line.endswith(f"continue with: bt-hub pretrain {' '.join(flags)} --resume auto")
     assert not list(out.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize(
+    "signum,code,said",
+    [(signal.SIGTERM, 143, "stopped by SIGTERM"), (signal.SIGINT, 130, "interrupted")],
+    ids=["SIGTERM", "SIGINT"],
+)
+def test_a_signal_to_the_process_group_of_an_eval_with_loader_workers_is_one_line(
+    signum, code, said, tmp_path, image_folder, resnet18_weights
+):
+    # Guards: timeout, SLURM's scancel and Ctrl-C signal the whole process group; the DataLoader workers died of it
+    # and the command's one line was followed by a DataLoader traceback (or replaced by "DataLoader worker (pid ...)
+    # is killed by signal: Terminated", exit 2).
+    data = image_folder(tmp_path / "data", per_class=200, size=32)
+    cmd = ["eval", "knn", "--weights", str(resnet18_weights), "--arch", "resnet18", "--data", str(data)]
+    cmd += ["--test-split", "val", "--image-size", "32", "--batch-size", "2", "--num-workers", "2"]
+    cmd += ["--out", str(tmp_path / "ev"), "--cache-dir", str(tmp_path / "c")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "BT_HUB_PROGRESS_EVERY": "1"}
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bt_hub.cli", *cmd], env=env, stderr=stderr, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while "features train: " not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.02)
+        os.killpg(proc.pid, signum)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err = log.read_text()
+    assert proc.returncode == code, err[-2000:]
+    assert "Traceback" not in err and "DataLoader" not in err
+    assert one_sentence(err).startswith(f"bt-hub eval knn: {said}; ")
+
+
+def test_every_dataloader_bt_hub_builds_leaves_group_signals_to_its_main_process():
+    # Guards: a DataLoader built without worker_init_fn=ignore_group_signals has workers that die of a group
+    # SIGTERM / Ctrl-C before their main process checkpoints or answers.
+    import ast
+
+    from test_layers import package_modules
+
+    bare = []
+    for name, path in package_modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "DataLoader":
+                init = {k.arg: k.value for k in node.keywords}.get("worker_init_fn")
+                if getattr(init, "id", None) != "ignore_group_signals":
+                    bare.append(f"{name} line {node.lineno}")
+    assert not bare, f"DataLoader(...) without worker_init_fn=ignore_group_signals: {bare}"
+    assert len(list(package_modules())) > 20  # the walk saw the package
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_loader_workers_outlive_a_signal_meant_for_their_main_process(signum):
+    # Guards: a loader worker died of a SIGTERM (or SIGINT) that another process (timeout, scancel, the terminal)
+    # sent to the whole group, and the main process failed with "DataLoader worker (pid ...) exited unexpectedly".
+    from bt_hub.eval.classifier import make_loader
+
+    data = torch.utils.data.TensorDataset(torch.arange(64.0))
+    loader = make_loader(data, 4, shuffle=False, seed=0, num_workers=2, device=torch.device("cpu"))
+    batches = iter(loader)
+    seen = [next(batches)[0]]
+    workers = [str(w.pid) for w in batches._workers]
+    subprocess.run(["kill", f"-{signum.name[3:]}", *workers], check=True)  # sent by another process than their parent
+    time.sleep(0.5)
+    assert all(w.is_alive() for w in batches._workers)
+    seen += [b[0] for b in batches]
+    assert torch.equal(torch.cat(seen), torch.arange(64.0))

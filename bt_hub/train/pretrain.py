@@ -32,7 +32,7 @@ from bt_hub.common.distributed import (
 from bt_hub.common.files import atomic_write_json, read_json, write_safetensors
 from bt_hub.common.progress import progress
 from bt_hub.common.runs import RunDir
-from bt_hub.common.signals import Terminated, deferred_sigterm
+from bt_hub.common.signals import Terminated, deferred_sigterm, ignore_group_signals
 from bt_hub.data.datasets import build_dataset
 from bt_hub.data.decode import collate_packed, resolve_decode
 from bt_hub.data.precision import autocast_dtype, resolve_channels_last, resolve_precision
@@ -474,6 +474,7 @@ def _epoch_loader(
         pin_memory=device.type == "cuda",
         collate_fn=collate_packed if views.file_items else None,
         generator=torch.Generator().manual_seed(derive_seed(config.seed, epoch, rank)),
+        worker_init_fn=ignore_group_signals,
     )
 
 
