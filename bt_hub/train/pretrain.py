@@ -44,7 +44,7 @@ from bt_hub.method.views import BatchedTwoViews
 from bt_hub.train.batches import ViewDataset, probe_views, save_probe, to_views, view_pair
 from bt_hub.train.compile_auto import AutoCompile
 from bt_hub.train.config import RESUME_INVARIANTS, PretrainConfig
-from bt_hub.train.kept import kept_path, kept_weights
+from bt_hub.train.kept import kept_path, kept_weights, resumed_seconds
 from bt_hub.train.monitor import KnnMonitor, TensorBoardScalars, monitor_sets
 from bt_hub.train.resume import (
     CHECKPOINT_NAME,
@@ -264,7 +264,7 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
         last_step=last_step,
         monitor=_knn_monitor(config),
         scalars=TensorBoardScalars(out / "tensorboard") if config.tensorboard and is_main_process() else None,
-        seconds=max([s for k, s, _ in kept_weights(out) if k <= step and math.isfinite(s)], default=0.0),
+        seconds=resumed_seconds(state, out),
     )
     step = _run_loop(loop, step)
     if is_main_process():
@@ -294,7 +294,7 @@ class _Loop:
     last_step: int
     monitor: KnnMonitor | None
     scalars: TensorBoardScalars | None
-    seconds: float = 0.0  # training time (data and steps) since step 0, carried over a resume by the kept weights
+    seconds: float = 0.0  # training time (data and steps) since step 0, carried over a resume by the checkpoint
 
     @property
     def checkpoint_path(self) -> Path:
@@ -404,6 +404,7 @@ def _checkpoint(loop: _Loop, step: int) -> None:
             step=step,
             epoch=step // loop.steps_per_epoch,
             config=dataclasses.asdict(loop.config),
+            train_seconds=loop.seconds,
         )
     barrier()
 
