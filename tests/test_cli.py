@@ -298,8 +298,8 @@ def test_ctrl_c_says_what_was_kept_and_the_command_that_continues(tmp_path, monk
     ev = tmp_path / "ev"
     assert cli.main(["eval", "knn", "--weights", "w w.pth", "--out", str(ev), "--cache-dir", "c"]) == 130
     assert one_sentence(capsys.readouterr().err) == (
-        f"bt-hub eval knn: interrupted; nothing was written to {ev}, and the features extracted into c are kept "
-        "(whole parts, checked before reuse); run the same command again to continue: "
+        f"bt-hub eval knn: interrupted; nothing was written to {ev}, and no features were kept in c yet (an "
+        "extraction keeps a part every 8192 rows or 30 s), so running it again starts the extraction over: "
         f"bt-hub eval knn --weights 'w w.pth' --out {ev} --cache-dir c"
     )
     # Guards: a cut hf export said to run it again, which then refused without --force
@@ -421,3 +421,58 @@ def test_loader_workers_outlive_a_signal_meant_for_their_main_process(signum):
     assert all(w.is_alive() for w in batches._workers)
     seen += [b[0] for b in batches]
     assert torch.equal(torch.cat(seen), torch.arange(64.0))
+
+
+def _cut_after_batches(monkeypatch, batches: int) -> None:
+    """Ctrl-C once ``batches`` batches of features (over every split) were extracted in the next command."""
+    from bt_hub.eval.feature_cache import Parts
+
+    extend, seen = getattr(Parts.extend, "real", Parts.extend), [0]
+
+    def counted(chunks):
+        for chunk in chunks:
+            if seen[0] == batches:
+                raise KeyboardInterrupt
+            seen[0] += 1
+            yield chunk
+
+    def cut(self, chunks):
+        return extend(self, counted(chunks))
+
+    cut.real = extend
+    monkeypatch.setattr(Parts, "extend", cut)
+
+
+def test_ctrl_c_in_an_extraction_says_exactly_which_features_were_kept_and_the_rerun_continues_there(
+    tmp_path, small_stem_weights, monkeypatch, capsys
+):
+    # Guards: Ctrl-C after 24 of 235 batches said the features in --cache-dir "are kept" though none were (a
+    # part held 8192 rows, and the cache folder did not exist); parts now close every 30 s too.
+    import json
+
+    import bt_hub.eval.feature_cache as feature_cache
+
+    cache, out = tmp_path / "c", tmp_path / "ev"
+    argv = ["eval", "knn", "--weights", str(small_stem_weights), "--data", "synthetic:40", "--image-size", "8"]
+    argv += ["--batch-size", "4", "--k", "5", "--cache-dir", str(cache), "--out", str(out)]
+    said = f"bt-hub eval knn: interrupted; nothing was written to {out}, and "
+    again = f"(checked before reuse); run the same command again to continue: bt-hub {' '.join(argv)}"
+    _cut_after_batches(monkeypatch, 3)  # before a part of 8192 rows or 30 s closed
+    assert cli.main(argv) == 130
+    assert one_sentence(capsys.readouterr().err) == (
+        f"{said}no features were kept in {cache} yet (an extraction keeps a part every 8192 rows or 30 s), so "
+        f"running it again starts the extraction over: bt-hub {' '.join(argv)}"
+    )
+    monkeypatch.setattr(feature_cache, "PART_SECONDS", 0.0)  # as a slow extraction: every batch closes a part
+    _cut_after_batches(monkeypatch, 3)
+    assert cli.main(argv) == 130
+    assert one_sentence(capsys.readouterr().err) == f"{said}12 rows of features are kept in {cache} {again}"
+    _cut_after_batches(monkeypatch, 6)  # rows 12 to 32: the training split is whole; then 4 rows of the test split
+    assert cli.main(argv) == 130
+    assert one_sentence(capsys.readouterr().err) == (
+        f"{said}the features of 1 whole split (32 rows) and 4 rows of another are kept in {cache} {again}"
+    )
+    monkeypatch.undo()
+    assert cli.main(argv) == 0
+    features = json.loads((out / "results.json").read_text())["hyperparameters"]["features"]
+    assert features["train"].startswith("cached ") and features["test"] == "computed, continued at row 4 of a cut run"
