@@ -104,18 +104,27 @@ def _check_kind(path: Path, kind: str, flag: str) -> None:
     )
 
 
-def _check_not_locked(path: Path, flag: str) -> None:
-    """Refuse a folder whose lock a live run holds (probed with a shared lock, released at once)."""
-    lock = path / LOCK_NAME
+def lock_holder(path: str | os.PathLike) -> dict[str, Any] | None:
+    """What the live run holding ``path``'s lock wrote there (pid, host, started, command; {} if unreadable), or
+    None when no live process holds it (probed with a shared lock, released at once)."""
+    lock = Path(path) / LOCK_NAME
     if not os.path.lexists(lock):
-        return
+        return None
     fd = open_no_follow(lock, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise RunDirBusyError(_busy(path, lock, flag)) from None
+        holder = read_json(lock)
+        return holder if isinstance(holder, dict) else {}
     finally:
         os.close(fd)
+    return None
+
+
+def _check_not_locked(path: Path, flag: str) -> None:
+    """Refuse a folder whose lock a live run holds."""
+    if lock_holder(path) is not None:
+        raise RunDirBusyError(_busy(path, path / LOCK_NAME, flag))
 
 
 def _busy(directory: Path, lock: Path, flag: str) -> str:
