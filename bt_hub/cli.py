@@ -20,6 +20,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 import types
 import typing
 import warnings
@@ -250,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     143 stopped by SIGTERM (the same line; ``bt-hub pretrain`` first checkpoints the step it is on).
     """
     console = argv is None  # the bt-hub script: once its work is done, a signal would only cut its exit short
+    started = time.time()  # an interruption names what the command itself kept
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-V"]):
         from bt_hub import __version__
@@ -288,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stopped = isinstance(err, Terminated)
         if os.environ.get("RANK", "0") == "0":
             how = "stopped by SIGTERM" if stopped else "interrupted"
-            print(f"{prefix}: {how}; {_interrupted(path, rest, config)}", file=sys.stderr)
+            print(f"{prefix}: {how}; {_interrupted(path, rest, config, started)}", file=sys.stderr)
         return EXIT_CODE if stopped else 130
     except (ValueError, OSError, ImportError, RuntimeError) as err:
         if debug:
@@ -343,12 +345,12 @@ def _no_command(path: list[str], rest: list[str]) -> int:
     return 0 if rest else 2
 
 
-def _interrupted(path: list[str], rest: list[str], config: Any) -> str:
+def _interrupted(path: list[str], rest: list[str], config: Any, started: float = 0.0) -> str:
     """What an interrupted command kept and the command that continues it (Ctrl-C), as the end of one sentence.
 
     A command with a ``resume`` field continues from its checkpoint (``--resume auto``, or ``--resume`` for a
     flag); any other command is run again: files are written whole, so what it finished is kept, and features
-    it cached are reused.
+    it cached (whole splits written since ``started``, parts of one in progress) are reused.
     """
     again = ["bt-hub", *path, *rest]
     if config is None:  # perhaps cut inside ``import torch``: import nothing that imports it
@@ -365,10 +367,18 @@ def _interrupted(path: list[str], rest: list[str], config: Any) -> str:
     else:
         kept = f"nothing was written to {out}"
     cache = getattr(config, "cache_dir", None)
-    if not cache and out is not None and (out / "feature_cache").is_dir():  # compare, eval all, embed cache there
+    if not cache and out is not None and getattr(config, "CACHE_UNDER_OUT", False):  # compare, eval all, embed
         cache = out / "feature_cache"
     if cache:
-        kept += f", and the features extracted into {cache} are kept (whole parts, checked before reuse)"
+        from bt_hub.eval.feature_cache import PART_ROWS, PART_SECONDS, kept_features
+
+        whole, partial = kept_features(cache, started)
+        if not (whole or partial):
+            return (
+                f"{kept}, and no features were kept in {cache} yet (an extraction keeps a part every {PART_ROWS} "
+                f"rows or {PART_SECONDS:g} s), so running it again starts the extraction over: {shlex.join(again)}"
+            )
+        kept += f", and {_features_kept(whole, partial)} in {cache} (checked before reuse)"
     if not hasattr(config, "resume"):
         if cache or not hasattr(config, "cache_dir"):
             return f"{kept}; run the same command again to continue: {shlex.join(again)}"
@@ -382,6 +392,15 @@ def _interrupted(path: list[str], rest: list[str], config: Any) -> str:
     if checkpoint.is_file():
         kept = f"the last checkpoint {checkpoint} ({_checkpoint_step(checkpoint)}) is kept"
     return f"{kept}; continue with: {shlex.join(again)}"
+
+
+def _features_kept(whole: list[int], partial: list[int]) -> str:
+    """``the features of 1 whole split (1797 rows) and 4096 rows of another are kept``."""
+    splits = f"the features of {len(whole)} whole split{'s' * (len(whole) > 1)} ({sum(whole)} rows)"
+    if not partial:
+        return f"{splits} are kept"
+    rows = f"{sum(partial)} rows of {'another' if whole else 'features'}"
+    return f"{splits} and {rows} are kept" if whole else f"{rows} are kept"
 
 
 def _without_flag(argv: list[str], flag: str, *, takes_value: bool) -> list[str]:

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from bt_hub.common.distributed import all_reduce_sum, get_rank, get_world_size
 from bt_hub.common.progress import progress as reported
+from bt_hub.common.signals import ignore_group_signals
 from bt_hub.data.precision import autocast_dtype
 
 # ----------------------------------------------------------------------------- schedule, classifier, metrics
@@ -75,6 +76,7 @@ def make_loader(
         sampler=sampler,
         num_workers=num_workers,
         pin_memory=device.type == "cuda",
+        worker_init_fn=ignore_group_signals,
     )
 
 

@@ -31,7 +31,7 @@ from bt_hub.eval.runner import EvalRun, Scored, evaluation
 from bt_hub.eval.semi_supervised import SemiSupervisedConfig, finetune
 from bt_hub.method.model import default_init_backbone
 from bt_hub.method.transforms import eval_transforms
-from bt_hub.train.kept import WeightsRow, curve_rows
+from bt_hub.train.kept import WeightsRow, curve_rows, live_run
 
 BASELINES = ("pixels", "random-init", "supervised")
 PROTOCOLS = ("knn", "linear", "semi")
@@ -482,6 +482,7 @@ def compare_and_write(config: CompareConfig) -> tuple[Comparison, str]:
     if config.out is not None and config.cache_dir is None:
         config = replace(config, cache_dir=str(Path(config.out) / "feature_cache"))
     rows = weights_rows(config)
+    live = {w: how for w in config.weights if (how := live_run(Path(w)))} if config.over_steps else {}
     with evaluation(config, weights=[path for row in rows for path in row.paths]) as ev:
         supervised = None
         if "supervised" in config.baselines:
@@ -495,6 +496,7 @@ def compare_and_write(config: CompareConfig) -> tuple[Comparison, str]:
             features=feature_source(ev),
             supervised=supervised,
         )
+        result.partial = live
         if ev.out is None:
-            return result, render_markdown(result, settings=describe_settings(ev))
+            return result, render_markdown(result, settings=describe_settings(ev, result.partial))
         return result, write_comparison(ev, result)

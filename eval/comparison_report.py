@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ class Comparison:
     records: list[dict[str, Any]] = field(default_factory=list)
     positions: dict[str, dict[str, float]] = field(default_factory=dict)  # curve rows: pretraining step, seconds
     varying: set[str] = field(default_factory=set)  # rows whose network differs by seed (random init, --as-seeds)
+    partial: dict[str, str] = field(default_factory=dict)  # a pretraining run still live -> how far it had got
 
     def _alike(self, rows: Sequence[str], column: str, n: int) -> str:
         """Why equal values have no spread: a kNN vote of fixed networks is deterministic; others are alike."""
@@ -106,8 +107,11 @@ class Comparison:
         }
 
 
-def describe_settings(run: EvalRun) -> list[str]:
-    """What every cell of a comparison shares, in words: network, image size, precision, pretraining, k, grid."""
+def describe_settings(run: EvalRun, partial: Mapping[str, str] | None = None) -> list[str]:
+    """What every cell of a comparison shares, in words: network, image size, precision, pretraining, k, grid.
+
+    ``partial``: the ``--over-steps`` runs still pretraining (:attr:`Comparison.partial`), whose curves are partial.
+    """
     from bt_hub.weights.card import training_length
 
     config, st = run.config, run.settings
@@ -119,7 +123,10 @@ def describe_settings(run: EvalRun) -> list[str]:
     if config.over_steps:
         for w in config.weights:
             length = training_length(read_json(Path(w) / "config.json") or {}) or "unknown (no bt_hub run config)"
-            lines.append(f"- {Path(w).name}: pretraining {length}; the curve scores the weights it kept")
+            scores = "the curve scores the weights it kept"
+            if w in (partial or {}):
+                length, scores = partial[w], "the curve is partial: it scores the weights kept so far"
+            lines.append(f"- {Path(w).name}: pretraining {length}; {scores}")
     else:
         for w in run.all_weights:
             length = training_length(w.info.get("config") or {}) or "unknown (no bt_hub run config)"
@@ -271,7 +278,7 @@ def table_rows(result: Comparison) -> list[dict[str, Any]]:
 
 def write_comparison(run: EvalRun, result: Comparison, title: str = "Did pretraining help?") -> str:
     """compare.md, compare.png and the records (results.json / .jsonl / .md) in the run's folder; the table."""
-    text = render_markdown(result, title=title, settings=describe_settings(run))
+    text = render_markdown(result, title=title, settings=describe_settings(run, result.partial))
     out = run.out
     written = [atomic_write_text(out / "compare.md", text), plot(result, out / "compare.png")]
     written += [plot_curve(result, out / "curve.png")] if result.positions else []
@@ -290,6 +297,13 @@ def write_comparison(run: EvalRun, result: Comparison, title: str = "Did pretrai
     }
     if result.positions:
         summary["curve"] = {"positions": result.positions, "crossings": result.crossings()}
+    if result.partial:  # every record says so, as the table does
+        summary.setdefault("curve", {})["partial"] = dict(result.partial)
+        for record in result.records:
+            record["warnings"] = [
+                *record.get("warnings", []),
+                *(f"partial curve: {w} was {how}" for w, how in result.partial.items()),
+            ]
     run.write(result.records, summary)
     written += [out / name for name in ("results.json", "results.jsonl", "results.md")]
     return text.split("\n\n## Paired by seed")[0] + "\n\n" + "\n".join(f"wrote {p}" for p in written)

@@ -20,7 +20,9 @@ passed with ``--overwrite``) and deletes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ import numpy as np
 from bt_hub.common.config import RunConfig, check_image_size, out_field
 from bt_hub.common.files import atomic_write_json, atomic_write_text
 from bt_hub.common.presets import from_preset, preset_values
-from bt_hub.common.runs import LOCK_NAME, MARKER_NAME, check_run_dir, claim_run_dir, package_version
+from bt_hub.common.runs import LOCK_NAME, MARKER_NAME, check_run_dir, claimed_run_dir, package_version
 from bt_hub.data.datasets import build_dataset
 from bt_hub.data.plots import run_plots
 from bt_hub.eval.comparison import CompareConfig, compare_and_write
@@ -115,8 +117,10 @@ class DemoConfig(RunConfig):
         self.require_positive("max_steps", "warmup_epochs", or_zero=True)
 
 
-def _claim_out(config: DemoConfig) -> Path:
-    """``--out`` under every command's ownership rule, refused (before any work) if it holds anything already.
+@contextlib.contextmanager
+def _claimed_out(config: DemoConfig) -> Iterator[Path]:
+    """``--out`` under every command's ownership rule, refused (before any work) if it holds anything already;
+    claimed and locked (:func:`claimed_run_dir`) for the block.
 
     Without ``--overwrite`` the demo writes only into a new or empty folder (bt_hub's marker aside),
     so no earlier demo, pretraining run, evaluation or file of the user's is replaced. It never
@@ -131,7 +135,8 @@ def _claim_out(config: DemoConfig) -> Path:
             "new --out, or pass --overwrite to replace the demo's files there (report.md, results.json, the plots, "
             "compare/, pretrain*/)"
         )
-    return claim_run_dir(out, kind="demo", overwrite=config.overwrite)
+    with claimed_run_dir(out, kind="demo", overwrite=config.overwrite) as claimed:
+        yield claimed
 
 
 def curve_steps(config: DemoConfig) -> list[int]:
@@ -259,7 +264,11 @@ def _report(config: DemoConfig, result: Comparison, timings: dict[str, float], p
 
 def run_demo(config: DemoConfig) -> dict[str, Any]:
     """Pretrain on the digits, score the learning curve against random init and pixels, write the report."""
-    out = _claim_out(config)
+    with _claimed_out(config) as out:
+        return _demo(config, out)
+
+
+def _demo(config: DemoConfig, out: Path) -> dict[str, Any]:
     timings: dict[str, float] = {}
     tick = start = time.perf_counter()
     keep = curve_steps(config)

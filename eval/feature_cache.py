@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,7 +146,8 @@ def _feature_bytes(
         labels.append(labs)
 
 
-PART_ROWS = 8192  # rows of each checksummed part an extraction in progress keeps (whole batches)
+PART_ROWS = 8192  # rows of each checksummed part an extraction in progress keeps (whole batches)...
+PART_SECONDS = 30.0  # ...or fewer: the batches of this many seconds, so an interruption loses at most about that
 
 
 class Parts:
@@ -182,13 +184,18 @@ class Parts:
         return self.parts[-1]["stop"] if self.parts else 0
 
     def extend(self, chunks: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write ``chunks`` (the batches from :meth:`resume`'s row on) as parts, each listed once it is whole."""
+        """Write ``chunks`` (the batches from :meth:`resume`'s row on) as parts, each listed once it is whole.
+
+        A part closes at ``PART_ROWS`` rows or ``PART_SECONDS`` after the previous one, whichever comes first (a
+        slow extraction of 8192 rows took minutes, all lost to a Ctrl-C); it always holds whole global batches.
+        """
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        since = time.monotonic()
         for chunk in chunks:
             pending.append(chunk)
-            if sum(len(f) for f, _ in pending) >= PART_ROWS:
+            if sum(len(f) for f, _ in pending) >= PART_ROWS or time.monotonic() - since >= PART_SECONDS:
                 self._write(pending)
-                pending = []
+                pending, since = [], time.monotonic()
         if pending:
             self._write(pending)
 
@@ -215,3 +222,23 @@ class Parts:
         for part in self.parts:
             (self.directory / part["file"]).unlink(missing_ok=True)
         self.index.unlink(missing_ok=True)
+
+
+def kept_features(directory: str | os.PathLike, since: float) -> tuple[list[int], list[int]]:
+    """What ``directory`` keeps for a rerun: the rows of each whole features file written at or after ``since``
+    (a ``time.time()``), and the rows that the listed parts of each extraction in progress hold."""
+    directory = Path(directory)
+    whole, partial = [], []
+    for meta in sorted(directory.glob("*.meta.json")):
+        try:
+            if meta.stat().st_mtime >= since:
+                whole.append(int(json.loads(meta.read_text(encoding="utf-8"))["num_samples"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    for index in sorted(directory.glob("*.parts.json")):
+        try:
+            parts = json.loads(index.read_text(encoding="utf-8"))["parts"]
+            partial += [int(parts[-1]["stop"])] if parts else []
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            continue
+    return whole, partial

@@ -54,6 +54,7 @@ from bt_hub.common.distributed import (
 )
 from bt_hub.common.files import atomic_write_json, file_sha256
 from bt_hub.common.progress import progress
+from bt_hub.common.signals import ignore_group_signals
 from bt_hub.data.datasets import to_uint8_tensor
 from bt_hub.data.decode import EncodedImage, PackedItems, collate_packed, to_device_images, worker_item
 from bt_hub.data.precision import autocast_dtype
@@ -264,6 +265,7 @@ def iter_feature_batches(
                 num_workers=num_workers,
                 pin_memory=device.type == "cuda",
                 collate_fn=_collate_encoded if on_device else None,
+                worker_init_fn=ignore_group_signals,
             ),
             desc,
             unit="batch",

@@ -298,8 +298,8 @@ def test_ctrl_c_says_what_was_kept_and_the_command_that_continues(tmp_path, monk
     ev = tmp_path / "ev"
     assert cli.main(["eval", "knn", "--weights", "w w.pth", "--out", str(ev), "--cache-dir", "c"]) == 130
     assert one_sentence(capsys.readouterr().err) == (
-        f"bt-hub eval knn: interrupted; nothing was written to {ev}, and the features extracted into c are kept "
-        "(whole parts, checked before reuse); run the same command again to continue: "
+        f"bt-hub eval knn: interrupted; nothing was written to {ev}, and no features were kept in c yet (an "
+        "extraction keeps a part every 8192 rows or 30 s), so running it again starts the extraction over: "
         f"bt-hub eval knn --weights 'w w.pth' --out {ev} --cache-dir c"
     )
     # Guards: a cut hf export said to run it again, which then refused without --force
@@ -347,3 +347,132 @@ def test_sigint_stops_a_real_pretraining_run_in_one_line_keeping_its_checkpoint(
     assert line.startswith(f"bt-hub pretrain: interrupted; the last checkpoint {out / 'checkpoint.pth'} (step {step})")
     assert line.endswith(f"continue with: bt-hub pretrain {' '.join(flags)} --resume auto")
     assert not list(out.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize(
+    "signum,code,said",
+    [(signal.SIGTERM, 143, "stopped by SIGTERM"), (signal.SIGINT, 130, "interrupted")],
+    ids=["SIGTERM", "SIGINT"],
+)
+def test_a_signal_to_the_process_group_of_an_eval_with_loader_workers_is_one_line(
+    signum, code, said, tmp_path, image_folder, resnet18_weights
+):
+    # Guards: timeout, SLURM's scancel and Ctrl-C signal the whole process group; the DataLoader workers died of it
+    # and the command's one line was followed by a DataLoader traceback (or replaced by "DataLoader worker (pid ...)
+    # is killed by signal: Terminated", exit 2).
+    data = image_folder(tmp_path / "data", per_class=200, size=32)
+    cmd = ["eval", "knn", "--weights", str(resnet18_weights), "--arch", "resnet18", "--data", str(data)]
+    cmd += ["--test-split", "val", "--image-size", "32", "--batch-size", "2", "--num-workers", "2"]
+    cmd += ["--out", str(tmp_path / "ev"), "--cache-dir", str(tmp_path / "c")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "BT_HUB_PROGRESS_EVERY": "1"}
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bt_hub.cli", *cmd], env=env, stderr=stderr, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while "features train: " not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.02)
+        os.killpg(proc.pid, signum)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err = log.read_text()
+    assert proc.returncode == code, err[-2000:]
+    assert "Traceback" not in err and "DataLoader" not in err
+    assert one_sentence(err).startswith(f"bt-hub eval knn: {said}; ")
+
+
+def test_every_dataloader_bt_hub_builds_leaves_group_signals_to_its_main_process():
+    # Guards: a DataLoader built without worker_init_fn=ignore_group_signals has workers that die of a group
+    # SIGTERM / Ctrl-C before their main process checkpoints or answers.
+    import ast
+
+    from test_layers import package_modules
+
+    bare = []
+    for name, path in package_modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "DataLoader":
+                init = {k.arg: k.value for k in node.keywords}.get("worker_init_fn")
+                if getattr(init, "id", None) != "ignore_group_signals":
+                    bare.append(f"{name} line {node.lineno}")
+    assert not bare, f"DataLoader(...) without worker_init_fn=ignore_group_signals: {bare}"
+    assert len(list(package_modules())) > 20  # the walk saw the package
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_loader_workers_outlive_a_signal_meant_for_their_main_process(signum):
+    # Guards: a loader worker died of a SIGTERM (or SIGINT) that another process (timeout, scancel, the terminal)
+    # sent to the whole group, and the main process failed with "DataLoader worker (pid ...) exited unexpectedly".
+    from bt_hub.eval.classifier import make_loader
+
+    data = torch.utils.data.TensorDataset(torch.arange(64.0))
+    loader = make_loader(data, 4, shuffle=False, seed=0, num_workers=2, device=torch.device("cpu"))
+    batches = iter(loader)
+    seen = [next(batches)[0]]
+    workers = [str(w.pid) for w in batches._workers]
+    subprocess.run(["kill", f"-{signum.name[3:]}", *workers], check=True)  # sent by another process than their parent
+    time.sleep(0.5)
+    assert all(w.is_alive() for w in batches._workers)
+    seen += [b[0] for b in batches]
+    assert torch.equal(torch.cat(seen), torch.arange(64.0))
+
+
+def _cut_after_batches(monkeypatch, batches: int) -> None:
+    """Ctrl-C once ``batches`` batches of features (over every split) were extracted in the next command."""
+    from bt_hub.eval.feature_cache import Parts
+
+    extend, seen = getattr(Parts.extend, "real", Parts.extend), [0]
+
+    def counted(chunks):
+        for chunk in chunks:
+            if seen[0] == batches:
+                raise KeyboardInterrupt
+            seen[0] += 1
+            yield chunk
+
+    def cut(self, chunks):
+        return extend(self, counted(chunks))
+
+    cut.real = extend
+    monkeypatch.setattr(Parts, "extend", cut)
+
+
+def test_ctrl_c_in_an_extraction_says_exactly_which_features_were_kept_and_the_rerun_continues_there(
+    tmp_path, small_stem_weights, monkeypatch, capsys
+):
+    # Guards: Ctrl-C after 24 of 235 batches said the features in --cache-dir "are kept" though none were (a
+    # part held 8192 rows, and the cache folder did not exist); parts now close every 30 s too.
+    import json
+
+    import bt_hub.eval.feature_cache as feature_cache
+
+    cache, out = tmp_path / "c", tmp_path / "ev"
+    argv = ["eval", "knn", "--weights", str(small_stem_weights), "--data", "synthetic:40", "--image-size", "8"]
+    argv += ["--batch-size", "4", "--k", "5", "--cache-dir", str(cache), "--out", str(out)]
+    said = f"bt-hub eval knn: interrupted; nothing was written to {out}, and "
+    again = f"(checked before reuse); run the same command again to continue: bt-hub {' '.join(argv)}"
+    _cut_after_batches(monkeypatch, 3)  # before a part of 8192 rows or 30 s closed
+    assert cli.main(argv) == 130
+    assert one_sentence(capsys.readouterr().err) == (
+        f"{said}no features were kept in {cache} yet (an extraction keeps a part every 8192 rows or 30 s), so "
+        f"running it again starts the extraction over: bt-hub {' '.join(argv)}"
+    )
+    monkeypatch.setattr(feature_cache, "PART_SECONDS", 0.0)  # as a slow extraction: every batch closes a part
+    _cut_after_batches(monkeypatch, 3)
+    assert cli.main(argv) == 130
+    assert one_sentence(capsys.readouterr().err) == f"{said}12 rows of features are kept in {cache} {again}"
+    _cut_after_batches(monkeypatch, 6)  # rows 12 to 32: the training split is whole; then 4 rows of the test split
+    assert cli.main(argv) == 130
+    assert one_sentence(capsys.readouterr().err) == (
+        f"{said}the features of 1 whole split (32 rows) and 4 rows of another are kept in {cache} {again}"
+    )
+    monkeypatch.undo()
+    assert cli.main(argv) == 0
+    features = json.loads((out / "results.json").read_text())["hyperparameters"]["features"]
+    assert features["train"].startswith("cached ") and features["test"] == "computed, continued at row 4 of a cut run"

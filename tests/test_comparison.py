@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -196,6 +197,40 @@ def test_a_learning_curve_over_pretraining_runs_as_seeds_pairs_run_i_with_seed_i
     assert [summary["curve"]["positions"][f"step {s}"]["step"] for s in (1, 2, 4)] == [1, 2, 4]
     assert len(summary["curve"]["crossings"]) == 2  # one line per column and baseline
     assert all(" vs pixels " in c or " vs random-init " in c for c in summary["curve"]["crossings"])
+
+
+def test_a_curve_over_a_run_still_pretraining_says_it_is_live_how_far_it_got_and_that_the_curve_is_partial(
+    tmp_path, capsys
+):
+    # Guards: --over-steps on a run still pretraining said "pretraining unknown (no bt_hub run config)" and
+    # nothing marked its curve partial (exit 0).
+    import socket
+
+    from bt_hub.common.runs import RunLock
+
+    run = _kept_run(tmp_path / "run", 0)
+    for name in ("config.json", "backbone.safetensors"):  # what the run writes only at its end
+        (run / name).unlink()
+    out = tmp_path / "curve"
+    flags = ["eval", "compare", "--weights", str(run), "--over-steps", "--protocols", "knn", "--baselines", "pixels"]
+    flags += ["--data", "synthetic:60", "--image-size", "8", "--knn-k", "5", "--out", str(out)]
+    live = RunLock(run)  # as the pretraining run holds it while it trains (one process: flock is per open file)
+    try:
+        capsys.readouterr()
+        assert cli.main(flags) == 0
+    finally:
+        live.release()
+    how = f"still live (pid {os.getpid()} on host {socket.gethostname()}, started "
+    said = "4 steps so far, 3 kept; the curve is partial: it scores the weights kept so far"
+    printed = capsys.readouterr().out
+    assert f"- run: pretraining {how}" in printed and said in printed and "no bt_hub run config" not in printed
+    assert f"- run: pretraining {how}" in (out / "compare.md").read_text()
+    partial = json.loads((out / "results.json").read_text())["curve"]["partial"]
+    assert list(partial) == [str(run)] and partial[str(run)].startswith(how)
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert records and all(f"partial curve: {run} was {how}" in " ".join(r["warnings"]) for r in records)
+    assert cli.main([*flags[:-1], str(tmp_path / "after")]) == 0  # once the run has ended, no longer partial
+    assert "partial" not in json.loads((tmp_path / "after" / "results.json").read_text())["curve"]
 
 
 def test_crossings_name_the_step_from_which_a_curve_stays_above_each_baselines_band():

@@ -248,16 +248,32 @@ def test_torchrun_max_restarts_resumes_a_killed_worker_from_the_checkpoint_bit_i
 
 # digits, 8 px: about 180 steps an epoch, so a run stopped at 40 checkpoints only at its end (or on SIGTERM)
 DIGITS = ("--data", "digits", "--checkpoint-every", "0", "--max-steps", "40")
+# two loader workers, and a shorter run (its steps end within the first epoch: the workers start once)
+WORKERS = ("--num-workers", "2", "--max-steps", "12")
 
 
-def _sigterm_after(out: Path, steps: int, *, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Start ``out``'s run, SIGTERM it (the launcher, under torchrun) once ``steps`` steps are logged; its exit."""
+def _sigterm_after(
+    out: Path, steps: int, *extra: str, launcher: list[str] | None = None, group: bool = False
+) -> subprocess.CompletedProcess:
+    """Start ``out``'s run, SIGTERM it (the launcher, under torchrun) once ``steps`` steps are logged; its exit.
+
+    With ``group`` the run has a process group of its own and the signal goes to all of it, as ``timeout`` and
+    SLURM's scancel send it: the main process and its DataLoader workers alike.
+    """
     proc = subprocess.Popen(
-        _cmd(out, *DIGITS, launcher=launcher), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        _cmd(out, *DIGITS, *extra, launcher=launcher),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=group,
     )
     try:
         _wait_for(lambda: _last_logged_step(out / "metrics.jsonl") >= steps, proc, f"{steps} logged steps")
-        proc.send_signal(signal.SIGTERM)
+        if group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -266,23 +282,30 @@ def _sigterm_after(out: Path, steps: int, *, launcher: list[str] | None = None) 
     return subprocess.CompletedProcess(proc.args, proc.returncode, "", err)
 
 
-def test_sigterm_checkpoints_the_step_it_is_on_says_so_and_resume_auto_ends_bit_identical(tmp_path):
+@pytest.mark.parametrize(
+    "extra,group",
+    [pytest.param((), False, id="to-the-main-process"), pytest.param(WORKERS, True, id="to-the-group-with-workers")],
+)
+def test_sigterm_checkpoints_the_step_it_is_on_says_so_and_resume_auto_ends_bit_identical(tmp_path, extra, group):
     # Guards: SIGTERM (a scheduler's preemption) ended pretraining with exit code 143, no line and nothing saved,
-    # losing every step since the last --checkpoint-every.
-    _run(_cmd(tmp_path / "uninterrupted", *DIGITS))
+    # losing every step since the last --checkpoint-every. Sent to the process group (timeout, scancel), it killed
+    # the DataLoader workers first: exit 2, "DataLoader worker (pid ...) is killed by signal: Terminated", and no
+    # checkpoint.
+    _run(_cmd(tmp_path / "uninterrupted", *DIGITS, *extra))
     out = tmp_path / "run"
-    done = _sigterm_after(out, 3)
+    done = _sigterm_after(out, 3, *extra, group=group)
     assert done.returncode == 143, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     stopped = _checkpoint_step(out)
-    assert 3 <= stopped < 40 and stopped == _last_logged_step(out / "metrics.jsonl")
+    steps = 12 if extra else 40
+    assert 3 <= stopped < steps and stopped == _last_logged_step(out / "metrics.jsonl")
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith(
         f"bt-hub pretrain: stopped by SIGTERM; the last checkpoint {out / 'checkpoint.pth'} (step {stopped}) is kept; "
     )
     assert line.endswith("--resume auto")
-    _run(_cmd(out, *DIGITS, "--resume", "auto"))
-    _assert_identical_runs(tmp_path / "uninterrupted", out, 40)
+    _run(_cmd(out, *DIGITS, *extra, "--resume", "auto"))
+    _assert_identical_runs(tmp_path / "uninterrupted", out, steps)
 
 
 @pytest.mark.ddp

@@ -157,9 +157,10 @@ def test_demo_with_overwrite_claims_a_used_folder_and_keeps_its_other_files(tmp_
     from bt_hub.eval import demo
 
     (tmp_path / "notes.txt").write_text("mine")
-    assert demo._claim_out(demo.DemoConfig(out=str(tmp_path), overwrite=True)) == tmp_path
-    assert (tmp_path / "notes.txt").read_text() == "mine"
-    assert (tmp_path / ".bt_hub_run").is_file()
+    with demo._claimed_out(demo.DemoConfig(out=str(tmp_path), overwrite=True)) as out:
+        assert out == tmp_path
+        assert (tmp_path / "notes.txt").read_text() == "mine"
+        assert (tmp_path / ".bt_hub_run").is_file()
 
 
 @pytest.mark.slow

@@ -386,6 +386,40 @@ def test_keep_every_keeps_the_backbone_at_its_steps_with_the_seconds_trained_acr
     assert [step for step, _, _ in kept_weights(listed)] == [2, 5, 6]
 
 
+def test_kept_seconds_after_a_resume_count_the_steps_between_the_last_kept_step_and_the_checkpoint(
+    tmp_path, monkeypatch
+):
+    # Guards: a resumed run counted its seconds on from the last kept weights, leaving out the steps trained
+    # between them and the checkpoint (step 8 read 8.1 s against 10.3 s uninterrupted), so curve.png's seconds
+    # axis was wrong for every resumed run. Here each step takes exactly 1 s of a fake clock.
+    import types
+
+    import bt_hub.train.pretrain as loop
+    from bt_hub.train.kept import kept_weights
+
+    clock = [0.0]
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    step_for_real, checkpoint_for_real = loop._optimizer_step, loop._checkpoint
+
+    def one_second_step(*args, **kwargs):
+        clock[0] += 1.0
+        return step_for_real(*args, **kwargs)
+
+    def stopped_after_step_6(loop_state, step):
+        checkpoint_for_real(loop_state, step)
+        if step == 6:
+            raise KeyboardInterrupt  # as a kill after the checkpoint of step 6, which is no kept step
+
+    monkeypatch.setattr(loop, "_optimizer_step", one_second_step)
+    monkeypatch.setattr(loop, "_checkpoint", stopped_after_step_6)
+    out = tmp_path / "run"
+    # checkpoints at 3, 4 and 6; weights kept at 4 and 8
+    assert cli_main(["pretrain", *TINY, "--out", str(out), "--keep-every", "4"]) == 130
+    assert _checkpoint_step(out / "checkpoint.pth") == 6 and [k for k, _, _ in kept_weights(out)] == [4]
+    assert cli_main(["pretrain", *TINY, "--out", str(out), "--keep-every", "4", "--resume", "auto"]) == 0
+    assert [(k, s) for k, s, _ in kept_weights(out)] == [(4, 4.0), (8, 8.0)]
+
+
 def test_keep_every_refuses_what_is_not_a_step_count_or_log(tmp_path, capsys):
     assert cli_main(["pretrain", *TINY, "--out", str(tmp_path / "r"), "--keep-every", "often"]) == 2
     assert "--keep-every must be a number of steps (0: off), 'log' or steps joined by ',', got 'often'" in (

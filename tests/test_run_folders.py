@@ -394,3 +394,55 @@ def test_a_write_whose_temp_file_a_cleaner_removed_before_its_lock_starts_again_
     with pytest.raises(KeyboardInterrupt):
         atomic_write_text(tmp_path / "b.txt", "cut")
     assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]
+
+
+def _writer(command: str, tmp_path: Path, weights: Path) -> tuple[list[str], str, str]:
+    """A command that writes a folder: its argv, and the module and function inside its claim that a second
+    command is started from."""
+    evaluation = ["--weights", str(weights), "--data", "synthetic:40", "--image-size", "8", "--batch-size", "16"]
+    if command == "embed":
+        return ["embed", *evaluation], "bt_hub.eval.embedding", "_write"
+    if command == "eval knn":  # every eval protocol, compare and eval all claim through bt_hub.eval.runner.evaluation
+        return ["eval", "knn", *evaluation, "--k", "5"], "bt_hub.eval.runner", "write_records"
+    if command == "report":
+        assert cli_main([*TINY, "--out", str(tmp_path / "pretrained")]) == 0
+        return ["report", str(tmp_path / "pretrained")], "bt_hub.data.plots", "save_png"
+    if command == "demo":
+        return ["demo"], "bt_hub.eval.demo", "_demo"
+    from bt_hub.eval.detection.synthetic import DetectionDataConfig, make_detection_data
+
+    data = make_detection_data(DetectionDataConfig(out=str(tmp_path / "shapes"), train=1, test=1, size=32))
+    return ["detect", "--weights", str(weights), "--data", str(data)], "bt_hub.eval.detection.detect", "_main"
+
+
+@pytest.mark.parametrize("command", ["embed", "eval knn", "report", "demo", "detect"])
+def test_a_second_writer_into_the_out_of_a_live_command_is_refused_and_the_first_keeps_its_files(
+    command, tmp_path, small_stem_weights, monkeypatch, capsys
+):
+    # Guards: two bt-hub embed runs into one --out both exited 0, the second replacing the first one's files:
+    # only pretrain held the folder's lock; every command that writes a folder now holds it while it works.
+    import importlib
+
+    argv, module_name, function = _writer(command, tmp_path, small_stem_weights)
+    out = tmp_path / "out"
+    argv = [*argv, "--out", str(out)]
+    module, second = importlib.import_module(module_name), []
+    original = getattr(module, function)
+
+    def started_inside_the_first(*args, **kwargs):
+        if not second:
+            capsys.readouterr()
+            second.append(None)  # the second one, if let in, reaches here too: it goes on as a plain run
+            second[0] = cli_main(argv)
+            second.append(capsys.readouterr().err)
+            if command in ("demo", "detect"):  # the first one's work itself is not this test's concern
+                return {}
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, function, started_inside_the_first)
+    capsys.readouterr()
+    assert cli_main(argv) == 0, capsys.readouterr().err
+    assert second[0] == 2, second[1]
+    assert f"--out {out} is in use by another bt-hub run (pid {os.getpid()} on host " in one_sentence(second[1])
+    assert out.is_dir() and (out / MARKER_NAME).is_file()
+    RunLock(out).release()  # the first one let go of it when it ended

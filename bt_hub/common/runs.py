@@ -104,18 +104,27 @@ def _check_kind(path: Path, kind: str, flag: str) -> None:
     )
 
 
-def _check_not_locked(path: Path, flag: str) -> None:
-    """Refuse a folder whose lock a live run holds (probed with a shared lock, released at once)."""
-    lock = path / LOCK_NAME
+def lock_holder(path: str | os.PathLike) -> dict[str, Any] | None:
+    """What the live run holding ``path``'s lock wrote there (pid, host, started, command; {} if unreadable), or
+    None when no live process holds it (probed with a shared lock, released at once)."""
+    lock = Path(path) / LOCK_NAME
     if not os.path.lexists(lock):
-        return
+        return None
     fd = open_no_follow(lock, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise RunDirBusyError(_busy(path, lock, flag)) from None
+        holder = read_json(lock)
+        return holder if isinstance(holder, dict) else {}
     finally:
         os.close(fd)
+    return None
+
+
+def _check_not_locked(path: Path, flag: str) -> None:
+    """Refuse a folder whose lock a live run holds."""
+    if lock_holder(path) is not None:
+        raise RunDirBusyError(_busy(path, path / LOCK_NAME, flag))
 
 
 def _busy(directory: Path, lock: Path, flag: str) -> str:
@@ -203,17 +212,26 @@ def release_claim(path: str | os.PathLike, *, created: bool) -> None:
 def claimed_run_dir(
     path: str | os.PathLike, *, kind: str, overwrite: bool = False, flag: str = "--out"
 ) -> Iterator[Path]:
-    """:func:`claim_run_dir` for the length of a command: if the command fails, a claim it made is taken back
+    """:func:`claim_run_dir` for the length of a command, holding the folder's :class:`RunLock` all along (a
+    second command into it fails at once, naming this one); if the command fails, a claim it made is taken back
     (:func:`release_claim`), so a failed command leaves no folder holding only bt_hub's marker."""
     path = Path(path)
     created, claimed = not os.path.lexists(path), not os.path.lexists(path / MARKER_NAME)
+    new_lock = not os.path.lexists(path / LOCK_NAME)
     claim_run_dir(path, kind=kind, overwrite=overwrite, flag=flag)
+    main = os.environ.get("RANK", "0") == "0"  # the main process claims and locks it (torchrun sets RANK)
+    lock = RunLock(path, flag) if main else None  # refused here, the claim is the live holder's: nothing taken back
     try:
         yield path
     except BaseException:
-        if claimed and os.environ.get("RANK", "0") == "0":  # the main process claimed it (torchrun sets RANK)
+        if claimed and main:
             release_claim(path, created=created)
+        elif new_lock and main:  # a folder claimed before keeps what it held, and no more
+            (path / LOCK_NAME).unlink(missing_ok=True)
         raise
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 class RunLock:

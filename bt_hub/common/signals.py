@@ -1,5 +1,9 @@
 """SIGTERM, what a cluster scheduler sends before it kills a job: Ctrl-C's path (:class:`Terminated`), or, in
 a training loop, a flag read at each step boundary (:func:`deferred_sigterm`) so every rank stops together.
+
+``timeout``, SLURM's scancel and a terminal's Ctrl-C signal the whole process group, DataLoader workers
+included: every DataLoader bt_hub builds passes ``worker_init_fn=ignore_group_signals``, so only the main
+process acts on the signal (checkpoints, says what it kept) and then shuts its workers down as it always does.
 """
 
 from __future__ import annotations
@@ -55,3 +59,15 @@ def held_signals() -> Iterator[None]:
             signal.signal(s, signal.SIG_DFL if handler is None else handler)
     if received:
         raise Terminated if received[0] == signal.SIGTERM else KeyboardInterrupt
+
+
+def ignore_group_signals(worker_id: int) -> None:
+    """A DataLoader ``worker_init_fn``: the worker ignores SIGTERM and SIGINT, which its main process handles.
+
+    torch's workers die of a SIGTERM that their parent did not send, and the main process then fails with
+    "DataLoader worker (pid ...) is killed by signal: Terminated" before it could checkpoint or answer. A worker
+    that ignores them still ends when the main process shuts the loader down, or, if that process is gone, by
+    torch's watch on its parent.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +14,7 @@ import numpy as np
 
 from bt_hub.common.config import OVERWRITE_HELP
 from bt_hub.common.files import atomic_write, read_json
-from bt_hub.common.runs import claim_run_dir, read_jsonl, run_kind
+from bt_hub.common.runs import claimed_run_dir, read_jsonl, run_kind
 from bt_hub.method.loss import LAMBD
 
 
@@ -173,4 +174,6 @@ def report(config: ReportConfig) -> list[Path]:
             f"{run_dir} is not a pretraining run ({what}); bt-hub report draws the curves of a bt-hub pretrain --out"
         )
     out = Path(config.out) if config.out else run_dir / "report"
-    return run_plots(run_dir, out, claim=lambda: claim_run_dir(out, overwrite=config.overwrite, kind="report"))
+    with contextlib.ExitStack() as held:  # claimed and locked once every input is read, until the last PNG
+        claim = lambda: held.enter_context(claimed_run_dir(out, overwrite=config.overwrite, kind="report"))  # noqa: E731
+        return run_plots(run_dir, out, claim=claim)

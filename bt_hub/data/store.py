@@ -53,6 +53,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from bt_hub.common.files import atomic_write, atomic_write_json, file_sha256
 from bt_hub.common.progress import note, progress
+from bt_hub.common.signals import ignore_group_signals
 from bt_hub.data.decode import PackedItems, collate_packed, decode_on_cpu, read_encoded
 from bt_hub.method.transforms import DeviceEvalTransform
 
@@ -235,7 +236,11 @@ def _build(
     """Decode ``paths[len(done.index):]`` in loader workers, appending each batch's bytes to ``sink``."""
     first = len(done.index)
     loader = DataLoader(
-        _StoreItems(paths[first:], view), batch_size=BATCH, num_workers=num_workers, collate_fn=_collate
+        _StoreItems(paths[first:], view),
+        batch_size=BATCH,
+        num_workers=num_workers,
+        collate_fn=_collate,
+        worker_init_fn=ignore_group_signals,  # a group SIGTERM is the main process's to answer
     )
     last_save = time.monotonic()
     for packed, hashes in progress(loader, desc, unit="batch"):

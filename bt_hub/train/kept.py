@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from bt_hub.common.runs import lock_holder
 
 KEPT_DIR = "kept"
 
@@ -24,6 +30,36 @@ def kept_weights(run_dir: Path) -> list[tuple[int, float, Path]]:
         step = int(meta.get("step", path.stem.removeprefix("step-")))
         kept.append((step, float(meta.get("train_seconds", "nan")), path))
     return kept
+
+
+def live_run(run_dir: Path) -> str | None:
+    """How far a pretraining run still going has got, for a curve of its kept weights so far (None when no live
+    process holds its lock): ``still live (pid 4242 on host node7, started ...): 40 steps so far, 3 kept``."""
+    holder = lock_holder(run_dir)
+    if holder is None:
+        return None
+    steps = 0
+    with contextlib.suppress(OSError):  # a line the run is appending may be cut short: it is left out
+        for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8", errors="replace").splitlines():
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                steps = max(steps, int(json.loads(line).get("step", 0)))
+    who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
+    return f"still live ({who}): {steps} steps so far, {len(kept_weights(run_dir))} kept"
+
+
+def resumed_seconds(state: dict[str, Any] | None, run_dir: Path) -> float:
+    """The training seconds a run resumed from checkpoint ``state`` counts on from (0 for a fresh run).
+
+    The checkpoint's own ``train_seconds``, so a kept step after a resume reads what it would have uninterrupted;
+    a checkpoint of an earlier bt_hub has none, and the seconds of the last weights kept up to its step stand in
+    (they leave out the steps between that kept step and the checkpoint).
+    """
+    if state is None:
+        return 0.0
+    if "train_seconds" in state:
+        return float(state["train_seconds"])
+    step = int(state["step"])
+    return max([s for k, s, _ in kept_weights(run_dir) if k <= step and math.isfinite(s)], default=0.0)
 
 
 @dataclass

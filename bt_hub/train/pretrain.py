@@ -32,7 +32,7 @@ from bt_hub.common.distributed import (
 from bt_hub.common.files import atomic_write_json, read_json, write_safetensors
 from bt_hub.common.progress import progress
 from bt_hub.common.runs import RunDir
-from bt_hub.common.signals import Terminated, deferred_sigterm
+from bt_hub.common.signals import Terminated, deferred_sigterm, ignore_group_signals
 from bt_hub.data.datasets import build_dataset
 from bt_hub.data.decode import collate_packed, resolve_decode
 from bt_hub.data.precision import autocast_dtype, resolve_channels_last, resolve_precision
@@ -44,7 +44,7 @@ from bt_hub.method.views import BatchedTwoViews
 from bt_hub.train.batches import ViewDataset, decoded_store, probe_views, save_probe, to_views, view_pair
 from bt_hub.train.compile_auto import AutoCompile
 from bt_hub.train.config import RESUME_INVARIANTS, PretrainConfig
-from bt_hub.train.kept import kept_path, kept_weights
+from bt_hub.train.kept import kept_path, kept_weights, resumed_seconds
 from bt_hub.train.monitor import KnnMonitor, TensorBoardScalars, monitor_sets
 from bt_hub.train.resume import (
     CHECKPOINT_NAME,
@@ -265,7 +265,7 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
         last_step=last_step,
         monitor=_knn_monitor(config),
         scalars=TensorBoardScalars(out / "tensorboard") if config.tensorboard and is_main_process() else None,
-        seconds=max([s for k, s, _ in kept_weights(out) if k <= step and math.isfinite(s)], default=0.0),
+        seconds=resumed_seconds(state, out),
     )
     step = _run_loop(loop, step)
     if is_main_process():
@@ -295,7 +295,7 @@ class _Loop:
     last_step: int
     monitor: KnnMonitor | None
     scalars: TensorBoardScalars | None
-    seconds: float = 0.0  # training time (data and steps) since step 0, carried over a resume by the kept weights
+    seconds: float = 0.0  # training time (data and steps) since step 0, carried over a resume by the checkpoint
 
     @property
     def checkpoint_path(self) -> Path:
@@ -405,6 +405,7 @@ def _checkpoint(loop: _Loop, step: int) -> None:
             step=step,
             epoch=step // loop.steps_per_epoch,
             config=dataclasses.asdict(loop.config),
+            train_seconds=loop.seconds,
         )
     barrier()
 
@@ -477,6 +478,7 @@ def _epoch_loader(
         pin_memory=device.type == "cuda",
         collate_fn=collate_packed if views.file_items else None,
         generator=torch.Generator().manual_seed(derive_seed(config.seed, epoch, rank)),
+        worker_init_fn=ignore_group_signals,
     )
 
 

@@ -29,6 +29,7 @@ from bt_hub.common.distributed import (
 from bt_hub.common.files import atomic_torch_save, atomic_write_json, atomic_write_text
 from bt_hub.common.progress import progress
 from bt_hub.common.runs import RunDir
+from bt_hub.common.signals import ignore_group_signals
 from bt_hub.eval.detection.config import Settings, scale_to_world_size
 from bt_hub.eval.detection.data import DetectionDataset, Record, coco_api, load_records, locate
 from bt_hub.eval.detection.evaluation import (
@@ -109,6 +110,7 @@ def _batches(
         sampler=EndlessShuffle(len(records), seed, get_rank(), world),
         num_workers=int(settings["DATALOADER.NUM_WORKERS"]),
         collate_fn=_collate,
+        worker_init_fn=ignore_group_signals,
     )
     return iter(loader)
 
