@@ -211,6 +211,9 @@ def test_compare_cells_without_spread_say_so(small_stem_weights, tmp_path, capsy
     assert "compare: 4/4 cell (100%)" in capsys.readouterr().err
     table = (out / "compare.md").read_text()
     assert "± 0.0" not in table and "(deterministic)" in table
-    assert "- network: resnet18, small-image stem (3x3, no max-pool); images 8 px (--image-size)" in table
+    assert (
+        "- network: resnet18 (from the weights' keys), small-image stem (3x3, no max-pool) (from the weights' keys); "
+        "images 8 px (from --image-size); ImageNet mean/std (default)"
+    ) in table
     assert "kNN: k = 5, T = 0.07" in table and "pretraining unknown" in table
     assert np.isfinite(json.loads((out / "results.json").read_text())["results"][0]["metrics"]["top1"])

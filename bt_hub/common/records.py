@@ -327,14 +327,40 @@ def seed_group_key(record: Mapping[str, Any]) -> tuple[str, str, str, str]:
 # ----------------------------------------------------------------------------- rendering
 
 
+def settings_text(settings: Mapping[str, Any]) -> str:
+    """An evaluation's resolved settings (a record's ``settings``) in words, each with where it came from."""
+
+    def source(key: str) -> str:
+        found = settings.get(f"{key}_from")
+        if not found or found == "default":
+            return f" ({found})" if found else ""
+        where = "the weights' " + found.removeprefix("weights ") if found.startswith("weights ") else found
+        return f" (from {where})"
+
+    stem = "small-image stem (3x3, no max-pool)" if settings.get("small_image_stem") else "standard stem"
+    parts = [
+        f"{settings.get('arch')}{source('arch')}, {stem}{source('small_image_stem')}",
+        f"images {settings.get('image_size')} px{source('image_size')}",
+    ]
+    if settings.get("normalisation"):
+        parts.append(f"{settings['normalisation']}{source('normalisation')}")
+    parts.append(f"precision {settings.get('precision')} on {settings.get('device')}")
+    if settings.get("weights_run"):
+        parts.append(f"weights of pretraining run {settings['weights_run']}")
+    return "; ".join(parts)
+
+
 def summary_text(records: Sequence[Mapping[str, Any]], written: Sequence[str | os.PathLike] = ()) -> str:
-    """The short table ``bt-hub eval`` prints at the end: one row per run, then the files written."""
+    """The short table ``bt-hub eval`` prints at the end: one row per run, the settings the runs resolved (each with
+    its source), then the files written."""
     rows = [("protocol", "setting", "data", "metrics")]
     for r in records:
         metrics = "  ".join(f"{metric_label(k)} {fmt(v)}" for k, v in (r.get("metrics") or {}).items())
         rows.append((str(r.get("protocol", "")), setting(r) or "—", data_label(r) or "—", metrics))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in rows]
+    resolved = dict.fromkeys(settings_text(r["settings"]) for r in records if isinstance(r.get("settings"), Mapping))
+    lines += [f"settings: {text}" for text in resolved]
     lines += [f"wrote {path}" for path in written]
     return "\n".join(line.rstrip() for line in lines)
 

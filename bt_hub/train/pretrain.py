@@ -40,6 +40,7 @@ from bt_hub.data.prefetch import Prefetcher
 from bt_hub.method.loss import LossTerms, barlow_twins_loss
 from bt_hub.method.model import BarlowTwins
 from bt_hub.method.optim import LARS, param_groups, set_learning_rates
+from bt_hub.method.transforms import input_metadata
 from bt_hub.method.views import BatchedTwoViews
 from bt_hub.train.batches import ViewDataset, probe_views, save_probe, to_views, view_pair
 from bt_hub.train.compile_auto import AutoCompile
@@ -137,7 +138,7 @@ def write_backbone(
 
     ``compiled`` is :class:`AutoCompile`'s record: the path the steps took (``compile: on|off``) and why.
     """
-    _write_weights(out / WEIGHTS_NAME, model, config)
+    _write_weights(out / WEIGHTS_NAME, model, config, step=step)
     atomic_write_json(
         out / "config.json",
         {
@@ -175,13 +176,23 @@ def write_backbone(
 
 
 def _write_weights(path: Path, model: BarlowTwins, config: PretrainConfig, **meta: Any) -> None:
-    """The backbone's weights (torchvision keys, no fc) as safetensors, with its architecture and ``meta``."""
+    """The backbone's weights (torchvision keys, no fc) as safetensors, carrying what evaluation needs to rebuild
+    their input (``input_metadata``: architecture, stem, image size, normalisation, the run's id) and ``meta``."""
     state = {
         k: v.detach().cpu().contiguous().clone()
         for k, v in model.backbone.state_dict().items()
         if not k.startswith("fc.")
     }
-    meta = {"architecture": config.backbone, "small_image_stem": str(config.small_image_stem), **meta}
+    started = read_json(Path(config.out) / "run.json")  # its first start's id names the run across resumes
+    meta = {
+        **input_metadata(
+            architecture=config.backbone,
+            small_image_stem=config.small_image_stem,
+            image_size=config.image_size,
+            run_id=started.get("run_id") if isinstance(started, dict) else None,
+        ),
+        **meta,
+    }
     write_safetensors(state, path, metadata={k: str(v) for k, v in meta.items()})
 
 
