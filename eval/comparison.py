@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 
 from bt_hub.common.presets import baseline, overrides
-from bt_hub.common.progress import progress
+from bt_hub.common.progress import note, progress
 from bt_hub.eval import knn, linear, semi_supervised
 from bt_hub.eval.comparison_report import SEED_VARIES, Comparison, describe_settings, render_markdown, write_comparison
 from bt_hub.eval.config import EvalConfig
@@ -104,6 +104,7 @@ def compare(
             for column in columns:
                 tick = time.perf_counter()
                 pct = _labels_column(column)
+                note(say, f"next: {_cell_work(column, source, settings)} of {source.name}, seed {seed}")
                 say.set_postfix(row=source.name, column=column, seed=seed)
                 if column == "kNN":
                     k = min(settings.knn_k, len(train_y))
@@ -136,6 +137,16 @@ def compare(
             _supervised_row(result, supervised, run, subsets, settings, seed)
     say.close()
     return result
+
+
+def _cell_work(column: str, source: Any, settings: CompareConfig) -> str:
+    """What scoring a cell does, in words (the progress line said before it starts: a grid can take minutes)."""
+    if column == "kNN":
+        return f"the kNN vote (k = {settings.knn_k})"
+    if column == "linear" or not source.trainable:
+        heads = len(settings.lr_grid) * len(settings.weight_decay_grid)
+        return f"{column}: the linear grid probe ({heads} heads x {settings.linear_epochs} epochs)"
+    return f"{column}: fine-tuning (semi preset {settings.semi_preset})"
 
 
 def _grid(settings: CompareConfig, seed: int, device: torch.device | str) -> dict[str, Any]:

@@ -208,7 +208,10 @@ def test_compare_cells_without_spread_say_so(small_stem_weights, tmp_path, capsy
     args = ["eval", "compare", "--weights", str(small_stem_weights), "--baselines", "pixels", "--protocols", "knn"]
     assert cli.main([*args, "--seeds", "2", "--knn-k", "5", *SMALL, "--out", str(out)]) == 0
     # guards: compare was silent while it trained its heads; its cells now report progress
-    assert "compare: 4/4 cell (100%)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "compare: 4/4 cell (100%)" in err
+    # guards: after the features' last line nothing was said for the minutes a cell took; each cell is announced
+    assert "compare: next: the kNN vote (k = 5) of pixels, seed 0\n" in err
     table = (out / "compare.md").read_text()
     assert "± 0.0" not in table and "(deterministic)" in table
     assert (

@@ -228,13 +228,17 @@ def data_label(record: Mapping[str, Any]) -> str:
 
 
 def weights_label(record: Mapping[str, Any]) -> str:
-    """``resnet50.pth (1f2e3d4c)``: the weights' name and the start of their fingerprint."""
+    """``resnet50.pth (1f2e3d4c)``: the weights' name and the start of their fingerprint; ``pixels (baseline)`` for
+    a baseline of ``eval compare``, which has no weights file."""
     weights = record.get("weights")
     if isinstance(weights, Mapping):
+        if weights.get("baseline"):
+            return f"{weights['baseline']} (baseline)"
         name, fingerprint = weights.get("name"), weights.get("fingerprint")
     else:
         name, fingerprint = weights, record.get("weights_sha256")
-    return f"{Path(str(name or '')).name} ({str(fingerprint or '')[:8]})"
+    name = Path(str(name or "")).name
+    return f"{name} ({str(fingerprint)[:8]})" if fingerprint else name
 
 
 def paper_comparable(record: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -283,6 +287,16 @@ def fmt_mean_std(values: Sequence[Any]) -> str:
         return fmt(values[0])
     mean, std = mean_std([float(v) for v in values])
     return f"{mean:.1f} ± {std:.1f}"
+
+
+def one_value(group: Sequence[Mapping[str, Any]], values: Sequence[Any]) -> str | None:
+    """Why several seeds gave one value, in words (``deterministic``: a vote the seed does not touch, as
+    ``eval compare`` notes; else ``alike``), or None when they differ or there is only one."""
+    if len(values) < 2 or len({fmt(v) for v in values}) > 1:
+        return None
+    compare = (group[0].get("notes") or {}).get("compare") or {}
+    deterministic = str(compare.get("seed_varies", "")).startswith("nothing") and compare.get("row") != "random-init"
+    return "deterministic: one value" if deterministic else "alike: one value"
 
 
 def seeds_text(count: int) -> str:
@@ -378,8 +392,8 @@ def card_table(records: Sequence[Mapping[str, Any]]) -> str:
                 seed_free_setting(first) or "—",
                 data_label(first) or "—",
                 metric_label(metric),
-                fmt_mean_std(values),
-                seeds_text(len(values)),
+                fmt_mean_std(values[:1] if one_value(group, values) else values),
+                seeds_text(len(values)) + (f", {one_value(group, values)}" if one_value(group, values) else ""),
                 fmt(paper.get(metric)),
             ]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
