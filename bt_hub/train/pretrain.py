@@ -231,12 +231,7 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
     is_dir = not (config.data == "digits" or config.data.startswith("synthetic"))
     dataset = build_dataset(config.data, "train", image_size=None if is_dir else config.image_size, seed=config.seed)
     steps_per_epoch = len(dataset) // config.batch_size
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"--batch-size {config.batch_size} is larger than the {len(dataset)} training images of "
-            f"--data {config.data}"
-        )
-    total_steps, warmup_steps, last_step = config.schedule_steps(steps_per_epoch, int(state["step"]) if state else 0)
+    total_steps, warmup_steps, last_step = config.schedule_steps(len(dataset), int(state["step"]) if state else 0)
 
     model, optimizer, scaler, step = _seeded_model(config, device, state)
     step_module = _wrapped(model, config, device, world, last_step - step)  # before the probe: it sees wrapped BNs
