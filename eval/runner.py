@@ -16,12 +16,12 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from bt_hub.common.distributed import is_main_process, process_group
+from bt_hub.common.distributed import broadcast_object, is_main_process, process_group
 from bt_hub.common.files import atomic_write_json, remove_stale_temp_files
 from bt_hub.common.presets import overrides
 from bt_hub.common.records import SCHEMA, Record, make_record
 from bt_hub.common.runs import claim_run_dir, claimed_run_dir, config_dict
-from bt_hub.data.precision import resolve_precision
+from bt_hub.data.precision import precision_choice
 from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalWarning
 from bt_hub.eval.feature_cache import FeatureCache
 from bt_hub.eval.features import Pool, architecture_fingerprint, extract_with_source
@@ -49,6 +49,7 @@ class Settings:
     normalisation: str = "ImageNet mean/std"
     normalisation_from: str = "default"
     weights_run: str | None = None  # the id of the pretraining run the weights came from, where they say it
+    precision_from: str = "default"  # --precision, or why auto chose it (on a CPU: both measured times)
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as a JSON-ready dict."""
@@ -117,6 +118,7 @@ def resolve_settings(config: Any, weights: LoadedWeights, device: torch.device) 
     size, size_from = eval_image_size(
         config.image_size, info.get("image_size"), info.get("image_size_from"), weights.source
     )
+    chosen = broadcast_object(precision_choice(config.precision, device) if is_main_process() else None)
     flags = {"architecture": "--arch", "small_image_stem": "--small-image-stem"}
     source = {key: flags[key] if info.get(f"{key}_from") == "given" else info.get(f"{key}_from") for key in flags}
     return Settings(
@@ -124,7 +126,8 @@ def resolve_settings(config: Any, weights: LoadedWeights, device: torch.device) 
         small_image_stem=bool(info.get("small_image_stem")),
         image_size=int(size),
         image_size_from=size_from,
-        precision=resolve_precision(config.precision, device),
+        precision=chosen["precision"],
+        precision_from=chosen["precision_reason"],
         decode=config.decode,
         device=str(device),
         arch_from=str(source["architecture"] or "default"),

@@ -33,6 +33,7 @@ def test_the_runner_never_writes_into_the_users_config_and_records_what_it_resol
     assert settings["arch"] == "resnet18" and settings["small_image_stem"] is True
     assert settings["image_size"] == 224 and settings["image_size_from"] == "default"
     assert settings["precision"] in ("fp32", "bf16") and record["hyperparameters"]["precision"] == settings["precision"]
+    assert settings["precision_from"].startswith("auto: a ResNet-18 step took")  # measured, both times said
     assert record["weights"]["fingerprint"] == runner.load_weights(str(small_stem_weights)).sha256
 
 

@@ -358,7 +358,7 @@ def settings_text(settings: Mapping[str, Any]) -> str:
     ]
     if settings.get("normalisation"):
         parts.append(f"{settings['normalisation']}{source('normalisation')}")
-    parts.append(f"precision {settings.get('precision')} on {settings.get('device')}")
+    parts.append(f"precision {settings.get('precision')} on {settings.get('device')}{source('precision')}")
     if settings.get("weights_run"):
         parts.append(f"weights of pretraining run {settings['weights_run']}")
     return "; ".join(parts)

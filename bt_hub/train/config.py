@@ -144,8 +144,9 @@ class PretrainConfig(RunConfig):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = field(
         default="auto",
         metadata={
-            "help": "autocast dtype (fp16 only on CUDA, with a GradScaler); auto: bf16 on GPUs with bf16 and on CPUs "
-            "with avx512_bf16/AMX, fp32 elsewhere (the choice is recorded in run.json and config.json)"
+            "help": "autocast dtype (fp16 only on CUDA, with a GradScaler); auto: bf16 on GPUs with bf16; on a CPU "
+            "the faster of fp32 and bf16 on a micro-benchmark timed once per CPU model and torch version and cached "
+            "(the choice, why and both times are recorded in run.json and config.json)"
         },
     )
     channels_last: Literal["auto", "on", "off"] = field(

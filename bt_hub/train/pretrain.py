@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from bt_hub.common.distributed import (
     barrier,
+    broadcast_object,
     cleanup_distributed,
     convert_sync_batchnorm,
     get_rank,
@@ -35,7 +36,7 @@ from bt_hub.common.runs import RunDir
 from bt_hub.common.signals import Terminated, deferred_sigterm
 from bt_hub.data.datasets import build_dataset
 from bt_hub.data.decode import collate_packed, resolve_decode
-from bt_hub.data.precision import autocast_dtype, resolve_channels_last, resolve_precision
+from bt_hub.data.precision import autocast_dtype, precision_choice, resolve_channels_last
 from bt_hub.data.prefetch import Prefetcher
 from bt_hub.method.loss import LossTerms, barlow_twins_loss
 from bt_hub.method.model import BarlowTwins
@@ -132,11 +133,12 @@ def _clear_replaced_run(out: Path, config: PretrainConfig) -> None:
 
 
 def write_backbone(
-    out: Path, model: BarlowTwins, config: PretrainConfig, step: int, num_samples: int, compiled: dict[str, str]
+    out: Path, model: BarlowTwins, config: PretrainConfig, step: int, num_samples: int, decided: dict[str, Any]
 ) -> None:
     """The final weights, once: ``backbone.safetensors`` (torchvision keys, no fc) and ``config.json``.
 
-    ``compiled`` is :class:`AutoCompile`'s record: the path the steps took (``compile: on|off``) and why.
+    ``decided`` is what the run chose for itself: :class:`AutoCompile`'s record (the path the steps took,
+    ``compile: on|off``, and why) and ``precision_choice``'s (the precision, why, and on a CPU the times of both).
     """
     _write_weights(out / WEIGHTS_NAME, model, config, step=step)
     atomic_write_json(
@@ -163,7 +165,7 @@ def write_backbone(
                 "precision": config.precision,
                 "views": config.views,
                 "decode": config.decode,
-                **compiled,
+                **decided,
                 "seed": config.seed,
                 "reference_grad_scale": config.reference_grad_scale,
                 "crop_scale_min": config.crop_scale_min,
@@ -216,7 +218,8 @@ def pretrain(config: PretrainConfig) -> Path:
 
 
 def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
-    precision = resolve_precision(config.precision, device)
+    chosen = broadcast_object(precision_choice(config.precision, device) if is_main_process() else None)
+    precision = chosen["precision"]
     config = dataclasses.replace(
         config,
         precision=precision,
@@ -238,7 +241,7 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
     amp_dtype = autocast_dtype(config.precision)
     if state is None and config.overwrite and is_main_process():
         _clear_replaced_run(out, config)
-    run.start(config, step, fresh=state is None and (config.resume is None or config.overwrite))
+    run.start(config, step, fresh=state is None and (config.resume is None or config.overwrite), facts=chosen)
     view_params = view_pair(config)
     batched = BatchedTwoViews(config.image_size, view_params) if config.views == "batched" else None
     views = ViewDataset(
@@ -275,7 +278,7 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
     step = _run_loop(loop, step)
     if is_main_process():
         save_probe(out / "cross_correlation_end.npy", model, probe)
-        write_backbone(out, model, config, step, len(dataset), loop.step_module.record)
+        write_backbone(out, model, config, step, len(dataset), {**loop.step_module.record, **chosen})
     barrier()
     return out
 
