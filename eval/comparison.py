@@ -101,6 +101,7 @@ def compare(
             train_x, train_y, test_x, test_y = features(source, net, seed)
             network_id = {"network_fingerprint": module_fingerprint(net)} if source.per_seed and source.baseline else {}
             network_id |= {"curve": source.position} if source.position else {}
+            fixed = not source.per_seed  # a kNN vote of one network for every seed is the same vote
             for column in columns:
                 tick = time.perf_counter()
                 pct = _labels_column(column)
@@ -111,7 +112,7 @@ def compare(
                     score = knn_classify(
                         train_x, train_y, test_x, test_y, k=k, num_classes=num_classes, device=run.device
                     )
-                    notes: dict[str, Any] = {"k": k, "temperature": 0.07}
+                    notes: dict[str, Any] = {"k": k, "temperature": 0.07, "deterministic": fixed}
                     score = {**score, f"top1_k{k}": score["top1"], f"top5_k{k}": score["top5"]}
                 elif column == "linear" or not source.trainable:
                     rows = subsets[pct] if pct else None

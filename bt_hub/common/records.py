@@ -290,12 +290,11 @@ def fmt_mean_std(values: Sequence[Any]) -> str:
 
 
 def one_value(group: Sequence[Mapping[str, Any]], values: Sequence[Any]) -> str | None:
-    """Why several seeds gave one value, in words (``deterministic``: a vote the seed does not touch, as
-    ``eval compare`` notes; else ``alike``), or None when they differ or there is only one."""
+    """Why several seeds gave one value, in words (``deterministic``: a score the seed does not touch, as its
+    record's ``notes.deterministic`` says; else ``alike``), or None when they differ or there is only one."""
     if len(values) < 2 or len({fmt(v) for v in values}) > 1:
         return None
-    compare = (group[0].get("notes") or {}).get("compare") or {}
-    deterministic = str(compare.get("seed_varies", "")).startswith("nothing") and compare.get("row") != "random-init"
+    deterministic = all((r.get("notes") or {}).get("deterministic") is True for r in group)
     return "deterministic: one value" if deterministic else "alike: one value"
 
 
