@@ -279,7 +279,7 @@ def main() -> None:
         "--precision",
         default="auto",
         choices=["auto", "fp32", "bf16", "fp16"],
-        help="ours only; auto: bf16 on GPUs and avx512_bf16/AMX CPUs, fp32 elsewhere (as bt-hub pretrain)",
+        help="ours only; auto: as bt-hub pretrain decides it (bf16 on GPUs with bf16, the measured faster on a CPU)",
     )
     parser.add_argument(
         "--channels-last", action=argparse.BooleanOptionalAction, default=None, help="default: on for bf16/fp16"

@@ -445,7 +445,9 @@ def _describe(result: Any, config: Any) -> str | None:
         return wrote
     if hasattr(result, "commit_url"):  # huggingface_hub's CommitInfo (bt-hub push)
         return f"pushed {config.weights} to {result.commit_url}"
-    return None  # a command that writes its own report (bt-hub demo) returns data for Python callers
+    if isinstance(result, dict) and isinstance(result.get("summary"), str):  # bt-hub demo: its headline and report
+        return result["summary"]
+    return None
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 
 from bt_hub.common.presets import baseline, overrides
-from bt_hub.common.progress import progress
+from bt_hub.common.progress import note, progress
 from bt_hub.eval import knn, linear, semi_supervised
 from bt_hub.eval.comparison_report import SEED_VARIES, Comparison, describe_settings, render_markdown, write_comparison
 from bt_hub.eval.config import EvalConfig
@@ -101,16 +101,18 @@ def compare(
             train_x, train_y, test_x, test_y = features(source, net, seed)
             network_id = {"network_fingerprint": module_fingerprint(net)} if source.per_seed and source.baseline else {}
             network_id |= {"curve": source.position} if source.position else {}
+            fixed = not source.per_seed  # a kNN vote of one network for every seed is the same vote
             for column in columns:
                 tick = time.perf_counter()
                 pct = _labels_column(column)
+                note(say, f"next: {_cell_work(column, source, settings)} of {source.name}, seed {seed}")
                 say.set_postfix(row=source.name, column=column, seed=seed)
                 if column == "kNN":
                     k = min(settings.knn_k, len(train_y))
                     score = knn_classify(
                         train_x, train_y, test_x, test_y, k=k, num_classes=num_classes, device=run.device
                     )
-                    notes: dict[str, Any] = {"k": k, "temperature": 0.07}
+                    notes: dict[str, Any] = {"k": k, "temperature": 0.07, "deterministic": fixed}
                     score = {**score, f"top1_k{k}": score["top1"], f"top5_k{k}": score["top5"]}
                 elif column == "linear" or not source.trainable:
                     rows = subsets[pct] if pct else None
@@ -136,6 +138,16 @@ def compare(
             _supervised_row(result, supervised, run, subsets, settings, seed)
     say.close()
     return result
+
+
+def _cell_work(column: str, source: Any, settings: CompareConfig) -> str:
+    """What scoring a cell does, in words (the progress line said before it starts: a grid can take minutes)."""
+    if column == "kNN":
+        return f"the kNN vote (k = {settings.knn_k})"
+    if column == "linear" or not source.trainable:
+        heads = len(settings.lr_grid) * len(settings.weight_decay_grid)
+        return f"{column}: the linear grid probe ({heads} heads x {settings.linear_epochs} epochs)"
+    return f"{column}: fine-tuning (semi preset {settings.semi_preset})"
 
 
 def _grid(settings: CompareConfig, seed: int, device: torch.device | str) -> dict[str, Any]:

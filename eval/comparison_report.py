@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from bt_hub.common.files import atomic_write_text, read_json
-from bt_hub.common.records import fmt_mean_std, mean_std, seeds_text
+from bt_hub.common.records import fmt_mean_std, mean_std, seeds_text, settings_text
 from bt_hub.eval.runner import EvalRun
 
 SEED_VARIES = {
@@ -114,12 +114,8 @@ def describe_settings(run: EvalRun, partial: Mapping[str, str] | None = None) ->
     """
     from bt_hub.weights.card import training_length
 
-    config, st = run.config, run.settings
-    stem = "small-image stem (3x3, no max-pool)" if st.small_image_stem else "standard stem"
-    lines = [
-        f"- network: {st.arch}, {stem}; images {st.image_size} px ({st.image_size_from}); "
-        f"precision {st.precision} on {st.device}",
-    ]
+    config = run.config
+    lines = [f"- network: {settings_text(run.settings.as_dict())}"]
     if config.over_steps:
         for w in config.weights:
             length = training_length(read_json(Path(w) / "config.json") or {}) or "unknown (no bt_hub run config)"

@@ -124,8 +124,9 @@ class EvalConfig(RunConfig):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = field(
         default="auto",
         metadata={
-            "help": "autocast dtype of feature extraction; auto: bf16 on GPUs with bf16 and on CPUs with "
-            "avx512_bf16/AMX, fp32 elsewhere (the choice is recorded in results.json)"
+            "help": "autocast dtype of feature extraction; auto: bf16 on GPUs with bf16; on a CPU the faster of "
+            "fp32 and bf16 on a micro-benchmark timed once per CPU model (the choice and both times are recorded in "
+            "results.json)"
         },
     )
     decode: Literal["device", "workers"] = field(

@@ -297,4 +297,18 @@ def _demo(config: DemoConfig, out: Path) -> dict[str, Any]:
         "config": vars(config).copy(),
     }
     atomic_write_json(out / "results.json", results)
-    return results
+    return {**results, "summary": _summary(result, last, out)}
+
+
+def _summary(result: Comparison, last: str, out: Path) -> str:
+    """What the demo prints at its end: the last step's score per column against its best baseline, and where the
+    report is."""
+    cells = []
+    for column in result.columns:
+        verdict = result.verdict(last, column)
+        if verdict is not None:
+            best = verdict["baseline"]
+            cells.append(f"{column} {result.cell(last, column)} against {best} {result.cell(best, column)}")
+    step = result.positions[last]["step"]
+    report = f"wrote {out / 'report.md'} (the learning curve, the last step's table and verdicts, the timings)"
+    return f"at the last step ({step:g}): {'; '.join(cells)}\n{report}"

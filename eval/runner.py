@@ -16,26 +16,27 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from bt_hub.common.distributed import is_main_process, process_group
+from bt_hub.common.distributed import broadcast_object, is_main_process, process_group
 from bt_hub.common.files import atomic_write_json, remove_stale_temp_files
 from bt_hub.common.presets import overrides
 from bt_hub.common.records import SCHEMA, Record, make_record
 from bt_hub.common.runs import claim_run_dir, claimed_run_dir, config_dict
-from bt_hub.data.precision import resolve_precision
+from bt_hub.data.precision import precision_choice
 from bt_hub.data.store import DecodedImages, StoreView, fits_auto, open_store, store_device
 from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalWarning
 from bt_hub.eval.feature_cache import FeatureCache
 from bt_hub.eval.features import Pool, architecture_fingerprint, extract_with_source
 from bt_hub.eval.report import PaperRow, Table, append_results, check_history
 from bt_hub.eval.splits import Splits, load_splits
-from bt_hub.method.transforms import DeviceEvalTransform, eval_transforms
+from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms
 
 # ----------------------------------------------------------------------------- what a run resolved
 
 
 @dataclass(frozen=True)
 class Settings:
-    """What an evaluation resolved before any data was drawn; every record of the run stores it."""
+    """What an evaluation resolved before any data was drawn, and where each came from (a flag, the weights'
+    metadata or config.json, their keys, or the default); every record of the run stores it."""
 
     arch: str
     small_image_stem: bool
@@ -44,6 +45,12 @@ class Settings:
     precision: str
     decode: str
     device: str
+    arch_from: str = "default"
+    small_image_stem_from: str = "default"
+    normalisation: str = "ImageNet mean/std"
+    normalisation_from: str = "default"
+    weights_run: str | None = None  # the id of the pretraining run the weights came from, where they say it
+    precision_from: str = "default"  # --precision, or why auto chose it (on a CPU: both measured times)
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as a JSON-ready dict."""
@@ -76,17 +83,15 @@ def load_weights(
     return LoadedWeights(str(source), network, str(info["sha256"]), info)
 
 
-def eval_image_size(given: int | None, weights_config: Mapping[str, Any] | None, weights: str) -> tuple[int, str]:
-    """The crop side and its source: ``--image-size`` (warned if unlike the weights'), their config.json, or default."""
-    trained = (weights_config or {}).get("image_size")
-    if trained is not None and (isinstance(trained, bool) or not isinstance(trained, int) or trained <= 0):
-        raise ValueError(f"config.json of weights {weights} has image_size {trained!r}; expected a positive integer")
+def eval_image_size(given: int | None, trained: int | None, trained_from: str | None, weights: str) -> tuple[int, str]:
+    """The crop side and its source: ``--image-size`` (warned if unlike the weights'), what the weights say of
+    themselves (their metadata or config.json: ``trained`` from ``trained_from``), or the default."""
     if given is None:
-        return (trained, "weights config.json") if trained else (DEFAULT_IMAGE_SIZE, "default")
+        return (trained, str(trained_from)) if trained else (DEFAULT_IMAGE_SIZE, "default")
     if trained and given != trained:
         warnings.warn(
             f"--image-size {given} differs from the {trained} px the weights {weights} were pretrained at "
-            f"(their config.json); features at another size usually score lower: "
+            f"(their {str(trained_from).removeprefix('weights ')}); features at another size usually score lower: "
             f"leave --image-size out to use {trained}",
             EvalWarning,
             stacklevel=3,
@@ -94,18 +99,42 @@ def eval_image_size(given: int | None, weights_config: Mapping[str, Any] | None,
     return given, "--image-size"
 
 
+def _normalisation(info: Mapping[str, Any], weights: str) -> str:
+    """Where the ImageNet mean/std every protocol normalises with came from; refuses weights trained with others."""
+    mean, std = info.get("mean"), info.get("std")
+    if mean is None and std is None:
+        return "default"
+    if tuple(mean or IMAGENET_MEAN) != IMAGENET_MEAN or tuple(std or IMAGENET_STD) != IMAGENET_STD:
+        raise ValueError(
+            f"weights {weights} were trained on inputs normalised with mean {list(mean or IMAGENET_MEAN)} and std "
+            f"{list(std or IMAGENET_STD)} (their metadata), but bt_hub evaluates with ImageNet's "
+            f"{list(IMAGENET_MEAN)} / {list(IMAGENET_STD)}, so the scores would be of another input"
+        )
+    return "weights metadata"
+
+
 def resolve_settings(config: Any, weights: LoadedWeights, device: torch.device) -> Settings:
     """The run's :class:`Settings`: the config's flags where given, else what the weights say of themselves."""
     info = weights.info
-    size, size_from = eval_image_size(config.image_size, info.get("config"), weights.source)
+    size, size_from = eval_image_size(
+        config.image_size, info.get("image_size"), info.get("image_size_from"), weights.source
+    )
+    chosen = broadcast_object(precision_choice(config.precision, device) if is_main_process() else None)
+    flags = {"architecture": "--arch", "small_image_stem": "--small-image-stem"}
+    source = {key: flags[key] if info.get(f"{key}_from") == "given" else info.get(f"{key}_from") for key in flags}
     return Settings(
         arch=str(info.get("architecture") or config.arch),
         small_image_stem=bool(info.get("small_image_stem")),
         image_size=int(size),
         image_size_from=size_from,
-        precision=resolve_precision(config.precision, device),
+        precision=chosen["precision"],
+        precision_from=chosen["precision_reason"],
         decode=config.decode,
         device=str(device),
+        arch_from=str(source["architecture"] or "default"),
+        small_image_stem_from=str(source["small_image_stem"] or "default"),
+        normalisation_from=_normalisation(info, weights.source),
+        weights_run=info.get("run_id"),
     )
 
 

@@ -39,6 +39,18 @@ def _two_torch_threads():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _precision_cache_of_the_session(tmp_path_factory):
+    """``--precision auto`` keeps its CPU measurement in a file of the session, never in the user's cache (it is
+    measured once, by the first test that resolves auto on the CPU)."""
+    from bt_hub.data import precision
+
+    path = tmp_path_factory.mktemp("precision") / precision.CACHE_NAME
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(precision, "cache_file", lambda: path)
+        yield path
+
+
 @pytest.fixture(scope="session")
 def seeded_weights(tmp_path_factory) -> Callable[..., Path]:
     """Factory: a random-init backbone built right after ``torch.manual_seed(seed)``, saved once per session as a

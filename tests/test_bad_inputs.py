@@ -142,6 +142,17 @@ def non_finite(d: Path, w: Path) -> None:
     torch.save(state, d / "w.pth")
 
 
+def with_metadata(**meta: str) -> Callable[[Path, Path], None]:
+    """Setup: the good weights as a bt_hub safetensors ``w.safetensors`` whose metadata holds ``meta``."""
+
+    def setup(d: Path, w: Path) -> None:
+        from bt_hub.common.files import write_safetensors
+
+        write_safetensors(torch.load(w, weights_only=True), d / "w.safetensors", meta)
+
+    return setup
+
+
 def pickled_code(d: Path, w: Path) -> None:
     class Shell:
         def __reduce__(self):
@@ -370,6 +381,20 @@ def _cases() -> list[Case]:
         Case("eval knn", "weights truncated", knn, ("w.pth",), truncated),
         Case("eval knn", "weights hold NaN", knn, ("w.pth", "--allow-non-finite"), non_finite),
         Case("eval knn", "weights pickle code", knn, ("w.pth",), pickled_code),
+        Case(
+            "eval knn",
+            "weights metadata image_size not a number",
+            (*knn[:3], "{d}/w.safetensors", *knn[4:]),
+            ("w.safetensors", "image_size"),
+            with_metadata(image_size="big"),
+        ),
+        Case(
+            "eval knn",
+            "weights trained with another normalisation",
+            (*knn[:3], "{d}/w.safetensors", *knn[4:]),
+            ("w.safetensors", "mean"),
+            with_metadata(mean="[0.5, 0.5, 0.5]", std="[0.5, 0.5, 0.5]"),
+        ),
         Case("eval knn", "weights an HTML page", knn, ("w.pth",), write("w.pth", "<!DOCTYPE html><html>login</html>")),
         Case("eval knn", "weights a dangling symlink", knn, ("w.pth",), symlinked_weights),
         Case("eval knn", "weights an empty folder", (*knn[:3], "{d}/wdir", *knn[4:]), ("wdir",), folder("wdir")),

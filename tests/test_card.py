@@ -289,7 +289,7 @@ def test_runs_differing_only_in_image_size_are_two_entries_naming_size_architect
     card = _card(folder)
     assert f"| knn [{model}, 8 px] | — | digits | Top-1 | 85.3 | 1 seed | — |" in card
     assert f"| knn [{model}, 16 px] | — | digits | Top-1 | 92.8 | 1 seed | — |" in card
-    assert "| knn [unknown architecture, unknown stem, unknown image size] | — | digits | Top-1 | 96.4 |" in card
+    assert "| knn [raw pixels, no network, unknown image size] | — | digits | Top-1 | 96.4 |" in card
 
 
 def test_a_protocols_declared_paper_row_reaches_its_record_and_the_card(tmp_path, small_stem_weights):
@@ -306,3 +306,34 @@ def test_a_protocols_declared_paper_row_reaches_its_record_and_the_card(tmp_path
     results = _results(tmp_path / "imagenet.json", record)
     export(ExportConfig(weights=str(small_stem_weights), format="hf", out=str(tmp_path / "hf"), results=[results]))
     assert "| Top-1 |" in (card := _card(tmp_path / "hf")) and "| 73.2 |" in card and "| 91.0 |" in card
+
+
+def test_a_compare_card_names_the_pixels_baseline_keeps_task_names_short_and_says_a_vote_is_deterministic(
+    tmp_path, small_stem_weights
+):
+    """Guards: the pixels baseline was labelled `knn [resnet18, 3x3 small-image stem, 8 px]` under `pixels ():`,
+    model-index task names carried compare's whole flags ("baselines [pixels] ..."), and a kNN vote that no seed
+    changes was published as "mean ± 0.0 std over 2 seeds"."""
+    from bt_hub import cli
+
+    compare = tmp_path / "cmp"
+    flags = ["--baselines", "pixels", "--protocols", "knn", "--seeds", "2", "--knn-k", "5"]
+    flags += ["--data", "synthetic:40", "--image-size", "8", "--batch-size", "16"]
+    assert cli.main(["eval", "compare", "--weights", str(small_stem_weights), *flags, "--out", str(compare)]) == 0
+    folder = tmp_path / "hf"
+    results = str(compare / "results.jsonl")
+    assert (
+        cli.main(
+            ["export", "--weights", str(small_stem_weights), "--format", "hf", "--out", str(folder)]
+            + ["--results", results]
+        )
+        == 0
+    )
+    (entry,) = _index(folder)
+    assert entry["task"]["name"] == "knn [resnet18, 3x3 small-image stem, 8 px] (frozen features, no training)"
+    assert entry["metrics"][0]["name"] == "Top-1 (deterministic: one value over 2 seeds)"
+    card = _card(folder)
+    assert "pixels ()" not in card and "pixels (baseline):" in card
+    baseline = card.split("pixels (baseline):")[1]
+    assert "| knn [raw pixels, no network, 8 px] |" in baseline and "2 seeds, deterministic: one value" in baseline
+    assert "± 0.0" not in card

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -30,9 +32,21 @@ ROWS = ("step 10", "pixels", "random-init")
 
 @pytest.fixture(scope="module")
 def short_demo(tmp_path_factory):
+    """The shortened demo's folder; what it printed is kept beside it in ``printed.txt``."""
     out = tmp_path_factory.mktemp("demo") / "demo_out"
-    assert cli.main(["demo", "--out", str(out), *SHORT]) == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cli.main(["demo", "--out", str(out), *SHORT]) == 0
+    (out.parent / "printed.txt").write_text(printed.getvalue())
     return out
+
+
+def test_the_demo_ends_with_its_headline_and_the_path_of_its_report(short_demo):
+    """Guards: bt-hub demo ended silently, with no word of its result or of where report.md is."""
+    printed = (short_demo.parent / "printed.txt").read_text().splitlines()
+    assert printed[-1].startswith(f"wrote {short_demo / 'report.md'} (")
+    assert printed[-2].startswith("at the last step (10): kNN ") and " against " in printed[-2]
+    assert "linear " in printed[-2]
 
 
 def _per_seed(out: Path) -> dict[tuple[str, str], list[float]]:

@@ -53,13 +53,78 @@ def test_eval_scores_at_the_image_size_the_weights_were_pretrained_at(run_folder
     assert "--image-size 12 differs from the 8 px the weights" in line and "leave --image-size out" in line
 
 
-def test_weights_without_a_config_json_are_scored_at_the_default_size_and_say_so(small_stem_weights, tmp_path):
+def test_weights_without_a_config_json_are_scored_at_the_default_size_and_say_so(run_folder, tmp_path):
     from bt_hub.eval.runner import eval_image_size
+    from bt_hub.weights import load_backbone
 
-    assert eval_image_size(None, None, str(small_stem_weights)) == (224, "default")
-    assert eval_image_size(16, {"image_size": 16}, "w") == (16, "--image-size")
-    with pytest.raises(ValueError, match="config.json of weights w has image_size 'big'; expected a positive integer"):
-        eval_image_size(None, {"image_size": "big"}, "w")
+    assert eval_image_size(None, None, None, str(run_folder)) == (224, "default")
+    assert eval_image_size(16, 16, "weights config.json", "w") == (16, "--image-size")
+    (run_folder / "config.json").write_text(json.dumps({"architecture": "resnet18", "image_size": "big"}))
+    with pytest.raises(ValueError, match="config.json of weights .*resnet18.pth has image_size 'big'; expected a posi"):
+        load_backbone(run_folder)
+
+
+@pytest.fixture(scope="module")
+def run_at_32_px(tmp_path_factory) -> Path:
+    """A tiny pretraining run at 32 px (ResNet-18, small stem) that kept steps 2 and 4."""
+    run = tmp_path_factory.mktemp("pretrained") / "run"
+    flags = ["--data", "synthetic:40", "--arch", "resnet18", "--small-image-stem", "--image-size", "32"]
+    flags += ["--projector", "32-32", "--batch-size", "8", "--epochs", "1", "--warmup-epochs", "0"]
+    assert cli.main(["pretrain", *flags, "--keep-every", "2", "--probe-max-dim", "0", "--out", str(run)]) == 0
+    return run
+
+
+def test_kept_and_moved_weights_are_scored_at_the_size_their_run_pretrained_at(run_at_32_px, tmp_path, capsys):
+    """Guards: a kept step and a backbone.safetensors copied out of its run folder (no config.json beside either)
+    were scored at 224 px, "images 224 px (default)", though their run pretrained at 32 px."""
+    run_id = json.loads((run_at_32_px / "run.json").read_text())["run_id"]
+    moved = tmp_path / "moved.safetensors"
+    shutil.copy(run_at_32_px / "backbone.safetensors", moved)
+    for weights in (run_at_32_px / "kept" / "step-000002.safetensors", moved):
+        capsys.readouterr()
+        settings = _run(
+            ["eval", "knn", "--weights", str(weights), "--data", "synthetic:40", "--k", "3"], tmp_path / weights.stem
+        )["settings"]
+        assert (settings["image_size"], settings["image_size_from"]) == (32, "weights metadata")
+        assert (settings["arch"], settings["arch_from"], settings["small_image_stem"]) == (
+            "resnet18",
+            "weights metadata",
+            True,
+        )
+        assert (settings["normalisation_from"], settings["weights_run"]) == ("weights metadata", run_id)
+        assert "images 32 px (from the weights' metadata)" in capsys.readouterr().out
+    flags = ["--data", "synthetic:40", "--baselines", "pixels", "--protocols", "knn", "--seeds", "1", "--knn-k", "3"]
+    cells = _run(["eval", "compare", "--weights", str(run_at_32_px), "--over-steps", *flags], tmp_path / "curve")
+    assert {(r["settings"]["image_size"], r["settings"]["image_size_from"]) for r in cells["results"]} == {
+        (32, "weights metadata")
+    }
+    assert "images 32 px (from the weights' metadata)" in (tmp_path / "curve" / "compare.md").read_text()
+    explicit = _run(
+        ["eval", "knn", "--weights", str(moved), "--data", "synthetic:40", "--k", "3", "--image-size", "16"],
+        tmp_path / "x",
+    )
+    assert (explicit["settings"]["image_size"], explicit["settings"]["image_size_from"]) == (16, "--image-size")
+
+
+def test_exports_keep_what_the_weights_say_of_their_input(run_at_32_px, tmp_path):
+    """Guards: an export of a kept step lost its image size (an hf folder's card and config.json said 224 px)."""
+    from bt_hub.method.transforms import input_metadata
+    from bt_hub.weights import load_backbone, save_detectron2
+
+    kept = run_at_32_px / "kept" / "step-000004.safetensors"
+    run_id = json.loads((run_at_32_px / "run.json").read_text())["run_id"]
+    for fmt, out in (("safetensors", tmp_path / "w.safetensors"), ("hf", tmp_path / "hf")):
+        assert cli.main(["export", "--weights", str(kept), "--format", fmt, "--out", str(out)]) == 0
+        info = load_backbone(out).weights_info
+        assert (info["image_size"], info["image_size_from"], info["run_id"]) == (32, "weights metadata", run_id)
+        assert info["mean"] == (0.485, 0.456, 0.406) and info["small_image_stem"] is True
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["image_size"] == 32
+    assert load_backbone(kept).transforms.crop_size == [32]
+    standard = load_backbone(kept).state_dict()  # detectron2 builds a 7x7 stem: a standard-stem ResNet-18 stands in
+    standard["conv1.weight"] = torch.zeros(64, 3, 7, 7)
+    meta = input_metadata(architecture="resnet18", small_image_stem=False, image_size=48, run_id="r1")
+    info = load_backbone(save_detectron2(standard, tmp_path / "d2.pkl", meta)).weights_info
+    assert (info["image_size"], info["run_id"], info["architecture_from"]) == (48, "r1", "weights metadata")
 
 
 # ----------------------------------------------------------------------------- the feature cache

@@ -281,3 +281,17 @@ def test_weights_replaced_while_loading_are_fingerprinted_by_the_bytes_that_were
     expected = torch.load(resnet18_file, weights_only=True)
     assert all(torch.equal(backbone.state_dict()[k], v) for k, v in expected.items() if k in backbone.state_dict())
     assert fingerprint == backbone.weights_info["sha256"] == hashlib.sha256(loaded).hexdigest()
+
+
+@pytest.mark.parametrize("mode", ["L", "LA", "P", "I;16", "RGBA"])
+def test_a_loaded_models_transforms_take_greyscale_and_other_modes_as_rgb(small_stem_weights, mode):
+    """Guards: ``model.transforms`` raised a RuntimeError traceback on a greyscale PNG (mode L), as many small-image
+    sets are, where every reader of bt_hub turns any mode into RGB."""
+    from PIL import Image
+
+    from bt_hub.weights import get_weights
+
+    image = Image.new(mode, (40, 30))
+    assert load_backbone(small_stem_weights).transforms(image).shape == (3, 224, 224)
+    assert get_weights("barlowtwins-in1k").transforms()(image).shape == (3, 224, 224)
+    assert load_backbone(small_stem_weights).transforms(torch.zeros(1, 40, 30, dtype=torch.uint8)).shape[0] == 3

@@ -162,26 +162,48 @@ def test_tensorboard_without_the_package_names_the_extra(tmp_path, monkeypatch, 
     assert "pip install 'bt_hub[tensorboard]'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    ("flags", "device", "bf16_gpu", "expected"),
-    [
-        ({"avx512f", "avx512_bf16"}, "cpu", False, "bf16"),
-        ({"avx512f", "amx_bf16", "amx_tile"}, "cpu", False, "bf16"),
-        ({"avx512f", "avx512_vnni"}, "cpu", False, "fp32"),
-        ({"avx2"}, "cpu", False, "fp32"),
-        (set(), "cuda", True, "bf16"),
-        (set(), "cuda", False, "fp32"),
-    ],
-)
-def test_precision_auto_is_bf16_only_where_the_hardware_computes_it(monkeypatch, flags, device, bf16_gpu, expected):
-    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset(flags))
+@pytest.mark.parametrize(("fp32_s", "bf16_s", "expected"), [(2.0, 1.0, "bf16"), (1.0, 2.0, "fp32"), (1.0, 1.0, "fp32")])
+def test_precision_auto_on_a_cpu_is_the_faster_of_the_two_measured_and_cached(tmp_path, fp32_s, bf16_s, expected):
+    """Guards: auto picked bf16 on any CPU with avx512_bf16, where bf16 ran slower than fp32 on some of them."""
+    cache = tmp_path / "cache" / "precision_auto.json"
+    chosen = precision.cpu_choice(lambda: {"fp32": fp32_s, "bf16": bf16_s}, cache)
+    assert (chosen["precision"], chosen["precision_fp32_s"], chosen["precision_bf16_s"]) == (expected, fp32_s, bf16_s)
+    assert (
+        chosen["precision_reason"].endswith("(measured now)")
+        and f"{bf16_s:.3g} s in bf16" in chosen["precision_reason"]
+    )
+    key = f"{precision.cpu_model()} | torch {torch.__version__}"
+    assert json.loads(cache.read_text()) == {key: {"fp32": fp32_s, "bf16": bf16_s}}
+    assert not list(cache.parent.glob(".*.tmp"))  # written whole, through a temp file
+
+    def not_again():
+        raise AssertionError("measured again although this CPU model and torch version are cached")
+
+    again = precision.cpu_choice(not_again, cache)
+    assert again["precision"] == expected and again["precision_reason"].endswith(f"(cached in {cache})")
+
+
+def test_precision_auto_is_measured_again_on_another_cpu_model_or_torch_version(tmp_path, monkeypatch):
+    cache = tmp_path / "precision_auto.json"
+    assert precision.cpu_choice(lambda: {"fp32": 1.0, "bf16": 2.0}, cache)["precision"] == "fp32"
+    monkeypatch.setattr(precision, "cpu_model", lambda: "Another CPU")
+    assert precision.cpu_choice(lambda: {"fp32": 2.0, "bf16": 1.0}, cache)["precision"] == "bf16"
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    assert precision.cpu_choice(lambda: {"fp32": 3.0, "bf16": 4.0}, cache)["precision"] == "fp32"
+    assert len(json.loads(cache.read_text())) == 3
+
+
+@pytest.mark.parametrize(("bf16_gpu", "expected"), [(True, "bf16"), (False, "fp32")])
+def test_precision_auto_on_cuda_is_bf16_where_the_gpu_supports_it_without_measuring(monkeypatch, bf16_gpu, expected):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16_gpu)
-    assert precision.resolve_precision("auto", device) == expected
-    assert precision.resolve_precision("fp32", device) == "fp32"
+    monkeypatch.setattr(precision, "measure_cpu", lambda: pytest.fail("measured a CPU for a CUDA device"))
+    assert precision.resolve_precision("auto", "cuda") == expected
+    assert precision.resolve_precision("fp32", "cuda") == "fp32"
 
 
 def test_precision_auto_is_recorded_resolved_and_a_resume_with_auto_accepts_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(precision, "cache_file", lambda: tmp_path / "precision_auto.json")
+    monkeypatch.setattr(precision, "measure_cpu", lambda: {"fp32": 0.25, "bf16": 0.125})
     out = tmp_path / "run"
     tiny = [
         "--preset",
@@ -198,11 +220,14 @@ def test_precision_auto_is_recorded_resolved_and_a_resume_with_auto_accepts_it(t
         str(out),
     ]
     assert cli_main(["pretrain", *tiny, "--max-steps", "1"]) == 0
-    assert json.loads((out / "run.json").read_text())["config"]["precision"] == "bf16"
-    assert "--precision" not in json.loads((out / "run.json").read_text())["command"]
-    assert json.loads((out / "config.json").read_text())["recipe"]["precision"] == "bf16"
-    assert cli_main(["pretrain", *tiny, "--max-steps", "2", "--resume", "auto"]) == 0
-    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset())
+    started, recipe = (json.loads((out / name).read_text()) for name in ("run.json", "config.json"))
+    assert started["config"]["precision"] == "bf16" and "--precision" not in started["command"]
+    assert (started["precision_fp32_s"], started["precision_bf16_s"]) == (0.25, 0.125)
+    assert "0.125 s in bf16 and 0.25 s in fp32" in started["precision_reason"]
+    assert recipe["recipe"]["precision"] == "bf16" and recipe["recipe"]["precision_bf16_s"] == 0.125
+    assert cli_main(["pretrain", *tiny, "--max-steps", "2", "--resume", "auto"]) == 0  # the cached choice again
+    monkeypatch.setattr(precision, "cache_file", lambda: tmp_path / "elsewhere.json")
+    monkeypatch.setattr(precision, "measure_cpu", lambda: {"fp32": 0.125, "bf16": 0.25})
     assert (
         cli_main(["pretrain", *tiny, "--max-steps", "3", "--resume", "auto"]) == 2
     )  # auto is fp32 now: not the checkpoint's recipe

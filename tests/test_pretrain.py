@@ -425,3 +425,17 @@ def test_keep_every_refuses_what_is_not_a_step_count_or_log(tmp_path, capsys):
     assert "--keep-every must be a number of steps (0: off), 'log' or steps joined by ',', got 'often'" in (
         capsys.readouterr().err
     )
+
+
+def test_a_short_trial_run_is_told_every_flag_it_needs_in_one_message_and_then_runs(tmp_path, capsys):
+    """Guards: `pretrain --data DIR --max-steps 20` was refused twice, first for a warm-up longer than the schedule,
+    then for a batch of 2048 larger than the data, each naming only its own flag."""
+    small = ["--data", "synthetic:40", "--arch", "resnet18", "--small-image-stem", "--image-size", "8"]
+    small += ["--projector", "32-32", "--probe-max-dim", "0"]
+    assert cli_main(["pretrain", *small, "--max-steps", "3", "--epochs", "1", "--out", str(tmp_path / "a")]) == 2
+    err = one_sentence(capsys.readouterr().err)
+    assert "--batch-size 2048 is larger than the 32 training images" in err
+    assert "--warmup-epochs 10 is longer than the whole schedule (--epochs 1)" in err
+    hint = re.search(r"pass these together: (.*?) \(", err).group(1).split()
+    assert hint == ["--batch-size", "32", "--epochs", "3", "--warmup-epochs", "0", "--max-steps", "3"]
+    assert cli_main(["pretrain", *small, *hint, "--out", str(tmp_path / "b")]) == 0

@@ -6,7 +6,7 @@ import io
 
 from tqdm import tqdm
 
-from bt_hub.common.progress import progress
+from bt_hub.common.progress import note, progress
 
 
 class Terminal(io.StringIO):
@@ -50,3 +50,15 @@ def test_on_a_terminal_it_is_a_tqdm_bar_named_by_desc():
     bar = progress(range(3), "features test", stream=Terminal())
     assert isinstance(bar, tqdm) and bar.desc == "features test"
     assert list(bar) == [0, 1, 2]
+
+
+def test_a_note_says_what_comes_next_before_a_long_step_and_a_silent_bar_says_nothing(monkeypatch):
+    """Guards: compare showed "features train: 1/1 batch (100%)" and then nothing for the minutes its grid took."""
+    stream = io.StringIO()
+    bar = progress(None, "compare", total=4, unit="cell", stream=stream)
+    note(bar, "next: the linear grid probe (18 heads x 100 epochs) of pixels, seed 0")
+    assert stream.getvalue() == "compare: next: the linear grid probe (18 heads x 100 epochs) of pixels, seed 0\n"
+    monkeypatch.setenv("BT_HUB_PROGRESS_EVERY", "0")
+    silent = io.StringIO()
+    note(progress(None, "compare", total=4, stream=silent), "next: anything")
+    assert silent.getvalue() == ""

@@ -33,6 +33,7 @@ def test_the_runner_never_writes_into_the_users_config_and_records_what_it_resol
     assert settings["arch"] == "resnet18" and settings["small_image_stem"] is True
     assert settings["image_size"] == 224 and settings["image_size_from"] == "default"
     assert settings["precision"] in ("fp32", "bf16") and record["hyperparameters"]["precision"] == settings["precision"]
+    assert settings["precision_from"].startswith("auto: a ResNet-18 step took")  # measured, both times said
     assert record["weights"]["fingerprint"] == runner.load_weights(str(small_stem_weights)).sha256
 
 
@@ -208,9 +209,15 @@ def test_compare_cells_without_spread_say_so(small_stem_weights, tmp_path, capsy
     args = ["eval", "compare", "--weights", str(small_stem_weights), "--baselines", "pixels", "--protocols", "knn"]
     assert cli.main([*args, "--seeds", "2", "--knn-k", "5", *SMALL, "--out", str(out)]) == 0
     # guards: compare was silent while it trained its heads; its cells now report progress
-    assert "compare: 4/4 cell (100%)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "compare: 4/4 cell (100%)" in err
+    # guards: after the features' last line nothing was said for the minutes a cell took; each cell is announced
+    assert "compare: next: the kNN vote (k = 5) of pixels, seed 0\n" in err
     table = (out / "compare.md").read_text()
     assert "± 0.0" not in table and "(deterministic)" in table
-    assert "- network: resnet18, small-image stem (3x3, no max-pool); images 8 px (--image-size)" in table
+    assert (
+        "- network: resnet18 (from the weights' keys), small-image stem (3x3, no max-pool) (from the weights' keys); "
+        "images 8 px (from --image-size); ImageNet mean/std (default)"
+    ) in table
     assert "kNN: k = 5, T = 0.07" in table and "pretraining unknown" in table
     assert np.isfinite(json.loads((out / "results.json").read_text())["results"][0]["metrics"]["top1"])

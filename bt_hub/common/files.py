@@ -381,6 +381,18 @@ def _sorted_metadata(data: bytes) -> bytes:
     return data[:8] + text.ljust(size, b" ") + data[8 + size :]
 
 
+def safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file (only its header is read); ``{}`` when it has none or is no file."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(min(size, 1 << 24)))
+    except (OSError, ValueError):
+        return {}
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    return {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else {}
+
+
 def write_safetensors(
     tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None
 ) -> Path:

@@ -121,6 +121,16 @@ def progress(
     return LineProgress(total, desc, initial=initial, unit=unit, every=every, file=stream, iterable=iterable)
 
 
+def note(bar: Any, text: str) -> None:
+    """Say what ``bar``'s loop does next, before a step that may take long: a line off a terminal, the bar's
+    postfix on one, nothing where the bar is silent."""
+    if isinstance(bar, LineProgress):
+        bar.file.write(f"{bar.desc}: {text}\n")
+        bar.file.flush()
+    elif isinstance(bar, tqdm) and not bar.disable:
+        bar.set_postfix_str(text)
+
+
 def _is_terminal(stream: IO[str]) -> bool:
     try:
         return bool(stream.isatty())

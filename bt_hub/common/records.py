@@ -228,13 +228,17 @@ def data_label(record: Mapping[str, Any]) -> str:
 
 
 def weights_label(record: Mapping[str, Any]) -> str:
-    """``resnet50.pth (1f2e3d4c)``: the weights' name and the start of their fingerprint."""
+    """``resnet50.pth (1f2e3d4c)``: the weights' name and the start of their fingerprint; ``pixels (baseline)`` for
+    a baseline of ``eval compare``, which has no weights file."""
     weights = record.get("weights")
     if isinstance(weights, Mapping):
+        if weights.get("baseline"):
+            return f"{weights['baseline']} (baseline)"
         name, fingerprint = weights.get("name"), weights.get("fingerprint")
     else:
         name, fingerprint = weights, record.get("weights_sha256")
-    return f"{Path(str(name or '')).name} ({str(fingerprint or '')[:8]})"
+    name = Path(str(name or "")).name
+    return f"{name} ({str(fingerprint)[:8]})" if fingerprint else name
 
 
 def paper_comparable(record: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -285,6 +289,15 @@ def fmt_mean_std(values: Sequence[Any]) -> str:
     return f"{mean:.1f} ± {std:.1f}"
 
 
+def one_value(group: Sequence[Mapping[str, Any]], values: Sequence[Any]) -> str | None:
+    """Why several seeds gave one value, in words (``deterministic``: a score the seed does not touch, as its
+    record's ``notes.deterministic`` says; else ``alike``), or None when they differ or there is only one."""
+    if len(values) < 2 or len({fmt(v) for v in values}) > 1:
+        return None
+    deterministic = all((r.get("notes") or {}).get("deterministic") is True for r in group)
+    return "deterministic: one value" if deterministic else "alike: one value"
+
+
 def seeds_text(count: int) -> str:
     """``1 seed``, ``3 seeds``."""
     return f"{count} seed" + ("" if count == 1 else "s")
@@ -327,14 +340,40 @@ def seed_group_key(record: Mapping[str, Any]) -> tuple[str, str, str, str]:
 # ----------------------------------------------------------------------------- rendering
 
 
+def settings_text(settings: Mapping[str, Any]) -> str:
+    """An evaluation's resolved settings (a record's ``settings``) in words, each with where it came from."""
+
+    def source(key: str) -> str:
+        found = settings.get(f"{key}_from")
+        if not found or found == "default":
+            return f" ({found})" if found else ""
+        where = "the weights' " + found.removeprefix("weights ") if found.startswith("weights ") else found
+        return f" (from {where})"
+
+    stem = "small-image stem (3x3, no max-pool)" if settings.get("small_image_stem") else "standard stem"
+    parts = [
+        f"{settings.get('arch')}{source('arch')}, {stem}{source('small_image_stem')}",
+        f"images {settings.get('image_size')} px{source('image_size')}",
+    ]
+    if settings.get("normalisation"):
+        parts.append(f"{settings['normalisation']}{source('normalisation')}")
+    parts.append(f"precision {settings.get('precision')} on {settings.get('device')}{source('precision')}")
+    if settings.get("weights_run"):
+        parts.append(f"weights of pretraining run {settings['weights_run']}")
+    return "; ".join(parts)
+
+
 def summary_text(records: Sequence[Mapping[str, Any]], written: Sequence[str | os.PathLike] = ()) -> str:
-    """The short table ``bt-hub eval`` prints at the end: one row per run, then the files written."""
+    """The short table ``bt-hub eval`` prints at the end: one row per run, the settings the runs resolved (each with
+    its source), then the files written."""
     rows = [("protocol", "setting", "data", "metrics")]
     for r in records:
         metrics = "  ".join(f"{metric_label(k)} {fmt(v)}" for k, v in (r.get("metrics") or {}).items())
         rows.append((str(r.get("protocol", "")), setting(r) or "—", data_label(r) or "—", metrics))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in rows]
+    resolved = dict.fromkeys(settings_text(r["settings"]) for r in records if isinstance(r.get("settings"), Mapping))
+    lines += [f"settings: {text}" for text in resolved]
     lines += [f"wrote {path}" for path in written]
     return "\n".join(line.rstrip() for line in lines)
 
@@ -352,8 +391,8 @@ def card_table(records: Sequence[Mapping[str, Any]]) -> str:
                 seed_free_setting(first) or "—",
                 data_label(first) or "—",
                 metric_label(metric),
-                fmt_mean_std(values),
-                seeds_text(len(values)),
+                fmt_mean_std(values[:1] if one_value(group, values) else values),
+                seeds_text(len(values)) + (f", {one_value(group, values)}" if one_value(group, values) else ""),
                 fmt(paper.get(metric)),
             ]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")

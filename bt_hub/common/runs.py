@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -357,17 +357,25 @@ class RunDir:
             raise error
         return run if run is not None else cls(path, write=False, kind=kind)
 
-    def start(self, config: Any, step: int | None = None, *, fresh: bool = False) -> None:
+    def start(
+        self, config: Any, step: int | None = None, *, fresh: bool = False, facts: Mapping[str, Any] | None = None
+    ) -> None:
         """Record this start in ``run.json``; with ``step`` (the step it resumes from) cut ``metrics.jsonl`` back to it.
 
         Later starts go to its ``resumes`` (or ``runs``) list; a ``fresh`` one keeps earlier ones under ``replaced``.
+        ``facts`` are what this start decided beyond its config (e.g. why ``--precision auto`` chose what it did).
         """
         if not self.write:
             return
         self._started = True
         path = self.path / "run.json"
         record = read_json(path)
-        now = {**_start_record(), "run_id": self.run_id, "config": config_dict(config) if config is not None else None}
+        now = {
+            **_start_record(),
+            "run_id": self.run_id,
+            "config": config_dict(config) if config is not None else None,
+            **(facts or {}),
+        }
         earlier = isinstance(record, dict) and "started" in record
         if earlier and not fresh and step is None:
             record.setdefault("runs", []).append(now)

@@ -1,44 +1,123 @@
-"""``--precision auto``: bfloat16 where the hardware computes it fast (CUDA with bf16, CPUs with avx512_bf16 or
-AMX), float32 elsewhere, where emulated bf16 autocast is slower than float32.
+"""``--precision auto``: bfloat16 where it is measured faster. On CUDA: bf16 where the GPU supports it. On a CPU:
+the faster of fp32 and bf16 autocast on a micro-benchmark (a ResNet-18 step), timed once per CPU model and torch
+version and cached; the speed of bf16 differs by CPU (avx512_bf16 alone has run slower than fp32), so CPU flags
+are no guide.
 """
 
 from __future__ import annotations
 
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from bt_hub.common.files import atomic_write_json, read_json
+
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-FAST_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+CACHE_NAME = "precision_auto.json"
+TIMED_REPEATS = 5  # timed steps per precision, after one untimed warm-up step each
 
 
 def cpu_flags() -> frozenset[str]:
     """The CPU feature flags of /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+    return frozenset(_cpuinfo("flags").split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo, else what the platform says), the key of the precision cache."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _cpuinfo(field: str) -> str:
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return frozenset()
+        return ""
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+        if line.split(":", 1)[0].strip() == field:
+            return line.split(":", 1)[1].strip()
+    return ""
 
 
-def fast_bf16(device: str | torch.device) -> bool:
-    """True when ``device`` computes bfloat16 natively (a CUDA GPU with bf16, or a CPU with avx512_bf16/AMX)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return any(flag in cpu_flags() for flag in FAST_BF16_CPU_FLAGS)
+def cache_file() -> Path:
+    """Where the measured choices are kept: beside bt_hub's download cache (``<torch hub dir>/checkpoints/bt_hub``)."""
+    return Path(torch.hub.get_dir()) / "checkpoints" / "bt_hub" / CACHE_NAME
 
 
-def resolve_precision(precision: str, device: str | torch.device) -> str:
-    """``auto`` -> ``bf16`` on hardware with fast bfloat16 (:func:`fast_bf16`), else ``fp32``; others unchanged."""
+def time_step(dtype: torch.dtype | None, repeats: int = TIMED_REPEATS) -> float:
+    """Median seconds of a ResNet-18 forward and backward step (batch 16, 64 px) on the CPU under ``dtype``
+    autocast (None: fp32), after one warm-up step."""
+    from bt_hub.method.model import build_backbone
+
+    generator = torch.Generator().manual_seed(0)
+    network, x = build_backbone("resnet18"), torch.randn(16, 3, 64, 64, generator=generator)
+    seconds = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = network(x).float().square().mean()
+        loss.backward()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[1:])
+
+
+def measure_cpu() -> dict[str, float]:
+    """Seconds of the micro-benchmark's step in fp32 and in bf16 autocast on this CPU."""
+    return {"fp32": time_step(None), "bf16": time_step(torch.bfloat16)}
+
+
+def cpu_choice(measure: Callable[[], Mapping[str, float]] | None = None, path: Path | None = None) -> dict[str, Any]:
+    """``--precision auto`` on this CPU: the faster of fp32 and bf16 by ``measure``'s seconds (default
+    :func:`measure_cpu`), cached in ``path`` (default :func:`cache_file`) per CPU model and torch version; the
+    choice, why, and both times."""
+    path = path or cache_file()
+    key = f"{cpu_model()} | torch {torch.__version__}"
+    cache = read_json(path)
+    cache = cache if isinstance(cache, dict) else {}
+    found = cache.get(key)
+    if isinstance(found, dict) and all(isinstance(found.get(p), (int, float)) for p in ("fp32", "bf16")):
+        timings, where = {p: float(found[p]) for p in ("fp32", "bf16")}, f"cached in {path}"
+    else:
+        timings, where = {p: float(v) for p, v in (measure or measure_cpu)().items()}, "measured now"
+        try:
+            atomic_write_json(path, {**cache, key: timings})
+        except OSError:
+            where += f", not cached ({path} is not writable)"
+    choice = "bf16" if timings["bf16"] < timings["fp32"] else "fp32"
+    return {
+        "precision": choice,
+        "precision_reason": (
+            f"auto: a ResNet-18 step took {timings['bf16']:.3g} s in bf16 and {timings['fp32']:.3g} s in fp32 on "
+            f"{cpu_model()} ({where})"
+        ),
+        "precision_fp32_s": timings["fp32"],
+        "precision_bf16_s": timings["bf16"],
+    }
+
+
+def precision_choice(precision: str, device: str | torch.device) -> dict[str, Any]:
+    """The resolved precision (``precision``) and why (``precision_reason``; on a CPU with auto, both times)."""
     if precision not in PRECISIONS:
         raise ValueError(f"--precision {precision!r} is unknown; expected one of {PRECISIONS}")
     if precision != "auto":
-        return precision
-    return "bf16" if fast_bf16(device) else "fp32"
+        return {"precision": precision, "precision_reason": f"--precision {precision}"}
+    device = torch.device(device)
+    if device.type == "cuda":
+        fast = torch.cuda.is_bf16_supported()
+        return {
+            "precision": "bf16" if fast else "fp32",
+            "precision_reason": f"auto: the GPU {'supports' if fast else 'does not support'} bf16",
+        }
+    return cpu_choice()
+
+
+def resolve_precision(precision: str, device: str | torch.device) -> str:
+    """``auto`` -> ``bf16`` or ``fp32`` by :func:`precision_choice`; others unchanged."""
+    return precision_choice(precision, device)["precision"]
 
 
 def resolve_channels_last(channels_last: str, precision: str) -> str:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from PIL import Image
 from torchvision import transforms as T
 from torchvision.transforms._presets import ImageClassification
+
+from bt_hub.common.files import CheckpointError
+from bt_hub.common.images import to_rgb
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -77,9 +82,80 @@ class DeviceEvalTransform:
         )
 
 
+class RGBImageClassification(ImageClassification):
+    """torchvision's evaluation preset after turning a PIL image of any mode (greyscale ``L``, palette, RGBA, 16-bit)
+    into 8-bit RGB and a one-channel tensor into three, as bt_hub's own readers do."""
+
+    def forward(self, img: Any) -> torch.Tensor:
+        if isinstance(img, Image.Image):
+            img = to_rgb(img)
+        elif isinstance(img, torch.Tensor) and img.ndim >= 3 and img.shape[-3] == 1:
+            img = img.expand(*img.shape[:-3], 3, *img.shape[-2:])
+        return super().forward(img)
+
+
 def transforms_for(config: Mapping[str, Any] | None) -> ImageClassification:
     """The evaluation transforms (PIL images and tensors) of weights whose run config says ``image_size`` (else 224)."""
     size = int((config or {}).get("image_size") or 224)
-    return ImageClassification(
+    return RGBImageClassification(
         crop_size=size, resize_size=round(size * 256 / 224), mean=IMAGENET_MEAN, std=IMAGENET_STD
     )
+
+
+# --------------------------------------------------------------------------- what a weights file says of its input
+
+
+def input_metadata(
+    *,
+    architecture: str,
+    small_image_stem: bool,
+    image_size: int | None,
+    mean: Sequence[float] | None = IMAGENET_MEAN,
+    std: Sequence[float] | None = IMAGENET_STD,
+    run_id: str | None = None,
+) -> dict[str, str]:
+    """The safetensors metadata every weights file bt_hub writes carries, so that evaluation rebuilds the input
+    the weights were trained on (docs/weights.md): network, stem, image side, normalisation, and the run; a value
+    that is None (not known, e.g. of weights trained elsewhere) is left out."""
+    meta = {"architecture": architecture, "small_image_stem": str(bool(small_image_stem))}
+    if image_size is not None:
+        meta["image_size"] = str(int(image_size))
+    if mean is not None and std is not None:
+        meta["mean"], meta["std"] = json.dumps([float(v) for v in mean]), json.dumps([float(v) for v in std])
+    if run_id:
+        meta["run_id"] = run_id
+    return meta
+
+
+def read_input_metadata(meta: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The keys of :func:`input_metadata` that ``meta`` holds, typed; a malformed one is an error naming ``source``."""
+    found: dict[str, Any] = {}
+    for key in ("architecture", "run_id"):
+        if isinstance(meta.get(key), str) and meta[key]:
+            found[key] = meta[key]
+    if "small_image_stem" in meta:
+        if str(meta["small_image_stem"]) not in ("True", "False"):
+            raise CheckpointError(
+                f"weights file {source} has small_image_stem {meta['small_image_stem']!r} in its metadata; "
+                "expected True or False"
+            )
+        found["small_image_stem"] = str(meta["small_image_stem"]) == "True"
+    if "image_size" in meta:
+        text = str(meta["image_size"])
+        if not text.isdigit() or int(text) <= 0:
+            raise CheckpointError(
+                f"weights file {source} has image_size {text!r} in its metadata; expected a positive integer"
+            )
+        found["image_size"] = int(text)
+    for key in ("mean", "std"):
+        if key in meta:
+            try:
+                values = tuple(float(v) for v in json.loads(str(meta[key])))
+            except (ValueError, TypeError):
+                values = ()
+            if len(values) != 3:
+                raise CheckpointError(
+                    f"weights file {source} has {key} {meta[key]!r} in its metadata; expected a JSON list of 3 numbers"
+                )
+            found[key] = values
+    return found

@@ -144,8 +144,9 @@ class PretrainConfig(RunConfig):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = field(
         default="auto",
         metadata={
-            "help": "autocast dtype (fp16 only on CUDA, with a GradScaler); auto: bf16 on GPUs with bf16 and on CPUs "
-            "with avx512_bf16/AMX, fp32 elsewhere (the choice is recorded in run.json and config.json)"
+            "help": "autocast dtype (fp16 only on CUDA, with a GradScaler); auto: bf16 on GPUs with bf16; on a CPU "
+            "the faster of fp32 and bf16 on a micro-benchmark timed once per CPU model and torch version and cached "
+            "(the choice, why and both times are recorded in run.json and config.json)"
         },
     )
     channels_last: Literal["auto", "on", "off"] = field(
@@ -272,11 +273,6 @@ class PretrainConfig(RunConfig):
         super().__post_init__()
         if self.precision == "fp16" and not self.device.startswith("cuda"):
             raise ValueError("--precision fp16 needs --device cuda; use bf16 on CPU")
-        if self.warmup_epochs > self.epochs:
-            raise ValueError(
-                f"--warmup-epochs {self.warmup_epochs} is longer than the whole schedule (--epochs {self.epochs}); "
-                "lower --warmup-epochs or raise --epochs"
-            )
         resolve_decode(self.decode, self.device, self.views)  # an impossible --decode / --views pair fails here
 
     def keeps(self, step: int, last_step: int) -> bool:
@@ -288,15 +284,32 @@ class PretrainConfig(RunConfig):
         every = int(self.keep_every)
         return every > 0 and (step % every == 0 or step == last_step)
 
-    def schedule_steps(self, steps_per_epoch: int, start: int = 0) -> tuple[int, int, int]:
-        """(total, warm-up, last) steps; refuses a ``--max-steps`` past the schedule or before the resumed ``start``."""
+    def schedule_steps(self, num_images: int, start: int = 0) -> tuple[int, int, int]:
+        """(total, warm-up, last) steps of a schedule over ``num_images`` training images.
+
+        Refuses, in one message, every way the schedule cannot be what was meant (a batch larger than the data, a
+        warm-up longer than the schedule, a ``--max-steps`` past it), then names all the flags of a short trial run
+        that fits, so a first ``--max-steps 20`` is not refused flag after flag; and a ``--max-steps`` before the
+        resumed ``start``.
+        """
+        steps_per_epoch = num_images // self.batch_size
         total = self.epochs * steps_per_epoch
-        if self.max_steps > total:
-            raise ValueError(
-                f"--max-steps {self.max_steps} is more than the {total} steps of the schedule (--epochs "
-                f"{self.epochs} x {steps_per_epoch} "
-                "steps per epoch); raise --epochs or lower --max-steps"
+        problems = []
+        if steps_per_epoch == 0:
+            problems.append(
+                f"--batch-size {self.batch_size} is larger than the {num_images} training images of --data {self.data}"
             )
+        if self.warmup_epochs > self.epochs:
+            problems.append(
+                f"--warmup-epochs {self.warmup_epochs} is longer than the whole schedule (--epochs {self.epochs})"
+            )
+        if steps_per_epoch and self.max_steps > total:
+            problems.append(
+                f"--max-steps {self.max_steps} is more than the {total} steps of the schedule (--epochs "
+                f"{self.epochs} x {steps_per_epoch} steps per epoch)"
+            )
+        if problems:
+            raise ValueError("; ".join(problems) + "; " + self.short_run(num_images))
         last = self.max_steps or total
         if start > last:
             raise ValueError(
@@ -304,3 +317,14 @@ class PretrainConfig(RunConfig):
                 "--max-steps"
             )
         return total, self.warmup_epochs * steps_per_epoch, last
+
+    def short_run(self, num_images: int) -> str:
+        """The flags of a short trial run on ``num_images`` images that the schedule checks accept, in words."""
+        steps = self.max_steps or 20
+        batch = self.batch_size if self.batch_size <= num_images else 2 ** int(math.log2(max(1, min(num_images, 256))))
+        epochs = math.ceil(steps / (num_images // batch))
+        return (
+            f"for a short trial run pass these together: --batch-size {batch} --epochs {epochs} --warmup-epochs 0 "
+            f"--max-steps {steps} ({steps} steps of {batch} of the {num_images} images; --max-steps alone stops the "
+            "paper's 1000-epoch schedule early without shortening it)"
+        )

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from bt_hub.common.distributed import (
     barrier,
+    broadcast_object,
     cleanup_distributed,
     convert_sync_batchnorm,
     get_rank,
@@ -35,11 +36,12 @@ from bt_hub.common.runs import RunDir
 from bt_hub.common.signals import Terminated, deferred_sigterm, ignore_group_signals
 from bt_hub.data.datasets import build_dataset
 from bt_hub.data.decode import collate_packed, resolve_decode
-from bt_hub.data.precision import autocast_dtype, resolve_channels_last, resolve_precision
+from bt_hub.data.precision import autocast_dtype, precision_choice, resolve_channels_last
 from bt_hub.data.prefetch import Prefetcher
 from bt_hub.method.loss import LossTerms, barlow_twins_loss
 from bt_hub.method.model import BarlowTwins
 from bt_hub.method.optim import LARS, param_groups, set_learning_rates
+from bt_hub.method.transforms import input_metadata
 from bt_hub.method.views import BatchedTwoViews
 from bt_hub.train.batches import ViewDataset, decoded_store, probe_views, save_probe, to_views, view_pair
 from bt_hub.train.compile_auto import AutoCompile
@@ -131,13 +133,14 @@ def _clear_replaced_run(out: Path, config: PretrainConfig) -> None:
 
 
 def write_backbone(
-    out: Path, model: BarlowTwins, config: PretrainConfig, step: int, num_samples: int, compiled: dict[str, str]
+    out: Path, model: BarlowTwins, config: PretrainConfig, step: int, num_samples: int, decided: dict[str, Any]
 ) -> None:
     """The final weights, once: ``backbone.safetensors`` (torchvision keys, no fc) and ``config.json``.
 
-    ``compiled`` is :class:`AutoCompile`'s record: the path the steps took (``compile: on|off``) and why.
+    ``decided`` is what the run chose for itself: :class:`AutoCompile`'s record (the path the steps took,
+    ``compile: on|off``, and why) and ``precision_choice``'s (the precision, why, and on a CPU the times of both).
     """
-    _write_weights(out / WEIGHTS_NAME, model, config)
+    _write_weights(out / WEIGHTS_NAME, model, config, step=step)
     atomic_write_json(
         out / "config.json",
         {
@@ -162,7 +165,7 @@ def write_backbone(
                 "precision": config.precision,
                 "views": config.views,
                 "decode": config.decode,
-                **compiled,
+                **decided,
                 "seed": config.seed,
                 "reference_grad_scale": config.reference_grad_scale,
                 "crop_scale_min": config.crop_scale_min,
@@ -175,13 +178,23 @@ def write_backbone(
 
 
 def _write_weights(path: Path, model: BarlowTwins, config: PretrainConfig, **meta: Any) -> None:
-    """The backbone's weights (torchvision keys, no fc) as safetensors, with its architecture and ``meta``."""
+    """The backbone's weights (torchvision keys, no fc) as safetensors, carrying what evaluation needs to rebuild
+    their input (``input_metadata``: architecture, stem, image size, normalisation, the run's id) and ``meta``."""
     state = {
         k: v.detach().cpu().contiguous().clone()
         for k, v in model.backbone.state_dict().items()
         if not k.startswith("fc.")
     }
-    meta = {"architecture": config.backbone, "small_image_stem": str(config.small_image_stem), **meta}
+    started = read_json(Path(config.out) / "run.json")  # its first start's id names the run across resumes
+    meta = {
+        **input_metadata(
+            architecture=config.backbone,
+            small_image_stem=config.small_image_stem,
+            image_size=config.image_size,
+            run_id=started.get("run_id") if isinstance(started, dict) else None,
+        ),
+        **meta,
+    }
     write_safetensors(state, path, metadata={k: str(v) for k, v in meta.items()})
 
 
@@ -205,7 +218,8 @@ def pretrain(config: PretrainConfig) -> Path:
 
 
 def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
-    precision = resolve_precision(config.precision, device)
+    chosen = broadcast_object(precision_choice(config.precision, device) if is_main_process() else None)
+    precision = chosen["precision"]
     config = dataclasses.replace(
         config,
         precision=precision,
@@ -220,19 +234,14 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
     is_dir = not (config.data == "digits" or config.data.startswith("synthetic"))
     dataset = build_dataset(config.data, "train", image_size=None if is_dir else config.image_size, seed=config.seed)
     steps_per_epoch = len(dataset) // config.batch_size
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"--batch-size {config.batch_size} is larger than the {len(dataset)} training images of "
-            f"--data {config.data}"
-        )
-    total_steps, warmup_steps, last_step = config.schedule_steps(steps_per_epoch, int(state["step"]) if state else 0)
+    total_steps, warmup_steps, last_step = config.schedule_steps(len(dataset), int(state["step"]) if state else 0)
 
     model, optimizer, scaler, step = _seeded_model(config, device, state)
     step_module = _wrapped(model, config, device, world, last_step - step)  # before the probe: it sees wrapped BNs
     amp_dtype = autocast_dtype(config.precision)
     if state is None and config.overwrite and is_main_process():
         _clear_replaced_run(out, config)
-    run.start(config, step, fresh=state is None and (config.resume is None or config.overwrite))
+    run.start(config, step, fresh=state is None and (config.resume is None or config.overwrite), facts=chosen)
     view_params = view_pair(config)
     batched = BatchedTwoViews(config.image_size, view_params) if config.views == "batched" else None
     views = ViewDataset(
@@ -270,7 +279,7 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
     step = _run_loop(loop, step)
     if is_main_process():
         save_probe(out / "cross_correlation_end.npy", model, probe)
-        write_backbone(out, model, config, step, len(dataset), loop.step_module.record)
+        write_backbone(out, model, config, step, len(dataset), {**loop.step_module.record, **chosen})
     barrier()
     return out
 

@@ -17,6 +17,7 @@ from bt_hub.common.records import (
     group_by_seed,
     mean_std,
     metric_label,
+    one_value,
     read_records,
     seed_free_setting,
     seed_group_key,
@@ -85,8 +86,25 @@ def described(record: Mapping[str, Any], weights_config: Mapping[str, Any] | Non
     small = known.get("small_image_stem") if hyper.get("small_image_stem") is None else hyper["small_image_stem"]
     stem = "3x3 small-image stem" if small is True else "7x7 stem" if small is False else "unknown stem"
     size = hyper.get("image_size") or known.get("image_size")
-    text = f"{arch}, {stem}, {f'{size} px' if size else 'unknown image size'}"
+    network = "raw pixels, no network" if _baseline_name(record) == "pixels" else f"{arch}, {stem}"
+    text = f"{network}, {f'{size} px' if size else 'unknown image size'}"
     return {**record, "protocol": f"{record.get('protocol', 'evaluation')} [{text}]"}
+
+
+def _baseline_name(record: Mapping[str, Any]) -> str | None:
+    weights = record.get("weights")
+    if isinstance(weights, Mapping) and weights.get("baseline"):
+        return str(weights["baseline"])
+    return str(weights.get("name")) if _is_baseline(record) and isinstance(weights, Mapping) else None
+
+
+def _task_name(record: Mapping[str, Any]) -> str:
+    """A model-index task: the protocol with its network (``described``) and setting; a cell of ``eval compare``
+    leaves out that command's own flags (baselines, protocols, seeds, ...), which say nothing of the cell."""
+    of_compare = bool((record.get("notes") or {}).get("compare"))
+    setting = seed_free_setting({**record, "overrides": {}} if of_compare else record)
+    protocol = str(record.get("protocol", "evaluation"))
+    return f"{protocol} ({setting})" if setting else protocol
 
 
 def model_index(rows: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
@@ -94,7 +112,6 @@ def model_index(rows: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     results = []
     for group in group_by_seed(rows, seed_group_key):
         first = group[0]
-        protocol = str(first.get("protocol", "evaluation"))
         dataset = first.get("dataset")
         info = dataset if isinstance(dataset, Mapping) else {"name": display_path(dataset)}
         split = (info.get("test") or {}).get("split")
@@ -105,15 +122,16 @@ def model_index(rows: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
                 continue
             mean, std = mean_std([float(v) for v in values])
             spread = f"mean ± {std:.1f} std over {seeds_text(len(values))}" if len(values) > 1 else seeds_text(1)
+            if one_value(group, values):
+                spread = f"{one_value(group, values)} over {seeds_text(len(values))}"
             metrics.append({"type": metric, "value": round(mean, 1), "name": f"{metric_label(metric)} ({spread})"})
         if not metrics:
             continue
-        setting = seed_free_setting(first)
         results.append(
             {
                 "task": {
                     "type": (first.get("table") or {}).get("task", "image-classification"),
-                    "name": f"{protocol} ({setting})" if setting else protocol,
+                    "name": _task_name(first),
                 },
                 "dataset": {
                     "name": data_label(first) or "unknown",

@@ -15,12 +15,19 @@ from typing import Any, Literal
 
 import torch
 
-from bt_hub.common.files import atomic_write, atomic_write_json, atomic_write_text, write_safetensors
+from bt_hub.common.files import (
+    atomic_write,
+    atomic_write_json,
+    atomic_write_text,
+    safetensors_metadata,
+    write_safetensors,
+)
 from bt_hub.common.optional import require
 from bt_hub.common.runs import package_version
 from bt_hub.method.model import ARCHITECTURES
+from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, input_metadata
 from bt_hub.weights.card import card_rows, model_card, timm_fields
-from bt_hub.weights.formats import infer_architecture, projector_spec, torchvision_to_detectron2_key
+from bt_hub.weights.formats import PKL_INPUT_KEY, infer_architecture, projector_spec, torchvision_to_detectron2_key
 from bt_hub.weights.load import load_backbone, read_projector_state_dict
 
 __all__ = [
@@ -64,9 +71,14 @@ def to_detectron2(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     return {"model": model, "__author__": "bt_hub", "matching_heuristics": True}
 
 
-def save_detectron2(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike) -> Path:
-    """Write ``to_detectron2(state_dict)`` as a ``.pkl`` that detectron2's ``MODEL.WEIGHTS`` loads."""
+def save_detectron2(
+    state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None
+) -> Path:
+    """Write ``to_detectron2(state_dict)`` as a ``.pkl`` that detectron2's ``MODEL.WEIGHTS`` loads, with
+    ``metadata`` (``input_metadata``) under a key of its own, which detectron2's checkpointer ignores."""
     payload = to_detectron2(state_dict)
+    if metadata:
+        payload[PKL_INPUT_KEY] = dict(metadata)
     return atomic_write(path, lambda f: pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL))
 
 
@@ -101,10 +113,7 @@ def save_torchvision(state_dict: Mapping[str, torch.Tensor], path: str | os.Path
 def _written_by_bt_hub(path: Path) -> bool:
     try:
         if path.suffix == ".safetensors":
-            with open(path, "rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(min(size, 1 << 24)))
-            return (header.get("__metadata__") or {}).get("written_by") == "bt_hub"
+            return safetensors_metadata(path).get("written_by") == "bt_hub"
         text = path.read_text(encoding="utf-8")
         if path.name == "config.json":
             config = json.loads(text)
@@ -169,7 +178,14 @@ def save_hf_folder(
     if projector:
         ours["projector"] = projector_spec(projector)
     ours.update(timm_fields(ours))
-    save_safetensors(state, folder / "model.safetensors", {"format": "pt", "architecture": arch})
+    size = ours.get("image_size")
+    meta = input_metadata(
+        architecture=arch,
+        small_image_stem=small,
+        image_size=size if isinstance(size, int) and not isinstance(size, bool) else None,
+        run_id=ours.get("run_id") if isinstance(ours.get("run_id"), str) else None,
+    )
+    save_safetensors(state, folder / "model.safetensors", {"format": "pt", **meta})
     if projector:
         save_safetensors(projector, folder / "projector.safetensors", {"format": "pt"})
     elif (folder / "projector.safetensors").exists():
@@ -276,6 +292,29 @@ def _refuse_existing(path: Path, force: bool) -> None:
         raise FileExistsError(f"{path} already exists; pass --force to replace it")
 
 
+def trained_config(info: Mapping[str, Any]) -> dict[str, Any]:
+    """The config.json of loaded weights (``weights_info``) with what their own metadata adds (image size, run id),
+    so that an export of a kept step or of a file moved out of its run folder keeps them."""
+    config = dict(info.get("config") or {})
+    for key in ("image_size", "run_id"):
+        if info.get(key) is not None and key not in config:
+            config[key] = info[key]
+    return config
+
+
+def _input_metadata(info: Mapping[str, Any]) -> dict[str, str]:
+    """``input_metadata`` of loaded weights: ImageNet's normalisation where bt_hub knows how they were trained."""
+    known = info.get("image_size") is not None or info.get("weights") is not None
+    return input_metadata(
+        architecture=info["architecture"],
+        small_image_stem=info["small_image_stem"],
+        image_size=info.get("image_size"),
+        mean=info.get("mean") or (IMAGENET_MEAN if known else None),
+        std=info.get("std") or (IMAGENET_STD if known else None),
+        run_id=info.get("run_id"),
+    )
+
+
 def export(config: ExportConfig) -> Path:
     """Convert ``config.weights`` to ``config.format`` at ``config.out``; return the file or folder written."""
     backbone = load_backbone(config.weights, arch=config.arch, allow_non_finite=config.allow_non_finite)
@@ -293,7 +332,7 @@ def export(config: ExportConfig) -> Path:
             state,
             out,
             projector=projector,
-            config=info.get("config"),
+            config=trained_config(info),
             results=config.results,
             other_results=config.other_results,
             name=config.name,
@@ -303,12 +342,7 @@ def export(config: ExportConfig) -> Path:
         )
     _refuse_existing(out, config.force)
     if config.format == "safetensors":
-        meta = {
-            "architecture": info["architecture"],
-            "small_image_stem": str(info["small_image_stem"]),
-            "source_format": info["format"],
-        }
-        path = save_safetensors(state, out, meta)
+        path = save_safetensors(state, out, {**_input_metadata(info), "source_format": info["format"]})
     else:
-        path = save_detectron2(state, out)
+        path = save_detectron2(state, out, _input_metadata(info))
     return path

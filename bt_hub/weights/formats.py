@@ -9,13 +9,16 @@ from typing import Any
 
 import torch
 
-from bt_hub.common.files import CheckpointError, non_finite_tensors, read_file_and_sha256
+from bt_hub.common.files import CheckpointError, non_finite_tensors, read_file_and_sha256, safetensors_metadata
 from bt_hub.method.model import ARCHITECTURES
+from bt_hub.method.transforms import read_input_metadata
 
 # Prefix segments that mark "the backbone" when one file holds several ResNets.
 _BACKBONE_MARKERS = ("backbone", "trunk", "encoder", "encoder_q", "student", "bottom_up", "res5")
 # Prefix segments of networks that are not the one to evaluate (momentum/teacher copies).
 _SECONDARY_MARKERS = ("momentum", "teacher", "encoder_k", "target", "ema")
+# The key of a detectron2 .pkl under which bt_hub's export keeps ``input_metadata`` (detectron2 ignores it).
+PKL_INPUT_KEY = "bt_hub_input"
 
 
 # --------------------------------------------------------------------------- reading files
@@ -241,9 +244,19 @@ def check_finite(state: Mapping[str, torch.Tensor], source: str, *, allow: bool 
         )
 
 
+def input_metadata_of(path: Path, obj: Any) -> dict[str, Any]:
+    """What a weights file bt_hub wrote says of its input (``method.transforms.input_metadata``), typed; ``{}`` for
+    other files: safetensors metadata counts only when marked ``written_by: bt_hub``."""
+    if isinstance(obj, Mapping) and isinstance(obj.get(PKL_INPUT_KEY), Mapping):
+        return read_input_metadata(obj[PKL_INPUT_KEY], str(path))
+    meta = safetensors_metadata(path) if path.suffix == ".safetensors" else {}
+    return read_input_metadata(meta, str(path)) if meta.get("written_by") == "bt_hub" else {}
+
+
 def read_backbone(path: Path, *, allow_non_finite: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The checked backbone state dict in a weights file; ``info["sha256"]`` is of the very bytes read."""
+    """The checked backbone state dict in a weights file; ``info["sha256"]`` is of the very bytes read and
+    ``info["metadata"]`` what the file says of its input (:func:`input_metadata_of`)."""
     obj, sha256 = read_file_and_sha256(path)
     state, info = extract_backbone(obj, str(path))
     check_finite(state, str(path), allow=allow_non_finite)
-    return state, {**info, "file": str(path), "sha256": sha256}
+    return state, {**info, "file": str(path), "sha256": sha256, "metadata": input_metadata_of(path, obj)}

@@ -15,7 +15,7 @@ from torch import nn
 from bt_hub.common.optional import require
 from bt_hub.method.model import BarlowTwins
 from bt_hub.weights.download import at_commit, first_line, hf_download, hub_client_errors
-from bt_hub.weights.export import check_repo_id, check_results_files, save_hf_folder
+from bt_hub.weights.export import check_repo_id, check_results_files, save_hf_folder, trained_config
 from bt_hub.weights.load import load_backbone, read_projector_state_dict
 from bt_hub.weights.sources import looks_like_path
 
@@ -62,7 +62,7 @@ def save_pretrained(
         backbone = load_backbone(model_or_backbone)
         projector = read_projector_state_dict(model_or_backbone)
         info = backbone.weights_info
-        config = {**(info.get("config") or {}), **(config or {})}
+        config = {**trained_config(info), **(config or {})}
     return save_hf_folder(
         backbone.state_dict(),
         save_directory,

@@ -40,20 +40,35 @@ def weights_fingerprint(source: WeightsSource) -> str:
     return resolve(source, progress=False).fingerprint()
 
 
-def _architecture(
+def _input_settings(
     state: Mapping[str, torch.Tensor], info: Mapping[str, Any], arch: str | None, small: bool | None
-) -> tuple[str, bool]:
-    config = info.get("config") or {}
+) -> dict[str, Any]:
+    """Architecture, stem and image side of the weights, each with where it came from (``<name>_from``): the caller
+    (``given``), the file's own metadata, the config.json beside it, the keys (not for the image side), or None;
+    and the normalisation and run the file's metadata names."""
+    meta, config = info.get("metadata") or {}, info.get("config") or {}
     inferred_arch, inferred_small = None, None
     try:
         inferred_arch, inferred_small = infer_architecture(state, info["file"])
     except CheckpointError:
-        if arch is None and "architecture" not in config:
+        if arch is None and "architecture" not in meta and "architecture" not in config:
             raise
-    arch = arch or config.get("architecture") or inferred_arch
-    if small is None:
-        small = bool(config["small_image_stem"]) if "small_image_stem" in config else bool(inferred_small)
-    return arch, small
+    trained = config.get("image_size")
+    if trained is not None and (isinstance(trained, bool) or not isinstance(trained, int) or trained <= 0):
+        raise CheckpointError(
+            f"config.json of weights {info['file']} has image_size {trained!r}; expected a positive integer"
+        )
+    found: dict[str, Any] = {}
+    for key, given, inferred in (
+        ("architecture", arch, inferred_arch),
+        ("small_image_stem", small, inferred_small),
+        ("image_size", None, None),
+    ):
+        choices = ((given, "given"), (meta.get(key), "weights metadata"), (config.get(key), "weights config.json"))
+        value, where = next(((v, w) for v, w in choices if v is not None), (inferred, "weights keys"))
+        found[key], found[f"{key}_from"] = value, where if value is not None else None
+    found["small_image_stem"] = bool(found["small_image_stem"])
+    return {**found, "mean": meta.get("mean"), "std": meta.get("std"), "run_id": meta.get("run_id")}
 
 
 def load_backbone(
@@ -67,8 +82,9 @@ def load_backbone(
 ) -> nn.Module:
     """A ``build_backbone`` ResNet (``fc = Identity``) with the weights of ``source`` loaded strictly.
 
-    ``arch`` and ``small_image_stem`` default to config.json, else what the keys show. The network (in
-    train mode) carries ``weights_info`` and ``transforms`` (its evaluation preprocessing).
+    ``arch`` and ``small_image_stem`` default to what the file's own metadata says, then its config.json, else what
+    the keys show. The network (in train mode) carries ``weights_info`` (with each setting's source, the image side
+    and normalisation the weights were trained at, where known) and ``transforms`` (its evaluation preprocessing).
 
     Args:
         source: what ``bt_hub.weights.sources.resolve`` accepts: a registered weights member or its name, a
@@ -87,15 +103,17 @@ def load_backbone(
         CheckpointError: unreadable file, unknown layout, missing keys, wrong shapes or non-finite values.
     """
     state, info = read_backbone_state_dict(source, progress=progress, allow_non_finite=allow_non_finite)
-    arch, small = _architecture(state, info, arch, small_image_stem)
+    settings = _input_settings(state, info, arch, small_image_stem)
+    arch, small = settings["architecture"], settings["small_image_stem"]
     with torch.device("meta"):  # no random initialisation: every tensor comes from the file
         model = build_backbone(arch, small_image_stem=small)
     expected = model.state_dict()
     check_fits(state, expected, arch, info["file"])
     state = {k: state[k].to(v.dtype) if k in state else torch.zeros((), dtype=v.dtype) for k, v in expected.items()}
     model.load_state_dict(state, strict=True, assign=True)
-    model.weights_info = {**info, "architecture": arch, "small_image_stem": small}
-    model.transforms = get_weights(info["weights"]).transforms() if info["weights"] else transforms_for(info["config"])
+    model.weights_info = {**info, **settings}
+    size = {"image_size": settings["image_size"]}
+    model.transforms = get_weights(info["weights"]).transforms() if info["weights"] else transforms_for(size)
     return model.to(map_location)
 
 
