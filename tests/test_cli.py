@@ -232,6 +232,20 @@ def test_ctrl_c_or_sigterm_in_any_command_is_one_line_with_its_exit_code(
     assert line.startswith(f"bt-hub {' '.join(path)}: {said}; ") and "bt-hub " + " ".join(path) in line[20:]
 
 
+def test_python_dash_m_bt_hub_is_the_bt_hub_command(tmp_path, capsys, monkeypatch):
+    """Guards: ``python -m bt_hub`` said "No module named bt_hub.__main__" (users of pip, torch.distributed.run)."""
+    from bt_hub import __version__
+
+    run = [sys.executable, "-m", "bt_hub"]
+    done = subprocess.run([*run, "--version"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert (done.returncode, done.stdout.strip()) == (0, f"bt-hub {__version__}")
+    argv = ["eval", "knn", "--weights", "missing.pth", "--out", "out"]
+    done = subprocess.run([*run, *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv) == 2
+    assert done.returncode == 2 and messages(done.stderr) == messages(capsys.readouterr().err)
+
+
 def test_ctrl_c_or_sigterm_while_torch_loads_is_answered_in_one_line():
     # Guards: bt-hub imported torch (seconds) before its SIGTERM handler was set, so SIGTERM in the first
     # seconds ended it silently with -15, and Ctrl-C there printed a traceback; the line for a command cut
