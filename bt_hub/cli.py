@@ -71,6 +71,18 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
             "weights_table",
             "the registered weights: name, architecture, cached?, URL, cache path",
         ),
+        "download": Command(
+            "bt_hub.weights.registry",
+            "DownloadWeightsConfig",
+            "download_weights",
+            "fetch registered weights (or a URL) into the verified download cache, as loading them would",
+        ),
+        "verify": Command(
+            "bt_hub.weights.registry",
+            "VerifyWeightsConfig",
+            "verify_weights",
+            "which registered weights a file is, by its sha256 (published, or recorded at first download)",
+        ),
     },
     "eval": {
         "linear": Command(
