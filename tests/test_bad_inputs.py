@@ -279,6 +279,13 @@ def _cases() -> list[Case]:
         Case("", "unknown eval protocol", ("eval", "lineer"), ("lineer",)),
         Case("", "unknown weights subcommand", ("weights", "remove"), ("remove",)),
         Case("weights list", "unknown flag", ("weights", "list", "--all"), ("--all",)),
+        Case(
+            "weights list",
+            "config sets a key it has not",
+            ("weights", "list", "--config", "{d}/run.yaml"),
+            ("key all of", "run.yaml"),
+            write("run.yaml", "all: true\n"),
+        ),
         Case("weights download", "no name", ("weights", "download"), ("names",)),
         Case("weights download", "unknown name", ("weights", "download", "barlowtwins-in2k"), ("barlowtwins-in2k",)),
         Case(
@@ -369,6 +376,49 @@ def _cases() -> list[Case]:
         # eval: every protocol
         *_eval_cases("knn"),
         Case("eval knn", "k 0", (*knn, "--k", "0"), ("--k",), weights),
+        Case("eval knn", "config file missing", (*knn, "--config", "{d}/run.yaml"), ("--config", "run.yaml"), weights),
+        Case(
+            "eval knn",
+            "config not YAML",
+            (*knn, "--config", "{d}/run.yaml"),
+            ("run.yaml", "not valid YAML", "line 2"),
+            write("run.yaml", "k: [3\n", with_weights=True),
+        ),
+        Case(
+            "eval knn",
+            "config a list",
+            (*knn, "--config", "{d}/run.yaml"),
+            ("run.yaml", "expected a mapping"),
+            write("run.yaml", "- k\n", with_weights=True),
+        ),
+        Case(
+            "eval knn",
+            "config unknown key",
+            (*knn, "--config", "{d}/run.yaml"),
+            ("key imagesize of", "run.yaml", "did you mean image_size"),
+            write("run.yaml", "imagesize: 8\n", with_weights=True),
+        ),
+        Case(
+            "eval knn",
+            "config value of the wrong type",
+            (*knn, "--config", "{d}/run.yaml"),
+            ("key k of", "run.yaml", "must be a list of integers"),
+            write("run.yaml", "k: 20\n", with_weights=True),
+        ),
+        Case(
+            "eval knn",
+            "config value outside its choices",
+            (*knn, "--config", "{d}/run.yaml"),
+            ("key precision of", "run.yaml", "'fp32'"),
+            write("run.yaml", "precision: fp64\n", with_weights=True),
+        ),
+        Case(
+            "eval knn",
+            "weights neither given nor in the config",
+            ("eval", "knn", "--config", "{d}/run.yaml", "--out", "{d}/out"),
+            ("--weights", "run.yaml"),
+            write("run.yaml", "k: [5]\n"),
+        ),
         Case(
             "eval knn", "cache-dtype without a cache", (*knn, "--cache-dtype", "float16"), ("--cache-dtype",), weights
         ),
@@ -648,8 +698,8 @@ def _cases() -> list[Case]:
         Case("detect", "unknown engine", (*detect, "--engine", "mmdet"), ("--engine",), weights),
         Case(
             "detect",
-            "config missing",
-            (*detect, "--config", "{d}/nope.yaml"),
+            "detection-config missing",
+            (*detect, "--detection-config", "{d}/nope.yaml"),
             ("nope.yaml",),
             both(weights, folder("shapes")),
         ),

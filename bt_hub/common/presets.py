@@ -7,11 +7,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import reprlib
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
+
+import yaml
 
 C = TypeVar("C")
 
@@ -61,15 +65,70 @@ def from_preset(cls: type[C], name: str | None = None, /, **given: Any) -> C:
     return config
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader reading scalars as YAML 1.2 does: ``1e-3`` is a number, ``on``/``off``/``yes``/``no``
+    are strings (``--compile off``), only ``true``/``false`` are booleans.
+    """
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+
+
+def read_config_file(cls: type, path: str | os.PathLike) -> dict[str, Any]:
+    """The field values a YAML config file (``--config``) sets: a mapping whose keys are the flags' dest names
+    (``image_size: 32``; ``preset: NAME`` where the command has presets), each value checked as ``check_values``
+    checks it. The file is read as YAML 1.2 reads scalars (``1e-3`` a number, ``off`` a string).
+
+    Raises:
+        ValueError: one sentence naming the file, and the key where one is at fault.
+    """
+    try:
+        data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_Yaml12Loader)
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--config {path} cannot be read ({getattr(err, 'strerror', None) or err})") from None
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise ValueError(f"--config {path} is not valid YAML{line} ({getattr(err, 'problem', None) or err})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"--config {path} holds a {type(data).__name__}; expected a mapping of settings to values (image_size: 32)"
+        )
+    values = dict(data)
+    preset = values.pop("preset", None) if presets_of(cls) else None
+    if preset is not None and preset not in presets_of(cls):
+        raise SettingError(f"key preset of {path} must be one of {_listed(presets_of(cls))}, got {_shown(preset)}")
+    if "config_file" in values:  # the field that records the file: set by --config, never by a file
+        raise SettingError(f"key config_file of {path} is not a setting; a config file names no other one")
+    checked = check_values(cls, values, lambda name: f"key {name} of {path}", owner="this command (see its --help)")
+    return checked if preset is None else {"preset": preset, **checked}
+
+
 def check_values(
-    cls: type, values: Mapping[str, Any], named: Callable[[str], str] = str, *, literals: bool | str = True
+    cls: type,
+    values: Mapping[str, Any],
+    named: Callable[[str], str] = str,
+    *,
+    literals: bool | str = True,
+    owner: str = "",
 ) -> dict[str, Any]:
     """``values`` checked against the fields of ``cls``: known names, each of its field's type and ``choices``.
 
     A path is taken where a string is expected (as ``str``), a tuple where a list is; a string is never taken
     for a list (``splits="train"`` is not ``["t", "r", ...]``). ``literals``: whether a ``Literal`` field's value
     must be one of its values (False: only of their type, so that ``__post_init__`` says why a value does not
-    apply to this command; ``"only"``: check nothing else).
+    apply to this command; ``"only"``: check nothing else). ``owner`` names whose settings they are (``cls``).
 
     Raises:
         SettingError: one sentence naming the setting (``named(name)``), what was expected and what was given.
@@ -80,8 +139,8 @@ def check_values(
     for name, value in values.items():
         if name not in fields:
             close = difflib.get_close_matches(str(name), fields, n=1)
-            expected = f"did you mean {close[0]}?" if close else f"expected one of {', '.join(fields)}"
-            raise SettingError(f"{named(str(name))} is not a setting of {cls.__name__}; {expected}")
+            expected = f"did you mean {close[0]}?" if close else f"expected one of {', '.join(fields) or '(none)'}"
+            raise SettingError(f"{named(str(name))} is not a setting of {owner or cls.__name__}; {expected}")
         tp = _unwrap_optional(hints[name])
         if literals == "only":
             if typing.get_origin(tp) is typing.Literal and value not in typing.get_args(tp):
