@@ -189,6 +189,8 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -
         elif f.default is not dataclasses.MISSING and f.default is not None:
             shown = ("on" if f.default else "off") if tp is bool else f.default
             kwargs["help"] = f"{kwargs['help']} (default: {shown})".strip()
+        if _flag(f) != "--" + f.name.replace("_", "-"):  # a --config file names the setting, not the flag
+            kwargs["help"] = f"{kwargs['help']} (key in a --config file: {f.name})"
         parser.add_argument(_flag(f), dest=f.name, **kwargs)
         for alias in meta.get("aliases", ()):
             parser.add_argument("--" + alias.replace("_", "-"), dest=f.name, **{**kwargs, "help": argparse.SUPPRESS})

@@ -268,6 +268,23 @@ def test_a_config_file_sets_the_flags_those_given_override_it_and_it_is_printed_
     }
 
 
+def test_pretrain_records_the_config_file_with_its_settings_in_run_json(tmp_path, capsys):
+    import json
+
+    config = tmp_path / "pre.yaml"
+    config.write_text(
+        "data: synthetic:40\nbackbone: resnet18\nsmall_image_stem: true\nimage_size: 8\nprojector: 32-32\n"
+        "batch_size: 8\nepochs: 1\nwarmup_epochs: 0\nlr_weights: 1e-2\n"
+    )
+    assert cli.main(["pretrain", "--config", str(config), "--max-steps", "1", "--out", str(tmp_path / "run")]) == 0
+    recorded = json.loads((tmp_path / "run" / "run.json").read_text())["config"]
+    assert (recorded["config_file"], recorded["lr_weights"], recorded["max_steps"]) == (str(config), 0.01, 1)
+    assert "lr_weights: 0.01" in capsys.readouterr().err
+    config.write_text("arch: resnet18\n")  # --arch's setting is backbone: said so, not "unknown"
+    assert cli.main(["pretrain", "--config", str(config), "--out", str(tmp_path / "other")]) == 2
+    assert f"key arch of {config} is the flag --arch, whose setting is named backbone" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "path,command", list(_all_commands()), ids=lambda x: " ".join(x) if isinstance(x, list) else ""
 )

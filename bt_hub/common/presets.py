@@ -138,9 +138,7 @@ def check_values(
     checked = {}
     for name, value in values.items():
         if name not in fields:
-            close = difflib.get_close_matches(str(name), fields, n=1)
-            expected = f"did you mean {close[0]}?" if close else f"expected one of {', '.join(fields) or '(none)'}"
-            raise SettingError(f"{named(str(name))} is not a setting of {owner or cls.__name__}; {expected}")
+            raise SettingError(_unknown(str(name), fields, named, owner or cls.__name__))
         tp = _unwrap_optional(hints[name])
         if literals == "only":
             if typing.get_origin(tp) is typing.Literal and value not in typing.get_args(tp):
@@ -148,6 +146,18 @@ def check_values(
             continue
         checked[name] = _checked(value, hints[name], fields[name].metadata.get("choices"), named(name), literals)
     return checked
+
+
+def _unknown(name: str, fields: Mapping[str, dataclasses.Field], named: Callable[[str], str], owner: str) -> str:
+    """Why ``name`` is no setting: the field it is the flag of (``arch`` -> ``backbone``), a close name, or the list."""
+    for field_name, f in fields.items():
+        flags = (f.metadata.get("flag", field_name), *f.metadata.get("aliases", ()))
+        if name.replace("-", "_") in {flag.replace("-", "_") for flag in flags} and field_name != name:
+            return f"{named(name)} is the flag --{flags[0].replace('_', '-')}, whose setting is named {field_name}"
+    names = [n for n in fields if n != "config_file"]
+    close = difflib.get_close_matches(name, names, n=1)
+    expected = f"did you mean {close[0]}?" if close else f"expected one of {', '.join(names) or '(none)'}"
+    return f"{named(name)} is not a setting of {owner}; {expected}"
 
 
 def _unwrap_optional(tp: Any) -> Any:
