@@ -334,6 +334,7 @@ def test_detection_record_lists_every_override_and_the_table_marks_a_run_that_is
     config = DetectConfig(
         weights=str(weights), data=str(data), detection_config="voc", out=str(tmp_path / "out"), trials=2, opts=opts
     )
+    config.config_file = str(tmp_path / "run.yaml")  # as --config run.yaml sets it
     trials = [{"seed": s, "metrics": {"bbox_AP": 1.0}, "config": {}} for s in (0, 1)]
     loaded = LoadedWeights(str(weights), None, "ab" * 32, {})  # the record reads only the source and sha256
     record = _write(config, loaded, "torchvision", resolve_config("voc"), trials, start=0.0)
@@ -346,6 +347,11 @@ def test_detection_record_lists_every_override_and_the_table_marks_a_run_that_is
         }
     for written in (record, json.loads((tmp_path / "out" / "results.json").read_text())):
         assert written["overrides"] == expected
+        hyper = written["hyperparameters"]  # the --config file and the detectron2 YAML, each under its own name
+        assert (hyper["config_file"], hyper["detection_config_file"]) == (
+            "run.yaml",
+            "voc0712_faster_rcnn_R_50_C4_24k.yaml",
+        )
         assert written["paper"] == (None if shortened else PAPER_ROWS["voc"].block())
     (line,) = (tmp_path / "out" / "results.jsonl").read_text().splitlines()
     assert json.loads(line)["overrides"] == expected

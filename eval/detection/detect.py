@@ -310,7 +310,7 @@ def _write(
         config={
             **dataclasses.asdict(config),
             "engine": engine,
-            "config_file": str(yaml_path),
+            "detection_config_file": str(yaml_path),  # config_file: the --config file, if any
             "resolved_config": trials[0]["config"],
         },
         preset=preset,
