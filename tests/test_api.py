@@ -168,6 +168,10 @@ def test_a_bad_api_argument_is_one_sentence_naming_it_and_nothing_is_written(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_paths_and_tuples_are_taken_where_strings_and_lists_are_expected(small_stem_weights, tmp_path):
-    result = bt_hub.eval.evaluate(small_stem_weights, protocol="knn", k=(5,), cache_dir=tmp_path / "cache", **SMALL)
-    assert result.records[0]["hyperparameters"]["k"] == [5] and (tmp_path / "cache").is_dir()
+def test_paths_tuples_and_numpy_numbers_are_taken_where_strings_lists_and_numbers_are_expected(
+    small_stem_weights, tmp_path
+):
+    settings = {**SMALL, "image_size": np.int64(8), "temperature": np.float32(0.07)}
+    result = bt_hub.eval.evaluate(small_stem_weights, protocol="knn", k=(5,), cache_dir=tmp_path / "cache", **settings)
+    hyper = result.records[0]["hyperparameters"]
+    assert (hyper["k"], hyper["image_size"]) == ([5], 8) and (tmp_path / "cache").is_dir()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import numbers
 import os
 import re
 import reprlib
@@ -141,7 +142,7 @@ def check_values(
             raise SettingError(_unknown(str(name), fields, named, owner or cls.__name__))
         tp = _unwrap_optional(hints[name])
         if literals == "only":
-            if typing.get_origin(tp) is typing.Literal and value not in typing.get_args(tp):
+            if typing.get_origin(tp) is typing.Literal and value is not None and value not in typing.get_args(tp):
                 raise SettingError(f"{named(name)} must be one of {_listed(typing.get_args(tp))}, got {_shown(value)}")
             continue
         checked[name] = _checked(value, hints[name], fields[name].metadata.get("choices"), named(name), literals)
@@ -166,7 +167,9 @@ def _unwrap_optional(tp: Any) -> Any:
 
 
 def _checked(value: Any, tp: Any, choices: Iterable[Any] | None, label: str, literals: bool | str) -> Any:
-    """``value`` as a field of type ``tp`` takes it (path -> str, tuple -> list), or a SettingError."""
+    """``value`` as a field of type ``tp`` takes it (path -> str, tuple -> list, numpy number -> int or float), or a
+    SettingError.
+    """
     options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
     if value is None and type(None) in options:
         return None
@@ -183,9 +186,11 @@ def _checked(value: Any, tp: Any, choices: Iterable[Any] | None, label: str, lit
     if tp in _TYPE_WORDS:
         if isinstance(value, os.PathLike) and tp is str:
             value = os.fspath(value)
-        accepted = {bool: bool, int: int, float: (int, float), str: str}[tp]
+        accepted = {bool: bool, int: numbers.Integral, float: numbers.Real, str: str}[tp]
         if not isinstance(value, accepted) or (isinstance(value, bool) and tp is not bool):
             raise SettingError(f"{label} must be {_TYPE_WORDS[tp][0]}, got {_shown(value)}")
+        if tp in (int, float) and not isinstance(value, (int, float)):  # numpy's: records are JSON
+            value = int(value) if tp is int else float(value)
     if choices is not None and value not in tuple(choices):
         raise SettingError(f"{label} must be one of {_listed(choices)}, got {_shown(value)}")
     return value
