@@ -14,4 +14,12 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bt_hub.weights import barlow_twins, get_weights, list_weights, resnet50  # noqa: E402,F401
+from bt_hub.weights import (  # noqa: E402,F401
+    barlow_twins,
+    get_weights,
+    list_weights,
+    resnet18,
+    resnet34,
+    resnet50,
+    resnet101,
+)

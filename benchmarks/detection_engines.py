@@ -12,7 +12,7 @@
 
 Writes the generated shapes (``bt-hub make-detection-data`` with its defaults) and a seeded
 ResNet-50 at torchvision's default initialisation, exported with ``bt-hub export``, then runs
-``bt-hub detect --engine E --config shapes-voc`` for each engine in a child process limited
+``bt-hub detect --engine E --detection-config shapes-voc`` for each engine in a child process limited
 to ``--threads`` threads (both engines read the same YAML). The table gives the held-out AP,
 AP50 and AP75 (box, and mask for ``shapes-coco``), the median seconds per training iteration,
 the child's CPU time (user + sys, the number to compare with the CPU minutes of
@@ -105,7 +105,7 @@ def run_engine(
             "detect",
             "--engine",
             engine,
-            "--config",
+            "--detection-config",
             config,
             "--weights",
             str(weights),

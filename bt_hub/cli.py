@@ -3,7 +3,10 @@
 Each subcommand's flags are the fields of its config dataclass (kebab-case, or
 ``metadata["flag"]`` with the other spellings in ``metadata["aliases"]`` kept as hidden
 aliases), their help text is the field's ``metadata["help"]``, and a ``PRESETS`` class
-attribute adds ``--preset`` (bt_hub.common.presets; its help lists what each preset sets). The
+attribute adds ``--preset`` (bt_hub.common.presets; its help lists what each preset sets).
+Every subcommand takes ``--config FILE.yaml``: settings keyed by the fields' names, under the
+flags given; the settings it resolves to are printed (stderr) and kept in the ``config_file``
+field of configs that have one, so the run records the file beside its settings. The
 module behind a subcommand is imported only when that subcommand runs, so ``--help`` and
 the other subcommands work without its optional extras. An evaluation ends with a table of
 its metrics and the files it wrote; a function that returns text or a list of files has
@@ -28,7 +31,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bt_hub.common.presets import describe_presets, from_preset, presets_of
+from bt_hub.common.presets import describe_presets, from_preset, presets_of, read_config_file
+
+CONFIG_HELP = (
+    "a YAML file of settings for this command, keyed by the flags' names with '_' for '-' and no '--' "
+    "(image_size: 32, k: [20]; preset: NAME where there are presets); flags given override it; the settings "
+    "it resolves to are printed, and recorded with the run"
+)
 
 
 class Command(NamedTuple):
@@ -71,6 +80,18 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
             "ListWeightsConfig",
             "weights_table",
             "the registered weights: name, architecture, cached?, URL, cache path",
+        ),
+        "download": Command(
+            "bt_hub.weights.registry",
+            "DownloadWeightsConfig",
+            "download_weights",
+            "fetch registered weights (or a URL) into the verified download cache, as loading them would",
+        ),
+        "verify": Command(
+            "bt_hub.weights.registry",
+            "VerifyWeightsConfig",
+            "verify_weights",
+            "which registered weights a file is, by its sha256 (published, or recorded at first download)",
         ),
     },
     "eval": {
@@ -134,8 +155,11 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -
     """Add one flag per dataclass field (``field_name`` -> ``--field-name``)."""
     hints = typing.get_type_hints(config_cls)
     presets = presets_of(config_cls)
+    parser.add_argument(
+        "--config", dest="config_file", metavar="FILE.yaml", default=argparse.SUPPRESS, help=CONFIG_HELP
+    )
     for f in dataclasses.fields(config_cls):
-        if not f.init:
+        if not f.init or f.name == "config_file":  # set by --config
             continue
         meta = dict(f.metadata)
         tp = _unwrap_optional(hints[f.name])
@@ -161,13 +185,14 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -
             kwargs["nargs"] = meta.get("nargs", "*")
             parser.add_argument(f.name, **kwargs)
             continue
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            kwargs["required"] = True
+        if _required(f):  # on the command line or in the --config file (build_config checks)
+            kwargs["help"] = f"{kwargs['help']} (required)".strip()
         elif f.default is not dataclasses.MISSING and f.default is not None:
             shown = ("on" if f.default else "off") if tp is bool else f.default
             kwargs["help"] = f"{kwargs['help']} (default: {shown})".strip()
-        flag = meta.get("flag", f.name)
-        parser.add_argument("--" + flag.replace("_", "-"), dest=f.name, **kwargs)
+        if _flag(f) != "--" + f.name.replace("_", "-"):  # a --config file names the setting, not the flag
+            kwargs["help"] = f"{kwargs['help']} (key in a --config file: {f.name})"
+        parser.add_argument(_flag(f), dest=f.name, **kwargs)
         for alias in meta.get("aliases", ()):
             parser.add_argument("--" + alias.replace("_", "-"), dest=f.name, **{**kwargs, "help": argparse.SUPPRESS})
     if presets and not any(f.name == "preset" for f in dataclasses.fields(config_cls)):
@@ -178,9 +203,42 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -
 
 
 def build_config(config_cls: type, namespace: argparse.Namespace) -> Any:
-    """The config dataclass from parsed flags: defaults, then ``--preset``'s values, then the flags given."""
+    """The config dataclass from parsed flags: defaults, then ``--preset``'s values, then the ``--config`` file's,
+    then the flags given (a ``--preset`` flag chooses over the file's ``preset``).
+    """
     given = vars(namespace).copy()
-    return from_preset(config_cls, given.pop("preset", None), **given)
+    path = given.pop("config_file", None)
+    values = read_config_file(config_cls, path) if path else {}
+    preset = given.pop("preset", values.pop("preset", None))
+    if path and any(f.name == "config_file" for f in dataclasses.fields(config_cls)):
+        values["config_file"] = path
+    values.update(given)
+    missing = [_flag(f) for f in dataclasses.fields(config_cls) if _required(f) and f.name not in values]
+    if missing:
+        where = f"on the command line or in {path}" if path else "on the command line or in a --config file"
+        raise ValueError(f"the following arguments are required: {', '.join(missing)} ({where})")
+    return from_preset(config_cls, preset, **values)
+
+
+def _required(f: dataclasses.Field) -> bool:
+    """A flag without a default (not a positional argument, which argparse requires itself)."""
+    no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    return f.init and no_default and not f.metadata.get("positional")
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return "--" + f.metadata.get("flag", f.name).replace("_", "-")
+
+
+def resolved_settings(config: Any) -> str:
+    """A config's settings as the YAML file ``--config`` reads back (every field a flag sets)."""
+    import json
+
+    import yaml
+
+    names = [f.name for f in dataclasses.fields(config) if f.init and f.name != "config_file"]
+    values = json.loads(json.dumps({name: getattr(config, name) for name in names}, default=str))
+    return yaml.safe_dump(values, sort_keys=False, allow_unicode=True, default_flow_style=None).rstrip()
 
 
 def _print_warning(prefix: str) -> Any:
@@ -278,11 +336,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             config_cls = getattr(module, command.config)
             parser = _Parser(prog=prefix, description=command.help)
             add_dataclass_arguments(parser, config_cls)
-            namespace = parser.parse_args(rest)
+            args = parser.parse_args(rest)
             if os.environ.get("BT_HUB_PARSE_ONLY"):  # the CPU suite's check of GPU scripts' command lines
                 print(f"{prefix}: parsed (BT_HUB_PARSE_ONLY is set: nothing run)")
                 return 0
-            config = build_config(config_cls, namespace)
+            config = build_config(config_cls, args)
+            if getattr(args, "config_file", None) and os.environ.get("RANK", "0") == "0":
+                print(f"{prefix}: settings from {args.config_file} and the flags given:", file=sys.stderr)
+                print(resolved_settings(config), file=sys.stderr)
             keep_freed_memory()
             with torch_threads(getattr(config, "threads", 0)):
                 result = getattr(module, command.function)(config)

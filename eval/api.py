@@ -2,8 +2,9 @@
 
 Each builds the same config its ``bt-hub`` command builds (presets and flags as keyword arguments,
 spelled as the dataclass fields) and runs it through the same runner (bt_hub.eval.runner); nothing is
-written unless ``out=`` is given. The result holds the records and the table as a list of rows
-(``.to_pandas()`` where pandas is installed)::
+written unless ``out=`` is given. Every argument is checked against its field's type before anything runs:
+a wrong one is a TypeError (a ValueError for a value outside its choices) naming it, and nothing is written.
+The result holds the records and the table as a list of rows (``.to_pandas()`` where pandas is installed)::
 
     from bt_hub.eval import compare, embed, evaluate
 
@@ -15,6 +16,7 @@ written unless ``out=`` is given. The result holds the records and the table as 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,10 +74,6 @@ def record_row(record: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _config(cls: type, preset: str | None, out: str | Path | None, **settings: Any) -> Any:
-    return from_preset(cls, preset, out=None if out is None else str(out), **settings)
-
-
 def evaluate(
     weights: str | Path,
     data: str | Path = "digits",
@@ -90,10 +88,10 @@ def evaluate(
     ``settings`` are the protocol's flags as field names (``k=[20]``, ``epochs=10``, ``image_size=32``,
     ``device="cuda"``); ``preset`` names one of its presets. A folder is written only when ``out`` is given.
     """
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol {protocol!r} is unknown; expected one of {', '.join(PROTOCOLS)}")
+    if not isinstance(protocol, str) or protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     cls, score = PROTOCOLS[protocol]
-    config = _config(cls, preset, out, weights=str(weights), data=str(data), **settings)
+    config = from_preset(cls, preset, weights=weights, data=data, out=out, **settings)
     records = suite.run(config)["results"] if score is None else [run_protocol(config, score)]
     return Results(records, [record_row(r) for r in records], render_table(records), Path(out) if out else None)
 
@@ -113,14 +111,15 @@ def compare(
     ``rows`` has one row per representation: its mean, std and per-seed values in each column and,
     for weights, the verdict against the best baseline; ``records`` holds every per-seed record.
     """
-    sources = [str(weights)] if isinstance(weights, (str, Path)) else [str(w) for w in weights]
-    config = comparison.CompareConfig(
-        weights=sources,
-        data=str(data),
-        baselines=list(baselines),
-        protocols=list(protocols),
+    config = from_preset(
+        comparison.CompareConfig,
+        None,
+        weights=[weights] if isinstance(weights, (str, os.PathLike)) else weights,
+        data=data,
+        baselines=baselines,
+        protocols=protocols,
         seeds=seeds,
-        out=None if out is None else str(out),
+        out=out,
         **settings,
     )
     result, text = comparison.compare_and_write(config)
@@ -140,9 +139,7 @@ def embed(
     ``arrays[split]`` is ``(features [N, D] float32, index rows)``; with ``out`` the features go to
     ``<split>.npy`` and the index to ``index.csv`` (``format="parquet"``: one ``embeddings.parquet``).
     """
-    config = embedding.EmbedConfig(
-        weights=str(weights), data=str(data), splits=list(splits), out=None if out is None else str(out), **settings
-    )
+    config = from_preset(embedding.EmbedConfig, None, weights=weights, data=data, splits=splits, out=out, **settings)
     found = embedding.run_embed(config)
     rows = [row for _, index in found.values() for row in index]
     return Results([], rows, f"{len(rows)} rows embedded", Path(out) if out else None, arrays=found)

@@ -324,7 +324,7 @@ class CompareConfig(EvalConfig):
             "images are few, the epochs rise to reach it, so the from-scratch row learns (0: the epochs as given)"
         },
     )
-    out: str = field(
+    out: str | None = field(
         default="runs/compare",
         kw_only=True,
         metadata={"help": "output directory: compare.md, compare.png, results.json, results.jsonl, results.md"},

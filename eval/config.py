@@ -62,7 +62,7 @@ class EvalConfig(RunConfig):
             "(ImageFolder class folders in each)"
         },
     )
-    out: str = out_field(
+    out: str | None = out_field(
         "runs/eval",
         "output directory: results.json (this run), results.jsonl (every run), results.md "
         "and the protocol's logs go here",

@@ -112,3 +112,66 @@ def test_embed_parquet_holds_the_index_and_the_features(small_stem_weights, tmp_
     assert table.column_names == ["split", "row", "path", "label", "class", "features"]
     features = np.stack(table.column("features").to_numpy(zero_copy_only=False))
     assert features.shape[1] == 512 and table.num_rows == features.shape[0]
+
+
+OUT = "out"  # every bad call below is given out=OUT inside an empty folder: nothing may appear there
+BAD_CALLS = [  # (function, positional arguments, keyword arguments, exception, what the message must say)
+    ("evaluate", (None,), {}, TypeError, "weights must be a string, got None"),
+    ("evaluate", (3,), {}, TypeError, "weights must be a string, got 3"),
+    ("evaluate", ("W",), {"data": None}, TypeError, "data must be a string, got None"),
+    ("evaluate", ("W",), {"protocol": ["knn"]}, ValueError, "protocol must be one of knn, linear"),
+    ("evaluate", ("W",), {"image_size": "16"}, TypeError, "image_size must be an integer, got '16' (str)"),
+    ("evaluate", ("W",), {"image_size": 8.5}, TypeError, "image_size must be an integer, got 8.5"),
+    ("evaluate", ("W",), {"k": 20}, TypeError, "k must be a list of integers, got 20"),
+    ("evaluate", ("W",), {"k": ["20"]}, TypeError, "each item of k must be an integer, got '20'"),
+    ("evaluate", ("W",), {"temprature": 0.1}, TypeError, "temprature is not a setting of KnnConfig; did you mean"),
+    ("evaluate", ("W",), {"out": 5}, TypeError, "out must be a string, got 5"),
+    ("evaluate", ("W",), {"preset": 3}, TypeError, "preset must be the name of a preset (a string), got 3"),
+    ("evaluate", ("W",), {"device": 0}, TypeError, "device must be a string, got 0"),
+    ("evaluate", ("W",), {"seed": "1"}, TypeError, "seed must be an integer, got '1'"),
+    ("evaluate", ("W",), {"num_workers": "2"}, TypeError, "num_workers must be an integer, got '2'"),
+    ("evaluate", ("W",), {"batch_size": None}, TypeError, "batch_size must be an integer, got None"),
+    ("evaluate", ("W",), {"holdout": "0.2"}, TypeError, "holdout must be a number, got '0.2'"),
+    ("evaluate", ("W",), {"allow_non_finite": "yes"}, TypeError, "allow_non_finite must be True or False"),
+    ("evaluate", ("W",), {"precision": "fp64"}, ValueError, "precision must be one of 'auto', 'fp32'"),
+    ("evaluate", ("W",), {"arch": "resnet9"}, ValueError, "arch must be one of 'resnet18'"),
+    ("evaluate", ("W",), {"cache_dir": 3}, TypeError, "cache_dir must be a string, got 3"),
+    ("evaluate", ("W",), {"protocol": "linear", "epochs": "2"}, TypeError, "epochs must be an integer, got '2'"),
+    ("compare", (None,), {}, TypeError, "weights must be a list of strings, got None"),
+    ("compare", ([None],), {}, TypeError, "each item of weights must be a string, got None"),
+    ("compare", ("W",), {"baselines": "pixels"}, TypeError, "baselines must be a list of strings, got the string"),
+    ("compare", ("W",), {"protocols": "knn"}, TypeError, "protocols must be a list of strings, got the string 'knn'"),
+    ("compare", ("W",), {"seeds": "3"}, TypeError, "seeds must be an integer, got '3'"),
+    ("compare", ("W",), {"seeds": 2.5}, TypeError, "seeds must be an integer, got 2.5"),
+    ("compare", ("W",), {"knn_k": [5]}, TypeError, "knn_k must be an integer, got [5]"),
+    ("embed", ("W",), {"splits": "train"}, TypeError, "splits must be a list of strings, got the string 'train'"),
+    ("embed", ("W",), {"splits": None}, TypeError, "splits must be a list of strings, got None"),
+    ("embed", (None,), {}, TypeError, "weights must be a string, got None"),
+    ("embed", ("W",), {"format": 3}, TypeError, "format must be a string, got 3"),
+    ("embed", ("W",), {"format": "hdf5"}, ValueError, "--format must be npy or parquet, got 'hdf5'"),
+    ("embed", ("W",), {"decode": "gpu"}, ValueError, "decode must be one of 'device', 'workers', got 'gpu'"),
+]
+
+
+@pytest.mark.parametrize(("function", "args", "kwargs", "error", "said"), BAD_CALLS, ids=lambda v: repr(v)[:30])
+def test_a_bad_api_argument_is_one_sentence_naming_it_and_nothing_is_written(
+    function, args, kwargs, error, said, small_stem_weights, tmp_path, monkeypatch
+):
+    """Guards: evaluate(None) read the weights 'None', compare(None) raised "'NoneType' object is not iterable",
+    image_size='16' "'<=' not supported", splits='train' "got t r a i n", and out=5 made a folder "5"."""
+    monkeypatch.chdir(tmp_path)
+    args = tuple(str(small_stem_weights) if a == "W" else a for a in args)
+    with pytest.raises(error) as err:
+        getattr(bt_hub.eval, function)(*args, **{"data": "synthetic:40", "out": OUT, **kwargs})
+    message = str(err.value)
+    assert said in message and "\n" not in message, message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_paths_tuples_and_numpy_numbers_are_taken_where_strings_lists_and_numbers_are_expected(
+    small_stem_weights, tmp_path
+):
+    settings = {**SMALL, "image_size": np.int64(8), "temperature": np.float32(0.07)}
+    result = bt_hub.eval.evaluate(small_stem_weights, protocol="knn", k=(5,), cache_dir=tmp_path / "cache", **settings)
+    hyper = result.records[0]["hyperparameters"]
+    assert (hyper["k"], hyper["image_size"]) == ([5], 8) and (tmp_path / "cache").is_dir()

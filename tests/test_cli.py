@@ -106,8 +106,10 @@ def test_add_dataclass_arguments_maps_types_presets_and_required():
         Demo, parser.parse_args(["--data", "x", "--preset", "fast", "--epochs", "7", "--lr", "0.5"])
     )
     assert (config.epochs, config.lr) == (7, 0.5)
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--epochs", "3"])
+    with pytest.raises(
+        ValueError, match="^the following arguments are required: --data \\(on the command line or in a"
+    ):
+        cli.build_config(Demo, parser.parse_args(["--epochs", "3"]))  # --data may come from a --config file
     with pytest.raises(SystemExit):
         parser.parse_args(["--data", "x", "--mode", "c"])
 
@@ -226,10 +228,106 @@ def test_ctrl_c_or_sigterm_in_any_command_is_one_line_with_its_exit_code(
         "export": ["--weights", "w.pth", "--out", "x.pth"],
         "voc07-svm": ["--weights", "w.pth", "--data", "VOCdevkit"],
         "detect": ["--weights", "w.pth", "--data", "shapes"],
+        "download": ["barlowtwins-in1k"],
+        "verify": ["w.pth"],
     }.get(path[-1], [] if path[0] in ("demo", "pretrain", "weights") else ["--weights", "w.pth"])
     assert cli.main([*path, *argv]) == code
     line = one_sentence(capsys.readouterr().err)
     assert line.startswith(f"bt-hub {' '.join(path)}: {said}; ") and "bt-hub " + " ".join(path) in line[20:]
+
+
+def _printed_settings(err: str) -> str:
+    """The YAML block ``--config`` prints on stderr after its header line."""
+    lines = err.splitlines()
+    start = next(i for i, line in enumerate(lines) if ": settings from " in line) + 1
+    block = [line for line in lines[start:] if line.startswith(("  ", "- ")) or ": " in line or line.endswith(":")]
+    return "\n".join(block[: next((i for i, line in enumerate(block) if line.startswith("features ")), len(block))])
+
+
+def test_a_config_file_sets_the_flags_those_given_override_it_and_it_is_printed_and_recorded(
+    small_stem_weights, tmp_path, capsys
+):
+    """Guards: no command read a config file (--config run.yaml, what litgpt and Lightning users reach for)."""
+    import json
+
+    import yaml
+
+    config = tmp_path / "run.yaml"
+    config.write_text(f"weights: {small_stem_weights}\ndata: synthetic:40\nimage_size: 8\nbatch_size: 16\nk: [3]\n")
+    assert cli.main(["eval", "knn", "--config", str(config), "--k", "5", "--out", str(tmp_path / "a")]) == 0
+    recorded = json.loads((tmp_path / "a" / "results.json").read_text())["hyperparameters"]
+    assert (recorded["image_size"], recorded["batch_size"], recorded["k"]) == (8, 16, [5])
+    assert recorded["config_file"] == "run.yaml"  # as every path in a record: an absolute one by its name
+    printed = _printed_settings(capsys.readouterr().err)
+    assert yaml.safe_load(printed)["k"] == [5] and "config_file" not in yaml.safe_load(printed)
+    (tmp_path / "printed.yaml").write_text(printed)  # what was printed is a config file that reproduces the run
+    assert cli.main(["eval", "knn", "--config", str(tmp_path / "printed.yaml"), "--out", str(tmp_path / "b")]) == 0
+    again = json.loads((tmp_path / "b" / "results.json").read_text())["hyperparameters"]
+    assert {k: v for k, v in again.items() if k not in ("out", "config_file", "features")} == {
+        k: v for k, v in recorded.items() if k not in ("out", "config_file", "features")
+    }
+
+
+def test_pretrain_records_the_config_file_with_its_settings_in_run_json(tmp_path, capsys):
+    import json
+
+    config = tmp_path / "pre.yaml"
+    config.write_text(
+        "data: synthetic:40\nbackbone: resnet18\nsmall_image_stem: true\nimage_size: 8\nprojector: 32-32\n"
+        "batch_size: 8\nepochs: 1\nwarmup_epochs: 0\nlr_weights: 1e-2\n"
+    )
+    assert cli.main(["pretrain", "--config", str(config), "--max-steps", "1", "--out", str(tmp_path / "run")]) == 0
+    recorded = json.loads((tmp_path / "run" / "run.json").read_text())["config"]
+    assert (recorded["config_file"], recorded["lr_weights"], recorded["max_steps"]) == (str(config), 0.01, 1)
+    assert "lr_weights: 0.01" in capsys.readouterr().err
+    config.write_text("arch: resnet18\n")  # --arch's setting is backbone: said so, not "unknown"
+    assert cli.main(["pretrain", "--config", str(config), "--out", str(tmp_path / "other")]) == 2
+    assert f"key arch of {config} is the flag --arch, whose setting is named backbone" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "path,command", list(_all_commands()), ids=lambda x: " ".join(x) if isinstance(x, list) else ""
+)
+def test_every_command_takes_config(path, command):
+    """``bt-hub detect --config`` was its detectron2 config (now --detection-config): --config is the YAML file."""
+    parser = cli._Parser(prog="bt-hub " + " ".join(path))
+    cli.add_dataclass_arguments(parser, getattr(importlib.import_module(command.module), command.config))
+    assert [a.dest for a in parser._actions if "--config" in a.option_strings] == ["config_file"]
+
+
+def test_a_config_files_values_are_read_as_yaml_1_2_and_a_preset_flag_chooses_over_the_files(tmp_path):
+    from bt_hub.eval.linear import LinearConfig
+    from bt_hub.train.config import PretrainConfig
+
+    config = tmp_path / "pre.yaml"
+    config.write_text("compile: off\nlr_weights: 1e-3\nsmall_image_stem: true\n")
+    parser = cli._Parser(prog="bt-hub pretrain")
+    cli.add_dataclass_arguments(parser, PretrainConfig)
+    args = ["--config", str(config), "--out", str(tmp_path / "run")]
+    built = cli.build_config(PretrainConfig, parser.parse_args(args))
+    assert (built.compile, built.lr_weights, built.small_image_stem) == ("off", 0.001, True)
+    assert built.config_file == str(config)
+    config.write_text("preset: small\nepochs: 3\n")
+    parser = cli._Parser(prog="bt-hub eval linear")
+    cli.add_dataclass_arguments(parser, LinearConfig)
+    flags = ["--weights", "w", "--config", str(config), "--out", str(tmp_path / "ev")]
+    from_file = cli.build_config(LinearConfig, parser.parse_args(flags))
+    assert (from_file.preset, from_file.epochs) == ("small", 3)
+    assert cli.build_config(LinearConfig, parser.parse_args([*flags, "--preset", "imagenet"])).preset == "imagenet"
+
+
+def test_python_dash_m_bt_hub_is_the_bt_hub_command(tmp_path, capsys, monkeypatch):
+    """Guards: ``python -m bt_hub`` said "No module named bt_hub.__main__" (users of pip, torch.distributed.run)."""
+    from bt_hub import __version__
+
+    run = [sys.executable, "-m", "bt_hub"]
+    done = subprocess.run([*run, "--version"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert (done.returncode, done.stdout.strip()) == (0, f"bt-hub {__version__}")
+    argv = ["eval", "knn", "--weights", "missing.pth", "--out", "out"]
+    done = subprocess.run([*run, *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv) == 2
+    assert done.returncode == 2 and messages(done.stderr) == messages(capsys.readouterr().err)
 
 
 def test_ctrl_c_or_sigterm_while_torch_loads_is_answered_in_one_line():

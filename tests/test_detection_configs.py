@@ -139,7 +139,8 @@ def test_aliases_resolve_to_shipped_files_and_unknown_configs_are_refused(tmp_pa
     own.write_text("_BASE_: x.yaml\n")
     assert resolve_config(str(own)) == own
     with pytest.raises(
-        FileNotFoundError, match="--config must be 'voc', 'coco', 'shapes-voc', 'shapes-coco' or a detectron2 YAML file"
+        FileNotFoundError,
+        match="--detection-config must be 'voc', 'coco', 'shapes-voc', 'shapes-coco' or a detectron2 YAML file",
     ):
         resolve_config(str(tmp_path / "absent.yaml"))
 
@@ -196,7 +197,17 @@ def test_detect_refuses_an_out_it_did_not_create_before_reading_anything(capsys,
     mine.mkdir()
     (mine / "results.json").write_text("my own notes")
     code = cli_main(
-        ["detect", "--weights", "w.pth", "--data", str(tmp_path), "--config", "shapes-voc", "--out", str(mine)]
+        [
+            "detect",
+            "--weights",
+            "w.pth",
+            "--data",
+            str(tmp_path),
+            "--detection-config",
+            "shapes-voc",
+            "--out",
+            str(mine),
+        ]
     )
     assert code == 2
     assert f"--out {mine} is not empty and was not created by bt-hub" in capsys.readouterr().err
@@ -321,8 +332,9 @@ def test_detection_record_lists_every_override_and_the_table_marks_a_run_that_is
     if shortened:
         opts += ["SOLVER.MAX_ITER", "3", "SOLVER.STEPS", "(2,)", "MODEL.RPN.NMS_THRESH", "0.5"]
     config = DetectConfig(
-        weights=str(weights), data=str(data), config="voc", out=str(tmp_path / "out"), trials=2, opts=opts
+        weights=str(weights), data=str(data), detection_config="voc", out=str(tmp_path / "out"), trials=2, opts=opts
     )
+    config.config_file = str(tmp_path / "run.yaml")  # as --config run.yaml sets it
     trials = [{"seed": s, "metrics": {"bbox_AP": 1.0}, "config": {}} for s in (0, 1)]
     loaded = LoadedWeights(str(weights), None, "ab" * 32, {})  # the record reads only the source and sha256
     record = _write(config, loaded, "torchvision", resolve_config("voc"), trials, start=0.0)
@@ -335,6 +347,11 @@ def test_detection_record_lists_every_override_and_the_table_marks_a_run_that_is
         }
     for written in (record, json.loads((tmp_path / "out" / "results.json").read_text())):
         assert written["overrides"] == expected
+        hyper = written["hyperparameters"]  # the --config file and the detectron2 YAML, each under its own name
+        assert (hyper["config_file"], hyper["detection_config_file"]) == (
+            "run.yaml",
+            "voc0712_faster_rcnn_R_50_C4_24k.yaml",
+        )
         assert written["paper"] == (None if shortened else PAPER_ROWS["voc"].block())
     (line,) = (tmp_path / "out" / "results.jsonl").read_text().splitlines()
     assert json.loads(line)["overrides"] == expected

@@ -19,8 +19,9 @@ import pytest
 import torch
 from loopback import LoopbackFiles
 
+from bt_hub import cli
 from bt_hub.method.model import build_backbone
-from bt_hub.weights import DownloadError, cache_path, download, load_backbone
+from bt_hub.weights import BarlowTwinsWeights, DownloadError, cache_path, download, load_backbone
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -344,3 +345,63 @@ def test_an_html_page_served_instead_of_weights_is_refused_and_not_cached(torch_
         f"nothing was cached at {cache_path(url)}"
     )
     assert not cache_path(url).exists() and _leftovers(torch_home) == []
+
+
+def test_weights_download_fills_the_verified_cache_and_weights_verify_names_the_entry_a_file_is(
+    torch_home, weights_a_b, monkeypatch, capsys
+):
+    """Guards: the cache could be filled ahead of an offline run only by loading the weights, and nothing said which
+    registered weights a file is."""
+    (data_a, _), (data_b, _) = weights_a_b
+    member, sha = BarlowTwinsWeights.IN1K_LJNG, hashlib.sha256(data_a).hexdigest()
+    server = LoopbackFiles({"/ljng/resnet50.pth": data_a})
+    monkeypatch.setattr(member.value, "url", f"{server.url}/ljng/resnet50.pth")
+    try:
+        assert cli.main(["weights", "download", "barlowtwins-in1k-ljng"]) == 0
+    finally:
+        server.stop()
+    cached = member.cache_path()
+    said = (
+        f"barlowtwins-in1k-ljng: {cached} (sha256 {sha}; none is published: {cached.name}.sha256 holds the first one)"
+    )
+    assert cached.read_bytes() == data_a and capsys.readouterr().out.strip() == said
+    assert cli.main(["weights", "download", "barlowtwins-in1k-ljng"]) == 0  # no server: the cached copy, checked
+    assert capsys.readouterr().out.strip() == said
+    copy = torch_home.parent / "copy.pth"
+    copy.write_bytes(data_a)
+    assert cli.main(["weights", "verify", str(copy)]) == 0
+    assert (
+        capsys.readouterr().out.strip()
+        == f"{copy}: sha256 {sha} is barlowtwins-in1k-ljng (recorded in {cached}.sha256)"
+    )
+    copy.write_bytes(data_b)
+    assert cli.main(["weights", "verify", str(copy)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"bt-hub weights verify: error: {copy} (sha256 {hashlib.sha256(data_b).hexdigest()}) is none")
+    assert (
+        "it matches no sha256 of barlowtwins-in1k-ljng; barlowtwins-in1k, barlowtwins-in1k-full have no sha256" in err
+    )
+    cached.write_bytes(data_b)
+    assert cli.main(["weights", "download", "barlowtwins-in1k-ljng"]) == 2
+    assert "it changed since; delete it to download it again" in capsys.readouterr().err
+
+
+def test_weights_download_checks_a_published_sha256_and_keeps_nothing_that_fails_it(
+    torch_home, weights_a_b, monkeypatch, capsys
+):
+    (data_a, _), (data_b, _) = weights_a_b
+    member, sha = BarlowTwinsWeights.IN1K_EP1000, hashlib.sha256(data_a).hexdigest()
+    server = LoopbackFiles({"/good.pth": data_a, "/forged.pth": data_b})
+    monkeypatch.setattr(member.value, "sha256", sha)
+    try:
+        monkeypatch.setattr(member.value, "url", f"{server.url}/forged.pth")
+        assert cli.main(["weights", "download", "DEFAULT"]) == 2
+        assert "so it was refused; nothing was cached at" in capsys.readouterr().err
+        assert not member.cache_path().exists()
+        monkeypatch.setattr(member.value, "url", f"{server.url}/good.pth")
+        assert cli.main(["weights", "download", "DEFAULT"]) == 0
+    finally:
+        server.stop()
+    assert capsys.readouterr().out.strip().endswith(f"(sha256 {sha}; registered sha256)")
+    assert cli.main(["weights", "verify", str(member.cache_path())]) == 0
+    assert capsys.readouterr().out.strip().endswith("is barlowtwins-in1k (its published sha256)")

@@ -162,3 +162,34 @@ def test_hubconf_works_from_a_checkout_without_bt_hub_installed(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["Identity", "True"]
+
+
+@pytest.mark.parametrize(("arch", "dim"), [("resnet18", 512), ("resnet34", 512), ("resnet101", 2048)])
+def test_resnet18_34_101_entries_load_the_weights_given_and_build_the_architecture_without(arch, dim, tmp_path):
+    """Guards: hubconf listed resnet50 alone; Barlow Twins runs of the other depths had no torch.hub entry."""
+    bare = torch.hub.load(str(REPO_ROOT), arch, source="local", weights=None)
+    assert isinstance(bare.fc, torch.nn.Identity) and bare.eval()(torch.zeros(1, 3, 32, 32)).shape == (1, dim)
+    if arch == "resnet101":  # the loading path is the one resnet18 and resnet34 take
+        return
+    torch.manual_seed(0)
+    state = {k: v for k, v in getattr(torchvision.models, arch)().state_dict().items() if not k.startswith("fc.")}
+    torch.save(state, tmp_path / f"{arch}.pth")
+    model = torch.hub.load(str(REPO_ROOT), arch, source="local", weights=str(tmp_path / f"{arch}.pth"))
+    assert _same_backbone(model, state) and callable(model.transforms)
+
+
+@pytest.mark.parametrize(
+    "weights", ["DEFAULT", "barlowtwins-in1k", BarlowTwinsWeights.IN1K_LJNG, {"pretrained": True}], ids=str
+)
+def test_an_architecture_without_published_weights_says_there_are_none(weights, hub_dir):
+    """A registered name, DEFAULT or pretrained=True for resnet18 would be ResNet-50 weights: refused, never fetched."""
+    kwargs = weights if isinstance(weights, dict) else {"weights": weights}
+    with pytest.raises(ValueError, match="no Barlow Twins weights are published for resnet18 \\(the registered ones: "):
+        torch.hub.load(str(REPO_ROOT), "resnet18", source="local", **kwargs)
+    assert not hub_dir.exists() or not any(hub_dir.rglob("*.pth"))
+
+
+def test_resnet18_entry_refuses_resnet50_weights_naming_both(tmp_path):
+    torch.save(torchvision.models.resnet50().state_dict(), tmp_path / "r50.pth")
+    with pytest.raises(CheckpointError, match="r50.pth does not fit resnet18 \\(it looks like resnet50\\)"):
+        torch.hub.load(str(REPO_ROOT), "resnet18", source="local", weights=str(tmp_path / "r50.pth"))

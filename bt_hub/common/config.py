@@ -75,7 +75,7 @@ class RunConfig:
 
     # Fields that say where or how a run executes, not what it computes: results do not list
     # them as changes from a preset (the record holds them all under "hyperparameters").
-    RUN_FIELDS: ClassVar[tuple[str, ...]] = ("out", "overwrite", "device", "seed", "threads")
+    RUN_FIELDS: ClassVar[tuple[str, ...]] = ("out", "overwrite", "device", "seed", "threads", "config_file")
 
     out: str | None = field(default="runs", metadata={"help": "output directory"})
     overwrite: bool = field(default=False, metadata={"help": OVERWRITE_HELP})
@@ -83,6 +83,10 @@ class RunConfig:
     seed: int = field(default=0, metadata={"help": "seed of every random choice of the run"})
     threads: int = field(
         default=0, metadata={"help": "CPU threads of torch in this process (0: torch's default, the number of cores)"}
+    )
+    config_file: str | None = field(
+        default=None,
+        metadata={"help": "the YAML file of settings that --config read (recorded with them)", "flag": "config"},
     )
 
     def __post_init__(self) -> None:

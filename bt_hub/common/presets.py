@@ -1,12 +1,30 @@
-"""One preset mechanism for every config dataclass: named sets of field values (litgpt's named configs)."""
+"""One preset mechanism for every config dataclass: named sets of field values (litgpt's named configs), the
+values a caller gives checked against each field's type, and YAML config files of such values (``--config``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import difflib
+import numbers
+import os
+import re
+import reprlib
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
+
 C = TypeVar("C")
+
+
+class SettingError(TypeError, ValueError):
+    """A setting of an unknown name or of the wrong type or value: a TypeError to a Python caller, and to the
+    ``bt-hub`` command a refused input (exit 2) like every ValueError.
+    """
 
 
 def presets_of(cls: type) -> dict[str, dict[str, Any]]:
@@ -36,12 +54,163 @@ def preset_values(cls: type, name: str) -> dict[str, Any]:
 
 def from_preset(cls: type[C], name: str | None = None, /, **given: Any) -> C:
     """A ``cls`` config: dataclass defaults, then preset ``name`` (default: ``default_preset(cls)``), then ``given``."""
+    if name is not None and not isinstance(name, str):
+        raise SettingError(f"preset must be the name of a preset (a string), got {_shown(name)}")
     name = name if name is not None else default_preset(cls)
     values = preset_values(cls, name) if name is not None else {}
-    values.update(given)
+    values.update(check_values(cls, given, literals=False))
     if name is not None and any(f.name == "preset" for f in dataclasses.fields(cls)):
         values["preset"] = name
-    return cls(**values)
+    config = cls(**values)
+    check_values(cls, {k: getattr(config, k) for k in given}, literals="only")  # what __post_init__ let through
+    return config
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader reading scalars as YAML 1.2 does: ``1e-3`` is a number, ``on``/``off``/``yes``/``no``
+    are strings (``--compile off``), only ``true``/``false`` are booleans.
+    """
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+
+
+def read_config_file(cls: type, path: str | os.PathLike) -> dict[str, Any]:
+    """The field values a YAML config file (``--config``) sets: a mapping whose keys are the flags' dest names
+    (``image_size: 32``; ``preset: NAME`` where the command has presets), each value checked as ``check_values``
+    checks it. The file is read as YAML 1.2 reads scalars (``1e-3`` a number, ``off`` a string).
+
+    Raises:
+        ValueError: one sentence naming the file, and the key where one is at fault.
+    """
+    try:
+        data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_Yaml12Loader)
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--config {path} cannot be read ({getattr(err, 'strerror', None) or err})") from None
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise ValueError(f"--config {path} is not valid YAML{line} ({getattr(err, 'problem', None) or err})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"--config {path} holds a {type(data).__name__}; expected a mapping of settings to values (image_size: 32)"
+        )
+    values = dict(data)
+    preset = values.pop("preset", None) if presets_of(cls) else None
+    if preset is not None and preset not in presets_of(cls):
+        raise SettingError(f"key preset of {path} must be one of {_listed(presets_of(cls))}, got {_shown(preset)}")
+    if "config_file" in values:  # the field that records the file: set by --config, never by a file
+        raise SettingError(f"key config_file of {path} is not a setting; a config file names no other one")
+    checked = check_values(cls, values, lambda name: f"key {name} of {path}", owner="this command (see its --help)")
+    return checked if preset is None else {"preset": preset, **checked}
+
+
+def check_values(
+    cls: type,
+    values: Mapping[str, Any],
+    named: Callable[[str], str] = str,
+    *,
+    literals: bool | str = True,
+    owner: str = "",
+) -> dict[str, Any]:
+    """``values`` checked against the fields of ``cls``: known names, each of its field's type and ``choices``.
+
+    A path is taken where a string is expected (as ``str``), a tuple where a list is; a string is never taken
+    for a list (``splits="train"`` is not ``["t", "r", ...]``). ``literals``: whether a ``Literal`` field's value
+    must be one of its values (False: only of their type, so that ``__post_init__`` says why a value does not
+    apply to this command; ``"only"``: check nothing else). ``owner`` names whose settings they are (``cls``).
+
+    Raises:
+        SettingError: one sentence naming the setting (``named(name)``), what was expected and what was given.
+    """
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    checked = {}
+    for name, value in values.items():
+        if name not in fields:
+            raise SettingError(_unknown(str(name), fields, named, owner or cls.__name__))
+        tp = _unwrap_optional(hints[name])
+        if literals == "only":
+            if typing.get_origin(tp) is typing.Literal and value is not None and value not in typing.get_args(tp):
+                raise SettingError(f"{named(name)} must be one of {_listed(typing.get_args(tp))}, got {_shown(value)}")
+            continue
+        checked[name] = _checked(value, hints[name], fields[name].metadata.get("choices"), named(name), literals)
+    return checked
+
+
+def _unknown(name: str, fields: Mapping[str, dataclasses.Field], named: Callable[[str], str], owner: str) -> str:
+    """Why ``name`` is no setting: the field it is the flag of (``arch`` -> ``backbone``), a close name, or the list."""
+    for field_name, f in fields.items():
+        flags = (f.metadata.get("flag", field_name), *f.metadata.get("aliases", ()))
+        if name.replace("-", "_") in {flag.replace("-", "_") for flag in flags} and field_name != name:
+            return f"{named(name)} is the flag --{flags[0].replace('_', '-')}, whose setting is named {field_name}"
+    names = [n for n in fields if n != "config_file"]
+    close = difflib.get_close_matches(name, names, n=1)
+    expected = f"did you mean {close[0]}?" if close else f"expected one of {', '.join(names) or '(none)'}"
+    return f"{named(name)} is not a setting of {owner}; {expected}"
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    return next(t for t in options if t is not type(None))
+
+
+def _checked(value: Any, tp: Any, choices: Iterable[Any] | None, label: str, literals: bool | str) -> Any:
+    """``value`` as a field of type ``tp`` takes it (path -> str, tuple -> list, numpy number -> int or float), or a
+    SettingError.
+    """
+    options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    if value is None and type(None) in options:
+        return None
+    tp = _unwrap_optional(tp)
+    if typing.get_origin(tp) is list:
+        (element,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            given = f"the string {value!r}" if isinstance(value, str) else _shown(value)
+            raise SettingError(f"{label} must be a list of {_TYPE_WORDS.get(element, ('', 'values'))[1]}, got {given}")
+        return [_checked(v, element, choices, f"each item of {label}", literals) for v in value]
+    if typing.get_origin(tp) is typing.Literal:
+        choices = typing.get_args(tp) if literals else choices
+        tp = type(typing.get_args(tp)[0])
+    if tp in _TYPE_WORDS:
+        if isinstance(value, os.PathLike) and tp is str:
+            value = os.fspath(value)
+        accepted = {bool: bool, int: numbers.Integral, float: numbers.Real, str: str}[tp]
+        if not isinstance(value, accepted) or (isinstance(value, bool) and tp is not bool):
+            raise SettingError(f"{label} must be {_TYPE_WORDS[tp][0]}, got {_shown(value)}")
+        if tp in (int, float) and not isinstance(value, (int, float)):  # numpy's: records are JSON
+            value = int(value) if tp is int else float(value)
+    if choices is not None and value not in tuple(choices):
+        raise SettingError(f"{label} must be one of {_listed(choices)}, got {_shown(value)}")
+    return value
+
+
+_TYPE_WORDS = {  # a type in words: (one, a list of them)
+    bool: ("True or False", "True or False values"),
+    int: ("an integer", "integers"),
+    float: ("a number", "numbers"),
+    str: ("a string", "strings"),
+}
+
+
+def _listed(choices: Iterable[Any]) -> str:
+    return ", ".join(map(repr, choices))
+
+
+def _shown(value: Any) -> str:
+    """``'16' (str)``: a value short enough for a message, and its type."""
+    return f"{reprlib.repr(value)} ({type(value).__name__})"
 
 
 def baseline(cls: type, name: str | None) -> dict[str, Any]:

@@ -138,7 +138,7 @@ def _is_terminal(stream: IO[str]) -> bool:
         return False
 
 
-def note(message: str, stream: IO[str] | None = None) -> None:
+def announce(message: str, stream: IO[str] | None = None) -> None:
     """One line on stderr from the main process, saying what a long step is about to do (and what it will cost)."""
     if is_main_process():
         stream = stream if stream is not None else sys.stderr

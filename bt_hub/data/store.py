@@ -52,7 +52,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from bt_hub.common.files import atomic_write, atomic_write_json, file_sha256
-from bt_hub.common.progress import note, progress
+from bt_hub.common.progress import announce, progress
 from bt_hub.common.signals import ignore_group_signals
 from bt_hub.data.decode import PackedItems, collate_packed, decode_on_cpu, read_encoded
 from bt_hub.method.transforms import DeviceEvalTransform
@@ -278,7 +278,7 @@ def open_store(
     targets, classes = [label for _, label in samples], list(getattr(dataset, "classes", []))
     per_image = 3 * view.crop * view.crop if view.crop else None
     if directory is None:
-        note(_size_note(len(paths), view, "in memory", per_image))
+        announce(_size_note(len(paths), view, "in memory", per_image))
         chunks: list[bytes] = []
         done = _Progress(Path("."), key)
         _build(paths, view, _ChunkSink(chunks), done, num_workers, desc, None)
@@ -294,7 +294,7 @@ def open_store(
         partial.mkdir(exist_ok=True)
         done = _Progress(partial, key)
         done.resume()
-        note(
+        announce(
             _size_note(len(paths), view, f"at {slot}", per_image)
             + (f", from row {len(done.index)}" if done.index else "")
         )

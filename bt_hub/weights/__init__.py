@@ -4,7 +4,7 @@ sources, formats, load, builders, export, card, hf).
 
 from bt_hub.common.files import CheckpointError
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transforms, transforms_for
-from bt_hub.weights.builders import barlow_twins, resnet50
+from bt_hub.weights.builders import barlow_twins, resnet18, resnet34, resnet50, resnet101
 from bt_hub.weights.download import DownloadError, cache_path, download
 from bt_hub.weights.export import (
     ExportConfig,
@@ -49,7 +49,10 @@ __all__ = [
     "resolve",
     "save_detectron2",
     "save_hf_folder",
+    "resnet18",
+    "resnet34",
     "resnet50",
+    "resnet101",
     "save_pretrained",
     "save_safetensors",
     "save_torchvision",

@@ -1,5 +1,9 @@
 """The builders torch.hub and pip users call (``hubconf.py`` lists them), torchvision's way: keyword-only
 ``weights`` (anything ``resolve`` accepts), ``fc = Identity``, ``transforms`` attached.
+
+One builder per architecture bt_hub trains (resnet18, resnet34, resnet50, resnet101). Barlow Twins weights are
+published for ResNet-50 only (the registry): the other builders load the weights they are given (a file, run
+folder, URL or Hub id) and refuse a registered name, ``"DEFAULT"`` or ``pretrained=True`` saying there are none.
 """
 
 from __future__ import annotations
@@ -18,11 +22,11 @@ from bt_hub.weights.load import load_backbone, read_projector_state_dict
 from bt_hub.weights.registry import RECIPE, BarlowTwinsWeights, find_weights
 from bt_hub.weights.sources import WeightsSource
 
-__all__ = ["barlow_twins", "resnet50"]
+__all__ = ["barlow_twins", "resnet18", "resnet34", "resnet50", "resnet101"]
 
 
 def _legacy_pretrained(
-    builder: str, weights: WeightsSource | None, kwargs: dict[str, Any], default: BarlowTwinsWeights
+    builder: str, weights: WeightsSource | None, kwargs: dict[str, Any], default: BarlowTwinsWeights | None
 ) -> WeightsSource | None:
     """``weights`` after turning a deprecated ``pretrained=True/False`` into its record (with a warning)."""
     if "pretrained" not in kwargs:
@@ -32,6 +36,8 @@ def _legacy_pretrained(
         raise ValueError(
             f"{builder}() got both weights={weights!r} and the deprecated pretrained={pretrained!r}; pass weights only"
         )
+    if pretrained and default is None:
+        raise ValueError(f"{builder}(pretrained=True): {_none_published(builder)}")
     new = f'weights="{default.short_name}"' if pretrained else "weights=None"
     warnings.warn(
         f"{builder}(pretrained={pretrained!r}) is deprecated; use {builder}({new}) (the same result)",
@@ -44,6 +50,45 @@ def _legacy_pretrained(
 def _no_more(builder: str, kwargs: dict[str, Any], accepted: str) -> None:
     if kwargs:
         raise TypeError(f"{builder}() got unexpected keyword arguments {sorted(kwargs)}; it accepts {accepted}")
+
+
+def _registered(weights: WeightsSource | None) -> BarlowTwinsWeights | None:
+    """The registry member ``weights`` names (a path that exists is a path, never a name), else None."""
+    if weights is None or isinstance(weights, BarlowTwinsWeights):
+        return weights
+    return None if os.path.exists(os.fspath(weights)) else find_weights(os.fspath(weights))
+
+
+def _none_published(arch: str) -> str:
+    published = ", ".join(f"{m.short_name} ({m.architecture})" for m in BarlowTwinsWeights)
+    return (
+        f"no Barlow Twins weights are published for {arch} (the registered ones: {published}); pass weights= a file, "
+        f"run folder, URL or Hub id of {arch} weights (e.g. a bt-hub pretrain --arch {arch} run), or None"
+    )
+
+
+def _resnet(arch: str, weights: WeightsSource | None, progress: bool, kwargs: dict[str, Any]) -> nn.Module:
+    """The ``arch`` backbone of a public builder: untrained for ``weights=None``, else loaded strictly."""
+    published = [m for m in BarlowTwinsWeights if m.architecture == arch]
+    weights = _legacy_pretrained(arch, weights, kwargs, published[0] if published else None)
+    small = kwargs.pop("small_image_stem", None)
+    allow_non_finite = kwargs.pop("allow_non_finite", False)
+    _no_more(arch, kwargs, "weights, progress, small_image_stem, allow_non_finite")
+    member = _registered(weights)
+    if member is not None and member.architecture != arch:
+        raise ValueError(f"{arch}(weights={weights!r}) names {member.architecture} weights: {_none_published(arch)}")
+    if weights is None:
+        model = build_backbone(arch, small_image_stem=bool(small))
+        model.transforms = transforms_for(None)
+        return model
+    model = load_backbone(weights, arch=arch, progress=progress, allow_non_finite=allow_non_finite)
+    stored = model.weights_info["small_image_stem"]
+    if small is not None and bool(small) != stored:
+        raise ValueError(
+            f"small_image_stem={small} contradicts the weights {model.weights_info['file']}, "
+            f"which have small_image_stem={stored}"
+        )
+    return model
 
 
 def resnet50(*, weights: WeightsSource | None = None, progress: bool = True, **kwargs: Any) -> nn.Module:
@@ -59,22 +104,34 @@ def resnet50(*, weights: WeightsSource | None = None, progress: bool = True, **k
         **kwargs: ``small_image_stem`` (must agree with the weights), ``allow_non_finite`` (forensics),
             and the deprecated ``pretrained`` (a FutureWarning names the new spelling).
     """
-    weights = _legacy_pretrained("resnet50", weights, kwargs, BarlowTwinsWeights.DEFAULT)
-    small = kwargs.pop("small_image_stem", None)
-    allow_non_finite = kwargs.pop("allow_non_finite", False)
-    _no_more("resnet50", kwargs, "weights, progress, small_image_stem, allow_non_finite")
-    if weights is None:
-        model = build_backbone("resnet50", small_image_stem=bool(small))
-        model.transforms = transforms_for(None)
-        return model
-    model = load_backbone(weights, arch="resnet50", progress=progress, allow_non_finite=allow_non_finite)
-    stored = model.weights_info["small_image_stem"]
-    if small is not None and bool(small) != stored:
-        raise ValueError(
-            f"small_image_stem={small} contradicts the weights {model.weights_info['file']}, "
-            f"which have small_image_stem={stored}"
-        )
-    return model
+    return _resnet("resnet50", weights, progress, kwargs)
+
+
+def resnet18(*, weights: WeightsSource | None = None, progress: bool = True, **kwargs: Any) -> nn.Module:
+    """ResNet-18 (torchvision layout) with the Barlow Twins weights given and ``fc = Identity``: 512-d features.
+
+    No Barlow Twins weights are published for ResNet-18: ``weights`` is a file, run folder, URL or Hub id
+    (a registered name, ``"DEFAULT"`` or ``pretrained=True`` is a ValueError saying so). See ``resnet50``.
+    """
+    return _resnet("resnet18", weights, progress, kwargs)
+
+
+def resnet34(*, weights: WeightsSource | None = None, progress: bool = True, **kwargs: Any) -> nn.Module:
+    """ResNet-34 (torchvision layout) with the Barlow Twins weights given and ``fc = Identity``: 512-d features.
+
+    No Barlow Twins weights are published for ResNet-34: ``weights`` is a file, run folder, URL or Hub id
+    (a registered name, ``"DEFAULT"`` or ``pretrained=True`` is a ValueError saying so). See ``resnet50``.
+    """
+    return _resnet("resnet34", weights, progress, kwargs)
+
+
+def resnet101(*, weights: WeightsSource | None = None, progress: bool = True, **kwargs: Any) -> nn.Module:
+    """ResNet-101 (torchvision layout) with the Barlow Twins weights given and ``fc = Identity``: 2048-d features.
+
+    No Barlow Twins weights are published for ResNet-101: ``weights`` is a file, run folder, URL or Hub id
+    (a registered name, ``"DEFAULT"`` or ``pretrained=True`` is a ValueError saying so). See ``resnet50``.
+    """
+    return _resnet("resnet101", weights, progress, kwargs)
 
 
 def barlow_twins(
@@ -93,9 +150,7 @@ def barlow_twins(
     _no_more("barlow_twins", kwargs, "weights, progress, lambd, allow_non_finite")
     if weights is None:
         return BarlowTwins("resnet50", RECIPE["projector"], RECIPE["lambd"] if lambd is None else lambd)
-    member = weights if isinstance(weights, BarlowTwinsWeights) else None
-    if member is None and not os.path.exists(os.fspath(weights)):
-        member = find_weights(os.fspath(weights))
+    member = _registered(weights)
     if member is not None and not member.has_projector:
         raise CheckpointError(
             f"weights {member.short_name} carry no projector; use resnet50(weights=...) for the backbone, "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -11,15 +11,19 @@ from typing import Any
 import torch
 import torchvision.models
 
+from bt_hub.common.files import file_sha256
 from bt_hub.method.loss import LAMBD
 from bt_hub.method.transforms import transforms_for
 from bt_hub.weights.download import (
     DownloadError,
     cache_path,
     check_cached,
+    download,
     download_unchecked,
+    expected_hash,
     hf_download,
     recorded_sha256,
+    sha256_record,
 )
 from bt_hub.weights.formats import read_backbone
 
@@ -215,6 +219,86 @@ def weights_table(config: ListWeightsConfig | None = None) -> str:
     )
 
 
+@dataclass
+class DownloadWeightsConfig:
+    """Flags of ``bt-hub weights download``."""
+
+    names: list[str] = field(
+        metadata={
+            "help": "registered weights to fetch into the verified download cache (bt-hub weights list), or "
+            "http(s):// URLs",
+            "positional": True,
+            "nargs": "+",
+        }
+    )
+
+
+def download_weights(config: DownloadWeightsConfig) -> str:
+    """``bt-hub weights download``: each name's file fetched into the download cache (or found there), verified.
+
+    A download is kept only whole, parsed and matching its expected sha256 (``bt_hub.weights.download``); a cached
+    file is hashed again. One line per name: the cache path, the sha256 and what it was checked against.
+    """
+    lines = []
+    for name in config.names:
+        member = find_weights(name)
+        if member is None and not name.startswith(("http://", "https://")):
+            raise ValueError(
+                f"weights {name!r} are unknown; expected a registered name ({', '.join(list_weights())}) or an "
+                "http(s):// URL"
+            )
+        if member is not None and member.url.startswith("hf://"):
+            path = hf_download(member.url[len("hf://") :], "model.safetensors")
+            lines.append(f"{name}: {path} (sha256 {file_sha256(path)}; Hugging Face cache)")
+            continue
+        url, file_name, sha256 = (member.url, member.file_name, member.sha256) if member else (name, None, None)
+        path = download(url, file_name=file_name, sha256=sha256)
+        origin = (
+            expected_hash(path.name, sha256)[1] or f"none is published: {sha256_record(path).name} holds the first one"
+        )
+        lines.append(f"{name}: {path} (sha256 {file_sha256(path)}; {origin})")
+    return "\n".join(lines)
+
+
+@dataclass
+class VerifyWeightsConfig:
+    """Flags of ``bt-hub weights verify``."""
+
+    file: str = field(metadata={"help": "a weights file to identify by its sha256", "positional": True, "nargs": None})
+
+
+def verify_weights(config: VerifyWeightsConfig) -> str:
+    """``bt-hub weights verify``: which registered weights ``config.file`` is, by its sha256.
+
+    Each entry's published sha256 counts, else the one recorded beside its cached copy when it was first
+    downloaded on this machine (``bt-hub weights download NAME`` records it).
+
+    Raises:
+        ValueError: the file is missing, or its sha256 is none of those (the sentence says which entries had one).
+    """
+    path = Path(config.file).expanduser()
+    if not path.is_file():
+        raise ValueError(f"{config.file}: {'a folder' if path.is_dir() else 'no such file'}; expected a weights file")
+    actual = file_sha256(path)
+    known = []
+    for member in BarlowTwinsWeights:
+        cached = member.cache_path()
+        recorded = recorded_sha256(cached) if cached is not None and not member.sha256 else None
+        for sha256, origin in ((member.sha256, "its published sha256"), (recorded, f"recorded in {cached}.sha256")):
+            if sha256 and actual == sha256.lower():
+                return f"{config.file}: sha256 {actual} is {member.short_name} ({origin})"
+            if sha256:
+                known.append(member.short_name)
+    parts = [f"it matches no sha256 of {', '.join(known)}"] if known else []
+    missing = [name for name in list_weights() if name not in known]
+    if missing:
+        parts.append(
+            f"{', '.join(missing)} have no sha256 to compare with (none is published, and none was recorded on this "
+            "machine: bt-hub weights download NAME records one)"
+        )
+    raise ValueError(f"{config.file} (sha256 {actual}) is none of the registered weights: {'; '.join(parts)}")
+
+
 def _listed_sha256(member: BarlowTwinsWeights, path: Path | None) -> str:
     """The sha256 column of ``weights_table``: published, recorded at first use, or "unverified"."""
     if member.sha256:
@@ -231,9 +315,13 @@ __all__ = [
     "RECIPE",
     "BarlowTwinsWeights",
     "Weights",
+    "DownloadWeightsConfig",
     "ListWeightsConfig",
+    "VerifyWeightsConfig",
+    "download_weights",
     "find_weights",
     "get_weights",
     "list_weights",
+    "verify_weights",
     "weights_table",
 ]

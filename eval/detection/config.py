@@ -44,13 +44,15 @@ def resolve_config(name_or_path: str) -> Path:
     if name_or_path in CONFIGS:
         path = configs_dir() / CONFIGS[name_or_path]
         if not path.is_file():
-            raise FileNotFoundError(f"--config {name_or_path}: {path} is missing from this installation of bt_hub")
+            raise FileNotFoundError(
+                f"--detection-config {name_or_path}: {path} is missing from this installation of bt_hub"
+            )
         return path
     path = Path(name_or_path).expanduser()
     if not path.is_file():
         aliases = ", ".join(f"'{a}'" for a in CONFIGS)
         raise FileNotFoundError(
-            f"--config must be {aliases} or a detectron2 YAML file, got {name_or_path!r} (no such file)"
+            f"--detection-config must be {aliases} or a detectron2 YAML file, got {name_or_path!r} (no such file)"
         )
     return path
 

@@ -68,7 +68,7 @@ class DetectConfig(RunConfig):
             "train2017/ + val2017/ (coco)"
         }
     )
-    config: str = field(
+    detection_config: str = field(
         default="voc",
         metadata={
             "help": "'voc' (Faster R-CNN, VOC07+12, 24k), 'coco' (Mask R-CNN, COCO 1x), 'shapes-voc' / 'shapes-coco' "
@@ -115,7 +115,7 @@ class DetectConfig(RunConfig):
     RUN_FIELDS: ClassVar[tuple[str, ...]] = RunConfig.RUN_FIELDS + (
         "weights",
         "data",
-        "config",
+        "detection_config",
         "resume",
         "num_gpus",
         "num_machines",
@@ -192,7 +192,7 @@ def main(config: DetectConfig) -> dict[str, Any] | None:
 def _main(config: DetectConfig, engine: str, out: Path, start: float) -> dict[str, Any] | None:
     from bt_hub.eval.detection.config import load_settings, resolve_config
 
-    yaml_path = resolve_config(config.config)
+    yaml_path = resolve_config(config.detection_config)
     depth = load_settings(yaml_path, config.opts)["MODEL.RESNETS.DEPTH"]
     _check_engine(config, engine)  # before the weights are read: a missing engine is the first thing to say
     weights = load_weights(config.weights, arch=f"resnet{depth}", small_image_stem=False)  # one read, one hash
@@ -298,7 +298,7 @@ def _write(
     from bt_hub.eval.detection.config import opts_overrides
     from bt_hub.eval.features import dataset_fingerprint
 
-    preset = config.config if config.config in DetectConfig.ALIASES else yaml_path.stem
+    preset = config.detection_config if config.detection_config in DetectConfig.ALIASES else yaml_path.stem
     changed = {
         **overrides(config, ignore=(*DetectConfig.RUN_FIELDS, "engine", "opts")),
         **opts_overrides(yaml_path, config.opts),
@@ -310,7 +310,7 @@ def _write(
         config={
             **dataclasses.asdict(config),
             "engine": engine,
-            "config_file": str(yaml_path),
+            "detection_config_file": str(yaml_path),  # config_file: the --config file, if any
             "resolved_config": trials[0]["config"],
         },
         preset=preset,
