@@ -327,7 +327,7 @@ def _paper_loop(run: EvalRun, num_classes: int) -> dict[str, float]:
     ]
     on_epoch = None
     if run.out is not None:  # the per-epoch loss goes to metrics.jsonl of the run's folder
-        run_dir = RunDir(run.out, config, write=is_main_process(), kind="eval")
+        run_dir = RunDir(run.out, config, write=is_main_process(), kind="eval", claimed=True)
         on_epoch = lambda epoch, loss: _log_epoch(run_dir, config, epoch, loss)  # noqa: E731
     train_classifier(
         model,

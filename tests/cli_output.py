@@ -6,11 +6,14 @@ import re
 
 # bt_hub.common.progress.LineProgress: "<desc>: <n>/<total> <unit> (<p>%), <rate> <unit>/s, <t> s[, key=value ...]"
 PROGRESS_LINE = re.compile(r"^[\w .-]+: \d+/\d+ \w+( \(\d+%\))?, ")
+# bt_hub.data.store's announcement before it decodes a folder: what a long step is about to do, not a message
+STORE_LINE = re.compile(r"^decoding \d+ images once into a store ")
 
 
 def messages(err: str) -> list[str]:
-    """The non-empty stderr lines that are not progress lines."""
-    return [line for line in err.splitlines() if line.strip() and not PROGRESS_LINE.match(line)]
+    """The non-empty stderr lines that are not progress lines (nor a decoded store's announcement)."""
+    skipped = (PROGRESS_LINE, STORE_LINE)
+    return [line for line in err.splitlines() if line.strip() and not any(p.match(line) for p in skipped)]
 
 
 def one_sentence(err: str) -> str:

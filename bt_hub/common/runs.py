@@ -321,6 +321,7 @@ class RunDir:
         overwrite: bool | None = None,
         lock: bool = False,
         kind: str,
+        claimed: bool = False,
     ) -> None:
         self.path = Path(path)
         self.write = write
@@ -331,11 +332,12 @@ class RunDir:
         self._new = not self.path.exists()  # created by this claim: removed again if the run fails before it starts
         if not write:
             return
-        claim_run_dir(
-            self.path,
-            overwrite=bool(getattr(config, "overwrite", False)) if overwrite is None else overwrite,
-            kind=self.kind,
-        )
+        if not claimed:  # ``claimed``: the command holds the folder already (claimed_run_dir), lock and all
+            claim_run_dir(
+                self.path,
+                overwrite=bool(getattr(config, "overwrite", False)) if overwrite is None else overwrite,
+                kind=self.kind,
+            )
         if lock:
             self._lock = RunLock(self.path)
         if config is not None:
