@@ -69,7 +69,7 @@ else
     CURVE_WORKERS=14
     # eval all: the paper presets, one label fraction, fine-tuning's 800-step floor at batch 64
     ALL_ARCH=resnet50 ALL_PX=224 ALL_TRAIN=500 ALL_VAL=100 ALL_WORKERS=8 ALL_EPOCHS="--fractions 10 --semi-batch-size 64"
-    BUDGET=(70 80 45 70 200 120 120)  # on an H100 earlier: tests 63 s, compiles 120 + 103 s; eval all went past 45 s
+    BUDGET=(120 80 45 70 200 120 60)  # H200: the CUDA tests outgrew 70 s; compiles 108 + 71 s; eval all 18 s
 fi
 if [[ "$PARSE" == 1 ]]; then
     export BT_HUB_PARSE_ONLY=1  # bt-hub and the benchmark scripts parse their command lines and stop
