@@ -112,8 +112,8 @@ class DecodedImages(Dataset):
     ) -> None:
         self.pixels, self.index, self.view, self.where = pixels, index, view, where
         self.targets, self.classes = list(targets), list(classes)
-        shapes = {tuple(int(v) for v in row[1:]) for row in index}
-        self.shape = next(iter(shapes)) if len(shapes) == 1 else None  # C, H, W shared by every image, else None
+        same = len(index) and bool((index[:, 1:] == index[0, 1:]).all())
+        self.shape = tuple(int(v) for v in index[0, 1:]) if same else None  # C, H, W of every image, or None
         self._stacked = pixels.view(len(index), *self.shape) if self.shape is not None and len(index) else None
 
     def __len__(self) -> int:
