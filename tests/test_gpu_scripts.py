@@ -44,17 +44,38 @@ def test_every_command_line_of_gpu_check_sh_parses(tmp_path):
     assert (tmp_path / "out/summary.md").exists()
 
 
-def _cuda_tests():
-    spec = importlib.util.spec_from_file_location("cuda_tests", REPO / "tests/test_cuda.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return [
-        (name, f) for name, f in vars(module).items() if name.startswith("test_") and "cli.main" in inspect.getsource(f)
-    ]
+GPU_TEST_FILES = ("test_cuda.py", "test_decode.py", "test_features.py")
+CLI_CALL = re.compile(r"\bcli(_main|\.main)\(")
 
 
-@pytest.mark.parametrize("name, test", _cuda_tests(), ids=[name for name, _ in _cuda_tests()])
-def test_every_command_line_of_the_cuda_tests_parses(name, test, tmp_path, monkeypatch, capsys):
+def _is_gpu(test, module) -> bool:
+    marks = [*getattr(test, "pytestmark", []), *getattr(module, "pytestmark", [])]
+    return any(mark.name == "gpu" for mark in marks)
+
+
+def _gpu_tests() -> list[tuple[str, object, object]]:
+    """(id, test, module) of every gpu-marked test that runs bt-hub, itself or through a helper of its module."""
+    found = []
+    for file in GPU_TEST_FILES:
+        spec = importlib.util.spec_from_file_location(f"gpu_{file[:-3]}", REPO / "tests" / file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        for name, test in vars(module).items():
+            if not (name.startswith("test_") and inspect.isfunction(test) and _is_gpu(test, module)):
+                continue
+            helpers = [
+                getattr(module, n) for n in test.__code__.co_names if inspect.isfunction(getattr(module, n, None))
+            ]
+            if any(CLI_CALL.search(inspect.getsource(f)) for f in (test, *helpers)):
+                found.append((f"{file}::{name}", test, module))
+    return found
+
+
+GPU_TESTS = _gpu_tests()
+
+
+@pytest.mark.parametrize("name, test, module", GPU_TESTS, ids=[name for name, _, _ in GPU_TESTS])
+def test_every_command_line_of_the_gpu_tests_parses(name, test, module, tmp_path, monkeypatch, capsys):
     real_main = cli.main
 
     def parse_only(argv):
@@ -64,7 +85,15 @@ def test_every_command_line_of_the_cuda_tests_parses(name, test, tmp_path, monke
         raise _Parsed
 
     monkeypatch.setattr(cli, "main", parse_only)
-    given = {"tmp_path": tmp_path, "precision": "fp32"}
+    if hasattr(module, "cli_main"):  # ``from bt_hub.cli import main as cli_main``
+        monkeypatch.setattr(module, "cli_main", parse_only)
+    given = {"tmp_path": tmp_path, "precision": "fp32", "monkeypatch": monkeypatch}
     arguments = {p: given.get(p, tmp_path / f"{p}.pth") for p in inspect.signature(test).parameters}
     with pytest.raises(_Parsed):
         test(**arguments)
+
+
+def test_the_parse_check_sees_the_cli_calls_of_every_gpu_test_file():
+    # test_features.py's GPU test calls extract_features, no command
+    assert {name.split("::")[0] for name, _, _ in GPU_TESTS} == {"test_cuda.py", "test_decode.py"}
+    assert len(GPU_TESTS) >= 5
