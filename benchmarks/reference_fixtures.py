@@ -359,7 +359,8 @@ def linear_fixture(barlowtwins: Path, commit: str, out: Path) -> None:
         with _on_the_cpu(evaluate, table, splits):
             evaluate.main_worker(0, args)
         lines = [json.loads(line) for line in (Path(tmp) / "lincls" / "stats.txt").read_text().splitlines()[1:]]
-        trained = torch.load(Path(tmp) / "lincls" / "checkpoint.pth", weights_only=False)["model"]
+        with torch.serialization.safe_globals([argparse.Namespace]):  # evaluate.py saves best_acc as a Namespace
+            trained = torch.load(Path(tmp) / "lincls" / "checkpoint.pth", weights_only=True)["model"]
     steps = [line for line in lines if "step" in line]
     (epoch,) = [line for line in lines if "acc1" in line]
     inputs = {**data, **{f"initial_fc_{k}": v.numpy() for k, v in table.initial.items()}}
