@@ -1,4 +1,5 @@
-"""What bt_hub.train.pretrain feeds the model: each image's two views, and the probe batch it records."""
+"""What bt_hub.train.pretrain feeds the model: each epoch's loader (or decoded store), each image's two views,
+and the probe batch it records."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
-from bt_hub.common.distributed import get_rank
+from bt_hub.common.distributed import get_rank, get_world_size
 from bt_hub.common.files import atomic_write
+from bt_hub.common.signals import ignore_group_signals
 from bt_hub.data.datasets import to_uint8_tensor
-from bt_hub.data.decode import PackedItems, to_device_images, worker_item
+from bt_hub.data.decode import PackedItems, collate_packed, to_device_images, worker_item
 from bt_hub.data.store import (
     DecodedImages,
     StoreView,
@@ -27,7 +29,7 @@ from bt_hub.method.loss import EPS
 from bt_hub.method.model import BarlowTwins, parse_projector
 from bt_hub.method.views import VIEW_A, VIEW_B, BatchedTwoViews, TwoViewTransform, ViewParams
 from bt_hub.train.config import PretrainConfig
-from bt_hub.train.resume import seeded_generator
+from bt_hub.train.resume import EpochBatchSampler, derive_seed, seeded_generator
 
 PROBE_SIZE = 256
 
@@ -94,6 +96,25 @@ def decoded_store(config: PretrainConfig, dataset: Any, device: torch.device) ->
     store = open_store(dataset, StoreView(), directory, num_workers=config.num_workers, desc="decode")
     where = store_device(config.store, store.nbytes, device)
     return store.to(where) if where.type != "cpu" else store
+
+
+def epoch_loader(
+    views: ViewDataset, config: PretrainConfig, epoch: int, start: int, device: torch.device
+) -> DataLoader:
+    """This rank's batches of ``epoch`` from step ``start`` within it, in the seeded order (exact resume)."""
+    rank, world = get_rank(), get_world_size()
+    sampler = EpochBatchSampler(len(views), config.batch_size, config.seed, epoch, start, rank, world)
+    if views.store is not None:  # the keys alone: the prefetch thread gathers each batch from the decoded store
+        return sampler
+    return DataLoader(
+        views,
+        batch_sampler=sampler,
+        num_workers=config.num_workers,
+        pin_memory=device.type == "cuda",
+        collate_fn=collate_packed if views.file_items else None,
+        generator=torch.Generator().manual_seed(derive_seed(config.seed, epoch, rank)),
+        worker_init_fn=ignore_group_signals,
+    )
 
 
 def to_views(

@@ -18,14 +18,12 @@ import numpy as np
 import torch
 import torch.nn.functional as nnf
 from torch import nn
-from torch.utils.data import DataLoader
 
 from bt_hub.common.distributed import (
     barrier,
     broadcast_object,
     cleanup_distributed,
     convert_sync_batchnorm,
-    get_rank,
     get_world_size,
     init_distributed,
     is_main_process,
@@ -33,9 +31,9 @@ from bt_hub.common.distributed import (
 from bt_hub.common.files import atomic_write_json, read_json, write_safetensors
 from bt_hub.common.progress import progress
 from bt_hub.common.runs import RunDir
-from bt_hub.common.signals import Terminated, deferred_sigterm, ignore_group_signals
+from bt_hub.common.signals import Terminated, deferred_sigterm
 from bt_hub.data.datasets import build_dataset
-from bt_hub.data.decode import collate_packed, resolve_decode
+from bt_hub.data.decode import resolve_decode
 from bt_hub.data.precision import autocast_dtype, precision_choice, resolve_channels_last
 from bt_hub.data.prefetch import Prefetcher
 from bt_hub.method.loss import LossTerms, barlow_twins_loss
@@ -43,15 +41,21 @@ from bt_hub.method.model import BarlowTwins
 from bt_hub.method.optim import LARS, param_groups, set_learning_rates
 from bt_hub.method.transforms import input_metadata
 from bt_hub.method.views import BatchedTwoViews
-from bt_hub.train.batches import ViewDataset, decoded_store, probe_views, save_probe, to_views, view_pair
+from bt_hub.train.batches import (
+    ViewDataset,
+    decoded_store,
+    epoch_loader,
+    probe_views,
+    save_probe,
+    to_views,
+    view_pair,
+)
 from bt_hub.train.compile_auto import AutoCompile
 from bt_hub.train.config import RESUME_INVARIANTS, PretrainConfig
 from bt_hub.train.kept import kept_path, kept_weights, resumed_seconds
 from bt_hub.train.monitor import KnnMonitor, TensorBoardScalars, monitor_sets
 from bt_hub.train.resume import (
     CHECKPOINT_NAME,
-    EpochBatchSampler,
-    derive_seed,
     load_checkpoint,
     save_checkpoint,
     set_rng_state,
@@ -340,7 +344,7 @@ def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], termin
     """
     config, device, model = loop.config, loop.device, loop.model
     epoch = step // loop.steps_per_epoch
-    loader = _epoch_loader(loop.views, config, epoch, step % loop.steps_per_epoch, device)
+    loader = epoch_loader(loop.views, config, epoch, step % loop.steps_per_epoch, device)
     tick, tick_step = time.perf_counter(), step
     # on CUDA the next batches are decoded and viewed on a side stream while this step trains
     with Prefetcher(
@@ -469,25 +473,6 @@ def _knn_monitor(config: PretrainConfig) -> KnnMonitor | None:
         return None
     return KnnMonitor(
         *monitor_sets(config.monitor_data or config.data, config.image_size, config.seed, config.monitor_size)
-    )
-
-
-def _epoch_loader(
-    views: ViewDataset, config: PretrainConfig, epoch: int, start: int, device: torch.device
-) -> DataLoader:
-    """This rank's batches of ``epoch`` from step ``start`` within it, in the seeded order (exact resume)."""
-    rank, world = get_rank(), get_world_size()
-    sampler = EpochBatchSampler(len(views), config.batch_size, config.seed, epoch, start, rank, world)
-    if views.store is not None:  # the keys alone: the prefetch thread gathers each batch from the decoded store
-        return sampler
-    return DataLoader(
-        views,
-        batch_sampler=sampler,
-        num_workers=config.num_workers,
-        pin_memory=device.type == "cuda",
-        collate_fn=collate_packed if views.file_items else None,
-        generator=torch.Generator().manual_seed(derive_seed(config.seed, epoch, rank)),
-        worker_init_fn=ignore_group_signals,
     )
 
 
