@@ -337,7 +337,7 @@ def test_ctrl_c_or_sigterm_while_torch_loads_is_answered_in_one_line():
     # before its flags were read imported torch again, which a half-imported torch crashed (SIGSEGV).
     code = (
         "import sys; import bt_hub.cli as cli; assert 'torch' not in sys.modules, 'the CLI imports torch'; "
-        "sys.modules['torch'] = None; print(cli._interrupted(['export'], ['--out', 'x'], None))"
+        "sys.modules['torch'] = None; print(cli.interrupted(['export'], ['--out', 'x'], None))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
