@@ -11,20 +11,20 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
-from bt_hub.common.presets import baseline, overrides
+from bt_hub.common.presets import baseline
 from bt_hub.common.progress import note, progress
 from bt_hub.eval import knn, linear, semi_supervised
+from bt_hub.eval.compare_config import CompareConfig
 from bt_hub.eval.comparison_report import SEED_VARIES, Comparison, describe_settings, render_markdown, write_comparison
-from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.features import TransformedDataset, module_fingerprint, train_transform
-from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS, check_probe_settings, grid_probe
+from bt_hub.eval.heads import grid_probe
 from bt_hub.eval.knn import knn_classify
 from bt_hub.eval.label_subsets import balanced_subset_indices
 from bt_hub.eval.runner import EvalRun, Scored, evaluation
@@ -33,8 +33,6 @@ from bt_hub.method.model import default_init_backbone
 from bt_hub.method.transforms import eval_transforms
 from bt_hub.train.kept import WeightsRow, curve_rows, live_run
 
-BASELINES = ("pixels", "random-init", "supervised")
-PROTOCOLS = ("knn", "linear", "semi")
 # The from-scratch recipe of the supervised baseline (the digits demo's): SGD for every layer, cosine.
 SUPERVISED = {"lr_backbone": 0.1, "lr_classifier": 0.1, "weight_decay": 5e-4, "momentum": 0.9, "schedule": "cosine"}
 
@@ -262,146 +260,6 @@ def _record(
 
 
 # ----------------------------------------------------------------------------- bt-hub eval compare
-
-
-def _split_list(values: Sequence[str]) -> list[str]:
-    return [v.strip() for value in values for v in str(value).split(",") if v.strip()]
-
-
-@dataclass
-class CompareConfig(EvalConfig):
-    """Flags of ``bt-hub eval compare``: weights against baselines, every cell mean ± std over seeds."""
-
-    RUN_FIELDS: ClassVar[tuple[str, ...]] = EvalConfig.RUN_FIELDS + ("seeds",)
-    CACHE_UNDER_OUT: ClassVar[bool] = True
-    REUSES_SPLITS: ClassVar[bool] = True
-
-    weights: list[str] = field(
-        metadata={
-            "help": "weights to compare (one or more, any source bt-hub eval takes: file, run folder, URL, hub id)"
-        }
-    )
-    baselines: list[str] = field(
-        default_factory=lambda: ["pixels", "random-init"],
-        metadata={"help": f"rows to beat, comma- or space-separated: {', '.join(BASELINES)}"},
-    )
-    protocols: list[str] = field(
-        default_factory=lambda: ["knn", "linear"],
-        metadata={"help": f"columns, comma- or space-separated: {', '.join(PROTOCOLS)} (semi: one per --fractions)"},
-    )
-    seeds: int = field(
-        default=3, metadata={"help": "seeds per cell (--seed, --seed + 1, ...); with --as-seeds, one per run"}
-    )
-    as_seeds: bool = field(
-        default=False,
-        metadata={
-            "help": "the --weights are pretraining runs of one recipe that differ in their seed: one row, run i "
-            "scored with evaluation seed --seed + i, so the spread is over pretraining runs"
-        },
-    )
-    over_steps: bool = field(
-        default=False,
-        metadata={
-            "help": "a learning curve: one row per step whose weights each --weights run kept (bt-hub pretrain "
-            "--keep-every), drawn against the baselines' bands in curve.png"
-        },
-    )
-    fractions: list[int] = field(default_factory=lambda: [1, 10], metadata={"help": "label percentages of semi"})
-    knn_k: int = field(default=20, metadata={"help": "neighbours of the kNN vote (T = 0.07)"})
-    linear_epochs: int = field(default=100, metadata={"help": "epochs of the linear grid probe"})
-    lr_grid: list[float] = field(default_factory=lambda: list(GRID_LRS), metadata={"help": "LRs of the grid"})
-    weight_decay_grid: list[float] = field(
-        default_factory=lambda: list(GRID_WEIGHT_DECAYS), metadata={"help": "weight decays of the grid"}
-    )
-    val_fraction: float = field(default=0.2, metadata={"help": "share of the training split the grid chooses on"})
-    semi_preset: str = field(default="small", metadata={"help": "fine-tuning recipe of semi (bt-hub eval semi)"})
-    semi_epochs: int = field(default=20, metadata={"help": "fine-tuning epochs of semi"})
-    supervised_epochs: int = field(default=30, metadata={"help": "epochs of the supervised baseline"})
-    finetune_steps: int = field(
-        default=800,
-        metadata={
-            "help": "the fewest SGD steps of fine-tuning (semi) and of the supervised baseline: where the labelled "
-            "images are few, the epochs rise to reach it, so the from-scratch row learns (0: the epochs as given)"
-        },
-    )
-    out: str | None = field(
-        default="runs/compare",
-        kw_only=True,
-        metadata={"help": "output directory: compare.md, compare.png, results.json, results.jsonl, results.md"},
-    )
-
-    def __post_init__(self) -> None:
-        self.weights = [str(w) for w in self.weights]
-        if not self.weights or not all(w.strip() for w in self.weights):
-            raise ValueError(f"--weights must name one or more checkpoints, got {self.weights}")
-        self.baselines, self.protocols = _split_list(self.baselines), _split_list(self.protocols)
-        for flag, given, known in (
-            ("--baselines", self.baselines, BASELINES),
-            ("--protocols", self.protocols, PROTOCOLS),
-        ):
-            unknown = [v for v in given if v not in known]
-            if unknown or not given:
-                raise ValueError(f"{flag} must list some of {', '.join(known)}, got {' '.join(given) or 'none'}")
-        super().__post_init__()
-        if self.as_seeds:
-            if len(self.weights) < 2:
-                raise ValueError(f"--as-seeds needs two or more pretraining runs in --weights, got {self.weights}")
-            if "seeds" not in overrides(self):
-                self.seeds = len(self.weights)
-            elif self.seeds != len(self.weights):
-                raise ValueError(
-                    f"--as-seeds scores run i with seed --seed + i: --seeds must be {len(self.weights)} (the number "
-                    f"of --weights), got {self.seeds}"
-                )
-        if not 1 <= self.seeds <= 100:
-            raise ValueError(f"--seeds must be an integer in [1, 100], got {self.seeds}")
-        if not self.fractions or any(not 0 < f <= 100 for f in self.fractions):
-            raise ValueError(f"--fractions must be percentages in (0, 100], got {self.fractions}")
-        self.require_positive("knn_k", "semi_epochs", "supervised_epochs")
-        self.require_positive("finetune_steps", or_zero=True)
-        baseline(SemiSupervisedConfig, self.semi_preset)  # an unknown preset fails here, naming the valid ones
-        check_probe_settings(
-            epochs=self.linear_epochs,
-            lrs={"--lr-grid": self.lr_grid},
-            weight_decays={"--weight-decay-grid": self.weight_decay_grid},
-            val_fraction=self.val_fraction,
-            epochs_flag="--linear-epochs",
-        )
-
-    def unused_flags(self) -> dict[str, str]:
-        """Each protocol's and baseline's flags when it is not in ``--protocols`` / ``--baselines``."""
-        unused = super().unused_flags()
-        grid = "linear" in self.protocols or ("semi" in self.protocols and "pixels" in self.baselines)
-        for names, used, what in (
-            (("knn_k",), "knn" in self.protocols, "the kNN column, which --protocols leaves out"),
-            (("fractions", "semi_epochs"), "semi" in self.protocols, "the semi columns, which --protocols leaves out"),
-            (
-                ("linear_epochs", "lr_grid", "weight_decay_grid", "val_fraction"),
-                grid,
-                "the grid probe, which runs for --protocols linear (and semi's pixels row) only",
-            ),
-            (
-                ("semi_preset", "finetune_steps"),
-                "semi" in self.protocols or "supervised" in self.baselines,
-                "fine-tuning, which runs for --protocols semi or --baselines supervised only",
-            ),
-            (("supervised_epochs",), "supervised" in self.baselines, "--baselines supervised, which is not asked for"),
-        ):
-            if not used:
-                unused.update(dict.fromkeys(names, f"sets {what}"))
-        return unused
-
-    @property
-    def finetune_batch_size(self) -> int:
-        """The batch of fine-tuning (semi, supervised): ``--batch-size`` where given, else ``--semi-preset``'s."""
-        if "batch_size" in overrides(self):
-            return self.batch_size
-        return int(baseline(SemiSupervisedConfig, self.semi_preset)["batch_size"])
-
-    def columns(self) -> list[str]:
-        """The table's columns, in protocol order."""
-        names = {"knn": ["kNN"], "linear": ["linear"], "semi": [f"semi {f}%" for f in self.fractions]}
-        return [c for p in self.protocols for c in names[p]]
 
 
 def weights_rows(config: CompareConfig) -> list[WeightsRow]:
