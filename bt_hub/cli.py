@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 from bt_hub.cli_interrupted import interrupted
 from bt_hub.common.presets import describe_presets, from_preset, presets_of, read_config_file
+from bt_hub.eval.protocols import get_protocol, list_protocols
 
 CONFIG_HELP = (
     "a YAML file of settings for this command, keyed by the flags' names with '_' for '-' and no '--' "
@@ -94,33 +95,7 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
             "which registered weights a file is, by its sha256 (published, or recorded at first download)",
         ),
     },
-    "eval": {
-        "linear": Command(
-            "bt_hub.eval.linear", "LinearConfig", "run", "linear probe on a frozen backbone (ImageNet protocol)"
-        ),
-        "semi": Command(
-            "bt_hub.eval.semi_supervised", "SemiSupervisedConfig", "run", "fine-tune on 1% or 10% of the labels"
-        ),
-        "knn": Command(
-            "bt_hub.eval.knn",
-            "KnnConfig",
-            "run",
-            "weighted kNN on L2-normalised features (faiss on the CPU, torch on CUDA)",
-        ),
-        "voc07-svm": Command(
-            "bt_hub.eval.voc07_svm", "Voc07SvmConfig", "run", "per-class linear SVMs on VOC2007 (VISSL protocol)"
-        ),
-        "transfer": Command(
-            "bt_hub.eval.linear", "TransferConfig", "run", "linear transfer to Places-205 / iNat18 (PIRL settings)"
-        ),
-        "all": Command("bt_hub.eval.suite", "SuiteConfig", "run", "every classification protocol on one checkpoint"),
-        "compare": Command(
-            "bt_hub.eval.comparison",
-            "CompareConfig",
-            "run",
-            "weights against baselines (pixels, random init, supervised), every cell mean ± std over seeds",
-        ),
-    },
+    "eval": {},  # filled from the protocol table by _eval_commands (commands())
     "embed": Command(
         "bt_hub.eval.embedding",
         "EmbedConfig",
@@ -140,6 +115,30 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
         "write the generated shapes detection set (VOC + COCO layouts) that checks an installation",
     ),
 }
+
+
+def _eval_commands() -> dict[str, Command]:
+    """``bt-hub eval``'s subcommands: every protocol of the table (bt_hub.eval.protocols), then ``all`` and
+    ``compare``, which run the table's protocols."""
+    protocols = (get_protocol(name) for name in list_protocols())
+    return {p.name: Command(p.module, p.config, "run", p.help) for p in protocols} | {
+        "all": Command("bt_hub.eval.suite", "SuiteConfig", "run", "every classification protocol on one checkpoint"),
+        "compare": Command(
+            "bt_hub.eval.comparison",
+            "CompareConfig",
+            "run",
+            "weights against baselines (pixels, random init, supervised), every cell mean ± std over seeds",
+        ),
+    }
+
+
+COMMANDS["eval"] = _eval_commands()
+
+
+def commands() -> dict[str, Command | dict[str, Command]]:
+    """The command table, with ``bt-hub eval``'s subcommands as the protocol table holds them now (a protocol
+    registered after bt_hub.cli was imported included)."""
+    return COMMANDS | {"eval": _eval_commands()}
 
 
 def _unwrap_optional(tp: Any) -> Any:
@@ -266,7 +265,7 @@ def _summary(result: Any, out: Any) -> str | None:
 
 def _resolve(argv: Sequence[str]) -> tuple[list[str], Command | None, list[str]]:
     """Split argv into the command path, the Command found (or None) and the rest."""
-    table: Any = COMMANDS
+    table: Any = commands()
     path: list[str] = []
     rest = list(argv)
     while rest and isinstance(table, dict) and rest[0] in table:
@@ -391,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _no_command(path: list[str], rest: list[str]) -> int:
     """A group named without a command: its overview (exit 0 for ``--help``, 2 when bare), or an unknown command (2)."""
-    table: Any = COMMANDS
+    table: Any = commands()
     for p in path:
         table = table[p]
     if rest and rest[0] not in ("-h", "--help"):

@@ -17,7 +17,7 @@ The result holds the records and the table as a list of rows (``.to_pandas()`` w
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,18 +25,10 @@ from typing import Any
 from bt_hub.common.optional import require
 from bt_hub.common.presets import from_preset
 from bt_hub.common.records import Record, setting
-from bt_hub.eval import comparison, comparison_report, embedding, knn, linear, semi_supervised, suite, voc07_svm
+from bt_hub.eval import comparison, comparison_report, embedding, suite
+from bt_hub.eval.protocols import PROTOCOLS, get_protocol
 from bt_hub.eval.report import render_table
-from bt_hub.eval.runner import EvalRun, Scored, run_protocol
-
-PROTOCOLS: dict[str, tuple[type, Callable[[EvalRun], Scored] | None]] = {
-    "knn": (knn.KnnConfig, knn.score),
-    "linear": (linear.LinearConfig, linear.score),
-    "transfer": (linear.TransferConfig, linear.score),
-    "semi": (semi_supervised.SemiSupervisedConfig, semi_supervised.score),
-    "voc07-svm": (voc07_svm.Voc07SvmConfig, voc07_svm.score),
-    "all": (suite.SuiteConfig, None),
-}
+from bt_hub.eval.runner import run_protocol
 
 
 @dataclass
@@ -83,16 +75,21 @@ def evaluate(
     preset: str | None = None,
     **settings: Any,
 ) -> Results:
-    """Score ``weights`` on ``data`` with one protocol: knn, linear, transfer, semi, voc07-svm or all.
+    """Score ``weights`` on ``data`` with one protocol of the table (bt_hub.eval.protocols: knn, linear, transfer,
+    semi, voc07-svm), or ``all`` of them (``bt-hub eval all``).
 
     ``settings`` are the protocol's flags as field names (``k=[20]``, ``epochs=10``, ``image_size=32``,
     ``device="cuda"``); ``preset`` names one of its presets. A folder is written only when ``out`` is given.
     """
-    if not isinstance(protocol, str) or protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
-    cls, score = PROTOCOLS[protocol]
-    config = from_preset(cls, preset, weights=weights, data=data, out=out, **settings)
-    records = suite.run(config)["results"] if score is None else [run_protocol(config, score)]
+    if protocol == "all":
+        config = from_preset(suite.SuiteConfig, preset, weights=weights, data=data, out=out, **settings)
+        records = suite.run(config)["results"]
+    else:
+        if not isinstance(protocol, str) or protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {', '.join([*PROTOCOLS, 'all'])}, got {protocol!r}")
+        entry = get_protocol(protocol)
+        config = from_preset(entry.config_class, preset, weights=weights, data=data, out=out, **settings)
+        records = [run_protocol(config, entry.hook("score"))]
     return Results(records, [record_row(r) for r in records], render_table(records), Path(out) if out else None)
 
 

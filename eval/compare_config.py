@@ -1,19 +1,36 @@
 """The flags of ``bt-hub eval compare`` (:class:`CompareConfig`): which weights, baselines, protocols, label
-fractions and seeds make the table, and which knobs each cell reads. ``bt_hub.eval.comparison`` scores it."""
+fractions and seeds make the table, and which knobs each cell reads; its rows (:class:`WeightsRow`, one per
+weights, or per kept step of a learning curve) and columns (:class:`Column`). ``bt_hub.eval.comparison`` scores it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 from bt_hub.common.presets import baseline, overrides
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS, check_probe_settings
+from bt_hub.eval.protocols import get_protocol, list_protocols
 from bt_hub.eval.semi_supervised import SemiSupervisedConfig
+from bt_hub.weights.sources import kept_steps
 
 BASELINES = ("pixels", "random-init", "supervised")
-PROTOCOLS = ("knn", "linear", "semi")
+
+
+@dataclass(frozen=True)
+class Column:
+    """A column of the table: a protocol of the table (bt_hub.eval.protocols), on ``fraction`` % of the training
+    labels where the protocol has a column per ``--fractions``."""
+
+    protocol: str
+    fraction: int | None = None
+
+    def __str__(self) -> str:
+        """The column's heading: ``kNN``, ``linear``, ``semi 10%``."""
+        name = get_protocol(self.protocol).heading
+        return f"{name} {self.fraction}%" if self.fraction else name
 
 
 def _split_list(values: Sequence[str]) -> list[str]:
@@ -39,7 +56,10 @@ class CompareConfig(EvalConfig):
     )
     protocols: list[str] = field(
         default_factory=lambda: ["knn", "linear"],
-        metadata={"help": f"columns, comma- or space-separated: {', '.join(PROTOCOLS)} (semi: one per --fractions)"},
+        metadata={
+            "help": "columns, comma- or space-separated: "
+            f"{', '.join(list_protocols(column=True))} (a protocol on a share of the labels, semi: one per --fractions)"
+        },
     )
     seeds: int = field(
         default=3, metadata={"help": "seeds per cell (--seed, --seed + 1, ...); with --as-seeds, one per run"}
@@ -89,7 +109,7 @@ class CompareConfig(EvalConfig):
         self.baselines, self.protocols = _split_list(self.baselines), _split_list(self.protocols)
         for flag, given, known in (
             ("--baselines", self.baselines, BASELINES),
-            ("--protocols", self.protocols, PROTOCOLS),
+            ("--protocols", self.protocols, list_protocols(column=True)),
         ):
             unknown = [v for v in given if v not in known]
             if unknown or not given:
@@ -150,7 +170,62 @@ class CompareConfig(EvalConfig):
             return self.batch_size
         return int(baseline(SemiSupervisedConfig, self.semi_preset)["batch_size"])
 
-    def columns(self) -> list[str]:
-        """The table's columns, in protocol order."""
-        names = {"knn": ["kNN"], "linear": ["linear"], "semi": [f"semi {f}%" for f in self.fractions]}
-        return [c for p in self.protocols for c in names[p]]
+    def columns(self) -> list[Column]:
+        """The table's columns, in ``--protocols`` order: one per ``--fractions`` for a protocol scored on a share
+        of the labels (semi), else one."""
+        return [
+            Column(p, f) for p in self.protocols for f in (self.fractions if get_protocol(p).per_fraction else [None])
+        ]
+
+
+def weights_rows(config: CompareConfig) -> list[WeightsRow]:
+    """``--weights`` as rows: one each; all in one with ``--as-seeds``; one per kept step with ``--over-steps``."""
+    if config.over_steps:
+        return curve_rows(config.weights, config.as_seeds)
+    if config.as_seeds:
+        return [WeightsRow(f"{', '.join(Path(w).name or w for w in config.weights)} (as seeds)", config.weights)]
+    return [WeightsRow(None, [w]) for w in config.weights]
+
+
+@dataclass
+class WeightsRow:
+    """The weights of one row: a label (None: the file's name), one file per pretraining run, a curve position."""
+
+    label: str | None
+    paths: list[str]
+    position: dict[str, float] = field(default_factory=dict)
+    curve: str = ""  # the learning curve the row is a point of: its run's name where several runs make curves
+
+
+def curve_rows(runs: list[str], as_seeds: bool) -> list[WeightsRow]:
+    """One row per kept step of each run; with ``as_seeds``, one per step of all runs together (same steps)."""
+    kept = {}
+    for run in runs:
+        kept[run] = {step: (seconds, str(path)) for step, seconds, path in kept_steps(run)}
+        if not kept[run]:
+            raise ValueError(
+                f"--over-steps scores the weights a pretraining run kept, and --weights {run} holds none in kept/; "
+                "pretrain with --keep-every N (or 'log')"
+            )
+    if not as_seeds:
+        prefix = {run: f"{Path(run).name} " if len(runs) > 1 else "" for run in runs}
+        return [
+            WeightsRow(f"{prefix[run]}step {step}", [path], {"step": step, "seconds": seconds}, prefix[run].strip())
+            for run in runs
+            for step, (seconds, path) in sorted(kept[run].items())
+        ]
+    steps = sorted(kept[runs[0]])
+    for run in runs[1:]:
+        if sorted(kept[run]) != steps:
+            raise ValueError(
+                f"--as-seeds --over-steps pairs the runs step by step, and --weights {run} kept steps "
+                f"{sorted(kept[run])} where {runs[0]} kept {steps}; keep the same steps in every run"
+            )
+    return [
+        WeightsRow(
+            f"step {step}",
+            [kept[run][step][1] for run in runs],
+            {"step": step, "seconds": sum(kept[run][step][0] for run in runs) / len(runs)},
+        )
+        for step in steps
+    ]

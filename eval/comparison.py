@@ -5,44 +5,39 @@ Rows (weights, baselines), columns (protocols), seeds, curves and the verdict ru
 
 from __future__ import annotations
 
-import copy
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import Dataset, Subset
 
-from bt_hub.common.presets import baseline
+from bt_hub.common.presets import from_preset
 from bt_hub.common.progress import note, progress
-from bt_hub.eval import knn, linear, semi_supervised
-from bt_hub.eval.compare_config import CompareConfig
+from bt_hub.eval.compare_config import Column, CompareConfig, WeightsRow, weights_rows
 from bt_hub.eval.comparison_report import SEED_VARIES, Comparison, describe_settings, render_markdown, write_comparison
-from bt_hub.eval.features import TransformedDataset, module_fingerprint, train_transform
-from bt_hub.eval.heads import grid_probe
-from bt_hub.eval.knn import knn_classify
+from bt_hub.eval.features import module_fingerprint
 from bt_hub.eval.label_subsets import balanced_subset_indices
+from bt_hub.eval.protocols import Protocol, get_protocol
 from bt_hub.eval.runner import EvalRun, Scored, evaluation
-from bt_hub.eval.semi_supervised import SemiSupervisedConfig, finetune
 from bt_hub.method.model import default_init_backbone
-from bt_hub.method.transforms import eval_transforms
-from bt_hub.train.kept import WeightsRow, curve_rows, live_run
+from bt_hub.weights.sources import live_run
 
-# The from-scratch recipe of the supervised baseline (the digits demo's): SGD for every layer, cosine.
+# The from-scratch recipe of the supervised baseline (the digits demo's): SGD for every layer, cosine; its cells are
+# semi runs of this recipe on the column's labels (all of them in a column without a fraction).
 SUPERVISED = {"lr_backbone": 0.1, "lr_classifier": 0.1, "weight_decay": 5e-4, "momentum": 0.9, "schedule": "cosine"}
 
-# ----------------------------------------------------------------------------- rows and their scores
+# ----------------------------------------------------------------------------- rows and their cells
 
 
 @dataclass
 class Source:
     """One row: its name, ``network(seed)`` (``per_seed``: a new one per seed, else built once), whether it is a
-    baseline, the sha256 of its weights, and whether ``semi`` fine-tunes it (else: the grid probe on the subset)."""
+    baseline, the sha256 of its weights, and whether a protocol that trains the network (semi) may train it (else:
+    the linear probe on the same labels); ``supervised``: every cell trains it from scratch (:data:`SUPERVISED`)."""
 
     name: str
     network: Callable[[int], nn.Module]
@@ -52,43 +47,90 @@ class Source:
     trainable: bool = True
     seed_fingerprints: dict[int, str] = field(default_factory=dict)  # --as-seeds: the run each seed scores
     position: dict[str, float] = field(default_factory=dict)  # --over-steps: pretraining step and seconds
+    curve: str = ""  # --over-steps: the curve the row is a point of ('' for one run)
+    supervised: bool = False
 
     def fingerprint_for(self, seed: int) -> str | None:
         """The sha256 of the weights this row scores at ``seed`` (None: a baseline)."""
         return self.seed_fingerprints.get(seed, self.fingerprint)
 
 
-def _labels_column(column: str) -> int | None:
-    return int(column.removeprefix("semi ").removesuffix("%")) if column.startswith("semi ") else None
+@dataclass
+class RowCell:
+    """One row's network on the run's splits, read by a protocol's ``score_cell`` as it reads an EvalRun: the
+    features are extracted once per network (``extracted``) and shared by its columns and seeds; ``labelled``
+    keeps the training features of a label subset (a frozen row in a column of a protocol that trains the network)."""
+
+    run: EvalRun
+    network: nn.Module
+    extracted: Callable[[], tuple[Any, Any, Any, Any]]
+    labelled: Sequence[int] | None = None
+    progress: ClassVar[bool] = False  # compare's own line says which cell runs
+
+    @property
+    def splits(self) -> Any:
+        """The run's splits."""
+        return self.run.splits
+
+    @property
+    def device(self) -> torch.device:
+        """The run's device."""
+        return self.run.device
+
+    @property
+    def settings(self) -> Any:
+        """The run's settings (image size, precision)."""
+        return self.run.settings
+
+    def features(self, split: str) -> tuple[Any, Any]:
+        """Features and labels of ``split`` (``train``: of the labelled subset, where there is one)."""
+        train_x, train_y, test_x, test_y = self.extracted()
+        if split == "test":
+            return test_x, test_y
+        rows = self.labelled
+        return (train_x, train_y) if rows is None else (train_x[rows], train_y[rows])
+
+
+def cell_protocol(settings: CompareConfig, source: Source, column: Column, seed: int) -> tuple[Protocol, Any]:
+    """The protocol a cell runs and its own config, built from compare's flags by the protocol's ``cell_settings``:
+    the column's protocol, the linear probe where it would train a frozen row, semi with :data:`SUPERVISED` for
+    the supervised row."""
+    protocol = get_protocol("semi" if source.supervised else column.protocol)
+    if protocol.trains_network and not source.trainable:
+        protocol = get_protocol("linear")
+    make = protocol.hook("cell_settings")
+    values = make(settings, column.fraction) if make else {}
+    if source.supervised:
+        values |= SUPERVISED | {"epochs": settings.supervised_epochs}
+    keys = ("data", "batch_size", "num_workers")
+    shared = {k: getattr(settings, k) for k in keys} | {"weights": source.name, "out": None, "seed": seed}
+    return protocol, from_preset(protocol.config_class, values.pop("preset", None), **(shared | values))
 
 
 def compare(
     sources: Sequence[Source],
     run: EvalRun,
     *,
-    columns: Sequence[str],
+    columns: Sequence[Column],
     seeds: Sequence[int],
     features: Callable[[Source, nn.Module, int], tuple[Any, Any, Any, Any]],
-    supervised: Callable[[int], nn.Module] | None = None,
     settings: CompareConfig | None = None,
 ) -> Comparison:
-    """Score every source in every column (``kNN``, ``linear``, ``semi P%``) for every seed: the per-seed values
-    and their records. ``features(source, network, seed)`` gives (train_x, train_y, test_x, test_y)
-    (``feature_source``); ``supervised(seed)``, a network at its default initialisation, adds that baseline."""
+    """Score every source in every column for every seed, each cell a protocol run (:func:`cell_protocol`): the
+    per-seed values and their records. ``features(source, network, seed)`` gives (train_x, train_y, test_x, test_y)
+    (``feature_source``)."""
     settings = settings or run.config
     splits = run.splits
-    num_classes = len(splits.classes)
-    names = [s.name for s in sources] + (["supervised"] if supervised else [])
-    values: dict[str, dict[str, list[float]]] = {name: {c: [] for c in columns} for name in names}
+    names = [s.name for s in sources]
+    values: dict[str, dict[Column, list[float]]] = {name: {c: [] for c in columns} for name in names}
     result = Comparison(list(seeds), list(columns), values, [s.name for s in sources if s.baseline], len(splits.test))
     result.positions = {s.name: s.position for s in sources if s.position}
-    result.varying = {s.name for s in sources if s.per_seed} | ({"supervised"} if supervised else set())
-    if supervised:
-        result.baselines.append("supervised")
+    result.curve_names = {s.name: s.curve for s in sources if s.position}
+    result.varying = {s.name for s in sources if s.per_seed}
     targets = np.asarray(splits.train.targets)
     say = progress(None, "compare", total=len(seeds) * len(sources) * len(columns), unit="cell")
     for seed in seeds:
-        subsets = {p: balanced_subset_indices(targets, p, seed) for c in columns if (p := _labels_column(c))}
+        subsets = {c.fraction: balanced_subset_indices(targets, c.fraction, seed) for c in columns if c.fraction}
         for p in (p for p, rows in subsets.items() if len(set(targets[rows])) == len(rows) and "pixels" in names):
             raise ValueError(
                 f"--fractions {p} labels one image a class, too few for the pixels' grid probe to validate on; "
@@ -96,179 +138,68 @@ def compare(
             )
         for source in sources:
             net = source.network(seed)
-            train_x, train_y, test_x, test_y = features(source, net, seed)
+            cell = RowCell(run, net, lambda s=source, n=net, k=seed: features(s, n, k))
             network_id = {"network_fingerprint": module_fingerprint(net)} if source.per_seed and source.baseline else {}
             network_id |= {"curve": source.position} if source.position else {}
-            fixed = not source.per_seed  # a kNN vote of one network for every seed is the same vote
+            done: dict[tuple[str, int | None], Scored] = {}  # the supervised row trains once per share of labels
             for column in columns:
                 tick = time.perf_counter()
-                pct = _labels_column(column)
-                note(say, f"next: {_cell_work(column, source, settings)} of {source.name}, seed {seed}")
-                say.set_postfix(row=source.name, column=column, seed=seed)
-                if column == "kNN":
-                    k = min(settings.knn_k, len(train_y))
-                    score = knn_classify(
-                        train_x, train_y, test_x, test_y, k=k, num_classes=num_classes, device=run.device
-                    )
-                    notes: dict[str, Any] = {"k": k, "temperature": 0.07, "deterministic": fixed}
-                    score = {**score, f"top1_k{k}": score["top1"], f"top5_k{k}": score["top5"]}
-                elif column == "linear" or not source.trainable:
-                    rows = subsets[pct] if pct else None
-                    found = grid_probe(
-                        train_x[rows] if rows else train_x,
-                        train_y[rows] if rows else train_y,
-                        test_x,
-                        test_y,
-                        num_classes,
-                        **_grid(settings, seed, run.device),
-                    )
-                    score, notes = found.pop("metrics"), found
-                else:
-                    score = _finetune(copy.deepcopy(net), run, subsets[pct], settings, seed, _semi_recipe(settings))
-                    notes = {"recipe": f"semi preset {settings.semi_preset}", "epochs": score.pop("epochs")}
-                values[source.name][column].append(score["top1"])
-                cell = (source.name, source.fingerprint_for(seed), column, seed)
+                protocol, config = cell_protocol(settings, source, column, seed)
+                note(say, f"next: {_cell_work(protocol, column, settings)} of {source.name}, seed {seed}")
+                say.set_postfix(row=source.name, column=str(column), seed=seed)
+                key = (protocol.name, getattr(config, "fraction", column.fraction))
+                if key not in done:
+                    rows = subsets.get(column.fraction) if protocol.name != column.protocol else None
+                    done[key] = protocol.hook("score_cell")(replace(cell, labelled=rows), config, seed)
+                scored = done[key]
+                values[source.name][column].append(scored.metrics["top1"])
                 result.records.append(
-                    _record(run, settings, cell, score, subsets.get(pct or 0), tick, {**notes, **network_id})
+                    _record(run, settings, source, column, seed, scored, subsets.get(column.fraction), tick, network_id)
                 )
                 say.update(1)
-        if supervised:
-            _supervised_row(result, supervised, run, subsets, settings, seed)
     say.close()
     return result
 
 
-def _cell_work(column: str, source: Any, settings: CompareConfig) -> str:
+def _cell_work(protocol: Protocol, column: Column, settings: CompareConfig) -> str:
     """What scoring a cell does, in words (the progress line said before it starts: a grid can take minutes)."""
-    if column == "kNN":
+    if protocol.name == "knn":
         return f"the kNN vote (k = {settings.knn_k})"
-    if column == "linear" or not source.trainable:
+    if protocol.name == "linear":
         heads = len(settings.lr_grid) * len(settings.weight_decay_grid)
         return f"{column}: the linear grid probe ({heads} heads x {settings.linear_epochs} epochs)"
-    return f"{column}: fine-tuning (semi preset {settings.semi_preset})"
-
-
-def _grid(settings: CompareConfig, seed: int, device: torch.device | str) -> dict[str, Any]:
-    return {
-        "lrs": settings.lr_grid,
-        "weight_decays": settings.weight_decay_grid,
-        "val_fraction": settings.val_fraction,
-        "epochs": settings.linear_epochs,
-        "batch_size": settings.batch_size,
-        "seed": seed,
-        "device": device,
-        "progress": False,
-    }
-
-
-def _semi_recipe(settings: CompareConfig) -> dict[str, Any]:
-    recipe = baseline(SemiSupervisedConfig, settings.semi_preset)
-    keys = ("lr_backbone", "lr_classifier", "weight_decay", "momentum", "schedule", "milestones", "gamma")
-    return {k: recipe[k] for k in keys} | {
-        "crop_scale_min": recipe["crop_scale_min"],
-        "flip": recipe["flip"],
-        "batch_size": settings.finetune_batch_size,
-    }
-
-
-def _finetune(
-    net: nn.Module,
-    run: EvalRun,
-    indices: Sequence[int],
-    settings: CompareConfig,
-    seed: int,
-    recipe: dict[str, Any],
-) -> dict[str, float]:
-    """Fine-tune ``net`` and a new classifier on the labelled ``indices``; test top-1 / top-5 and the epochs run.
-
-    The epochs rise until they make ``--finetune-steps`` SGD steps at the recipe's batch size.
-    """
-    recipe = dict(recipe)
-    size, splits = run.settings.image_size, run.splits
-    steps_per_epoch = math.ceil(len(indices) / recipe["batch_size"])
-    epochs = max(recipe.pop("epochs", settings.semi_epochs), math.ceil(settings.finetune_steps / steps_per_epoch))
-    augment = train_transform(size, crop_scale_min=recipe.pop("crop_scale_min"), flip=recipe.pop("flip"))
-    train: Dataset = Subset(TransformedDataset(splits.train, augment), list(indices))
-    score = finetune(
-        net,
-        len(splits.classes),
-        train,
-        TransformedDataset(splits.test, eval_transforms(size)),
-        epochs=epochs,
-        seed=seed,
-        num_workers=settings.num_workers,
-        device=run.device,
-        desc=f"fine-tune ({len(indices)} labels)",
-        precision=run.settings.precision,
-        **recipe,
-    )
-    return {**score, "epochs": epochs}
-
-
-def _supervised_row(
-    result: Comparison,
-    network: Callable[[int], nn.Module],
-    run: EvalRun,
-    subsets: dict[int, list[int]],
-    settings: CompareConfig,
-    seed: int,
-) -> None:
-    """Train the network from scratch on each column's labelled images (all of them for kNN and linear)."""
-    recipe = _semi_recipe(settings) | SUPERVISED | {"milestones": [], "gamma": 1.0}
-    recipe["epochs"] = settings.supervised_epochs
-    everything = list(range(len(run.splits.train)))
-    done: dict[int, dict[str, float]] = {}
-    for column in result.columns:
-        pct = _labels_column(column) or 100
-        tick = time.perf_counter()
-        if pct not in done:
-            done[pct] = _finetune(network(seed), run, subsets.get(pct, everything), settings, seed, recipe)
-        result.values["supervised"][column].append(done[pct]["top1"])
-        notes = {"recipe": SUPERVISED, "epochs": done[pct]["epochs"], "labelled": len(subsets.get(pct, everything))}
-        cell = ("supervised", None, column, seed)
-        result.records.append(_record(run, settings, cell, done[pct], subsets.get(pct), tick, notes))
+    return f"{column}: {protocol.name} ({protocol.help})"
 
 
 def _record(
     run: EvalRun,
     settings: CompareConfig,
-    cell: tuple[str, str | None, str, int],
-    score: dict[str, float],
+    source: Source,
+    column: Column,
+    seed: int,
+    scored: Scored,
     subset: Sequence[int] | None,
     started: float,
-    notes: dict[str, Any],
+    network_id: dict[str, Any],
 ) -> dict[str, Any]:
-    """One per-seed record of a cell (protocol knn / linear / semi; the row in ``notes.compare``).
+    """One per-seed record of a cell: the protocol's own, with the row and column in ``notes.compare``.
 
     A baseline row's weights have no file: its ``weights.baseline`` names it, and ``fingerprint`` is None.
     """
-    name, fingerprint, column, seed = cell
-    protocol = "knn" if column == "kNN" else "linear" if column == "linear" else "semi"
-    pct = _labels_column(column)
-    weights: dict[str, Any] = {"name": name, "fingerprint": fingerprint}
+    fingerprint = source.fingerprint_for(seed)
+    weights: dict[str, Any] = {"name": source.name, "fingerprint": fingerprint}
     if fingerprint is None:
-        weights["baseline"] = name
-    scored = Scored(
-        protocol,
-        {k: v for k, v in score.items() if k.startswith(("top1", "top5"))},
-        mode={"knn": "features", "linear": "cached"}.get(protocol, "loop"),
-        table={"knn": knn.TABLE, "linear": linear.LINEAR_TABLE}.get(protocol, semi_supervised.TABLE),
-        labels={"fraction": pct, "source": "seeded", "seed": seed, "count": len(subset or [])} if pct else None,
-        notes={"compare": {"row": name, "column": column, "seed_varies": SEED_VARIES[protocol]}, **notes},
-    )
-    return run.record(scored, weights=weights, seed=seed, config=settings, wall_time_s=time.perf_counter() - started)
+        weights["baseline"] = source.name
+    labels = scored.labels
+    if labels is None and column.fraction:  # a frozen row probed on the column's labels
+        labels = {"fraction": column.fraction, "source": "seeded", "seed": seed, "count": len(subset or [])}
+    varies = SEED_VARIES.get("supervised") if source.supervised else get_protocol(column.protocol).seed_varies
+    compared = {"row": source.name, "column": str(column), "seed_varies": varies, "protocol": scored.protocol}
+    cell = replace(scored, labels=labels, notes={"compare": compared, **(scored.notes or {}), **network_id})
+    return run.record(cell, weights=weights, seed=seed, config=settings, wall_time_s=time.perf_counter() - started)
 
 
 # ----------------------------------------------------------------------------- bt-hub eval compare
-
-
-def weights_rows(config: CompareConfig) -> list[WeightsRow]:
-    """``--weights`` as rows: one each; all in one with ``--as-seeds``; one per kept step with ``--over-steps``."""
-    if config.over_steps:
-        return curve_rows(config.weights, config.as_seeds)
-    if config.as_seeds:
-        return [WeightsRow(f"{', '.join(Path(w).name or w for w in config.weights)} (as seeds)", config.weights)]
-    return [WeightsRow(None, [w]) for w in config.weights]
 
 
 def sources_of(run: EvalRun, baselines: Sequence[str], rows: Sequence[WeightsRow] | None = None) -> list[Source]:
@@ -295,6 +226,7 @@ def sources_of(run: EvalRun, baselines: Sequence[str], rows: Sequence[WeightsRow
             lambda s, n=ws[0].network: n,
             fingerprint=ws[0].sha256,
             position=row.position,
+            curve=row.curve,
         )
         if len(ws) == 1
         else Source(
@@ -303,6 +235,7 @@ def sources_of(run: EvalRun, baselines: Sequence[str], rows: Sequence[WeightsRow
             per_seed=True,
             seed_fingerprints={seed: w.sha256 for seed, w in zip(seeds, ws)},
             position=row.position,
+            curve=row.curve,
         )
         for label, (row, ws) in zip(labels, groups)
     ]
@@ -313,6 +246,9 @@ def sources_of(run: EvalRun, baselines: Sequence[str], rows: Sequence[WeightsRow
         sources.append(
             Source("random-init", lambda s: default_init_backbone(arch, stem, s), baseline=True, per_seed=True)
         )
+    if "supervised" in baselines:
+        supervised = Source("supervised", lambda s: default_init_backbone(arch, stem, s), baseline=True, per_seed=True)
+        sources.append(replace(supervised, supervised=True))
     return sources
 
 
@@ -354,17 +290,12 @@ def compare_and_write(config: CompareConfig) -> tuple[Comparison, str]:
     rows = weights_rows(config)
     live = {w: how for w in config.weights if (how := live_run(Path(w)))} if config.over_steps else {}
     with evaluation(config, weights=[path for row in rows for path in row.paths]) as ev:
-        supervised = None
-        if "supervised" in config.baselines:
-            arch, stem = ev.settings.arch, ev.settings.small_image_stem
-            supervised = lambda s: default_init_backbone(arch, stem, s)  # noqa: E731
         result = compare(
             sources_of(ev, config.baselines, rows),
             ev,
             columns=config.columns(),
             seeds=[config.seed + i for i in range(config.seeds)],
             features=feature_source(ev),
-            supervised=supervised,
         )
         result.partial = live
         if ev.out is None:

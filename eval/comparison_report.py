@@ -10,14 +10,12 @@ from typing import Any
 
 from bt_hub.common.files import atomic_write_text, read_json
 from bt_hub.common.records import fmt_mean_std, mean_std, seeds_text, settings_text
+from bt_hub.eval.compare_config import Column
+from bt_hub.eval.protocols import get_protocol
 from bt_hub.eval.runner import EvalRun
 
-SEED_VARIES = {
-    "knn": "nothing for a fixed network (the vote is deterministic); the network itself for random-init",
-    "linear": "the validation split carved from the training data, the heads' initialisation and the data order",
-    "semi": "the labelled subset (seeded, class-balanced), the classifier's initialisation and the data order",
-    "supervised": "the network's initialisation, the labelled subset (semi columns) and the data order",
-}
+# What a seed varies in the supervised baseline's cells (a protocol's own: its entry's ``seed_varies``).
+SEED_VARIES = {"supervised": "the network's initialisation, the labelled subset (semi columns) and the data order"}
 RULE = (
     "a weights row is *better* in a column when, pairing runs by seed, it beats the column's best baseline (highest "
     "mean) in every seed and the mean of the paired differences exceeds their standard deviation; one seed gives "
@@ -30,25 +28,27 @@ class Comparison:
     """Per-seed top-1 of every row and column, and what was compared."""
 
     seeds: list[int]
-    columns: list[str]
-    values: dict[str, dict[str, list[float]]]  # row -> column -> per-seed top-1
+    columns: list[Column]
+    values: dict[str, dict[Column, list[float]]]  # row -> column -> per-seed top-1
     baselines: list[str]
     test_size: int
     records: list[dict[str, Any]] = field(default_factory=list)
     positions: dict[str, dict[str, float]] = field(default_factory=dict)  # curve rows: pretraining step, seconds
+    curve_names: dict[str, str] = field(default_factory=dict)  # curve rows: the curve ('' for one run)
     varying: set[str] = field(default_factory=set)  # rows whose network differs by seed (random init, --as-seeds)
     partial: dict[str, str] = field(default_factory=dict)  # a pretraining run still live -> how far it had got
 
-    def _alike(self, rows: Sequence[str], column: str, n: int) -> str:
-        """Why equal values have no spread: a kNN vote of fixed networks is deterministic; others are alike."""
-        fixed = column == "kNN" and not any(r in self.varying for r in rows)
+    def _alike(self, rows: Sequence[str], column: Column, n: int) -> str:
+        """Why equal values have no spread: a deterministic protocol (the kNN vote) on fixed networks; others are
+        alike."""
+        fixed = get_protocol(column.protocol).deterministic and not any(r in self.varying for r in rows)
         return "1 seed" if n == 1 else "deterministic" if fixed else f"{n} seeds alike"
 
     def curves(self) -> dict[str, list[str]]:
         """The learning curves: curve name ('' for one run) -> its rows, by pretraining step."""
         curves: dict[str, list[str]] = {}
         for row in sorted(self.positions, key=lambda r: self.positions[r]["step"]):
-            curves.setdefault(row.rsplit("step ", 1)[0].strip(), []).append(row)
+            curves.setdefault(self.curve_names.get(row, ""), []).append(row)
         return curves
 
     def crossings(self) -> list[str]:
@@ -76,7 +76,7 @@ class Comparison:
                         )
         return lines
 
-    def cell(self, row: str, column: str) -> str:
+    def cell(self, row: str, column: Column) -> str:
         """``mean ± std`` of a cell; ``x (1 seed)``, ``x (deterministic)`` or ``x (3 seeds alike)`` where there is no
         spread; '—' if empty."""
         values = self.values[row].get(column, [])
@@ -84,7 +84,7 @@ class Comparison:
             return f"{fmt_mean_std(values[:1])} ({self._alike([row], column, len(values))})"
         return fmt_mean_std(values)
 
-    def verdict(self, row: str, column: str) -> dict[str, Any] | None:
+    def verdict(self, row: str, column: Column) -> dict[str, Any] | None:
         """The paired comparison of a weights row with the column's best baseline (``RULE``); None without one."""
         scored = [b for b in self.baselines if self.values[b].get(column)]
         if not scored or not self.values[row].get(column):
@@ -105,6 +105,13 @@ class Comparison:
             "better": better,
             "loses_to": loses_to,
         }
+
+
+def seed_varies(result: Comparison) -> dict[str, str]:
+    """What a seed varies in each of the table's protocols (their entries' ``seed_varies``) and baselines."""
+    protocols = dict.fromkeys(c.protocol for c in result.columns)
+    told = {p: get_protocol(p).seed_varies for p in protocols}
+    return told | {b: SEED_VARIES[b] for b in result.baselines if b in SEED_VARIES}
 
 
 def describe_settings(run: EvalRun, partial: Mapping[str, str] | None = None) -> list[str]:
@@ -156,7 +163,7 @@ def describe_settings(run: EvalRun, partial: Mapping[str, str] | None = None) ->
 def render_markdown(result: Comparison, title: str = "Did pretraining help?", settings: Sequence[str] = ()) -> str:
     """``compare.md``: the mean ± std table with the verdict column, the paired comparisons, the rule and the seeds."""
     weights_rows = [r for r in result.values if r not in result.baselines]
-    header = ["representation", *result.columns, "better than the best baseline?"]
+    header = ["representation", *map(str, result.columns), "better than the best baseline?"]
     lines = [f"# {title}", "", *([*settings, ""] if settings else [])]
     if result.positions:
         lines += ["## Learning curve", "", "![curve](curve.png)", "", *(f"- {c}" for c in result.crossings()), ""]
@@ -185,7 +192,7 @@ def render_markdown(result: Comparison, title: str = "Did pretraining help?", se
         "",
         "What a seed varies:",
         "",
-        *[f"- **{name}**: {text}" for name, text in SEED_VARIES.items()],
+        *[f"- **{name}**: {text}" for name, text in seed_varies(result).items()],
         "",
     ]
     return "\n".join(lines)
@@ -220,7 +227,7 @@ def plot(result: Comparison, path: Path) -> Path:
         xs = [j + i * width for j, c in enumerate(result.columns) if cells.get(c)]
         stats = [mean_std(cells[c]) for c in result.columns if cells.get(c)]
         ax.bar(xs, [m for m, _ in stats], width, yerr=[s for _, s in stats], capsize=3, label=row)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(result.columns))], result.columns)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(result.columns))], list(map(str, result.columns)))
     ax.set(ylabel="test top-1 (%)", ylim=(0, 100), title=f"mean ± std over {seeds_text(len(result.seeds))}")
     ax.legend(fontsize=8, loc="lower right")
     return save_png(fig, path)
@@ -265,31 +272,28 @@ def table_rows(result: Comparison) -> list[dict[str, Any]]:
         for column in result.columns:
             values = cells.get(column) or []
             mean, std = mean_std(values) if values else (float("nan"), float("nan"))
-            row |= {column: mean, f"{column} std": std, f"{column} per seed": list(values)}
+            row |= {str(column): mean, f"{column} std": std, f"{column} per seed": list(values)}
             if name not in result.baselines and (verdict := result.verdict(name, column)):
                 row[f"{column} better"] = verdict["better"]
         rows.append(row)
     return rows
 
 
-def write_comparison(run: EvalRun, result: Comparison, title: str = "Did pretraining help?") -> str:
-    """compare.md, compare.png and the records (results.json / .jsonl / .md) in the run's folder; the table."""
-    text = render_markdown(result, title=title, settings=describe_settings(run, result.partial))
-    out = run.out
-    written = [atomic_write_text(out / "compare.md", text), plot(result, out / "compare.png")]
-    written += [plot_curve(result, out / "curve.png")] if result.positions else []
+def comparison_summary(result: Comparison, started: float) -> dict[str, Any]:
+    """What a comparison's results.json holds (``eval compare``'s, and the demo's): the per-seed records, the table,
+    the verdicts, the curve and the seconds since ``started``; a partial curve is said in every record too."""
     summary = {
         "results": result.records,
         "table": {
-            row: {c: {"per_seed": v, "mean_std": result.cell(row, c)} for c, v in cols.items()}
+            row: {str(c): {"per_seed": v, "mean_std": result.cell(row, c)} for c, v in cols.items()}
             for row, cols in result.values.items()
         },
         "verdicts": {
-            row: {c: result.verdict(row, c) for c in result.columns}
+            row: {str(c): result.verdict(row, c) for c in result.columns}
             for row in result.values
             if row not in result.baselines
         },
-        "wall_time_s": time.perf_counter() - run.started,
+        "wall_time_s": time.perf_counter() - started,
     }
     if result.positions:
         summary["curve"] = {"positions": result.positions, "crossings": result.crossings()}
@@ -300,6 +304,15 @@ def write_comparison(run: EvalRun, result: Comparison, title: str = "Did pretrai
                 *record.get("warnings", []),
                 *(f"partial curve: {w} was {how}" for w, how in result.partial.items()),
             ]
-    run.write(result.records, summary)
+    return summary
+
+
+def write_comparison(run: EvalRun, result: Comparison, title: str = "Did pretraining help?") -> str:
+    """compare.md, compare.png and the records (results.json / .jsonl / .md) in the run's folder; the table."""
+    text = render_markdown(result, title=title, settings=describe_settings(run, result.partial))
+    out = run.out
+    written = [atomic_write_text(out / "compare.md", text), plot(result, out / "compare.png")]
+    written += [plot_curve(result, out / "curve.png")] if result.positions else []
+    run.write(result.records, comparison_summary(result, run.started))
     written += [out / name for name in ("results.json", "results.jsonl", "results.md")]
     return text.split("\n\n## Paired by seed")[0] + "\n\n" + "\n".join(f"wrote {p}" for p in written)

@@ -32,11 +32,12 @@ import numpy as np
 from bt_hub.common.config import RunConfig, check_image_size, out_field
 from bt_hub.common.files import atomic_write_json, atomic_write_text
 from bt_hub.common.presets import from_preset, preset_values
+from bt_hub.common.records import SCHEMA
 from bt_hub.common.runs import LOCK_NAME, MARKER_NAME, check_run_dir, claimed_run_dir, package_version
 from bt_hub.data.datasets import build_dataset
 from bt_hub.data.plots import run_plots
 from bt_hub.eval.comparison import CompareConfig, compare_and_write
-from bt_hub.eval.comparison_report import Comparison, render_markdown
+from bt_hub.eval.comparison_report import Comparison, comparison_summary, render_markdown
 from bt_hub.method.model import ARCHITECTURES
 from bt_hub.train.pretrain import PretrainConfig, pretrain
 
@@ -284,20 +285,11 @@ def _demo(config: DemoConfig, out: Path) -> dict[str, Any]:
     plots = [path.name for path in run_plots(runs[0], out, lambd=config.lambd)]
     atomic_write_text(out / "report.md", _report(config, result, timings, plots))
     last = max(result.positions, key=lambda row: result.positions[row]["step"])
-    results = {
-        "table": {
-            row: {c: {"per_seed": v, "mean_std": result.cell(row, c)} for c, v in cells.items() if v}
-            for row, cells in result.values.items()
-        },
-        "last_step": last,
-        "verdicts": {c: result.verdict(last, c) for c in result.columns},
-        "curve": {"positions": result.positions, "crossings": result.crossings()},
-        "seeds": result.seeds,
-        "timings_s": timings,
-        "config": vars(config).copy(),
-    }
+    extra = {"last_step": last, "seeds": result.seeds, "timings_s": timings, "config": vars(config).copy()}
+    results = {"schema": SCHEMA, **comparison_summary(result, start), **extra}  # compare's results.json, and the demo's
     atomic_write_json(out / "results.json", results)
-    return {**results, "summary": _summary(result, last, out)}
+    shown = {k: v for k, v in results.items() if k != "results"}  # the CLI prints the demo's summary, not its records
+    return {**shown, "summary": _summary(result, last, out)}
 
 
 def _summary(result: Comparison, last: str, out: Path) -> str:

@@ -201,17 +201,25 @@ def run(config: KnnConfig) -> dict[str, Any]:
 
 
 def score(run: EvalRun) -> Scored:
-    """Weighted kNN of test against training features for every ``--k`` (capped at the training size, warned)."""
-    config = run.config
-    train_x, train_y = run.features("train")
-    test_x, test_y = run.features("test")
-    num_classes = max(len(run.splits.classes), int(max(train_y.max(), test_y.max())) + 1)
+    """``bt-hub eval knn``'s scoring step: :func:`score_cell` of the run's weights with its config and seed."""
+    return score_cell(run, run.config, run.config.seed)
+
+
+def score_cell(cell: Any, config: KnnConfig, seed: int) -> Scored:
+    """Weighted kNN of test against training features for every ``--k`` (capped at the training size, warned).
+
+    ``cell`` gives the features (an EvalRun, or a row of ``eval compare``); the vote draws nothing at random, so
+    ``seed`` changes nothing.
+    """
+    train_x, train_y = cell.features("train")
+    test_x, test_y = cell.features("test")
+    num_classes = max(len(cell.splits.classes), int(max(train_y.max(), test_y.max())) + 1)
     if not is_main_process():
         return Scored("knn", {})
     used, warned = effective_k(config.k, len(train_y))
     for message in warned:
         warnings.warn(message, EvalWarning, stacklevel=2)
-    backend = resolve_backend(config.backend, run.device)
+    backend = resolve_backend(config.backend, cell.device)
     sims, idx = knn_search(
         train_x,
         test_x,
@@ -219,7 +227,7 @@ def score(run: EvalRun) -> Scored:
         query_batch=config.query_batch,
         train_chunk=config.train_chunk,
         backend=backend,
-        device=run.device,
+        device=cell.device,
     )
     metrics: dict[str, float] = {}
     for k in used:
@@ -228,3 +236,13 @@ def score(run: EvalRun) -> Scored:
     metrics = {"top1": metrics[f"top1_k{used[0]}"], "top5": metrics[f"top5_k{used[0]}"], **metrics}
     notes = {"neighbours_used": {str(k): min(k, len(train_y)) for k in config.k}, "backend": backend}
     return Scored("knn", metrics, mode="features", warnings=warned, notes=notes, table=TABLE)
+
+
+def suite_settings(config: Any) -> list[tuple[str, dict[str, Any], tuple[str, ...]]]:
+    """Its run in ``eval all``: ``--knn-k`` neighbours."""
+    return [("knn", {"k": list(config.knn_k)}, ())]
+
+
+def cell_settings(config: Any, fraction: int | None) -> dict[str, Any]:
+    """Its config in an ``eval compare`` cell: ``--knn-k`` neighbours."""
+    return {"k": [config.knn_k]}

@@ -235,34 +235,72 @@ def run(config: LinearConfig) -> dict[str, Any]:
 
 
 def score(run: EvalRun) -> Scored:
-    """The grid probe, the fixed recipe on cached features, or the paper's loop; top-1 / top-5 on the test split."""
+    """The grid probe or the fixed recipe on cached features (:func:`score_cell`), or the paper's loop; top-1 /
+    top-5 on the test split, with the warnings of a preset set for other data."""
     config, splits = run.config, run.splits
     warned = warn_about_settings(
         config, num_classes=len(splits.classes), train_images=len(splits.train), image_side=splits.image_side()
     )
-    num_classes = len(splits.classes)
-    grid = config.uses_grid(num_classes)
-    notes: dict[str, Any] = {"search": "grid" if grid else "fixed"}
-    if grid:
-        found = grid_probe(*run.features("train"), *run.features("test"), num_classes, **_grid_settings(config, run))
-        metrics = found.pop("metrics")
-        notes.update(found)
-    elif config.cached:
-        metrics = _fixed_on_features(run, num_classes)
+    if config.cached or config.uses_grid(len(splits.classes)):
+        scored = score_cell(run, config, config.seed)
     else:
-        metrics = _paper_loop(run, num_classes)
-        notes["loop_precision"] = loop_precision(run.device, run.settings.precision)
+        notes = {"search": "fixed", "loop_precision": loop_precision(run.device, run.settings.precision)}
+        scored = _scored(config, _paper_loop(run, len(splits.classes)), "loop", notes)
+    scored.warnings = warned
+    return scored
+
+
+def score_cell(cell: Any, config: LinearConfig, seed: int) -> Scored:
+    """The probe on ``cell``'s frozen features: the grid (heads chosen on a validation split drawn with ``seed``)
+    or the preset's one recipe (``--cached``)."""
+    num_classes = len(cell.splits.classes)
+    train, test = cell.features("train"), cell.features("test")
+    if not config.uses_grid(num_classes):
+        return _scored(config, _fixed_on_features(config, train, test, num_classes, seed, cell.device), "cached")
+    heads = len(config.lr_grid) * len(config.weight_decay_grid)
+    found = grid_probe(
+        *train,
+        *test,
+        num_classes,
+        **_schedule(config),
+        batch_size=config.batch_size,
+        device=cell.device,
+        lrs=config.lr_grid,
+        weight_decays=config.weight_decay_grid,
+        val_fraction=config.val_fraction,
+        seed=seed,
+        desc=f"linear grid ({heads} heads)",
+        progress=cell.progress,
+    )
+    metrics = found.pop("metrics")
+    return _scored(config, metrics, "cached", {"search": "grid", **found}, grid=True)
+
+
+def _scored(
+    config: LinearConfig, metrics: dict[str, float], mode: str, notes: dict[str, Any] | None = None, grid: bool = False
+) -> Scored:
     transfer = isinstance(config, TransferConfig)
     return Scored(
         "transfer" if transfer else "linear",
         metrics,
-        mode="cached" if config.cached or grid else "loop",
+        mode=mode,
         preset=config.preset,
         paper=None if grid else PAPER_ROWS.get(config.preset or ""),
         table=TRANSFER_TABLE if transfer or config.preset in ("places205", "inat18") else LINEAR_TABLE,
-        warnings=warned,
-        notes=notes,
+        notes=notes or {"search": "fixed"},
     )
+
+
+def suite_settings(config: Any) -> list[tuple[str, dict[str, Any], tuple[str, ...]]]:
+    """Its run in ``eval all``: ``--linear-preset``, on cached features unless ``--full-linear``."""
+    values = {"preset": config.linear_preset, "cached": not config.full_linear}
+    return [("linear", values | ({"epochs": config.linear_epochs} if config.linear_epochs else {}), ())]
+
+
+def cell_settings(config: Any, fraction: int | None) -> dict[str, Any]:
+    """Its config in an ``eval compare`` cell: the grid probe of ``--lr-grid`` x ``--weight-decay-grid``."""
+    keys = ("lr_grid", "weight_decay_grid", "val_fraction")
+    return {"search": "grid", "epochs": config.linear_epochs, **{k: getattr(config, k) for k in keys}}
 
 
 def _schedule(config: LinearConfig) -> dict[str, Any]:
@@ -270,39 +308,24 @@ def _schedule(config: LinearConfig) -> dict[str, Any]:
     return {k: getattr(config, k) for k in keys}
 
 
-def _grid_settings(config: LinearConfig, run: EvalRun) -> dict[str, Any]:
-    return {
-        **_schedule(config),
-        "batch_size": config.batch_size,
-        "device": run.device,
-        "lrs": config.lr_grid,
-        "weight_decays": config.weight_decay_grid,
-        "val_fraction": config.val_fraction,
-        "seed": config.seed,
-        "desc": f"linear grid ({len(config.lr_grid) * len(config.weight_decay_grid)} heads)",
-    }
-
-
-def _fixed_on_features(run: EvalRun, num_classes: int) -> dict[str, float]:
+def _fixed_on_features(
+    config: LinearConfig, train: tuple[Any, Any], test: tuple[Any, Any], num_classes: int, seed: int, device: Any
+) -> dict[str, float]:
     """The preset's one recipe trained on cached test-transform features (``--cached``)."""
-    config = run.config
-    train_x, train_y = run.features("train")
-    test_x, test_y = run.features("test")
     heads = train_heads(
-        train_x,
-        train_y,
+        *train,
         num_classes,
         lrs=[config.lr],
         weight_decays=[config.weight_decay],
-        seed=config.seed,
+        seed=seed,
         desc="linear (cached)",
         batch_size=config.batch_size,
-        device=run.device,
+        device=device,
         **_schedule(config),
     )
     if heads.diverged[0] is not None:
         raise _diverged(config, heads.diverged[0])
-    return {k: v for k, v in score_heads(heads, test_x, test_y)[0].items() if k != "loss"}
+    return {k: v for k, v in score_heads(heads, *test)[0].items() if k != "loss"}
 
 
 def _paper_loop(run: EvalRun, num_classes: int) -> dict[str, float]:

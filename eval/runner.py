@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -172,11 +172,17 @@ class EvalRun:
     _splits: dict[tuple[Any, ...], Splits] = field(default_factory=dict)
     _stores: dict[tuple[Any, ...], Dataset] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
+    progress: ClassVar[bool] = True  # the protocols' own progress lines (a compare row has compare's instead)
 
     @property
     def weights(self) -> LoadedWeights:
         """The (first) weights under evaluation."""
         return self.all_weights[0]
+
+    @property
+    def network(self) -> nn.Module:
+        """The network of the (first) weights: what a protocol's ``score_cell`` scores."""
+        return self.weights.network
 
     @property
     def splits(self) -> Splits:

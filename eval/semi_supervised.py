@@ -22,8 +22,10 @@ probe.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -38,6 +40,9 @@ from bt_hub.eval.label_subsets import read_subset_file, subset_indices
 from bt_hub.eval.report import IMAGENET_FOLDERS, PaperRow, Table
 from bt_hub.eval.runner import EvalRun, Scored, run_protocol
 from bt_hub.method.transforms import eval_transforms
+
+# EvalConfig flags of feature extraction, which fine-tuning does not do (eval all's --semi-batch-size is its batch).
+_EXTRACTION_FIELDS = ("batch_size", "cache_dir", "cache_dtype", "decode", "store")
 
 
 def finetune(
@@ -144,6 +149,13 @@ class SemiSupervisedConfig(EvalConfig):
         metadata={"help": "SimCLR-format list of labelled training files (e.g. 1percent.txt), matched by file name"},
     )
     epochs: int = field(default=20, metadata={"help": "fine-tuning epochs"})
+    min_steps: int = field(
+        default=0,
+        metadata={
+            "help": "the fewest SGD steps: where the labelled images are few, the epochs rise until they make this "
+            "many at --batch-size (0: --epochs as given; eval compare's --finetune-steps)"
+        },
+    )
     lr_backbone: float = field(default=0.002, metadata={"help": "backbone LR"})
     lr_classifier: float = field(default=0.5, metadata={"help": "classifier LR"})
     weight_decay: float = field(default=0.0, metadata={"help": "SGD weight decay"})
@@ -176,6 +188,7 @@ class SemiSupervisedConfig(EvalConfig):
         if self.fraction is not None and not 0 < self.fraction <= 100:
             raise ValueError(f"--fraction must be a percentage in (0, 100], got {self.fraction}")
         self.require_positive("epochs")
+        self.require_positive("min_steps", or_zero=True)
         if self.lr_backbone < 0 or self.lr_classifier <= 0:
             raise ValueError(
                 "--lr-backbone must be >= 0 and --lr-classifier positive, "
@@ -221,10 +234,10 @@ def paper_row(config: SemiSupervisedConfig, labels: Mapping[str, Any]) -> PaperR
     return PAPER_ROWS.get(labels.get("fraction")) if config.preset == "paper" else None
 
 
-def _labels(config: SemiSupervisedConfig, indices: Sequence[int], train_size: int) -> dict[str, Any]:
+def _labels(config: SemiSupervisedConfig, indices: Sequence[int], train_size: int, seed: int) -> dict[str, Any]:
     """What the results say about the labelled subset: fraction, source, count, and the list's name and hash."""
     if config.subset_file is None:
-        return {"fraction": config.fraction, "source": "seeded", "seed": config.seed, "count": len(indices)}
+        return {"fraction": config.fraction, "source": "seeded", "seed": seed, "count": len(indices)}
     listing = read_subset_file(config.subset_file)
     fraction = (
         int(listing.published.removesuffix("percent.txt"))
@@ -242,34 +255,50 @@ def _labels(config: SemiSupervisedConfig, indices: Sequence[int], train_size: in
 
 
 def score(run: EvalRun) -> Scored:
-    """Fine-tune the run's backbone and a new classifier on the labelled subset; top-1 / top-5 on the test split."""
-    config, splits, size = run.config, run.splits, run.settings.image_size
-    indices = subset_indices(splits.train, percent=config.fraction, subset_file=config.subset_file, seed=config.seed)
+    """``bt-hub eval semi``'s scoring step, with the warnings of a preset set for other data: :func:`score_cell`."""
+    config, splits = run.config, run.splits
+    indices = _subset(run, config, config.seed)
     warned = warn_about_settings(
         config, num_classes=len(splits.classes), train_images=len(indices), image_side=splits.image_side()
     )
+    scored = score_cell(run, config, config.seed)
+    scored.warnings = warned
+    return scored
+
+
+def _subset(cell: Any, config: SemiSupervisedConfig, seed: int) -> list[int]:
+    return subset_indices(cell.splits.train, percent=config.fraction, subset_file=config.subset_file, seed=seed)
+
+
+def score_cell(cell: Any, config: SemiSupervisedConfig, seed: int) -> Scored:
+    """Fine-tune a copy of ``cell.network`` and a new classifier on the labelled subset (drawn with ``seed``);
+    top-1 / top-5 on the test split."""
+    splits, size = cell.splits, cell.settings.image_size
+    indices = _subset(cell, config, seed)
+    epochs = max(config.epochs, math.ceil(config.min_steps / math.ceil(len(indices) / config.batch_size)))
     augment = train_transform(size, crop_scale_min=config.crop_scale_min, flip=config.flip)
     metrics = finetune(
-        copy.deepcopy(run.weights.network),  # the run's weights stay as loaded for the protocols after this one
+        copy.deepcopy(cell.network),  # the run's weights stay as loaded for the protocols after this one
         len(splits.classes),
         Subset(TransformedDataset(splits.train, augment), indices),
         TransformedDataset(splits.test, eval_transforms(size)),
         lr_backbone=config.lr_backbone,
         lr_classifier=config.lr_classifier,
-        epochs=config.epochs,
+        epochs=epochs,
         batch_size=config.batch_size,
         schedule=config.schedule,
         milestones=config.milestones,
         gamma=config.gamma,
         weight_decay=config.weight_decay,
         momentum=config.momentum,
-        seed=config.seed,
+        seed=seed,
         num_workers=config.num_workers,
-        device=run.device,
+        device=cell.device,
         desc=f"fine-tune ({config.preset}, {len(indices)} labels)",
-        precision=run.settings.precision,
+        precision=cell.settings.precision,
     )
-    labels = _labels(config, indices, len(splits.train))
+    labels = _labels(config, indices, len(splits.train), seed)
+    notes = {"loop_precision": loop_precision(cell.device, cell.settings.precision), "epochs": epochs}
     return Scored(
         "semi",
         metrics,
@@ -278,6 +307,38 @@ def score(run: EvalRun) -> Scored:
         paper=paper_row(config, labels),
         table=TABLE,
         labels=labels,
-        warnings=warned,
-        notes={"loop_precision": loop_precision(run.device, run.settings.precision)},
+        notes=notes,
     )
+
+
+def suite_settings(config: Any) -> list[tuple[str, dict[str, Any], tuple[str, ...]]]:
+    """Its runs in ``eval all``: one per ``--fractions`` (SimCLR's lists from ``--subset-dir``, else seeded
+    class-balanced subsets), with ``--semi-preset``; fine-tuning reads none of the extraction flags."""
+    given = {"epochs": config.semi_epochs, "batch_size": config.semi_batch_size}
+    values = {"preset": config.semi_preset, **{k: v for k, v in given.items() if v is not None}}
+    skip = _EXTRACTION_FIELDS + (() if config.device.startswith("cuda") else ("precision",))
+    return [
+        (
+            f"semi_{pct}percent",
+            values
+            | (
+                {"subset_file": str(Path(config.subset_dir) / f"{pct}percent.txt")}
+                if config.subset_dir
+                else {"fraction": pct}
+            ),
+            skip,
+        )
+        for pct in config.fractions
+    ]
+
+
+def cell_settings(config: Any, fraction: int | None) -> dict[str, Any]:
+    """Its config in an ``eval compare`` cell: ``--semi-preset`` on ``fraction`` % of the labels (all of them for
+    a column without a fraction), at least ``--finetune-steps`` SGD steps."""
+    return {
+        "preset": config.semi_preset,
+        "fraction": fraction or 100,
+        "epochs": config.semi_epochs,
+        "batch_size": config.finetune_batch_size,
+        "min_steps": config.finetune_steps,
+    }

@@ -10,14 +10,9 @@ from typing import Any, ClassVar
 
 from bt_hub.common.presets import from_preset, preset_values
 from bt_hub.common.records import SCHEMA
-from bt_hub.eval import knn, linear, semi_supervised
 from bt_hub.eval.config import EvalConfig
+from bt_hub.eval.protocols import get_protocol, list_protocols
 from bt_hub.eval.runner import evaluation, run_child
-
-# EvalConfig fields that only the image-folder protocols take (the VOC07 devkit has its own lists).
-_SPLIT_FIELDS = ("test_split", "holdout")
-# EvalConfig fields of feature extraction, which fine-tuning does not do (its batch is --semi-batch-size).
-_EXTRACTION_FIELDS = ("batch_size", "cache_dir", "cache_dtype", "decode", "store")
 
 
 @dataclass
@@ -83,8 +78,8 @@ class SuiteConfig(EvalConfig):
             raise ValueError(
                 f"--voc07-devkit {self.voc07_devkit} is not a folder; point it to a VOC devkit or leave it out"
             )
-        preset_values(linear.LinearConfig, self.linear_preset)
-        preset_values(semi_supervised.SemiSupervisedConfig, self.semi_preset)
+        preset_values(get_protocol("linear").config_class, self.linear_preset)
+        preset_values(get_protocol("semi").config_class, self.semi_preset)
         if any(f <= 0 or f > 100 for f in self.fractions):
             raise ValueError(f"--fractions must be percentages in (0, 100], got {self.fractions}")
         if self.subset_dir is not None:
@@ -104,62 +99,31 @@ class SuiteConfig(EvalConfig):
         return unused
 
 
-def _shared(config: SuiteConfig, name: str, skip: tuple[str, ...] = (), **overrides: Any) -> dict[str, Any]:
-    """The EvalConfig flags of the suite (less ``skip``), with the protocol's own folder ``OUT/name`` (or none)."""
+def _shared(config: SuiteConfig, name: str, skip: tuple[str, ...], cache_dir: str | None) -> dict[str, Any]:
+    """The EvalConfig flags of the suite (less ``skip``), with the protocol's own folder ``OUT/name`` (or none) and
+    the suite's feature cache."""
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(EvalConfig) if f.init and f.name not in skip}
-    values.update(out=str(Path(config.out) / name) if config.out is not None else None, **overrides)
-    return values
-
-
-def _given(**values: Any) -> dict[str, Any]:
-    return {k: v for k, v in values.items() if v is not None}
-
-
-def _semi_skips(config: SuiteConfig) -> tuple[str, ...]:
-    """The shared flags fine-tuning does not read (on the CPU its loop runs in fp32 whatever --precision says)."""
-    return _EXTRACTION_FIELDS + (() if config.device.startswith("cuda") else ("precision",))
+    if "cache_dir" in values:
+        values["cache_dir"] = cache_dir
+    return values | {"out": str(Path(config.out) / name) if config.out is not None else None}
 
 
 def run(config: SuiteConfig) -> dict[str, Any]:
-    """Run every protocol on ``--weights``, read and hashed once; return ``{"results": [record, ...], ...}``."""
+    """Run every protocol of the table that ``eval all`` runs (:func:`bt_hub.eval.protocols.list_protocols`) on
+    ``--weights``, read and hashed once; return ``{"results": [record, ...], ...}``.
+
+    A protocol's module says on which flags it runs (``suite_settings``); by default, once on the shared flags.
+    """
     with evaluation(config) as parent:
         cache_dir = config.cache_dir or (str(Path(config.out) / "feature_cache") if config.out is not None else None)
-        records = [
-            run_child(
-                parent,
-                knn.KnnConfig(**_shared(config, "knn", cache_dir=cache_dir), k=list(config.knn_k)),
-                knn.score,
-            )
-        ]
-        linear_config = from_preset(
-            linear.LinearConfig,
-            config.linear_preset,
-            **_shared(config, "linear", cache_dir=cache_dir),
-            cached=not config.full_linear,
-            **_given(epochs=config.linear_epochs),
-        )
-        records.append(run_child(parent, linear_config, linear.score))
-        for pct in config.fractions:
-            subset = (
-                {"subset_file": str(Path(config.subset_dir) / f"{pct}percent.txt")}
-                if config.subset_dir
-                else {"fraction": pct}
-            )
-            semi_config = from_preset(
-                semi_supervised.SemiSupervisedConfig,
-                config.semi_preset,
-                **_shared(config, f"semi_{pct}percent", skip=_semi_skips(config)),
-                **subset,
-                **_given(epochs=config.semi_epochs, batch_size=config.semi_batch_size),
-            )
-            records.append(run_child(parent, semi_config, semi_supervised.score))
-        if config.voc07_devkit:
-            from bt_hub.eval import voc07_svm
-
-            voc_config = voc07_svm.Voc07SvmConfig(
-                **_shared(config, "voc07_svm", skip=(*_SPLIT_FIELDS, "decode", "store"), data=config.voc07_devkit)
-            )
-            records.append(run_child(parent, voc_config, voc07_svm.score))
+        records = []
+        for protocol in map(get_protocol, list_protocols(suite=True)):
+            settings = protocol.hook("suite_settings")
+            for folder, values, skip in settings(config) if settings else [(protocol.name, {}, ())]:
+                given = {k: v for k, v in values.items() if k != "preset"}
+                shared = _shared(config, folder, skip, cache_dir) | given
+                child = from_preset(protocol.config_class, values.get("preset"), **shared)
+                records.append(run_child(parent, child, protocol.hook("score")))
         summary = {"results": records, "wall_time_s": time.perf_counter() - parent.started}
         parent.write(records, summary)
     return {"schema": SCHEMA, **summary}

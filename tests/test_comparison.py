@@ -14,6 +14,7 @@ import torch
 from bt_hub import cli
 from bt_hub.common.records import fmt_mean_std
 from bt_hub.data.datasets import ArrayImageDataset
+from bt_hub.eval.compare_config import Column
 from bt_hub.eval.comparison import Source, compare
 from bt_hub.eval.comparison_report import Comparison, render_markdown
 from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS
@@ -21,6 +22,7 @@ from bt_hub.eval.runner import EvalRun, Settings
 from bt_hub.eval.splits import Splits
 from bt_hub.method.model import build_backbone, default_init_backbone
 
+KNN, LINEAR = Column("knn"), Column("linear")
 SETTINGS = SimpleNamespace(
     knn_k=5,
     lr_grid=list(GRID_LRS),
@@ -28,6 +30,8 @@ SETTINGS = SimpleNamespace(
     val_fraction=0.2,
     linear_epochs=5,
     batch_size=32,
+    data="planted",
+    num_workers=0,
 )
 
 
@@ -61,7 +65,7 @@ def _compare(signals: dict[str, float], baselines: set[str], seeds=(0, 1, 2)) ->
     return compare(
         sources,
         run,
-        columns=["kNN", "linear"],
+        columns=[KNN, LINEAR],
         seeds=list(seeds),
         features=lambda source, net, seed: planted[source.name],
         settings=SETTINGS,
@@ -70,7 +74,7 @@ def _compare(signals: dict[str, float], baselines: set[str], seeds=(0, 1, 2)) ->
 
 def test_planted_features_that_carry_the_classes_beat_noise_baselines_by_more_than_the_spread():
     result = _compare({"pretrained": 4.0, "noise": 0.0, "weak": 0.3}, baselines={"noise", "weak"})
-    for column in ("kNN", "linear"):
+    for column in (KNN, LINEAR):
         verdict = result.verdict("pretrained", column)
         assert verdict["better"] is True and verdict["baseline"] in ("noise", "weak")
         assert min(verdict["differences"]) > 20
@@ -79,7 +83,7 @@ def test_planted_features_that_carry_the_classes_beat_noise_baselines_by_more_th
 
 def test_identical_features_are_never_better_than_the_baseline():
     result = _compare({"pretrained": 1.0, "same": 1.0}, baselines={"same"})
-    for column in ("kNN", "linear"):
+    for column in (KNN, LINEAR):
         verdict = result.verdict("pretrained", column)
         assert verdict["differences"] == [0.0, 0.0, 0.0] and verdict["better"] is False
     # guards: a difference without spread read "+0.0 ± 0.0", as if measured to be exactly certain
@@ -89,8 +93,8 @@ def test_identical_features_are_never_better_than_the_baseline():
 
 def test_the_verdict_pairs_seeds_and_needs_every_seed_ahead_and_a_mean_above_the_spread():
     def verdict(ours, theirs):
-        values = {"w": {"linear": ours}, "b": {"linear": theirs}, "c": {"linear": [0.0] * len(ours)}}
-        return Comparison(list(range(len(ours))), ["linear"], values, ["b", "c"], 100).verdict("w", "linear")
+        values = {"w": {LINEAR: ours}, "b": {LINEAR: theirs}, "c": {LINEAR: [0.0] * len(ours)}}
+        return Comparison(list(range(len(ours))), [LINEAR], values, ["b", "c"], 100).verdict("w", LINEAR)
 
     assert verdict([80.0, 82.0, 81.0], [70.0, 71.0, 69.0])["better"] is True
     assert verdict([80.0, 60.0, 81.0], [70.0, 71.0, 69.0])["better"] is False  # one seed behind
@@ -235,21 +239,21 @@ def test_a_curve_over_a_run_still_pretraining_says_it_is_live_how_far_it_got_and
 
 def test_crossings_name_the_step_from_which_a_curve_stays_above_each_baselines_band():
     values = {
-        "step 10": {"kNN": [50.0, 52.0]},
-        "step 20": {"kNN": [81.0, 83.0]},  # above random-init's band, then below it again
-        "step 40": {"kNN": [70.0, 72.0]},
-        "step 80": {"kNN": [90.0, 92.0]},
-        "pixels": {"kNN": [95.0, 95.0]},
-        "random-init": {"kNN": [74.0, 76.0]},
+        "step 10": {KNN: [50.0, 52.0]},
+        "step 20": {KNN: [81.0, 83.0]},  # above random-init's band, then below it again
+        "step 40": {KNN: [70.0, 72.0]},
+        "step 80": {KNN: [90.0, 92.0]},
+        "pixels": {KNN: [95.0, 95.0]},
+        "random-init": {KNN: [74.0, 76.0]},
     }
-    result = Comparison([0, 1], ["kNN"], values, ["pixels", "random-init"], 100)
+    result = Comparison([0, 1], [KNN], values, ["pixels", "random-init"], 100)
     result.positions = {f"step {s}": {"step": s, "seconds": s / 10} for s in (10, 20, 40, 80)}
     result.varying = {"step 10", "random-init"}
-    values["step 10"]["linear"] = [60.0, 60.0]
-    result.columns.append("linear")
-    assert result.cell("step 10", "kNN") == "51.0 ± 1.4" and result.cell("pixels", "kNN") == "95.0 (deterministic)"
-    assert result.cell("step 10", "linear") == "60.0 (2 seeds alike)"  # two runs that scored alike are no vote
-    result.columns.remove("linear")
+    values["step 10"][LINEAR] = [60.0, 60.0]
+    result.columns.append(LINEAR)
+    assert result.cell("step 10", KNN) == "51.0 ± 1.4" and result.cell("pixels", KNN) == "95.0 (deterministic)"
+    assert result.cell("step 10", LINEAR) == "60.0 (2 seeds alike)"  # two runs that scored alike are no vote
+    result.columns.remove(LINEAR)
     assert result.crossings() == [
         "kNN vs pixels (95.0 (deterministic)): never above its band; best 91.0 at step 80",
         "kNN vs random-init (75.0 ± 1.4): above its band from step 80 (8 s of pretraining) on",
@@ -298,6 +302,6 @@ def test_compare_md_states_the_k_the_vote_used_when_knn_k_exceeds_the_training_i
     flags = ["eval", "compare", "--weights", str(small_stem_weights), "--protocols", "knn", "--baselines", "pixels"]
     assert cli.main([*flags, "--data", "synthetic:60", "--image-size", "8", "--knn-k", "500", "--out", str(out)]) == 0
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    used = {r["notes"]["k"] for r in records}
+    used = {r["notes"]["neighbours_used"]["500"] for r in records}
     assert len(used) == 1 and (k := used.pop()) < 500
     assert f"- kNN: k = {k} (--knn-k 500 is more than the {k} training images)" in (out / "compare.md").read_text()

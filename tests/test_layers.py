@@ -204,6 +204,15 @@ def test_evaluation_stands_on_the_data_layer_and_loads_no_training_module():
     assert out.strip() == "[]"
 
 
+def test_no_evaluation_module_but_the_demo_imports_training():
+    # Guards: eval compare's curve rows (and the reading of a run's kept steps) lived in bt_hub.train.kept; reading
+    # kept weights is a weights source (bt_hub.weights.sources) and the rows are eval's. The demo pretrains.
+    importers = {
+        a for a, b in import_edges(package_modules()) if a.startswith("bt_hub.eval") and b.startswith("bt_hub.train")
+    }
+    assert importers == {"bt_hub.eval.demo"}
+
+
 @pytest.mark.parametrize("generic_name", ["eval", "detection_configs"])
 def test_the_installed_package_exposes_bt_hub_only_and_no_generic_top_level_name(tmp_path, generic_name):
     run = subprocess.run([sys.executable, "-c", f"import {generic_name}"], capture_output=True, text=True, cwd=tmp_path)

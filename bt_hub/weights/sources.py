@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -10,8 +11,9 @@ from pathlib import Path
 from typing import Any, cast
 
 from bt_hub.common.files import CheckpointError, file_sha256
-from bt_hub.common.runs import run_kind
+from bt_hub.common.runs import lock_holder, run_kind
 from bt_hub.method.model import ARCHITECTURES
+from bt_hub.train.kept import kept_weights
 from bt_hub.weights.download import DownloadError, at_commit, check_cached, download_unchecked, hf_download
 from bt_hub.weights.registry import BarlowTwinsWeights, Weights, find_weights, list_weights
 
@@ -147,3 +149,24 @@ def read_config(path: Path) -> dict[str, Any] | None:
             f"expected one of {', '.join(ARCHITECTURES)}"
         )
     return config
+
+
+def kept_steps(run_dir: str | os.PathLike) -> list[tuple[int, float, Path]]:
+    """The weights a pretraining run kept for its learning curve (``bt-hub pretrain --keep-every``), each a source
+    ``bt-hub eval`` reads: (step, training seconds until then, path), by step; [] where it kept none."""
+    return kept_weights(Path(run_dir))
+
+
+def live_run(run_dir: Path) -> str | None:
+    """How far a pretraining run still going has got, for a curve of its kept weights so far (None when no live
+    process holds its lock): ``still live (pid 4242 on host node7, started ...): 40 steps so far, 3 kept``."""
+    holder = lock_holder(run_dir)
+    if holder is None:
+        return None
+    steps = 0
+    with contextlib.suppress(OSError):  # a line the run is appending may be cut short: it is left out
+        for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8", errors="replace").splitlines():
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                steps = max(steps, int(json.loads(line).get("step", 0)))
+    who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
+    return f"still live ({who}): {steps} steps so far, {len(kept_steps(run_dir))} kept"
