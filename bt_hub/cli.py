@@ -60,7 +60,7 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
         "bt_hub.train.pretrain", "PretrainConfig", "pretrain", "pretrain a backbone with the Barlow Twins loss"
     ),
     "report": Command(
-        "bt_hub.data.plots",
+        "bt_hub.train.report",
         "ReportConfig",
         "report",
         "draw a pretraining run's loss, cross-correlation matrices and kNN curve as PNG files",

@@ -175,6 +175,14 @@ def test_the_import_graph_has_no_cycle():
     assert cycles(modules, import_edges(modules)) == []
 
 
+def test_no_command_stands_in_the_data_layer():
+    # Guards: bt-hub report (a config class, a run-folder claim of kind "report") stood in the data layer as
+    # bt_hub/data/plots.py; it is training's report now (bt_hub/train/report.py), save_png in common/files.py.
+    commands = [c for entry in cli.COMMANDS.values() for c in (entry.values() if isinstance(entry, dict) else [entry])]
+    assert [c.module for c in commands if layer_of(c.module) == "data"] == []
+    assert cli.COMMANDS["report"].module == "bt_hub.train.report"
+
+
 def test_no_layer_names_a_layer_above_it_even_in_a_string():
     # Guards: common/runs.py mapped "bt_hub.train", "bt_hub.eval", ... to run-folder kinds, an import in all but name.
     assert upper_names_in_strings(package_modules()) == []
