@@ -76,7 +76,7 @@ def load_weights(
     source: str, *, arch: str | None = None, small_image_stem: bool | None = None, allow_non_finite: bool = False
 ) -> LoadedWeights:
     """Read ``source`` once into a backbone (``bt_hub.weights.load_backbone``) with the hash of those bytes."""
-    from bt_hub.weights import load_backbone
+    from bt_hub.weights.load import load_backbone
 
     network = load_backbone(source, arch=arch, small_image_stem=small_image_stem, allow_non_finite=allow_non_finite)
     info = dict(getattr(network, "weights_info", None) or {})

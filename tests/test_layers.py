@@ -212,6 +212,16 @@ def test_evaluation_stands_on_the_data_layer_and_loads_no_training_module():
     assert out.strip() == "[]"
 
 
+def test_importing_knn_loads_no_card_export_hub_or_download_module():
+    # Guards: eval/report.py imported the weights registry for the paper's numbers and bt_hub/weights/__init__.py
+    # imported the whole wing, so import bt_hub.eval.knn loaded 42 bt_hub modules, the model card and Hub upload too.
+    code = "import sys, bt_hub.eval.knn; print(' '.join(sorted(m for m in sys.modules if m.startswith('bt_hub'))))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    heavy = [f"bt_hub.weights.{name}" for name in ("card", "export", "hf", "download", "registry")]
+    assert "bt_hub.eval.knn" in loaded and [m for m in loaded if m in heavy] == []
+    assert len(loaded) <= 34, loaded
+
+
 @pytest.mark.parametrize("generic_name", ["eval", "detection_configs"])
 def test_the_installed_package_exposes_bt_hub_only_and_no_generic_top_level_name(tmp_path, generic_name):
     run = subprocess.run([sys.executable, "-c", f"import {generic_name}"], capture_output=True, text=True, cwd=tmp_path)

@@ -160,7 +160,7 @@ def resolve_engine(engine: str) -> str:
 
 def prepare_weights(weights: LoadedWeights, out_dir: Path) -> tuple[str, dict[str, Any]]:
     """``MODEL.WEIGHTS`` (a ``.pkl`` as is, else ``out_dir/weights.pkl``) and the backbone's detectron2 tensors."""
-    from bt_hub.weights import save_detectron2, to_detectron2
+    from bt_hub.weights.export import save_detectron2, to_detectron2
 
     state = weights.network.state_dict()
     if weights.source.endswith(".pkl") and Path(weights.source).is_file():
