@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import bt_hub
+import bt_hub.weights as weights
 from bt_hub import cli
 
 # Lowest first; a module may import its own layer and those before it.
@@ -37,6 +38,11 @@ PREFIXES = [  # most specific first
     ("bt_hub.cli_interrupted", "cli"),  # what a cut command kept
     ("bt_hub", "method"),  # the package's __init__ re-exports the method, and nothing above it
 ]
+
+# Import cycles left to the change that owns their files, each a sorted strongly connected component. Known:
+# eval/suite.py imports `from bt_hub.eval import voc07_svm` inside a function, and bt_hub.eval's __getattr__ imports
+# api, which imports comparison, which imports suite. Empty this list when the cycle is gone.
+KNOWN_CYCLES = [["bt_hub.eval", "bt_hub.eval.api", "bt_hub.eval.comparison", "bt_hub.eval.suite"]]
 
 
 def layer_of(module: str) -> str:
@@ -82,12 +88,15 @@ def import_edges(modules: dict[str, Path]) -> set[tuple[str, str]]:
                 if node.level:
                     parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
                     base = f"{parent}.{base}" if base else parent
-                targets = [f"{base}.{alias.name}" for alias in node.names]
+                # `from bt_hub.eval import voc07_svm` runs bt_hub.eval's __init__ first: an edge to it as well
+                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
             for target in targets:
                 if target == "bt_hub" or target.startswith("bt_hub."):
                     imported = _target(target, modules)
                     if imported != name:
                         edges.add((name, imported))
+    for module in weights.HOMES:  # the names bt_hub.weights imports on first use
+        edges.add(("bt_hub.weights", module))
     for entry in cli.COMMANDS.values():
         for command in entry.values() if isinstance(entry, dict) else [entry]:
             edges.add(("bt_hub.cli", command.module))
@@ -170,9 +179,21 @@ def test_imports_run_one_way_down_the_layers():
     assert upward_edges(edges) == []
 
 
-def test_the_import_graph_has_no_cycle():
+def test_a_function_level_import_from_a_package_is_an_edge_to_its_init(tmp_path):
+    # Guards: `from bt_hub.eval import voc07_svm` inside a function of suite.py ran bt_hub.eval's __init__ (whose
+    # __getattr__ imports api -> comparison -> suite), yet the graph saw only the edge to voc07_svm: no cycle found.
     modules = package_modules()
-    assert cycles(modules, import_edges(modules)) == []
+    modules["bt_hub.eval.made_here"] = tmp_path / "made_here.py"
+    modules["bt_hub.eval.made_here"].write_text("def late():\n    from bt_hub.eval import knn\n", encoding="utf-8")
+    edges = import_edges(modules)
+    assert {("bt_hub.eval.made_here", "bt_hub.eval"), ("bt_hub.eval.made_here", "bt_hub.eval.knn")} <= edges
+
+
+def test_the_import_graph_has_no_cycle_but_the_known_ones():
+    # Every strongly connected component of more than one module, function-level imports included; a cycle not
+    # listed in KNOWN_CYCLES fails, and so does a listed one that is gone (then delete its entry).
+    modules = package_modules()
+    assert sorted(cycles(modules, import_edges(modules))) == sorted(KNOWN_CYCLES)
 
 
 def test_no_command_stands_in_the_data_layer():
