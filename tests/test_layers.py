@@ -269,6 +269,18 @@ def test_the_records_know_no_protocol_preset_or_subset_file():
         assert name not in source, name
 
 
+def test_every_record_is_built_by_the_runner():
+    # Guards: records were built in three places (EvalRun.record, detect._write, embedding._write, which repeated
+    # the runner's settings line); eval/runner.py's build_record builds them all, so a field changes in one place.
+    callers = sorted(
+        name
+        for name, path in package_modules().items()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "make_record"
+    )
+    assert callers == ["bt_hub.eval.runner"]
+
+
 if __name__ == "__main__":
     found = package_modules()
     all_edges = import_edges(found)

@@ -11,33 +11,21 @@ import sys
 import types
 from typing import Any
 
-# where each public name lives, by module
+# where each public name lives: module -> its names, space-separated (as namedtuple takes its fields)
 HOMES = {
-    "bt_hub.common.files": ("CheckpointError",),
-    "bt_hub.method.transforms": ("IMAGENET_MEAN", "IMAGENET_STD", "eval_transforms", "transforms_for"),
-    "bt_hub.weights.builders": ("barlow_twins", "resnet18", "resnet34", "resnet50", "resnet101"),
-    "bt_hub.weights.download": ("DownloadError", "cache_path", "download"),
-    "bt_hub.weights.export": (
-        "ExportConfig",
-        "export",
-        "save_detectron2",
-        "save_hf_folder",
-        "save_safetensors",
-        "save_torchvision",
-        "to_detectron2",
-    ),
-    "bt_hub.weights.hf": ("PushConfig", "PushError", "from_pretrained", "push", "push_to_hub", "save_pretrained"),
-    "bt_hub.weights.load": (
-        "load_backbone",
-        "read_backbone_state_dict",
-        "read_projector_state_dict",
-        "weights_fingerprint",
-    ),
-    "bt_hub.weights.paper": ("PAPER_RESULTS", "RECIPE"),
-    "bt_hub.weights.registry": ("BarlowTwinsWeights", "Weights", "get_weights", "list_weights"),
-    "bt_hub.weights.sources": ("ResolvedWeights", "resolve"),
+    "bt_hub.common.files": "CheckpointError",
+    "bt_hub.method.transforms": "IMAGENET_MEAN IMAGENET_STD eval_transforms transforms_for",
+    "bt_hub.weights.builders": "barlow_twins resnet18 resnet34 resnet50 resnet101",
+    "bt_hub.weights.download": "DownloadError cache_path download",
+    "bt_hub.weights.export": "ExportConfig export save_detectron2 save_hf_folder save_safetensors save_torchvision "
+    "to_detectron2",
+    "bt_hub.weights.hf": "PushConfig PushError from_pretrained push push_to_hub save_pretrained",
+    "bt_hub.weights.load": "load_backbone read_backbone_state_dict read_projector_state_dict weights_fingerprint",
+    "bt_hub.weights.paper": "PAPER_RESULTS RECIPE",
+    "bt_hub.weights.registry": "BarlowTwinsWeights Weights get_weights list_weights",
+    "bt_hub.weights.sources": "ResolvedWeights resolve",
 }
-_HOME = {name: module for module, names in HOMES.items() for name in names}
+_HOME = {name: module for module, names in HOMES.items() for name in names.split()}
 
 __all__ = sorted(_HOME)
 
