@@ -61,7 +61,7 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
         "bt_hub.train.pretrain", "PretrainConfig", "pretrain", "pretrain a backbone with the Barlow Twins loss"
     ),
     "report": Command(
-        "bt_hub.data.plots",
+        "bt_hub.train.report",
         "ReportConfig",
         "report",
         "draw a pretraining run's loss, cross-correlation matrices and kNN curve as PNG files",
@@ -122,7 +122,9 @@ def _eval_commands() -> dict[str, Command]:
     ``compare``, which run the table's protocols."""
     protocols = (get_protocol(name) for name in list_protocols())
     return {p.name: Command(p.module, p.config, "run", p.help) for p in protocols} | {
-        "all": Command("bt_hub.eval.suite", "SuiteConfig", "run", "every classification protocol on one checkpoint"),
+        "all": Command(
+            "bt_hub.eval.suite", "SuiteConfig", "run_suite", "every classification protocol on one checkpoint"
+        ),
         "compare": Command(
             "bt_hub.eval.comparison",
             "CompareConfig",

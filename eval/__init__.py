@@ -13,7 +13,7 @@ API = ("evaluate", "compare", "embed", "Results")
 def __getattr__(name: str) -> object:
     """``bt_hub.eval.evaluate`` / ``compare`` / ``embed`` / ``Results``, imported on first use (bt_hub.eval.api)."""
     if name in API:
-        from bt_hub.eval import api
+        import bt_hub.eval.api
 
-        return getattr(api, name)
+        return getattr(bt_hub.eval.api, name)
     raise AttributeError(f"module 'bt_hub.eval' has no attribute {name!r}")

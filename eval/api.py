@@ -25,10 +25,14 @@ from typing import Any
 from bt_hub.common.optional import require
 from bt_hub.common.presets import from_preset
 from bt_hub.common.records import Record, setting
-from bt_hub.eval import comparison, comparison_report, embedding, suite
+from bt_hub.eval.compare_config import CompareConfig
+from bt_hub.eval.comparison import compare_and_write
+from bt_hub.eval.comparison_report import table_rows
+from bt_hub.eval.embedding import EmbedConfig, run_embed
 from bt_hub.eval.protocols import PROTOCOLS, get_protocol
 from bt_hub.eval.report import render_table
 from bt_hub.eval.runner import run_protocol
+from bt_hub.eval.suite import SuiteConfig, run_suite
 
 
 @dataclass
@@ -82,8 +86,8 @@ def evaluate(
     ``device="cuda"``); ``preset`` names one of its presets. A folder is written only when ``out`` is given.
     """
     if protocol == "all":
-        config = from_preset(suite.SuiteConfig, preset, weights=weights, data=data, out=out, **settings)
-        records = suite.run(config)["results"]
+        config = from_preset(SuiteConfig, preset, weights=weights, data=data, out=out, **settings)
+        records = run_suite(config)["results"]
     else:
         if not isinstance(protocol, str) or protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join([*PROTOCOLS, 'all'])}, got {protocol!r}")
@@ -109,7 +113,7 @@ def compare(
     for weights, the verdict against the best baseline; ``records`` holds every per-seed record.
     """
     config = from_preset(
-        comparison.CompareConfig,
+        CompareConfig,
         None,
         weights=[weights] if isinstance(weights, (str, os.PathLike)) else weights,
         data=data,
@@ -119,8 +123,8 @@ def compare(
         out=out,
         **settings,
     )
-    result, text = comparison.compare_and_write(config)
-    return Results(result.records, comparison_report.table_rows(result), text, Path(out) if out else None)
+    result, text = compare_and_write(config)
+    return Results(result.records, table_rows(result), text, Path(out) if out else None)
 
 
 def embed(
@@ -136,7 +140,7 @@ def embed(
     ``arrays[split]`` is ``(features [N, D] float32, index rows)``; with ``out`` the features go to
     ``<split>.npy`` and the index to ``index.csv`` (``format="parquet"``: one ``embeddings.parquet``).
     """
-    config = from_preset(embedding.EmbedConfig, None, weights=weights, data=data, splits=splits, out=out, **settings)
-    found = embedding.run_embed(config)
+    config = from_preset(EmbedConfig, None, weights=weights, data=data, splits=splits, out=out, **settings)
+    found = run_embed(config)
     rows = [row for _, index in found.values() for row in index]
     return Results([], rows, f"{len(rows)} rows embedded", Path(out) if out else None, arrays=found)

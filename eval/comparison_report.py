@@ -216,7 +216,7 @@ def plot(result: Comparison, path: Path) -> Path:
     """Grouped bars with error bars (± one standard deviation over the seeds), written atomically as PNG."""
     import matplotlib
 
-    from bt_hub.data.plots import save_png
+    from bt_hub.common.files import save_png
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -237,7 +237,7 @@ def plot_curve(result: Comparison, path: Path) -> Path:
     """Accuracy against pretraining steps (top) and seconds (bottom) per column, each baseline a band (mean ± std)."""
     import matplotlib
 
-    from bt_hub.data.plots import save_png
+    from bt_hub.common.files import save_png
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

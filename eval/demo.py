@@ -35,11 +35,11 @@ from bt_hub.common.presets import from_preset, preset_values
 from bt_hub.common.records import SCHEMA
 from bt_hub.common.runs import LOCK_NAME, MARKER_NAME, check_run_dir, claimed_run_dir, package_version
 from bt_hub.data.datasets import build_dataset
-from bt_hub.data.plots import run_plots
 from bt_hub.eval.comparison import CompareConfig, compare_and_write
 from bt_hub.eval.comparison_report import Comparison, comparison_summary, render_markdown
 from bt_hub.method.model import ARCHITECTURES
 from bt_hub.train.pretrain import PretrainConfig, pretrain
+from bt_hub.train.report import run_plots
 
 # The pretraining recipe is the `digits` preset of bt-hub pretrain; the demo's flags default to it.
 DIGITS = preset_values(PretrainConfig, "digits")

@@ -15,10 +15,9 @@ from torch.utils.data import Dataset
 from bt_hub.common.distributed import is_main_process
 from bt_hub.common.files import atomic_write, atomic_write_json, atomic_write_text
 from bt_hub.common.optional import require
-from bt_hub.common.records import make_record
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.features import as_float32
-from bt_hub.eval.runner import EvalRun, evaluation
+from bt_hub.eval.runner import EvalRun, Scored, build_record, evaluation
 
 INDEX_COLUMNS = ("split", "row", "path", "label", "class")
 CHUNK_ROWS = 65_536  # rows copied at a time from the (memory-mapped) cache into <split>.npy
@@ -111,19 +110,17 @@ def _write(run: EvalRun, found: dict[str, tuple[Any, list[dict[str, Any]]]]) -> 
         writer.writeheader()
         writer.writerows(row for _, rows in found.values() for row in rows)
         files.append(atomic_write_text(out / "index.csv", table.getvalue()).name)
-    record = make_record(
-        protocol="embed",
-        metrics={},
-        config={**vars(config), **run.settings.as_dict(), "features": dict(run.features_used)},
-        preset=None,
-        mode="features",
-        weights={"name": run.weights.source, "fingerprint": run.weights.sha256},
+    record = build_record(
+        Scored(
+            "embed", {}, mode="features", notes={"files": files, "rows": {s: len(r) for s, (_, r) in found.items()}}
+        ),
+        hyperparameters={**vars(config), **run.settings.as_dict(), "features": dict(run.features_used)},
+        weights=run.weights,
         dataset=run.splits.info,
         seed=config.seed,
         wall_time_s=0.0,
-        notes={"files": files, "rows": {split: len(rows) for split, (_, rows) in found.items()}},
+        settings=run.settings,
     )
-    record["settings"] = run.settings.as_dict()
     atomic_write_json(out / "embed.json", record)
 
 

@@ -31,7 +31,7 @@ from bt_hub.common.records import (
     weights_label,
 )
 from bt_hub.eval.config import EvalWarning
-from bt_hub.weights.registry import PAPER_RESULTS
+from bt_hub.weights.paper import PAPER_RESULTS
 
 PAPER_NAME = "Barlow Twins paper (ResNet-50, 1000 epochs)"
 # the folder names (lower case, letters and digits only) under which ImageNet is the paper's data

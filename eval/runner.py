@@ -76,7 +76,7 @@ def load_weights(
     source: str, *, arch: str | None = None, small_image_stem: bool | None = None, allow_non_finite: bool = False
 ) -> LoadedWeights:
     """Read ``source`` once into a backbone (``bt_hub.weights.load_backbone``) with the hash of those bytes."""
-    from bt_hub.weights import load_backbone
+    from bt_hub.weights.load import load_backbone
 
     network = load_backbone(source, arch=arch, small_image_stem=small_image_stem, allow_non_finite=allow_non_finite)
     info = dict(getattr(network, "weights_info", None) or {})
@@ -302,32 +302,60 @@ class EvalRun:
             "decode": self.settings.decode,
             "features": dict(self.features_used),
         }
-        if weights is None:
-            weights = {"name": self.weights.source, "fingerprint": self.weights.sha256}
-        record = make_record(
-            protocol=scored.protocol,
-            metrics=scored.metrics,
-            config=hyper,
-            preset=scored.preset,
-            mode=scored.mode,
-            weights=weights,
+        return build_record(
+            scored,
+            hyperparameters=hyper,
+            weights=weights if weights is not None else self.weights,
             dataset=scored.dataset if scored.dataset is not None else self.splits.info,
             seed=config.seed if seed is None else seed,
             wall_time_s=time.perf_counter() - self.started if wall_time_s is None else wall_time_s,
             overrides=changed,
-            labels=scored.labels,
-            warnings=scored.warnings,
-            notes=scored.notes,
-            paper=scored.paper.block() if scored.paper else None,
-            table=scored.table.block() if scored.table else None,
+            settings=self.settings,
         )
-        record["settings"] = self.settings.as_dict()
-        return record
 
     def write(self, records: Sequence[Record], summary: Mapping[str, Any] | None = None) -> None:
         """:func:`write_records` into the run's folder (nothing without one, or off the main process)."""
         if self.out is not None and is_main_process():
             write_records(self.out, records, summary)
+
+
+def build_record(
+    scored: Scored,
+    *,
+    hyperparameters: Mapping[str, Any],
+    weights: LoadedWeights | Mapping[str, Any],
+    dataset: Mapping[str, Any],
+    seed: int,
+    wall_time_s: float,
+    overrides: Mapping[str, Any] | None = None,
+    settings: Settings | None = None,
+) -> Record:
+    """The one record builder (:func:`~bt_hub.common.records.make_record` over ``scored``): every protocol's,
+    ``eval compare``'s, ``embed``'s and ``detect``'s record. ``hyperparameters`` is what the command ran with,
+    ``settings`` what an evaluation resolved (detect's trials resolve their own, so its records carry none), and
+    loaded ``weights`` are recorded by name and fingerprint (a baseline of ``eval compare`` gives its own mapping)."""
+    if isinstance(weights, LoadedWeights):
+        weights = {"name": weights.source, "fingerprint": weights.sha256}
+    record = make_record(
+        protocol=scored.protocol,
+        metrics=scored.metrics,
+        config=hyperparameters,
+        preset=scored.preset,
+        mode=scored.mode,
+        weights=weights,
+        dataset=dataset,
+        seed=seed,
+        wall_time_s=wall_time_s,
+        overrides=overrides,
+        labels=scored.labels,
+        warnings=scored.warnings,
+        notes=scored.notes,
+        paper=scored.paper.block() if scored.paper else None,
+        table=scored.table.block() if scored.table else None,
+    )
+    if settings is not None:
+        record["settings"] = settings.as_dict()
+    return record
 
 
 def write_records(out: str | Path, records: Sequence[Record], summary: Mapping[str, Any] | None = None) -> None:

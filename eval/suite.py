@@ -108,7 +108,7 @@ def _shared(config: SuiteConfig, name: str, skip: tuple[str, ...], cache_dir: st
     return values | {"out": str(Path(config.out) / name) if config.out is not None else None}
 
 
-def run(config: SuiteConfig) -> dict[str, Any]:
+def run_suite(config: SuiteConfig) -> dict[str, Any]:
     """Run every protocol of the table that ``eval all`` runs (:func:`bt_hub.eval.protocols.list_protocols`) on
     ``--weights``, read and hashed once; return ``{"results": [record, ...], ...}``.
 

@@ -183,9 +183,9 @@ def test_usage_errors_are_one_line_naming_the_flag(capsys):
 
 def test_an_unexpected_exception_is_one_line_with_exit_code_1(monkeypatch, capsys):
     # Guards: an exception outside the refused-input kinds (KeyError: 'lambd' from bt-hub report) ended in a traceback.
-    import bt_hub.data.plots as plots
+    import bt_hub.train.report as report
 
-    monkeypatch.setattr(plots, "report", lambda config: {}["lambd"])
+    monkeypatch.setattr(report, "report", lambda config: {}["lambd"])
     assert cli.main(["report", "somewhere"]) == 1
     line = one_sentence(capsys.readouterr().err)
     assert (

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import bt_hub
+import bt_hub.weights as weights
 from bt_hub import cli
 
 # Lowest first; a module may import its own layer and those before it.
@@ -37,6 +38,11 @@ PREFIXES = [  # most specific first
     ("bt_hub.cli_interrupted", "cli"),  # what a cut command kept
     ("bt_hub", "method"),  # the package's __init__ re-exports the method, and nothing above it
 ]
+
+# Import cycles left to the change that owns their files, each a sorted strongly connected component. Known:
+# eval/suite.py imports `from bt_hub.eval import voc07_svm` inside a function, and bt_hub.eval's __getattr__ imports
+# api, which imports comparison, which imports suite. Empty this list when the cycle is gone.
+KNOWN_CYCLES: list[list[str]] = []
 
 
 def layer_of(module: str) -> str:
@@ -82,12 +88,15 @@ def import_edges(modules: dict[str, Path]) -> set[tuple[str, str]]:
                 if node.level:
                     parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
                     base = f"{parent}.{base}" if base else parent
-                targets = [f"{base}.{alias.name}" for alias in node.names]
+                # `from bt_hub.eval import voc07_svm` runs bt_hub.eval's __init__ first: an edge to it as well
+                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
             for target in targets:
                 if target == "bt_hub" or target.startswith("bt_hub."):
                     imported = _target(target, modules)
                     if imported != name:
                         edges.add((name, imported))
+    for module in weights.HOMES:  # the names bt_hub.weights imports on first use
+        edges.add(("bt_hub.weights", module))
     for entry in cli.COMMANDS.values():
         for command in entry.values() if isinstance(entry, dict) else [entry]:
             edges.add(("bt_hub.cli", command.module))
@@ -170,9 +179,29 @@ def test_imports_run_one_way_down_the_layers():
     assert upward_edges(edges) == []
 
 
-def test_the_import_graph_has_no_cycle():
+def test_a_function_level_import_from_a_package_is_an_edge_to_its_init(tmp_path):
+    # Guards: `from bt_hub.eval import voc07_svm` inside a function of suite.py ran bt_hub.eval's __init__ (whose
+    # __getattr__ imports api -> comparison -> suite), yet the graph saw only the edge to voc07_svm: no cycle found.
     modules = package_modules()
-    assert cycles(modules, import_edges(modules)) == []
+    modules["bt_hub.eval.made_here"] = tmp_path / "made_here.py"
+    modules["bt_hub.eval.made_here"].write_text("def late():\n    from bt_hub.eval import knn\n", encoding="utf-8")
+    edges = import_edges(modules)
+    assert {("bt_hub.eval.made_here", "bt_hub.eval"), ("bt_hub.eval.made_here", "bt_hub.eval.knn")} <= edges
+
+
+def test_the_import_graph_has_no_cycle_but_the_known_ones():
+    # Every strongly connected component of more than one module, function-level imports included; a cycle not
+    # listed in KNOWN_CYCLES fails, and so does a listed one that is gone (then delete its entry).
+    modules = package_modules()
+    assert sorted(cycles(modules, import_edges(modules))) == sorted(KNOWN_CYCLES)
+
+
+def test_no_command_stands_in_the_data_layer():
+    # Guards: bt-hub report (a config class, a run-folder claim of kind "report") stood in the data layer as
+    # bt_hub/data/plots.py; it is training's report now (bt_hub/train/report.py), save_png in common/files.py.
+    commands = [c for entry in cli.COMMANDS.values() for c in (entry.values() if isinstance(entry, dict) else [entry])]
+    assert [c.module for c in commands if layer_of(c.module) == "data"] == []
+    assert cli.COMMANDS["report"].module == "bt_hub.train.report"
 
 
 def test_no_layer_names_a_layer_above_it_even_in_a_string():
@@ -213,6 +242,16 @@ def test_no_evaluation_module_but_the_demo_imports_training():
     assert importers == {"bt_hub.eval.demo"}
 
 
+def test_importing_knn_loads_no_card_export_hub_or_download_module():
+    # Guards: eval/report.py imported the weights registry for the paper's numbers and bt_hub/weights/__init__.py
+    # imported the whole wing, so import bt_hub.eval.knn loaded 42 bt_hub modules, the model card and Hub upload too.
+    code = "import sys, bt_hub.eval.knn; print(' '.join(sorted(m for m in sys.modules if m.startswith('bt_hub'))))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    heavy = [f"bt_hub.weights.{name}" for name in ("card", "export", "hf", "download", "registry")]
+    assert "bt_hub.eval.knn" in loaded and [m for m in loaded if m in heavy] == []
+    assert len(loaded) <= 34, loaded
+
+
 @pytest.mark.parametrize("generic_name", ["eval", "detection_configs"])
 def test_the_installed_package_exposes_bt_hub_only_and_no_generic_top_level_name(tmp_path, generic_name):
     run = subprocess.run([sys.executable, "-c", f"import {generic_name}"], capture_output=True, text=True, cwd=tmp_path)
@@ -237,6 +276,18 @@ def test_the_records_know_no_protocol_preset_or_subset_file():
         assert re.search(rf"['\"]{protocol}", source) is None, protocol
     for name in ("imagenet", "places205", "inat18", "coco", "percent.txt", "1percent", "paper_task"):
         assert name not in source, name
+
+
+def test_every_record_is_built_by_the_runner():
+    # Guards: records were built in three places (EvalRun.record, detect._write, embedding._write, which repeated
+    # the runner's settings line); eval/runner.py's build_record builds them all, so a field changes in one place.
+    callers = sorted(
+        name
+        for name, path in package_modules().items()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "make_record"
+    )
+    assert callers == ["bt_hub.eval.runner"]
 
 
 if __name__ == "__main__":

@@ -406,7 +406,7 @@ def _writer(command: str, tmp_path: Path, weights: Path) -> tuple[list[str], str
         return ["eval", "knn", *evaluation, "--k", "5"], "bt_hub.eval.runner", "write_records"
     if command == "report":
         assert cli_main([*TINY, "--out", str(tmp_path / "pretrained")]) == 0
-        return ["report", str(tmp_path / "pretrained")], "bt_hub.data.plots", "save_png"
+        return ["report", str(tmp_path / "pretrained")], "bt_hub.train.report", "save_png"
     if command == "demo":
         return ["demo"], "bt_hub.eval.demo", "_demo"
     from bt_hub.eval.detection.synthetic import DetectionDataConfig, make_detection_data

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-import bt_hub.weights as bt_weights
+import bt_hub.weights.load as bt_weights
 from bt_hub import cli
 from bt_hub.common.presets import from_preset
 from bt_hub.eval import comparison, knn, runner, suite
@@ -52,7 +52,7 @@ def test_eval_all_reads_and_hashes_the_weights_once_for_every_protocol(small_ste
         semi_epochs=1,
         out=str(tmp_path / "all"),
     )
-    summary = suite.run(config)
+    summary = suite.run_suite(config)
     assert len(reads) == 1
     records = summary["results"]
     assert [r["protocol"] for r in records] == ["knn", "linear", "semi"]
@@ -75,7 +75,7 @@ def test_eval_all_passes_its_protocols_only_the_shared_flags_they_read(small_ste
         precision="bf16",
         out=str(tmp_path / "all"),
     )
-    records = suite.run(config)["results"]
+    records = suite.run_suite(config)["results"]
     assert [r["settings"]["decode"] for r in records] == ["workers", "workers", "workers"]
     assert records[0]["hyperparameters"]["cache_dtype"] == "float16"
 

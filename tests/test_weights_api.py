@@ -453,3 +453,28 @@ def test_cli_version_one_architecture_flag_and_defaults_of_on_off_flags(capsys):
     cli.add_dataclass_arguments(parser, PretrainConfig)
     assert cli.build_config(PretrainConfig, parser.parse_args(["--backbone", "resnet18"])).backbone == "resnet18"
     assert cli.build_config(PretrainConfig, parser.parse_args(["--arch", "resnet34"])).backbone == "resnet34"
+
+
+def test_the_weights_wing_loads_its_names_on_first_use_and_keeps_every_public_name():
+    # Guards: bt_hub/weights/__init__.py imported every module of the wing (download, export, hf, card) on any
+    # import of bt_hub.weights.*; its names now load on first use, and `export` / `download` stay the functions
+    # when their modules load (the import system sets a package attribute to each submodule).
+    names = (
+        "IMAGENET_MEAN IMAGENET_STD PAPER_RESULTS RECIPE BarlowTwinsWeights CheckpointError DownloadError ExportConfig "
+        "PushConfig PushError ResolvedWeights Weights barlow_twins cache_path download eval_transforms export "
+        "from_pretrained get_weights list_weights load_backbone push push_to_hub read_backbone_state_dict "
+        "read_projector_state_dict resolve save_detectron2 save_hf_folder resnet18 resnet34 resnet50 resnet101 "
+        "save_pretrained save_safetensors save_torchvision to_detectron2 transforms_for weights_fingerprint"
+    ).split()
+    code = (
+        "import sys, types, bt_hub.weights as w;"
+        "first = sorted(m for m in sys.modules if m.startswith('bt_hub.weights'));"
+        "import bt_hub.weights.export, bt_hub.weights.download; from bt_hub.weights import *;"
+        "assert not isinstance(w.export, types.ModuleType) and not isinstance(w.download, types.ModuleType);"
+        "from bt_hub.weights import export, download; assert export.__module__ == 'bt_hub.weights.export';"
+        "assert [n for n in w.__all__ if n not in globals()] == [];"
+        "assert download.__module__ == 'bt_hub.weights.download';"
+        "print(first, sorted(w.__all__))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == f"{['bt_hub.weights']} {sorted(names)}"

@@ -179,6 +179,15 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
     return atomic_write(path, lambda f: torch.save(obj, f))
 
 
+def save_png(fig: Any, path: str | os.PathLike) -> Path:
+    """Write a matplotlib figure as PNG atomically and close it (its maker chose the headless backend)."""
+    import matplotlib.pyplot as plt
+
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
+    plt.close(fig)
+    return Path(path)
+
+
 def read_json(path: Path) -> Any:
     """The parsed JSON in ``path``, or None when it is missing or not JSON."""
     try:

@@ -1,1 +1,1 @@
-"""The data layer that training and evaluation both stand on: datasets, decode, prefetch, precision, plots."""
+"""The data layer that training and evaluation both stand on: datasets, decode, prefetch, precision."""

@@ -16,7 +16,7 @@ from bt_hub.common.optional import require
 from bt_hub.common.runs import check_run_dir, claimed_run_dir
 from bt_hub.eval.detection.config import CONFIGS
 from bt_hub.eval.report import DETECTION_METRICS, PaperRow, Table
-from bt_hub.eval.runner import LoadedWeights, load_weights, write_records
+from bt_hub.eval.runner import LoadedWeights, Scored, build_record, load_weights, write_records
 
 __all__ = ["DetectConfig", "aggregate_trials", "main", "prepare_weights", "resolve_engine"]
 
@@ -160,7 +160,7 @@ def resolve_engine(engine: str) -> str:
 
 def prepare_weights(weights: LoadedWeights, out_dir: Path) -> tuple[str, dict[str, Any]]:
     """``MODEL.WEIGHTS`` (a ``.pkl`` as is, else ``out_dir/weights.pkl``) and the backbone's detectron2 tensors."""
-    from bt_hub.weights import save_detectron2, to_detectron2
+    from bt_hub.weights.export import save_detectron2, to_detectron2
 
     state = weights.network.state_dict()
     if weights.source.endswith(".pkl") and Path(weights.source).is_file():
@@ -294,7 +294,6 @@ def _write(
     preset; the paper's row applies only when nothing but ``EXECUTION_OVERRIDES`` changed.
     """
     from bt_hub.common.presets import overrides
-    from bt_hub.common.records import make_record
     from bt_hub.eval.detection.config import opts_overrides
     from bt_hub.eval.features import dataset_fingerprint
 
@@ -303,19 +302,23 @@ def _write(
         **overrides(config, ignore=(*DetectConfig.RUN_FIELDS, "engine", "opts")),
         **opts_overrides(yaml_path, config.opts),
     }
-    paper = PAPER_ROWS.get(str(preset)) if set(changed) <= set(EXECUTION_OVERRIDES) else None
-    record = make_record(
-        protocol="detect",
-        metrics=aggregate_trials([t["metrics"] for t in trials]),
-        config={
+    scored = Scored(
+        "detect",
+        aggregate_trials([t["metrics"] for t in trials]),
+        preset=preset,
+        paper=PAPER_ROWS.get(str(preset)) if set(changed) <= set(EXECUTION_OVERRIDES) else None,
+        table=TABLES.get(str(preset), TABLES[None]),
+        notes={"engine": engine, "trials": [{"seed": t["seed"], "metrics": t["metrics"]} for t in trials]},
+    )
+    record = build_record(
+        scored,
+        hyperparameters={
             **dataclasses.asdict(config),
             "engine": engine,
             "detection_config_file": str(yaml_path),  # config_file: the --config file, if any
             "resolved_config": trials[0]["config"],
         },
-        preset=preset,
-        mode=None,
-        weights={"name": weights.source, "fingerprint": weights.sha256},
+        weights=weights,
         dataset={
             "name": Path(str(config.data)).name or str(config.data),
             "path": str(config.data),
@@ -324,9 +327,6 @@ def _write(
         seed=config.seed,
         wall_time_s=time.time() - start,
         overrides=changed,
-        notes={"engine": engine, "trials": [{"seed": t["seed"], "metrics": t["metrics"]} for t in trials]},
-        paper=paper.block() if paper else None,
-        table=TABLES.get(str(preset), TABLES[None]).block(),
     )
     write_records(config.out, [record])
     return record

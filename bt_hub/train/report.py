@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from bt_hub.common.config import OVERWRITE_HELP
-from bt_hub.common.files import atomic_write, read_json
+from bt_hub.common.files import read_json, save_png
 from bt_hub.common.runs import claimed_run_dir, read_jsonl, run_kind
 from bt_hub.method.loss import LAMBD
 
@@ -40,13 +40,6 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def save_png(fig: Any, path: Path) -> Path:
-    """Write a figure as PNG atomically and close it."""
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
-    _pyplot().close(fig)
-    return path
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
