@@ -91,7 +91,7 @@ class RowCell:
         return (train_x, train_y) if rows is None else (train_x[rows], train_y[rows])
 
 
-def cell_protocol(settings: CompareConfig, source: Source, column: Column, seed: int) -> tuple[Protocol, Any]:
+def cell_protocol(settings: CompareConfig, source: Source, column: Column) -> tuple[Protocol, Any]:
     """The protocol a cell runs and its own config, built from compare's flags by the protocol's ``cell_settings``:
     the column's protocol, the linear probe where it would train a frozen row, semi with :data:`SUPERVISED` for
     the supervised row."""
@@ -103,7 +103,7 @@ def cell_protocol(settings: CompareConfig, source: Source, column: Column, seed:
     if source.supervised:
         values |= SUPERVISED | {"epochs": settings.supervised_epochs}
     keys = ("data", "batch_size", "num_workers")
-    shared = {k: getattr(settings, k) for k in keys} | {"weights": source.name, "out": None, "seed": seed}
+    shared = {k: getattr(settings, k) for k in keys} | {"weights": source.name, "out": None}
     return protocol, from_preset(protocol.config_class, values.pop("preset", None), **(shared | values))
 
 
@@ -128,6 +128,7 @@ def compare(
     result.curve_names = {s.name: s.curve for s in sources if s.position}
     result.varying = {s.name for s in sources if s.per_seed}
     targets = np.asarray(splits.train.targets)
+    cells = {(s.name, c): cell_protocol(settings, s, c) for s in sources for c in columns}  # seeds: an argument
     say = progress(None, "compare", total=len(seeds) * len(sources) * len(columns), unit="cell")
     for seed in seeds:
         subsets = {c.fraction: balanced_subset_indices(targets, c.fraction, seed) for c in columns if c.fraction}
@@ -144,7 +145,7 @@ def compare(
             done: dict[tuple[str, int | None], Scored] = {}  # the supervised row trains once per share of labels
             for column in columns:
                 tick = time.perf_counter()
-                protocol, config = cell_protocol(settings, source, column, seed)
+                protocol, config = cells[source.name, column]
                 note(say, f"next: {_cell_work(protocol, column, settings)} of {source.name}, seed {seed}")
                 say.set_postfix(row=source.name, column=str(column), seed=seed)
                 key = (protocol.name, getattr(config, "fraction", column.fraction))
@@ -285,8 +286,6 @@ def compare_and_write(config: CompareConfig) -> tuple[Comparison, str]:
     Features are cached in ``--cache-dir`` (default ``OUT/feature_cache``). Returns the comparison and
     the table (with the files written, when there is a folder).
     """
-    if config.out is not None and config.cache_dir is None:
-        config = replace(config, cache_dir=str(Path(config.out) / "feature_cache"))
     rows = weights_rows(config)
     live = {w: how for w in config.weights if (how := live_run(Path(w)))} if config.over_steps else {}
     with evaluation(config, weights=[path for row in rows for path in row.paths]) as ev:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from bt_hub.common.config import RunConfig, check_image_size, out_field
@@ -170,6 +171,8 @@ class EvalConfig(RunConfig):
                 raise ValueError(f"--{name.replace('_', '-')} {why}; leave it out")
         if self.out is not None:
             check_run_dir(self.out, kind="eval", overwrite=self.overwrite)
+            if self.CACHE_UNDER_OUT and self.cache_dir is None:  # set once the given flags were checked
+                self.cache_dir = str(Path(self.out) / "feature_cache")
 
     def unused_flags(self) -> dict[str, str]:
         """Field -> why this run would not read it; such a flag, when given, is refused, never ignored."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -85,8 +85,6 @@ def index_rows(dataset: Dataset, split: str, data: str) -> list[dict[str, Any]]:
 
 def run_embed(config: EmbedConfig) -> dict[str, tuple[np.ndarray, list[dict[str, Any]]]]:
     """Embed each split; write the files when ``config.out`` is set. ``{split: (features, index rows)}``."""
-    if config.out is not None and config.cache_dir is None:
-        config = replace(config, cache_dir=str(Path(config.out) / "feature_cache"))
     found: dict[str, tuple[np.ndarray, list[dict[str, Any]]]] = {}
     with evaluation(config) as run:
         for split in config.splits:

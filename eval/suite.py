@@ -99,12 +99,10 @@ class SuiteConfig(EvalConfig):
         return unused
 
 
-def _shared(config: SuiteConfig, name: str, skip: tuple[str, ...], cache_dir: str | None) -> dict[str, Any]:
-    """The EvalConfig flags of the suite (less ``skip``), with the protocol's own folder ``OUT/name`` (or none) and
-    the suite's feature cache."""
+def _shared(config: SuiteConfig, name: str, skip: tuple[str, ...]) -> dict[str, Any]:
+    """The EvalConfig flags of the suite (less ``skip``; its feature cache included), with the protocol's own folder
+    ``OUT/name`` (or none)."""
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(EvalConfig) if f.init and f.name not in skip}
-    if "cache_dir" in values:
-        values["cache_dir"] = cache_dir
     return values | {"out": str(Path(config.out) / name) if config.out is not None else None}
 
 
@@ -115,13 +113,12 @@ def run_suite(config: SuiteConfig) -> dict[str, Any]:
     A protocol's module says on which flags it runs (``suite_settings``); by default, once on the shared flags.
     """
     with evaluation(config) as parent:
-        cache_dir = config.cache_dir or (str(Path(config.out) / "feature_cache") if config.out is not None else None)
         records = []
         for protocol in map(get_protocol, list_protocols(suite=True)):
             settings = protocol.hook("suite_settings")
             for folder, values, skip in settings(config) if settings else [(protocol.name, {}, ())]:
                 given = {k: v for k, v in values.items() if k != "preset"}
-                shared = _shared(config, folder, skip, cache_dir) | given
+                shared = _shared(config, folder, skip) | given
                 child = from_preset(protocol.config_class, values.get("preset"), **shared)
                 records.append(run_child(parent, child, protocol.hook("score")))
         summary = {"results": records, "wall_time_s": time.perf_counter() - parent.started}
