@@ -215,7 +215,8 @@ def run_trial(
     with the built model. ValueError for unloaded tensors or classes, FloatingPointError for a non-finite loss.
     """
     settings = scale_to_world_size(settings, get_world_size())
-    _seed_this_rank(seed)
+    torch.manual_seed(seed + get_rank())
+    np.random.seed((seed + get_rank()) % 2**32)
     records, _ = _training_records(settings, data_root)
     _check_classes(settings, data_root)
     with_masks = bool(settings["MODEL.MASK_ON"])
@@ -245,11 +246,6 @@ def run_trial(
 
 
 # ----------------------------------------------------------------------------- setup
-
-
-def _seed_this_rank(seed: int) -> None:
-    torch.manual_seed(seed + get_rank())
-    np.random.seed((seed + get_rank()) % 2**32)
 
 
 def _model(
@@ -323,40 +319,32 @@ def _train(
     out: Path,
     device: torch.device,
 ) -> None:
-    """Iterations ``start`` to ``MAX_ITER``: a ``metrics.jsonl`` row each, a checkpoint every period and at the end."""
+    """Iterations ``start`` to ``MAX_ITER``: a ``metrics.jsonl`` row each, a checkpoint every period and at the end.
+
+    Each is one SGD step on the next batch; its row holds the losses under detectron2's names, the lr and the time.
+    """
     max_iter, period = int(settings["SOLVER.MAX_ITER"]), int(settings["SOLVER.CHECKPOINT_PERIOD"])
     trained.train()
     bar = progress(range(start, max_iter), "detect train", total=max_iter, initial=start, unit="iter")
     for it in bar:
-        row = _step(trained, optimizer, scheduler, next(batches), it, device)
+        batch = next(batches)
+        tic = time.perf_counter()
+        losses = trained(*_to(*batch, device))
+        total = sum(losses.values())
+        if not math.isfinite(float(total.detach())):
+            values = {k: float(v.detach()) for k, v in losses.items()}
+            raise FloatingPointError(f"the loss became infinite or NaN at iteration {it}: {values}")
+        optimizer.zero_grad(set_to_none=True)
+        total.backward()
+        optimizer.step()
+        lr = optimizer.param_groups[0]["lr"]
+        scheduler.step()
+        row = {"iter": it, "total_loss": float(total.detach()), "lr": lr, "time": time.perf_counter() - tic}
+        row.update({LOSS_NAMES.get(k, k): float(v.detach()) for k, v in losses.items()})
         bar.set_postfix(loss=f"{row['total_loss']:.4g}")
         run_dir.log(row)
         if (period and (it + 1) % period == 0) or it + 1 == max_iter:
             _save(model, optimizer, scheduler, it + 1, out)
-
-
-def _step(
-    trained: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    batch: tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]],
-    it: int,
-    device: torch.device,
-) -> dict[str, float]:
-    """One SGD step on ``batch``; its ``metrics.jsonl`` row (losses under detectron2's names, lr, time)."""
-    tic = time.perf_counter()
-    losses = trained(*_to(*batch, device))
-    total = sum(losses.values())
-    if not math.isfinite(float(total.detach())):
-        values = {k: float(v.detach()) for k, v in losses.items()}
-        raise FloatingPointError(f"the loss became infinite or NaN at iteration {it}: {values}")
-    optimizer.zero_grad(set_to_none=True)
-    total.backward()
-    optimizer.step()
-    lr = optimizer.param_groups[0]["lr"]
-    scheduler.step()
-    row = {"iter": it, "total_loss": float(total.detach()), "lr": lr, "time": time.perf_counter() - tic}
-    return {**row, **{LOSS_NAMES.get(k, k): float(v.detach()) for k, v in losses.items()}}
 
 
 def _save(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, iteration: int, out: Path) -> None:
