@@ -23,7 +23,6 @@ import signal
 import sys
 import threading
 import time
-import types
 import typing
 import warnings
 from collections.abc import Sequence
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from bt_hub.cli_interrupted import interrupted
-from bt_hub.common.presets import describe_presets, from_preset, presets_of, read_config_file
+from bt_hub.common.presets import describe_presets, from_preset, presets_of, read_config_file, unwrap_optional
 
 CONFIG_HELP = (
     "a YAML file of settings for this command, keyed by the flags' names with '_' for '-' and no '--' "
@@ -142,15 +141,6 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
 }
 
 
-def _unwrap_optional(tp: Any) -> Any:
-    """``Optional[X]`` -> ``X``; other types unchanged."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
-
-
 def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -> None:
     """Add one flag per dataclass field (``field_name`` -> ``--field-name``)."""
     hints = typing.get_type_hints(config_cls)
@@ -162,7 +152,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -
         if not f.init or f.name == "config_file":  # set by --config
             continue
         meta = dict(f.metadata)
-        tp = _unwrap_optional(hints[f.name])
+        tp = unwrap_optional(hints[f.name])
         origin = typing.get_origin(tp)
         # help texts are plain prose: escape argparse's %-formatting
         kwargs: dict[str, Any] = {"help": meta.get("help", "").replace("%", "%%"), "default": argparse.SUPPRESS}
