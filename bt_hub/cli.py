@@ -39,6 +39,10 @@ CONFIG_HELP = (
 )
 
 
+# a refused input (a flag, a file, a missing extra): exit 2; any other exception is a failure, exit 1
+REFUSED = (ValueError, OSError, ImportError, RuntimeError)
+
+
 class Command(NamedTuple):
     """Where a subcommand lives: module, config dataclass name, function name, one-line help."""
 
@@ -343,29 +347,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             how = "stopped by SIGTERM" if stopped else "interrupted"
             print(f"{prefix}: {how}; {interrupted(path, rest, config, started)}", file=sys.stderr)
         return EXIT_CODE if stopped else 130
-    except (ValueError, OSError, ImportError, RuntimeError) as err:
+    except Exception as err:
         if debug:
             raise
-        print(f"{prefix}: error: {err}", file=sys.stderr)
-        return 2
-    except MemoryError as err:
-        if debug:
-            raise
-        print(
-            f"{prefix}: error: out of memory ({err or 'no detail'}); ask for less (a smaller --batch-size or "
-            "--image-size) or use a machine with more memory",
-            file=sys.stderr,
-        )
-        return 1
-    except Exception as err:  # a bug, not the input's fault: one line, and the way to the traceback
-        if debug:
-            raise
-        print(
-            f"{prefix}: error: {type(err).__name__}: {err}; this is a bug in bt-hub: rerun with BT_HUB_DEBUG=1 for "
-            "the traceback and report it",
-            file=sys.stderr,
-        )
-        return 1
+        print(f"{prefix}: error: {_error_text(err)}", file=sys.stderr)
+        return 2 if isinstance(err, REFUSED) else 1
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, signal.SIG_IGN if console else previous)
@@ -377,6 +363,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif os.environ.get("RANK", "0") == "0" and (described := _describe(result, config)) is not None:
         print(described)
     return 0
+
+
+def _error_text(err: Exception) -> str:
+    """A failed command's error in words: a refused input's own sentence (exit 2), else out of memory or a bug in
+    bt-hub, each with what to do (exit 1)."""
+    if isinstance(err, REFUSED):
+        return str(err)
+    if isinstance(err, MemoryError):
+        return (
+            f"out of memory ({err or 'no detail'}); ask for less (a smaller --batch-size or --image-size) or use a "
+            "machine with more memory"
+        )
+    # a bug, not the input's fault: one line, and the way to the traceback
+    return (
+        f"{type(err).__name__}: {err}; this is a bug in bt-hub: rerun with BT_HUB_DEBUG=1 for the traceback and "
+        "report it"
+    )
 
 
 def _no_command(path: list[str], rest: list[str]) -> int:
