@@ -24,6 +24,7 @@ from bt_hub.common.distributed import (
     broadcast_object,
     cleanup_distributed,
     convert_sync_batchnorm,
+    distributed_data_parallel,
     get_world_size,
     init_distributed,
     is_main_process,
@@ -461,10 +462,7 @@ def _wrapped(model: BarlowTwins, config: PretrainConfig, device: torch.device, w
     step_module: nn.Module = _TrainStep(model)
     if world > 1:
         step_module = convert_sync_batchnorm(step_module)  # SyncBatchNorm on CUDA, GlobalBatchNorm on CPU/gloo
-        step_module = nn.parallel.DistributedDataParallel(
-            step_module, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    return AutoCompile(step_module, config.compile, steps, device)
+    return AutoCompile(distributed_data_parallel(step_module, device), config.compile, steps, device)
 
 
 def _knn_monitor(config: PretrainConfig) -> KnnMonitor | None:

@@ -21,6 +21,7 @@ from bt_hub.common.distributed import (
     all_gather_objects,
     barrier,
     convert_sync_batchnorm,
+    distributed_data_parallel,
     get_rank,
     get_world_size,
     is_distributed,
@@ -224,7 +225,7 @@ def run_trial(
     model = _model(settings, resnet, expected, device)
     optimizer, scheduler = _optimizer(model, settings)
     start = _resume(out / CHECKPOINT, model, optimizer, scheduler, device) if resume else 0
-    trained = _distributed(model, device)
+    trained = distributed_data_parallel(model, device)
     run_dir = _open_trial_dir(out, settings)
     batches = _batches(records, settings, with_masks=with_masks, seed=seed + start)
     _train(
@@ -287,12 +288,6 @@ def _resume(
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return int(state["iter"])
-
-
-def _distributed(model: nn.Module, device: torch.device) -> nn.Module:
-    if not is_distributed():
-        return model
-    return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def _open_trial_dir(out: Path, settings: Settings) -> RunDir:
