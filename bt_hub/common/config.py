@@ -68,7 +68,7 @@ def _shown(value: Any) -> str:
 def option(default: Any, help: str, **metadata: Any) -> Any:
     """A config field that is a flag: its default (``REQUIRED`` for none; a list is copied for each config), its
     ``--help`` text and the rest of its ``metadata`` (``flag``, ``aliases``, ``choices``, ``positional``, ``nargs``:
-    see bt_hub.cli)."""
+    how the command line spells and parses it)."""
     if isinstance(default, list):
         return field(default_factory=default.copy, metadata={"help": help, **metadata})
     return field(default=default, metadata={"help": help, **metadata})
