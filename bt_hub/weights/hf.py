@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -203,15 +204,9 @@ class PushConfig:
 
 
 def push(config: PushConfig) -> Any:
-    """``bt-hub push``: upload the weights with config.json and a model card; return the Hub's commit info."""
-    return push_to_hub(
-        config.weights,
-        config.repo_id,
-        private=config.private,
-        token=config.token,
-        revision=config.revision,
-        commit_message=config.commit_message,
-        results=config.results,
-        other_results=config.other_results,
-        license=config.license,
-    )
+    """``bt-hub push``: upload the weights with config.json and a model card; return the Hub's commit info.
+
+    The flags past ``--weights`` and ``--repo-id`` are ``push_to_hub``'s keyword arguments, by name.
+    """
+    options = dataclasses.asdict(config)
+    return push_to_hub(options.pop("weights"), options.pop("repo_id"), **options)
