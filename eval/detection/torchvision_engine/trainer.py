@@ -27,20 +27,13 @@ from bt_hub.common.distributed import (
     is_distributed,
     is_main_process,
 )
-from bt_hub.common.files import atomic_torch_save, atomic_write_json, atomic_write_text
+from bt_hub.common.files import atomic_torch_save, atomic_write_text
 from bt_hub.common.progress import progress
 from bt_hub.common.runs import RunDir
 from bt_hub.common.signals import ignore_group_signals
 from bt_hub.eval.detection.config import Settings, scale_to_world_size
 from bt_hub.eval.detection.data import DetectionDataset, Record, coco_api, load_records, locate
-from bt_hub.eval.detection.evaluation import (
-    REPORTED,
-    TRIAL_METRICS,
-    coco_evaluate,
-    encode_masks,
-    flatten_metrics,
-    voc_evaluate,
-)
+from bt_hub.eval.detection.evaluation import coco_evaluate, encode_masks, voc_evaluate, write_trial
 from bt_hub.eval.detection.torchvision_engine.model import build_c4_model, unloaded_backbone_tensors
 
 __all__ = ["LOSS_NAMES", "evaluate_dataset", "lr_factor", "param_groups", "precise_bn", "predict", "run_trial"]
@@ -243,7 +236,9 @@ def run_trial(
     barrier()
     if not is_main_process():
         return None
-    return _write_trial(results, settings, seed, out)
+    return write_trial(
+        out, seed, results[settings["DATASETS.TEST"][0]] if len(results) == 1 else results, settings.tree
+    )
 
 
 # ----------------------------------------------------------------------------- setup
@@ -371,14 +366,3 @@ def _evaluate(
             predictions = {k: v for shard in shards for k, v in shard.items()}
             results[name] = evaluate_dataset(data_root, name, predictions, with_masks=with_masks)
     return results
-
-
-def _write_trial(
-    results: Mapping[str, dict[str, dict[str, float]]], settings: Settings, seed: int, out: Path
-) -> dict[str, Any]:
-    """``{"seed", "metrics", "config"}`` (metrics prefixed by dataset if several), also as ``trial_metrics.json``."""
-    results = results[settings["DATASETS.TEST"][0]] if len(results) == 1 else results
-    metrics = {k: v for k, v in flatten_metrics(results).items() if k.rsplit("_", 1)[-1] in REPORTED}
-    trial = {"seed": seed, "metrics": metrics, "config": settings.tree}
-    atomic_write_json(out / TRIAL_METRICS, trial)
-    return trial
