@@ -255,9 +255,8 @@ def _same(a: Any, b: Any) -> bool:
 
 def describe_presets(cls: type) -> str:
     """One clause per preset naming the flags it sets, for ``--preset``'s help."""
-    flags = {
-        f.name: f.metadata.get("flag", f.name) for f in dataclasses.fields(cls)
-    }  # a field may have a flag of another name
+    # a field may have a flag of another name
+    flags = {f.name: f.metadata.get("flag", f.name) for f in dataclasses.fields(cls)}
     parts = []
     for name, values in presets_of(cls).items():
         settings = " ".join(_as_flag(flags.get(k, k), v) for k, v in values.items()) or "the defaults"
