@@ -23,7 +23,6 @@ import signal
 import sys
 import threading
 import time
-import types
 import typing
 import warnings
 from collections.abc import Sequence
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from bt_hub.cli_interrupted import interrupted
-from bt_hub.common.presets import describe_presets, from_preset, presets_of, read_config_file
+from bt_hub.common.presets import describe_presets, from_preset, presets_of, read_config_file, unwrap_optional
 from bt_hub.eval.protocols import get_protocol, list_protocols
 
 CONFIG_HELP = (
@@ -39,6 +38,10 @@ CONFIG_HELP = (
     "(image_size: 32, k: [20]; preset: NAME where there are presets); flags given override it; the settings "
     "it resolves to are printed, and recorded with the run"
 )
+
+
+# a refused input (a flag, a file, a missing extra): exit 2; any other exception is a failure, exit 1
+REFUSED = (ValueError, OSError, ImportError, RuntimeError)
 
 
 class Command(NamedTuple):
@@ -143,15 +146,6 @@ def commands() -> dict[str, Command | dict[str, Command]]:
     return COMMANDS | {"eval": _eval_commands()}
 
 
-def _unwrap_optional(tp: Any) -> Any:
-    """``Optional[X]`` -> ``X``; other types unchanged."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
-
-
 def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -> None:
     """Add one flag per dataclass field (``field_name`` -> ``--field-name``)."""
     hints = typing.get_type_hints(config_cls)
@@ -163,7 +157,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -
         if not f.init or f.name == "config_file":  # set by --config
             continue
         meta = dict(f.metadata)
-        tp = _unwrap_optional(hints[f.name])
+        tp = unwrap_optional(hints[f.name])
         origin = typing.get_origin(tp)
         # help texts are plain prose: escape argparse's %-formatting
         kwargs: dict[str, Any] = {"help": meta.get("help", "").replace("%", "%%"), "default": argparse.SUPPRESS}
@@ -354,29 +348,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             how = "stopped by SIGTERM" if stopped else "interrupted"
             print(f"{prefix}: {how}; {interrupted(path, rest, config, started)}", file=sys.stderr)
         return EXIT_CODE if stopped else 130
-    except (ValueError, OSError, ImportError, RuntimeError) as err:
+    except Exception as err:
         if debug:
             raise
-        print(f"{prefix}: error: {err}", file=sys.stderr)
-        return 2
-    except MemoryError as err:
-        if debug:
-            raise
-        print(
-            f"{prefix}: error: out of memory ({err or 'no detail'}); ask for less (a smaller --batch-size or "
-            "--image-size) or use a machine with more memory",
-            file=sys.stderr,
-        )
-        return 1
-    except Exception as err:  # a bug, not the input's fault: one line, and the way to the traceback
-        if debug:
-            raise
-        print(
-            f"{prefix}: error: {type(err).__name__}: {err}; this is a bug in bt-hub: rerun with BT_HUB_DEBUG=1 for "
-            "the traceback and report it",
-            file=sys.stderr,
-        )
-        return 1
+        print(f"{prefix}: error: {_error_text(err)}", file=sys.stderr)
+        return 2 if isinstance(err, REFUSED) else 1
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, signal.SIG_IGN if console else previous)
@@ -388,6 +364,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif os.environ.get("RANK", "0") == "0" and (described := _describe(result, config)) is not None:
         print(described)
     return 0
+
+
+def _error_text(err: Exception) -> str:
+    """A failed command's error in words: a refused input's own sentence (exit 2), else out of memory or a bug in
+    bt-hub, each with what to do (exit 1)."""
+    if isinstance(err, REFUSED):
+        return str(err)
+    if isinstance(err, MemoryError):
+        return (
+            f"out of memory ({err or 'no detail'}); ask for less (a smaller --batch-size or --image-size) or use a "
+            "machine with more memory"
+        )
+    # a bug, not the input's fault: one line, and the way to the traceback
+    return (
+        f"{type(err).__name__}: {err}; this is a bug in bt-hub: rerun with BT_HUB_DEBUG=1 for the traceback and "
+        "report it"
+    )
 
 
 def _no_command(path: list[str], rest: list[str]) -> int:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from bt_hub.common.config import RunConfig, check_image_size, out_field
+from bt_hub.common.config import REQUIRED, RunConfig, check_image_size, option, out_field
 from bt_hub.common.presets import overrides, preset_values
 from bt_hub.common.runs import check_run_dir
 from bt_hub.method.model import ARCHITECTURES
@@ -50,104 +50,77 @@ class EvalConfig(RunConfig):
     # baselines): --store auto then decodes each split once into a store, even without a --cache-dir.
     REUSES_SPLITS: ClassVar[bool] = False
 
-    weights: str = field(
-        metadata={
-            "help": "weights to evaluate: a registered name (bt-hub weights list), file, folder (run directory, "
-            "Hugging Face folder), URL, hf://org/name[@rev] or org/name"
-        }
+    weights: str = option(
+        REQUIRED,
+        "weights to evaluate: a registered name (bt-hub weights list), file, folder (run directory, "
+        "Hugging Face folder), URL, hf://org/name[@rev] or org/name",
     )
-    data: str = field(
-        default="digits",
-        metadata={
-            "help": "dataset: 'digits' (embedded), 'synthetic[:N]', or a directory with train/ beside val/ or test/ "
-            "(ImageFolder class folders in each)"
-        },
+    data: str = option(
+        "digits",
+        "dataset: 'digits' (embedded), 'synthetic[:N]', or a directory with train/ beside val/ or test/ "
+        "(ImageFolder class folders in each)",
     )
     out: str | None = out_field(
         "runs/eval",
         "output directory: results.json (this run), results.jsonl (every run), results.md "
         "and the protocol's logs go here",
     )
-    arch: str | None = field(
-        default=None,
-        metadata={
-            "help": "backbone architecture; overrides what the checkpoint implies",
-            "choices": tuple(ARCHITECTURES),
-        },
+    arch: str | None = option(
+        None, "backbone architecture; overrides what the checkpoint implies", choices=tuple(ARCHITECTURES)
     )
-    small_image_stem: bool | None = field(
-        default=None, metadata={"help": "3x3 stem without max-pool (32-px data); default: what the checkpoint implies"}
+    small_image_stem: bool | None = option(
+        None, "3x3 stem without max-pool (32-px data); default: what the checkpoint implies"
     )
-    batch_size: int = field(
-        default=256,
-        metadata={
-            "help": "images per batch: of feature extraction, and the training batch of linear, transfer and semi "
-            "(global under torchrun)"
-        },
+    batch_size: int = option(
+        256,
+        "images per batch: of feature extraction, and the training batch of linear, transfer and semi "
+        "(global under torchrun)",
     )
-    num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes"})
-    image_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "crop side; the test transform is Resize(image_size*256/224) + CenterCrop(image_size); digits "
-            f"and synthetic are drawn at this size (default: the image_size of the weights' config.json, run and "
-            f"Hugging Face folders, else {DEFAULT_IMAGE_SIZE})"
-        },
+    num_workers: int = option(0, "DataLoader worker processes")
+    image_size: int | None = option(
+        None,
+        "crop side; the test transform is Resize(image_size*256/224) + CenterCrop(image_size); digits "
+        f"and synthetic are drawn at this size (default: the image_size of the weights' config.json, run and "
+        f"Hugging Face folders, else {DEFAULT_IMAGE_SIZE})",
     )
-    test_split: Literal["val", "test"] = field(
-        default="val",
-        metadata={
-            "help": "held-out split of a directory --data: val/ (ImageNet layout) or test/; digits and synthetic hold "
-            "out one part under both names"
-        },
+    test_split: Literal["val", "test"] = option(
+        "val",
+        "held-out split of a directory --data: val/ (ImageNet layout) or test/; digits and synthetic hold "
+        "out one part under both names",
     )
-    holdout: float | None = field(
-        default=None,
-        metadata={
-            "help": "score on a seeded, class-stratified FRACTION of the training split instead of --test-split (a "
-            "flat ImageFolder; or tuning without touching the test split); the held-out indices' sha256 goes into "
-            "results.json"
-        },
+    holdout: float | None = option(
+        None,
+        "score on a seeded, class-stratified FRACTION of the training split instead of --test-split (a "
+        "flat ImageFolder; or tuning without touching the test split); the held-out indices' sha256 goes into "
+        "results.json",
     )
-    cache_dir: str | None = field(
-        default=None,
-        metadata={
-            "help": "feature cache directory; a second protocol on the same weights, data and transform reuses the "
-            "features"
-        },
+    cache_dir: str | None = option(
+        None, "feature cache directory; a second protocol on the same weights, data and transform reuses the features"
     )
-    cache_dtype: Literal["float32", "float16"] = field(
-        default="float32", metadata={"help": "dtype of cached features (float16 halves the disk use)"}
+    cache_dtype: Literal["float32", "float16"] = option(
+        "float32", "dtype of cached features (float16 halves the disk use)"
     )
-    allow_non_finite: bool = field(
-        default=False, metadata={"help": "evaluate weights holding NaN or inf (for forensics; refused otherwise)"}
+    allow_non_finite: bool = option(False, "evaluate weights holding NaN or inf (for forensics; refused otherwise)")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = option(
+        "auto",
+        "autocast dtype of feature extraction; auto: bf16 on GPUs with bf16; on a CPU the faster of "
+        "fp32 and bf16 on a micro-benchmark timed once per CPU model (the choice and both times are recorded in "
+        "results.json)",
     )
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = field(
-        default="auto",
-        metadata={
-            "help": "autocast dtype of feature extraction; auto: bf16 on GPUs with bf16; on a CPU the faster of "
-            "fp32 and bf16 on a micro-benchmark timed once per CPU model (the choice and both times are recorded in "
-            "results.json)"
-        },
-    )
-    decode: Literal["device", "workers"] = field(
-        default="device",
-        metadata={
-            "help": "feature extraction's input pipeline: 'device' (workers read bytes; --device decodes, resizes, "
-            "crops and normalises the batch, as pretraining does; on the CPU too, where it leaves the cores to the "
-            "model: benchmarks/eval_throughput.py) or 'workers' (PIL per image in the workers)"
-        },
+    decode: Literal["device", "workers"] = option(
+        "device",
+        "feature extraction's input pipeline: 'device' (workers read bytes; --device decodes, resizes, "
+        "crops and normalises the batch, as pretraining does; on the CPU too, where it leaves the cores to the "
+        "model: benchmarks/eval_throughput.py) or 'workers' (PIL per image in the workers)",
     )
 
-    store: Literal["auto", "off", "disk", "device"] = field(
-        default="auto",
-        metadata={
-            "help": "with --decode device on a folder: decode each split once into a store of test crops that every "
-            "extraction reads (in --cache-dir/decoded, else in memory; its size is printed first), in GPU memory "
-            "(device) or memory-mapped (disk); auto: when a --cache-dir is given or the command extracts a split "
-            "several times (eval all, eval compare), on the GPU when it takes under 30% of its free memory; off: "
-            "decode the files for every extraction"
-        },
+    store: Literal["auto", "off", "disk", "device"] = option(
+        "auto",
+        "with --decode device on a folder: decode each split once into a store of test crops that every "
+        "extraction reads (in --cache-dir/decoded, else in memory; its size is printed first), in GPU memory "
+        "(device) or memory-mapped (disk); auto: when a --cache-dir is given or the command extracts a split "
+        "several times (eval all, eval compare), on the GPU when it takes under 30% of its free memory; off: "
+        "decode the files for every extraction",
     )
 
     def __post_init__(self) -> None:

@@ -304,6 +304,19 @@ def describe_transform(transform: Callable[[Any], torch.Tensor]) -> str:
 
 
 def extract_features(
+    backbone: nn.Module, dataset: Dataset, **options: Any
+) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
+    """Features and labels of a frozen backbone over a dataset of ``(image, label)``, in dataset order.
+
+    ``options`` are :func:`extract_with_source`'s (``transform``, ``pool``, ``batch_size``, ``device``,
+    ``num_workers``, ``cache``, ``dtype``, ``desc``, ``precision``). ``transform`` defaults to ``eval_transforms(224)``.
+    With a ``cache`` they are stored under a key of all that changes them and returned as a read-only memmap; a
+    cached file that fails its checks is computed again.
+    """
+    return extract_with_source(backbone, dataset, **options)[:2]
+
+
+def extract_with_source(
     backbone: nn.Module,
     dataset: Dataset,
     *,
@@ -316,40 +329,6 @@ def extract_features(
     dtype: Literal["float32", "float16"] = "float32",
     desc: str = "features",
     precision: str = "fp32",
-) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
-    """Features and labels of a frozen backbone over a dataset of ``(image, label)``, in dataset order.
-
-    ``transform`` defaults to ``eval_transforms(224)``. With a ``cache`` they are stored under a key of all that
-    changes them and returned as a read-only memmap; a cached file that fails its checks is computed again.
-    """
-    return extract_with_source(
-        backbone,
-        dataset,
-        transform=transform,
-        pool=pool,
-        batch_size=batch_size,
-        device=device,
-        num_workers=num_workers,
-        cache=cache,
-        dtype=dtype,
-        desc=desc,
-        precision=precision,
-    )[:2]
-
-
-def extract_with_source(
-    backbone: nn.Module,
-    dataset: Dataset,
-    *,
-    transform: Callable[[Any], torch.Tensor] | None,
-    pool: Pool,
-    batch_size: int,
-    device: str | torch.device,
-    num_workers: int,
-    cache: FeatureCache | None,
-    dtype: Literal["float32", "float16"],
-    desc: str,
-    precision: str,
     stored: Callable[[], Dataset] | None = None,
 ) -> tuple[torch.Tensor | np.ndarray, torch.Tensor, str]:
     """``extract_features`` and where the features came from: ``computed`` or ``cached <key>``.

@@ -44,9 +44,8 @@ class Splits:
         if not len(self.train):
             return None
         image = self.train[0][0]
-        size = (
-            image.size if isinstance(image, Image.Image) else tuple(np.asarray(image).shape[-2:])
-        )  # PIL (w, h); tensors C x H x W
+        # PIL (w, h); tensors C x H x W
+        size = image.size if isinstance(image, Image.Image) else tuple(np.asarray(image).shape[-2:])
         return int(min(size))
 
 

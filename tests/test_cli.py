@@ -193,6 +193,26 @@ def test_an_unexpected_exception_is_one_line_with_exit_code_1(monkeypatch, capsy
     )
 
 
+@pytest.mark.parametrize(
+    "error, code, said",
+    [
+        (MemoryError("1 TiB"), 1, "out of memory (1 TiB); ask for less (a smaller --batch-size or --image-size)"),
+        (RuntimeError("no such GPU"), 2, "no such GPU"),
+        (ImportError("no faiss"), 2, "no faiss"),
+    ],
+)
+def test_out_of_memory_is_a_failure_and_a_refused_input_exits_2(monkeypatch, capsys, error, code, said):
+    # Guards the exit codes of main's one handler: MemoryError 1 with what to do, the refused-input kinds 2 as said.
+    import bt_hub.data.plots as plots
+
+    def fail(config):
+        raise error
+
+    monkeypatch.setattr(plots, "report", fail)
+    assert cli.main(["report", "somewhere"]) == code
+    assert one_sentence(capsys.readouterr().err).startswith(f"bt-hub report: error: {said}")
+
+
 def _interrupt(config):
     raise KeyboardInterrupt
 

@@ -343,6 +343,32 @@ def test_push_without_a_reachable_hub_is_one_sentence_naming_endpoint_repo_and_f
     assert err.startswith(f"bt-hub push: error: could not reach the Hugging Face Hub at {endpoint} to push bt/pushed")
 
 
+def test_every_flag_of_bt_hub_push_reaches_push_to_hub_under_its_own_name(tmp_path, monkeypatch):
+    import bt_hub.weights.hf as hf
+
+    results = tmp_path / "results.json"
+    results.write_text("{}")
+    calls = []
+    monkeypatch.setattr(hf, "push_to_hub", lambda *args, **kwargs: calls.append((args, kwargs)))
+    argv = ["push", "--weights", "w.pth", "--repo-id", "bt/pushed", "--private", "--token", "hf_x", "--revision", "dev"]
+    argv += ["--results", str(results), "--other-results", str(results), "--license", "mit", "--commit-message", "m"]
+    assert cli.main(argv) == 0
+    assert calls == [
+        (
+            ("w.pth", "bt/pushed"),
+            {
+                "private": True,
+                "token": "hf_x",
+                "revision": "dev",
+                "results": [str(results)],
+                "other_results": [str(results)],
+                "license": "mit",
+                "commit_message": "m",
+            },
+        )
+    ]
+
+
 # ------------------------------------------------------------------ a silent or absent Hub
 
 SILENT_HUB_SCRIPT = """

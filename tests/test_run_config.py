@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from bt_hub.common.config import RunConfig, check_device
+from bt_hub.common.config import REQUIRED, RunConfig, check_device, option
 from bt_hub.eval.demo import DemoConfig
 from bt_hub.eval.detection.detect import DetectConfig
 from bt_hub.eval.knn import KnnConfig
@@ -49,6 +49,25 @@ def test_every_command_refuses_an_unknown_device_in_the_same_sentence(config_cls
 def test_every_command_refuses_cuda_where_there_is_none(config_cls, tmp_path):
     with pytest.raises(ValueError, match="--device cuda was asked for but CUDA is not available; use --device cpu"):
         config_cls(out=str(tmp_path / "o"), device="cuda", **COMMANDS[config_cls])
+
+
+def test_an_option_carries_its_help_and_metadata_and_each_config_gets_its_own_list():
+    @dataclasses.dataclass
+    class Flags:
+        name: str = option(REQUIRED, "a name", flag="who", positional=True)
+        files: list = option([], "files")
+
+    first, second = Flags("a"), Flags("b")
+    first.files.append("x")
+    assert second.files == [] and Flags("c").files == []
+    name = dataclasses.fields(Flags)[0]
+    assert name.default is dataclasses.MISSING and dict(name.metadata) == {
+        "help": "a name",
+        "flag": "who",
+        "positional": True,
+    }
+    with pytest.raises(TypeError):
+        Flags()
 
 
 def test_check_device_accepts_cpu():

@@ -10,11 +10,12 @@ import os
 import re
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
+REQUIRED: Any = MISSING  # the default of an ``option`` the command cannot run without
 OVERWRITE_HELP = "write into an --out that is not empty and was not created by bt-hub (same-named files are replaced)"
 
 
@@ -64,6 +65,15 @@ def _shown(value: Any) -> str:
     return f"{text[:12]}...{text[-6:]} ({len(text)} characters)" if len(text) > 30 else text
 
 
+def option(default: Any, help: str, **metadata: Any) -> Any:
+    """A config field that is a flag: its default (``REQUIRED`` for none; a list is copied for each config), its
+    ``--help`` text and the rest of its ``metadata`` (``flag``, ``aliases``, ``choices``, ``positional``, ``nargs``:
+    how the command line spells and parses it)."""
+    if isinstance(default, list):
+        return field(default_factory=default.copy, metadata={"help": help, **metadata})
+    return field(default=default, metadata={"help": help, **metadata})
+
+
 def out_field(default: str, help: str) -> Any:
     """The ``out`` field of a command: its default folder and what it writes there (keyword-only, as in the base)."""
     return field(default=default, kw_only=True, metadata={"help": help})
@@ -77,16 +87,13 @@ class RunConfig:
     # them as changes from a preset (the record holds them all under "hyperparameters").
     RUN_FIELDS: ClassVar[tuple[str, ...]] = ("out", "overwrite", "device", "seed", "threads", "config_file")
 
-    out: str | None = field(default="runs", metadata={"help": "output directory"})
-    overwrite: bool = field(default=False, metadata={"help": OVERWRITE_HELP})
-    device: str = field(default="cpu", metadata={"help": "'cpu', 'cuda' or 'cuda:N' (autocast is used on CUDA)"})
-    seed: int = field(default=0, metadata={"help": "seed of every random choice of the run"})
-    threads: int = field(
-        default=0, metadata={"help": "CPU threads of torch in this process (0: torch's default, the number of cores)"}
-    )
-    config_file: str | None = field(
-        default=None,
-        metadata={"help": "the YAML file of settings that --config read (recorded with them)", "flag": "config"},
+    out: str | None = option("runs", "output directory")
+    overwrite: bool = option(False, OVERWRITE_HELP)
+    device: str = option("cpu", "'cpu', 'cuda' or 'cuda:N' (autocast is used on CUDA)")
+    seed: int = option(0, "seed of every random choice of the run")
+    threads: int = option(0, "CPU threads of torch in this process (0: torch's default, the number of cores)")
+    config_file: str | None = option(
+        None, "the YAML file of settings that --config read (recorded with them)", flag="config"
     )
 
     def __post_init__(self) -> None:

@@ -141,6 +141,14 @@ def barrier() -> None:
         dist.barrier()
 
 
+def distributed_data_parallel(module: nn.Module, device: torch.device) -> nn.Module:
+    """``module`` under DistributedDataParallel (on ``device``'s GPU, if it is one) inside a process group of more
+    than one rank, else ``module`` itself."""
+    if not is_distributed():
+        return module
+    return nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+
+
 class GlobalBatchNorm(_BatchNorm):
     """BatchNorm whose training statistics are those of the global batch (differentiable all-reduces), on any device.
 

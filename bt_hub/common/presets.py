@@ -140,7 +140,7 @@ def check_values(
     for name, value in values.items():
         if name not in fields:
             raise SettingError(_unknown(str(name), fields, named, owner or cls.__name__))
-        tp = _unwrap_optional(hints[name])
+        tp = unwrap_optional(hints[name])
         if literals == "only":
             if typing.get_origin(tp) is typing.Literal and value is not None and value not in typing.get_args(tp):
                 raise SettingError(f"{named(name)} must be one of {_listed(typing.get_args(tp))}, got {_shown(value)}")
@@ -161,7 +161,8 @@ def _unknown(name: str, fields: Mapping[str, dataclasses.Field], named: Callable
     return f"{named(name)} is not a setting of {owner}; {expected}"
 
 
-def _unwrap_optional(tp: Any) -> Any:
+def unwrap_optional(tp: Any) -> Any:
+    """``Optional[X]`` (``X | None``) -> ``X``; other types unchanged."""
     options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
     return next(t for t in options if t is not type(None))
 
@@ -173,7 +174,7 @@ def _checked(value: Any, tp: Any, choices: Iterable[Any] | None, label: str, lit
     options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
     if value is None and type(None) in options:
         return None
-    tp = _unwrap_optional(tp)
+    tp = unwrap_optional(tp)
     if typing.get_origin(tp) is list:
         (element,) = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
@@ -254,9 +255,8 @@ def _same(a: Any, b: Any) -> bool:
 
 def describe_presets(cls: type) -> str:
     """One clause per preset naming the flags it sets, for ``--preset``'s help."""
-    flags = {
-        f.name: f.metadata.get("flag", f.name) for f in dataclasses.fields(cls)
-    }  # a field may have a flag of another name
+    # a field may have a flag of another name
+    flags = {f.name: f.metadata.get("flag", f.name) for f in dataclasses.fields(cls)}
     parts = []
     for name, values in presets_of(cls).items():
         settings = " ".join(_as_flag(flags.get(k, k), v) for k, v in values.items()) or "the defaults"

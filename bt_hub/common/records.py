@@ -231,14 +231,18 @@ def weights_label(record: Mapping[str, Any]) -> str:
     """``resnet50.pth (1f2e3d4c)``: the weights' name and the start of their fingerprint; ``pixels (baseline)`` for
     a baseline of ``eval compare``, which has no weights file."""
     weights = record.get("weights")
-    if isinstance(weights, Mapping):
-        if weights.get("baseline"):
-            return f"{weights['baseline']} (baseline)"
-        name, fingerprint = weights.get("name"), weights.get("fingerprint")
-    else:
-        name, fingerprint = weights, record.get("weights_sha256")
-    name = Path(str(name or "")).name
-    return f"{name} ({str(fingerprint)[:8]})" if fingerprint else name
+    if isinstance(weights, Mapping) and weights.get("baseline"):
+        return f"{weights['baseline']} (baseline)"
+    name = Path(str((weights.get("name") if isinstance(weights, Mapping) else weights) or "")).name
+    fingerprint = record_fingerprint(record)
+    return f"{name} ({fingerprint[:8]})" if fingerprint else name
+
+
+def record_fingerprint(record: Mapping[str, Any]) -> str | None:
+    """The fingerprint (sha256) of the weights a record scored (``weights_sha256`` in older records), or None."""
+    weights = record.get("weights")
+    found = weights.get("fingerprint") if isinstance(weights, Mapping) else record.get("weights_sha256")
+    return str(found) if found else None
 
 
 def paper_comparable(record: Mapping[str, Any]) -> Mapping[str, Any] | None:

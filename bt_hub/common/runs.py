@@ -121,12 +121,6 @@ def lock_holder(path: str | os.PathLike) -> dict[str, Any] | None:
     return None
 
 
-def _check_not_locked(path: Path, flag: str) -> None:
-    """Refuse a folder whose lock a live run holds."""
-    if lock_holder(path) is not None:
-        raise RunDirBusyError(_busy(path, path / LOCK_NAME, flag))
-
-
 def _busy(directory: Path, lock: Path, flag: str) -> str:
     holder = read_json(lock) or {}
     who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
@@ -142,10 +136,7 @@ def check_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False
     ValueError for a file, a non-empty folder without bt_hub's marker (unless ``overwrite``) or of another
     kind; RunDirBusyError while a live run holds its lock; WriteError for a symbolic-link lock file.
     """
-    return _check_run_dir(Path(path), overwrite=overwrite, flag=flag, kind=kind)
-
-
-def _check_run_dir(path: Path, *, overwrite: bool, flag: str, kind: str) -> Path:
+    path = Path(path)
     for ancestor in (path, *path.parents):
         if ancestor.exists() and not ancestor.is_dir():
             where = "is an existing file" if ancestor == path else f"lies under {ancestor}, which is a file"
@@ -161,13 +152,14 @@ def _check_run_dir(path: Path, *, overwrite: bool, flag: str, kind: str) -> Path
         )
     if path.is_dir():
         _check_kind(path, kind, flag)
-        _check_not_locked(path, flag)
+        if lock_holder(path) is not None:  # a live run holds its lock
+            raise RunDirBusyError(_busy(path, path / LOCK_NAME, flag))
     return path
 
 
 def claim_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False, flag: str = "--out") -> Path:
     """``check_run_dir``, then create the directory and its marker (idempotent) and remove stale temp files."""
-    path = _check_run_dir(Path(path), overwrite=overwrite, flag=flag, kind=kind)
+    path = check_run_dir(path, kind=kind, overwrite=overwrite, flag=flag)
     marker = path / MARKER_NAME
     if _regular_file(marker):
         if run_kind(path) is None:  # a folder of an earlier bt_hub: from now on it says its kind

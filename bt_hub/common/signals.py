@@ -30,33 +30,34 @@ def raise_terminated(signum: int, frame: Any) -> None:
 
 
 @contextlib.contextmanager
+def _noted(signums: list[int]) -> Iterator[list[int]]:
+    """Within the block ``signums`` only append to the yielded list (in the main thread: only it may set
+    handlers; elsewhere nothing changes), then their handlers are restored."""
+    received: list[int] = []
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in signums if main}
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+
+
+@contextlib.contextmanager
 def deferred_sigterm(device: torch.device) -> Iterator[Callable[[], bool]]:
     """Within the block SIGTERM only sets a flag; yields ``requested()`` (a collective under torchrun)."""
     from bt_hub.common.distributed import any_rank
 
-    received: list[int] = []
-    main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum)) if main else None
-    try:
+    with _noted([signal.SIGTERM]) as received:
         yield lambda: any_rank(bool(received), device)
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 @contextlib.contextmanager
 def held_signals() -> Iterator[None]:
     """Within the block Ctrl-C and SIGTERM are only noted, then raised at its end (KeyboardInterrupt, Terminated):
     one landing inside ``import torch`` breaks that import into errors that no longer say they were an interrupt."""
-    received: list[int] = []
-    main = threading.current_thread() is threading.main_thread()
-    held = [s for s in (signal.SIGINT, signal.SIGTERM) if main and signal.getsignal(s) is not signal.SIG_IGN]
-    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in held}
-    try:
+    with _noted([s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN]) as received:
         yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, signal.SIG_DFL if handler is None else handler)
     if received:
         raise Terminated if received[0] == signal.SIGTERM else KeyboardInterrupt
 

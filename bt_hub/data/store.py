@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -279,10 +280,10 @@ def open_store(
     per_image = 3 * view.crop * view.crop if view.crop else None
     if directory is None:
         announce(_size_note(len(paths), view, "in memory", per_image))
-        chunks: list[bytes] = []
+        buffer = io.BytesIO()
         done = _Progress(Path("."), key)
-        _build(paths, view, _ChunkSink(chunks), done, num_workers, desc, None)
-        pixels = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+        _build(paths, view, buffer, done, num_workers, desc, None)
+        pixels = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
         return DecodedImages(pixels, np.asarray(done.index, dtype=np.int64), targets, classes, view, "in memory")
     slot = Path(directory) / _digest(STORE_FORMAT, view.describe(), [[f[0], f[3]] for f in files], str(root))[:24]
     slot.parent.mkdir(parents=True, exist_ok=True)
@@ -314,14 +315,6 @@ def open_store(
         if store is None:
             raise OSError(f"decoded store {slot} failed its checks right after it was written; remove it and run again")
         return store
-
-
-class _ChunkSink:
-    def __init__(self, chunks: list[bytes]) -> None:
-        self.chunks = chunks
-
-    def write(self, data: memoryview) -> None:
-        self.chunks.append(bytes(data))
 
 
 @contextlib.contextmanager

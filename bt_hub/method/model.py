@@ -108,16 +108,15 @@ class BarlowTwins(nn.Module):
         """Projector output z for a batch of images."""
         return self.projector(self.backbone(x))
 
+    def loss(self, z_a: torch.Tensor, z_b: torch.Tensor) -> LossTerms:
+        """Loss terms of two batches of embeddings under this model's ``lambd``, loss form and gradient scale."""
+        return barlow_twins_loss(
+            z_a, z_b, lambd=self.lambd, method=self.loss_method, reference_grad_scale=self.reference_grad_scale
+        )
+
     def forward(self, y_a: torch.Tensor, y_b: torch.Tensor) -> LossTerms:
         """Loss terms for two batches of views of the same images."""
-        z_a, z_b = self.embed(y_a), self.embed(y_b)
-        return barlow_twins_loss(
-            z_a,
-            z_b,
-            lambd=self.lambd,
-            method=self.loss_method,
-            reference_grad_scale=self.reference_grad_scale,
-        )
+        return self.loss(self.embed(y_a), self.embed(y_b))
 
 
 def default_init_backbone(arch: str, small_image_stem: bool, seed: int) -> nn.Module:

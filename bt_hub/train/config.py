@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from bt_hub.common.config import RunConfig, check_image_size, out_field
+from bt_hub.common.config import RunConfig, check_image_size, option, out_field
 from bt_hub.data.decode import resolve_decode
 from bt_hub.method.loss import LAMBD
 from bt_hub.method.model import ARCHITECTURES, parse_projector
@@ -90,156 +90,103 @@ class PretrainConfig(RunConfig):
         },
     }
 
-    data: str = field(
-        default="digits",
-        metadata={"help": "'digits' (embedded), 'synthetic[:N]', or an ImageFolder / ImageNet directory"},
-    )
+    data: str = option("digits", "'digits' (embedded), 'synthetic[:N]', or an ImageFolder / ImageNet directory")
     out: str = out_field("runs/pretrain", "run directory (checkpoint, metrics, final weights)")
-    backbone: str = field(
-        default="resnet50",
-        metadata={
-            "help": "torchvision ResNet",
-            "flag": "arch",
-            "aliases": ("backbone",),
-            "choices": tuple(ARCHITECTURES),
-        },
+    backbone: str = option(
+        "resnet50", "torchvision ResNet", flag="arch", aliases=("backbone",), choices=tuple(ARCHITECTURES)
     )
-    projector: str = field(default="8192-8192-8192", metadata={"help": "projector widths joined by '-'"})
-    lambd: float = field(default=LAMBD, metadata={"help": "weight of the redundancy-reduction term"})
-    small_image_stem: bool = field(default=False, metadata={"help": "3x3 stem without max-pool, for 32-px images"})
-    image_size: int = field(default=224, metadata={"help": "side of the views in pixels"})
-    crop_scale_min: float = field(
-        default=0.08,
-        metadata={
-            "help": "smallest area fraction of the views' random resized crop (paper: 0.08; tiny images such as the "
-            "8-px digits want more)"
-        },
+    projector: str = option("8192-8192-8192", "projector widths joined by '-'")
+    lambd: float = option(LAMBD, "weight of the redundancy-reduction term")
+    small_image_stem: bool = option(False, "3x3 stem without max-pool, for 32-px images")
+    image_size: int = option(224, "side of the views in pixels")
+    crop_scale_min: float = option(
+        0.08,
+        "smallest area fraction of the views' random resized crop (paper: 0.08; tiny images such as the "
+        "8-px digits want more)",
     )
-    flip: bool = field(
-        default=True,
-        metadata={
-            "help": "random horizontal flips in both views (paper: p = 0.5); --no-flip for images that are not "
-            "mirror-symmetric, such as digits"
-        },
+    flip: bool = option(
+        True,
+        "random horizontal flips in both views (paper: p = 0.5); --no-flip for images that are not "
+        "mirror-symmetric, such as digits",
     )
-    blur: bool = field(
-        default=True,
-        metadata={
-            "help": "Gaussian blur in the views (paper: p = 1.0 / 0.1, σ in [0.1, 2] px); --no-blur for tiny images, "
-            "where even the 3x3 kernel smears every stroke"
-        },
+    blur: bool = option(
+        True,
+        "Gaussian blur in the views (paper: p = 1.0 / 0.1, σ in [0.1, 2] px); --no-blur for tiny images, "
+        "where even the 3x3 kernel smears every stroke",
     )
-    epochs: int = field(default=1000, metadata={"help": "epochs of the schedule"})
-    batch_size: int = field(default=2048, metadata={"help": "global batch size (all processes together)"})
-    lr_weights: float = field(default=0.2, metadata={"help": "base LR of weights, × batch/256"})
-    lr_biases: float = field(default=0.0048, metadata={"help": "base LR of biases and BN parameters, × batch/256"})
-    weight_decay: float = field(default=1e-6, metadata={"help": "LARS weight decay (not on biases/BN)"})
-    warmup_epochs: int = field(default=10, metadata={"help": "linear warm-up epochs before the cosine decay"})
-    loss_method: Literal["auto", "dense", "gram"] = field(
-        default="auto", metadata={"help": "loss form: D x D, N x N, or the cheaper"}
+    epochs: int = option(1000, "epochs of the schedule")
+    batch_size: int = option(2048, "global batch size (all processes together)")
+    lr_weights: float = option(0.2, "base LR of weights, × batch/256")
+    lr_biases: float = option(0.0048, "base LR of biases and BN parameters, × batch/256")
+    weight_decay: float = option(1e-6, "LARS weight decay (not on biases/BN)")
+    warmup_epochs: int = option(10, "linear warm-up epochs before the cosine decay")
+    loss_method: Literal["auto", "dense", "gram"] = option("auto", "loss form: D x D, N x N, or the cheaper")
+    reference_grad_scale: bool = option(False, "reproduce the reference code's 1/world_size gradients")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = option(
+        "auto",
+        "autocast dtype (fp16 only on CUDA, with a GradScaler); auto: bf16 on GPUs with bf16; on a CPU "
+        "the faster of fp32 and bf16 on a micro-benchmark timed once per CPU model and torch version and cached "
+        "(the choice, why and both times are recorded in run.json and config.json)",
     )
-    reference_grad_scale: bool = field(
-        default=False, metadata={"help": "reproduce the reference code's 1/world_size gradients"}
+    channels_last: Literal["auto", "on", "off"] = option(
+        "auto",
+        "channels-last memory format for the backbone and its inputs; auto: on where the precision is bf16 "
+        "or fp16 (AMX/avx512_bf16 CPUs and GPUs run those convolutions fastest channels-last), off for fp32 "
+        "(the choice is recorded in run.json and config.json)",
     )
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = field(
-        default="auto",
-        metadata={
-            "help": "autocast dtype (fp16 only on CUDA, with a GradScaler); auto: bf16 on GPUs with bf16; on a CPU "
-            "the faster of fp32 and bf16 on a micro-benchmark timed once per CPU model and torch version and cached "
-            "(the choice, why and both times are recorded in run.json and config.json)"
-        },
+    compile: Literal["auto", "on", "off"] = option(
+        "auto",
+        "torch.compile the forward pass and the loss (minutes of compiling at the start, then ~25% less "
+        "per step); auto: on when the first eager steps' time x the steps left says it repays itself "
+        "(bt_hub/train/compile_auto.py); the path taken and why go to config.json",
     )
-    channels_last: Literal["auto", "on", "off"] = field(
-        default="auto",
-        metadata={
-            "help": "channels-last memory format for the backbone and its inputs; auto: on where the precision is bf16 "
-            "or fp16 (AMX/avx512_bf16 CPUs and GPUs run those convolutions fastest channels-last), off for fp32 "
-            "(the choice is recorded in run.json and config.json)"
-        },
+    views: Literal["pil", "batched"] = option(
+        "pil", "augment per image in loader workers (pil) or per batch on the device (batched)"
     )
-    compile: Literal["auto", "on", "off"] = field(
-        default="auto",
-        metadata={
-            "help": "torch.compile the forward pass and the loss (minutes of compiling at the start, then ~25% less "
-            "per step); auto: on when the first eager steps' time x the steps left says it repays itself "
-            "(bt_hub/train/compile_auto.py); the path taken and why go to config.json"
-        },
+    decode: Literal["auto", "device", "workers"] = option(
+        "auto",
+        "image files with --views batched: workers read bytes and the device decodes the batch (device), "
+        "or workers decode with PIL (workers); auto: device on CUDA",
     )
-    views: Literal["pil", "batched"] = field(
-        default="pil",
-        metadata={"help": "augment per image in loader workers (pil) or per batch on the device (batched)"},
+    store: Literal["auto", "off", "disk", "device"] = option(
+        "auto",
+        "with --views batched on a folder: decode it once into a store of whole images that every epoch "
+        "reads (bt_hub/data/store.py; its size is printed first), in GPU memory (device) or memory-mapped (disk); "
+        "auto: on the CPU, for images up to 128 px that fit half the free disk (on CUDA the loader workers "
+        "decoding every epoch measured faster); off: decode the files every epoch",
     )
-    decode: Literal["auto", "device", "workers"] = field(
-        default="auto",
-        metadata={
-            "help": "image files with --views batched: workers read bytes and the device decodes the batch (device), "
-            "or workers decode with PIL (workers); auto: device on CUDA"
-        },
+    store_dir: str | None = option(
+        None, "where --store keeps decoded stores (default $BT_HUB_CACHE/decoded or ~/.cache/bt_hub/decoded)"
     )
-    store: Literal["auto", "off", "disk", "device"] = field(
-        default="auto",
-        metadata={
-            "help": "with --views batched on a folder: decode it once into a store of whole images that every epoch "
-            "reads (bt_hub/data/store.py; its size is printed first), in GPU memory (device) or memory-mapped (disk); "
-            "auto: on the CPU, for images up to 128 px that fit half the free disk (on CUDA the loader workers "
-            "decoding every epoch measured faster); off: decode the files every epoch"
-        },
+    num_workers: int = option(0, "data-loader worker processes per rank")
+    checkpoint_every: int = option(
+        500, "steps between checkpoints (one is also written at each epoch end); 0: epoch ends only"
     )
-    store_dir: str | None = field(
-        default=None,
-        metadata={
-            "help": "where --store keeps decoded stores (default $BT_HUB_CACHE/decoded or ~/.cache/bt_hub/decoded)"
-        },
+    keep_every: str = option(
+        "0",
+        "keep the backbone's weights for a learning curve (bt-hub eval compare --over-steps): every N "
+        "steps, 'log' (steps 1, 2, 4, 8, ...) or at the steps listed ('100,400'); and at the last step; as "
+        "kept/step-NNNNNN.safetensors (no optimizer state); 0: off",
     )
-    num_workers: int = field(default=0, metadata={"help": "data-loader worker processes per rank"})
-    checkpoint_every: int = field(
-        default=500,
-        metadata={"help": "steps between checkpoints (one is also written at each epoch end); 0: epoch ends only"},
+    resume: str | None = option(None, "'auto': continue OUT/checkpoint.pth if present; or a checkpoint path")
+    max_steps: int = option(0, "stop after this many steps in all (0: the whole schedule); the schedule is unchanged")
+    log_every: int = option(10, "steps between metrics lines (and progress lines when not on a terminal)")
+    monitor_knn: int = option(
+        0,
+        "every this many steps, weighted kNN top-1 (k = 20, T = 0.07) of the backbone's features on a "
+        "small labelled bank, logged and shown in the progress bar (0: off)",
     )
-    keep_every: str = field(
-        default="0",
-        metadata={
-            "help": "keep the backbone's weights for a learning curve (bt-hub eval compare --over-steps): every N "
-            "steps, 'log' (steps 1, 2, 4, 8, ...) or at the steps listed ('100,400'); and at the last step; as "
-            "kept/step-NNNNNN.safetensors (no optimizer state); 0: off"
-        },
+    monitor_data: str | None = option(
+        None,
+        "labelled data of the kNN monitor (as --data; its train split is the bank, its val/test split "
+        "the queries); default: --data's training and held-out splits",
     )
-    resume: str | None = field(
-        default=None, metadata={"help": "'auto': continue OUT/checkpoint.pth if present; or a checkpoint path"}
+    monitor_size: int = option(2000, "bank images of the kNN monitor (queries: a quarter of it, at most 500)")
+    tensorboard: bool = option(
+        False, "also write the metrics as TensorBoard scalars to OUT/tensorboard (needs the tensorboard package)"
     )
-    max_steps: int = field(
-        default=0,
-        metadata={"help": "stop after this many steps in all (0: the whole schedule); the schedule is unchanged"},
-    )
-    log_every: int = field(
-        default=10, metadata={"help": "steps between metrics lines (and progress lines when not on a terminal)"}
-    )
-    monitor_knn: int = field(
-        default=0,
-        metadata={
-            "help": "every this many steps, weighted kNN top-1 (k = 20, T = 0.07) of the backbone's features on a "
-            "small labelled bank, logged and shown in the progress bar (0: off)"
-        },
-    )
-    monitor_data: str | None = field(
-        default=None,
-        metadata={
-            "help": "labelled data of the kNN monitor (as --data; its train split is the bank, its val/test split "
-            "the queries); default: --data's training and held-out splits"
-        },
-    )
-    monitor_size: int = field(
-        default=2000, metadata={"help": "bank images of the kNN monitor (queries: a quarter of it, at most 500)"}
-    )
-    tensorboard: bool = field(
-        default=False,
-        metadata={
-            "help": "also write the metrics as TensorBoard scalars to OUT/tensorboard (needs the tensorboard package)"
-        },
-    )
-    probe_max_dim: int = field(
-        default=2048,
-        metadata={"help": "record the probe batch's cross-correlation when the projector output is at most this wide"},
+    probe_max_dim: int = option(
+        2048, "record the probe batch's cross-correlation when the projector output is at most this wide"
     )
 
     def __post_init__(self) -> None:

@@ -24,6 +24,7 @@ from bt_hub.common.distributed import (
     broadcast_object,
     cleanup_distributed,
     convert_sync_batchnorm,
+    distributed_data_parallel,
     get_world_size,
     init_distributed,
     is_main_process,
@@ -36,7 +37,7 @@ from bt_hub.data.datasets import build_dataset
 from bt_hub.data.decode import resolve_decode
 from bt_hub.data.precision import autocast_dtype, precision_choice, resolve_channels_last
 from bt_hub.data.prefetch import Prefetcher
-from bt_hub.method.loss import LossTerms, barlow_twins_loss
+from bt_hub.method.loss import LossTerms
 from bt_hub.method.model import BarlowTwins
 from bt_hub.method.optim import LARS, param_groups, set_learning_rates
 from bt_hub.method.transforms import input_metadata
@@ -76,9 +77,7 @@ class _TrainStep(nn.Module):
 
     def forward(self, y_a: torch.Tensor, y_b: torch.Tensor) -> tuple[LossTerms, torch.Tensor]:
         z_a, z_b = self.model.embed(y_a), self.model.embed(y_b)
-        terms = barlow_twins_loss(
-            z_a, z_b, self.model.lambd, self.model.loss_method, reference_grad_scale=self.model.reference_grad_scale
-        )
+        terms = self.model.loss(z_a, z_b)
         # std over the batch of L2-normalised embeddings: ~1/sqrt(D) when healthy, 0 on collapse
         spread = nnf.normalize(z_a.detach().float(), dim=1).std(dim=0).mean()
         return terms, spread
@@ -461,10 +460,7 @@ def _wrapped(model: BarlowTwins, config: PretrainConfig, device: torch.device, w
     step_module: nn.Module = _TrainStep(model)
     if world > 1:
         step_module = convert_sync_batchnorm(step_module)  # SyncBatchNorm on CUDA, GlobalBatchNorm on CPU/gloo
-        step_module = nn.parallel.DistributedDataParallel(
-            step_module, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    return AutoCompile(step_module, config.compile, steps, device)
+    return AutoCompile(distributed_data_parallel(step_module, device), config.compile, steps, device)
 
 
 def _knn_monitor(config: PretrainConfig) -> KnnMonitor | None:

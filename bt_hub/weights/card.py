@@ -19,6 +19,7 @@ from bt_hub.common.records import (
     metric_label,
     one_value,
     read_records,
+    record_fingerprint,
     seed_free_setting,
     seed_group_key,
     seeds_text,
@@ -34,16 +35,11 @@ SMALL_STEM_TIMM_ARG = "bt_hub_small_image_stem"
 BASELINE_FINGERPRINT = "baseline"
 
 
-def _fingerprint(record: Mapping[str, Any]) -> str | None:
-    weights = record.get("weights")
-    found = weights.get("fingerprint") if isinstance(weights, Mapping) else record.get("weights_sha256")
-    return str(found) if found else None
-
-
 def _is_baseline(record: Mapping[str, Any]) -> bool:
     weights = record.get("weights")
     return (
-        bool(isinstance(weights, Mapping) and weights.get("baseline")) or _fingerprint(record) == BASELINE_FINGERPRINT
+        bool(isinstance(weights, Mapping) and weights.get("baseline"))
+        or record_fingerprint(record) == BASELINE_FINGERPRINT
     )
 
 
@@ -62,7 +58,7 @@ def card_rows(
         for source in sources:
             where = "a results record" if isinstance(source, Mapping) else f"results file {source}"
             for i, record in enumerate(read_records([source]), 1):
-                theirs = _fingerprint(record)
+                theirs = record_fingerprint(record)
                 if _is_baseline(record):
                     rows["baselines"].append(record)
                 elif sha256 is not None and theirs == sha256:

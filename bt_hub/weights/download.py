@@ -122,18 +122,10 @@ def check_cached(path: Path, url: str, sha256: str | None, actual: str) -> str:
     return actual
 
 
-def download(
-    url: str,
-    *,
-    file_name: str | None = None,
-    sha256: str | None = None,
-    progress: bool = True,
-    timeout: float | None = None,
-    retries: int | None = None,
-) -> Path:
+def download(url: str, **options: Any) -> Path:
     """The cached, verified local copy of ``url``, downloaded first if it is not cached.
 
-    Args:
+    Args (``options``, keyword-only, as :func:`download_unchecked` takes them):
         file_name: the name to keep in the cache (default: the URL's last path segment).
         sha256: the full sha256 the file must have (else the file name's hash prefix, if any, is checked).
         timeout: seconds to connect and to wait for each piece of data (default ``BT_HUB_DOWNLOAD_TIMEOUT`` or 30).
@@ -143,11 +135,9 @@ def download(
     Raises:
         DownloadError: naming the URL, the cache path and the fix; nothing is left in the cache.
     """
-    target, fresh = download_unchecked(
-        url, file_name=file_name, sha256=sha256, progress=progress, timeout=timeout, retries=retries
-    )
+    target, fresh = download_unchecked(url, **options)
     if not fresh:
-        check_cached(target, url, sha256, file_sha256(target))
+        check_cached(target, url, options.get("sha256"), file_sha256(target))
     return target
 
 

@@ -9,12 +9,13 @@ import os
 import pickle
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from bt_hub.common.config import REQUIRED, option
 from bt_hub.common.files import (
     atomic_write,
     atomic_write_json,
@@ -202,46 +203,33 @@ def save_hf_folder(
 class ExportConfig:
     """Flags of ``bt-hub export``."""
 
-    weights: str = field(
-        metadata={
-            "help": "weights to convert: a registered name, file, folder (run directory, Hugging Face folder), URL, "
-            "hf://org/name[@rev] or org/name"
-        }
+    weights: str = option(
+        REQUIRED,
+        "weights to convert: a registered name, file, folder (run directory, Hugging Face folder), URL, "
+        "hf://org/name[@rev] or org/name",
     )
-    out: str = field(
-        metadata={
-            "help": "output: a file (torchvision: '<name>.pth' gets '-<sha256 prefix>' appended), or a folder for hf"
-        }
+    out: str = option(
+        REQUIRED, "output: a file (torchvision: '<name>.pth' gets '-<sha256 prefix>' appended), or a folder for hf"
     )
-    format: Literal["torchvision", "safetensors", "detectron2", "hf"] = field(
-        default="torchvision",
-        metadata={"help": "torchvision .pth, safetensors, detectron2 .pkl, or a Hugging Face folder"},
+    format: Literal["torchvision", "safetensors", "detectron2", "hf"] = option(
+        "torchvision", "torchvision .pth, safetensors, detectron2 .pkl, or a Hugging Face folder"
     )
-    arch: str | None = field(
-        default=None,
-        metadata={"help": "architecture; by default from config.json or the keys", "choices": tuple(ARCHITECTURES)},
+    arch: str | None = option(
+        None, "architecture; by default from config.json or the keys", choices=tuple(ARCHITECTURES)
     )
-    name: str | None = field(
-        default=None, metadata={"help": "hf only: the model's Hub id for the card, e.g. org/barlowtwins-r50"}
+    name: str | None = option(None, "hf only: the model's Hub id for the card, e.g. org/barlowtwins-r50")
+    results: list[str] = option(
+        [],
+        "hf only: evaluation results of these weights for the card (records of other weights are "
+        "refused; eval compare's baselines are shown as baselines): results.json or results.jsonl",
     )
-    results: list[str] = field(
-        default_factory=list,
-        metadata={
-            "help": "hf only: evaluation results of these weights for the card (records of other weights are "
-            "refused; eval compare's baselines are shown as baselines): results.json or results.jsonl"
-        },
+    other_results: list[str] = option(
+        [], "hf only: results of other weights, shown in the card as theirs, never as this model's"
     )
-    other_results: list[str] = field(
-        default_factory=list,
-        metadata={"help": "hf only: results of other weights, shown in the card as theirs, never as this model's"},
+    force: bool = option(
+        False, "replace an existing target (in an hf folder only the files bt_hub wrote; others are kept)"
     )
-    force: bool = field(
-        default=False,
-        metadata={"help": "replace an existing target (in an hf folder only the files bt_hub wrote; others are kept)"},
-    )
-    allow_non_finite: bool = field(
-        default=False, metadata={"help": "convert weights holding NaN or inf (for forensics; refused otherwise)"}
-    )
+    allow_non_finite: bool = option(False, "convert weights holding NaN or inf (for forensics; refused otherwise)")
 
     def __post_init__(self) -> None:
         if not self.weights:

@@ -21,9 +21,6 @@ _SECONDARY_MARKERS = ("momentum", "teacher", "encoder_k", "target", "ema")
 PKL_INPUT_KEY = "bt_hub_input"
 
 
-# --------------------------------------------------------------------------- reading files
-
-
 # --------------------------------------------------------------------------- flattening
 
 
@@ -81,22 +78,21 @@ def detectron2_to_torchvision_key(key: str) -> str:
 # --------------------------------------------------------------------------- finding the backbone
 
 
+# Each layout's stem key, the first stage's first key (both under the backbone's prefix), and its name in words.
+_LAYOUTS = {
+    "torchvision": ("conv1.weight", "layer1.0.conv1.weight", "torchvision state dict"),
+    "vissl": ("_feature_blocks.conv1.weight", "_feature_blocks.layer1.0.conv1.weight", "VISSL trunk"),
+    "detectron2": ("stem.conv1.weight", "res2.0.conv1.weight", "detectron2 weights"),
+}
+
+
 def _candidates(flat: Mapping[str, torch.Tensor]) -> list[tuple[str, str]]:
     """(prefix, layout) pairs under which a ResNet stem and first stage sit."""
     found = []
     for key in flat:
-        for suffix, layout in (
-            ("conv1.weight", "torchvision"),
-            ("_feature_blocks.conv1.weight", "vissl"),
-            ("stem.conv1.weight", "detectron2"),
-        ):
+        for layout, (suffix, probe, _) in _LAYOUTS.items():
             if key.endswith(suffix):
                 prefix = key[: -len(suffix)]
-                probe = {
-                    "torchvision": "layer1.0.conv1.weight",
-                    "vissl": "_feature_blocks.layer1.0.conv1.weight",
-                    "detectron2": "res2.0.conv1.weight",
-                }[layout]
                 if prefix + probe in flat and (prefix, layout) not in found:
                     found.append((prefix, layout))
     return found
@@ -141,12 +137,7 @@ def extract_backbone(obj: Any, source: str) -> tuple[dict[str, torch.Tensor], di
             if key.startswith("roi_heads.res5.") or key.startswith("model.roi_heads.res5."):
                 name = key.split("roi_heads.", 1)[1]
                 state[detectron2_to_torchvision_key(name)] = tensor
-    names = {
-        "torchvision": "torchvision state dict",
-        "vissl": "VISSL trunk",
-        "detectron2": "detectron2 weights",
-    }
-    described = names[layout] + (f" under '{prefix}'" if prefix else "")
+    described = _LAYOUTS[layout][2] + (f" under '{prefix}'" if prefix else "")
     used = {prefix + k for k in state}
     dropped = [k for k in flat if k not in used and not _is_backbone_copy(k, prefix, layout)]
     info = {"format": described, "layout": layout, "prefix": prefix, "dropped": dropped}

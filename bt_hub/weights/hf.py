@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import nn
 
+from bt_hub.common.config import REQUIRED, option
 from bt_hub.common.optional import require
 from bt_hub.method.model import BarlowTwins
 from bt_hub.weights.download import at_commit, first_line, hf_download, hub_client_errors
@@ -176,29 +178,25 @@ def _push_error(err: BaseException, repo_id: str, endpoint: str, errors: Any) ->
 class PushConfig:
     """Flags of ``bt-hub push``."""
 
-    weights: str = field(
-        metadata={
-            "help": "weights to publish: a registered name, run directory, file, Hugging Face folder, URL, "
-            "hf://org/name or org/name"
-        }
+    weights: str = option(
+        REQUIRED,
+        "weights to publish: a registered name, run directory, file, Hugging Face folder, URL, "
+        "hf://org/name or org/name",
     )
-    repo_id: str = field(metadata={"help": "Hub repository, 'org/name' (created if missing)"})
-    private: bool = field(default=False, metadata={"help": "create the repository as private"})
-    token: str | None = field(default=None, metadata={"help": "Hub token (default: HF_TOKEN or the cached login)"})
-    revision: str | None = field(default=None, metadata={"help": "branch to commit to (default: main)"})
-    results: list[str] = field(
-        default_factory=list,
-        metadata={
-            "help": "evaluation results of these weights for the model card (records of other weights are refused; "
-            "eval compare's baselines are shown as baselines): results.json or results.jsonl"
-        },
+    repo_id: str = option(REQUIRED, "Hub repository, 'org/name' (created if missing)")
+    private: bool = option(False, "create the repository as private")
+    token: str | None = option(None, "Hub token (default: HF_TOKEN or the cached login)")
+    revision: str | None = option(None, "branch to commit to (default: main)")
+    results: list[str] = option(
+        [],
+        "evaluation results of these weights for the model card (records of other weights are refused; "
+        "eval compare's baselines are shown as baselines): results.json or results.jsonl",
     )
-    other_results: list[str] = field(
-        default_factory=list,
-        metadata={"help": "results of other weights, shown in the card as theirs, never as this model's"},
+    other_results: list[str] = option(
+        [], "results of other weights, shown in the card as theirs, never as this model's"
     )
-    license: str = field(default="apache-2.0", metadata={"help": "license in the model card"})
-    commit_message: str = field(default="Upload Barlow Twins weights with bt_hub", metadata={"help": "commit message"})
+    license: str = option("apache-2.0", "license in the model card")
+    commit_message: str = option("Upload Barlow Twins weights with bt_hub", "commit message")
 
     def __post_init__(self) -> None:
         check_repo_id("--repo-id", self.repo_id)
@@ -206,15 +204,9 @@ class PushConfig:
 
 
 def push(config: PushConfig) -> Any:
-    """``bt-hub push``: upload the weights with config.json and a model card; return the Hub's commit info."""
-    return push_to_hub(
-        config.weights,
-        config.repo_id,
-        private=config.private,
-        token=config.token,
-        revision=config.revision,
-        commit_message=config.commit_message,
-        results=config.results,
-        other_results=config.other_results,
-        license=config.license,
-    )
+    """``bt-hub push``: upload the weights with config.json and a model card; return the Hub's commit info.
+
+    The flags past ``--weights`` and ``--repo-id`` are ``push_to_hub``'s keyword arguments, by name.
+    """
+    options = dataclasses.asdict(config)
+    return push_to_hub(options.pop("weights"), options.pop("repo_id"), **options)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torchvision.models
 
+from bt_hub.common.config import REQUIRED, option
 from bt_hub.common.files import file_sha256
 from bt_hub.method.transforms import transforms_for
 from bt_hub.weights.download import (
@@ -192,13 +193,11 @@ def weights_table(config: ListWeightsConfig | None = None) -> str:
 class DownloadWeightsConfig:
     """Flags of ``bt-hub weights download``."""
 
-    names: list[str] = field(
-        metadata={
-            "help": "registered weights to fetch into the verified download cache (bt-hub weights list), or "
-            "http(s):// URLs",
-            "positional": True,
-            "nargs": "+",
-        }
+    names: list[str] = option(
+        REQUIRED,
+        "registered weights to fetch into the verified download cache (bt-hub weights list), or http(s):// URLs",
+        positional=True,
+        nargs="+",
     )
 
 
@@ -233,7 +232,7 @@ def download_weights(config: DownloadWeightsConfig) -> str:
 class VerifyWeightsConfig:
     """Flags of ``bt-hub weights verify``."""
 
-    file: str = field(metadata={"help": "a weights file to identify by its sha256", "positional": True, "nargs": None})
+    file: str = option(REQUIRED, "a weights file to identify by its sha256", positional=True, nargs=None)
 
 
 def verify_weights(config: VerifyWeightsConfig) -> str:

@@ -6,10 +6,12 @@ import contextlib
 import io
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bt_hub.common.files import atomic_write_json
 from bt_hub.common.optional import require
 from bt_hub.eval.average_precision import ap_from_curve
 from bt_hub.eval.detection.data import Record
@@ -23,6 +25,7 @@ __all__ = [
     "flatten_metrics",
     "voc_ap",
     "voc_evaluate",
+    "write_trial",
 ]
 
 VOC_IOU_THRESHOLDS = tuple(t / 100 for t in range(50, 100, 5))
@@ -41,6 +44,15 @@ def flatten_metrics(results: Mapping[str, Any], prefix: str = "") -> dict[str, f
         elif isinstance(value, (int, float, np.floating)) and not isinstance(value, bool):
             flat[name] = float(value)
     return flat
+
+
+def write_trial(out: Path, seed: int, results: Mapping[str, Any], config: Any) -> dict[str, Any]:
+    """A trial's ``{"seed", "metrics", "config"}``, written to ``out/TRIAL_METRICS``: the ``REPORTED`` metrics of
+    ``results`` flattened (``bbox_AP``, ..., prefixed by dataset when ``results`` holds several)."""
+    metrics = {k: v for k, v in flatten_metrics(results).items() if k.rsplit("_", 1)[-1] in REPORTED}
+    trial = {"seed": seed, "metrics": metrics, "config": config}
+    atomic_write_json(out / TRIAL_METRICS, trial)
+    return trial
 
 
 def box_iou(boxes: np.ndarray, others: np.ndarray) -> np.ndarray:

@@ -7,14 +7,14 @@ import os
 import shutil
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
-from bt_hub.common.config import MAX_IMAGE_SIZE, check_seed
+from bt_hub.common.config import MAX_IMAGE_SIZE, REQUIRED, check_seed, option
 from bt_hub.common.files import atomic_write, atomic_write_json, atomic_write_text, read_json
 from bt_hub.common.optional import require
 
@@ -221,15 +221,13 @@ def write_coco(
 class DetectionDataConfig:
     """Flags of ``bt-hub make-detection-data``."""
 
-    out: str = field(
-        metadata={
-            "help": "new or empty folder to write into (VOC2007/ devkit + COCO annotations/, train2017/, val2017/)"
-        }
+    out: str = option(
+        REQUIRED, "new or empty folder to write into (VOC2007/ devkit + COCO annotations/, train2017/, val2017/)"
     )
-    train: int = field(default=600, metadata={"help": "training images (VOC2007 trainval = COCO train2017)"})
-    test: int = field(default=100, metadata={"help": "held-out images (VOC2007 test = COCO val2017)"})
-    size: int = field(default=128, metadata={"help": "image side in pixels"})
-    seed: int = field(default=0, metadata={"help": "seed of every image and shape"})
+    train: int = option(600, "training images (VOC2007 trainval = COCO train2017)")
+    test: int = option(100, "held-out images (VOC2007 test = COCO val2017)")
+    size: int = option(128, "image side in pixels")
+    seed: int = option(0, "seed of every image and shape")
 
     def __post_init__(self) -> None:
         check_seed(self.seed)

@@ -17,11 +17,11 @@ from detectron2.utils import comm
 from detectron2.utils.env import seed_all_rng
 from detectron2.utils.logger import setup_logger
 
-from bt_hub.common.files import atomic_write_json, atomic_write_text
+from bt_hub.common.files import atomic_write_text
 from bt_hub.common.runs import RunDir
 from bt_hub.eval.detection.detectron2_engine import roi_heads  # noqa: F401  (registers Res5ROIHeadsExtraNorm)
 from bt_hub.eval.detection.detectron2_engine.datasets import num_classes, register_datasets
-from bt_hub.eval.detection.evaluation import REPORTED, TRIAL_METRICS, flatten_metrics
+from bt_hub.eval.detection.evaluation import write_trial
 
 __all__ = ["LossLog", "Trainer", "evaluate_dataset", "run_trial", "unloaded_parameters"]
 
@@ -164,12 +164,8 @@ def run_trial(cfg: CfgNode, data_root: str, expected: Mapping[str, Any] | None, 
     trainer.train()
     results = trainer.test(trainer.cfg, trainer.model)
     if comm.is_main_process():
-        metrics = {k: v for k, v in flatten_metrics(results).items() if k.rsplit("_", 1)[-1] in REPORTED}
-        logging.getLogger("detectron2").info("trial seed %d: %s", cfg.SEED, metrics)
-        atomic_write_json(
-            out / TRIAL_METRICS,
-            {"seed": cfg.SEED, "metrics": metrics, "config": _as_dict(trainer.cfg)},
-        )
+        trial = write_trial(out, cfg.SEED, results, _as_dict(trainer.cfg))
+        logging.getLogger("detectron2").info("trial seed %d: %s", cfg.SEED, trial["metrics"])
     comm.synchronize()
 
 

@@ -21,25 +21,19 @@ from bt_hub.common.distributed import (
     all_gather_objects,
     barrier,
     convert_sync_batchnorm,
+    distributed_data_parallel,
     get_rank,
     get_world_size,
     is_distributed,
     is_main_process,
 )
-from bt_hub.common.files import atomic_torch_save, atomic_write_json, atomic_write_text
+from bt_hub.common.files import atomic_torch_save, atomic_write_text
 from bt_hub.common.progress import progress
 from bt_hub.common.runs import RunDir
 from bt_hub.common.signals import ignore_group_signals
 from bt_hub.eval.detection.config import Settings, scale_to_world_size
 from bt_hub.eval.detection.data import DetectionDataset, Record, coco_api, load_records, locate
-from bt_hub.eval.detection.evaluation import (
-    REPORTED,
-    TRIAL_METRICS,
-    coco_evaluate,
-    encode_masks,
-    flatten_metrics,
-    voc_evaluate,
-)
+from bt_hub.eval.detection.evaluation import coco_evaluate, encode_masks, voc_evaluate, write_trial
 from bt_hub.eval.detection.torchvision_engine.model import build_c4_model, unloaded_backbone_tensors
 
 __all__ = ["LOSS_NAMES", "evaluate_dataset", "lr_factor", "param_groups", "precise_bn", "predict", "run_trial"]
@@ -215,7 +209,8 @@ def run_trial(
     with the built model. ValueError for unloaded tensors or classes, FloatingPointError for a non-finite loss.
     """
     settings = scale_to_world_size(settings, get_world_size())
-    _seed_this_rank(seed)
+    torch.manual_seed(seed + get_rank())
+    np.random.seed((seed + get_rank()) % 2**32)
     records, _ = _training_records(settings, data_root)
     _check_classes(settings, data_root)
     with_masks = bool(settings["MODEL.MASK_ON"])
@@ -223,7 +218,7 @@ def run_trial(
     model = _model(settings, resnet, expected, device)
     optimizer, scheduler = _optimizer(model, settings)
     start = _resume(out / CHECKPOINT, model, optimizer, scheduler, device) if resume else 0
-    trained = _distributed(model, device)
+    trained = distributed_data_parallel(model, device)
     run_dir = _open_trial_dir(out, settings)
     batches = _batches(records, settings, with_masks=with_masks, seed=seed + start)
     _train(
@@ -241,15 +236,12 @@ def run_trial(
     barrier()
     if not is_main_process():
         return None
-    return _write_trial(results, settings, seed, out)
+    return write_trial(
+        out, seed, results[settings["DATASETS.TEST"][0]] if len(results) == 1 else results, settings.tree
+    )
 
 
 # ----------------------------------------------------------------------------- setup
-
-
-def _seed_this_rank(seed: int) -> None:
-    torch.manual_seed(seed + get_rank())
-    np.random.seed((seed + get_rank()) % 2**32)
 
 
 def _model(
@@ -293,12 +285,6 @@ def _resume(
     return int(state["iter"])
 
 
-def _distributed(model: nn.Module, device: torch.device) -> nn.Module:
-    if not is_distributed():
-        return model
-    return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-
 def _open_trial_dir(out: Path, settings: Settings) -> RunDir:
     """The trial's run directory (``run.json``, ``metrics.jsonl``); the main process also writes ``config.yaml``."""
     run_dir = RunDir(out, config=settings.tree, write=is_main_process(), kind="detect")
@@ -323,40 +309,32 @@ def _train(
     out: Path,
     device: torch.device,
 ) -> None:
-    """Iterations ``start`` to ``MAX_ITER``: a ``metrics.jsonl`` row each, a checkpoint every period and at the end."""
+    """Iterations ``start`` to ``MAX_ITER``: a ``metrics.jsonl`` row each, a checkpoint every period and at the end.
+
+    Each is one SGD step on the next batch; its row holds the losses under detectron2's names, the lr and the time.
+    """
     max_iter, period = int(settings["SOLVER.MAX_ITER"]), int(settings["SOLVER.CHECKPOINT_PERIOD"])
     trained.train()
     bar = progress(range(start, max_iter), "detect train", total=max_iter, initial=start, unit="iter")
     for it in bar:
-        row = _step(trained, optimizer, scheduler, next(batches), it, device)
+        batch = next(batches)
+        tic = time.perf_counter()
+        losses = trained(*_to(*batch, device))
+        total = sum(losses.values())
+        if not math.isfinite(float(total.detach())):
+            values = {k: float(v.detach()) for k, v in losses.items()}
+            raise FloatingPointError(f"the loss became infinite or NaN at iteration {it}: {values}")
+        optimizer.zero_grad(set_to_none=True)
+        total.backward()
+        optimizer.step()
+        lr = optimizer.param_groups[0]["lr"]
+        scheduler.step()
+        row = {"iter": it, "total_loss": float(total.detach()), "lr": lr, "time": time.perf_counter() - tic}
+        row.update({LOSS_NAMES.get(k, k): float(v.detach()) for k, v in losses.items()})
         bar.set_postfix(loss=f"{row['total_loss']:.4g}")
         run_dir.log(row)
         if (period and (it + 1) % period == 0) or it + 1 == max_iter:
             _save(model, optimizer, scheduler, it + 1, out)
-
-
-def _step(
-    trained: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    batch: tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]],
-    it: int,
-    device: torch.device,
-) -> dict[str, float]:
-    """One SGD step on ``batch``; its ``metrics.jsonl`` row (losses under detectron2's names, lr, time)."""
-    tic = time.perf_counter()
-    losses = trained(*_to(*batch, device))
-    total = sum(losses.values())
-    if not math.isfinite(float(total.detach())):
-        values = {k: float(v.detach()) for k, v in losses.items()}
-        raise FloatingPointError(f"the loss became infinite or NaN at iteration {it}: {values}")
-    optimizer.zero_grad(set_to_none=True)
-    total.backward()
-    optimizer.step()
-    lr = optimizer.param_groups[0]["lr"]
-    scheduler.step()
-    row = {"iter": it, "total_loss": float(total.detach()), "lr": lr, "time": time.perf_counter() - tic}
-    return {**row, **{LOSS_NAMES.get(k, k): float(v.detach()) for k, v in losses.items()}}
 
 
 def _save(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, iteration: int, out: Path) -> None:
@@ -388,14 +366,3 @@ def _evaluate(
             predictions = {k: v for shard in shards for k, v in shard.items()}
             results[name] = evaluate_dataset(data_root, name, predictions, with_masks=with_masks)
     return results
-
-
-def _write_trial(
-    results: Mapping[str, dict[str, dict[str, float]]], settings: Settings, seed: int, out: Path
-) -> dict[str, Any]:
-    """``{"seed", "metrics", "config"}`` (metrics prefixed by dataset if several), also as ``trial_metrics.json``."""
-    results = results[settings["DATASETS.TEST"][0]] if len(results) == 1 else results
-    metrics = {k: v for k, v in flatten_metrics(results).items() if k.rsplit("_", 1)[-1] in REPORTED}
-    trial = {"seed": seed, "metrics": metrics, "config": settings.tree}
-    atomic_write_json(out / TRIAL_METRICS, trial)
-    return trial
