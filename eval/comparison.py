@@ -146,7 +146,7 @@ def compare(
             for column in columns:
                 tick = time.perf_counter()
                 protocol, config = cells[source.name, column]
-                note(say, f"next: {_cell_work(protocol, column, settings)} of {source.name}, seed {seed}")
+                note(say, f"next: {column} of {source.name}, seed {seed}: {protocol.name}, {protocol.help}")
                 say.set_postfix(row=source.name, column=str(column), seed=seed)
                 key = (protocol.name, getattr(config, "fraction", column.fraction))
                 if key not in done:
@@ -160,16 +160,6 @@ def compare(
                 say.update(1)
     say.close()
     return result
-
-
-def _cell_work(protocol: Protocol, column: Column, settings: CompareConfig) -> str:
-    """What scoring a cell does, in words (the progress line said before it starts: a grid can take minutes)."""
-    if protocol.name == "knn":
-        return f"the kNN vote (k = {settings.knn_k})"
-    if protocol.name == "linear":
-        heads = len(settings.lr_grid) * len(settings.weight_decay_grid)
-        return f"{column}: the linear grid probe ({heads} heads x {settings.linear_epochs} epochs)"
-    return f"{column}: {protocol.name} ({protocol.help})"
 
 
 def _record(
@@ -196,7 +186,10 @@ def _record(
         labels = {"fraction": column.fraction, "source": "seeded", "seed": seed, "count": len(subset or [])}
     varies = SEED_VARIES.get("supervised") if source.supervised else get_protocol(column.protocol).seed_varies
     compared = {"row": source.name, "column": str(column), "seed_varies": varies, "protocol": scored.protocol}
-    cell = replace(scored, labels=labels, notes={"compare": compared, **(scored.notes or {}), **network_id})
+    notes = {"compare": compared, **(scored.notes or {}), **network_id}
+    if get_protocol(scored.protocol).deterministic:  # one network for every seed: the same vote (the card says so)
+        notes["deterministic"] = not source.per_seed
+    cell = replace(scored, labels=labels, notes=notes)
     return run.record(cell, weights=weights, seed=seed, config=settings, wall_time_s=time.perf_counter() - started)
 
 
@@ -248,8 +241,8 @@ def sources_of(run: EvalRun, baselines: Sequence[str], rows: Sequence[WeightsRow
             Source("random-init", lambda s: default_init_backbone(arch, stem, s), baseline=True, per_seed=True)
         )
     if "supervised" in baselines:
-        supervised = Source("supervised", lambda s: default_init_backbone(arch, stem, s), baseline=True, per_seed=True)
-        sources.append(replace(supervised, supervised=True))
+        scratch = Source("supervised", lambda s: default_init_backbone(arch, stem, s), baseline=True, per_seed=True)
+        sources.append(replace(scratch, supervised=True))
     return sources
 
 
@@ -286,13 +279,13 @@ def compare_and_write(config: CompareConfig) -> tuple[Comparison, str]:
     Features are cached in ``--cache-dir`` (default ``OUT/feature_cache``). Returns the comparison and
     the table (with the files written, when there is a folder).
     """
-    rows = weights_rows(config)
+    rows, columns = weights_rows(config), config.columns()
     live = {w: how for w in config.weights if (how := live_run(Path(w)))} if config.over_steps else {}
     with evaluation(config, weights=[path for row in rows for path in row.paths]) as ev:
         result = compare(
             sources_of(ev, config.baselines, rows),
             ev,
-            columns=config.columns(),
+            columns=columns,
             seeds=[config.seed + i for i in range(config.seeds)],
             features=feature_source(ev),
         )

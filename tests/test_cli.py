@@ -203,7 +203,7 @@ def test_an_unexpected_exception_is_one_line_with_exit_code_1(monkeypatch, capsy
 )
 def test_out_of_memory_is_a_failure_and_a_refused_input_exits_2(monkeypatch, capsys, error, code, said):
     # Guards the exit codes of main's one handler: MemoryError 1 with what to do, the refused-input kinds 2 as said.
-    import bt_hub.data.plots as plots
+    import bt_hub.train.report as plots
 
     def fail(config):
         raise error

@@ -212,7 +212,7 @@ def test_compare_cells_without_spread_say_so(small_stem_weights, tmp_path, capsy
     err = capsys.readouterr().err
     assert "compare: 4/4 cell (100%)" in err
     # guards: after the features' last line nothing was said for the minutes a cell took; each cell is announced
-    assert "compare: next: the kNN vote (k = 5) of pixels, seed 0\n" in err
+    assert "compare: next: kNN of pixels, seed 0: knn, weighted kNN on L2-normalised features" in err
     table = (out / "compare.md").read_text()
     assert "± 0.0" not in table and "(deterministic)" in table
     assert (
