@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from bt_hub.common.progress import progress as reported
 from bt_hub.eval.classifier import epoch_permutation, lr_factor, make_classifier, topk_correct
+from bt_hub.eval.features import as_float32
 from bt_hub.eval.splits import indices_sha256, stratified_holdout
 
 # The default grid: 6 learning rates x 2 weight decays = 12 heads (lr per batch of --batch-size features).
@@ -98,11 +99,11 @@ def train_heads(
     alive = torch.ones(k, 1, dtype=torch.bool, device=device)
     classes = torch.arange(c, device=device)[:, None]
     rows_with_one = torch.ones(batch_size, d + 1, device=device)  # a batch of features and a column of ones
-    y = labels.long().cpu()
+    features, y = _on_device(features, labels.long().cpu(), device)
     for epoch in reported(range(epochs), desc, unit="epoch") if progress else range(epochs):
         step = base_lr * lr_factor(epoch, epochs, schedule, milestones, gamma) * alive
         epoch_start.copy_(params)
-        order = pool[epoch_permutation(len(pool), seed, epoch)]
+        order = pool[epoch_permutation(len(pool), seed, epoch)].to(y.device)
         for first in range(0, len(order), batch_size):
             # rows in file order: quick to read from a memmap, and the same sums (so the same heads) as a tensor
             idx = order[first : first + batch_size].sort().values
@@ -116,6 +117,17 @@ def train_heads(
             head_params.addcmul_(head_velocity, step, value=-1)
         _stop_diverged(heads, epoch, alive, head_params, head_velocity, epoch_start)
     return heads
+
+
+def _on_device(
+    features: torch.Tensor | np.ndarray, labels: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
+    """The features (as float32) and labels moved once to a CUDA ``device`` where they take under a quarter of its
+    free memory, so that each step gathers its rows there: read from the host, every step of a 100-epoch grid
+    waits for a copy (the time of a learning curve's cells on a GPU). Elsewhere, as they are."""
+    if device.type != "cuda" or 4 * len(labels) * features.shape[1] > torch.cuda.mem_get_info(device)[0] // 4:
+        return features, labels
+    return as_float32(features).to(device), labels.to(device)
 
 
 def _cross_entropy_gradient(

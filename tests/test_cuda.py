@@ -16,6 +16,7 @@ import torch
 from bt_hub import cli
 from bt_hub.data.datasets import build_dataset
 from bt_hub.eval.features import extract_features
+from bt_hub.eval.heads import train_heads
 from bt_hub.eval.knn import knn_search
 from bt_hub.method.loss import barlow_twins_loss
 from bt_hub.method.model import build_backbone
@@ -105,6 +106,21 @@ def test_knn_on_cuda_finds_the_faiss_neighbours():
     cuda_sims, cuda_idx = knn_search(train_x, test_x, 20, backend="auto", device="cuda", train_chunk=1024)
     assert torch.equal(cuda_idx, cpu_idx)
     torch.testing.assert_close(cuda_sims, cpu_sims, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("stored", ["tensor", "memmap"])
+def test_linear_heads_trained_on_cuda_from_host_features_equal_the_cpu_heads(stored, tmp_path):
+    # the features move to the GPU once (eval/heads._on_device), so a 100-epoch grid reads no row from the host
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(600, 32, generator=g), torch.randint(0, 5, (600,), generator=g)
+    if stored == "memmap":
+        np.save(tmp_path / "x.npy", x.numpy())
+        x = np.load(tmp_path / "x.npy", mmap_mode="r")
+    settings = {"lrs": [0.1, 1.0], "weight_decays": [0.0, 1e-4], "epochs": 3, "batch_size": 64, "progress": False}
+    cpu = train_heads(x, y, 5, device="cpu", **settings)
+    cuda = train_heads(x, y, 5, device="cuda", **settings)
+    assert cuda.weight.is_cuda and torch.allclose(cuda.weight.cpu(), cpu.weight, atol=1e-5)
+    assert torch.allclose(cuda.bias.cpu(), cpu.bias, atol=1e-5)
 
 
 def test_eval_all_on_cuda_writes_every_protocol(resnet18_weights, tmp_path):
