@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import sys
 import types
@@ -14,6 +15,7 @@ import torch
 import bt_hub.data.precision as precision
 from bt_hub.cli import main as cli_main
 from bt_hub.common.progress import LineProgress, progress
+from bt_hub.data.datasets import ImageFolderDataset
 from bt_hub.method.knn import knn_vote, nearest_neighbours
 from bt_hub.train.monitor import KnnMonitor, monitor_sets
 
@@ -281,3 +283,20 @@ def test_cifar_preset_learns_on_the_digits_at_32_px_within_the_first_epoch(tmp_p
         knn[name] = {r["step"]: r["knn_top1"] for r in rows if "knn_top1" in r}
     assert knn["learning"][0] == knn["frozen"][0]
     assert knn["learning"][20] >= knn["learning"][0] + 10 and knn["learning"][20] > knn["frozen"][20], knn
+
+
+def test_the_monitor_bank_of_an_image_folder_is_decoded_by_the_loader_workers(image_folder, tmp_path, monkeypatch):
+    # Guards: the kNN monitor opened and decoded its bank and queries one file after another in the main process.
+    root = image_folder(tmp_path / "data", classes=("a", "b", "c"), per_class=12, size=10)
+    main_pid, read = os.getpid(), ImageFolderDataset.__getitem__
+
+    def outside_main(self, index):
+        assert os.getpid() != main_pid, "the main process opened an image file of the monitor's bank"
+        return read(self, index)
+
+    monkeypatch.setattr(ImageFolderDataset, "__getitem__", outside_main)
+    bank, bank_labels, queries, query_labels = monitor_sets(str(root), 8, 0, 24, num_workers=2)
+    assert bank.shape == (24, 3, 8, 8) and bank.dtype == torch.uint8 and queries.shape[0] == 6
+    monkeypatch.setattr(ImageFolderDataset, "__getitem__", read)
+    assert torch.equal(monitor_sets(str(root), 8, 0, 24)[0], bank)  # the same images as read in place
+    assert torch.equal(monitor_sets(str(root), 8, 0, 24)[1], bank_labels)

@@ -11,8 +11,10 @@ import torch
 import torchvision.transforms.v2.functional as F
 from PIL import Image
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 from bt_hub.common.optional import require
+from bt_hub.common.signals import ignore_group_signals
 from bt_hub.data.datasets import ImageFolderDataset, build_dataset, to_uint8_tensor
 from bt_hub.method.knn import knn_vote, nearest_neighbours
 from bt_hub.method.model import default_init_backbone
@@ -32,15 +34,35 @@ def _square(image: Image.Image, size: int) -> torch.Tensor:
     return to_uint8_tensor(image)
 
 
-def _stack(dataset: Any, indices: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    items = [dataset[i] for i in indices.tolist()]
-    return torch.stack([_square(image, size) for image, _ in items]), torch.tensor([label for _, label in items])
+class _Squared(Dataset):
+    """Images ``indices`` of ``dataset`` squared at ``size`` (:func:`_square`), with their labels."""
+
+    def __init__(self, dataset: Any, indices: list[int], size: int) -> None:
+        self.dataset, self.indices, self.size = dataset, indices, size
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        image, label = self.dataset[self.indices[i]]
+        return _square(image, self.size), label
+
+
+def _stack(dataset: Any, indices: torch.Tensor, size: int, num_workers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The images and labels, decoded from an image folder by ``num_workers`` loader workers (the main process
+    opens no file of it), read in place from an in-memory set."""
+    workers = num_workers if isinstance(dataset, ImageFolderDataset) else 0
+    squared = _Squared(dataset, indices.tolist(), size)
+    loader = DataLoader(squared, batch_size=64, num_workers=workers, worker_init_fn=ignore_group_signals)
+    images, labels = zip(*loader)
+    return torch.cat(images), torch.cat(labels)
 
 
 def monitor_sets(
-    data: str, image_size: int, seed: int, bank_size: int
+    data: str, image_size: int, seed: int, bank_size: int, num_workers: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(bank images, bank labels, query images, query labels) of ``data``, uint8, seeded; queries held out."""
+    """(bank images, bank labels, query images, query labels) of ``data``, uint8, seeded; queries held out; an
+    image folder's files decoded by ``num_workers`` loader workers."""
     in_memory = data == "digits" or data.startswith("synthetic")
     train = build_dataset(data, "train", image_size=image_size if in_memory else None, seed=seed)
     held_out = build_dataset(data, "val", image_size=image_size if in_memory else None, seed=seed)
@@ -60,8 +82,8 @@ def monitor_sets(
         raise ValueError(
             f"--monitor-data {data} gives {len(bank_idx)} bank images; the kNN monitor needs at least {MONITOR_K}"
         )
-    bank, bank_labels = _stack(train, bank_idx, image_size)
-    query, query_labels = _stack(held_out if not same else train, query_idx, image_size)
+    bank, bank_labels = _stack(train, bank_idx, image_size, num_workers)
+    query, query_labels = _stack(held_out if not same else train, query_idx, image_size, num_workers)
     return bank, bank_labels, query, query_labels
 
 

@@ -468,7 +468,9 @@ def _knn_monitor(config: PretrainConfig) -> KnnMonitor | None:
     if not (config.monitor_knn and is_main_process()):
         return None
     return KnnMonitor(
-        *monitor_sets(config.monitor_data or config.data, config.image_size, config.seed, config.monitor_size)
+        *monitor_sets(
+            config.monitor_data or config.data, config.image_size, config.seed, config.monitor_size, config.num_workers
+        )
     )
 
 
