@@ -150,6 +150,7 @@ def compare(
                 say.set_postfix(row=source.name, column=str(column), seed=seed)
                 key = (protocol.name, getattr(config, "fraction", column.fraction))
                 if key not in done:
+                    # a protocol standing in for the column's (the linear probe of a frozen row) gets its labels
                     rows = subsets.get(column.fraction) if protocol.name != column.protocol else None
                     done[key] = protocol.hook("score_cell")(replace(cell, labelled=rows), config, seed)
                 scored = done[key]
