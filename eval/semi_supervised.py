@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
+from bt_hub.common.config import option
 from bt_hub.common.distributed import convert_sync_batchnorm, is_distributed
 from bt_hub.eval.classifier import evaluate_loader, loop_precision, make_classifier, make_loader, train_classifier
 from bt_hub.eval.config import EvalConfig, warn_about_settings
@@ -134,49 +135,38 @@ class SemiSupervisedConfig(EvalConfig):
         "small": {"num_classes": 10, "image_size": 16},
     }
 
-    preset: str = field(default="paper", metadata={"help": "named sets of flag values; flags given override them"})
-    fraction: int | None = field(
-        default=None,
-        metadata={
-            "help": (
-                "percent of the labels, class-balanced and seeded (1 or 10 in the paper); default 1 unless "
-                "--subset-file is given"
-            )
-        },
+    preset: str = option("paper", "named sets of flag values; flags given override them")
+    fraction: int | None = option(
+        None,
+        "percent of the labels, class-balanced and seeded (1 or 10 in the paper); default 1 unless "
+        "--subset-file is given",
     )
-    subset_file: str | None = field(
-        default=None,
-        metadata={"help": "SimCLR-format list of labelled training files (e.g. 1percent.txt), matched by file name"},
+    subset_file: str | None = option(
+        None, "SimCLR-format list of labelled training files (e.g. 1percent.txt), matched by file name"
     )
-    epochs: int = field(default=20, metadata={"help": "fine-tuning epochs"})
-    min_steps: int = field(
-        default=0,
-        metadata={
-            "help": "the fewest SGD steps: where the labelled images are few, the epochs rise until they make this "
-            "many at --batch-size (0: --epochs as given; eval compare's --finetune-steps)"
-        },
+    epochs: int = option(20, "fine-tuning epochs")
+    min_steps: int = option(
+        0,
+        "the fewest SGD steps: where the labelled images are few, the epochs rise until they make this "
+        "many at --batch-size (0: --epochs as given; eval compare's --finetune-steps)",
     )
-    lr_backbone: float = field(default=0.002, metadata={"help": "backbone LR"})
-    lr_classifier: float = field(default=0.5, metadata={"help": "classifier LR"})
-    weight_decay: float = field(default=0.0, metadata={"help": "SGD weight decay"})
-    momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
-    schedule: Literal["cosine", "step"] = field(default="step", metadata={"help": "per-epoch LR schedule"})
-    milestones: list[int] = field(
-        default_factory=lambda: [12, 16],
-        metadata={"help": "epochs after which the step schedule multiplies both LRs by --gamma", "nargs": "*"},
+    lr_backbone: float = option(0.002, "backbone LR")
+    lr_classifier: float = option(0.5, "classifier LR")
+    weight_decay: float = option(0.0, "SGD weight decay")
+    momentum: float = option(0.9, "SGD momentum")
+    schedule: Literal["cosine", "step"] = option("step", "per-epoch LR schedule")
+    milestones: list[int] = option(
+        [12, 16], "epochs after which the step schedule multiplies both LRs by --gamma", nargs="*"
     )
-    gamma: float = field(default=0.2, metadata={"help": "LR factor at each milestone"})
-    crop_scale_min: float = field(
-        default=0.08,
-        metadata={"help": "smallest area fraction of the training crops (paper: 0.08; small images want more)"},
+    gamma: float = option(0.2, "LR factor at each milestone")
+    crop_scale_min: float = option(
+        0.08, "smallest area fraction of the training crops (paper: 0.08; small images want more)"
     )
-    flip: bool = field(
-        default=True,
-        metadata={"help": "random horizontal flips of the training images (paper: on; --no-flip for digits or text)"},
+    flip: bool = option(
+        True, "random horizontal flips of the training images (paper: on; --no-flip for digits or text)"
     )
-    decode: Literal["workers"] = field(
-        default="workers",
-        metadata={"help": "the fine-tuning loop decodes and augments in PIL in the loader workers; the only choice"},
+    decode: Literal["workers"] = option(
+        "workers", "the fine-tuning loop decodes and augments in PIL in the loader workers; the only choice"
     )
 
     def __post_init__(self) -> None:
