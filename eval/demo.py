@@ -88,8 +88,7 @@ class DemoConfig(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 < self.crop_scale_min <= 1:
-            raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
+        self.require_fraction("crop_scale_min")
         self.require_positive("epochs", "batch_size", "lr_weights", "image_size", "knn_k", "linear_epochs")
         self.require_positive("pretrain_seeds", "curve_points")
         check_image_size(self.image_size, "demo")

@@ -154,12 +154,10 @@ class LinearConfig(EvalConfig):
             momentum=self.momentum,
             val_fraction=self.val_fraction,
         )
-        if not 0 < self.gamma <= 1:
-            raise ValueError(f"--gamma must be in (0, 1], got {self.gamma}")
+        self.require_fraction("gamma")
         if sorted(self.milestones) != list(self.milestones) or any(m <= 0 for m in self.milestones):
             raise ValueError(f"--milestones must be increasing positive epochs, got {self.milestones}")
-        if not 0 < self.crop_scale_min <= 1:
-            raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
+        self.require_fraction("crop_scale_min")
 
     def unused_flags(self) -> dict[str, str]:
         """The feature cache and CPU autocast under the paper's loop (``--search fixed`` without ``--cached``)."""

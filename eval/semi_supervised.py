@@ -186,8 +186,7 @@ class SemiSupervisedConfig(EvalConfig):
             )
         if sorted(self.milestones) != list(self.milestones) or any(m <= 0 for m in self.milestones):
             raise ValueError(f"--milestones must be increasing positive epochs, got {self.milestones}")
-        if not 0 < self.crop_scale_min <= 1:
-            raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
+        self.require_fraction("crop_scale_min")
 
     def unused_flags(self) -> dict[str, str]:
         """The shared flags fine-tuning does not read: the feature cache, device decoding, CPU autocast."""
