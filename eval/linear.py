@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from bt_hub.common.config import option
-from bt_hub.common.distributed import is_distributed, is_main_process
+from bt_hub.common.distributed import distributed_data_parallel, is_main_process
 from bt_hub.common.presets import overrides
 from bt_hub.common.runs import RunDir
 from bt_hub.eval.classifier import (
@@ -314,9 +314,7 @@ def _paper_loop(run: EvalRun, num_classes: int) -> dict[str, float]:
     config, splits, device, size = run.config, run.splits, run.device, run.settings.image_size
     backbone = run.weights.network
     fc = make_classifier(backbone.feature_dim, num_classes)
-    model: nn.Module = FrozenBackboneClassifier(backbone, fc).to(device)
-    if is_distributed():
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = distributed_data_parallel(FrozenBackboneClassifier(backbone, fc).to(device), device)
     augment = train_transform(size, crop_scale_min=config.crop_scale_min, flip=config.flip)
     loaders = [
         make_loader(

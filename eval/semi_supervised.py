@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 
 from bt_hub.common.config import option
-from bt_hub.common.distributed import convert_sync_batchnorm, is_distributed
+from bt_hub.common.distributed import convert_sync_batchnorm, distributed_data_parallel, is_distributed
 from bt_hub.eval.classifier import evaluate_loader, loop_precision, make_classifier, make_loader, train_classifier
 from bt_hub.eval.config import EvalConfig, warn_about_settings
 from bt_hub.eval.features import TransformedDataset, train_transform
@@ -88,7 +88,7 @@ def finetune(
     ]
     if is_distributed():
         model = convert_sync_batchnorm(model)  # BN statistics of the global batch, on CPU too
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = distributed_data_parallel(model, device)
     train_loader = make_loader(train_set, batch_size, shuffle=True, seed=seed, num_workers=num_workers, device=device)
     test_loader = make_loader(test_set, batch_size, shuffle=False, seed=seed, num_workers=num_workers, device=device)
     train_classifier(
