@@ -43,6 +43,8 @@ from bt_hub.train.report import run_plots
 
 # The pretraining recipe is the `digits` preset of bt-hub pretrain; the demo's flags default to it.
 DIGITS = preset_values(PretrainConfig, "digits")
+# The demo's flags that bt-hub eval compare takes as they are, under the same names.
+COMPARE_FLAGS = ("overwrite", "device", "seed", "image_size", "small_image_stem", "knn_k", "linear_epochs")
 
 
 @dataclass
@@ -163,17 +165,11 @@ def compare_settings(config: DemoConfig, runs: list[Path], out: Path) -> Compare
         baselines=["pixels", "random-init"],
         protocols=["knn", "linear"],
         seeds=len(runs),
-        knn_k=config.knn_k,
-        linear_epochs=config.linear_epochs,
+        **{name: getattr(config, name) for name in COMPARE_FLAGS},
         data="digits",
         test_split="test",
-        image_size=config.image_size,
         arch=config.backbone,
-        small_image_stem=config.small_image_stem,
         out=str(out),
-        overwrite=config.overwrite,
-        seed=config.seed,
-        device=config.device,
     )
 
 
