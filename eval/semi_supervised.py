@@ -44,6 +44,8 @@ from bt_hub.method.transforms import eval_transforms
 
 # EvalConfig flags of feature extraction, which fine-tuning does not do (eval all's --semi-batch-size is its batch).
 _EXTRACTION_FIELDS = ("batch_size", "cache_dir", "cache_dtype", "decode", "store")
+# Flags of the fine-tuning recipe that finetune() takes as they are, under the same names.
+_RECIPE_FIELDS = ("lr_backbone", "lr_classifier", "schedule", "milestones", "gamma", "weight_decay", "momentum")
 
 
 def finetune(
@@ -271,15 +273,9 @@ def score_cell(cell: Any, config: SemiSupervisedConfig, seed: int) -> Scored:
         len(splits.classes),
         Subset(TransformedDataset(splits.train, augment), indices),
         TransformedDataset(splits.test, eval_transforms(size)),
-        lr_backbone=config.lr_backbone,
-        lr_classifier=config.lr_classifier,
+        **{name: getattr(config, name) for name in _RECIPE_FIELDS},
         epochs=epochs,
         batch_size=config.batch_size,
-        schedule=config.schedule,
-        milestones=config.milestones,
-        gamma=config.gamma,
-        weight_decay=config.weight_decay,
-        momentum=config.momentum,
         seed=seed,
         num_workers=config.num_workers,
         device=cell.device,
