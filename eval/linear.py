@@ -13,13 +13,7 @@ from bt_hub.common.config import option
 from bt_hub.common.distributed import distributed_data_parallel, is_main_process
 from bt_hub.common.presets import overrides
 from bt_hub.common.runs import RunDir
-from bt_hub.eval.classifier import (
-    evaluate_loader,
-    loop_precision,
-    make_classifier,
-    make_loader,
-    train_classifier,
-)
+from bt_hub.eval.classifier import evaluate_loader, loop_precision, make_classifier, make_loader, train_classifier
 from bt_hub.eval.config import EvalConfig, warn_about_settings
 from bt_hub.eval.features import TransformedDataset, train_transform
 from bt_hub.eval.heads import (
