@@ -194,8 +194,8 @@ class SemiSupervisedConfig(EvalConfig):
         """The shared flags fine-tuning does not read: the feature cache, device decoding, CPU autocast."""
         no_features = "does not apply to eval semi: fine-tuning trains on images and extracts no features"
         unused = super().unused_flags() | {"cache_dir": no_features, "cache_dtype": no_features}
-        unused["decode"] = "does not apply to eval semi: fine-tuning decodes and augments in PIL in the loader workers"
-        unused["store"] = "does not apply to eval semi: fine-tuning decodes and augments in PIL in the loader workers"
+        in_pil = "does not apply to eval semi: fine-tuning decodes and augments in PIL in the loader workers"
+        unused.update(dict.fromkeys(("decode", "store"), in_pil))
         if self.precision == "bf16" and not self.device.startswith("cuda"):
             unused["precision"] = "applies to fine-tuning on CUDA only; on the CPU the loop runs in fp32"
         return unused

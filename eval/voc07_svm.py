@@ -182,11 +182,9 @@ class Voc07SvmConfig(EvalConfig):
 
     def unused_flags(self) -> dict[str, str]:
         """VOC07 decodes in PIL and takes its splits from the devkit's lists."""
-        return super().unused_flags() | {
-            "decode": "does not apply to voc07-svm: VISSL's two resizes run in PIL in the loader workers",
-            "store": "does not apply to voc07-svm: VISSL's two resizes run in PIL in the loader workers",
-            "holdout": "does not apply to VOC07: the devkit's ImageSets/Main lists give trainval and test",
-        }
+        in_pil = "does not apply to voc07-svm: VISSL's two resizes run in PIL in the loader workers"
+        lists = "does not apply to VOC07: the devkit's ImageSets/Main lists give trainval and test"
+        return super().unused_flags() | dict.fromkeys(("decode", "store"), in_pil) | {"holdout": lists}
 
 
 def run(config: Voc07SvmConfig) -> dict[str, Any]:
