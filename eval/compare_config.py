@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from bt_hub.common.config import REQUIRED, option, out_field
 from bt_hub.common.presets import baseline, overrides
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS, check_probe_settings
@@ -45,61 +46,44 @@ class CompareConfig(EvalConfig):
     CACHE_UNDER_OUT: ClassVar[bool] = True
     REUSES_SPLITS: ClassVar[bool] = True
 
-    weights: list[str] = field(
-        metadata={
-            "help": "weights to compare (one or more, any source bt-hub eval takes: file, run folder, URL, hub id)"
-        }
+    weights: list[str] = option(
+        REQUIRED, "weights to compare (one or more, any source bt-hub eval takes: file, run folder, URL, hub id)"
     )
-    baselines: list[str] = field(
-        default_factory=lambda: ["pixels", "random-init"],
-        metadata={"help": f"rows to beat, comma- or space-separated: {', '.join(BASELINES)}"},
+    baselines: list[str] = option(
+        ["pixels", "random-init"], f"rows to beat, comma- or space-separated: {', '.join(BASELINES)}"
     )
-    protocols: list[str] = field(
-        default_factory=lambda: ["knn", "linear"],
-        metadata={
-            "help": "columns, comma- or space-separated: "
-            f"{', '.join(list_protocols(column=True))} (a protocol on a share of the labels, semi: one per --fractions)"
-        },
+    protocols: list[str] = option(
+        ["knn", "linear"],
+        "columns, comma- or space-separated: "
+        f"{', '.join(list_protocols(column=True))} (a protocol on a share of the labels, semi: one per --fractions)",
     )
-    seeds: int = field(
-        default=3, metadata={"help": "seeds per cell (--seed, --seed + 1, ...); with --as-seeds, one per run"}
+    seeds: int = option(3, "seeds per cell (--seed, --seed + 1, ...); with --as-seeds, one per run")
+    as_seeds: bool = option(
+        False,
+        "the --weights are pretraining runs of one recipe that differ in their seed: one row, run i "
+        "scored with evaluation seed --seed + i, so the spread is over pretraining runs",
     )
-    as_seeds: bool = field(
-        default=False,
-        metadata={
-            "help": "the --weights are pretraining runs of one recipe that differ in their seed: one row, run i "
-            "scored with evaluation seed --seed + i, so the spread is over pretraining runs"
-        },
+    over_steps: bool = option(
+        False,
+        "a learning curve: one row per step whose weights each --weights run kept (bt-hub pretrain "
+        "--keep-every), drawn against the baselines' bands in curve.png",
     )
-    over_steps: bool = field(
-        default=False,
-        metadata={
-            "help": "a learning curve: one row per step whose weights each --weights run kept (bt-hub pretrain "
-            "--keep-every), drawn against the baselines' bands in curve.png"
-        },
+    fractions: list[int] = option([1, 10], "label percentages of semi")
+    knn_k: int = option(20, "neighbours of the kNN vote (T = 0.07)")
+    linear_epochs: int = option(100, "epochs of the linear grid probe")
+    lr_grid: list[float] = option(list(GRID_LRS), "LRs of the grid")
+    weight_decay_grid: list[float] = option(list(GRID_WEIGHT_DECAYS), "weight decays of the grid")
+    val_fraction: float = option(0.2, "share of the training split the grid chooses on")
+    semi_preset: str = option("small", "fine-tuning recipe of semi (bt-hub eval semi)")
+    semi_epochs: int = option(20, "fine-tuning epochs of semi")
+    supervised_epochs: int = option(30, "epochs of the supervised baseline")
+    finetune_steps: int = option(
+        800,
+        "the fewest SGD steps of fine-tuning (semi) and of the supervised baseline: where the labelled "
+        "images are few, the epochs rise to reach it, so the from-scratch row learns (0: the epochs as given)",
     )
-    fractions: list[int] = field(default_factory=lambda: [1, 10], metadata={"help": "label percentages of semi"})
-    knn_k: int = field(default=20, metadata={"help": "neighbours of the kNN vote (T = 0.07)"})
-    linear_epochs: int = field(default=100, metadata={"help": "epochs of the linear grid probe"})
-    lr_grid: list[float] = field(default_factory=lambda: list(GRID_LRS), metadata={"help": "LRs of the grid"})
-    weight_decay_grid: list[float] = field(
-        default_factory=lambda: list(GRID_WEIGHT_DECAYS), metadata={"help": "weight decays of the grid"}
-    )
-    val_fraction: float = field(default=0.2, metadata={"help": "share of the training split the grid chooses on"})
-    semi_preset: str = field(default="small", metadata={"help": "fine-tuning recipe of semi (bt-hub eval semi)"})
-    semi_epochs: int = field(default=20, metadata={"help": "fine-tuning epochs of semi"})
-    supervised_epochs: int = field(default=30, metadata={"help": "epochs of the supervised baseline"})
-    finetune_steps: int = field(
-        default=800,
-        metadata={
-            "help": "the fewest SGD steps of fine-tuning (semi) and of the supervised baseline: where the labelled "
-            "images are few, the epochs rise to reach it, so the from-scratch row learns (0: the epochs as given)"
-        },
-    )
-    out: str | None = field(
-        default="runs/compare",
-        kw_only=True,
-        metadata={"help": "output directory: compare.md, compare.png, results.json, results.jsonl, results.md"},
+    out: str | None = out_field(
+        "runs/compare", "output directory: compare.md, compare.png, results.json, results.jsonl, results.md"
     )
 
     def __post_init__(self) -> None:

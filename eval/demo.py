@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from bt_hub.common.config import RunConfig, check_image_size, out_field
+from bt_hub.common.config import RunConfig, check_image_size, option, out_field
 from bt_hub.common.files import atomic_write_json, atomic_write_text
 from bt_hub.common.presets import from_preset, preset_values
 from bt_hub.common.records import SCHEMA
@@ -43,6 +43,8 @@ from bt_hub.train.report import run_plots
 
 # The pretraining recipe is the `digits` preset of bt-hub pretrain; the demo's flags default to it.
 DIGITS = preset_values(PretrainConfig, "digits")
+# The demo's flags that bt-hub eval compare takes as they are, under the same names.
+COMPARE_FLAGS = ("overwrite", "device", "seed", "image_size", "small_image_stem", "knn_k", "linear_epochs")
 
 
 @dataclass
@@ -54,64 +56,41 @@ class DemoConfig(RunConfig):
     threads: int = field(
         default=2, kw_only=True, metadata={"help": "CPU threads of torch in this process (0: torch's default)"}
     )
-    epochs: int = field(default=DIGITS["epochs"], metadata={"help": "pretraining epochs"})
-    max_steps: int = field(
-        default=0,
-        metadata={"help": "stop pretraining after this many steps (0: all epochs); the schedule is unchanged"},
+    epochs: int = option(DIGITS["epochs"], "pretraining epochs")
+    max_steps: int = option(0, "stop pretraining after this many steps (0: all epochs); the schedule is unchanged")
+    batch_size: int = option(DIGITS["batch_size"], "pretraining batch size")
+    lr_weights: float = option(
+        DIGITS["lr_weights"], "LARS base LR of the weights, × batch/256 (paper: 0.2, far too slow for a short run)"
     )
-    batch_size: int = field(default=DIGITS["batch_size"], metadata={"help": "pretraining batch size"})
-    lr_weights: float = field(
-        default=DIGITS["lr_weights"],
-        metadata={"help": "LARS base LR of the weights, × batch/256 (paper: 0.2, far too slow for a short run)"},
+    crop_scale_min: float = option(
+        DIGITS["crop_scale_min"],
+        "smallest area fraction of the random crops in pretraining (paper: 0.08, which can erase an 8-px digit)",
     )
-    crop_scale_min: float = field(
-        default=DIGITS["crop_scale_min"],
-        metadata={
-            "help": "smallest area fraction of the random crops in pretraining (paper: 0.08, which can erase an 8-px "
-            "digit)"
-        },
+    image_size: int = option(
+        DIGITS["image_size"], "side of the digit images and views in pixels (the originals are 8x8)"
     )
-    image_size: int = field(
-        default=DIGITS["image_size"],
-        metadata={"help": "side of the digit images and views in pixels (the originals are 8x8)"},
+    backbone: str = option(
+        DIGITS["backbone"], "torchvision ResNet", flag="arch", aliases=("backbone",), choices=tuple(ARCHITECTURES)
     )
-    backbone: str = field(
-        default=DIGITS["backbone"],
-        metadata={
-            "help": "torchvision ResNet",
-            "flag": "arch",
-            "aliases": ("backbone",),
-            "choices": tuple(ARCHITECTURES),
-        },
+    small_image_stem: bool = option(
+        DIGITS["small_image_stem"],
+        "3x3 stem without max-pool (the standard 7x7/2 stem + max-pool keeps too little of a 16-px digit)",
     )
-    small_image_stem: bool = field(
-        default=DIGITS["small_image_stem"],
-        metadata={
-            "help": "3x3 stem without max-pool (the standard 7x7/2 stem + max-pool keeps too little of a 16-px digit)"
-        },
+    projector: str = option(DIGITS["projector"], "projector widths joined by '-'")
+    lambd: float = option(DIGITS["lambd"], "weight of the redundancy-reduction term")
+    warmup_epochs: int = option(DIGITS["warmup_epochs"], "LARS warm-up epochs")
+    pretrain_seeds: int = option(
+        2,
+        "pretraining runs (seeds --seed, --seed + 1, ...); run i is scored with evaluation seed "
+        "--seed + i, so every cell is mean ± std over pretraining runs",
     )
-    projector: str = field(default=DIGITS["projector"], metadata={"help": "projector widths joined by '-'"})
-    lambd: float = field(default=DIGITS["lambd"], metadata={"help": "weight of the redundancy-reduction term"})
-    warmup_epochs: int = field(default=DIGITS["warmup_epochs"], metadata={"help": "LARS warm-up epochs"})
-    pretrain_seeds: int = field(
-        default=2,
-        metadata={
-            "help": "pretraining runs (seeds --seed, --seed + 1, ...); run i is scored with evaluation seed "
-            "--seed + i, so every cell is mean ± std over pretraining runs"
-        },
-    )
-    curve_points: int = field(
-        default=5, metadata={"help": "kept steps of the learning curve, log-spaced from the first epoch's end"}
-    )
-    knn_k: int = field(default=20, metadata={"help": "neighbours of the weighted kNN (T = 0.07)"})
-    linear_epochs: int = field(
-        default=100, metadata={"help": "epochs of the linear grid probe on cached features (bt-hub eval compare's)"}
-    )
+    curve_points: int = option(5, "kept steps of the learning curve, log-spaced from the first epoch's end")
+    knn_k: int = option(20, "neighbours of the weighted kNN (T = 0.07)")
+    linear_epochs: int = option(100, "epochs of the linear grid probe on cached features (bt-hub eval compare's)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 < self.crop_scale_min <= 1:
-            raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
+        self.require_fraction("crop_scale_min")
         self.require_positive("epochs", "batch_size", "lr_weights", "image_size", "knn_k", "linear_epochs")
         self.require_positive("pretrain_seeds", "curve_points")
         check_image_size(self.image_size, "demo")
@@ -186,17 +165,11 @@ def compare_settings(config: DemoConfig, runs: list[Path], out: Path) -> Compare
         baselines=["pixels", "random-init"],
         protocols=["knn", "linear"],
         seeds=len(runs),
-        knn_k=config.knn_k,
-        linear_epochs=config.linear_epochs,
+        **{name: getattr(config, name) for name in COMPARE_FLAGS},
         data="digits",
         test_split="test",
-        image_size=config.image_size,
         arch=config.backbone,
-        small_image_stem=config.small_image_stem,
         out=str(out),
-        overwrite=config.overwrite,
-        seed=config.seed,
-        device=config.device,
     )
 
 

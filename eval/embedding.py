@@ -5,13 +5,14 @@ from __future__ import annotations
 import csv
 import io
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 from torch.utils.data import Dataset
 
+from bt_hub.common.config import option, out_field
 from bt_hub.common.distributed import is_main_process
 from bt_hub.common.files import atomic_write, atomic_write_json, atomic_write_text
 from bt_hub.common.optional import require
@@ -31,18 +32,14 @@ class EmbedConfig(EvalConfig):
     CACHE_UNDER_OUT: ClassVar[bool] = True
     SCORED: ClassVar[bool] = False  # features only: one class, or no held-out split (--splits train), will do
 
-    splits: list[str] = field(
-        default_factory=lambda: ["train", "test"],
-        metadata={"help": "splits to embed: train and/or test (--test-split names the held-out folder)"},
+    splits: list[str] = option(
+        ["train", "test"], "splits to embed: train and/or test (--test-split names the held-out folder)"
     )
-    format: Literal["npy", "parquet"] = field(
-        default="npy",
-        metadata={"help": "npy: <split>.npy + index.csv; parquet: one embeddings.parquet (pip install pyarrow)"},
+    format: Literal["npy", "parquet"] = option(
+        "npy", "npy: <split>.npy + index.csv; parquet: one embeddings.parquet (pip install pyarrow)"
     )
-    out: str | None = field(
-        default="runs/embed",
-        kw_only=True,
-        metadata={"help": "output directory: <split>.npy and index.csv (or embeddings.parquet), embed.json"},
+    out: str | None = out_field(
+        "runs/embed", "output directory: <split>.npy and index.csv (or embeddings.parquet), embed.json"
     )
 
     def __post_init__(self) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bt_hub.common.config import option
 from bt_hub.common.distributed import is_main_process
 from bt_hub.common.optional import require
 from bt_hub.eval.config import EvalConfig, EvalWarning
@@ -146,30 +147,22 @@ class KnnConfig(EvalConfig):
         "backend",
     )
 
-    k: list[int] = field(
-        default_factory=lambda: [20, 200],
-        metadata={
-            "help": "numbers of neighbours; 'top1'/'top5' in results are those of the first; a k above the number of "
-            "training images is scored (and named top1_kN) with N, the number of training images"
-        },
+    k: list[int] = option(
+        [20, 200],
+        "numbers of neighbours; 'top1'/'top5' in results are those of the first; a k above the number of "
+        "training images is scored (and named top1_kN) with N, the number of training images",
     )
-    temperature: float = field(
-        default=0.07,
-        metadata={"help": "T of the vote weights exp(sim / T); small T tends to 1-NN, large T to a majority vote"},
+    temperature: float = option(
+        0.07, "T of the vote weights exp(sim / T); small T tends to 1-NN, large T to a majority vote"
     )
-    query_batch: int = field(default=4096, metadata={"help": "queries per search call; lower it if memory is short"})
-    train_chunk: int = field(
-        default=262_144,
-        metadata={"help": "training rows searched at a time (memory = train_chunk x feature dim x 4 bytes)"},
+    query_batch: int = option(4096, "queries per search call; lower it if memory is short")
+    train_chunk: int = option(
+        262_144, "training rows searched at a time (memory = train_chunk x feature dim x 4 bytes)"
     )
-    backend: Literal["auto", "faiss", "torch"] = field(
-        default="auto",
-        metadata={
-            "help": (
-                "faiss (exact IndexFlatIP, CPU) or torch (matrix product + top-k on --device); auto: torch on "
-                "CUDA, faiss on the CPU"
-            )
-        },
+    backend: Literal["auto", "faiss", "torch"] = option(
+        "auto",
+        "faiss (exact IndexFlatIP, CPU) or torch (matrix product + top-k on --device); auto: torch on "
+        "CUDA, faiss on the CPU",
     )
 
     def __post_init__(self) -> None:

@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
-from bt_hub.common.distributed import is_distributed, is_main_process
+from bt_hub.common.config import option
+from bt_hub.common.distributed import distributed_data_parallel, is_main_process
 from bt_hub.common.presets import overrides
 from bt_hub.common.runs import RunDir
-from bt_hub.eval.classifier import (
-    evaluate_loader,
-    loop_precision,
-    make_classifier,
-    make_loader,
-    train_classifier,
-)
+from bt_hub.eval.classifier import evaluate_loader, loop_precision, make_classifier, make_loader, train_classifier
 from bt_hub.eval.config import EvalConfig, warn_about_settings
 from bt_hub.eval.features import TransformedDataset, train_transform
 from bt_hub.eval.heads import (
@@ -111,54 +106,36 @@ class LinearConfig(EvalConfig):
         "small": {"num_classes": 10, "image_size": 16},
     }
 
-    preset: str = field(default="imagenet", metadata={"help": "named sets of flag values; flags given override them"})
-    epochs: int = field(default=100, metadata={"help": "training epochs"})
-    lr: float = field(default=0.3, metadata={"help": "base LR for a batch of 256 images in all"})
-    weight_decay: float = field(default=1e-6, metadata={"help": "SGD weight decay"})
-    momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
-    schedule: Literal["cosine", "step"] = field(default="cosine", metadata={"help": "per-epoch LR schedule"})
-    milestones: list[int] = field(
-        default_factory=list,
-        metadata={"help": "epochs after which the step schedule multiplies the LR by --gamma", "nargs": "*"},
+    preset: str = option("imagenet", "named sets of flag values; flags given override them")
+    epochs: int = option(100, "training epochs")
+    lr: float = option(0.3, "base LR for a batch of 256 images in all")
+    weight_decay: float = option(1e-6, "SGD weight decay")
+    momentum: float = option(0.9, "SGD momentum")
+    schedule: Literal["cosine", "step"] = option("cosine", "per-epoch LR schedule")
+    milestones: list[int] = option([], "epochs after which the step schedule multiplies the LR by --gamma", nargs="*")
+    gamma: float = option(0.1, "LR factor at each milestone of the step schedule")
+    crop_scale_min: float = option(
+        0.08, "smallest area fraction of the training crops (paper: 0.08; small images want more)"
     )
-    gamma: float = field(default=0.1, metadata={"help": "LR factor at each milestone of the step schedule"})
-    crop_scale_min: float = field(
-        default=0.08,
-        metadata={"help": "smallest area fraction of the training crops (paper: 0.08; small images want more)"},
+    flip: bool = option(
+        True, "random horizontal flips of the training images (paper: on; --no-flip for digits or text)"
     )
-    flip: bool = field(
-        default=True,
-        metadata={"help": "random horizontal flips of the training images (paper: on; --no-flip for digits or text)"},
-    )
-    cached: bool = field(
-        default=False,
-        metadata={
-            "help": (
-                "fast mode: train the same classifier on cached test-transform features (no augmentation, no "
-                "backbone pass per epoch); results say 'cached features, no augmentation'"
-            )
-        },
+    cached: bool = option(
+        False,
+        "fast mode: train the same classifier on cached test-transform features (no augmentation, no "
+        "backbone pass per epoch); results say 'cached features, no augmentation'",
     )
 
-    search: Literal["auto", "grid", "fixed"] = field(
-        default="auto",
-        metadata={
-            "help": (
-                "grid: one head per --lr-grid x --weight-decay-grid pair trained at once on frozen features, the best "
-                "chosen on --val-fraction of the training split; fixed: the preset's single recipe; auto: fixed on "
-                "the data a paper preset was set for (e.g. 1000 classes for imagenet), grid on any other"
-            )
-        },
+    search: Literal["auto", "grid", "fixed"] = option(
+        "auto",
+        "grid: one head per --lr-grid x --weight-decay-grid pair trained at once on frozen features, the best "
+        "chosen on --val-fraction of the training split; fixed: the preset's single recipe; auto: fixed on "
+        "the data a paper preset was set for (e.g. 1000 classes for imagenet), grid on any other",
     )
-    lr_grid: list[float] = field(
-        default_factory=lambda: list(GRID_LRS), metadata={"help": "learning rates of the grid's heads"}
-    )
-    weight_decay_grid: list[float] = field(
-        default_factory=lambda: list(GRID_WEIGHT_DECAYS), metadata={"help": "weight decays of the grid's heads"}
-    )
-    val_fraction: float = field(
-        default=0.2,
-        metadata={"help": "seeded, class-stratified share of the training split the grid's choice is made on"},
+    lr_grid: list[float] = option(list(GRID_LRS), "learning rates of the grid's heads")
+    weight_decay_grid: list[float] = option(list(GRID_WEIGHT_DECAYS), "weight decays of the grid's heads")
+    val_fraction: float = option(
+        0.2, "seeded, class-stratified share of the training split the grid's choice is made on"
     )
 
     def __post_init__(self) -> None:
@@ -171,12 +148,10 @@ class LinearConfig(EvalConfig):
             momentum=self.momentum,
             val_fraction=self.val_fraction,
         )
-        if not 0 < self.gamma <= 1:
-            raise ValueError(f"--gamma must be in (0, 1], got {self.gamma}")
+        self.require_fraction("gamma")
         if sorted(self.milestones) != list(self.milestones) or any(m <= 0 for m in self.milestones):
             raise ValueError(f"--milestones must be increasing positive epochs, got {self.milestones}")
-        if not 0 < self.crop_scale_min <= 1:
-            raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
+        self.require_fraction("crop_scale_min")
 
     def unused_flags(self) -> dict[str, str]:
         """The feature cache and CPU autocast under the paper's loop (``--search fixed`` without ``--cached``)."""
@@ -226,7 +201,7 @@ class LinearConfig(EvalConfig):
 class TransferConfig(LinearConfig):
     """Flags of ``bt-hub eval transfer``: the linear probe with PIRL's settings on any ImageFolder dataset."""
 
-    preset: str = field(default="places205", metadata={"help": "named sets of flag values; flags given override them"})
+    preset: str = option("places205", "named sets of flag values; flags given override them")
 
 
 def run(config: LinearConfig) -> dict[str, Any]:
@@ -333,9 +308,7 @@ def _paper_loop(run: EvalRun, num_classes: int) -> dict[str, float]:
     config, splits, device, size = run.config, run.splits, run.device, run.settings.image_size
     backbone = run.weights.network
     fc = make_classifier(backbone.feature_dim, num_classes)
-    model: nn.Module = FrozenBackboneClassifier(backbone, fc).to(device)
-    if is_distributed():
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = distributed_data_parallel(FrozenBackboneClassifier(backbone, fc).to(device), device)
     augment = train_transform(size, crop_scale_min=config.crop_scale_min, flip=config.flip)
     loaders = [
         make_loader(

@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -32,7 +32,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
-from bt_hub.common.distributed import convert_sync_batchnorm, is_distributed
+from bt_hub.common.config import option
+from bt_hub.common.distributed import convert_sync_batchnorm, distributed_data_parallel, is_distributed
 from bt_hub.eval.classifier import evaluate_loader, loop_precision, make_classifier, make_loader, train_classifier
 from bt_hub.eval.config import EvalConfig, warn_about_settings
 from bt_hub.eval.features import TransformedDataset, train_transform
@@ -43,6 +44,8 @@ from bt_hub.method.transforms import eval_transforms
 
 # EvalConfig flags of feature extraction, which fine-tuning does not do (eval all's --semi-batch-size is its batch).
 _EXTRACTION_FIELDS = ("batch_size", "cache_dir", "cache_dtype", "decode", "store")
+# Flags of the fine-tuning recipe that finetune() takes as they are, under the same names.
+_RECIPE_FIELDS = ("lr_backbone", "lr_classifier", "schedule", "milestones", "gamma", "weight_decay", "momentum")
 
 
 def finetune(
@@ -87,7 +90,7 @@ def finetune(
     ]
     if is_distributed():
         model = convert_sync_batchnorm(model)  # BN statistics of the global batch, on CPU too
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = distributed_data_parallel(model, device)
     train_loader = make_loader(train_set, batch_size, shuffle=True, seed=seed, num_workers=num_workers, device=device)
     test_loader = make_loader(test_set, batch_size, shuffle=False, seed=seed, num_workers=num_workers, device=device)
     train_classifier(
@@ -134,49 +137,38 @@ class SemiSupervisedConfig(EvalConfig):
         "small": {"num_classes": 10, "image_size": 16},
     }
 
-    preset: str = field(default="paper", metadata={"help": "named sets of flag values; flags given override them"})
-    fraction: int | None = field(
-        default=None,
-        metadata={
-            "help": (
-                "percent of the labels, class-balanced and seeded (1 or 10 in the paper); default 1 unless "
-                "--subset-file is given"
-            )
-        },
+    preset: str = option("paper", "named sets of flag values; flags given override them")
+    fraction: int | None = option(
+        None,
+        "percent of the labels, class-balanced and seeded (1 or 10 in the paper); default 1 unless "
+        "--subset-file is given",
     )
-    subset_file: str | None = field(
-        default=None,
-        metadata={"help": "SimCLR-format list of labelled training files (e.g. 1percent.txt), matched by file name"},
+    subset_file: str | None = option(
+        None, "SimCLR-format list of labelled training files (e.g. 1percent.txt), matched by file name"
     )
-    epochs: int = field(default=20, metadata={"help": "fine-tuning epochs"})
-    min_steps: int = field(
-        default=0,
-        metadata={
-            "help": "the fewest SGD steps: where the labelled images are few, the epochs rise until they make this "
-            "many at --batch-size (0: --epochs as given; eval compare's --finetune-steps)"
-        },
+    epochs: int = option(20, "fine-tuning epochs")
+    min_steps: int = option(
+        0,
+        "the fewest SGD steps: where the labelled images are few, the epochs rise until they make this "
+        "many at --batch-size (0: --epochs as given; eval compare's --finetune-steps)",
     )
-    lr_backbone: float = field(default=0.002, metadata={"help": "backbone LR"})
-    lr_classifier: float = field(default=0.5, metadata={"help": "classifier LR"})
-    weight_decay: float = field(default=0.0, metadata={"help": "SGD weight decay"})
-    momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
-    schedule: Literal["cosine", "step"] = field(default="step", metadata={"help": "per-epoch LR schedule"})
-    milestones: list[int] = field(
-        default_factory=lambda: [12, 16],
-        metadata={"help": "epochs after which the step schedule multiplies both LRs by --gamma", "nargs": "*"},
+    lr_backbone: float = option(0.002, "backbone LR")
+    lr_classifier: float = option(0.5, "classifier LR")
+    weight_decay: float = option(0.0, "SGD weight decay")
+    momentum: float = option(0.9, "SGD momentum")
+    schedule: Literal["cosine", "step"] = option("step", "per-epoch LR schedule")
+    milestones: list[int] = option(
+        [12, 16], "epochs after which the step schedule multiplies both LRs by --gamma", nargs="*"
     )
-    gamma: float = field(default=0.2, metadata={"help": "LR factor at each milestone"})
-    crop_scale_min: float = field(
-        default=0.08,
-        metadata={"help": "smallest area fraction of the training crops (paper: 0.08; small images want more)"},
+    gamma: float = option(0.2, "LR factor at each milestone")
+    crop_scale_min: float = option(
+        0.08, "smallest area fraction of the training crops (paper: 0.08; small images want more)"
     )
-    flip: bool = field(
-        default=True,
-        metadata={"help": "random horizontal flips of the training images (paper: on; --no-flip for digits or text)"},
+    flip: bool = option(
+        True, "random horizontal flips of the training images (paper: on; --no-flip for digits or text)"
     )
-    decode: Literal["workers"] = field(
-        default="workers",
-        metadata={"help": "the fine-tuning loop decodes and augments in PIL in the loader workers; the only choice"},
+    decode: Literal["workers"] = option(
+        "workers", "the fine-tuning loop decodes and augments in PIL in the loader workers; the only choice"
     )
 
     def __post_init__(self) -> None:
@@ -196,15 +188,14 @@ class SemiSupervisedConfig(EvalConfig):
             )
         if sorted(self.milestones) != list(self.milestones) or any(m <= 0 for m in self.milestones):
             raise ValueError(f"--milestones must be increasing positive epochs, got {self.milestones}")
-        if not 0 < self.crop_scale_min <= 1:
-            raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
+        self.require_fraction("crop_scale_min")
 
     def unused_flags(self) -> dict[str, str]:
         """The shared flags fine-tuning does not read: the feature cache, device decoding, CPU autocast."""
         no_features = "does not apply to eval semi: fine-tuning trains on images and extracts no features"
         unused = super().unused_flags() | {"cache_dir": no_features, "cache_dtype": no_features}
-        unused["decode"] = "does not apply to eval semi: fine-tuning decodes and augments in PIL in the loader workers"
-        unused["store"] = "does not apply to eval semi: fine-tuning decodes and augments in PIL in the loader workers"
+        in_pil = "does not apply to eval semi: fine-tuning decodes and augments in PIL in the loader workers"
+        unused.update(dict.fromkeys(("decode", "store"), in_pil))
         if self.precision == "bf16" and not self.device.startswith("cuda"):
             unused["precision"] = "applies to fine-tuning on CUDA only; on the CPU the loop runs in fp32"
         return unused
@@ -282,15 +273,9 @@ def score_cell(cell: Any, config: SemiSupervisedConfig, seed: int) -> Scored:
         len(splits.classes),
         Subset(TransformedDataset(splits.train, augment), indices),
         TransformedDataset(splits.test, eval_transforms(size)),
-        lr_backbone=config.lr_backbone,
-        lr_classifier=config.lr_classifier,
+        **{name: getattr(config, name) for name in _RECIPE_FIELDS},
         epochs=epochs,
         batch_size=config.batch_size,
-        schedule=config.schedule,
-        milestones=config.milestones,
-        gamma=config.gamma,
-        weight_decay=config.weight_decay,
-        momentum=config.momentum,
         seed=seed,
         num_workers=config.num_workers,
         device=cell.device,

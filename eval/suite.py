@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from bt_hub.common.config import option
 from bt_hub.common.presets import from_preset, preset_values
 from bt_hub.common.records import SCHEMA
 from bt_hub.eval.config import EvalConfig
@@ -26,49 +27,27 @@ class SuiteConfig(EvalConfig):
         "small": {"linear_preset": "small", "semi_preset": "small"},
     }
 
-    preset: str = field(
-        default="paper",
-        metadata={"help": "the protocols' presets, by name; --linear-preset / --semi-preset override them"},
+    preset: str = option("paper", "the protocols' presets, by name; --linear-preset / --semi-preset override them")
+    linear_preset: str = option("imagenet", "preset of the linear probe (bt-hub eval linear --help lists them)")
+    semi_preset: str = option("paper", "preset of the semi-supervised runs (bt-hub eval semi --help lists them)")
+    full_linear: bool = option(
+        False, "run the paper's linear loop (augmentation, a backbone pass per epoch) instead of the cached probe"
     )
-    linear_preset: str = field(
-        default="imagenet", metadata={"help": "preset of the linear probe (bt-hub eval linear --help lists them)"}
+    linear_epochs: int | None = option(None, "linear-probe epochs (default: the linear preset's)")
+    knn_k: list[int] = option([20, 200], "numbers of neighbours of the kNN protocol")
+    fractions: list[int] = option(
+        [1, 10], "label percentages of the semi-supervised runs (empty: skip them)", nargs="*"
     )
-    semi_preset: str = field(
-        default="paper", metadata={"help": "preset of the semi-supervised runs (bt-hub eval semi --help lists them)"}
+    semi_epochs: int | None = option(None, "fine-tuning epochs (default: the semi preset's)")
+    semi_batch_size: int | None = option(
+        None, "fine-tuning batch size (default: the semi preset's; --batch-size is the feature-extraction batch)"
     )
-    full_linear: bool = field(
-        default=False,
-        metadata={
-            "help": "run the paper's linear loop (augmentation, a backbone pass per epoch) instead of the cached probe"
-        },
+    subset_dir: str | None = option(
+        None,
+        "directory with SimCLR's 1percent.txt / 10percent.txt (ImageNet); "
+        "without it subsets are seeded and class-balanced",
     )
-    linear_epochs: int | None = field(
-        default=None, metadata={"help": "linear-probe epochs (default: the linear preset's)"}
-    )
-    knn_k: list[int] = field(
-        default_factory=lambda: [20, 200], metadata={"help": "numbers of neighbours of the kNN protocol"}
-    )
-    fractions: list[int] = field(
-        default_factory=lambda: [1, 10],
-        metadata={"help": "label percentages of the semi-supervised runs (empty: skip them)", "nargs": "*"},
-    )
-    semi_epochs: int | None = field(default=None, metadata={"help": "fine-tuning epochs (default: the semi preset's)"})
-    semi_batch_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "fine-tuning batch size (default: the semi preset's; --batch-size is the feature-extraction batch)"
-        },
-    )
-    subset_dir: str | None = field(
-        default=None,
-        metadata={
-            "help": "directory with SimCLR's 1percent.txt / 10percent.txt (ImageNet); "
-            "without it subsets are seeded and class-balanced"
-        },
-    )
-    voc07_devkit: str | None = field(
-        default=None, metadata={"help": "VOC devkit path: also run the VOC07 SVM protocol"}
-    )
+    voc07_devkit: str | None = option(None, "VOC devkit path: also run the VOC07 SVM protocol")
 
     def __post_init__(self) -> None:
         super().__post_init__()

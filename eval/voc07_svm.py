@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 from PIL import Image
 
+from bt_hub.common.config import option
 from bt_hub.common.distributed import is_main_process
 from bt_hub.common.images import open_rgb
 from bt_hub.eval.config import EvalConfig
@@ -146,29 +147,22 @@ class Voc07SvmConfig(EvalConfig):
 
     RUN_FIELDS: ClassVar[tuple[str, ...]] = EvalConfig.RUN_FIELDS + ("batch_size", "n_jobs", "train_split")
 
-    data: str = field(default="", metadata={"help": "the VOC devkit: VOCdevkit/, VOCdevkit/VOC2007/ or their parent"})
-    pool: Literal["voc_res5", "avg"] = field(
-        default="voc_res5", metadata={"help": "'voc_res5' (2x2 pooled res5, 8192-d, VISSL) or 'avg' (2048-d)"}
+    data: str = option("", "the VOC devkit: VOCdevkit/, VOCdevkit/VOC2007/ or their parent")
+    pool: Literal["voc_res5", "avg"] = option(
+        "voc_res5", "'voc_res5' (2x2 pooled res5, 8192-d, VISSL) or 'avg' (2048-d)"
     )
-    costs: list[float] = field(default_factory=lambda: list(COSTS), metadata={"help": "SVM costs C tried per class"})
-    cv_folds: int = field(default=3, metadata={"help": "cross-validation folds that choose each class's cost (on AP)"})
-    max_iter: int = field(default=2000, metadata={"help": "liblinear iterations per SVM fit"})
-    n_jobs: int = field(
-        default=-1, metadata={"help": "parallel (class, cost) fits: -1 = all cores, 1 = sequential (same result)"}
+    costs: list[float] = option(list(COSTS), "SVM costs C tried per class")
+    cv_folds: int = option(3, "cross-validation folds that choose each class's cost (on AP)")
+    max_iter: int = option(2000, "liblinear iterations per SVM fit")
+    n_jobs: int = option(-1, "parallel (class, cost) fits: -1 = all cores, 1 = sequential (same result)")
+    train_split: str = option("trainval", "ImageSets/Main list the SVMs are trained on")
+    decode: Literal["workers"] = option(
+        "workers", "VISSL's two resizes run in PIL in the loader workers; the only choice of this protocol"
     )
-    train_split: str = field(default="trainval", metadata={"help": "ImageSets/Main list the SVMs are trained on"})
-    decode: Literal["workers"] = field(
-        default="workers",
-        metadata={"help": "VISSL's two resizes run in PIL in the loader workers; the only choice of this protocol"},
-    )
-    test_split: str = field(
-        default="test",
-        metadata={
-            "help": (
-                "ImageSets/Main list the SVMs are scored on (a devkit list name, unlike the val/test folders of "
-                "the other protocols)"
-            )
-        },
+    test_split: str = option(
+        "test",
+        "ImageSets/Main list the SVMs are scored on (a devkit list name, unlike the val/test folders of "
+        "the other protocols)",
     )
 
     def __post_init__(self) -> None:
@@ -188,11 +182,9 @@ class Voc07SvmConfig(EvalConfig):
 
     def unused_flags(self) -> dict[str, str]:
         """VOC07 decodes in PIL and takes its splits from the devkit's lists."""
-        return super().unused_flags() | {
-            "decode": "does not apply to voc07-svm: VISSL's two resizes run in PIL in the loader workers",
-            "store": "does not apply to voc07-svm: VISSL's two resizes run in PIL in the loader workers",
-            "holdout": "does not apply to VOC07: the devkit's ImageSets/Main lists give trainval and test",
-        }
+        in_pil = "does not apply to voc07-svm: VISSL's two resizes run in PIL in the loader workers"
+        lists = "does not apply to VOC07: the devkit's ImageSets/Main lists give trainval and test"
+        return super().unused_flags() | dict.fromkeys(("decode", "store"), in_pil) | {"holdout": lists}
 
 
 def run(config: Voc07SvmConfig) -> dict[str, Any]:

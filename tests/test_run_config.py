@@ -15,6 +15,8 @@ from bt_hub.common.config import REQUIRED, RunConfig, check_device, option
 from bt_hub.eval.demo import DemoConfig
 from bt_hub.eval.detection.detect import DetectConfig
 from bt_hub.eval.knn import KnnConfig
+from bt_hub.eval.linear import LinearConfig
+from bt_hub.eval.semi_supervised import SemiSupervisedConfig
 from bt_hub.train.pretrain import PretrainConfig
 
 COMMANDS = {
@@ -100,6 +102,26 @@ def test_every_command_refuses_hostile_run_fields_naming_the_flag_and_range(
     with pytest.raises(ValueError) as err:
         config_cls(**kwargs)
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    "config_cls,given",
+    [
+        (PretrainConfig, {}),
+        (LinearConfig, {"weights": "w.pth", "search": "fixed"}),
+        (SemiSupervisedConfig, {"weights": "w.pth"}),
+        (DemoConfig, {}),
+    ],
+    ids=lambda c: getattr(c, "__name__", ""),
+)
+@pytest.mark.parametrize("value", [0.0, 1.5, -0.1])
+def test_every_command_with_random_crops_refuses_a_crop_scale_min_outside_0_1_in_the_same_sentence(
+    config_cls, given, value, tmp_path
+):
+    # Guards the one check (RunConfig.require_fraction) that pretrain, eval linear, eval semi and the demo share.
+    with pytest.raises(ValueError) as err:
+        config_cls(out=str(tmp_path / "o"), crop_scale_min=value, **given)
+    assert str(err.value) == f"--crop-scale-min must be in (0, 1], got {value}"
 
 
 def test_the_largest_seed_is_accepted(tmp_path):

@@ -116,6 +116,13 @@ class RunConfig:
                 sign = "non-negative" if or_zero else "positive"
                 raise ValueError(f"--{name.replace('_', '-')} must be {sign}, got {value}")
 
+    def require_fraction(self, *names: str) -> None:
+        """Refuse the first field of ``names`` outside (0, 1] (a share: of a crop's area, of the LR at a milestone) in
+        one sentence naming its flag."""
+        for name in names:
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be in (0, 1], got {getattr(self, name)}")
+
 
 @contextlib.contextmanager
 def torch_threads(threads: int) -> Iterator[None]:

@@ -198,8 +198,7 @@ class PretrainConfig(RunConfig):
         check_image_size(self.image_size, "pretrain")
         nonnegative = ("lambd", "weight_decay", "warmup_epochs", "num_workers", "checkpoint_every", "max_steps")
         self.require_positive(*nonnegative, "probe_max_dim", "monitor_knn", or_zero=True)
-        if not 0 < self.crop_scale_min <= 1:
-            raise ValueError(f"--crop-scale-min must be in (0, 1], got {self.crop_scale_min}")
+        self.require_fraction("crop_scale_min")
         self.keep_every = str(self.keep_every)
         if self.keep_every != "log" and not self.keep_every.replace(",", "").isdigit():
             raise ValueError(

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bt_hub.common.config import OVERWRITE_HELP
+from bt_hub.common.config import OVERWRITE_HELP, REQUIRED, option
 from bt_hub.common.files import read_json, save_png
 from bt_hub.common.runs import claimed_run_dir, read_jsonl, run_kind
 from bt_hub.method.loss import LAMBD
@@ -22,15 +22,14 @@ from bt_hub.method.loss import LAMBD
 class ReportConfig:
     """``bt-hub report``: draw a pretraining run's curves and matrices as PNG files."""
 
-    run_dir: str = field(
-        metadata={
-            "help": "a bt-hub pretrain run directory (metrics.jsonl, run.json, cross_correlation_*.npy)",
-            "positional": True,
-            "nargs": None,
-        }
+    run_dir: str = option(
+        REQUIRED,
+        "a bt-hub pretrain run directory (metrics.jsonl, run.json, cross_correlation_*.npy)",
+        positional=True,
+        nargs=None,
     )
-    out: str | None = field(default=None, metadata={"help": "where the PNG files go (default: RUN_DIR/report)"})
-    overwrite: bool = field(default=False, metadata={"help": OVERWRITE_HELP})
+    out: str | None = option(None, "where the PNG files go (default: RUN_DIR/report)")
+    overwrite: bool = option(False, OVERWRITE_HELP)
 
 
 def _pyplot() -> Any:

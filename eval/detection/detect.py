@@ -7,11 +7,11 @@ import dataclasses
 import json
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from bt_hub.common.config import RunConfig, out_field
+from bt_hub.common.config import REQUIRED, RunConfig, option, out_field
 from bt_hub.common.optional import require
 from bt_hub.common.runs import check_run_dir, claimed_run_dir
 from bt_hub.eval.detection.config import CONFIGS
@@ -57,59 +57,43 @@ EXECUTION_OVERRIDES = ("trials", "DATALOADER.NUM_WORKERS", "SOLVER.CHECKPOINT_PE
 class DetectConfig(RunConfig):
     """Flags of ``bt-hub detect``; defaults are the paper's runs (docs/protocols.md §3)."""
 
-    weights: str = field(
-        metadata={
-            "help": "backbone weights: a detectron2 .pkl, or anything load_backbone reads (converted to .pkl in --out)"
-        }
+    weights: str = option(
+        REQUIRED, "backbone weights: a detectron2 .pkl, or anything load_backbone reads (converted to .pkl in --out)"
     )
-    data: str = field(
-        metadata={
-            "help": "data root: VOC2007/ and VOC2012/ devkits (voc), or annotations/instances_{train,val}2017.json + "
-            "train2017/ + val2017/ (coco)"
-        }
+    data: str = option(
+        REQUIRED,
+        "data root: VOC2007/ and VOC2012/ devkits (voc), or annotations/instances_{train,val}2017.json + "
+        "train2017/ + val2017/ (coco)",
     )
-    detection_config: str = field(
-        default="voc",
-        metadata={
-            "help": "'voc' (Faster R-CNN, VOC07+12, 24k), 'coco' (Mask R-CNN, COCO 1x), 'shapes-voc' / 'shapes-coco' "
-            "(the installation check on make-detection-data output) or a YAML path"
-        },
+    detection_config: str = option(
+        "voc",
+        "'voc' (Faster R-CNN, VOC07+12, 24k), 'coco' (Mask R-CNN, COCO 1x), 'shapes-voc' / 'shapes-coco' "
+        "(the installation check on make-detection-data output) or a YAML path",
     )
-    engine: Literal["auto", "torchvision", "detectron2"] = field(
-        default="auto",
-        metadata={
-            "help": "detectron2, or torchvision's Faster/Mask R-CNN built as the same C4 model; auto: detectron2 "
-            "when importable, else torchvision"
-        },
+    engine: Literal["auto", "torchvision", "detectron2"] = option(
+        "auto",
+        "detectron2, or torchvision's Faster/Mask R-CNN built as the same C4 model; auto: detectron2 "
+        "when importable, else torchvision",
     )
     out: str = out_field(
         "runs/detect",
         "output directory: results.json, weights.pkl, trial<k>/ (config.yaml, metrics.jsonl, checkpoints, log)",
     )
-    num_gpus: int = field(
-        default=1,
-        metadata={
-            "help": "detectron2: processes per machine (one per GPU); batch, lr and iterations rescale linearly from "
-            "the configs' 8 (SOLVER.REFERENCE_WORLD_SIZE). torchvision: run under torchrun instead"
-        },
+    num_gpus: int = option(
+        1,
+        "detectron2: processes per machine (one per GPU); batch, lr and iterations rescale linearly from "
+        "the configs' 8 (SOLVER.REFERENCE_WORLD_SIZE). torchvision: run under torchrun instead",
     )
-    num_machines: int = field(default=1, metadata={"help": "machines in the job"})
-    machine_rank: int = field(default=0, metadata={"help": "this machine's rank (0 writes results.json)"})
-    dist_url: str = field(
-        default="auto",
-        metadata={"help": "rendezvous URL, e.g. tcp://HOST:PORT; 'auto' picks a free local port (one machine only)"},
+    num_machines: int = option(1, "machines in the job")
+    machine_rank: int = option(0, "this machine's rank (0 writes results.json)")
+    dist_url: str = option(
+        "auto", "rendezvous URL, e.g. tcp://HOST:PORT; 'auto' picks a free local port (one machine only)"
     )
-    trials: int = field(
-        default=1,
-        metadata={
-            "help": "independent runs with seeds seed..seed+K-1; results are mean and std (MoCo averages 5 on VOC)"
-        },
+    trials: int = option(
+        1, "independent runs with seeds seed..seed+K-1; results are mean and std (MoCo averages 5 on VOC)"
     )
-    resume: bool = field(default=False, metadata={"help": "continue each trial from the last checkpoint in its folder"})
-    opts: list[str] = field(
-        default_factory=list,
-        metadata={"help": "detectron2 overrides KEY VALUE ..., e.g. SOLVER.IMS_PER_BATCH 8", "positional": True},
-    )
+    resume: bool = option(False, "continue each trial from the last checkpoint in its folder")
+    opts: list[str] = option([], "detectron2 overrides KEY VALUE ..., e.g. SOLVER.IMS_PER_BATCH 8", positional=True)
 
     ALIASES: ClassVar[tuple[str, ...]] = tuple(CONFIGS)
     RUN_FIELDS: ClassVar[tuple[str, ...]] = RunConfig.RUN_FIELDS + (
