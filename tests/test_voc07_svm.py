@@ -181,3 +181,19 @@ def test_cli_voc07_svm_end_to_end_writes_results_json(resnet18_weights, tmp_path
 def test_cli_voc07_svm_needs_a_devkit(tmp_path, capsys):
     assert cli.main(["eval", "voc07-svm", "--weights", "w.pth"]) == 2
     assert "--data must point to a VOC devkit" in capsys.readouterr().err
+
+
+def test_eval_all_with_a_devkit_runs_the_voc07_svms_on_its_lists_as_the_command_does(resnet18_weights, tmp_path):
+    # Guards eval all's VOC07 run, which the protocol table now configures (voc07_svm.suite_settings): on the
+    # devkit's own lists (not --data's), without the image-folder flags, scoring what bt-hub eval voc07-svm scores.
+    devkit = write_synthetic_devkit(tmp_path / "VOCdevkit", ("cat", "dog"), trainval=12, test=10, image_size=32)
+    common = ["--weights", str(resnet18_weights), "--image-size", "176", "--batch-size", "16", "--precision", "fp32"]
+    suite = ["eval", "all", *common, "--data", "synthetic:20", "--fractions", "--linear-epochs", "2"]
+    assert cli.main([*suite, "--voc07-devkit", str(devkit.parent), "--out", str(tmp_path / "all")]) == 0
+    records = json.loads((tmp_path / "all" / "results.json").read_text())["results"]
+    assert [r["protocol"] for r in records] == ["knn", "linear", "voc07-svm"]
+    voc = records[2]
+    assert voc["hyperparameters"]["data"] == "VOCdevkit" and voc["hyperparameters"]["decode"] == "workers"
+    alone = ["eval", "voc07-svm", *common, "--data", str(devkit.parent), "--out", str(tmp_path / "alone")]
+    assert cli.main(alone) == 0
+    assert json.loads((tmp_path / "alone" / "results.json").read_text())["metrics"] == voc["metrics"]
