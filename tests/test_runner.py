@@ -80,6 +80,32 @@ def test_eval_all_passes_its_protocols_only_the_shared_flags_they_read(small_ste
     assert records[0]["hyperparameters"]["cache_dtype"] == "float16"
 
 
+def test_eval_all_fine_tunes_on_simclrs_published_lists_from_subset_dir(small_stem_weights, image_folder, tmp_path):
+    # Guards eval all's semi runs from --subset-dir, which the protocol table now configures
+    # (semi_supervised.suite_settings): one run per --fractions, each on its N percent.txt, recorded as that list.
+    root = image_folder(tmp_path / "data", classes=("a", "b"), per_class=6, size=8)
+    lists = tmp_path / "lists"
+    lists.mkdir()
+    (lists / "10percent.txt").write_text("a_0.png\nb_1.png\n")
+    config = SuiteConfig(
+        weights=str(small_stem_weights),
+        data=str(root),
+        image_size=8,
+        batch_size=4,
+        fractions=[10],
+        subset_dir=str(lists),
+        linear_epochs=1,
+        semi_epochs=1,
+        precision="fp32",
+        out=str(tmp_path / "all"),
+    )
+    records = suite.run_suite(config)["results"]
+    semi = records[2]
+    assert [r["protocol"] for r in records] == ["knn", "linear", "semi"]
+    assert (semi["labels"]["source"], semi["labels"]["file"], semi["labels"]["count"]) == ("list", "10percent.txt", 2)
+    assert (tmp_path / "all" / "semi_10percent" / "results.json").is_file()
+
+
 @pytest.mark.parametrize(
     ("cls", "flags", "flag"),
     [
