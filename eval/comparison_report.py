@@ -160,11 +160,14 @@ def describe_settings(run: EvalRun, partial: Mapping[str, str] | None = None) ->
     return lines
 
 
-def render_markdown(result: Comparison, title: str = "Did pretraining help?", settings: Sequence[str] = ()) -> str:
-    """``compare.md``: the mean ± std table with the verdict column, the paired comparisons, the rule and the seeds."""
+def render_markdown(
+    result: Comparison, title: str | None = "Did pretraining help?", settings: Sequence[str] = (), paired: bool = True
+) -> str:
+    """``compare.md``: the mean ± std table with the verdict column, the paired comparisons, the rule and the seeds
+    (``paired=False``: up to the table, what the CLI prints; ``title=None``: no heading, for a report of its own)."""
     weights_rows = [r for r in result.values if r not in result.baselines]
     header = ["representation", *map(str, result.columns), "better than the best baseline?"]
-    lines = [f"# {title}", "", *([*settings, ""] if settings else [])]
+    lines = [*([f"# {title}", ""] if title else []), *([*settings, ""] if settings else [])]
     if result.positions:
         lines += ["## Learning curve", "", "![curve](curve.png)", "", *(f"- {c}" for c in result.crossings()), ""]
     lines += ["| " + " | ".join(header) + " |"]
@@ -174,6 +177,8 @@ def render_markdown(result: Comparison, title: str = "Did pretraining help?", se
         said = "; ".join(f"{c}: {_verdict_word(v)}" for c, v in verdicts if v) or "—"
         label = f"{row} (baseline)" if row in result.baselines else row
         lines.append("| " + " | ".join([label, *(result.cell(row, c) for c in result.columns), said]) + " |")
+    if not paired:
+        return "\n".join(lines)
     lines += ["", "## Paired by seed", "", "| weights | column | best baseline | difference per seed | mean ± std |"]
     lines.append("|---|---|---|---|---|")
     for row in weights_rows:
@@ -309,10 +314,14 @@ def comparison_summary(result: Comparison, started: float) -> dict[str, Any]:
 
 def write_comparison(run: EvalRun, result: Comparison, title: str = "Did pretraining help?") -> str:
     """compare.md, compare.png and the records (results.json / .jsonl / .md) in the run's folder; the table."""
-    text = render_markdown(result, title=title, settings=describe_settings(run, result.partial))
+    settings = describe_settings(run, result.partial)
     out = run.out
-    written = [atomic_write_text(out / "compare.md", text), plot(result, out / "compare.png")]
+    written = [
+        atomic_write_text(out / "compare.md", render_markdown(result, title, settings)),
+        plot(result, out / "compare.png"),
+    ]
     written += [plot_curve(result, out / "curve.png")] if result.positions else []
     run.write(result.records, comparison_summary(result, run.started))
     written += [out / name for name in ("results.json", "results.jsonl", "results.md")]
-    return text.split("\n\n## Paired by seed")[0] + "\n\n" + "\n".join(f"wrote {p}" for p in written)
+    table = render_markdown(result, title, settings, paired=False)
+    return table + "\n\n" + "\n".join(f"wrote {p}" for p in written)

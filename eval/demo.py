@@ -193,9 +193,9 @@ def _report(config: DemoConfig, result: Comparison, timings: dict[str, float], p
         result.test_size,
         varying=result.varying,
     )
-    head, rest = render_markdown(table, title="When does pretraining pay? Barlow Twins on the digits").split("\n\n", 1)
+    rest = render_markdown(table, title=None)
     lines = [
-        head,
+        "# When does pretraining pay? Barlow Twins on the digits",
         "",
         f"bt_hub {package_version()}. A {config.backbone}{stem} pretrained with the Barlow Twins loss on the 1,437 "
         f"training digits at {config.image_size} px ({runs}), {config.epochs} epochs of batch {config.batch_size}, "
