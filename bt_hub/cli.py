@@ -237,10 +237,14 @@ def resolved_settings(config: Any) -> str:
 
 
 def _print_warning(prefix: str) -> Any:
-    """A ``warnings.showwarning`` that prints one line: ``<prefix>: warning: <message>``."""
+    """A ``warnings.showwarning`` that prints one line: ``<prefix>: warning: <message>``, each message once (eval
+    compare's cells are protocol runs: a kNN cell of every row and seed would say the same k was cut)."""
+    said: set[str] = set()
 
     def show(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
-        print(f"{prefix}: warning: {message}", file=sys.stderr)
+        if str(message) not in said:
+            said.add(str(message))
+            print(f"{prefix}: warning: {message}", file=sys.stderr)
 
     return show
 

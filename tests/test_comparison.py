@@ -297,10 +297,14 @@ def test_fine_tuning_and_the_supervised_row_run_at_least_finetune_steps_and_reco
     assert "each at least 5 SGD steps" in (out / "compare.md").read_text()
 
 
-def test_compare_md_states_the_k_the_vote_used_when_knn_k_exceeds_the_training_images(small_stem_weights, tmp_path):
+def test_compare_md_states_the_k_the_vote_used_when_knn_k_exceeds_the_training_images(
+    small_stem_weights, tmp_path, capsys
+):
     out = tmp_path / "k"
     flags = ["eval", "compare", "--weights", str(small_stem_weights), "--protocols", "knn", "--baselines", "pixels"]
     assert cli.main([*flags, "--data", "synthetic:60", "--image-size", "8", "--knn-k", "500", "--out", str(out)]) == 0
+    # guards: each kNN cell (a knn run) warned of the cut k again, one line per row and seed
+    assert capsys.readouterr().err.count("warning: --k 500 exceeds the") == 1
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     used = {r["notes"]["neighbours_used"]["500"] for r in records}
     assert len(used) == 1 and (k := used.pop()) < 500
