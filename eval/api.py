@@ -102,13 +102,14 @@ def compare(
     data: str | Path = "digits",
     *,
     baselines: Sequence[str] = ("pixels", "random-init"),
-    protocols: Sequence[str] = ("knn", "linear"),
+    protocols: Sequence[str] | None = None,
     seeds: int = 3,
     out: str | Path | None = None,
     **settings: Any,
 ) -> Results:
     """Weights against baselines, every cell mean ± std over ``seeds`` (``bt-hub eval compare``).
 
+    ``protocols`` are the columns (default: those of ``bt-hub eval compare``, the protocols on frozen features).
     ``rows`` has one row per representation: its mean, std and per-seed values in each column and,
     for weights, the verdict against the best baseline; ``records`` holds every per-seed record.
     """
@@ -118,9 +119,9 @@ def compare(
         weights=[weights] if isinstance(weights, (str, os.PathLike)) else weights,
         data=data,
         baselines=baselines,
-        protocols=protocols,
         seeds=seeds,
         out=out,
+        **({"protocols": protocols} if protocols is not None else {}),
         **settings,
     )
     result, text = compare_and_write(config)

@@ -13,7 +13,7 @@ from bt_hub.common.config import REQUIRED, option, out_field
 from bt_hub.common.presets import baseline, overrides
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS, check_probe_settings
-from bt_hub.eval.protocols import get_protocol, list_protocols
+from bt_hub.eval.protocols import FROZEN_PROBE, SUPERVISED_BASELINE, get_protocol, list_protocols
 from bt_hub.eval.semi_supervised import SemiSupervisedConfig
 from bt_hub.weights.sources import kept_steps
 
@@ -53,7 +53,7 @@ class CompareConfig(EvalConfig):
         ["pixels", "random-init"], f"rows to beat, comma- or space-separated: {', '.join(BASELINES)}"
     )
     protocols: list[str] = option(
-        ["knn", "linear"],
+        [p for p in list_protocols(column=True) if not get_protocol(p).trains_network],  # the frozen-feature ones
         "columns, comma- or space-separated: "
         f"{', '.join(list_protocols(column=True))} (a protocol on a share of the labels, semi: one per --fractions)",
     )
@@ -125,26 +125,30 @@ class CompareConfig(EvalConfig):
         )
 
     def unused_flags(self) -> dict[str, str]:
-        """Each protocol's and baseline's flags when it is not in ``--protocols`` / ``--baselines``."""
+        """The flags of a column's protocol (its ``cell`` mapping in the protocol table) when no cell runs it: in
+        ``--protocols``, as the probe of the pixels row in a column that trains the network (``FROZEN_PROBE``), or
+        as the supervised row's recipe (``SUPERVISED_BASELINE``, whose epochs are ``--supervised-epochs``)."""
         unused = super().unused_flags()
-        grid = "linear" in self.protocols or ("semi" in self.protocols and "pixels" in self.baselines)
-        for names, used, what in (
-            (("knn_k",), "knn" in self.protocols, "the kNN column, which --protocols leaves out"),
-            (("fractions", "semi_epochs"), "semi" in self.protocols, "the semi columns, which --protocols leaves out"),
-            (
-                ("linear_epochs", "lr_grid", "weight_decay_grid", "val_fraction"),
-                grid,
-                "the grid probe, which runs for --protocols linear (and semi's pixels row) only",
+        trains = any(get_protocol(p).trains_network for p in self.protocols)
+        also = {  # the rows that run a protocol outside its columns, the flags they read, and whether they run
+            FROZEN_PROBE: (
+                "the pixels row of a column that trains the network",
+                "",
+                trains and "pixels" in self.baselines,
             ),
-            (
-                ("semi_preset", "finetune_steps"),
-                "semi" in self.protocols or "supervised" in self.baselines,
-                "fine-tuning, which runs for --protocols semi or --baselines supervised only",
-            ),
-            (("supervised_epochs",), "supervised" in self.baselines, "--baselines supervised, which is not asked for"),
-        ):
-            if not used:
-                unused.update(dict.fromkeys(names, f"sets {what}"))
+            SUPERVISED_BASELINE: ("--baselines supervised", "epochs", "supervised" in self.baselines),
+        }
+        used = {f for p in self.protocols for f in _cell_flags(p)}
+        used.update(f for p, (_, but, runs) in also.items() if runs for f in _cell_flags(p, but))
+        if "supervised" not in self.baselines:
+            unused["supervised_epochs"] = "sets --baselines supervised, which is not asked for"
+        for name in list_protocols(column=True):
+            row, but, _ = also.get(name, ("", "", False))
+            for flag in set(_cell_flags(name)) - used:
+                extra = f" (and {row})" if row and flag in _cell_flags(name, but) else ""
+                unused[flag] = f"sets the {get_protocol(name).heading} column{extra}, which this run does not score"
+        if not any(get_protocol(p).per_fraction for p in self.protocols):
+            unused["fractions"] = "sets the columns on a share of the labels, which --protocols leaves out"
         return unused
 
     @property
@@ -160,6 +164,13 @@ class CompareConfig(EvalConfig):
         return [
             Column(p, f) for p in self.protocols for f in (self.fractions if get_protocol(p).per_fraction else [None])
         ]
+
+
+def _cell_flags(protocol: str, but: str = "") -> list[str]:
+    """Compare's flags that set ``protocol``'s cells (the table's ``cell`` mapping), but the one of field ``but``."""
+    mapped = [flag for field, flag in get_protocol(protocol).cell.items() if field != but]
+    flags = [f for flag in mapped for f in ([flag] if isinstance(flag, str) else flag)]
+    return [f for f in flags if f in CompareConfig.__dataclass_fields__]
 
 
 def weights_rows(config: CompareConfig) -> list[WeightsRow]:

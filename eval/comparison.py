@@ -21,7 +21,7 @@ from bt_hub.eval.compare_config import Column, CompareConfig, WeightsRow, weight
 from bt_hub.eval.comparison_report import SEED_VARIES, Comparison, describe_settings, render_markdown, write_comparison
 from bt_hub.eval.features import module_fingerprint
 from bt_hub.eval.label_subsets import balanced_subset_indices
-from bt_hub.eval.protocols import Protocol, get_protocol
+from bt_hub.eval.protocols import FROZEN_PROBE, SUPERVISED_BASELINE, Protocol, get_protocol
 from bt_hub.eval.runner import EvalRun, Scored, evaluation
 from bt_hub.method.model import default_init_backbone
 from bt_hub.weights.sources import live_run
@@ -92,19 +92,25 @@ class RowCell:
 
 
 def cell_protocol(settings: CompareConfig, source: Source, column: Column) -> tuple[Protocol, Any]:
-    """The protocol a cell runs and its own config, built from compare's flags by the protocol's ``cell_settings``:
-    the column's protocol, the linear probe where it would train a frozen row, semi with :data:`SUPERVISED` for
-    the supervised row."""
-    protocol = get_protocol("semi" if source.supervised else column.protocol)
+    """The protocol a cell runs and its own config, built from compare's flags by the table's ``cell`` mapping: the
+    column's protocol, ``FROZEN_PROBE`` where it would train a frozen row, ``SUPERVISED_BASELINE`` with
+    :data:`SUPERVISED` for the supervised row."""
+    protocol = get_protocol(SUPERVISED_BASELINE if source.supervised else column.protocol)
     if protocol.trains_network and not source.trainable:
-        protocol = get_protocol("linear")
-    make = protocol.hook("cell_settings")
-    values = make(settings, column.fraction) if make else {}
+        protocol = get_protocol(FROZEN_PROBE)
+    values = {field: _flag_values(settings, flag) for field, flag in protocol.cell.items()} | protocol.cell_values
+    if protocol.per_fraction:
+        values["fraction"] = column.fraction or 100  # all the labels in a column without a fraction
     if source.supervised:
         values |= SUPERVISED | {"epochs": settings.supervised_epochs}
     keys = ("data", "batch_size", "num_workers")
     shared = {k: getattr(settings, k) for k in keys} | {"weights": source.name, "out": None}
     return protocol, from_preset(protocol.config_class, values.pop("preset", None), **(shared | values))
+
+
+def _flag_values(settings: CompareConfig, flag: str | list[str]) -> Any:
+    """The value of compare's ``flag``, or the list of the values of each of ``flag``'s flags."""
+    return [getattr(settings, f) for f in flag] if isinstance(flag, list) else getattr(settings, flag)
 
 
 def compare(
@@ -120,6 +126,7 @@ def compare(
     per-seed values and their records. ``features(source, network, seed)`` gives (train_x, train_y, test_x, test_y)
     (``feature_source``)."""
     settings = settings or run.config
+    cells = {(s.name, c): cell_protocol(settings, s, c) for s in sources for c in columns}  # seeds: an argument
     splits = run.splits
     names = [s.name for s in sources]
     values: dict[str, dict[Column, list[float]]] = {name: {c: [] for c in columns} for name in names}
@@ -128,7 +135,6 @@ def compare(
     result.curve_names = {s.name: s.curve for s in sources if s.position}
     result.varying = {s.name for s in sources if s.per_seed}
     targets = np.asarray(splits.train.targets)
-    cells = {(s.name, c): cell_protocol(settings, s, c) for s in sources for c in columns}  # seeds: an argument
     say = progress(None, "compare", total=len(seeds) * len(sources) * len(columns), unit="cell")
     for seed in seeds:
         subsets = {c.fraction: balanced_subset_indices(targets, c.fraction, seed) for c in columns if c.fraction}

@@ -163,7 +163,6 @@ def compare_settings(config: DemoConfig, runs: list[Path], out: Path) -> Compare
         as_seeds=len(runs) > 1,
         over_steps=True,
         baselines=["pixels", "random-init"],
-        protocols=["knn", "linear"],
         seeds=len(runs),
         **{name: getattr(config, name) for name in COMPARE_FLAGS},
         data="digits",

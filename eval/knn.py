@@ -234,8 +234,3 @@ def score_cell(cell: Any, config: KnnConfig, seed: int) -> Scored:
 def suite_settings(config: Any) -> list[tuple[str, dict[str, Any], tuple[str, ...]]]:
     """Its run in ``eval all``: ``--knn-k`` neighbours."""
     return [("knn", {"k": list(config.knn_k)}, ())]
-
-
-def cell_settings(config: Any, fraction: int | None) -> dict[str, Any]:
-    """Its config in an ``eval compare`` cell: ``--knn-k`` neighbours."""
-    return {"k": [config.knn_k]}

@@ -272,12 +272,6 @@ def suite_settings(config: Any) -> list[tuple[str, dict[str, Any], tuple[str, ..
     return [("linear", values | ({"epochs": config.linear_epochs} if config.linear_epochs else {}), ())]
 
 
-def cell_settings(config: Any, fraction: int | None) -> dict[str, Any]:
-    """Its config in an ``eval compare`` cell: the grid probe of ``--lr-grid`` x ``--weight-decay-grid``."""
-    keys = ("lr_grid", "weight_decay_grid", "val_fraction")
-    return {"search": "grid", "epochs": config.linear_epochs, **{k: getattr(config, k) for k in keys}}
-
-
 def _schedule(config: LinearConfig) -> dict[str, Any]:
     keys = ("epochs", "momentum", "schedule", "milestones", "gamma")
     return {k: getattr(config, k) for k in keys}

@@ -13,19 +13,21 @@ CLI can list the commands without loading a network). The module provides:
 - ``score(run) -> Scored``: the command's step (its warnings about the data, then ``score_cell``; a protocol whose
   command does more, such as the linear probe's paper loop, says so there) and ``run(config)``, the subcommand;
 - optionally ``suite_settings(suite_config) -> [(folder, {field: value})]``: its runs in ``eval all`` (default:
-  one run with the suite's shared flags), and ``cell_settings(compare_config, fraction) -> {field: value}``: its
-  config in a compare cell (default: the shared flags).
+  one run with the suite's shared flags).
 
-``Scored.table`` and ``Scored.paper`` carry its results table and the paper's row a run follows; ``contract`` names
-the test that holds the protocol to the field's reference code (tests/test_against_reference.py), where one exists.
-A protocol added elsewhere (``register_protocol``) appears in all four places; tests/test_protocols.py adds one.
+Its config in an ``eval compare`` cell is data in the entry: ``cell`` maps its config's fields to compare's flags
+(``{"epochs": "linear_epochs"}``, or to a list of flags for a list of their values: ``{"k": ["knn_k"]}``),
+``cell_values`` holds what every cell sets (``{"search": "grid"}``), and the cell's share of labels goes to its
+``fraction`` field where ``per_fraction``. ``SUPERVISED_BASELINE`` and ``FROZEN_PROBE`` name the protocols compare
+runs for its supervised row and, in a column that trains the network, for a row that has none to train (pixels):
+the protocol vocabulary is spelled in this module only.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -47,6 +49,8 @@ class Protocol:
     trains_network: bool = False  # it trains the network itself: a frozen compare row (pixels) gets the linear probe
     seed_varies: str = "the data order"  # what a seed changes in a run of it, as compare.md says
     deterministic: bool = False  # on one network every seed scores the same (equal values are no spread)
+    cell: dict[str, Any] = field(default_factory=dict, hash=False)  # its config's field -> compare's flag (or [flags])
+    cell_values: dict[str, Any] = field(default_factory=dict, hash=False)  # what every compare cell of it sets
 
     @property
     def heading(self) -> str:
@@ -63,7 +67,7 @@ class Protocol:
         return getattr(self.load(), self.config)
 
     def hook(self, name: str) -> Callable[..., Any] | None:
-        """The module's function ``name`` (``score``, ``score_cell``, ``suite_settings``, ``cell_settings``), if any."""
+        """The module's function ``name`` (``score``, ``score_cell``, ``suite_settings``), if any."""
         return getattr(self.load(), name, None)
 
 
@@ -108,6 +112,7 @@ for _protocol in (
         column=True,
         contract=_CONTRACT + "test_knn_equals_dinos_knn_classifier_at_k_20_and_200",
         title="kNN",
+        cell={"k": ["knn_k"]},
         seed_varies="nothing for a fixed network (the vote is deterministic); the network itself for random-init",
         deterministic=True,
     ),
@@ -118,6 +123,13 @@ for _protocol in (
         "linear probe on a frozen backbone (ImageNet protocol)",
         column=True,
         contract=_CONTRACT + "test_the_linear_probe_loop_trains_evaluate_pys_first_epoch",
+        cell={
+            "epochs": "linear_epochs",
+            "lr_grid": "lr_grid",
+            "weight_decay_grid": "weight_decay_grid",
+            "val_fraction": "val_fraction",
+        },
+        cell_values={"search": "grid"},
         seed_varies="the validation split carved from the training data, the heads' initialisation and the data order",
     ),
     Protocol(
@@ -128,6 +140,12 @@ for _protocol in (
         column=True,
         per_fraction=True,
         trains_network=True,
+        cell={
+            "preset": "semi_preset",
+            "epochs": "semi_epochs",
+            "batch_size": "finetune_batch_size",
+            "min_steps": "finetune_steps",
+        },
         seed_varies="the labelled subset (seeded, class-balanced), the classifier's initialisation and the data order",
     ),
     Protocol(
@@ -146,3 +164,6 @@ for _protocol in (
     ),
 ):
     register_protocol(_protocol)
+
+SUPERVISED_BASELINE = "semi"  # compare's supervised row: a run of it from scratch on the column's labels
+FROZEN_PROBE = "linear"  # what a row with no network to train (pixels) runs in a column that trains one

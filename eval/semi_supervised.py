@@ -315,15 +315,3 @@ def suite_settings(config: Any) -> list[tuple[str, dict[str, Any], tuple[str, ..
         )
         for pct in config.fractions
     ]
-
-
-def cell_settings(config: Any, fraction: int | None) -> dict[str, Any]:
-    """Its config in an ``eval compare`` cell: ``--semi-preset`` on ``fraction`` % of the labels (all of them for
-    a column without a fraction), at least ``--finetune-steps`` SGD steps."""
-    return {
-        "preset": config.semi_preset,
-        "fraction": fraction or 100,
-        "epochs": config.semi_epochs,
-        "batch_size": config.finetune_batch_size,
-        "min_steps": config.finetune_steps,
-    }

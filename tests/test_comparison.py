@@ -14,7 +14,7 @@ import torch
 from bt_hub import cli
 from bt_hub.common.records import fmt_mean_std
 from bt_hub.data.datasets import ArrayImageDataset
-from bt_hub.eval.compare_config import Column
+from bt_hub.eval.compare_config import Column, CompareConfig
 from bt_hub.eval.comparison import Source, compare
 from bt_hub.eval.comparison_report import Comparison, render_markdown
 from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS
@@ -309,3 +309,26 @@ def test_compare_md_states_the_k_the_vote_used_when_knn_k_exceeds_the_training_i
     used = {r["notes"]["neighbours_used"]["500"] for r in records}
     assert len(used) == 1 and (k := used.pop()) < 500
     assert f"- kNN: k = {k} (--knn-k 500 is more than the {k} training images)" in (out / "compare.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("protocols", "baselines", "read", "unread"),
+    [
+        ("knn", "pixels", {"knn_k"}, {"lr_grid", "val_fraction", "semi_epochs", "finetune_steps", "fractions"}),
+        ("semi", "pixels", {"lr_grid", "linear_epochs", "semi_epochs", "fractions"}, {"knn_k", "supervised_epochs"}),
+        ("semi", "random-init", {"semi_epochs", "finetune_steps"}, {"lr_grid", "linear_epochs", "supervised_epochs"}),
+        ("knn", "supervised", {"semi_preset", "finetune_steps", "supervised_epochs"}, {"semi_epochs", "lr_grid"}),
+    ],
+)
+def test_a_flag_is_unused_exactly_when_no_cell_runs_the_protocol_the_table_maps_it_to(
+    protocols, baselines, read, unread
+):
+    # pixels gets the grid probe in a column that trains the network; the supervised row reads semi's recipe but
+    # its own --supervised-epochs
+    unused = CompareConfig(weights=["w.pth"], protocols=[protocols], baselines=[baselines], out=None).unused_flags()
+    assert not read & set(unused) and unread <= set(unused)
+    if "lr_grid" in unread:
+        assert unused["lr_grid"] == (
+            "sets the linear column (and the pixels row of a column that trains the network), which this run does "
+            "not score"
+        )
