@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -12,7 +13,7 @@ from bt_hub.common.config import option
 from bt_hub.common.presets import from_preset, preset_values
 from bt_hub.common.records import SCHEMA
 from bt_hub.eval.config import EvalConfig
-from bt_hub.eval.protocols import get_protocol, list_protocols
+from bt_hub.eval.protocols import Protocol, get_protocol, list_protocols
 from bt_hub.eval.runner import evaluation, run_child
 
 
@@ -57,8 +58,9 @@ class SuiteConfig(EvalConfig):
             raise ValueError(
                 f"--voc07-devkit {self.voc07_devkit} is not a folder; point it to a VOC devkit or leave it out"
             )
-        preset_values(get_protocol("linear").config_class, self.linear_preset)
-        preset_values(get_protocol("semi").config_class, self.semi_preset)
+        for protocol, _, values, _ in _runs(self):  # an unknown --linear-preset / --semi-preset fails here
+            if "preset" in values:
+                preset_values(protocol.config_class, values["preset"])
         if any(f <= 0 or f > 100 for f in self.fractions):
             raise ValueError(f"--fractions must be percentages in (0, 100], got {self.fractions}")
         if self.subset_dir is not None:
@@ -85,6 +87,14 @@ def _shared(config: SuiteConfig, name: str, skip: tuple[str, ...]) -> dict[str, 
     return values | {"out": str(Path(config.out) / name) if config.out is not None else None}
 
 
+def _runs(config: SuiteConfig) -> Iterator[tuple[Protocol, str, dict[str, Any], tuple[str, ...]]]:
+    """Each run of ``eval all``: its protocol, folder, values and the shared flags it skips, in table order."""
+    for protocol in map(get_protocol, list_protocols(suite=True)):
+        settings = protocol.hook("suite_settings")
+        for folder, values, skip in settings(config) if settings else [(protocol.name, {}, ())]:
+            yield protocol, folder, values, skip
+
+
 def run_suite(config: SuiteConfig) -> dict[str, Any]:
     """Run every protocol of the table that ``eval all`` runs (:func:`bt_hub.eval.protocols.list_protocols`) on
     ``--weights``, read and hashed once; return ``{"results": [record, ...], ...}``.
@@ -93,13 +103,10 @@ def run_suite(config: SuiteConfig) -> dict[str, Any]:
     """
     with evaluation(config) as parent:
         records = []
-        for protocol in map(get_protocol, list_protocols(suite=True)):
-            settings = protocol.hook("suite_settings")
-            for folder, values, skip in settings(config) if settings else [(protocol.name, {}, ())]:
-                given = {k: v for k, v in values.items() if k != "preset"}
-                shared = _shared(config, folder, skip) | given
-                child = from_preset(protocol.config_class, values.get("preset"), **shared)
-                records.append(run_child(parent, child, protocol.hook("score")))
+        for protocol, folder, values, skip in _runs(config):
+            given = {k: v for k, v in values.items() if k != "preset"}
+            child = from_preset(protocol.config_class, values.get("preset"), **(_shared(config, folder, skip) | given))
+            records.append(run_child(parent, child, protocol.hook("score")))
         summary = {"results": records, "wall_time_s": time.perf_counter() - parent.started}
         parent.write(records, summary)
     return {"schema": SCHEMA, **summary}
