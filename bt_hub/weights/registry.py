@@ -141,13 +141,10 @@ def list_weights() -> list[str]:
 
 def find_weights(name: str) -> BarlowTwinsWeights | None:
     """The member called ``name`` (short, member or dotted name), or None."""
-    for member in BarlowTwinsWeights:
-        if name == member.short_name:
-            return member
     prefix, _, member_name = name.rpartition(".")
     if prefix in ("", BarlowTwinsWeights.__name__) and member_name in BarlowTwinsWeights.__members__:
         return BarlowTwinsWeights[member_name]
-    return None
+    return next((member for member in BarlowTwinsWeights if name == member.short_name), None)
 
 
 def get_weights(name: str) -> BarlowTwinsWeights:
