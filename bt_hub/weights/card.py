@@ -288,8 +288,7 @@ def model_card(
     own, baselines, others = (
         [described(r, config if k == "own" else None) for r in rows.get(k, [])] for k in ("own", "baselines", "others")
     )
-    index = model_index(own, title)
-    if index:
+    if index := model_index(own, title):
         data["model-index"] = index
     dim = config.get("feature_dim", 2048)
     resize, crop = preprocessing(config)

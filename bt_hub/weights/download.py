@@ -166,9 +166,7 @@ def download_unchecked(
         try:
             partial = staging / target.name
             _fetch(url, partial, seconds, progress)
-            actual = _verify(partial, url, target, sha256)
-            if expected_hash(target.name, sha256)[0] is None:
-                _record_sha256(target, actual)
+            _verify(partial, url, target, sha256)
             os.replace(partial, target)
             return target, True
         except _Retryable as err:
@@ -234,24 +232,25 @@ def _final(partial: Path) -> Path:
     return partial.parent.parent / partial.name
 
 
-def _verify(partial: Path, url: str, target: Path, sha256: str | None) -> str:
-    """Hash and parse a complete download (not retried: the server would send the same bytes); its sha256."""
+def _verify(partial: Path, url: str, target: Path, sha256: str | None) -> None:
+    """Hash and parse a complete download (not retried: the server would send the same bytes); with no expected
+    hash, record its sha256 beside ``target``."""
     expected, origin = expected_hash(target.name, sha256)
     actual = file_sha256(partial)
-    if expected is not None:
-        if not actual.startswith(expected):
-            raise DownloadError(
-                f"download of {url} has sha256 {actual[:16]}..., not the {origin} {expected[:16]}, so it was refused; "
-                f"nothing was cached at {target}; a retry fetches the same bytes: check that the URL names the file "
-                f"you meant (a replaced or forged file fails this check), or place at that path a file whose sha256 "
-                f"starts with {expected[:16]}"
-            )
+    if expected is not None and not actual.startswith(expected):
+        raise DownloadError(
+            f"download of {url} has sha256 {actual[:16]}..., not the {origin} {expected[:16]}, so it was refused; "
+            f"nothing was cached at {target}; a retry fetches the same bytes: check that the URL names the file "
+            f"you meant (a replaced or forged file fails this check), or place at that path a file whose sha256 "
+            f"starts with {expected[:16]}"
+        )
     try:
         read_file(partial)
     except CheckpointError as err:
         what = str(err).split(f"{partial} ", 1)[-1]
         raise DownloadError(f"download of {url} was refused: it {what}; {_fixes(url, target)}") from None
-    return actual
+    if expected is None:
+        _record_sha256(target, actual)
 
 
 def hf_download(
@@ -282,7 +281,9 @@ def hf_download(
     )
     try:
         if not (constants.HF_HUB_OFFLINE or local_files_only or (isinstance(cached, str) and not force_download)):
-            unreachable = _ask_once(hf, errors, repo_id, filename, revision or None, token, constants)
+            unreachable = _ask_once(
+                hf, errors, hf.hf_hub_url(repo_id, filename, revision=revision or None), token, constants
+            )
         path = hf.hf_hub_download(
             repo_id,
             filename,
@@ -355,11 +356,8 @@ def hub_client_errors(errors: Any) -> tuple[type[BaseException], ...]:
     return (OSError, *(c for c in errors.HfHubHTTPError.__bases__ if c is not OSError))
 
 
-def _ask_once(
-    hf, errors, repo_id: str, filename: str, revision: str | None, token: str | bool | None, constants
-) -> str | None:
-    """One metadata request, no retries: None when the Hub answered, else what went wrong."""
-    url = hf.hf_hub_url(repo_id, filename, revision=revision)
+def _ask_once(hf, errors, url: str, token: str | bool | None, constants) -> str | None:
+    """One metadata request for ``url``, no retries: None when the Hub answered, else what went wrong."""
     try:
         hf.get_hf_file_metadata(url, token=token, timeout=constants.HF_HUB_ETAG_TIMEOUT)
     except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.EntryNotFoundError):

@@ -166,7 +166,7 @@ def save_hf_folder(
     state = _backbone_only(backbone_state)
     arch, small = infer_architecture(state, str(folder))
     ours = {
-        **dict(config or {}),
+        **{k: v for k, v in (config or {}).items() if k not in ("backbone", "projector")},
         "architecture": arch,
         "small_image_stem": small,
         "feature_dim": ARCHITECTURES[arch].feature_dim,
@@ -174,8 +174,6 @@ def save_hf_folder(
         "bt_hub_version": package_version(),
         "provenance": provenance,
     }
-    ours.pop("backbone", None)
-    ours.pop("projector", None)
     if projector:
         ours["projector"] = projector_spec(projector)
     ours.update(timm_fields(ours))
@@ -330,7 +328,5 @@ def export(config: ExportConfig) -> Path:
         )
     _refuse_existing(out, config.force)
     if config.format == "safetensors":
-        path = save_safetensors(state, out, {**_input_metadata(info), "source_format": info["format"]})
-    else:
-        path = save_detectron2(state, out, _input_metadata(info))
-    return path
+        return save_safetensors(state, out, {**_input_metadata(info), "source_format": info["format"]})
+    return save_detectron2(state, out, _input_metadata(info))

@@ -112,8 +112,7 @@ def load_backbone(
     state = {k: state[k].to(v.dtype) if k in state else torch.zeros((), dtype=v.dtype) for k, v in expected.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.weights_info = {**info, **settings}
-    size = {"image_size": settings["image_size"]}
-    model.transforms = get_weights(info["weights"]).transforms() if info["weights"] else transforms_for(size)
+    model.transforms = get_weights(info["weights"]).transforms() if info["weights"] else transforms_for(settings)
     return model.to(map_location)
 
 

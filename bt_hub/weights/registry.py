@@ -21,7 +21,6 @@ from bt_hub.weights.download import (
     download,
     download_unchecked,
     expected_hash,
-    hf_download,
     recorded_sha256,
     sha256_record,
 )
@@ -123,22 +122,15 @@ class BarlowTwinsWeights(torchvision.models.WeightsEnum):
             return getattr(self.value, name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
-    def cache_path(self) -> Path | None:
-        """Where the download cache keeps the file (under ``$TORCH_HOME``); None for Hub-hosted weights."""
-        return None if self.url.startswith("hf://") else cache_path(self.url, self.value.file_name)
+    def cache_path(self) -> Path:
+        """Where the download cache keeps the file (under ``$TORCH_HOME``)."""
+        return cache_path(self.url, self.value.file_name)
 
     def get_state_dict(self, progress: bool = True, *, allow_non_finite: bool = False) -> dict[str, torch.Tensor]:
         """The backbone state dict (torchvision names, no ``fc``), downloaded and verified once."""
-        hub = self.url.startswith("hf://")
-        if hub:
-            path = hf_download(self.url[len("hf://") :], "model.safetensors")
-        else:
-            path = download_unchecked(self.url, file_name=self.value.file_name, sha256=self.sha256, progress=progress)[
-                0
-            ]
+        path = download_unchecked(self.url, file_name=self.value.file_name, sha256=self.sha256, progress=progress)[0]
         state, info = read_backbone(path, allow_non_finite=allow_non_finite)
-        if not hub:
-            check_cached(path, self.url, self.sha256, info["sha256"])  # the bytes just read: one read, one hash
+        check_cached(path, self.url, self.sha256, info["sha256"])  # the bytes just read: one read, one hash
         return state
 
 
@@ -149,13 +141,10 @@ def list_weights() -> list[str]:
 
 def find_weights(name: str) -> BarlowTwinsWeights | None:
     """The member called ``name`` (short, member or dotted name), or None."""
-    for member in BarlowTwinsWeights:
-        if name == member.short_name:
-            return member
     prefix, _, member_name = name.rpartition(".")
     if prefix in ("", BarlowTwinsWeights.__name__) and member_name in BarlowTwinsWeights.__members__:
         return BarlowTwinsWeights[member_name]
-    return None
+    return next((member for member in BarlowTwinsWeights if name == member.short_name), None)
 
 
 def get_weights(name: str) -> BarlowTwinsWeights:
@@ -177,10 +166,10 @@ def weights_table(config: ListWeightsConfig | None = None) -> str:
             (
                 member.short_name,
                 member.architecture,
-                "yes" if path is not None and path.is_file() else "no",
+                "yes" if path.is_file() else "no",
                 _listed_sha256(member, path),
                 member.url,
-                str(path) if path is not None else "(Hugging Face cache, HF_HOME)",
+                str(path),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
@@ -215,10 +204,6 @@ def download_weights(config: DownloadWeightsConfig) -> str:
                 f"weights {name!r} are unknown; expected a registered name ({', '.join(list_weights())}) or an "
                 "http(s):// URL"
             )
-        if member is not None and member.url.startswith("hf://"):
-            path = hf_download(member.url[len("hf://") :], "model.safetensors")
-            lines.append(f"{name}: {path} (sha256 {file_sha256(path)}; Hugging Face cache)")
-            continue
         url, file_name, sha256 = (member.url, member.file_name, member.sha256) if member else (name, None, None)
         path = download(url, file_name=file_name, sha256=sha256)
         origin = (
@@ -251,7 +236,7 @@ def verify_weights(config: VerifyWeightsConfig) -> str:
     known = []
     for member in BarlowTwinsWeights:
         cached = member.cache_path()
-        recorded = recorded_sha256(cached) if cached is not None and not member.sha256 else None
+        recorded = recorded_sha256(cached) if not member.sha256 else None
         for sha256, origin in ((member.sha256, "its published sha256"), (recorded, f"recorded in {cached}.sha256")):
             if sha256 and actual == sha256.lower():
                 return f"{config.file}: sha256 {actual} is {member.short_name} ({origin})"
@@ -267,12 +252,12 @@ def verify_weights(config: VerifyWeightsConfig) -> str:
     raise ValueError(f"{config.file} (sha256 {actual}) is none of the registered weights: {'; '.join(parts)}")
 
 
-def _listed_sha256(member: BarlowTwinsWeights, path: Path | None) -> str:
+def _listed_sha256(member: BarlowTwinsWeights, path: Path) -> str:
     """The sha256 column of ``weights_table``: published, recorded at first use, or "unverified"."""
     if member.sha256:
         return member.sha256[:16]
     try:
-        recorded = recorded_sha256(path) if path is not None else None
+        recorded = recorded_sha256(path)
     except DownloadError:
         return "damaged-record"  # loading says which file and what to do
     return f"recorded:{recorded[:16]}" if recorded else "unverified"

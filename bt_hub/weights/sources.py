@@ -61,10 +61,10 @@ class ResolvedWeights:
 def resolve(source: WeightsSource, *, progress: bool = True, projector: bool = False) -> ResolvedWeights:
     """The local weights file behind ``source``, fetched and verified first when remote."""
     if isinstance(source, BarlowTwinsWeights):
-        return _from_record(source, progress, projector)
+        return _from_record(source, progress)
     text = os.fspath(source)
     if text.startswith("hf://"):
-        return _from_hub(text, text[len("hf://") :], None, projector)
+        return _from_hub(text, text[len("hf://") :], projector)
     if text.startswith(("http://", "https://")):
         return ResolvedWeights(text, download_unchecked(text, progress=progress)[0], None, None, text)
     path = Path(text).expanduser()
@@ -72,12 +72,12 @@ def resolve(source: WeightsSource, *, progress: bool = True, projector: bool = F
         return _from_path(path, text)
     member = find_weights(text)
     if member is not None:
-        return _from_record(member, progress, projector)
+        return _from_record(member, progress)
     if looks_like_path(text):
         where = "" if str(path.absolute()) == text else f" ({path.absolute()})"
         raise CheckpointError(f"weights {text}: no such file or folder{where}")
     if _HUB_ID.fullmatch(text.partition("@")[0]):
-        return _from_hub(text, text, None, projector, bare=True)
+        return _from_hub(text, text, projector, bare=True)
     raise CheckpointError(
         f"weights {text!r} name no file or folder, URL, Hub repo (org/name) or registered weights; "
         f"registered names: {', '.join(list_weights())}"
@@ -96,15 +96,13 @@ def looks_like_path(text: str) -> bool:
     )
 
 
-def _from_record(member: BarlowTwinsWeights, progress: bool, projector: bool) -> ResolvedWeights:
+def _from_record(member: BarlowTwinsWeights, progress: bool) -> ResolvedWeights:
     record = member.value
-    if record.url.startswith("hf://"):
-        return _from_hub(record.short_name, record.url[len("hf://") :], record, projector)
     path = download_unchecked(record.url, file_name=record.file_name, sha256=record.sha256, progress=progress)[0]
     return ResolvedWeights(record.short_name, path, None, record, record.url)
 
 
-def _from_hub(text: str, spec: str, record: Weights | None, projector: bool, *, bare: bool = False) -> ResolvedWeights:
+def _from_hub(text: str, spec: str, projector: bool, *, bare: bool = False) -> ResolvedWeights:
     try:
         weights = cast(Path, hf_download(spec, "model.safetensors"))
     except DownloadError as err:
@@ -117,7 +115,7 @@ def _from_hub(text: str, spec: str, record: Weights | None, projector: bool, *, 
     hf_download(same_commit, "config.json", required=False)
     if projector:
         hf_download(same_commit, "projector.safetensors", required=False)
-    return ResolvedWeights(text, weights, read_config(weights.parent / "config.json"), record)
+    return ResolvedWeights(text, weights, read_config(weights.parent / "config.json"), None)
 
 
 def _from_path(path: Path, text: str) -> ResolvedWeights:
