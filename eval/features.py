@@ -281,6 +281,7 @@ def iter_feature_batches(
     backbone.eval().to(device, memory_format=torch.channels_last)
     done = 0
     batches = Prefetcher(source, prepare, device, depth=2 if on_device else 0)
+    pending: tuple[tuple[torch.Tensor, torch.Tensor], torch.cuda.Event] | None = None
     try:
         with torch.no_grad(), torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
             for images, labels in batches:
@@ -290,7 +291,22 @@ def iter_feature_batches(
                     feats, labels = all_gather_cat(feats), all_gather_cat(labels)
                 take = min(len(feats), n - first - done)
                 done += take
-                yield feats[:take].cpu(), labels[:take].cpu()
+                # non_blocking: on CUDA the copy lands in pinned memory without stopping the host
+                batch = feats[:take].to("cpu", non_blocking=True), labels[:take].to("cpu", non_blocking=True)
+                if device.type != "cuda":
+                    yield batch
+                    continue
+                # hand over the batch before this one while this one runs: the host queues the next forward
+                # before it waits for a copy, so the GPU does not idle between batches
+                copied = torch.cuda.Event()
+                copied.record()
+                if pending is not None:
+                    pending[1].synchronize()
+                    yield pending[0]
+                pending = batch, copied
+            if pending is not None:
+                pending[1].synchronize()
+                yield pending[0]
     finally:
         batches.close()
         # back to the layout as loaded: a protocol fine-tuning the network next (eval all's semi) would compute
