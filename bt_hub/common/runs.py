@@ -94,16 +94,6 @@ def run_kind(path: str | os.PathLike) -> str | None:
     return None
 
 
-def _check_kind(path: Path, kind: str, flag: str) -> None:
-    found = run_kind(path)
-    if found is None or found == kind:
-        return
-    raise ValueError(
-        f"{flag} {path} holds a bt-hub {found} run, and bt-hub {kind} does not write into a folder of another kind "
-        f"of run; choose another {flag}"
-    )
-
-
 def lock_holder(path: str | os.PathLike) -> dict[str, Any] | None:
     """What the live run holding ``path``'s lock wrote there (pid, host, started, command; {} if unreadable), or
     None when no live process holds it (probed with a shared lock, released at once)."""
@@ -151,7 +141,11 @@ def check_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False
             f"choose another {flag}, or pass --overwrite to write into it anyway (files of the same names are replaced)"
         )
     if path.is_dir():
-        _check_kind(path, kind, flag)
+        if (found := run_kind(path)) not in (None, kind):
+            raise ValueError(
+                f"{flag} {path} holds a bt-hub {found} run, and bt-hub {kind} does not write into a folder of another "
+                f"kind of run; choose another {flag}"
+            )
         if lock_holder(path) is not None:  # a live run holds its lock
             raise RunDirBusyError(_busy(path, path / LOCK_NAME, flag))
     return path
@@ -266,17 +260,6 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-def _start_record() -> dict[str, Any]:
-    return {
-        "command": sys.argv,
-        "started": _now(),
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "bt_hub_version": package_version(),
-        **git_state(),
-    }
-
-
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The rows of a JSON-lines log; a last line cut short by a crash is dropped with a warning."""
     path = Path(path)
@@ -365,7 +348,12 @@ class RunDir:
         path = self.path / "run.json"
         record = read_json(path)
         now = {
-            **_start_record(),
+            "command": sys.argv,
+            "started": _now(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "bt_hub_version": package_version(),
+            **git_state(),
             "run_id": self.run_id,
             "config": config_dict(config) if config is not None else None,
             **(facts or {}),
