@@ -73,9 +73,7 @@ def _regular_file(path: Path) -> bool:
 def is_bt_hub_dir(path: str | os.PathLike) -> bool:
     """True when ``path`` holds bt_hub's marker (or a run.json / results.json an earlier bt_hub wrote)."""
     path = Path(path)
-    if _regular_file(path / MARKER_NAME):
-        return True
-    return any(
+    return _regular_file(path / MARKER_NAME) or any(
         isinstance(r := read_json(path / name), dict) and "bt_hub_version" in r for name in ("run.json", "results.json")
     )
 
