@@ -53,6 +53,23 @@ class Command(NamedTuple):
     help: str
 
 
+def _eval_commands() -> dict[str, Command]:
+    """``bt-hub eval``'s subcommands: every protocol of the table (bt_hub.eval.protocols), then ``all`` and
+    ``compare``, which run the table's protocols."""
+    protocols = (get_protocol(name) for name in list_protocols())
+    return {p.name: Command(p.module, p.config, "run", p.help) for p in protocols} | {
+        "all": Command(
+            "bt_hub.eval.suite", "SuiteConfig", "run_suite", "every classification protocol on one checkpoint"
+        ),
+        "compare": Command(
+            "bt_hub.eval.comparison",
+            "CompareConfig",
+            "run",
+            "weights against baselines (pixels, random init, supervised), every cell mean ± std over seeds",
+        ),
+    }
+
+
 COMMANDS: dict[str, Command | dict[str, Command]] = {
     "demo": Command(
         "bt_hub.eval.demo",
@@ -98,7 +115,7 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
             "which registered weights a file is, by its sha256 (published, or recorded at first download)",
         ),
     },
-    "eval": {},  # filled from the protocol table by _eval_commands (commands())
+    "eval": _eval_commands(),  # the protocol table's, as it was at import (commands(): as it is now)
     "embed": Command(
         "bt_hub.eval.embedding",
         "EmbedConfig",
@@ -118,26 +135,6 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
         "write the generated shapes detection set (VOC + COCO layouts) that checks an installation",
     ),
 }
-
-
-def _eval_commands() -> dict[str, Command]:
-    """``bt-hub eval``'s subcommands: every protocol of the table (bt_hub.eval.protocols), then ``all`` and
-    ``compare``, which run the table's protocols."""
-    protocols = (get_protocol(name) for name in list_protocols())
-    return {p.name: Command(p.module, p.config, "run", p.help) for p in protocols} | {
-        "all": Command(
-            "bt_hub.eval.suite", "SuiteConfig", "run_suite", "every classification protocol on one checkpoint"
-        ),
-        "compare": Command(
-            "bt_hub.eval.comparison",
-            "CompareConfig",
-            "run",
-            "weights against baselines (pixels, random init, supervised), every cell mean ± std over seeds",
-        ),
-    }
-
-
-COMMANDS["eval"] = _eval_commands()
 
 
 def commands() -> dict[str, Command | dict[str, Command]]:
@@ -253,25 +250,21 @@ def _summary(result: Any, out: Any) -> str | None:
     """The metrics table and files written of an evaluation's return value; None for other commands."""
     from bt_hub.common.records import RESULT_FILES, records_in, summary_text
 
-    if (
-        not isinstance(result, dict)
-        or not ("metrics" in result or "results" in result)
-        or os.environ.get("RANK", "0") != "0"
-    ):
+    if not isinstance(result, dict) or not ("metrics" in result or "results" in result):
         return None
     written = [Path(out) / name for name in RESULT_FILES if out is not None and (Path(out) / name).exists()]
     return summary_text(records_in(result), written)
 
 
-def _resolve(argv: Sequence[str]) -> tuple[list[str], Command | None, list[str]]:
-    """Split argv into the command path, the Command found (or None) and the rest."""
+def _resolve(argv: Sequence[str]) -> tuple[list[str], Any, list[str]]:
+    """Split argv into the command path, what it leads to (a Command, or a group's table) and the rest."""
     table: Any = commands()
     path: list[str] = []
     rest = list(argv)
     while rest and isinstance(table, dict) and rest[0] in table:
         path.append(rest.pop(0))
         table = table[path[-1]]
-    return path, table if isinstance(table, Command) else None, rest
+    return path, table, rest
 
 
 def _overview(path: list[str], table: dict[str, Any]) -> str:
@@ -316,10 +309,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bt-hub {__version__}")
         return 0
     path, command, rest = _resolve(argv)
-    if command is None:
-        return _no_command(path, rest)
+    if not isinstance(command, Command):
+        return _no_command(path, command, rest)
     prefix = f"bt-hub {' '.join(path)}"
-    debug = bool(os.environ.get("BT_HUB_DEBUG"))
     config = None
     from bt_hub.common.signals import EXIT_CODE, Terminated, held_signals, raise_terminated
 
@@ -353,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{prefix}: {how}; {interrupted(path, rest, config, started)}", file=sys.stderr)
         return EXIT_CODE if stopped else 130
     except Exception as err:
-        if debug:
+        if os.environ.get("BT_HUB_DEBUG"):
             raise
         print(f"{prefix}: error: {_error_text(err)}", file=sys.stderr)
         return 2 if isinstance(err, REFUSED) else 1
@@ -362,11 +354,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_IGN if console else previous)
             if console:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
-    summary = _summary(result, getattr(config, "out", None))
-    if summary:
-        print(summary)
-    elif os.environ.get("RANK", "0") == "0" and (described := _describe(result, config)) is not None:
-        print(described)
+    if os.environ.get("RANK", "0") == "0":  # the main process speaks for every rank
+        described = _summary(result, getattr(config, "out", None)) or _describe(result, config)
+        if described is not None:
+            print(described)
     return 0
 
 
@@ -387,11 +378,8 @@ def _error_text(err: Exception) -> str:
     )
 
 
-def _no_command(path: list[str], rest: list[str]) -> int:
+def _no_command(path: list[str], table: dict[str, Any], rest: list[str]) -> int:
     """A group named without a command: its overview (exit 0 for ``--help``, 2 when bare), or an unknown command (2)."""
-    table: Any = commands()
-    for p in path:
-        table = table[p]
     if rest and rest[0] not in ("-h", "--help"):
         name = " ".join(["bt-hub", *path])
         print(

@@ -38,23 +38,13 @@ def is_main_process() -> bool:
     return get_rank() == 0
 
 
-def launched_by_torchrun() -> bool:
-    """True when torchrun's environment variables describe more than one process."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def exit_with_launcher() -> None:
-    """Under torchrun on Linux, have the kernel SIGKILL this worker when its launcher dies, so none writes on."""
-    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-
-
 def init_distributed(device: str = "cpu") -> torch.device:
     """Join the torchrun process group if launched by torchrun (nccl on CUDA, else gloo); return this rank's device."""
-    exit_with_launcher()
-    if not launched_by_torchrun():
+    if sys.platform.startswith("linux") and "TORCHELASTIC_RUN_ID" in os.environ:
+        # under torchrun on Linux, have the kernel SIGKILL this worker when its launcher dies, so none writes on
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # torchrun's environment describes one process, or none
         return torch.device(device)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device.startswith("cuda"):

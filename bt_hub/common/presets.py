@@ -32,14 +32,6 @@ def presets_of(cls: type) -> dict[str, dict[str, Any]]:
     return dict(getattr(cls, "PRESETS", None) or {})
 
 
-def default_preset(cls: type) -> str | None:
-    """The preset used when none is named: the ``preset`` field's default, else None (the plain defaults)."""
-    for f in dataclasses.fields(cls):
-        if f.name == "preset" and f.default is not dataclasses.MISSING:
-            return f.default
-    return None
-
-
 def preset_values(cls: type, name: str) -> dict[str, Any]:
     """The field values preset ``name`` of ``cls`` sets over the defaults (else ValueError)."""
     presets = presets_of(cls)
@@ -53,13 +45,16 @@ def preset_values(cls: type, name: str) -> dict[str, Any]:
 
 
 def from_preset(cls: type[C], name: str | None = None, /, **given: Any) -> C:
-    """A ``cls`` config: dataclass defaults, then preset ``name`` (default: ``default_preset(cls)``), then ``given``."""
+    """A ``cls`` config: dataclass defaults, then preset ``name`` (default: the ``preset`` field's default, else
+    none: the plain defaults), then ``given``."""
     if name is not None and not isinstance(name, str):
         raise SettingError(f"preset must be the name of a preset (a string), got {_shown(name)}")
-    name = name if name is not None else default_preset(cls)
+    field = next((f for f in dataclasses.fields(cls) if f.name == "preset"), None)
+    if name is None and field is not None and field.default is not dataclasses.MISSING:
+        name = field.default  # the preset used when none is named
     values = preset_values(cls, name) if name is not None else {}
     values.update(check_values(cls, given, literals=False))
-    if name is not None and any(f.name == "preset" for f in dataclasses.fields(cls)):
+    if name is not None and field is not None:
         values["preset"] = name
     config = cls(**values)
     check_values(cls, {k: getattr(config, k) for k in given}, literals="only")  # what __post_init__ let through
@@ -236,15 +231,9 @@ def overrides(config: Any, ignore: Iterable[str] = ()) -> dict[str, dict[str, An
     cls = type(config)
     name = getattr(config, "preset", None)
     reference = baseline(cls, name if name in presets_of(cls) else None)
-    skipped = set(ignore) | {"preset"}
-    changed = {}
-    for f in dataclasses.fields(cls):
-        if f.name in skipped or f.name not in reference:
-            continue
-        value = getattr(config, f.name)
-        if not _same(value, reference[f.name]):
-            changed[f.name] = {"value": value, "preset": reference[f.name]}
-    return changed
+    compared = set(reference) - set(ignore) - {"preset"}
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls) if f.name in compared}
+    return {k: {"value": v, "preset": reference[k]} for k, v in values.items() if not _same(v, reference[k])}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -257,11 +246,11 @@ def describe_presets(cls: type) -> str:
     """One clause per preset naming the flags it sets, for ``--preset``'s help."""
     # a field may have a flag of another name
     flags = {f.name: f.metadata.get("flag", f.name) for f in dataclasses.fields(cls)}
-    parts = []
-    for name, values in presets_of(cls).items():
-        settings = " ".join(_as_flag(flags.get(k, k), v) for k, v in values.items()) or "the defaults"
-        parts.append(f"{name}: {settings}")
-    return "; ".join(parts)
+    settings = {
+        name: " ".join(_as_flag(flags.get(k, k), v) for k, v in values.items())
+        for name, values in presets_of(cls).items()
+    }
+    return "; ".join(f"{name}: {text or 'the defaults'}" for name, text in settings.items())
 
 
 def _as_flag(name: str, value: Any) -> str:

@@ -33,8 +33,6 @@ class LineProgress:
         file: IO[str] | None = None,
         iterable: Iterable[Any] | None = None,
     ) -> None:
-        if every <= 0:
-            raise ValueError(f"every must be positive, got {every}")
         self.total, self.desc, self.n, self.unit, self.every = total, desc, initial, unit, every
         self.file = file if file is not None else sys.stderr
         self.iterable = iterable

@@ -113,10 +113,7 @@ def make_record(
         "versions": versions(),
         "warnings": list(warnings),
     }
-    if labels:
-        record["labels"] = dict(labels)
-    if notes:
-        record["notes"] = dict(notes)
+    record |= {key: dict(given) for key, given in (("labels", labels), ("notes", notes)) if given}
     return json.loads(json.dumps(record, default=str))
 
 
@@ -191,7 +188,7 @@ def labels_text(record: Mapping[str, Any]) -> str:
         )
     elif source == "seeded":
         source = f"seeded class-balanced, seed {labels.get('seed')}"
-    return f"{_number(pct)}% labels" + (f" ({source})" if source else "")
+    return f"{_value(pct)}% labels" + (f" ({source})" if source else "")
 
 
 def overrides_text(record: Mapping[str, Any]) -> str:
@@ -213,7 +210,7 @@ def setting(record: Mapping[str, Any]) -> str:
     parts.append(overrides_text(record))
     holdout = (record.get("dataset") or {}).get("holdout") if isinstance(record.get("dataset"), Mapping) else None
     if holdout:
-        parts.append(f"test: held-out {_number(100 * holdout['fraction'])}% of train (seed {holdout['seed']})")
+        parts.append(f"test: held-out {_value(100 * holdout['fraction'])}% of train (seed {holdout['seed']})")
     return "; ".join(p for p in parts if p)
 
 
@@ -255,10 +252,6 @@ def paper_comparable(record: Mapping[str, Any]) -> Mapping[str, Any] | None:
     if re.sub(r"[^a-z0-9]", "", str(dataset.get("name") or "").lower()) not in paper.get("folders", ()):
         return None
     return paper if size is None or size == paper.get("test_size") else None
-
-
-def _number(value: Any) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _value(value: Any) -> str:

@@ -73,9 +73,7 @@ def _regular_file(path: Path) -> bool:
 def is_bt_hub_dir(path: str | os.PathLike) -> bool:
     """True when ``path`` holds bt_hub's marker (or a run.json / results.json an earlier bt_hub wrote)."""
     path = Path(path)
-    if _regular_file(path / MARKER_NAME):
-        return True
-    return any(
+    return _regular_file(path / MARKER_NAME) or any(
         isinstance(r := read_json(path / name), dict) and "bt_hub_version" in r for name in ("run.json", "results.json")
     )
 
@@ -92,16 +90,6 @@ def run_kind(path: str | os.PathLike) -> str | None:
     if isinstance(config, dict) and {"projector", "lr_weights"} <= set(config):
         return "pretrain"
     return None
-
-
-def _check_kind(path: Path, kind: str, flag: str) -> None:
-    found = run_kind(path)
-    if found is None or found == kind:
-        return
-    raise ValueError(
-        f"{flag} {path} holds a bt-hub {found} run, and bt-hub {kind} does not write into a folder of another kind "
-        f"of run; choose another {flag}"
-    )
 
 
 def lock_holder(path: str | os.PathLike) -> dict[str, Any] | None:
@@ -151,7 +139,11 @@ def check_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False
             f"choose another {flag}, or pass --overwrite to write into it anyway (files of the same names are replaced)"
         )
     if path.is_dir():
-        _check_kind(path, kind, flag)
+        if (found := run_kind(path)) not in (None, kind):
+            raise ValueError(
+                f"{flag} {path} holds a bt-hub {found} run, and bt-hub {kind} does not write into a folder of another "
+                f"kind of run; choose another {flag}"
+            )
         if lock_holder(path) is not None:  # a live run holds its lock
             raise RunDirBusyError(_busy(path, path / LOCK_NAME, flag))
     return path
@@ -266,17 +258,6 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-def _start_record() -> dict[str, Any]:
-    return {
-        "command": sys.argv,
-        "started": _now(),
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "bt_hub_version": package_version(),
-        **git_state(),
-    }
-
-
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The rows of a JSON-lines log; a last line cut short by a crash is dropped with a warning."""
     path = Path(path)
@@ -365,7 +346,12 @@ class RunDir:
         path = self.path / "run.json"
         record = read_json(path)
         now = {
-            **_start_record(),
+            "command": sys.argv,
+            "started": _now(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "bt_hub_version": package_version(),
+            **git_state(),
             "run_id": self.run_id,
             "config": config_dict(config) if config is not None else None,
             **(facts or {}),

@@ -194,9 +194,8 @@ def build_dataset(
             ) from None
         full = synthetic_dataset(n, image_size or 32, seed=seed)
         n_test = int(round(n * test_fraction))
-        if split == "train":
-            return ArrayImageDataset(full.images[n_test:], np.array(full.targets[n_test:]), full.classes)
-        return ArrayImageDataset(full.images[:n_test], np.array(full.targets[:n_test]), full.classes)
+        part = slice(n_test, None) if split == "train" else slice(None, n_test)
+        return ArrayImageDataset(full.images[part], np.array(full.targets[part]), full.classes)
     root = Path(spec).expanduser()
     if not root.exists():
         raise FileNotFoundError(

@@ -14,6 +14,7 @@ The path of one file, from disk to a batch on the device:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Sequence
@@ -139,24 +140,19 @@ def decode_images(items: Sequence[EncodedImage], device: str | torch.device) -> 
     that nvJPEG still refused, one file in many thousands.
     """
     device = torch.device(device)
-    out: list[torch.Tensor | None] = [None] * len(items)
     batch = [i for i, item in enumerate(items) if item.device_decodable]
+    decoded: dict[int, torch.Tensor] = {}
     if batch:
         try:
-            decoded = _decode_jpegs([items[i].data for i in batch], device)
-        except RuntimeError:
-            decoded = []
+            decoded = dict(zip(batch, _decode_jpegs([items[i].data for i in batch], device)))
+        except RuntimeError:  # one at a time: only the files nvJPEG refuses go to PIL
             for i in batch:
-                try:
-                    decoded.append(_decode_jpegs([items[i].data], device)[0])
-                except RuntimeError:
-                    decoded.append(None)
-        for i, image in zip(batch, decoded):
-            out[i] = image
-    for i, image in enumerate(out):
-        if image is None:
-            out[i] = decode_on_cpu(items[i]).to(device, non_blocking=True)
-    return out  # type: ignore[return-value]
+                with contextlib.suppress(RuntimeError):
+                    decoded[i] = _decode_jpegs([items[i].data], device)[0]
+    return [
+        decoded[i] if i in decoded else decode_on_cpu(item).to(device, non_blocking=True)
+        for i, item in enumerate(items)
+    ]
 
 
 def to_device_images(
@@ -173,8 +169,7 @@ def to_device_images(
     if not files and batch.shapes and len(set(batch.shapes)) == 1:
         return batch.data.to(device, non_blocking=True).view(len(batch.shapes), *batch.shapes[0])
     moved = batch.data if len(files) == len(batch.shapes) else batch.data.to(device, non_blocking=True)
-    sizes = [shape.numel() for shape in batch.shapes]
-    out = [part.view(shape) for part, shape in zip(torch.split(moved, sizes), batch.shapes)]
+    out = PackedItems(moved, batch.shapes, None, None).unpack()  # the images as views, the files' bytes replaced
     if files:
         items = batch.unpack()
         for i, image in zip(files, decode_images([items[i] for i in files], device)):  # type: ignore[misc]

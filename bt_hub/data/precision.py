@@ -105,8 +105,7 @@ def precision_choice(precision: str, device: str | torch.device) -> dict[str, An
         raise ValueError(f"--precision {precision!r} is unknown; expected one of {PRECISIONS}")
     if precision != "auto":
         return {"precision": precision, "precision_reason": f"--precision {precision}"}
-    device = torch.device(device)
-    if device.type == "cuda":
+    if torch.device(device).type == "cuda":
         fast = torch.cuda.is_bf16_supported()
         return {
             "precision": "bf16" if fast else "fp32",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -47,10 +47,7 @@ class Prefetcher:
                     if self._stop.is_set():
                         return
                     out = self._prepare(item)
-                    event = None
-                    if self._stream is not None:
-                        event = torch.cuda.Event()
-                        event.record(self._stream)
+                    event = self._stream.record_event() if self._stream is not None else None  # a new Event, recorded
                     self._put((out, event, None))
             self._put(_END)
         except BaseException as err:  # handed to the consumer, raised there
@@ -58,11 +55,9 @@ class Prefetcher:
 
     def _put(self, value: Any) -> None:
         while not self._stop.is_set():
-            try:
+            with contextlib.suppress(queue.Full):
                 self._queue.put(value, timeout=0.1)
                 return
-            except queue.Full:
-                continue
 
     def __iter__(self) -> Prefetcher:
         return self
@@ -83,8 +78,9 @@ class Prefetcher:
         if event is not None:
             stream = torch.cuda.current_stream(self._device)
             stream.wait_event(event)
-            for tensor in _tensors(out):
-                tensor.record_stream(stream)
+            for tensor in [out] if isinstance(out, torch.Tensor) else out:
+                if isinstance(tensor, torch.Tensor):
+                    tensor.record_stream(stream)
         return out
 
     def close(self) -> None:
@@ -102,9 +98,3 @@ class Prefetcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _tensors(out: Any) -> Sequence[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    return [t for t in out if isinstance(t, torch.Tensor)]

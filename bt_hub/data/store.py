@@ -420,7 +420,6 @@ def store_device(mode: str, nbytes: int, device: torch.device) -> torch.device:
 def fits_auto(n: int, per_image: int, directory: str | os.PathLike | None) -> bool:
     """Whether ``auto`` makes a store of ``n`` images of about ``per_image`` bytes: at most ``AUTO_MAX_BYTES`` and
     half the free space of ``directory`` (of the memory available, without one)."""
-    total = n * per_image
     if directory is None:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     else:
@@ -428,4 +427,4 @@ def fits_auto(n: int, per_image: int, directory: str | os.PathLike | None) -> bo
         while not existing.exists():
             existing = existing.parent
         free = shutil.disk_usage(existing).free
-    return total <= min(AUTO_MAX_BYTES, free / 2)
+    return n * per_image <= min(AUTO_MAX_BYTES, free / 2)
