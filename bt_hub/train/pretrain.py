@@ -111,10 +111,7 @@ def _resume_state(config: PretrainConfig, out: Path) -> dict[str, Any] | None:
                 "to replace that run with a new one, or choose a new --out"
             )
         return None
-    if config.resume == "auto":
-        path = own
-    else:
-        path = Path(config.resume)
+    path = own if config.resume == "auto" else Path(config.resume)
     state = load_checkpoint(path)
     for key in RESUME_INVARIANTS:
         saved, now = state["config"].get(key), getattr(config, key)
