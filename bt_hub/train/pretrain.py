@@ -231,7 +231,6 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
 
     model, optimizer, scaler, step = _seeded_model(config, device, state)
     step_module = _wrapped(model, config, device, world, last_step - step)  # before the probe: it sees wrapped BNs
-    amp_dtype = autocast_dtype(config.precision)
     if state is None and config.overwrite and is_main_process():
         _clear_replaced_run(out, config)
     run.start(config, step, fresh=state is None and (config.resume is None or config.overwrite), facts=chosen)
@@ -258,7 +257,7 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
         optimizer=optimizer,
         scaler=scaler,
         step_module=step_module,
-        amp_dtype=amp_dtype,
+        amp_dtype=autocast_dtype(config.precision),
         views=views,
         batched=batched,
         steps_per_epoch=steps_per_epoch,
