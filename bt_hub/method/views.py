@@ -141,9 +141,8 @@ def sample_view_params(
     params["flip"] = uniform(batch_size) < view.flip_p
     params["jitter"] = uniform(batch_size) < view.jitter_p
     u = uniform(batch_size, 4)
-    params["brightness"] = 1 - view.brightness + 2 * view.brightness * u[:, 0]
-    params["contrast"] = 1 - view.contrast + 2 * view.contrast * u[:, 1]
-    params["saturation"] = 1 - view.saturation + 2 * view.saturation * u[:, 2]
+    for i, name in enumerate(("brightness", "contrast", "saturation")):  # factors in [1 - s, 1 + s]
+        params[name] = 1 - getattr(view, name) + 2 * getattr(view, name) * u[:, i]
     params["hue"] = -view.hue + 2 * view.hue * u[:, 3]
     params["jitter_order"] = torch.argsort(uniform(batch_size, 4), dim=1)
     params["grayscale"] = uniform(batch_size) < view.grayscale_p
