@@ -378,3 +378,30 @@ def test_torchrun_two_gloo_processes_train_with_global_batchnorm_and_write_one_r
     assert len((out / "results.jsonl").read_text().splitlines()) == 1  # rank 0 only
     config = json.loads((out / "trial0" / "run.json").read_text())["config"]
     assert config["SOLVER"]["IMS_PER_BATCH"] == 2 and len(_rows(out / "trial0")) == 3
+
+
+def test_a_flipped_training_image_mirrors_its_boxes_and_leaves_the_record_as_it_was(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from bt_hub.eval.detection.data import DetectionDataset, Record
+
+    Image.new("RGB", (10, 4)).save(tmp_path / "a.png")
+    no = np.zeros(1, dtype=bool)
+    record = Record(
+        "a",
+        str(tmp_path / "a.png"),
+        4,
+        10,
+        np.array([[1, 0, 4, 3]], dtype=np.float32),
+        np.zeros(1, dtype=np.int64),
+        no,
+        no,
+    )
+    seen = set()
+    for seed in range(20):
+        torch.manual_seed(seed)
+        _, target = DetectionDataset([record], flip=True)[0]
+        seen.add(tuple(target["boxes"][0].tolist()))
+    assert seen == {(1.0, 0.0, 4.0, 3.0), (6.0, 0.0, 9.0, 3.0)}  # as it is, and mirrored in the 10-px width
+    assert record.boxes.tolist() == [[1, 0, 4, 3]]

@@ -88,8 +88,7 @@ def _crop_boxes(
     """RandomResizedCrop boxes, torchvision's algorithm vectorised: first of 10 valid tries, else centre."""
     shape = (batch_size, CROP_ATTEMPTS)
     u_area, u_ratio, u_top, u_left = torch.rand((4, *shape), generator=generator, device=device, dtype=torch.float64)
-    height = torch.as_tensor(height, device=device).to(torch.float64).expand(batch_size)
-    width = torch.as_tensor(width, device=device).to(torch.float64).expand(batch_size)
+    height, width = (torch.as_tensor(v, device=device).to(torch.float64).expand(batch_size) for v in (height, width))
     rows, cols = height[:, None], width[:, None]
     lo, hi = view.crop_scale
     area = rows * cols * (lo + (hi - lo) * u_area)
@@ -142,9 +141,8 @@ def sample_view_params(
     params["flip"] = uniform(batch_size) < view.flip_p
     params["jitter"] = uniform(batch_size) < view.jitter_p
     u = uniform(batch_size, 4)
-    params["brightness"] = 1 - view.brightness + 2 * view.brightness * u[:, 0]
-    params["contrast"] = 1 - view.contrast + 2 * view.contrast * u[:, 1]
-    params["saturation"] = 1 - view.saturation + 2 * view.saturation * u[:, 2]
+    for i, name in enumerate(("brightness", "contrast", "saturation")):  # factors in [1 - s, 1 + s]
+        params[name] = 1 - getattr(view, name) + 2 * getattr(view, name) * u[:, i]
     params["hue"] = -view.hue + 2 * view.hue * u[:, 3]
     params["jitter_order"] = torch.argsort(uniform(batch_size, 4), dim=1)
     params["grayscale"] = uniform(batch_size) < view.grayscale_p
@@ -357,9 +355,8 @@ class BatchedTwoViews(_TwoViews):
             heights = torch.tensor([im.shape[-2] for im in images])
             widths = torch.tensor([im.shape[-1] for im in images])
             drawn = [{k: v.cpu() for k, v in p.items()} for p in self.sample(len(images), heights, widths, generator)]
-            if len({tuple(im.shape) for im in images}) == 1:  # one size (JPEGs of one camera): one batch, no crops
-                x, params = to_float_rgb(torch.stack(list(images))), drawn
-            else:
-                batch, params = crop_to_views(images, drawn)
-                x = to_float_rgb(batch)
+            # one size (JPEGs of one camera): one batch, no crops
+            one_size = len({tuple(im.shape) for im in images}) == 1
+            batch, params = (torch.stack(list(images)), drawn) if one_size else crop_to_views(images, drawn)
+            x = to_float_rgb(batch)
         return tuple(apply_view(x, p, self.size, v) for p, v in zip(params, self.views))

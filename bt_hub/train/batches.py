@@ -154,8 +154,7 @@ def cross_correlation(model: BarlowTwins, y_a: torch.Tensor, y_b: torch.Tensor) 
         z_a, z_b = model.embed(y_a).float(), model.embed(y_b).float()
     finally:
         model.train(was_training)
-    a = (z_a - z_a.mean(0)) / torch.sqrt(z_a.var(0, unbiased=False) + EPS)
-    b = (z_b - z_b.mean(0)) / torch.sqrt(z_b.var(0, unbiased=False) + EPS)
+    a, b = ((z - z.mean(0)) / torch.sqrt(z.var(0, unbiased=False) + EPS) for z in (z_a, z_b))
     return (a.T @ b / a.shape[0]).cpu().numpy()
 
 
@@ -179,5 +178,5 @@ def probe_views(
     if batched is not None:
         images = torch.stack([views[k] for k in keys]).to(device)
         return batched(images, generator=seeded_generator(config.seed, -1, device=device))
-    pairs = [views[k] for k in keys]
-    return torch.stack([p[0] for p in pairs]).to(device), torch.stack([p[1] for p in pairs]).to(device)
+    view_a, view_b = zip(*(views[k] for k in keys))
+    return torch.stack(view_a).to(device), torch.stack(view_b).to(device)

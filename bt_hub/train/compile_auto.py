@@ -38,15 +38,13 @@ class AutoCompile:
         self.step, self.compiled, self.device_type = step, None, device.type
         self.steps_left, self.stamps = planned_steps, []
         self.deciding = False
-        if mode == "on":
-            self._compile("--compile on")
-        elif mode == "off":
-            self.record = {"compile": "off", "compile_reason": "--compile off"}
+        if mode in ("on", "off"):
+            self._choose(mode == "on", f"--compile {mode}")
         elif planned_steps <= TIMED_STEPS + 2:
-            self.record = {"compile": "off", "compile_reason": f"auto: {planned_steps} steps planned"}
+            self._choose(False, f"auto: {planned_steps} steps planned")
         else:
             self.deciding = True
-            self.record = {"compile": "off", "compile_reason": "auto: the run ended before the decision"}
+            self._choose(False, "auto: the run ended before the decision")
 
     def __call__(self, *args: Any) -> Any:
         if self.deciding:
@@ -56,12 +54,8 @@ class AutoCompile:
             try:
                 return self.compiled(*args)
             except Exception as err:  # Dynamo and Inductor fail with many types; a real error recurs eagerly below
-                self.compiled = None
                 first_line = (str(err).strip().splitlines() or [""])[0][:200]
-                self.record = {
-                    "compile": "off",
-                    "compile_reason": f"torch.compile failed ({type(err).__name__}: {first_line}); eager instead",
-                }
+                self._choose(False, f"torch.compile failed ({type(err).__name__}: {first_line}); eager instead")
                 warnings.warn(self.record["compile_reason"], RuntimeWarning, stacklevel=2)
         return self.step(*args)
 
@@ -71,12 +65,9 @@ class AutoCompile:
         if len(self.stamps) == TIMED_STEPS + 2:
             self.deciding = False
             seconds = statistics.median(b - a for a, b in zip(self.stamps[1:], self.stamps[2:]))
-            pays, reason = broadcast_object(compile_pays(self.steps_left, seconds, self.device_type))
-            if pays:
-                self._compile(reason)
-            else:
-                self.record = {"compile": "off", "compile_reason": reason}
+            self._choose(*broadcast_object(compile_pays(self.steps_left, seconds, self.device_type)))
 
-    def _compile(self, reason: str) -> None:
-        self.compiled = torch.compile(self.step)
-        self.record = {"compile": "on", "compile_reason": reason}
+    def _choose(self, compiled: bool, reason: str) -> None:
+        """Compile the step (``compiled``) or call it eagerly from now on; ``record`` says which and why."""
+        self.compiled = torch.compile(self.step) if compiled else None
+        self.record = {"compile": "on" if compiled else "off", "compile_reason": reason}

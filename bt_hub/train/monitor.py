@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 import torchvision.transforms.v2.functional as F
-from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -27,15 +26,8 @@ MAX_QUERIES = 500
 MONITOR_SEED_KEY = 7_919  # keeps the monitor's subset draws apart from the training order's
 
 
-def _square(image: Image.Image, size: int) -> torch.Tensor:
-    """Shorter side resized to ``size`` (bicubic), centre crop, as a 3 x size x size uint8 tensor."""
-    if image.size != (size, size):
-        image = F.center_crop(F.resize(image, size, interpolation=F.InterpolationMode.BICUBIC), [size, size])
-    return to_uint8_tensor(image)
-
-
 class _Squared(Dataset):
-    """Images ``indices`` of ``dataset`` squared at ``size`` (:func:`_square`), with their labels."""
+    """Images ``indices`` of ``dataset`` squared at ``size``, with their labels."""
 
     def __init__(self, dataset: Any, indices: list[int], size: int) -> None:
         self.dataset, self.indices, self.size = dataset, indices, size
@@ -44,8 +36,12 @@ class _Squared(Dataset):
         return len(self.indices)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        """Shorter side resized to ``size`` (bicubic), centre crop, as a 3 x size x size uint8 tensor; its label."""
         image, label = self.dataset[self.indices[i]]
-        return _square(image, self.size), label
+        if image.size != (self.size, self.size):
+            size = [self.size, self.size]
+            image = F.center_crop(F.resize(image, self.size, interpolation=F.InterpolationMode.BICUBIC), size)
+        return to_uint8_tensor(image), label
 
 
 def _stack(dataset: Any, indices: torch.Tensor, size: int, num_workers: int) -> tuple[torch.Tensor, torch.Tensor]:

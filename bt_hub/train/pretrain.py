@@ -111,10 +111,7 @@ def _resume_state(config: PretrainConfig, out: Path) -> dict[str, Any] | None:
                 "to replace that run with a new one, or choose a new --out"
             )
         return None
-    if config.resume == "auto":
-        path = own
-    else:
-        path = Path(config.resume)
+    path = own if config.resume == "auto" else Path(config.resume)
     state = load_checkpoint(path)
     for key in RESUME_INVARIANTS:
         saved, now = state["config"].get(key), getattr(config, key)
@@ -149,35 +146,28 @@ def write_backbone(
         {
             "architecture": config.backbone,
             "feature_dim": model.backbone.feature_dim,
-            "small_image_stem": config.small_image_stem,
-            "projector": config.projector,
-            "lambd": config.lambd,
-            "image_size": config.image_size,
+            **_flags(config, "small_image_stem projector lambd image_size"),
             "dataset": config.data,
             "num_samples": num_samples,
             "epochs": config.epochs,
             "steps": step,
             "recipe": {
                 "optimizer": "LARS",
-                "batch_size": config.batch_size,
-                "lr_weights": config.lr_weights,
-                "lr_biases": config.lr_biases,
-                "weight_decay": config.weight_decay,
-                "warmup_epochs": config.warmup_epochs,
-                "loss_method": config.loss_method,
-                "precision": config.precision,
-                "views": config.views,
-                "decode": config.decode,
+                **_flags(
+                    config,
+                    "batch_size lr_weights lr_biases weight_decay warmup_epochs loss_method precision views decode",
+                ),
                 **decided,
-                "seed": config.seed,
-                "reference_grad_scale": config.reference_grad_scale,
-                "crop_scale_min": config.crop_scale_min,
-                "flip": config.flip,
-                "blur": config.blur,
+                **_flags(config, "seed reference_grad_scale crop_scale_min flip blur"),
             },
             "format": "torchvision",
         },
     )
+
+
+def _flags(config: PretrainConfig, names: str) -> dict[str, Any]:
+    """The values of the flags ``names`` (space-separated), in that order, as config.json records them."""
+    return {name: getattr(config, name) for name in names.split()}
 
 
 def _write_weights(path: Path, model: BarlowTwins, config: PretrainConfig, **meta: Any) -> None:
@@ -241,7 +231,6 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
 
     model, optimizer, scaler, step = _seeded_model(config, device, state)
     step_module = _wrapped(model, config, device, world, last_step - step)  # before the probe: it sees wrapped BNs
-    amp_dtype = autocast_dtype(config.precision)
     if state is None and config.overwrite and is_main_process():
         _clear_replaced_run(out, config)
     run.start(config, step, fresh=state is None and (config.resume is None or config.overwrite), facts=chosen)
@@ -268,7 +257,7 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
         optimizer=optimizer,
         scaler=scaler,
         step_module=step_module,
-        amp_dtype=amp_dtype,
+        amp_dtype=autocast_dtype(config.precision),
         views=views,
         batched=batched,
         steps_per_epoch=steps_per_epoch,
@@ -362,8 +351,17 @@ def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], termin
             row: dict[str, Any] = {}
             if step % config.log_every == 0 or step == loop.last_step:
                 now = time.perf_counter()
-                pairs_per_s = config.batch_size * (step - tick_step) / max(now - tick, 1e-9)
-                row.update(_metrics_row(epoch, rates, terms, spread, pairs_per_s))
+                # one metrics.jsonl row: LRs, the loss and its two terms, the embeddings' spread, speed
+                row |= {
+                    "epoch": epoch,
+                    "lr_weights": rates[0],
+                    "lr_biases": rates[1],
+                    "loss": float(terms.loss.detach()),
+                    "invariance": float(terms.invariance_term),
+                    "redundancy": float(terms.redundancy_term),
+                    "embedding_std": float(spread),
+                    "pairs_per_s": config.batch_size * (step - tick_step) / max(now - tick, 1e-9),
+                }
                 tick, tick_step = now, step
             if loop.monitor is not None and (step % config.monitor_knn == 0 or step == loop.last_step):
                 row["knn_top1"] = loop.monitor(model.backbone, device, loop.amp_dtype)
@@ -375,7 +373,9 @@ def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], termin
             # the postfix is set before update(1) so the line shows this step's values
             bar.set_postfix(loss=f"{float(terms.loss.detach()):.4g}", epoch=epoch, **postfix)
             bar.update(1)
-            due = _checkpoint_due(step, loop.steps_per_epoch, loop.last_step, config.checkpoint_every)
+            # a checkpoint at each epoch end, at the last step, and every --checkpoint-every steps
+            every = config.checkpoint_every
+            due = step % loop.steps_per_epoch == 0 or step == loop.last_step or bool(every and step % every == 0)
             if due:
                 _checkpoint(loop, step)
             if step >= loop.last_step:
@@ -472,24 +472,3 @@ def _knn_monitor(config: PretrainConfig) -> KnnMonitor | None:
             config.monitor_data or config.data, config.image_size, config.seed, config.monitor_size, config.num_workers
         )
     )
-
-
-def _metrics_row(
-    epoch: int, rates: list[float], terms: LossTerms, spread: torch.Tensor, pairs_per_s: float
-) -> dict[str, Any]:
-    """One ``metrics.jsonl`` row of the loop: LRs, the loss and its two terms, the embeddings' spread, speed."""
-    return {
-        "epoch": epoch,
-        "lr_weights": rates[0],
-        "lr_biases": rates[1],
-        "loss": float(terms.loss.detach()),
-        "invariance": float(terms.invariance_term),
-        "redundancy": float(terms.redundancy_term),
-        "embedding_std": float(spread),
-        "pairs_per_s": pairs_per_s,
-    }
-
-
-def _checkpoint_due(step: int, steps_per_epoch: int, last_step: int, every: int) -> bool:
-    """A checkpoint at each epoch end, at the last step, and every ``--checkpoint-every`` steps."""
-    return step % steps_per_epoch == 0 or step == last_step or bool(every and step % every == 0)

@@ -37,7 +37,8 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
 class EpochBatchSampler:
     """This rank's share of an epoch's global batches from step ``start``, as ``(epoch, index)`` keys.
 
-    Global batch k is positions [kB, (k+1)B) of the epoch's seeded permutation, sliced over the ranks.
+    Global batch k is positions [kB, (k+1)B) of the epoch's seeded permutation, sliced over the ranks
+    (``batch_size`` a multiple of ``world_size``: bt_hub.train.pretrain refuses any other before it builds one).
     """
 
     def __init__(
@@ -50,8 +51,6 @@ class EpochBatchSampler:
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
-        if batch_size % world_size:
-            raise ValueError(f"--batch-size {batch_size} is not a multiple of the {world_size} processes")
         self.order = epoch_permutation(num_samples, seed, epoch).tolist()
         self.steps = num_samples // batch_size
         self.batch_size, self.epoch, self.start = batch_size, epoch, start

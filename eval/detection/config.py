@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import importlib.resources
+import operator
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -119,10 +121,7 @@ class Settings:
         for key, value in values.items():
             self[key]  # noqa: B018  (raises for a key the tree lacks)
             *parents, last = key.split(".")
-            node = tree
-            for part in parents:
-                node = node[part]
-            node[last] = value
+            functools.reduce(operator.getitem, parents, tree)[last] = value
         return Settings(tree, self.source)
 
 
@@ -188,9 +187,7 @@ def opts_overrides(path: str | Path, opts: Sequence[str]) -> dict[str, dict[str,
 def _detectron2_default(key: str) -> Any:
     from detectron2.config import get_cfg
 
-    node = get_cfg()
-    for part in key.split("."):
-        node = node[part]
+    node = functools.reduce(operator.getitem, key.split("."), get_cfg())
     return list(node) if isinstance(node, tuple) else node
 
 

@@ -201,9 +201,8 @@ class DetectionDataset(Dataset):
         if self.flip and torch.rand(()) < 0.5:
             width = image.shape[-1]
             image = image.flip(-1)
-            boxes = target["boxes"].clone()
-            boxes[:, [0, 2]] = width - target["boxes"][:, [2, 0]]
-            target["boxes"] = boxes
+            # in place: the boxes are the record's copy (boolean indexing copies), and the right side is read first
+            target["boxes"][:, [0, 2]] = width - target["boxes"][:, [2, 0]]
             if self.with_masks:
                 target["masks"] = target["masks"].flip(-1)
         return image, target

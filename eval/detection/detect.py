@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 from bt_hub.common.config import REQUIRED, RunConfig, option, out_field
 from bt_hub.common.optional import require
 from bt_hub.common.runs import check_run_dir, claimed_run_dir
-from bt_hub.eval.detection.config import CONFIGS
+from bt_hub.eval.detection.config import CONFIGS, build_cfg, load_settings, opts_overrides, resolve_config
 from bt_hub.eval.report import DETECTION_METRICS, PaperRow, Table
 from bt_hub.eval.runner import LoadedWeights, Scored, build_record, load_weights, write_records
 
@@ -174,8 +174,6 @@ def main(config: DetectConfig) -> dict[str, Any] | None:
 
 
 def _main(config: DetectConfig, engine: str, out: Path, start: float) -> dict[str, Any] | None:
-    from bt_hub.eval.detection.config import load_settings, resolve_config
-
     yaml_path = resolve_config(config.detection_config)
     depth = load_settings(yaml_path, config.opts)["MODEL.RESNETS.DEPTH"]
     _check_engine(config, engine)  # before the weights are read: a missing engine is the first thing to say
@@ -204,7 +202,6 @@ def _detectron2_trials(
 ) -> list[dict[str, Any]] | None:
     from detectron2.engine import launch
 
-    from bt_hub.eval.detection.config import build_cfg
     from bt_hub.eval.detection.detectron2_engine.trainer import run_trial
     from bt_hub.eval.detection.evaluation import TRIAL_METRICS
 
@@ -238,7 +235,6 @@ def _torchvision_trials(
     config: DetectConfig, weights: LoadedWeights, yaml_path: Path, out: Path
 ) -> list[dict[str, Any]] | None:
     from bt_hub.common.distributed import is_main_process, process_group
-    from bt_hub.eval.detection.config import load_settings
     from bt_hub.eval.detection.torchvision_engine.trainer import run_trial
 
     settings = load_settings(yaml_path, config.opts)
@@ -278,7 +274,6 @@ def _write(
     preset; the paper's row applies only when nothing but ``EXECUTION_OVERRIDES`` changed.
     """
     from bt_hub.common.presets import overrides
-    from bt_hub.eval.detection.config import opts_overrides
     from bt_hub.eval.features import dataset_fingerprint
 
     preset = config.detection_config if config.detection_config in DetectConfig.ALIASES else yaml_path.stem

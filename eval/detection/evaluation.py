@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,10 +56,7 @@ def write_trial(out: Path, seed: int, results: Mapping[str, Any], config: Any) -
 
 def box_iou(boxes: np.ndarray, others: np.ndarray) -> np.ndarray:
     """IoU matrix of XYXY boxes in continuous coordinates (N x M)."""
-    boxes, others = (
-        np.asarray(boxes, dtype=np.float64).reshape(-1, 4),
-        np.asarray(others, dtype=np.float64).reshape(-1, 4),
-    )
+    boxes, others = (np.asarray(b, dtype=np.float64).reshape(-1, 4) for b in (boxes, others))
     lt = np.maximum(boxes[:, None, :2], others[None, :, :2])
     rb = np.minimum(boxes[:, None, 2:], others[None, :, 2:])
     inter = np.prod(np.clip(rb - lt, 0, None), axis=2)
@@ -130,12 +126,8 @@ def voc_evaluate(
 ) -> dict[str, dict[str, float]]:
     """PASCAL VOC box AP, AP50 and AP75 (percent) as the devkit computes them; classes without ground truth left out."""
     per_class = [_class_ap(records, predictions, c, VOC_IOU_THRESHOLDS, use_07_metric) for c in range(num_classes)]
-    present = (
-        np.stack([ap for ap in per_class if ap is not None])
-        if any(ap is not None for ap in per_class)
-        else np.zeros((1, len(VOC_IOU_THRESHOLDS)))
-    )
-    by_threshold = present.mean(axis=0)
+    present = [ap for ap in per_class if ap is not None]
+    by_threshold = np.stack(present).mean(axis=0) if present else np.zeros(len(VOC_IOU_THRESHOLDS))
     return {"bbox": {"AP": float(by_threshold.mean()), "AP50": float(by_threshold[0]), "AP75": float(by_threshold[5])}}
 
 
@@ -171,7 +163,7 @@ def coco_evaluate(
             if rle is not None:
                 row["segmentation"] = rle
             results.append(row)
-    out: dict[str, dict[str, float]] = defaultdict(dict)
+    out: dict[str, dict[str, float]] = {}
     for iou_type in ("bbox", "segm") if with_masks else ("bbox",):
         if not results:
             out[iou_type] = {"AP": 0.0, "AP50": 0.0, "AP75": 0.0}
@@ -187,4 +179,4 @@ def coco_evaluate(
             name: float(stats[i] * 100) if stats[i] >= 0 else float("nan")
             for i, name in enumerate(("AP", "AP50", "AP75"))
         }
-    return dict(out)
+    return out

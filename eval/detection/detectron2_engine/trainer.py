@@ -110,14 +110,10 @@ def evaluate_dataset(
     return evaluator.evaluate()
 
 
-def _bare(model: torch.nn.Module) -> torch.nn.Module:
-    return getattr(model, "module", model)
-
-
 def unloaded_parameters(model: torch.nn.Module, expected: Mapping[str, Any]) -> list[str]:
     """The model's backbone and res5 names whose tensor is missing from ``expected`` (a ``.pkl``'s) or differs."""
     bad = []
-    for name, tensor in _bare(model).state_dict().items():
+    for name, tensor in getattr(model, "module", model).state_dict().items():  # DDP's inner model
         if name.endswith("num_batches_tracked") or name.startswith("roi_heads.res5.norm."):
             continue
         if name.startswith("backbone."):

@@ -160,21 +160,17 @@ def _check_supported(s: Settings) -> None:
             f"MODEL.RESNETS.DEPTH is {s['MODEL.RESNETS.DEPTH']} in {s.source}; "
             "the torchvision engine builds ResNet-50 or -101"
         )
-    if s["MODEL.RESNETS.NORM"] not in SUPPORTED_NORMS:
-        raise ValueError(
-            f"MODEL.RESNETS.NORM is {s['MODEL.RESNETS.NORM']!r} in {s.source}; "
-            f"the torchvision engine supports {', '.join(SUPPORTED_NORMS)}"
-        )
-    if s["MODEL.ROI_HEADS.NAME"] not in ("Res5ROIHeadsExtraNorm", "Res5ROIHeads"):
-        raise ValueError(
-            f"MODEL.ROI_HEADS.NAME is {s['MODEL.ROI_HEADS.NAME']!r} in {s.source}; "
-            "the torchvision engine builds the C4 heads Res5ROIHeads(ExtraNorm)"
-        )
-    if s["MODEL.ROI_BOX_HEAD.POOLER_TYPE"] not in ("ROIAlignV2", "ROIAlign"):
-        raise ValueError(
-            f"MODEL.ROI_BOX_HEAD.POOLER_TYPE is {s['MODEL.ROI_BOX_HEAD.POOLER_TYPE']!r} in {s.source}; "
-            "expected ROIAlignV2 or ROIAlign"
-        )
+    allowed = {
+        "MODEL.RESNETS.NORM": (SUPPORTED_NORMS, f"the torchvision engine supports {', '.join(SUPPORTED_NORMS)}"),
+        "MODEL.ROI_HEADS.NAME": (
+            ("Res5ROIHeadsExtraNorm", "Res5ROIHeads"),
+            "the torchvision engine builds the C4 heads Res5ROIHeads(ExtraNorm)",
+        ),
+        "MODEL.ROI_BOX_HEAD.POOLER_TYPE": (("ROIAlignV2", "ROIAlign"), "expected ROIAlignV2 or ROIAlign"),
+    }
+    for key, (values, expected) in allowed.items():
+        if s[key] not in values:
+            raise ValueError(f"{key} is {s[key]!r} in {s.source}; {expected}")
     if len(s["MODEL.ANCHOR_GENERATOR.SIZES"]) != 1 or len(s["MODEL.ANCHOR_GENERATOR.ASPECT_RATIOS"]) != 1:
         raise ValueError(
             f"MODEL.ANCHOR_GENERATOR in {s.source} must describe one feature map (C4), "

@@ -216,10 +216,18 @@ def run_trial(
     with_masks = bool(settings["MODEL.MASK_ON"])
 
     model = _model(settings, resnet, expected, device)
-    optimizer, scheduler = _optimizer(model, settings)
+    optimizer = torch.optim.SGD(
+        param_groups(model, settings["SOLVER.WEIGHT_DECAY"], settings["SOLVER.WEIGHT_DECAY_NORM"]),
+        lr=settings["SOLVER.BASE_LR"],
+        momentum=settings["SOLVER.MOMENTUM"],
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: lr_factor(it, settings))
     start = _resume(out / CHECKPOINT, model, optimizer, scheduler, device) if resume else 0
     trained = distributed_data_parallel(model, device)
-    run_dir = _open_trial_dir(out, settings)
+    # the trial's run directory (run.json, metrics.jsonl); the main process also writes config.yaml
+    run_dir = RunDir(out, config=settings.tree, write=is_main_process(), kind="detect")
+    if is_main_process():
+        atomic_write_text(out / "config.yaml", yaml.safe_dump(settings.tree, sort_keys=False))
     batches = _batches(records, settings, with_masks=with_masks, seed=seed + start)
     _train(
         trained, model, optimizer, scheduler, batches, settings, start=start, run_dir=run_dir, out=out, device=device
@@ -262,16 +270,6 @@ def _model(
     return model
 
 
-def _optimizer(model: nn.Module, settings: Settings) -> tuple[torch.optim.Optimizer, Any]:
-    optimizer = torch.optim.SGD(
-        param_groups(model, settings["SOLVER.WEIGHT_DECAY"], settings["SOLVER.WEIGHT_DECAY_NORM"]),
-        lr=settings["SOLVER.BASE_LR"],
-        momentum=settings["SOLVER.MOMENTUM"],
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: lr_factor(it, settings))
-    return optimizer, scheduler
-
-
 def _resume(
     checkpoint: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, device: torch.device
 ) -> int:
@@ -283,14 +281,6 @@ def _resume(
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return int(state["iter"])
-
-
-def _open_trial_dir(out: Path, settings: Settings) -> RunDir:
-    """The trial's run directory (``run.json``, ``metrics.jsonl``); the main process also writes ``config.yaml``."""
-    run_dir = RunDir(out, config=settings.tree, write=is_main_process(), kind="detect")
-    if is_main_process():
-        atomic_write_text(out / "config.yaml", yaml.safe_dump(settings.tree, sort_keys=False))
-    return run_dir
 
 
 # ----------------------------------------------------------------------------- training
@@ -333,21 +323,14 @@ def _train(
         row.update({LOSS_NAMES.get(k, k): float(v.detach()) for k, v in losses.items()})
         bar.set_postfix(loss=f"{row['total_loss']:.4g}")
         run_dir.log(row)
-        if (period and (it + 1) % period == 0) or it + 1 == max_iter:
-            _save(model, optimizer, scheduler, it + 1, out)
-
-
-def _save(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, iteration: int, out: Path) -> None:
-    if is_main_process():
-        atomic_torch_save(
-            {
+        if ((period and (it + 1) % period == 0) or it + 1 == max_iter) and is_main_process():
+            state = {
                 "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
-                "iter": iteration,
-            },
-            out / CHECKPOINT,
-        )
+                "iter": it + 1,
+            }
+            atomic_torch_save(state, out / CHECKPOINT)
 
 
 # ----------------------------------------------------------------------------- evaluation
