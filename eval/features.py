@@ -279,39 +279,50 @@ def iter_feature_batches(
     amp = autocast_dtype(precision)
     was_training = backbone.training
     backbone.eval().to(device, memory_format=torch.channels_last)
-    done = 0
     batches = Prefetcher(source, prepare, device, depth=2 if on_device else 0)
-    pending: tuple[tuple[torch.Tensor, torch.Tensor], torch.cuda.Event] | None = None
+
+    def computed() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        done = 0
+        for images, labels in batches:
+            feats = _res5_pool(backbone, images) if pool == "voc_res5" else backbone(images)
+            feats = torch.flatten(feats, 1).float()
+            if is_distributed():
+                feats, labels = all_gather_cat(feats), all_gather_cat(labels)
+            take = min(len(feats), n - first - done)
+            done += take
+            yield feats[:take], labels[:take]
+
     try:
         with torch.no_grad(), torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            for images, labels in batches:
-                feats = _res5_pool(backbone, images) if pool == "voc_res5" else backbone(images)
-                feats = torch.flatten(feats, 1).float()
-                if is_distributed():
-                    feats, labels = all_gather_cat(feats), all_gather_cat(labels)
-                take = min(len(feats), n - first - done)
-                done += take
-                # non_blocking: on CUDA the copy lands in pinned memory without stopping the host
-                batch = feats[:take].to("cpu", non_blocking=True), labels[:take].to("cpu", non_blocking=True)
-                if device.type != "cuda":
-                    yield batch
-                    continue
-                # hand over the batch before this one while this one runs: the host queues the next forward
-                # before it waits for a copy, so the GPU does not idle between batches
-                copied = torch.cuda.Event()
-                copied.record()
-                if pending is not None:
-                    pending[1].synchronize()
-                    yield pending[0]
-                pending = batch, copied
-            if pending is not None:
-                pending[1].synchronize()
-                yield pending[0]
+            yield from _to_host_one_behind(computed(), device)
     finally:
         batches.close()
         # back to the layout as loaded: a protocol fine-tuning the network next (eval all's semi) would compute
         # otherwise after an extraction than after features read from the cache
         backbone.train(was_training).to(memory_format=torch.contiguous_format)
+
+
+def _to_host_one_behind(
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each batch's tensors copied to the host. On CUDA the copy lands in pinned memory without stopping the host
+    (non_blocking), and a batch is handed over only once the next one is queued: the host queues the next forward
+    before it waits for a copy, so the GPU does not idle between batches."""
+    pending: tuple[tuple[torch.Tensor, torch.Tensor], torch.cuda.Event] | None = None
+    for features, labels in batches:
+        copied = features.to("cpu", non_blocking=True), labels.to("cpu", non_blocking=True)
+        if device.type != "cuda":
+            yield copied
+            continue
+        ready = torch.cuda.Event()
+        ready.record()
+        if pending is not None:
+            pending[1].synchronize()
+            yield pending[0]
+        pending = copied, ready
+    if pending is not None:
+        pending[1].synchronize()
+        yield pending[0]
 
 
 def describe_transform(transform: Callable[[Any], torch.Tensor]) -> str:
