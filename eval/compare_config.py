@@ -13,6 +13,7 @@ from bt_hub.common.config import REQUIRED, option, out_field
 from bt_hub.common.presets import baseline, overrides
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS, check_probe_settings
+from bt_hub.eval.knn import KnnConfig
 from bt_hub.eval.protocols import FROZEN_PROBE, SUPERVISED_BASELINE, get_protocol, list_protocols
 from bt_hub.eval.semi_supervised import SemiSupervisedConfig
 from bt_hub.weights.sources import kept_steps
@@ -69,7 +70,7 @@ class CompareConfig(EvalConfig):
         "--keep-every), drawn against the baselines' bands in curve.png",
     )
     fractions: list[int] = option([1, 10], "label percentages of semi")
-    knn_k: int = option(20, "neighbours of the kNN vote (T = 0.07)")
+    knn_k: int = option(20, f"neighbours of the kNN vote (T = {KnnConfig.temperature:g})")
     linear_epochs: int = option(100, "epochs of the linear grid probe")
     lr_grid: list[float] = option(list(GRID_LRS), "LRs of the grid")
     weight_decay_grid: list[float] = option(list(GRID_WEIGHT_DECAYS), "weight decays of the grid")

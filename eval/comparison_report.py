@@ -11,6 +11,7 @@ from typing import Any
 from bt_hub.common.files import atomic_write_text, read_json
 from bt_hub.common.records import fmt_mean_std, mean_std, seeds_text, settings_text
 from bt_hub.eval.compare_config import Column
+from bt_hub.eval.knn import KnnConfig
 from bt_hub.eval.protocols import get_protocol
 from bt_hub.eval.runner import EvalRun
 
@@ -143,7 +144,7 @@ def describe_settings(run: EvalRun, partial: Mapping[str, str] | None = None) ->
     if "knn_k" not in unused:
         k, train = min(config.knn_k, len(run.splits.train)), len(run.splits.train)
         fewer = f" (--knn-k {config.knn_k} is more than the {train} training images)" if k < config.knn_k else ""
-        lines.append(f"- kNN: k = {k}{fewer}, T = 0.07, cosine similarity")
+        lines.append(f"- kNN: k = {k}{fewer}, T = {KnnConfig.temperature:g}, cosine similarity")
     if "lr_grid" not in unused:
         lines.append(
             f"- linear: grid of lr {', '.join(f'{v:g}' for v in config.lr_grid)} x weight decay "

@@ -37,6 +37,7 @@ from bt_hub.common.runs import LOCK_NAME, MARKER_NAME, check_run_dir, claimed_ru
 from bt_hub.data.datasets import build_dataset
 from bt_hub.eval.comparison import CompareConfig, compare_and_write
 from bt_hub.eval.comparison_report import Comparison, comparison_summary, render_markdown
+from bt_hub.eval.knn import KnnConfig
 from bt_hub.method.model import ARCHITECTURES
 from bt_hub.train.pretrain import PretrainConfig, pretrain
 from bt_hub.train.report import run_plots
@@ -85,7 +86,7 @@ class DemoConfig(RunConfig):
         "--seed + i, so every cell is mean ± std over pretraining runs",
     )
     curve_points: int = option(5, "kept steps of the learning curve, log-spaced from the first epoch's end")
-    knn_k: int = option(20, "neighbours of the weighted kNN (T = 0.07)")
+    knn_k: int = option(20, f"neighbours of the weighted kNN (T = {KnnConfig.temperature:g})")
     linear_epochs: int = option(100, "epochs of the linear grid probe on cached features (bt-hub eval compare's)")
 
     def __post_init__(self) -> None:
@@ -217,7 +218,8 @@ def _report(config: DemoConfig, result: Comparison, timings: dict[str, float], p
         "- **random-init**: the same network at torchvision's default initialisation (residual BN weights 1), not "
         "the zero-initialised residual branches pretraining starts from; a new network per seed.",
         f"- **pixels**: the flattened {config.image_size}x{config.image_size} images through the same classifiers.",
-        f"- **kNN**: weighted vote of the {config.knn_k} nearest training digits, cosine similarity, T = 0.07.",
+        f"- **kNN**: weighted vote of the {config.knn_k} nearest training digits, cosine similarity, "
+        f"T = {KnnConfig.temperature:g}.",
         f"- **linear**: the grid probe of `bt-hub eval linear` (learning rate × weight decay, {config.linear_epochs} "
         "epochs on cached frozen features, chosen on a validation split of the training digits).",
         "- Fine-tuning on 1% / 10% of the labels, against the same network trained from scratch, is "
