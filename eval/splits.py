@@ -6,6 +6,7 @@ import copy
 import hashlib
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from torch.utils.data import Dataset, Subset
 
 from bt_hub.common.files import file_sha256
 from bt_hub.data.datasets import SPLITS, ArrayImageDataset, build_dataset
+from bt_hub.eval.config import EvalWarning
 from bt_hub.eval.features import dataset_fingerprint
 from bt_hub.eval.label_subsets import balanced_subset_indices
 
@@ -258,7 +260,7 @@ def check_disjoint(train: Dataset, test: Dataset, sample: int = OVERLAP_SAMPLE) 
     """Refuse a test split that shares files or images with the training split; return what was checked.
 
     All paths are compared, and the bytes of a seeded ``sample`` of test images with the training images
-    of the same file size.
+    of the same file size; copies too few to refuse the run (ImageNet's val holds a handful) are warned of.
     """
     train_paths, test_paths = _paths(train), _paths(test)
     if train_paths is not None and test_paths is not None:
@@ -285,5 +287,12 @@ def check_disjoint(train: Dataset, test: Dataset, sample: int = OVERLAP_SAMPLE) 
         raise ValueError(
             f"{identical} of {len(picked)} sampled test images are byte-identical to training images; the test split "
             "overlaps the training split: give a disjoint held-out split or --holdout"
+        )
+    if identical:
+        warnings.warn(
+            f"{identical} of {len(picked)} sampled test images are byte-identical to training images (a run is "
+            f"refused from {OVERLAP_SHARE:.0%} and 2); they are scored, and counted in results.json's overlap_check",
+            EvalWarning,
+            stacklevel=2,
         )
     return {"shared_files": 0, "sampled": len(picked), "identical": identical}
