@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -311,6 +312,13 @@ def export(config: ExportConfig) -> Path:
         target, data, _ = _torchvision_bytes(state, out)
         _refuse_existing(target, config.force)
         atomic_write(target, lambda f: f.write(data))
+        if info.get("image_size") not in (None, 224):  # what evaluation falls back to for a file that says nothing
+            warnings.warn(
+                f"{target} carries no image size (a torchvision .pth is a plain state dict) and these weights were "
+                f"pretrained at {info['image_size']} px: evaluate it with --image-size {info['image_size']}, or "
+                "export --format safetensors, which carries it",
+                stacklevel=2,
+            )
         return target
     if config.format == "hf":
         projector = read_projector_state_dict(config.weights, allow_non_finite=config.allow_non_finite)
