@@ -246,6 +246,14 @@ def test_report_draws_the_loss_the_cross_correlations_and_the_knn_curve_of_a_run
     assert f"run directory {tmp_path / 'missing'} does not exist" in capsys.readouterr().err
 
 
+def test_a_loss_logged_once_is_drawn_as_points():
+    """Guards: a run shorter than --log-every logs one row, and loss.png drew three lines of one point each: nothing."""
+    from bt_hub.train.report import plot_losses
+
+    fig = plot_losses([{"step": 6, "loss": 9.0, "invariance": 8.0, "redundancy": 100.0}], 0.0051)
+    assert [line.get_marker() for line in fig.axes[0].get_lines()] == ["o", "o", "o"]
+
+
 @pytest.mark.slow
 def test_cifar_preset_learns_on_the_digits_at_32_px_within_the_first_epoch(tmp_path):
     """kNN rises within the first epoch and beats the same 20 steps at learning rate 0.
