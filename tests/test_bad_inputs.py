@@ -336,6 +336,7 @@ def _cases() -> list[Case]:
             ("--warmup-epochs",),
         ),
         Case("pretrain", "max-steps past the schedule", (*pre, "--max-steps", "100000"), ("--max-steps",)),
+        Case("pretrain", "store with PIL views", (*pre, "--views", "pil", "--store", "disk"), ("--store", "--views")),
         Case("pretrain", "data missing", (*pre, "--data", "{d}/nodata"), ("nodata",)),
         Case("pretrain", "data is a file", (*pre, "--data", "{d}/data.txt"), ("data.txt",), write("data.txt", "x")),
         Case("pretrain", "data an empty folder", (*pre, "--data", "{d}/data"), ("data",), folder("data")),
