@@ -388,6 +388,7 @@ def _cases() -> list[Case]:
         # eval: every protocol
         *_eval_cases("knn"),
         Case("eval knn", "k 0", (*knn, "--k", "0"), ("--k",), weights),
+        Case("eval knn", "store, PIL decode", (*knn, "--decode", "workers", "--store", "disk"), ("--store",), weights),
         Case("eval knn", "config file missing", (*knn, "--config", "{d}/run.yaml"), ("--config", "run.yaml"), weights),
         Case(
             "eval knn",
