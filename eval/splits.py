@@ -223,16 +223,19 @@ def take(dataset: Dataset, indices: Sequence[int]) -> Dataset:
 
 
 def align_classes(train: Dataset, test: Dataset, split: str) -> Dataset:
-    """``test`` with labels in ``train``'s class order; a class absent from training is an error."""
+    """``test`` with labels in ``train``'s class order; a test class with no training image is an error (its
+    images could never be classified right: torchvision's ImageFolder refuses an empty class folder too)."""
     train_classes, test_classes = list(getattr(train, "classes", [])), list(getattr(test, "classes", []))
-    if train_classes == test_classes or not hasattr(test, "samples"):
+    if not hasattr(test, "samples"):
         return test
-    unknown = sorted(set(test_classes) - set(train_classes))
+    unknown = sorted({test_classes[t] for t in set(test.targets)} - {train_classes[t] for t in set(_targets(train))})
     if unknown:
         raise ValueError(
-            f"the {split} split has classes the training split lacks: {', '.join(unknown[:5])}; "
-            "both must use the same class folders"
+            f"the {split} split has classes the training split lacks (or holds no image of): "
+            f"{', '.join(unknown[:5])}; both must use the same class folders, each with training images"
         )
+    if train_classes == test_classes:
+        return test
     index = {c: i for i, c in enumerate(train_classes)}
     view = copy.copy(test)
     view.samples = [(path, index[test_classes[label]]) for path, label in test.samples]

@@ -160,5 +160,8 @@ def test_test_labels_follow_the_training_class_order(folder, tmp_path):
     assert splits.test.classes == ["a", "b", "c"]
     assert sorted(set(splits.test.targets)) == [0, 2]  # 'c' keeps label 2, not val/'s own index 1
     folder(tmp_path / "d" / "val", classes=("zebra",), seed=2)
-    with pytest.raises(ValueError, match="classes the training split lacks: zebra"):
+    with pytest.raises(ValueError, match=r"classes the training split lacks \(or holds no image of\): zebra"):
+        load_splits(str(tmp_path / "d"))
+    (tmp_path / "d" / "train" / "zebra").mkdir()  # Guards: an empty class folder let zebra's images be scored
+    with pytest.raises(ValueError, match=r"classes the training split lacks \(or holds no image of\): zebra"):
         load_splits(str(tmp_path / "d"))
