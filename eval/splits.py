@@ -96,7 +96,7 @@ def load_splits(
     spec = str(data)
     size = image_size if is_builtin(spec) else None
     if not is_builtin(spec) and test_split is not None:
-        _check_layout(Path(spec).expanduser(), test_split, holdout)
+        _check_layout(Path(spec).expanduser(), test_split, holdout, scored)
     train = build_dataset(spec, "train", image_size=size, seed=seed)
     info: dict[str, Any] = {"name": _name(spec), "path": spec, "holdout": None}
     if holdout is not None:
@@ -156,7 +156,7 @@ def _name(spec: str) -> str:
     return spec if is_builtin(spec) else Path(os.path.expanduser(spec)).resolve().name
 
 
-def _check_layout(root: Path, test_split: str, holdout: float | None) -> None:
+def _check_layout(root: Path, test_split: str, holdout: float | None, scored: bool = True) -> None:
     if not root.is_dir():
         return  # build_dataset names the problem
     present = [s for s in SPLITS if (root / s).is_dir()]
@@ -179,7 +179,11 @@ def _check_layout(root: Path, test_split: str, holdout: float | None) -> None:
         f"--data {root} has no held-out split: expected {root}/train/<class>/<image> beside {root}/val/<class>/<image> "
         f"(ImageNet layout, --test-split val) or {root}/test/<class>/<image> (--test-split test); "
         "move held-out images there, "
-        "or pass --holdout 0.2 to score on a seeded, class-stratified 20% of the images (recorded in results.json)"
+        + (
+            "or pass --holdout 0.2 to score on a seeded, class-stratified 20% of the images (recorded in results.json)"
+            if scored
+            else "or pass --splits train to embed the training images alone"
+        )
     )
 
 
