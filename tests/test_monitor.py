@@ -261,6 +261,8 @@ def test_the_monitor_queries_a_flat_folder_outside_its_bank_and_a_test_folder_wh
     assert bool(splits) == bool((queries == 0).all())
     if not splits:  # the default bank (2000) takes every image but the queries: a fifth of a small set
         assert [len(t) for t in monitor_sets(str(root), 8, 0, 2000)[::2]] == [32, 8]
+        with pytest.raises(ValueError, match="gives 12 bank images and it needs at least 20: pass --monitor-data"):
+            monitor_sets(str(root), 8, 0, 12)  # a --monitor-size under 20; --data, not --monitor-data, gave it
 
 
 def test_a_loss_logged_once_is_drawn_as_points():

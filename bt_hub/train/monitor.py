@@ -76,7 +76,8 @@ def monitor_sets(
         query_idx = torch.randperm(len(held_out), generator=seeded_generator(seed, MONITOR_SEED_KEY, 1))[:queries]
     if len(bank_idx) < MONITOR_K:
         raise ValueError(
-            f"--monitor-data {data} gives {len(bank_idx)} bank images; the kNN monitor needs at least {MONITOR_K}"
+            f"the kNN monitor's data {data} gives {len(bank_idx)} bank images and it needs at least {MONITOR_K}: "
+            "pass --monitor-data with more labelled images, or leave --monitor-knn out"
         )
     bank, bank_labels = _stack(train, bank_idx, image_size, num_workers)
     query, query_labels = _stack(held_out if not same else train, query_idx, image_size, num_workers)
