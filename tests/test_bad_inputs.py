@@ -642,6 +642,13 @@ def _cases() -> list[Case]:
             ("--out", "--format safetensors"),
             weights,
         ),
+        Case(
+            "export",
+            "out a folder for torchvision",
+            ("export", "--weights", "{d}/w.pth", "--out", "{d}/models"),
+            ("--out", "models"),
+            both(weights, folder("models")),
+        ),
         Case("export", "weights missing", ("export", "--weights", "{d}/nope.pth", "--out", "{d}/x.pth"), ("nope.pth",)),
         Case(
             "export",

@@ -241,6 +241,11 @@ class ExportConfig:
         named = next((f for f, end in FILE_SUFFIXES.items() if end == Path(self.out).suffix), "torchvision")
         if self.format == "torchvision" != named:
             raise ValueError(f"--out {self.out} is a {named} name but --format is torchvision; pass --format {named}")
+        if self.format == "torchvision" and (Path(self.out).is_dir() or self.out.endswith(("/", os.sep))):
+            raise ValueError(  # its name would have made <folder>-<sha256[:8]>.pth beside the folder, outside it
+                f"--out {self.out} is a folder; --format torchvision writes one file: name it (model.pth becomes "
+                "model-<sha256[:8]>.pth), e.g. --out " + str(Path(self.out) / "model.pth")
+            )
         if self.format != "hf" and (self.name or self.results or self.other_results):
             raise ValueError(f"--name, --results and --other-results apply to --format hf only, not {self.format}")
         if self.name is not None:
