@@ -183,7 +183,8 @@ def test_precision_auto_on_a_cpu_is_the_faster_of_the_two_measured_and_cached(tm
         raise AssertionError("measured again although this CPU model and torch version are cached")
 
     again = precision.cpu_choice(not_again, cache)
-    assert again["precision"] == expected and again["precision_reason"].endswith(f"(cached in {cache})")
+    assert again["precision"] == expected and again["precision_reason"].endswith(f"(cached in {cache.name})")
+    assert str(cache.parent) not in again["precision_reason"]  # Guards: the home folder went into results and cards
 
 
 def test_precision_auto_is_measured_again_on_another_cpu_model_or_torch_version(tmp_path, monkeypatch):
