@@ -25,6 +25,7 @@ from bt_hub.common.files import (
     write_safetensors,
 )
 from bt_hub.common.optional import require
+from bt_hub.common.records import display_path
 from bt_hub.common.runs import package_version
 from bt_hub.method.model import ARCHITECTURES
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, input_metadata
@@ -177,6 +178,8 @@ def save_hf_folder(
     }
     if projector:
         ours["projector"] = projector_spec(projector)
+    if "dataset" in ours:  # the folder is published: a local data path by its name, as the card shows it
+        ours["dataset"] = display_path(ours["dataset"])
     ours.update(timm_fields(ours))
     size = ours.get("image_size")
     meta = input_metadata(
