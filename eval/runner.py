@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 from bt_hub.common.distributed import broadcast_object, is_main_process, process_group
 from bt_hub.common.files import atomic_write_json, remove_stale_temp_files
 from bt_hub.common.presets import overrides
-from bt_hub.common.records import SCHEMA, Record, make_record
+from bt_hub.common.records import FROM_WEIGHTS, SCHEMA, Record, make_record
 from bt_hub.common.runs import claim_run_dir, claimed_run_dir, config_dict
 from bt_hub.data.precision import precision_choice
 from bt_hub.data.store import DecodedImages, StoreView, fits_auto, open_store, store_device
@@ -91,8 +91,8 @@ def eval_image_size(given: int | None, trained: int | None, trained_from: str | 
     if trained and given != trained:
         warnings.warn(
             f"--image-size {given} differs from the {trained} px the weights {weights} were pretrained at "
-            f"(their {str(trained_from).removeprefix('weights ')}); features at another size usually score lower: "
-            f"leave --image-size out to use {trained}",
+            f"(from {FROM_WEIGHTS.get(str(trained_from), trained_from)}); features at another size usually score "
+            f"lower: leave --image-size out to use {trained}",
             EvalWarning,
             stacklevel=3,
         )
