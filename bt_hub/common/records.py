@@ -40,7 +40,7 @@ METRIC_LABELS = {
 
 Record = dict[str, Any]
 # a record's ``settings.<name>_from`` naming what the weights said of themselves, and those words in a sentence
-FROM_WEIGHTS = {"weights metadata": "the weights' metadata", "weights config.json": "the weights' config.json"}
+FROM_WEIGHTS = {f"weights {part}": f"the weights' {part}" for part in ("metadata", "config.json", "keys")}
 
 
 # ----------------------------------------------------------------------------- building a record
