@@ -414,6 +414,22 @@ def test_a_schedulers_warning_signal_stops_a_command_as_sigterm_does_with_its_ow
     assert after is unhandled and signal.getsignal(signal.SIGINT) is before[signal.SIGINT]  # main() puts them back
 
 
+def test_ctrl_c_in_pretrainings_loop_waits_for_the_step_boundary_and_a_second_one_stops_at_once():
+    # Guards: Ctrl-C (LSF's bkill sends SIGINT first; torchrun forwards it) cut pretraining mid-step, keeping only
+    # the last checkpoint; the wait it now makes for the step's checkpoint must not trap an impatient user.
+    from bt_hub.common.signals import deferred_stop
+
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt), deferred_stop(torch.device("cpu")) as requested:
+        assert requested() == 0
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert requested() == signal.SIGINT  # noted, for the loop to checkpoint and stop
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 def test_a_signal_ignored_when_bt_hub_starts_stays_ignored():
     # Guards: nohup ignores SIGHUP so that a job outlives its terminal; bt-hub must not undo that.
     from bt_hub.common.signals import restore_signals, stop_on_signals

@@ -292,6 +292,7 @@ def _sigterm_after(
     [
         pytest.param((), False, signal.SIGTERM, id="SIGTERM-to-the-main-process"),
         pytest.param(WORKERS, True, signal.SIGUSR1, id="SIGUSR1-to-the-group-with-workers"),
+        pytest.param((), False, signal.SIGINT, id="SIGINT-to-the-main-process"),
     ],
 )
 def test_sigterm_checkpoints_the_step_it_is_on_says_so_and_resume_auto_ends_bit_identical(
@@ -301,20 +302,20 @@ def test_sigterm_checkpoints_the_step_it_is_on_says_so_and_resume_auto_ends_bit_
     # losing every step since the last --checkpoint-every. Sent to the process group (timeout, scancel), it killed
     # the DataLoader workers first: exit 2, "DataLoader worker (pid ...) is killed by signal: Terminated", and no
     # checkpoint. SIGUSR1, the warning Slurm's --signal=USR1@T sends every process of a job ahead of its time limit,
-    # ended the run on the spot (its default action), with no checkpoint and no line.
+    # ended the run on the spot (its default action), with no checkpoint and no line. Ctrl-C (SIGINT, which LSF's
+    # bkill sends first) kept only the last checkpoint, losing the steps since.
     _run(_cmd(tmp_path / "uninterrupted", *DIGITS, *extra))
     out = tmp_path / "run"
     done = _sigterm_after(out, 3, *extra, group=group, signum=signum)
-    assert done.returncode == 128 + signum, done.stderr[-3000:]
+    assert done.returncode == 128 + signum, done.stderr[-3000:]  # 130 for SIGINT
     assert "Traceback" not in done.stderr
     stopped = _checkpoint_step(out)
     steps = 12 if extra else 40
     assert 3 <= stopped < steps and stopped == _last_logged_step(out / "metrics.jsonl")
     line = done.stderr.strip().splitlines()[-1]
-    assert line.startswith(
-        f"bt-hub pretrain: stopped by {signal.Signals(signum).name}; the last checkpoint {out / 'checkpoint.pth'} "
-        f"(step {stopped}) is kept; "
-    )
+    how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    checkpoint = out / "checkpoint.pth"
+    assert line.startswith(f"bt-hub pretrain: {how}; the last checkpoint {checkpoint} (step {stopped}) is kept; ")
     assert line.endswith("--resume auto")
     _run(_cmd(out, *DIGITS, *extra, "--resume", "auto"))
     _assert_identical_runs(tmp_path / "uninterrupted", out, steps)

@@ -73,12 +73,19 @@ def restore_signals(previous: dict[int, Any], *, ignore: bool) -> None:
 
 
 @contextlib.contextmanager
-def _noted(signums: list[int]) -> Iterator[list[int]]:
+def _noted(signums: list[int], *, again_stops: bool = False) -> Iterator[list[int]]:
     """Within the block ``signums`` only append to the yielded list (in the main thread: only it may set
-    handlers; elsewhere nothing changes), then their handlers are restored."""
+    handlers; elsewhere nothing changes), then their handlers are restored. With ``again_stops`` a second Ctrl-C
+    raises KeyboardInterrupt at once."""
     received: list[int] = []
     main = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in signums if main}
+
+    def note(signum: int, frame: Any) -> None:
+        if again_stops and signum == signal.SIGINT and signal.SIGINT in received:
+            raise KeyboardInterrupt  # Ctrl-C twice: stop now, without what the first one waits for
+        received.append(signum)
+
+    previous = {s: signal.signal(s, note) for s in signums if main}
     try:
         yield received
     finally:
@@ -88,11 +95,15 @@ def _noted(signums: list[int]) -> Iterator[list[int]]:
 
 @contextlib.contextmanager
 def deferred_stop(device: torch.device) -> Iterator[Callable[[], int]]:
-    """Within the block :data:`STOP_SIGNALS` only set a flag; yields ``requested()``, the number of the signal
-    received (0 for none; under torchrun, a collective: the highest any rank received)."""
+    """Within the block Ctrl-C and :data:`STOP_SIGNALS` only set a flag; yields ``requested()``, the number of the
+    signal received (0 for none; under torchrun, a collective: the highest any rank received).
+
+    Ctrl-C waits for the step boundary too: LSF's ``bkill`` sends SIGINT first (then SIGTERM, then SIGKILL), and
+    torchrun forwards a Ctrl-C to its workers and SIGKILLs them 30 s later; a second Ctrl-C stops at once.
+    """
     from bt_hub.common.distributed import max_over_ranks
 
-    with _noted(_handled(STOP_SIGNALS)) as received:
+    with _noted(_handled((signal.SIGINT, *STOP_SIGNALS)), again_stops=True) as received:
         yield lambda: max_over_ranks(received[0] if received else 0, device)
 
 

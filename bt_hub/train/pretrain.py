@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -327,8 +328,9 @@ def _run_loop(loop: _Loop, step: int) -> int:
 def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], terminated: Callable[[], int]) -> int:
     """Train from ``step`` to the end of its epoch (or ``loop.last_step``); return the step reached.
 
-    After SIGTERM, or another of the signals that stop a run (``terminated()``, agreed by every rank), the step just
-    done is checkpointed and :class:`Terminated` raised, so ``--resume auto`` continues from it.
+    After Ctrl-C, SIGTERM or another of the signals that stop a run (``terminated()``, agreed by every rank), the
+    step just done is checkpointed and KeyboardInterrupt / :class:`Terminated` raised, so ``--resume auto``
+    continues from it.
     """
     config, device, model = loop.config, loop.device, loop.model
     epoch = step // loop.steps_per_epoch
@@ -383,7 +385,7 @@ def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], termin
             if signum := terminated():
                 if not due:
                     _checkpoint(loop, step)
-                raise Terminated(signum)
+                raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
             mark = time.perf_counter()
     return step
 
