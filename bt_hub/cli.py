@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import importlib
 import os
+import select
 import sys
 import threading
 import time
@@ -299,8 +300,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     1 a failure that is not the input's (one line; ``BT_HUB_DEBUG=1`` shows the traceback),
     130 interrupted (Ctrl-C: one line saying what was kept and the command that continues),
     143 stopped by SIGTERM (the same line; ``bt-hub pretrain`` first checkpoints the step it is on), and likewise
-    128 + the signal's number for SIGUSR1, SIGUSR2 and SIGHUP (``bt_hub.common.signals.STOP_SIGNALS``).
+    128 + the signal's number for SIGUSR1, SIGUSR2 and SIGHUP (``bt_hub.common.signals.STOP_SIGNALS``),
+    141 (128 + SIGPIPE) in silence when the reader of its output went away (``bt-hub weights list | head -1``), as
+    any program that SIGPIPE ends: before, a BrokenPipeError traceback.
     """
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        if not _reader_gone():
+            raise
+        return 141
+
+
+def _reader_gone() -> bool:
+    """Whether the reader of stdout or stderr has gone: then both are pointed at /dev/null, so that nothing more
+    (Python's own flush at exit included) fails on them."""
+    poll = select.poll()
+    for fd in (1, 2):
+        poll.register(fd, select.POLLOUT)
+    if not any(event & select.POLLERR for _, event in poll.poll(0)):
+        return False
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(devnull, fd)
+    return True
+
+
+def _main(argv: Sequence[str] | None) -> int:
     console = argv is None  # the bt-hub script: once its work is done, a signal would only cut its exit short
     started = time.time()  # an interruption names what the command itself kept
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -430,6 +430,23 @@ def test_ctrl_c_in_pretrainings_loop_waits_for_the_step_boundary_and_a_second_on
     assert signal.getsignal(signal.SIGINT) is before
 
 
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_a_reader_that_went_away_ends_the_command_in_silence_with_sigpipes_exit_code(stream, tmp_path):
+    # Guards: `bt-hub weights list | head -1` (or a log reader of stderr that stopped) ended in a BrokenPipeError
+    # traceback with exit code 1.
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before bt-hub writes a byte
+    command = ["weights", "list"] if stream == "stdout" else ["weights", "verify", str(tmp_path / "missing.pth")]
+    other = subprocess.PIPE
+    streams = {"stdout": write, "stderr": other} if stream == "stdout" else {"stdout": other, "stderr": write}
+    try:
+        done = subprocess.run([sys.executable, "-m", "bt_hub.cli", *command], **streams, timeout=120)
+    finally:
+        os.close(write)
+    assert done.returncode == 141, (done.stdout or done.stderr)[-2000:]
+    assert not (done.stdout or done.stderr)  # the stream still open says nothing either: no traceback
+
+
 def test_a_signal_ignored_when_bt_hub_starts_stays_ignored():
     # Guards: nohup ignores SIGHUP so that a job outlives its terminal; bt-hub must not undo that.
     from bt_hub.common.signals import restore_signals, stop_on_signals
