@@ -19,7 +19,7 @@ import argparse
 import dataclasses
 import importlib
 import os
-import signal
+import select
 import sys
 import threading
 import time
@@ -280,7 +280,8 @@ def _overview(path: list[str], table: dict[str, Any]) -> str:
     lines += ["", "Run 'bt-hub " + " ".join(path + ["<command>"]) + " --help' for its flags."]
     if not path:
         lines.append(
-            "Exit codes: 0 done, 1 failure, 2 refused input, 130 Ctrl-C, 143 SIGTERM (pretrain checkpoints first)."
+            "Exit codes: 0 done, 1 failure, 2 refused input, 130 Ctrl-C, 143 SIGTERM (138 SIGUSR1, 140 SIGUSR2, "
+            "129 SIGHUP; pretrain checkpoints first)."
         )
     return "\n".join(lines)
 
@@ -298,8 +299,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     Exit codes: 0 done, 2 a usage error or a refused input (one line naming the flag or file),
     1 a failure that is not the input's (one line; ``BT_HUB_DEBUG=1`` shows the traceback),
     130 interrupted (Ctrl-C: one line saying what was kept and the command that continues),
-    143 stopped by SIGTERM (the same line; ``bt-hub pretrain`` first checkpoints the step it is on).
+    143 stopped by SIGTERM (the same line; ``bt-hub pretrain`` first checkpoints the step it is on), and likewise
+    128 + the signal's number for SIGUSR1, SIGUSR2 and SIGHUP (``bt_hub.common.signals.STOP_SIGNALS``),
+    141 (128 + SIGPIPE) in silence when the reader of its output went away (``bt-hub weights list | head -1``), as
+    any program that SIGPIPE ends: before, a BrokenPipeError traceback.
     """
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        if not _reader_gone():
+            raise
+        return 141
+
+
+def _reader_gone() -> bool:
+    """Whether the reader of stdout or stderr has gone: then both are pointed at /dev/null, so that nothing more
+    (Python's own flush at exit included) fails on them."""
+    poll = select.poll()
+    for fd in (1, 2):
+        poll.register(fd, select.POLLOUT)
+    if not any(event & select.POLLERR for _, event in poll.poll(0)):
+        return False
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(devnull, fd)
+    return True
+
+
+def _main(argv: Sequence[str] | None) -> int:
     console = argv is None  # the bt-hub script: once its work is done, a signal would only cut its exit short
     started = time.time()  # an interruption names what the command itself kept
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -313,10 +340,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _no_command(path, command, rest)
     prefix = f"bt-hub {' '.join(path)}"
     config = None
-    from bt_hub.common.signals import EXIT_CODE, Terminated, held_signals, raise_terminated
+    from bt_hub.common.signals import Terminated, held_signals, restore_signals, stop_on_signals
 
     main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
-    previous = signal.signal(signal.SIGTERM, raise_terminated) if main_thread else None  # Ctrl-C's path
+    previous = stop_on_signals() if main_thread else {}  # Ctrl-C's path
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _print_warning(prefix)
@@ -339,11 +366,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             with torch_threads(getattr(config, "threads", 0)):
                 result = getattr(module, command.function)(config)
     except KeyboardInterrupt as err:
+        if main_thread:  # the command is ending: a second signal must not cut its one line into a traceback
+            restore_signals(previous, ignore=True)
         stopped = isinstance(err, Terminated)
         if os.environ.get("RANK", "0") == "0":
-            how = "stopped by SIGTERM" if stopped else "interrupted"
+            how = f"stopped by {err.signum.name}" if stopped else "interrupted"
             print(f"{prefix}: {how}; {interrupted(path, rest, config, started)}", file=sys.stderr)
-        return EXIT_CODE if stopped else 130
+        return err.exit_code if stopped else 130
     except Exception as err:
         if os.environ.get("BT_HUB_DEBUG"):
             raise
@@ -351,9 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2 if isinstance(err, REFUSED) else 1
     finally:
         if main_thread:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN if console else previous)
-            if console:
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
+            restore_signals(previous, ignore=console)
     if os.environ.get("RANK", "0") == "0":  # the main process speaks for every rank
         described = _summary(result, getattr(config, "out", None)) or _describe(result, config)
         if described is not None:

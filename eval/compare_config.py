@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from bt_hub.common.config import REQUIRED, option, out_field
 from bt_hub.common.files import read_json
-from bt_hub.common.presets import baseline, overrides
+from bt_hub.common.presets import baseline, overrides, preset_values
 from bt_hub.eval.config import EvalConfig, EvalWarning
 from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS, check_probe_settings
 from bt_hub.eval.knn import KnnConfig
@@ -119,7 +119,7 @@ class CompareConfig(EvalConfig):
             raise ValueError(f"--fractions must be percentages in (0, 100], got {self.fractions}")
         self.require_positive("knn_k", "semi_epochs", "supervised_epochs")
         self.require_positive("finetune_steps", or_zero=True)
-        baseline(SemiSupervisedConfig, self.semi_preset)  # an unknown preset fails here, naming the valid ones
+        preset_values(SemiSupervisedConfig, self.semi_preset, flag="--semi-preset")  # an unknown one fails here
         check_probe_settings(
             epochs=self.linear_epochs,
             lrs={"--lr-grid": self.lr_grid},

@@ -107,7 +107,10 @@ def _write(run: EvalRun, found: dict[str, tuple[Any, list[dict[str, Any]]]]) -> 
         files.append(atomic_write_text(out / "index.csv", table.getvalue()).name)
     record = build_record(
         Scored(
-            "embed", {}, mode="features", notes={"files": files, "rows": {s: len(r) for s, (_, r) in found.items()}}
+            {},
+            mode="features",
+            notes={"files": files, "rows": {s: len(r) for s, (_, r) in found.items()}},
+            protocol="embed",
         ),
         hyperparameters={**vars(config), **run.settings.as_dict(), "features": dict(run.features_used)},
         weights=run.weights,

@@ -208,7 +208,7 @@ def score_cell(cell: Any, config: KnnConfig, seed: int) -> Scored:
     test_x, test_y = cell.features("test")
     num_classes = max(len(cell.splits.classes), int(max(train_y.max(), test_y.max())) + 1)
     if not is_main_process():
-        return Scored("knn", {})
+        return Scored({})
     used, warned = effective_k(config.k, len(train_y))
     for message in warned:
         warnings.warn(message, EvalWarning, stacklevel=2)
@@ -228,7 +228,7 @@ def score_cell(cell: Any, config: KnnConfig, seed: int) -> Scored:
         metrics.update({f"top1_k{k}": result["top1"], f"top5_k{k}": result["top5"]})
     metrics = {"top1": metrics[f"top1_k{used[0]}"], "top5": metrics[f"top5_k{used[0]}"], **metrics}
     notes = {"neighbours_used": {str(k): min(k, len(train_y)) for k in config.k}, "backend": backend}
-    return Scored("knn", metrics, mode="features", warnings=warned, notes=notes, table=TABLE)
+    return Scored(metrics, mode="features", warnings=warned, notes=notes, table=TABLE)
 
 
 def suite_settings(config: Any) -> list[tuple[str, dict[str, Any], tuple[str, ...]]]:

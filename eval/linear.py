@@ -256,7 +256,6 @@ def _scored(
 ) -> Scored:
     transfer = isinstance(config, TransferConfig)
     return Scored(
-        "transfer" if transfer else "linear",
         metrics,
         mode=mode,
         preset=config.preset,

@@ -9,7 +9,8 @@ CLI can list the commands without loading a network). The module provides:
 - ``score_cell(cell, config, seed) -> Scored``: the pure scoring step. ``cell`` is what is scored, read through
   ``cell.features(split)``, ``cell.network``, ``cell.splits``, ``cell.device`` and ``cell.settings``: an
   ``EvalRun`` when the command runs, or one row of ``eval compare`` (its network on the same splits). It reads
-  every knob from ``config``, never from the cell;
+  every knob from ``config``, never from the cell. It does not name itself: a record's ``protocol`` is the name of
+  the entry whose config class its config is (:func:`protocol_for`);
 - ``score(run) -> Scored``: the command's step (its warnings about the data, then ``score_cell``; a protocol whose
   command does more, such as the linear probe's paper loop, says so there) and ``run(config)``, the subcommand;
 - optionally ``suite_settings(suite_config) -> [(folder, {field: value})]``: its runs in ``eval all`` (default:
@@ -90,6 +91,15 @@ def get_protocol(name: str) -> Protocol:
     if name not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {name!r}")
     return PROTOCOLS[name]
+
+
+def protocol_for(config: Any) -> str:
+    """The registered name of the protocol whose config class ``config`` is (what its records say they ran)."""
+    kind = type(config)
+    for p in PROTOCOLS.values():
+        if p.config == kind.__name__ and p.config_class is kind:
+            return p.name
+    raise ValueError(f"{kind.__name__} is the config of no registered protocol")
 
 
 def list_protocols(*, suite: bool | None = None, column: bool | None = None) -> list[str]:

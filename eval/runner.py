@@ -19,13 +19,14 @@ from torch.utils.data import Dataset
 from bt_hub.common.distributed import broadcast_object, is_main_process, process_group
 from bt_hub.common.files import atomic_write_json, remove_stale_temp_files
 from bt_hub.common.presets import overrides
-from bt_hub.common.records import SCHEMA, Record, make_record
+from bt_hub.common.records import FROM_WEIGHTS, SCHEMA, Record, make_record
 from bt_hub.common.runs import claim_run_dir, claimed_run_dir, config_dict
 from bt_hub.data.precision import precision_choice
 from bt_hub.data.store import DecodedImages, StoreView, fits_auto, open_store, store_device
 from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalWarning
 from bt_hub.eval.feature_cache import FeatureCache
 from bt_hub.eval.features import Pool, architecture_fingerprint, extract_with_source
+from bt_hub.eval.protocols import protocol_for
 from bt_hub.eval.report import PaperRow, Table, append_results, check_history
 from bt_hub.eval.splits import Splits, load_splits
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms
@@ -91,8 +92,8 @@ def eval_image_size(given: int | None, trained: int | None, trained_from: str | 
     if trained and given != trained:
         warnings.warn(
             f"--image-size {given} differs from the {trained} px the weights {weights} were pretrained at "
-            f"(their {str(trained_from).removeprefix('weights ')}); features at another size usually score lower: "
-            f"leave --image-size out to use {trained}",
+            f"(from {FROM_WEIGHTS.get(str(trained_from), trained_from)}); features at another size usually score "
+            f"lower: leave --image-size out to use {trained}",
             EvalWarning,
             stacklevel=3,
         )
@@ -145,7 +146,6 @@ def resolve_settings(config: Any, weights: LoadedWeights, device: torch.device) 
 class Scored:
     """What a protocol's scoring step returns: the metrics and what the record says about them."""
 
-    protocol: str
     metrics: Mapping[str, float]
     mode: str | None = None
     preset: str | None = None
@@ -155,6 +155,7 @@ class Scored:
     notes: Mapping[str, Any] | None = None
     warnings: Sequence[str] = ()
     dataset: Mapping[str, Any] | None = None  # the splits' facts, when the protocol built its own splits
+    protocol: str = ""  # a protocol's is the table's name of its config (``protocol_for``); embed, detect say theirs
 
 
 @dataclass
@@ -303,7 +304,7 @@ class EvalRun:
             "features": dict(self.features_used),
         }
         return build_record(
-            scored,
+            dataclasses.replace(scored, protocol=scored.protocol or protocol_for(config)),
             hyperparameters=hyper,
             weights=weights if weights is not None else self.weights,
             dataset=scored.dataset if scored.dataset is not None else self.splits.info,

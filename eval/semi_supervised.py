@@ -285,7 +285,6 @@ def score_cell(cell: Any, config: SemiSupervisedConfig, seed: int) -> Scored:
     labels = _labels(config, indices, len(splits.train), seed)
     notes = {"loop_precision": loop_precision(cell.device, cell.settings.precision), "epochs": epochs}
     return Scored(
-        "semi",
         metrics,
         mode="loop",
         preset=config.preset,

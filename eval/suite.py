@@ -60,7 +60,7 @@ class SuiteConfig(EvalConfig):
             )
         for protocol, _, values, _ in _runs(self):  # an unknown --linear-preset / --semi-preset fails here
             if "preset" in values:
-                preset_values(protocol.config_class, values["preset"])
+                preset_values(protocol.config_class, values["preset"], flag=f"--{protocol.name}-preset")
         if any(f <= 0 or f > 100 for f in self.fractions):
             raise ValueError(f"--fractions must be percentages in (0, 100], got {self.fractions}")
         if self.subset_dir is not None:

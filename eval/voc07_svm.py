@@ -221,7 +221,7 @@ def score(run: EvalRun) -> Scored:
         )
         data[name] = (l2_normalize(as_float32(features).numpy()), targets.numpy().astype(np.int8))
     if not is_main_process():
-        return Scored("voc07-svm", {}, dataset=info)
+        return Scored({}, dataset=info)
     _, weights, biases, best = svm_grid(
         *data["train"],
         config.costs,
@@ -241,6 +241,4 @@ def score(run: EvalRun) -> Scored:
         "classes_without_test_positives": [c for c, s in zip(train.classes, scored) if not s],
         "feature_dim": int(data["train"][0].shape[1]),
     }
-    return Scored(
-        "voc07-svm", metrics, mode="features", paper=PAPER_ROW, table=TRANSFER_TABLE, notes=notes, dataset=info
-    )
+    return Scored(metrics, mode="features", paper=PAPER_ROW, table=TRANSFER_TABLE, notes=notes, dataset=info)

@@ -386,6 +386,128 @@ def test_sigterm_while_the_command_module_loads_waits_for_the_import_and_says_so
     assert one_sentence(capsys.readouterr().err).startswith("bt-hub weights list: stopped by SIGTERM; nothing was")
 
 
+@pytest.mark.parametrize(
+    "signum,code", [(signal.SIGUSR1, 138), (signal.SIGUSR2, 140), (signal.SIGHUP, 129)], ids=["USR1", "USR2", "HUP"]
+)
+def test_a_schedulers_warning_signal_stops_a_command_as_sigterm_does_with_its_own_exit_code(
+    signum, code, monkeypatch, capsys
+):
+    # Guards: SIGUSR1 / SIGUSR2 (Slurm's --signal=USR1@T, submitit, SGE's -notify: sent ahead of a time limit) and
+    # SIGHUP (a closed terminal) ended every command on the spot, by their default action: no line, nothing said
+    # of what was kept, and pretraining lost every step since its last checkpoint.
+    import bt_hub.train.report as plots
+
+    def stopped(config):
+        os.kill(os.getpid(), signum)
+        time.sleep(30)
+
+    def unhandled(signum, frame):
+        raise AssertionError(f"{signal.Signals(signum).name} was not handled by bt-hub")
+
+    monkeypatch.setattr(plots, "report", stopped)
+    previous = signal.signal(signum, unhandled)  # instead of its default action, which would end pytest
+    try:
+        before = {s: signal.getsignal(s) for s in (signal.SIGINT, signum)}
+        assert cli.main(["report", "run"]) == code
+    finally:
+        after = signal.signal(signum, previous)
+    line = one_sentence(capsys.readouterr().err)
+    assert line.startswith(f"bt-hub report: stopped by {signal.Signals(signum).name}; ")
+    assert after is unhandled and signal.getsignal(signal.SIGINT) is before[signal.SIGINT]  # main() puts them back
+
+
+def test_ctrl_c_in_pretrainings_loop_waits_for_the_step_boundary_and_a_second_one_stops_at_once():
+    # Guards: Ctrl-C (LSF's bkill sends SIGINT first; torchrun forwards it) cut pretraining mid-step, keeping only
+    # the last checkpoint; the wait it now makes for the step's checkpoint must not trap an impatient user.
+    from bt_hub.common.signals import deferred_stop
+
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt), deferred_stop(torch.device("cpu")) as requested:
+        assert requested() == 0
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert requested() == signal.SIGINT  # noted, for the loop to checkpoint and stop
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_a_reader_that_went_away_ends_the_command_in_silence_with_sigpipes_exit_code(stream, tmp_path):
+    # Guards: `bt-hub weights list | head -1` (or a log reader of stderr that stopped) ended in a BrokenPipeError
+    # traceback with exit code 1.
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before bt-hub writes a byte
+    command = ["weights", "list"] if stream == "stdout" else ["weights", "verify", str(tmp_path / "missing.pth")]
+    other = subprocess.PIPE
+    streams = {"stdout": write, "stderr": other} if stream == "stdout" else {"stdout": other, "stderr": write}
+    try:
+        done = subprocess.run([sys.executable, "-m", "bt_hub.cli", *command], **streams, timeout=120)
+    finally:
+        os.close(write)
+    assert done.returncode == 141, (done.stdout or done.stderr)[-2000:]
+    assert not (done.stdout or done.stderr)  # the stream still open says nothing either: no traceback
+
+
+def test_a_signal_ignored_when_bt_hub_starts_stays_ignored():
+    # Guards: nohup ignores SIGHUP so that a job outlives its terminal; bt-hub must not undo that.
+    from bt_hub.common.signals import restore_signals, stop_on_signals
+
+    previous_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        previous = stop_on_signals()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and callable(signal.getsignal(signal.SIGUSR1))
+        restore_signals(previous, ignore=False)
+    finally:
+        signal.signal(signal.SIGHUP, previous_hup)
+
+
+def test_a_loader_worker_forked_before_it_ignores_group_signals_does_not_act_on_its_parents_handler():
+    # Guards: a group SIGTERM landing in a DataLoader worker between its fork and its worker_init_fn ran the
+    # inherited handler there, and the worker's "Terminated: 15" traceback was printed above the command's one line.
+    from bt_hub.common.signals import restore_signals, stop_on_signals
+
+    previous = stop_on_signals()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: the handlers it inherited must do nothing in it
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)
+            except BaseException:
+                os._exit(1)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        restore_signals(previous, ignore=False)
+
+
+def test_a_second_signal_while_the_command_says_what_it_kept_does_not_cut_that_line_into_a_traceback(
+    monkeypatch, capsys
+):
+    # Guards: a scheduler that signals twice (the job's processes, then the group; torchrun forwarding a SIGTERM its
+    # workers got already) landed the second one while bt-hub was writing its line: a Terminated traceback, exit 1.
+    import bt_hub.train.report as plots
+
+    def sigterm(config):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+
+    def kept_then_signalled(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        return "nothing was written; run the command again: bt-hub report run"
+
+    monkeypatch.setattr(plots, "report", sigterm)
+    monkeypatch.setattr(cli, "interrupted", kept_then_signalled)
+    assert cli.main(["report", "run"]) == 143
+    assert one_sentence(capsys.readouterr().err) == (
+        "bt-hub report: stopped by SIGTERM; nothing was written; run the command again: bt-hub report run"
+    )
+
+
 def test_sigterm_or_ctrl_c_after_the_work_is_done_does_not_cut_the_exit_short():
     # Guards: SIGTERM in the moment after a command's work (its last line, the interpreter's exit) ended it with
     # -15 and no line though every file was written; Ctrl-C there printed a traceback.
@@ -528,7 +650,9 @@ def test_every_dataloader_bt_hub_builds_leaves_group_signals_to_its_main_process
     assert len(list(package_modules())) > 20  # the walk saw the package
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP], ids=lambda s: s.name
+)
 def test_loader_workers_outlive_a_signal_meant_for_their_main_process(signum):
     # Guards: a loader worker died of a SIGTERM (or SIGINT) that another process (timeout, scancel, the terminal)
     # sent to the whole group, and the main process failed with "DataLoader worker (pid ...) exited unexpectedly".

@@ -154,7 +154,7 @@ def test_cli_compare_prints_mean_std_that_match_the_per_seed_records(small_stem_
         (["--protocols", "svm"], "--protocols must list some of knn, linear, semi"),
         (["--seeds", "0"], "--seeds must be an integer in [1, 100]"),
         (["--lr-grid", "1e30"], "--lr-grid must be in (0, 100]"),
-        (["--semi-preset", "nope", "--protocols", "semi"], "--preset 'nope' is unknown"),
+        (["--semi-preset", "nope", "--protocols", "semi"], "--semi-preset 'nope' is unknown"),
     ],
 )
 def test_cli_compare_rejects_bad_flags_in_one_line(small_stem_weights, tmp_path, capsys, flags, message):

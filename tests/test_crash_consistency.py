@@ -253,12 +253,17 @@ WORKERS = ("--num-workers", "2", "--max-steps", "12")
 
 
 def _sigterm_after(
-    out: Path, steps: int, *extra: str, launcher: list[str] | None = None, group: bool = False
+    out: Path,
+    steps: int,
+    *extra: str,
+    launcher: list[str] | None = None,
+    group: bool = False,
+    signum: int = signal.SIGTERM,
 ) -> subprocess.CompletedProcess:
-    """Start ``out``'s run, SIGTERM it (the launcher, under torchrun) once ``steps`` steps are logged; its exit.
+    """Start ``out``'s run, send it ``signum`` (the launcher, under torchrun) once ``steps`` steps are logged; its exit.
 
     With ``group`` the run has a process group of its own and the signal goes to all of it, as ``timeout`` and
-    SLURM's scancel send it: the main process and its DataLoader workers alike.
+    SLURM's scancel (and its ``--signal=USR1@T`` warning) send it: the main process and its DataLoader workers alike.
     """
     proc = subprocess.Popen(
         _cmd(out, *DIGITS, *extra, launcher=launcher),
@@ -271,9 +276,9 @@ def _sigterm_after(
     try:
         _wait_for(lambda: _last_logged_step(out / "metrics.jsonl") >= steps, proc, f"{steps} logged steps")
         if group:
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, signum)
         else:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signum)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -283,26 +288,34 @@ def _sigterm_after(
 
 
 @pytest.mark.parametrize(
-    "extra,group",
-    [pytest.param((), False, id="to-the-main-process"), pytest.param(WORKERS, True, id="to-the-group-with-workers")],
+    "extra,group,signum",
+    [
+        pytest.param((), False, signal.SIGTERM, id="SIGTERM-to-the-main-process"),
+        pytest.param(WORKERS, True, signal.SIGUSR1, id="SIGUSR1-to-the-group-with-workers"),
+        pytest.param((), False, signal.SIGINT, id="SIGINT-to-the-main-process"),
+    ],
 )
-def test_sigterm_checkpoints_the_step_it_is_on_says_so_and_resume_auto_ends_bit_identical(tmp_path, extra, group):
+def test_sigterm_checkpoints_the_step_it_is_on_says_so_and_resume_auto_ends_bit_identical(
+    tmp_path, extra, group, signum
+):
     # Guards: SIGTERM (a scheduler's preemption) ended pretraining with exit code 143, no line and nothing saved,
     # losing every step since the last --checkpoint-every. Sent to the process group (timeout, scancel), it killed
     # the DataLoader workers first: exit 2, "DataLoader worker (pid ...) is killed by signal: Terminated", and no
-    # checkpoint.
+    # checkpoint. SIGUSR1, the warning Slurm's --signal=USR1@T sends every process of a job ahead of its time limit,
+    # ended the run on the spot (its default action), with no checkpoint and no line. Ctrl-C (SIGINT, which LSF's
+    # bkill sends first) kept only the last checkpoint, losing the steps since.
     _run(_cmd(tmp_path / "uninterrupted", *DIGITS, *extra))
     out = tmp_path / "run"
-    done = _sigterm_after(out, 3, *extra, group=group)
-    assert done.returncode == 143, done.stderr[-3000:]
+    done = _sigterm_after(out, 3, *extra, group=group, signum=signum)
+    assert done.returncode == 128 + signum, done.stderr[-3000:]  # 130 for SIGINT
     assert "Traceback" not in done.stderr
     stopped = _checkpoint_step(out)
     steps = 12 if extra else 40
     assert 3 <= stopped < steps and stopped == _last_logged_step(out / "metrics.jsonl")
     line = done.stderr.strip().splitlines()[-1]
-    assert line.startswith(
-        f"bt-hub pretrain: stopped by SIGTERM; the last checkpoint {out / 'checkpoint.pth'} (step {stopped}) is kept; "
-    )
+    how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    checkpoint = out / "checkpoint.pth"
+    assert line.startswith(f"bt-hub pretrain: {how}; the last checkpoint {checkpoint} (step {stopped}) is kept; ")
     assert line.endswith("--resume auto")
     _run(_cmd(out, *DIGITS, *extra, "--resume", "auto"))
     _assert_identical_runs(tmp_path / "uninterrupted", out, steps)

@@ -51,6 +51,7 @@ def test_eval_scores_at_the_image_size_the_weights_were_pretrained_at(run_folder
     assert explicit["hyperparameters"]["image_size_from"] == "--image-size"
     (line,) = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
     assert "--image-size 12 differs from the 8 px the weights" in line and "leave --image-size out" in line
+    assert "pretrained at (from the weights' config.json);" in line  # the record's source, in the report's words
 
 
 def test_weights_without_a_config_json_are_scored_at_the_default_size_and_say_so(run_folder, tmp_path):

@@ -116,13 +116,13 @@ def all_gather_objects(obj: object) -> list[object]:
     return gathered
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank when ``flag`` is True on any rank (``flag`` itself without a process group)."""
+def max_over_ranks(value: int, device: torch.device) -> int:
+    """The largest of every rank's ``value`` (``value`` itself without a process group)."""
     if not is_distributed():
-        return flag
-    found = torch.tensor([int(flag)], device=device)
+        return value
+    found = torch.tensor([value], device=device)
     dist.all_reduce(found, op=dist.ReduceOp.MAX)
-    return bool(found.item())
+    return int(found.item())
 
 
 def barrier() -> None:

@@ -32,11 +32,11 @@ def presets_of(cls: type) -> dict[str, dict[str, Any]]:
     return dict(getattr(cls, "PRESETS", None) or {})
 
 
-def preset_values(cls: type, name: str) -> dict[str, Any]:
-    """The field values preset ``name`` of ``cls`` sets over the defaults (else ValueError)."""
+def preset_values(cls: type, name: str, flag: str = "--preset") -> dict[str, Any]:
+    """The field values preset ``name`` of ``cls`` sets over the defaults (else a ValueError naming ``flag``)."""
     presets = presets_of(cls)
     if name not in presets:
-        raise ValueError(f"--preset {name!r} is unknown; expected one of {', '.join(presets) or '(none)'}")
+        raise ValueError(f"{flag} {name!r} is unknown; expected one of {', '.join(presets) or '(none)'}")
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(presets[name]) - fields)
     if unknown:

@@ -39,6 +39,8 @@ METRIC_LABELS = {
 }
 
 Record = dict[str, Any]
+# a record's ``settings.<name>_from`` naming what the weights said of themselves, and those words in a sentence
+FROM_WEIGHTS = {f"weights {part}": f"the weights' {part}" for part in ("metadata", "config.json", "keys")}
 
 
 # ----------------------------------------------------------------------------- building a record
@@ -344,8 +346,7 @@ def settings_text(settings: Mapping[str, Any]) -> str:
         found = settings.get(f"{key}_from")
         if not found or found == "default":
             return f" ({found})" if found else ""
-        where = "the weights' " + found.removeprefix("weights ") if found.startswith("weights ") else found
-        return f" (from {where})"
+        return f" (from {FROM_WEIGHTS.get(found, found)})"
 
     stem = "small-image stem (3x3, no max-pool)" if settings.get("small_image_stem") else "standard stem"
     parts = [

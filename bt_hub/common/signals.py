@@ -1,5 +1,12 @@
 """SIGTERM, what a cluster scheduler sends before it kills a job: Ctrl-C's path (:class:`Terminated`), or, in
-a training loop, a flag read at each step boundary (:func:`deferred_sigterm`) so every rank stops together.
+a training loop, a flag read at each step boundary (:func:`deferred_stop`) so every rank stops together.
+
+SIGUSR1, SIGUSR2 and SIGHUP stop a command the same way (:data:`STOP_SIGNALS`): they are the warnings schedulers send
+ahead of a time limit or a preemption (Slurm's ``--signal=USR1@120``, submitit's SIGUSR2, SGE's ``-notify``), and a
+closing terminal's hang-up, whose default action would end the process on the spot, with no checkpoint and no line.
+The command exits with 128 + the signal's number, what a shell reports for a job that signal ended (143 for SIGTERM,
+138 for SIGUSR1), so a job script can tell a stop it asked for (and requeue with ``--resume auto``) from a failure.
+A signal ignored when bt-hub starts (``nohup`` ignores SIGHUP) stays ignored.
 
 ``timeout``, SLURM's scancel and a terminal's Ctrl-C signal the whole process group, DataLoader workers
 included: every DataLoader bt_hub builds passes ``worker_init_fn=ignore_group_signals``, so only the main
@@ -9,6 +16,7 @@ process acts on the signal (checkpoints, says what it kept) and then shuts its w
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -17,25 +25,67 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch loads with the command, after the CLI's handlers are set
     import torch
 
-EXIT_CODE = 143  # 128 + SIGTERM: what a shell reports for a job that SIGTERM ended
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
 
 class Terminated(KeyboardInterrupt):
-    """The process received SIGTERM."""
+    """The process received one of :data:`STOP_SIGNALS` (``signum``; SIGTERM by default)."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signal.Signals(signum)
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal's number: what a shell reports for a job that this signal ended."""
+        return 128 + self.signum
 
 
-def raise_terminated(signum: int, frame: Any) -> None:
-    """A SIGTERM handler: raise :class:`Terminated` wherever the program is."""
-    raise Terminated
+def _handled(signums: tuple[int, ...]) -> list[int]:
+    """``signums`` but those ignored now (``nohup`` ignores SIGHUP; a job script may ignore others): they stay so."""
+    return [s for s in signums if signal.getsignal(s) is not signal.SIG_IGN]
+
+
+def stop_on_signals() -> dict[int, Any]:
+    """Make each of :data:`STOP_SIGNALS` not ignored now raise :class:`Terminated`, and Ctrl-C (where Python's own
+    handler has it) KeyboardInterrupt, in this process only (main thread only); returns the handlers they had, for
+    :func:`restore_signals`."""
+    owner = os.getpid()
+
+    def stop(signum: int, frame: Any) -> None:
+        # a loader worker forked from this process runs this handler until its worker_init_fn ignores the signal: a
+        # group signal landing in between printed the worker's traceback above the command's one line
+        if os.getpid() == owner:
+            raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+
+    previous = {signal.SIGINT: signal.getsignal(signal.SIGINT)}
+    if previous[signal.SIGINT] is signal.default_int_handler:
+        signal.signal(signal.SIGINT, stop)
+    return previous | {s: signal.signal(s, stop) for s in _handled(STOP_SIGNALS)}
+
+
+def restore_signals(previous: dict[int, Any], *, ignore: bool) -> None:
+    """Put back the handlers of :func:`stop_on_signals` (Ctrl-C's among them), or, with ``ignore``, ignore those
+    signals: a command that is ending (its work done, or its one line about an interruption being written) is not
+    cut short by a second signal into a traceback."""
+    for s, handler in previous.items():
+        signal.signal(s, signal.SIG_IGN if ignore else signal.SIG_DFL if handler is None else handler)
 
 
 @contextlib.contextmanager
-def _noted(signums: list[int]) -> Iterator[list[int]]:
+def _noted(signums: list[int], *, again_stops: bool = False) -> Iterator[list[int]]:
     """Within the block ``signums`` only append to the yielded list (in the main thread: only it may set
-    handlers; elsewhere nothing changes), then their handlers are restored."""
+    handlers; elsewhere nothing changes), then their handlers are restored. With ``again_stops`` a second Ctrl-C
+    raises KeyboardInterrupt at once."""
     received: list[int] = []
     main = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in signums if main}
+
+    def note(signum: int, frame: Any) -> None:
+        if again_stops and signum == signal.SIGINT and signal.SIGINT in received:
+            raise KeyboardInterrupt  # Ctrl-C twice: stop now, without what the first one waits for
+        received.append(signum)
+
+    previous = {s: signal.signal(s, note) for s in signums if main}
     try:
         yield received
     finally:
@@ -44,31 +94,38 @@ def _noted(signums: list[int]) -> Iterator[list[int]]:
 
 
 @contextlib.contextmanager
-def deferred_sigterm(device: torch.device) -> Iterator[Callable[[], bool]]:
-    """Within the block SIGTERM only sets a flag; yields ``requested()`` (a collective under torchrun)."""
-    from bt_hub.common.distributed import any_rank
+def deferred_stop(device: torch.device) -> Iterator[Callable[[], int]]:
+    """Within the block Ctrl-C and :data:`STOP_SIGNALS` only set a flag; yields ``requested()``, the number of the
+    signal received (0 for none; under torchrun, a collective: the highest any rank received).
 
-    with _noted([signal.SIGTERM]) as received:
-        yield lambda: any_rank(bool(received), device)
+    Ctrl-C waits for the step boundary too: LSF's ``bkill`` sends SIGINT first (then SIGTERM, then SIGKILL), and
+    torchrun forwards a Ctrl-C to its workers and SIGKILLs them 30 s later; a second Ctrl-C stops at once.
+    """
+    from bt_hub.common.distributed import max_over_ranks
+
+    with _noted(_handled((signal.SIGINT, *STOP_SIGNALS)), again_stops=True) as received:
+        yield lambda: max_over_ranks(received[0] if received else 0, device)
 
 
 @contextlib.contextmanager
 def held_signals() -> Iterator[None]:
-    """Within the block Ctrl-C and SIGTERM are only noted, then raised at its end (KeyboardInterrupt, Terminated):
-    one landing inside ``import torch`` breaks that import into errors that no longer say they were an interrupt."""
-    with _noted([s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN]) as received:
+    """Within the block Ctrl-C and :data:`STOP_SIGNALS` are only noted, then raised at its end (KeyboardInterrupt,
+    Terminated): one landing inside ``import torch`` breaks that import into errors that no longer say they were an
+    interrupt."""
+    with _noted(_handled((signal.SIGINT, *STOP_SIGNALS))) as received:
         yield
     if received:
-        raise Terminated if received[0] == signal.SIGTERM else KeyboardInterrupt
+        raise KeyboardInterrupt if received[0] == signal.SIGINT else Terminated(received[0])
 
 
 def ignore_group_signals(worker_id: int) -> None:
-    """A DataLoader ``worker_init_fn``: the worker ignores SIGTERM and SIGINT, which its main process handles.
+    """A DataLoader ``worker_init_fn``: the worker ignores Ctrl-C and :data:`STOP_SIGNALS`, which its main process
+    handles.
 
     torch's workers die of a SIGTERM that their parent did not send, and the main process then fails with
     "DataLoader worker (pid ...) is killed by signal: Terminated" before it could checkpoint or answer. A worker
     that ignores them still ends when the main process shuts the loader down, or, if that process is gone, by
     torch's watch on its parent.
     """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGINT, *STOP_SIGNALS):
+        signal.signal(signum, signal.SIG_IGN)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from bt_hub.common.distributed import (
 from bt_hub.common.files import atomic_write_json, read_json, write_safetensors
 from bt_hub.common.progress import progress
 from bt_hub.common.runs import RunDir
-from bt_hub.common.signals import Terminated, deferred_sigterm
+from bt_hub.common.signals import Terminated, deferred_stop
 from bt_hub.data.datasets import build_dataset
 from bt_hub.data.decode import resolve_decode
 from bt_hub.data.precision import autocast_dtype, precision_choice, resolve_channels_last
@@ -315,7 +316,7 @@ def _run_loop(loop: _Loop, step: int) -> int:
         )
         loop.run.log({"step": 0, "knn_top1": float(postfix["knn"]), **baselines})
     model.train()
-    with deferred_sigterm(device) as terminated:
+    with deferred_stop(device) as terminated:
         while step < loop.last_step:
             step = _run_epoch(loop, step, bar, postfix, terminated)
     bar.close()
@@ -324,11 +325,12 @@ def _run_loop(loop: _Loop, step: int) -> int:
     return step
 
 
-def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], terminated: Callable[[], bool]) -> int:
+def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], terminated: Callable[[], int]) -> int:
     """Train from ``step`` to the end of its epoch (or ``loop.last_step``); return the step reached.
 
-    After SIGTERM (``terminated()``, agreed by every rank) the step just done is checkpointed and
-    :class:`Terminated` raised, so ``--resume auto`` continues from it.
+    After Ctrl-C, SIGTERM or another of the signals that stop a run (``terminated()``, agreed by every rank), the
+    step just done is checkpointed and KeyboardInterrupt / :class:`Terminated` raised, so ``--resume auto``
+    continues from it.
     """
     config, device, model = loop.config, loop.device, loop.model
     epoch = step // loop.steps_per_epoch
@@ -380,10 +382,10 @@ def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], termin
                 _checkpoint(loop, step)
             if step >= loop.last_step:
                 break
-            if terminated():
+            if signum := terminated():
                 if not due:
                     _checkpoint(loop, step)
-                raise Terminated
+                raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
             mark = time.perf_counter()
     return step
 

@@ -282,12 +282,12 @@ def _write(
         **opts_overrides(yaml_path, config.opts),
     }
     scored = Scored(
-        "detect",
         aggregate_trials([t["metrics"] for t in trials]),
         preset=preset,
         paper=PAPER_ROWS.get(str(preset)) if set(changed) <= set(EXECUTION_OVERRIDES) else None,
         table=TABLES.get(str(preset), TABLES[None]),
         notes={"engine": engine, "trials": [{"seed": t["seed"], "metrics": t["metrics"]} for t in trials]},
+        protocol="detect",
     )
     record = build_record(
         scored,
