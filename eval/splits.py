@@ -119,7 +119,7 @@ def load_splits(
         test = align_classes(train, build_dataset(spec, test_split, image_size=size, seed=seed), test_split)
         test_name = test_split
     check_scorable(spec, train, test, test_name, scored=scored)
-    info["overlap_check"] = check_disjoint(train, test)
+    info["overlap_check"] = check_disjoint(train, test, of_holdout=holdout is not None)
     train_fp, test_fp = dataset_fingerprint(train), dataset_fingerprint(test)
     info["train"] = {"split": "train", "size": len(train), "fingerprint": train_fp}
     info["test"] = {"split": test_name, "size": len(test), "fingerprint": test_fp}
@@ -263,11 +263,14 @@ def _item_digest(dataset: Dataset, index: int) -> str:
     return hashlib.sha256(np.asarray(dataset[index][0]).tobytes()).hexdigest()
 
 
-def check_disjoint(train: Dataset, test: Dataset, sample: int = OVERLAP_SAMPLE) -> dict[str, Any]:
+def check_disjoint(
+    train: Dataset, test: Dataset, sample: int = OVERLAP_SAMPLE, of_holdout: bool = False
+) -> dict[str, Any]:
     """Refuse a test split that shares files or images with the training split; return what was checked.
 
     All paths are compared, and the bytes of a seeded ``sample`` of test images with the training images
     of the same file size; copies too few to refuse the run (ImageNet's val holds a handful) are warned of.
+    ``of_holdout``: ``test`` was drawn from the training folder (``--holdout``), so copies are the folder's own.
     """
     train_paths, test_paths = _paths(train), _paths(test)
     if train_paths is not None and test_paths is not None:
@@ -292,8 +295,13 @@ def check_disjoint(train: Dataset, test: Dataset, sample: int = OVERLAP_SAMPLE) 
         return {"shared_files": 0, "sampled": 0, "identical": None}
     if len(picked) and identical >= max(2, math.ceil(OVERLAP_SHARE * len(picked))):
         raise ValueError(
-            f"{identical} of {len(picked)} sampled test images are byte-identical to training images; the test split "
-            "overlaps the training split: give a disjoint held-out split or --holdout"
+            f"{identical} of {len(picked)} sampled test images are byte-identical to training images; "
+            + (
+                "the training folder holds byte-identical copies of its images, which --holdout split apart: "
+                "remove the copies"
+                if of_holdout
+                else "the test split overlaps the training split: give a disjoint held-out split or --holdout"
+            )
         )
     if identical:
         warnings.warn(

@@ -128,6 +128,15 @@ def test_a_test_split_with_the_training_images_is_refused(folder, weights, tmp_p
     assert "15 of 15 sampled test images are byte-identical to training images" in capsys.readouterr().err
 
 
+def test_a_holdout_of_a_folder_holding_copies_of_its_images_names_the_copies(folder, tmp_path):
+    """Guards: the refusal told a user who had passed --holdout to "give a disjoint held-out split or --holdout"."""
+    flat = folder(tmp_path / "flat", per_class=10)
+    for path in list(flat.rglob("*.png")):
+        shutil.copy(path, path.with_name(f"copy_{path.name}"))
+    with pytest.raises(ValueError, match="the training folder holds byte-identical copies of its images, which "):
+        load_splits(str(flat), holdout=0.2)
+
+
 def test_shared_paths_are_refused():
     class Files:
         def __init__(self, paths):
