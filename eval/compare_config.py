@@ -4,18 +4,21 @@ weights, or per kept step of a learning curve) and columns (:class:`Column`). ``
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
 from bt_hub.common.config import REQUIRED, option, out_field
+from bt_hub.common.files import read_json
 from bt_hub.common.presets import baseline, overrides, preset_values
-from bt_hub.eval.config import EvalConfig
+from bt_hub.eval.config import EvalConfig, EvalWarning
 from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS, check_probe_settings
 from bt_hub.eval.knn import KnnConfig
 from bt_hub.eval.protocols import FROZEN_PROBE, SUPERVISED_BASELINE, get_protocol, list_protocols
 from bt_hub.eval.semi_supervised import SemiSupervisedConfig
+from bt_hub.weights.card import recipe_differences
 from bt_hub.weights.sources import kept_steps
 
 BASELINES = ("pixels", "random-init", "supervised")
@@ -175,7 +178,22 @@ def _cell_flags(protocol: str, but: str = "") -> list[str]:
 
 
 def weights_rows(config: CompareConfig) -> list[WeightsRow]:
-    """``--weights`` as rows: one each; all in one with ``--as-seeds``; one per kept step with ``--over-steps``."""
+    """``--weights`` as rows: one each; all in one with ``--as-seeds``; one per kept step with ``--over-steps``.
+
+    ``--as-seeds`` warns when the runs' ``config.json`` differ in more than their seed (``recipe_differences``).
+    """
+    runs = [Path(w) / "config.json" for w in config.weights]
+    if (
+        config.as_seeds
+        and all(r.is_file() for r in runs)
+        and (differ := recipe_differences(list(map(read_json, runs))))
+    ):
+        warnings.warn(
+            f"--as-seeds takes the --weights for pretraining runs of one recipe with different seeds, but they differ "
+            f"in {'; '.join(differ)} (their config.json): a row's spread is not over seeds alone",
+            EvalWarning,
+            stacklevel=2,
+        )
     if config.over_steps:
         return curve_rows(config.weights, config.as_seeds)
     if config.as_seeds:

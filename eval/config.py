@@ -154,6 +154,8 @@ class EvalConfig(RunConfig):
             unused["cache_dtype"] = "sets the dtype of the feature cache, and this run has none (--cache-dir)"
         if self.holdout is not None:
             unused["test_split"] = "names the held-out folder, which --holdout replaces by a part of the training split"
+        if self.decode == "workers" and self.store in ("disk", "device"):
+            unused["store"] = "keeps a folder decoded once for --decode device, and --decode workers decodes in PIL"
         if getattr(self, "schedule", None) == "cosine":
             why = "only moves the LR of --schedule step, and this run's schedule is cosine"
             unused.update(milestones=why, gamma=why)

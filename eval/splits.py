@@ -6,6 +6,7 @@ import copy
 import hashlib
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from torch.utils.data import Dataset, Subset
 
 from bt_hub.common.files import file_sha256
 from bt_hub.data.datasets import SPLITS, ArrayImageDataset, build_dataset
+from bt_hub.eval.config import EvalWarning
 from bt_hub.eval.features import dataset_fingerprint
 from bt_hub.eval.label_subsets import balanced_subset_indices
 
@@ -94,7 +96,7 @@ def load_splits(
     spec = str(data)
     size = image_size if is_builtin(spec) else None
     if not is_builtin(spec) and test_split is not None:
-        _check_layout(Path(spec).expanduser(), test_split, holdout)
+        _check_layout(Path(spec).expanduser(), test_split, holdout, scored)
     train = build_dataset(spec, "train", image_size=size, seed=seed)
     info: dict[str, Any] = {"name": _name(spec), "path": spec, "holdout": None}
     if holdout is not None:
@@ -117,7 +119,7 @@ def load_splits(
         test = align_classes(train, build_dataset(spec, test_split, image_size=size, seed=seed), test_split)
         test_name = test_split
     check_scorable(spec, train, test, test_name, scored=scored)
-    info["overlap_check"] = check_disjoint(train, test)
+    info["overlap_check"] = check_disjoint(train, test, of_holdout=holdout is not None)
     train_fp, test_fp = dataset_fingerprint(train), dataset_fingerprint(test)
     info["train"] = {"split": "train", "size": len(train), "fingerprint": train_fp}
     info["test"] = {"split": test_name, "size": len(test), "fingerprint": test_fp}
@@ -154,7 +156,7 @@ def _name(spec: str) -> str:
     return spec if is_builtin(spec) else Path(os.path.expanduser(spec)).resolve().name
 
 
-def _check_layout(root: Path, test_split: str, holdout: float | None) -> None:
+def _check_layout(root: Path, test_split: str, holdout: float | None, scored: bool = True) -> None:
     if not root.is_dir():
         return  # build_dataset names the problem
     present = [s for s in SPLITS if (root / s).is_dir()]
@@ -177,7 +179,11 @@ def _check_layout(root: Path, test_split: str, holdout: float | None) -> None:
         f"--data {root} has no held-out split: expected {root}/train/<class>/<image> beside {root}/val/<class>/<image> "
         f"(ImageNet layout, --test-split val) or {root}/test/<class>/<image> (--test-split test); "
         "move held-out images there, "
-        "or pass --holdout 0.2 to score on a seeded, class-stratified 20% of the images (recorded in results.json)"
+        + (
+            "or pass --holdout 0.2 to score on a seeded, class-stratified 20% of the images (recorded in results.json)"
+            if scored
+            else "or pass --splits train to embed the training images alone"
+        )
     )
 
 
@@ -221,16 +227,19 @@ def take(dataset: Dataset, indices: Sequence[int]) -> Dataset:
 
 
 def align_classes(train: Dataset, test: Dataset, split: str) -> Dataset:
-    """``test`` with labels in ``train``'s class order; a class absent from training is an error."""
+    """``test`` with labels in ``train``'s class order; a test class with no training image is an error (its
+    images could never be classified right: torchvision's ImageFolder refuses an empty class folder too)."""
     train_classes, test_classes = list(getattr(train, "classes", [])), list(getattr(test, "classes", []))
-    if train_classes == test_classes or not hasattr(test, "samples"):
+    if not hasattr(test, "samples"):
         return test
-    unknown = sorted(set(test_classes) - set(train_classes))
+    unknown = sorted({test_classes[t] for t in set(test.targets)} - {train_classes[t] for t in set(_targets(train))})
     if unknown:
         raise ValueError(
-            f"the {split} split has classes the training split lacks: {', '.join(unknown[:5])}; "
-            "both must use the same class folders"
+            f"the {split} split has classes the training split lacks (or holds no image of): "
+            f"{', '.join(unknown[:5])}; both must use the same class folders, each with training images"
         )
+    if train_classes == test_classes:
+        return test
     index = {c: i for i, c in enumerate(train_classes)}
     view = copy.copy(test)
     view.samples = [(path, index[test_classes[label]]) for path, label in test.samples]
@@ -254,11 +263,14 @@ def _item_digest(dataset: Dataset, index: int) -> str:
     return hashlib.sha256(np.asarray(dataset[index][0]).tobytes()).hexdigest()
 
 
-def check_disjoint(train: Dataset, test: Dataset, sample: int = OVERLAP_SAMPLE) -> dict[str, Any]:
+def check_disjoint(
+    train: Dataset, test: Dataset, sample: int = OVERLAP_SAMPLE, of_holdout: bool = False
+) -> dict[str, Any]:
     """Refuse a test split that shares files or images with the training split; return what was checked.
 
     All paths are compared, and the bytes of a seeded ``sample`` of test images with the training images
-    of the same file size.
+    of the same file size; copies too few to refuse the run (ImageNet's val holds a handful) are warned of.
+    ``of_holdout``: ``test`` was drawn from the training folder (``--holdout``), so copies are the folder's own.
     """
     train_paths, test_paths = _paths(train), _paths(test)
     if train_paths is not None and test_paths is not None:
@@ -283,7 +295,19 @@ def check_disjoint(train: Dataset, test: Dataset, sample: int = OVERLAP_SAMPLE) 
         return {"shared_files": 0, "sampled": 0, "identical": None}
     if len(picked) and identical >= max(2, math.ceil(OVERLAP_SHARE * len(picked))):
         raise ValueError(
-            f"{identical} of {len(picked)} sampled test images are byte-identical to training images; the test split "
-            "overlaps the training split: give a disjoint held-out split or --holdout"
+            f"{identical} of {len(picked)} sampled test images are byte-identical to training images; "
+            + (
+                "the training folder holds byte-identical copies of its images, which --holdout split apart: "
+                "remove the copies"
+                if of_holdout
+                else "the test split overlaps the training split: give a disjoint held-out split or --holdout"
+            )
+        )
+    if identical:
+        warnings.warn(
+            f"{identical} of {len(picked)} sampled test images are byte-identical to training images (a run is "
+            f"refused from {OVERLAP_SHARE:.0%} and 2); they are scored, and counted in results.json's overlap_check",
+            EvalWarning,
+            stacklevel=2,
         )
     return {"shared_files": 0, "sampled": len(picked), "identical": identical}

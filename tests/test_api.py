@@ -88,6 +88,8 @@ def test_embed_takes_a_flat_folder_of_one_class_with_splits_train(small_stem_wei
     """Guards: embed ("any data") refused one class (no accuracy to mean anything) and a folder without val/."""
     root = image_folder(tmp_path / "photos", classes=("all",), per_class=3, size=16, splits=())
     args = ["--weights", str(small_stem_weights), "--data", str(root), "--image-size", "16"]
+    assert cli.main(["embed", *args, "--out", str(tmp_path / "emb")]) == 2  # Guards: it said "to score ..."
+    assert "pass --splits train to embed the training images alone" in capsys.readouterr().err
     assert cli.main(["embed", *args, "--splits", "train", "--out", str(tmp_path / "emb")]) == 0
     assert np.load(tmp_path / "emb" / "train.npy").shape == (3, 512)
     assert cli.main(["eval", "knn", *args, "--holdout", "0.4", "--out", str(tmp_path / "knn")]) == 2

@@ -337,6 +337,7 @@ def _cases() -> list[Case]:
             ("--warmup-epochs",),
         ),
         Case("pretrain", "max-steps past the schedule", (*pre, "--max-steps", "100000"), ("--max-steps",)),
+        Case("pretrain", "store with PIL views", (*pre, "--views", "pil", "--store", "disk"), ("--store", "--views")),
         Case("pretrain", "data missing", (*pre, "--data", "{d}/nodata"), ("nodata",)),
         Case("pretrain", "data is a file", (*pre, "--data", "{d}/data.txt"), ("data.txt",), write("data.txt", "x")),
         Case("pretrain", "data an empty folder", (*pre, "--data", "{d}/data"), ("data",), folder("data")),
@@ -388,6 +389,7 @@ def _cases() -> list[Case]:
         # eval: every protocol
         *_eval_cases("knn"),
         Case("eval knn", "k 0", (*knn, "--k", "0"), ("--k",), weights),
+        Case("eval knn", "store, PIL decode", (*knn, "--decode", "workers", "--store", "disk"), ("--store",), weights),
         Case("eval knn", "config file missing", (*knn, "--config", "{d}/run.yaml"), ("--config", "run.yaml"), weights),
         Case(
             "eval knn",
@@ -650,6 +652,13 @@ def _cases() -> list[Case]:
             ("export", "--weights", "{d}/w.pth", "--out", "{d}/x.safetensors"),
             ("--out", "--format safetensors"),
             weights,
+        ),
+        Case(
+            "export",
+            "out a folder for torchvision",
+            ("export", "--weights", "{d}/w.pth", "--out", "{d}/models"),
+            ("--out", "models"),
+            both(weights, folder("models")),
         ),
         Case("export", "weights missing", ("export", "--weights", "{d}/nope.pth", "--out", "{d}/x.pth"), ("nope.pth",)),
         Case(

@@ -323,12 +323,14 @@ def test_a_config_files_values_are_read_as_yaml_1_2_and_a_preset_flag_chooses_ov
     from bt_hub.train.config import PretrainConfig
 
     config = tmp_path / "pre.yaml"
-    config.write_text("compile: off\nlr_weights: 1e-3\nsmall_image_stem: true\n")
+    config.write_text("compile: off\nlr_weights: 1e-3\nsmall_image_stem: true\nkeep_every: 3\nprojector: 64\n")
     parser = cli._Parser(prog="bt-hub pretrain")
     cli.add_dataclass_arguments(parser, PretrainConfig)
     args = ["--config", str(config), "--out", str(tmp_path / "run")]
     built = cli.build_config(PretrainConfig, parser.parse_args(args))
     assert (built.compile, built.lr_weights, built.small_image_stem) == ("off", 0.001, True)
+    # Guards: "key keep_every of pre.yaml must be a string, got 3 (int)" for the --keep-every 3 a flag takes.
+    assert (built.keep_every, built.projector) == ("3", "64")
     assert built.config_file == str(config)
     config.write_text("preset: small\nepochs: 3\n")
     parser = cli._Parser(prog="bt-hub eval linear")

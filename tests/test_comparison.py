@@ -14,9 +14,10 @@ import torch
 from bt_hub import cli
 from bt_hub.common.records import fmt_mean_std
 from bt_hub.data.datasets import ArrayImageDataset
-from bt_hub.eval.compare_config import Column, CompareConfig
+from bt_hub.eval.compare_config import Column, CompareConfig, weights_rows
 from bt_hub.eval.comparison import Source, compare
 from bt_hub.eval.comparison_report import Comparison, render_markdown
+from bt_hub.eval.config import EvalWarning
 from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS
 from bt_hub.eval.runner import EvalRun, Settings
 from bt_hub.eval.splits import Splits
@@ -273,6 +274,21 @@ def test_as_seeds_and_over_steps_refuse_what_they_cannot_pair(seeded_weights, tm
     assert cli.main([*flags, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_as_seeds_warns_when_the_runs_differ_in_more_than_their_seed(tmp_path, recwarn):
+    """Guards: runs of two recipes (or one seed twice) made one row whose spread passed for a seed spread, unsaid."""
+    runs = []
+    for name, seed, projector in (("a", 0, "32-32"), ("b", 0, "64-64"), ("c", 1, "32-32")):
+        recipe = {"seed": seed, "precision_reason": f"timed on {name}"}  # how a run ran is no recipe
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"projector": projector, "recipe": recipe}))
+        runs.append(str(tmp_path / name))
+    config = CompareConfig(weights=runs[:2], as_seeds=True, out=str(tmp_path / "o"))
+    with pytest.warns(EvalWarning, match="but they differ in projector: 32-32, 64-64; seed: 0, 0 "):
+        weights_rows(config)
+    weights_rows(CompareConfig(weights=runs[::2], as_seeds=True, out=str(tmp_path / "o")))
+    assert not [w for w in recwarn if issubclass(w.category, EvalWarning)]
 
 
 @pytest.mark.parametrize("batch_flag", [[], ["--batch-size", "8", "--num-workers", "1"]])

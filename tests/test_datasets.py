@@ -113,6 +113,15 @@ def test_macos_appledouble_files_beside_images_are_skipped_with_one_warning(imag
     assert [ds[i][1] for i in range(len(ds))] == [0, 0, 1, 1]  # every sample decodes
 
 
+def test_images_beside_the_class_folders_are_named_in_a_warning(image_folder, tmp_path):
+    """Guards: ImageNet's raw val/ (loose JPEGs) beside one class folder was scored on that folder alone, unsaid."""
+    root = image_folder(tmp_path, classes=("cat",), per_class=1, splits=())
+    for name in ("x.JPEG", "y.png"):
+        (root / name).write_bytes(b"")  # never opened: only counted
+    with pytest.warns(UserWarning, match=r"2 image files lie beside its class folders \(e.g. x.JPEG\) and are not"):
+        assert len(build_dataset(root, image_size=None)) == 1
+
+
 def test_a_symlink_loop_is_refused_not_listed_again_and_again(image_folder, tmp_path):
     """Guards: a link back up the tree (cat/up -> the root) had each image listed ~40 times, dog's as cats too
     (and two such links take exponential time)."""

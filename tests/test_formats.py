@@ -289,6 +289,20 @@ def test_read_backbone_state_dict_reports_what_it_recognised(resnet50_state, tmp
     assert weights_fingerprint(tmp_path / "tv.pth") == hashlib.sha256((tmp_path / "tv.pth").read_bytes()).hexdigest()
 
 
+def test_a_torchvision_export_of_weights_trained_at_another_size_says_which_size_to_evaluate_at(
+    resnet18_weights, tmp_path
+):
+    """Guards: the .pth of a 32-px run carries no image size, and was scored at 224 px with no word at export."""
+    from bt_hub.method.transforms import input_metadata
+
+    state = torch.load(resnet18_weights, weights_only=True)
+    meta = input_metadata(architecture="resnet18", small_image_stem=False, image_size=32)
+    sized = save_safetensors(state, tmp_path / "r.safetensors", meta)
+    with pytest.warns(UserWarning, match=r"pretrained at 32 px.*--image-size 32"):
+        written = export(ExportConfig(weights=str(sized), format="torchvision", out=str(tmp_path / "r.pth")))
+    assert load_backbone(written).weights_info.get("image_size") is None  # the plain state dict torchvision loads
+
+
 @pytest.mark.parametrize(
     "fmt,out", [("torchvision", "bt.pth"), ("safetensors", "bt.safetensors"), ("detectron2", "bt.pkl"), ("hf", "hf")]
 )

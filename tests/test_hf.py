@@ -125,7 +125,7 @@ def test_push_to_hub_uploads_exactly_the_save_pretrained_folder(tmp_path, monkey
 def test_model_card_and_config_carry_metadata_recipe_and_results(tmp_path):
     torch.manual_seed(0)
     model = BarlowTwins("resnet18", "16-16")
-    run_config = {"dataset": "imagenet", "epochs": 1000, "recipe": {"batch_size": 2048, "optimizer": "LARS"}}
+    run_config = {"dataset": "/home/me/imagenet", "epochs": 1000, "recipe": {"batch_size": 2048, "optimizer": "LARS"}}
     weights = save_pretrained(model, tmp_path / "weights") / "model.safetensors"
     ours = {"name": "model.safetensors", "fingerprint": file_sha256(weights)}
     results = [
@@ -158,6 +158,8 @@ def test_model_card_and_config_carry_metadata_recipe_and_results(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     assert config["architecture"] == "resnet18" and config["projector"] == "16-16" and config["epochs"] == 1000
     assert config["num_classes"] == 0 and config["pretrained_cfg"]["classifier"] == "fc"
+    assert config["dataset"] == "imagenet"  # Guards: the run's absolute data path (a home folder) was published
+    assert not [p.name for p in folder.iterdir() if b"/home/me" in p.read_bytes()]
 
 
 def test_from_pretrained_is_strict_and_round_trips_backbone_and_projector(tmp_path):

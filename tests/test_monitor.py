@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+from PIL import Image
 
 import bt_hub.data.precision as precision
 from bt_hub.cli import main as cli_main
@@ -182,7 +183,8 @@ def test_precision_auto_on_a_cpu_is_the_faster_of_the_two_measured_and_cached(tm
         raise AssertionError("measured again although this CPU model and torch version are cached")
 
     again = precision.cpu_choice(not_again, cache)
-    assert again["precision"] == expected and again["precision_reason"].endswith(f"(cached in {cache})")
+    assert again["precision"] == expected and again["precision_reason"].endswith(f"(cached in {cache.name})")
+    assert str(cache.parent) not in again["precision_reason"]  # Guards: the home folder went into results and cards
 
 
 def test_precision_auto_is_measured_again_on_another_cpu_model_or_torch_version(tmp_path, monkeypatch):
@@ -244,6 +246,32 @@ def test_report_draws_the_loss_the_cross_correlations_and_the_knn_curve_of_a_run
         assert (tmp_path / "plots" / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert cli_main(["report", str(tmp_path / "missing")]) == 2
     assert f"run directory {tmp_path / 'missing'} does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("splits", [(), ("train", "test")])
+def test_the_monitor_queries_a_flat_folder_outside_its_bank_and_a_test_folder_when_there_is_no_val(
+    image_folder, tmp_path, splits
+):
+    """Guards: pretrain --monitor-knn on a flat folder (or train/ + test/) was refused for want of a val/ folder."""
+    root = image_folder(tmp_path / "data", classes=("a", "b"), per_class=20, size=8, splits=splits)
+    for path in (root / "test").rglob("*.png"):  # black test images: queries read from test/ are all zero
+        Image.new("RGB", (8, 8)).save(path)
+    bank, _, queries, _ = monitor_sets(str(root), 8, 0, 24)
+    assert bank.shape[0] == 24 and queries.shape[0] == 6
+    assert not {q.numpy().tobytes() for q in queries} & {b.numpy().tobytes() for b in bank}  # no query in the bank
+    assert bool(splits) == bool((queries == 0).all())
+    if not splits:  # the default bank (2000) takes every image but the queries: a fifth of a small set
+        assert [len(t) for t in monitor_sets(str(root), 8, 0, 2000)[::2]] == [32, 8]
+        with pytest.raises(ValueError, match="gives 12 bank images and it needs at least 20: pass --monitor-data"):
+            monitor_sets(str(root), 8, 0, 12)  # a --monitor-size under 20; --data, not --monitor-data, gave it
+
+
+def test_a_loss_logged_once_is_drawn_as_points():
+    """Guards: a run shorter than --log-every logs one row, and loss.png drew three lines of one point each: nothing."""
+    from bt_hub.train.report import plot_losses
+
+    fig = plot_losses([{"step": 6, "loss": 9.0, "invariance": 8.0, "redundancy": 100.0}], 0.0051)
+    assert [line.get_marker() for line in fig.axes[0].get_lines()] == ["o", "o", "o"]
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import pytest
 
 from bt_hub import cli
 from bt_hub.data.datasets import ImageFolderDataset
+from bt_hub.eval.config import EvalWarning
 from bt_hub.eval.splits import check_disjoint, indices_sha256, load_splits, stratified_holdout
 
 PROTOCOLS = ["knn", "linear", "semi", "transfer", "all"]
@@ -127,6 +128,15 @@ def test_a_test_split_with_the_training_images_is_refused(folder, weights, tmp_p
     assert "15 of 15 sampled test images are byte-identical to training images" in capsys.readouterr().err
 
 
+def test_a_holdout_of_a_folder_holding_copies_of_its_images_names_the_copies(folder, tmp_path):
+    """Guards: the refusal told a user who had passed --holdout to "give a disjoint held-out split or --holdout"."""
+    flat = folder(tmp_path / "flat", per_class=10)
+    for path in list(flat.rglob("*.png")):
+        shutil.copy(path, path.with_name(f"copy_{path.name}"))
+    with pytest.raises(ValueError, match="the training folder holds byte-identical copies of its images, which "):
+        load_splits(str(flat), holdout=0.2)
+
+
 def test_shared_paths_are_refused():
     class Files:
         def __init__(self, paths):
@@ -143,7 +153,8 @@ def test_a_few_duplicates_are_tolerated_and_recorded(folder, tmp_path):
     folder(tmp_path / "d" / "train", per_class=10)
     folder(tmp_path / "d" / "val", per_class=10, seed=1)
     shutil.copy(tmp_path / "d" / "train" / "a" / "a_0.png", tmp_path / "d" / "val" / "a" / "dup.png")
-    check = load_splits(str(tmp_path / "d")).info["overlap_check"]
+    with pytest.warns(EvalWarning, match="1 of 31 sampled test images are byte-identical to training images"):
+        check = load_splits(str(tmp_path / "d")).info["overlap_check"]  # Guards: the copy was tolerated unsaid
     assert check == {
         "shared_files": 0,
         "sampled": 31,
@@ -158,5 +169,8 @@ def test_test_labels_follow_the_training_class_order(folder, tmp_path):
     assert splits.test.classes == ["a", "b", "c"]
     assert sorted(set(splits.test.targets)) == [0, 2]  # 'c' keeps label 2, not val/'s own index 1
     folder(tmp_path / "d" / "val", classes=("zebra",), seed=2)
-    with pytest.raises(ValueError, match="classes the training split lacks: zebra"):
+    with pytest.raises(ValueError, match=r"classes the training split lacks \(or holds no image of\): zebra"):
+        load_splits(str(tmp_path / "d"))
+    (tmp_path / "d" / "train" / "zebra").mkdir()  # Guards: an empty class folder let zebra's images be scored
+    with pytest.raises(ValueError, match=r"classes the training split lacks \(or holds no image of\): zebra"):
         load_splits(str(tmp_path / "d"))

@@ -82,7 +82,8 @@ _Yaml12Loader.add_implicit_resolver(
 def read_config_file(cls: type, path: str | os.PathLike) -> dict[str, Any]:
     """The field values a YAML config file (``--config``) sets: a mapping whose keys are the flags' dest names
     (``image_size: 32``; ``preset: NAME`` where the command has presets), each value checked as ``check_values``
-    checks it. The file is read as YAML 1.2 reads scalars (``1e-3`` a number, ``off`` a string).
+    checks it. The file is read as YAML 1.2 reads scalars (``1e-3`` a number, ``off`` a string); an integer is taken
+    for a string setting as its flag takes it (``keep_every: 3`` is ``--keep-every 3``).
 
     Raises:
         ValueError: one sentence naming the file, and the key where one is at fault.
@@ -101,7 +102,8 @@ def read_config_file(cls: type, path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(
             f"--config {path} holds a {type(data).__name__}; expected a mapping of settings to values (image_size: 32)"
         )
-    values = dict(data)
+    hints = typing.get_type_hints(cls)  # an integer where a string flag is expected reads as on the command line
+    values = {k: str(v) if type(v) is int and unwrap_optional(hints.get(k)) is str else v for k, v in data.items()}
     preset = values.pop("preset", None) if presets_of(cls) else None
     if preset is not None and preset not in presets_of(cls):
         raise SettingError(f"key preset of {path} must be one of {_listed(presets_of(cls))}, got {_shown(preset)}")

@@ -118,7 +118,15 @@ class ImageFolderDataset(Dataset):
             raise NotADirectoryError(
                 f"data path {self.root} is not a directory; expected an ImageFolder tree (class/image.png)"
             )
-        self.classes = sorted(d.name for d in self.root.iterdir() if d.is_dir() and not d.name.startswith("."))
+        entries = [e for e in self.root.iterdir() if not e.name.startswith(".")]
+        self.classes = sorted(e.name for e in entries if e.is_dir())
+        loose = sorted(e.name for e in entries if e.name.lower().endswith(IMAGE_EXTENSIONS) and e.is_file())
+        if loose and self.classes:  # ImageNet's raw val/ is loose files: scored on its class folders alone, unsaid
+            warnings.warn(
+                f"data directory {self.root}: {len(loose)} image files lie beside its class folders (e.g. {loose[0]}) "
+                "and are not read; an ImageFolder holds <class>/<image>",
+                stacklevel=2,
+            )
         if not self.classes:
             raise ValueError(
                 f"data directory {self.root} has no class subdirectories; "

@@ -80,7 +80,8 @@ def cpu_choice(measure: Callable[[], Mapping[str, float]] | None = None, path: P
     cache = cache if isinstance(cache, dict) else {}
     found = cache.get(key)
     if isinstance(found, dict) and all(isinstance(found.get(p), (int, float)) for p in ("fp32", "bf16")):
-        timings, where = {p: float(found[p]) for p in ("fp32", "bf16")}, f"cached in {path}"
+        # the file by name: the reason goes into results.json and model cards, which hold no absolute path
+        timings, where = {p: float(found[p]) for p in ("fp32", "bf16")}, f"cached in {path.name}"
     else:
         timings, where = {p: float(v) for p, v in (measure or measure_cpu)().items()}, "measured now"
         try:

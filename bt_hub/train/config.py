@@ -220,6 +220,11 @@ class PretrainConfig(RunConfig):
         if self.precision == "fp16" and not self.device.startswith("cuda"):
             raise ValueError("--precision fp16 needs --device cuda; use bf16 on CPU")
         resolve_decode(self.decode, self.device, self.views)  # an impossible --decode / --views pair fails here
+        if self.store in ("disk", "device") and self.views != "batched":
+            raise ValueError(
+                f"--store {self.store} keeps a folder decoded once for --views batched; with --views {self.views} the "
+                "loader workers decode and augment every image each epoch: pass --views batched or leave --store out"
+            )
 
     def keeps(self, step: int, last_step: int) -> bool:
         """Whether ``--keep-every`` keeps the weights of ``step`` (the last step too, whenever it keeps any)."""

@@ -57,26 +57,27 @@ def _stack(dataset: Any, indices: torch.Tensor, size: int, num_workers: int) -> 
 def monitor_sets(
     data: str, image_size: int, seed: int, bank_size: int, num_workers: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(bank images, bank labels, query images, query labels) of ``data``, uint8, seeded; queries held out; an
-    image folder's files decoded by ``num_workers`` loader workers."""
+    """(bank images, bank labels, query images, query labels) of ``data``, uint8, seeded; queries held out (``val/``
+    or ``test/``, else training images outside the bank); an image folder's files decoded by ``num_workers`` loader
+    workers."""
     in_memory = data == "digits" or data.startswith("synthetic")
-    train = build_dataset(data, "train", image_size=image_size if in_memory else None, seed=seed)
-    held_out = build_dataset(data, "val", image_size=image_size if in_memory else None, seed=seed)
-    same = (
-        isinstance(train, ImageFolderDataset)
-        and isinstance(held_out, ImageFolderDataset)
-        and train.root == held_out.root
-    )
+    size = image_size if in_memory else None
+    train = build_dataset(data, "train", image_size=size, seed=seed)
+    split = next((s for s in ("val", "test") if in_memory or (Path(data).expanduser() / s).is_dir()), None)
+    held_out = build_dataset(data, split, image_size=size, seed=seed) if split else train  # else: outside the bank
+    same = held_out is train
     queries = max(1, min(MAX_QUERIES, bank_size // 4))
     order = torch.randperm(len(train), generator=seeded_generator(seed, MONITOR_SEED_KEY))
-    if same:
+    if same:  # a fifth of a small set at most, so that the bank keeps the rest
+        queries = max(1, min(queries, len(train) // 5))
         query_idx, bank_idx = order[:queries], order[queries : queries + bank_size]
     else:
         bank_idx = order[:bank_size]
         query_idx = torch.randperm(len(held_out), generator=seeded_generator(seed, MONITOR_SEED_KEY, 1))[:queries]
     if len(bank_idx) < MONITOR_K:
         raise ValueError(
-            f"--monitor-data {data} gives {len(bank_idx)} bank images; the kNN monitor needs at least {MONITOR_K}"
+            f"the kNN monitor's data {data} gives {len(bank_idx)} bank images and it needs at least {MONITOR_K}: "
+            "pass --monitor-data with more labelled images, or leave --monitor-knn out"
         )
     bank, bank_labels = _stack(train, bank_idx, image_size, num_workers)
     query, query_labels = _stack(held_out if not same else train, query_idx, image_size, num_workers)

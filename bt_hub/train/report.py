@@ -73,10 +73,11 @@ def plot_losses(rows: Sequence[dict[str, Any]], lambd: float) -> Any:
     plt = _pyplot()
     rows = [r for r in rows if "loss" in r]
     steps = [r["step"] for r in rows]
+    point = {"marker": "o"} if len(rows) == 1 else {}  # one logged step (a run shorter than --log-every): no line
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot(steps, [r["loss"] for r in rows], label="loss", color="black")
-    ax.plot(steps, [r["invariance"] for r in rows], label="on-diagonal: Σ (1 − C_ii)²")
-    ax.plot(steps, [lambd * r["redundancy"] for r in rows], label=f"off-diagonal: λ Σ C_ij² (λ = {lambd})")
+    ax.plot(steps, [r["loss"] for r in rows], label="loss", color="black", **point)
+    ax.plot(steps, [r["invariance"] for r in rows], label="on-diagonal: Σ (1 − C_ii)²", **point)
+    ax.plot(steps, [lambd * r["redundancy"] for r in rows], label=f"off-diagonal: λ Σ C_ij² (λ = {lambd})", **point)
     ax.set(xlabel="step", ylabel="loss", title="Barlow Twins loss during pretraining", yscale="log")
     ax.legend()
     return fig

@@ -218,6 +218,20 @@ def training_length(config: Mapping[str, Any]) -> str | None:
     return text + ("; stopped before the end of the schedule" if steps < planned else "")
 
 
+_HOW_IT_RAN = ("seed", "decode", "views", "compile", "compile_reason", "precision", "precision_reason")
+
+
+def recipe_differences(configs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What pretraining runs' configs (``config.json``) differ in beyond their seed and how they ran
+    (``projector: 256-256, 128-128``), and ``seed: 0, 0`` where runs share a seed: runs of one recipe differ in none.
+    """
+    flat = [{**c, **(c.get("recipe") or {})} for c in configs]
+    keys = dict.fromkeys(k for f in flat for k in f if k not in (*_HOW_IT_RAN, "recipe") and not k.endswith("_s"))
+    differ = [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
+    differ += ["seed"] if len({repr(f.get("seed")) for f in flat}) < len(flat) else []
+    return [f"{k}: {', '.join(str(f.get(k)) for f in flat)}" for k in differ]
+
+
 def _usage(config: Mapping[str, Any], repo: str) -> str:
     dim = config.get("feature_dim", 2048)
     lines = [

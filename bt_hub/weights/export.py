@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from bt_hub.common.files import (
     write_safetensors,
 )
 from bt_hub.common.optional import require
+from bt_hub.common.records import display_path
 from bt_hub.common.runs import package_version
 from bt_hub.method.model import ARCHITECTURES
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, input_metadata
@@ -176,6 +178,8 @@ def save_hf_folder(
     }
     if projector:
         ours["projector"] = projector_spec(projector)
+    if "dataset" in ours:  # the folder is published: a local data path by its name, as the card shows it
+        ours["dataset"] = display_path(ours["dataset"])
     ours.update(timm_fields(ours))
     size = ours.get("image_size")
     meta = input_metadata(
@@ -240,6 +244,11 @@ class ExportConfig:
         named = next((f for f, end in FILE_SUFFIXES.items() if end == Path(self.out).suffix), "torchvision")
         if self.format == "torchvision" != named:
             raise ValueError(f"--out {self.out} is a {named} name but --format is torchvision; pass --format {named}")
+        if self.format == "torchvision" and (Path(self.out).is_dir() or self.out.endswith(("/", os.sep))):
+            raise ValueError(  # its name would have made <folder>-<sha256[:8]>.pth beside the folder, outside it
+                f"--out {self.out} is a folder; --format torchvision writes one file: name it (model.pth becomes "
+                "model-<sha256[:8]>.pth), e.g. --out " + str(Path(self.out) / "model.pth")
+            )
         if self.format != "hf" and (self.name or self.results or self.other_results):
             raise ValueError(f"--name, --results and --other-results apply to --format hf only, not {self.format}")
         if self.name is not None:
@@ -311,6 +320,13 @@ def export(config: ExportConfig) -> Path:
         target, data, _ = _torchvision_bytes(state, out)
         _refuse_existing(target, config.force)
         atomic_write(target, lambda f: f.write(data))
+        if info.get("image_size") not in (None, 224):  # what evaluation falls back to for a file that says nothing
+            warnings.warn(
+                f"{target} carries no image size (a torchvision .pth is a plain state dict) and these weights were "
+                f"pretrained at {info['image_size']} px: evaluate it with --image-size {info['image_size']}, or "
+                "export --format safetensors, which carries it",
+                stacklevel=2,
+            )
         return target
     if config.format == "hf":
         projector = read_projector_state_dict(config.weights, allow_non_finite=config.allow_non_finite)
