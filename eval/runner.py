@@ -26,7 +26,6 @@ from bt_hub.data.store import DecodedImages, StoreView, fits_auto, open_store, s
 from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalWarning
 from bt_hub.eval.feature_cache import FeatureCache
 from bt_hub.eval.features import Pool, architecture_fingerprint, extract_with_source
-from bt_hub.eval.protocols import protocol_for
 from bt_hub.eval.report import PaperRow, Table, append_results, check_history
 from bt_hub.eval.splits import Splits, load_splits
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms
@@ -291,6 +290,8 @@ class EvalRun:
         wall_time_s: float | None = None,
     ) -> Record:
         """The results record of ``scored``; weights, seed, config and wall time default to the run's."""
+        from bt_hub.eval.protocols import protocol_for  # the table, read when a record is built, not at import
+
         config = config or self.config
         changed = (
             overrides(config, ignore=getattr(config, "RUN_FIELDS", ())) if dataclasses.is_dataclass(config) else {}
