@@ -98,3 +98,12 @@ def test_small_stem_is_refused_by_the_python_api_too(small_stem_weights, tmp_pat
     with pytest.raises(ValueError, match="a detectron2 .pkl cannot carry bt_hub's small-image stem"):
         to_detectron2(state)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("given", ["bt.pth", "bt.pt", "bt"])
+def test_a_torchvision_file_is_named_stem_hash_pth_whether_out_ends_in_pth_pt_or_nothing(given, tmp_path):
+    # Guards: --out m.pt wrote m.pt-<hash>.pth.
+    import torchvision
+
+    target, sha = save_torchvision(torchvision.models.resnet18().state_dict(), tmp_path / given)
+    assert target == tmp_path / f"bt-{sha[:8]}.pth" and target.is_file()

@@ -99,7 +99,8 @@ def _torchvision_bytes(state_dict: Mapping[str, torch.Tensor], path: str | os.Pa
     data = buffer.getvalue()
     sha = hashlib.sha256(data).hexdigest()
     path = Path(path)
-    stem = re.sub(r"-[a-f0-9]{8,}$", "", path.stem if path.suffix == ".pth" else path.name)
+    # torch's own names end in .pt as often as .pth: m.pt is m-<hash>.pth, not m.pt-<hash>.pth
+    stem = re.sub(r"-[a-f0-9]{8,}$", "", path.stem if path.suffix in (".pth", ".pt") else path.name)
     return path.with_name(f"{stem}-{sha[:8]}.pth"), data, sha
 
 
