@@ -419,15 +419,18 @@ def test_a_schedulers_warning_signal_stops_a_command_as_sigterm_does_with_its_ow
 def test_ctrl_c_in_pretrainings_loop_waits_for_the_step_boundary_and_a_second_one_stops_at_once():
     # Guards: Ctrl-C (LSF's bkill sends SIGINT first; torchrun forwards it) cut pretraining mid-step, keeping only
     # the last checkpoint; the wait it now makes for the step's checkpoint must not trap an impatient user.
-    from bt_hub.common.signals import deferred_stop
+    from bt_hub.common.signals import SAME_CTRL_C_S, deferred_stop
 
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt), deferred_stop(torch.device("cpu")) as requested:
         assert requested() == 0
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # the same Ctrl-C again (torchrun's agent forwards the terminal's)
+        time.sleep(0.05)
         assert requested() == signal.SIGINT  # noted, for the loop to checkpoint and stop
-        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(SAME_CTRL_C_S)
+        os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C
         time.sleep(5)
     assert signal.getsignal(signal.SIGINT) is before
 

@@ -19,6 +19,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,9 @@ if TYPE_CHECKING:  # torch loads with the command, after the CLI's handlers are 
     import torch
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+# a Ctrl-C this soon after the first is the same one again: a terminal's reaches every torchrun worker, and the agent
+# then forwards its own copy
+SAME_CTRL_C_S = 0.5
 
 
 class Terminated(KeyboardInterrupt):
@@ -76,13 +80,16 @@ def restore_signals(previous: dict[int, Any], *, ignore: bool) -> None:
 def _noted(signums: list[int], *, again_stops: bool = False) -> Iterator[list[int]]:
     """Within the block ``signums`` only append to the yielded list (in the main thread: only it may set
     handlers; elsewhere nothing changes), then their handlers are restored. With ``again_stops`` a second Ctrl-C
-    raises KeyboardInterrupt at once."""
+    raises KeyboardInterrupt at once, unless it comes within :data:`SAME_CTRL_C_S` of the first."""
     received: list[int] = []
+    first_ctrl_c: list[float] = []
     main = threading.current_thread() is threading.main_thread()
 
     def note(signum: int, frame: Any) -> None:
-        if again_stops and signum == signal.SIGINT and signal.SIGINT in received:
-            raise KeyboardInterrupt  # Ctrl-C twice: stop now, without what the first one waits for
+        if again_stops and signum == signal.SIGINT:
+            if first_ctrl_c and time.monotonic() - first_ctrl_c[0] > SAME_CTRL_C_S:
+                raise KeyboardInterrupt  # Ctrl-C twice: stop now, without what the first one waits for
+            first_ctrl_c[:] = first_ctrl_c or [time.monotonic()]
         received.append(signum)
 
     previous = {s: signal.signal(s, note) for s in signums if main}
