@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -28,6 +29,20 @@ def _decoded_stores_in_a_temporary_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("BT_HUB_CACHE", str(tmp_path_factory.mktemp("bt_hub_cache")))
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ctrl_c_as_a_terminal_gives_it():
+    """SIGINT's default disposition for the suite and every process it starts, even when the suite runs as a
+    background job (``nohup python -m pytest -q &``): a shell starts such a job with SIGINT ignored, its children
+    inherit that, and bt-hub rightly keeps a signal that was ignored at start, so the Ctrl-C tests would see no
+    Ctrl-C. A handled signal is reset to its default in a child at exec, an ignored one is not."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @pytest.fixture(scope="session", autouse=True)
