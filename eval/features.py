@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision import transforms
 
+from bt_hub.common.artifacts import stat_row
 from bt_hub.common.distributed import (
     all_gather_cat,
     barrier,
@@ -118,8 +119,9 @@ def _sampled_content(paths: list[Path]) -> bytes:
 def dataset_fingerprint(dataset_or_path: Dataset | str | os.PathLike) -> str:
     """A sha256 that changes when the images, their order or their labels change.
 
-    Files: relative path, size, mtime and label, plus the bytes of 32 evenly spaced files; in-memory sets:
-    the array and labels; other datasets: every item's pixels and label.
+    Files: their stat rows (relative path, size, mtime, ctime: any write to a file moves its ctime, see
+    :mod:`bt_hub.common.artifacts`) and labels, plus the bytes of 32 evenly spaced files; in-memory sets: the array
+    and labels; other datasets: every item's pixels and label.
     """
     h = hashlib.sha256()
     if isinstance(dataset_or_path, (str, os.PathLike)):
@@ -134,8 +136,7 @@ def dataset_fingerprint(dataset_or_path: Dataset | str | os.PathLike) -> str:
             for name in sorted(filenames):
                 p = Path(dirpath) / name
                 files.append(p)
-                st = p.stat()
-                h.update(f"{p.relative_to(root).as_posix()}:{st.st_size}:{st.st_mtime_ns};".encode())
+                h.update(f"{stat_row(p, root)};".encode())
         h.update(_sampled_content(files))
         return h.hexdigest()
     dataset = dataset_or_path
@@ -146,9 +147,7 @@ def dataset_fingerprint(dataset_or_path: Dataset | str | os.PathLike) -> str:
         h.update(f"{root.name}/;".encode())
         for path, label in samples:
             p = Path(path)
-            rel = p.relative_to(root).as_posix() if p.is_relative_to(root) else p.as_posix()
-            st = p.stat()
-            h.update(f"{rel}:{st.st_size}:{st.st_mtime_ns}:{label!r};".encode())
+            h.update(f"{stat_row(p, root if p.is_relative_to(root) else Path(p.anchor))}:{label!r};".encode())
         h.update(_sampled_content([Path(s[0]) for s in samples]))
     elif isinstance(images, np.ndarray):
         h.update(f"{images.shape}:{images.dtype};".encode())

@@ -16,8 +16,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from bt_hub.common.artifacts import READ_ONLY, not_writable
 from bt_hub.common.distributed import broadcast_object, is_main_process, process_group
-from bt_hub.common.files import atomic_write_json, remove_stale_temp_files
+from bt_hub.common.files import WriteError, atomic_write_json, remove_stale_temp_files
 from bt_hub.common.presets import overrides
 from bt_hub.common.records import FROM_WEIGHTS, SCHEMA, Record, make_record
 from bt_hub.common.runs import claim_run_dir, claimed_run_dir, config_dict
@@ -228,7 +229,14 @@ class EvalRun:
             return dataset
         key = self._store_key(split)
         if key not in self._stores:
-            store = open_store(dataset, view, directory, num_workers=self.config.num_workers, desc=f"decode {split}")
+            store = open_store(
+                dataset,
+                view,
+                directory,
+                num_workers=self.config.num_workers,
+                desc=f"decode {split}",
+                flag="--cache-dir",
+            )
             where = store_device(mode, store.nbytes, self.device)
             self._stores[key] = store.to(where) if where.type != "cpu" else store
         return self._stores[key]
@@ -261,20 +269,25 @@ class EvalRun:
             FeatureCache(cache_dir, weights_id, dataset_id, architecture_fingerprint(network)) if cache_dir else None
         )
         name = label or split
-        features, labels, source = extract_with_source(
-            network,
-            dataset,
-            transform=transform or self.transform(),
-            pool=pool,
-            batch_size=self.config.batch_size,
-            device=self.device,
-            num_workers=self.config.num_workers,
-            cache=cache,
-            dtype=self.config.cache_dtype,
-            desc=f"features {name}",
-            precision=self.settings.precision,
-            stored=stored,
-        )
+        try:
+            features, labels, source = extract_with_source(
+                network,
+                dataset,
+                transform=transform or self.transform(),
+                pool=pool,
+                batch_size=self.config.batch_size,
+                device=self.device,
+                num_workers=self.config.num_workers,
+                cache=cache,
+                dtype=self.config.cache_dtype,
+                desc=f"features {name}",
+                precision=self.settings.precision,
+                stored=stored,
+            )
+        except WriteError as err:  # a feature cache on read-only storage: what is whole there was read
+            if cache_dir and err.errno in READ_ONLY:
+                raise not_writable(Path(cache_dir), err, "--cache-dir") from None
+            raise
         store = self._stores.get(self._store_key(split)) if stored is not None else None
         used = isinstance(store, DecodedImages) and source.startswith("computed")
         self.features_used[name] = source + (f", images {store.where}" if used else "")  # type: ignore[union-attr]

@@ -5,8 +5,11 @@ stale."""
 from __future__ import annotations
 
 import collections
+import errno
+import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +19,11 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from bt_hub.cli import main as cli_main
-from bt_hub.common.images import ImageFileError
+from bt_hub.common.artifacts import Segments
+from bt_hub.common.files import WriteError
 from bt_hub.data import store as store_module
 from bt_hub.data.datasets import ImageFolderDataset
+from bt_hub.data.decode import decode_on_cpu
 from bt_hub.data.store import StoreView, StoreWarning, open_store
 from bt_hub.method.transforms import DeviceEvalTransform
 
@@ -114,22 +119,34 @@ def test_features_from_the_store_equal_the_files_and_a_changed_file_makes_it_sta
     assert _features(tmp_path, data, small_stem_weights, capsys, "--store", "disk")[0] == []  # rebuilt, current again
 
 
+def _interrupted_at(monkeypatch, stop: Path) -> None:
+    """Make the next store build stop, as a Ctrl-C stops it, when its loader reaches the file ``stop``."""
+    real = store_module._StoreItems.__getitem__
+
+    def item(self, i):
+        if self.paths[i] == stop:
+            monkeypatch.setattr(store_module._StoreItems, "__getitem__", real)  # once
+            raise KeyboardInterrupt
+        return real(self, i)
+
+    monkeypatch.setattr(store_module._StoreItems, "__getitem__", item)
+    monkeypatch.setattr(store_module, "SAVE_EVERY_S", 0.0)
+
+
 def test_a_build_cut_short_continues_at_its_last_record_and_equals_a_whole_build(tmp_path, image_folder, monkeypatch):
     data = image_folder(tmp_path / "data", classes=("a", "b"), per_class=80, size=12, splits=())
     dataset = ImageFolderDataset(data)
     view = StoreView(8, 9)
     whole = open_store(dataset, view, tmp_path / "whole")
-    broken = Path(dataset.samples[150][0])  # in the third batch of 64
-    good = broken.read_bytes()
-    broken.write_bytes(good[:40])
-    monkeypatch.setattr(store_module, "SAVE_EVERY_S", 0.0)
-    with pytest.raises(ImageFileError, match=f"image {broken} is corrupt"):
+    _interrupted_at(monkeypatch, Path(dataset.samples[150][0]))  # in the third batch of 64
+    with pytest.raises(KeyboardInterrupt):
         open_store(dataset, view, tmp_path / "cut")
     partial = next((tmp_path / "cut").glob("*.partial"))
-    assert not list((tmp_path / "cut").glob("*/manifest.json")) and (partial / "progress.json").exists()
-    broken.write_bytes(good)
-    os.utime(broken, ns=(Path(dataset.samples[0][0]).stat().st_mtime_ns,) * 2)
+    assert not list((tmp_path / "cut").glob("*/manifest.json")) and (partial / "pixels.u8.progress.json").exists()
+    calls = []
+    monkeypatch.setattr(store_module, "decode_on_cpu", lambda item: calls.append(item) or decode_on_cpu(item))
     resumed = open_store(ImageFolderDataset(data), view, tmp_path / "cut")
+    assert len(calls) == 160 - 128  # after the two batches recorded
     assert not partial.exists() and len(resumed) == len(whole) == 160
     assert torch.equal(resumed.pixels, whole.pixels) and np.array_equal(resumed.index, whole.index)
     decoded = [torch.from_numpy(np.array(Image.open(p).convert("RGB"))).permute(2, 0, 1) for p, _ in dataset.samples]
@@ -158,3 +175,168 @@ def test_a_run_of_consecutive_images_is_a_view_of_the_store_and_any_other_batch_
     assert all(torch.equal(shuffled[k], store.image(i)) for k, i in enumerate([5, 0, 7]))
     decoded = np.array(Image.open(ImageFolderDataset(data).samples[7][0]).convert("RGB"))
     assert torch.equal(store.image(7), torch.from_numpy(decoded).permute(2, 0, 1))
+
+
+def _swap_bytes_keeping_stat_times(a: Path, b: Path) -> None:
+    """Exchange the bytes of two files of one size and put their atime and mtime back (``touch -r``, a restore)."""
+    times = [(p.stat().st_atime_ns, p.stat().st_mtime_ns) for p in (a, b)]
+    data_a, data_b = a.read_bytes(), b.read_bytes()
+    a.write_bytes(data_b)
+    b.write_bytes(data_a)
+    for path, ns in zip((a, b), times):
+        os.utime(path, ns=ns)
+
+
+def _flat_folder(root: Path, per_class: int = 6) -> Path:
+    """Dark images in class a and bright ones in class b, every PNG stored uncompressed (one size for all)."""
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for c, low in (("a", 0), ("b", 160)):
+            (root / split / c).mkdir(parents=True)
+            for i in range(per_class):
+                image = rng.integers(low, low + 96, (8, 8, 3), dtype=np.uint8)
+                Image.fromarray(image).save(root / split / c / f"{c}_{i}.png", compress_level=0)
+    return root
+
+
+def test_bytes_swapped_between_classes_with_their_mtimes_put_back_are_decoded_again(
+    tmp_path, small_stem_weights, capsys
+):
+    # Guards: the store's key was each file's name, size, mtime and label, so same-size files whose bytes were
+    # swapped and whose mtimes were put back (touch -r, a restore from a backup) were served from the stale store:
+    # kNN scored 100 again where the changed folder scores far lower, and the record said the features were new.
+    data = _flat_folder(tmp_path / "data")
+    _, before = _features(tmp_path, data, small_stem_weights, capsys, "--store", "disk")
+    for i in range(6):
+        _swap_bytes_keeping_stat_times(data / "train/a" / f"a_{i}.png", data / "train/b" / f"b_{i}.png")
+    stale, after = _features(tmp_path, data, small_stem_weights, capsys, "--store", "disk")
+    fresh = tmp_path / "fresh"
+    argv = ["eval", "knn", "--weights", str(small_stem_weights), "--data", str(data), "--image-size", "8"]
+    assert cli_main([*argv, "--store", "off", "--out", str(fresh)]) == 0
+    top1 = [json.loads(text)["metrics"]["top1"] for text in (before, after)]
+    assert top1[1] == json.loads((fresh / "results.json").read_text())["metrics"]["top1"] != top1[0]
+    assert len(stale) == 1 and "changed (ctime, and its bytes)" in stale[0]
+
+
+def test_a_file_whose_ctime_alone_moved_is_hashed_again_and_the_store_kept(tmp_path, image_folder, monkeypatch):
+    data = image_folder(tmp_path / "data", classes=("a", "b"), per_class=3, size=6, splits=())
+    first = open_store(ImageFolderDataset(data), StoreView(), tmp_path / "s")
+    for path in data.rglob("*.png"):
+        os.chmod(path, 0o600)  # moves ctime, not the bytes
+    monkeypatch.setattr(store_module, "_build", lambda *a: pytest.fail("decoded again"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StoreWarning)
+        again = open_store(ImageFolderDataset(data), StoreView(), tmp_path / "s")
+    assert torch.equal(again.pixels, first.pixels)
+    manifest = json.loads(next((tmp_path / "s").glob("*/manifest.json")).read_text())
+    ctimes = [Path(p).stat().st_ctime_ns for p, _ in ImageFolderDataset(data).samples]
+    assert [row[3] for row in manifest["files"]] == ctimes  # brought up to date: the next open hashes nothing
+
+
+def test_a_partial_store_cut_inside_its_recorded_rows_decodes_them_again_never_as_zeros(
+    tmp_path, image_folder, monkeypatch
+):
+    # Guards: a killed build whose pixels.u8 was cut to half its recorded length continued after the record, the
+    # gap filled with zeros (black images) in a store that then passed every check.
+    data = image_folder(tmp_path / "data", classes=("a", "b"), per_class=80, size=12, splits=())
+    dataset = ImageFolderDataset(data)
+    view = StoreView(8, 9)
+    whole = open_store(dataset, view, tmp_path / "whole")
+    _interrupted_at(monkeypatch, Path(dataset.samples[150][0]))  # in the third batch of 64: two segments recorded
+    with pytest.raises(KeyboardInterrupt):
+        open_store(dataset, view, tmp_path / "cut")
+    pixels = next((tmp_path / "cut").glob("*.partial")) / "pixels.u8"
+    recorded = json.loads(pixels.with_name("pixels.u8.progress.json").read_text())["segments"][-1]["end"]
+    os.truncate(pixels, recorded // 2)
+    damaged = r"bytes from 12,288 on are not what was recorded \(cut or changed\); decoding again from row 64"
+    with pytest.warns(StoreWarning, match=damaged):  # the first batch's segment (64 images of 8 x 8 x 3) is kept
+        resumed = open_store(ImageFolderDataset(data), view, tmp_path / "cut")
+    assert torch.equal(resumed.pixels, whole.pixels) and np.array_equal(resumed.index, whole.index)
+
+
+def test_a_store_that_fills_the_disk_removes_its_partial_files_and_says_so(tmp_path, image_folder, monkeypatch):
+    data = image_folder(tmp_path / "data", classes=("a",), per_class=70, size=8, splits=())
+    written = []
+
+    def full(self, data, items=()):
+        if written:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written.append(len(data))
+        real_write(self, data, items)
+
+    real_write = Segments.write
+    monkeypatch.setattr(Segments, "write", full)
+    full_disk = r"no space is left on the device; .*\(the partial store \(.* MiB at .*\.partial\) was removed\)"
+    with pytest.raises(WriteError, match=full_disk):
+        open_store(ImageFolderDataset(data), StoreView(), tmp_path / "s")
+    assert [p.suffix for p in (tmp_path / "s").iterdir()] == [".lock"]  # no partial file is left filling the disk
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """``read_only(folder)``: this process sees ``folder`` as on read-only storage (creating or writing anything
+    under it fails with EROFS, as on a read-only mount)."""
+    real_open, real_mkdir = os.open, os.mkdir
+    folders: list[Path] = []
+
+    def under(path) -> bool:
+        return any(Path(os.path.abspath(os.fspath(path))).is_relative_to(f) for f in folders)
+
+    def refuse(path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+
+    def guarded_open(path, flags, mode=0o777, *, dir_fd=None):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and under(path):
+            refuse(path)
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    def guarded_mkdir(path, mode=0o777, *, dir_fd=None):
+        if under(path):
+            if os.path.isdir(path):
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fspath(path))
+            refuse(path)
+        return real_mkdir(path, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", guarded_open)
+    monkeypatch.setattr(os, "mkdir", guarded_mkdir)
+    return lambda folder: folders.append(Path(folder).resolve())
+
+
+def _listing(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*")}
+
+
+def test_a_whole_store_on_read_only_storage_is_read_without_writing_and_anything_else_refused(
+    tmp_path, image_folder, read_only, capsys
+):
+    # Guards: a shared, read-only store folder gave a raw "[Errno 30] Read-only file system: '...lock'".
+    data = image_folder(tmp_path / "data", classes=("a", "b"), per_class=3, size=6, splits=())
+    first = open_store(ImageFolderDataset(data), StoreView(), tmp_path / "s")
+    before = _listing(tmp_path / "s")
+    read_only(tmp_path / "s")
+    again = open_store(ImageFolderDataset(data), StoreView(), tmp_path / "s")
+    assert torch.equal(again.pixels, first.pixels) and _listing(tmp_path / "s") == before
+    other = image_folder(tmp_path / "other", classes=("a", "b"), per_class=8, size=6, splits=())
+    argv = ["pretrain", "--data", str(other), *PRETRAIN, "--out", str(tmp_path / "run"), "--store", "disk"]
+    capsys.readouterr()
+    assert cli_main([*argv, "--store-dir", str(tmp_path / "s")]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "Read-only file system" in said[0] and "give --store-dir a writable folder" in said[0]
+    assert _listing(tmp_path / "s") == before
+
+
+def test_eval_with_a_cache_dir_on_read_only_storage_reads_what_is_whole_and_names_the_flag_otherwise(
+    tmp_path, small_stem_weights, read_only, capsys
+):
+    data = _flat_folder(tmp_path / "data", per_class=3)
+    _, first = _features(tmp_path, data, small_stem_weights, capsys, "--store", "disk")
+    read_only(tmp_path / "cache")
+    _, again = _features(tmp_path, data, small_stem_weights, capsys, "--store", "disk")
+    assert json.loads(again)["metrics"] == json.loads(first)["metrics"]
+    argv = ["eval", "knn", "--weights", str(small_stem_weights), "--data", str(data), "--image-size", "16"]
+    for store in ("disk", "off"):  # a new store, or new features, would have to be written there
+        out = ["--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / f"k16{store}"), "--store", store]
+        capsys.readouterr()
+        assert cli_main([*argv, *out]) == 2
+        said = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(said) == 1 and "(Read-only file system)" in said[0] and "give --cache-dir a writable" in said[0]

@@ -23,24 +23,28 @@ import torch
 # the temp names of atomic_write (and of earlier versions, which used tempfile.mkstemp)
 TEMP_FILE = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
 _FULL = {errno.ENOSPC: "no space is left on the device", errno.EDQUOT: "the disk quota is exceeded"}
+FULL = (*_FULL, errno.EFBIG)  # a write that stopped for want of space (or of the size a process may write)
 # the metadata that marks a safetensors file as bt_hub's (so bt_hub may replace it)
 WRITTEN_BY = {"written_by": "bt_hub"}
 
 
 class WriteError(OSError):
-    """A file could not be written; the message names it, the reason and the fix."""
+    """A file could not be written; the message names it, the reason and the fix (``errno`` is the cause's)."""
 
 
-def write_failure(path: Path, err: OSError) -> WriteError:
-    """One sentence for an OSError met while writing ``path`` (what happened, what to do, what was kept)."""
+def write_failure(path: Path, err: OSError, kept: str | None = None) -> WriteError:
+    """One sentence for an OSError met while writing ``path`` (what happened, what to do, what was kept: ``kept``,
+    else whether ``path`` is as it was)."""
     if err.errno in _FULL:
         fix = f"{_FULL[err.errno]}; free space on the file system of {path.parent} and run again"
     elif err.errno == errno.EFBIG:
         fix = "the file is larger than this process may write (ulimit -f); raise the limit and run again"
     else:
         fix = f"{err.strerror or err}; check that {path.parent} is writable"
-    kept = f"the previous {path.name} is unchanged" if path.exists() else "nothing was written"
-    return WriteError(f"could not write {path}: {fix} ({kept})")
+    kept = kept or (f"the previous {path.name} is unchanged" if path.exists() else "nothing was written")
+    failure = WriteError(f"could not write {path}: {fix} ({kept})")
+    failure.errno = err.errno
+    return failure
 
 
 def symlink_refused(path: Path) -> WriteError:

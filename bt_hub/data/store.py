@@ -16,26 +16,30 @@ On disk (``<directory>/<slot>/``, one slot per list of files and view):
 
 - ``pixels.u8``: every image's C x H x W bytes end to end (memory-mapped when read);
 - ``index.npy``: N x 4 int64 rows (byte offset, C, H, W);
-- ``manifest.json``, written last: the key, every file's relative name, size, mtime, label and the sha256 of
-  the bytes the worker decoded (no sampling), the view, and the size and sha256 of ``pixels.u8`` and
+- ``manifest.json``, written last: the key, every file's stat row (relative name, size, mtime, ctime), label and
+  the sha256 of the bytes the worker decoded (no sampling), the view, and the size and sha256 of ``pixels.u8`` and
   ``index.npy``.
 
-Checks: the key is the sha256 of the view and of every file's name, size, mtime and label, taken with ``stat``
-(no file is opened to check it). A slot whose manifest has another key is stale: it is not used, a warning names
-the first file that changed, and the store is decoded again. ``pixels.u8`` and ``index.npy`` are checked against
-their recorded sizes and sha256 on every open, as the feature cache checks its files.
+Checks: the key is the sha256 of the view and of every file's stat row (name, size, mtime, ctime) and label,
+taken with ``stat`` (:mod:`bt_hub.common.artifacts` says which changes a stat row sees). A whole store whose key is
+this one is read without a lock and without writing (read-only storage serves). One whose rows differ for the same
+names and labels has each moved file hashed again: same bytes (a ``chmod``), it is used and its manifest brought up
+to date; other bytes, it is stale: not used, a warning names the first file that changed, and the store is decoded
+again. ``pixels.u8`` and ``index.npy`` are checked against their recorded sizes and sha256 on every open, as the
+feature cache checks its files.
 
-Writing: into ``<slot>.partial/`` under an exclusive lock, with the rows done recorded every few seconds; a kill
-leaves a partial store that the next run continues from its last recorded row; the finished folder is renamed
-into place, so a reader never sees half a store. Without a directory (``eval compare`` with no ``--out``), the
-store is built the same way in memory.
+Writing: into ``<slot>.partial/`` under an exclusive lock (a folder that cannot hold the lock is refused naming the
+flag that moves it), in segments whose end and sha256 are recorded every few seconds
+(:class:`~bt_hub.common.artifacts.Segments`); a kill leaves a partial store that the next run continues after its
+last segment whose bytes are what was recorded; a full disk removes the partial files and says so; the finished
+folder is renamed into place, so a reader never sees half a store. Without a directory (``eval compare`` with no
+``--out``), the store is built the same way in memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import io
 import json
@@ -52,14 +56,24 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from bt_hub.common.files import atomic_write, atomic_write_json, file_sha256
+from bt_hub.common.artifacts import (
+    READ_ONLY,
+    Segments,
+    content_key,
+    locked,
+    not_writable,
+    same_content,
+    stat_change,
+    stat_row,
+)
+from bt_hub.common.files import FULL, WriteError, atomic_write, atomic_write_json, file_sha256, write_failure
 from bt_hub.common.progress import announce, progress
 from bt_hub.common.signals import ignore_group_signals
 from bt_hub.data.decode import PackedItems, collate_packed, decode_on_cpu, read_encoded
 from bt_hub.method.transforms import DeviceEvalTransform
 
 STORE_MODES = ("auto", "off", "disk", "device")
-STORE_FORMAT = 1
+STORE_FORMAT = 2  # 2: stat rows with ctime, partial builds in verified segments
 AUTO_MAX_BYTES = 64 * 2**30  # auto makes no store larger than this (nor than half the free disk)
 DEVICE_SHARE = 0.3  # auto keeps a store in GPU memory when it takes at most this share of the free memory
 SMALL_SIDE = 128  # auto keeps pretraining images whole only up to this side: larger ones decode faster than they read
@@ -164,29 +178,29 @@ def rows(indices: Sequence[int], device: torch.device) -> slice | torch.Tensor:
 
 
 def _files(samples: Sequence[tuple[Any, int]]) -> tuple[Path, list[list[Any]]]:
-    """The common root of the files and each one's [relative name, size, mtime_ns, label] (``stat`` only)."""
+    """The common root of the files and each one's stat row and label (``stat`` only): [name, size, mtime_ns,
+    ctime_ns, label]."""
     paths = [Path(p) for p, _ in samples]
     root = Path(os.path.commonpath([str(p.parent) for p in paths])) if paths else Path(".")
+    return root, [[*stat_row(path, root), int(label)] for path, (_, label) in zip(paths, samples)]
+
+
+def _changes(manifest: dict[str, Any], root: Path, files: list[list[Any]]) -> tuple[list[list[Any]] | None, str]:
+    """The manifest's rows brought up to ``files`` when every file whose stat row moved still holds the bytes whose
+    sha256 the store recorded (a ``chmod`` moves ctime alone), else None and the first change in one phrase."""
+    old = manifest.get("files", [])
+    if len(old) != len(files):
+        return None, f"it holds {len(old)} files, the folder now {len(files)}"
     rows = []
-    for path, (_, label) in zip(paths, samples):
-        st = path.stat()
-        rows.append([path.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns, int(label)])
-    return root, rows
-
-
-def _digest(*parts: Any) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-
-
-def _first_change(old: list[list[Any]], new: list[list[Any]]) -> str:
-    """The first file whose name, size, mtime or label differs, in one phrase."""
-    if len(old) != len(new):
-        return f"it holds {len(old)} files, the folder now {len(new)}"
-    for (name, size, mtime, label), now in zip(old, new):
-        if [name, size, mtime, label] != now:
-            what = "size" if size != now[1] else "mtime" if mtime != now[2] else "name or label"
-            return f"{name} changed ({what})"
-    return "its list of files differs"
+    for was, now in zip(old, files):
+        name, label, sha = was[0], was[4], was[5]
+        if [name, label] != [now[0], now[4]]:
+            return None, f"{name} is now {now[0]} (label {now[4]})" if name != now[0] else f"{name} changed label"
+        what = stat_change(was, now)
+        if what == "size" or (what is not None and not same_content(root / name, sha)):
+            return None, f"{name} changed ({what}, and its bytes)" if what != "size" else f"{name} changed (size)"
+        rows.append([*now, sha])
+    return rows, ""
 
 
 # ----------------------------------------------------------------------------- building
@@ -210,34 +224,26 @@ def _collate(items: list[tuple[torch.Tensor, str]]) -> tuple[PackedItems, list[s
     return collate_packed([image for image, _ in items]), [sha for _, sha in items]
 
 
-class _Progress:
-    """A partial store's rows, offsets and file hashes so far, recorded atomically in ``progress.json``."""
+class _InMemory:
+    """The sink of a store without a folder: its bytes in memory, and its items ([offset, C, H, W, sha256])."""
 
-    def __init__(self, folder: Path, key: str) -> None:
-        self.folder, self.key = folder, key
-        self.index: list[list[int]] = []
-        self.hashes: list[str] = []
-        self.bytes = 0
+    def __init__(self) -> None:
+        self.buffer, self.items, self.size = io.BytesIO(), [], 0
 
-    def resume(self) -> None:
-        """Take up what a killed build recorded (nothing when its key differs or its record is unreadable)."""
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            saved = json.loads((self.folder / "progress.json").read_text())
-            if saved["key"] == self.key and len(saved["index"]) == len(saved["hashes"]):
-                self.index, self.hashes, self.bytes = saved["index"], saved["hashes"], int(saved["bytes"])
+    def write(self, data: memoryview, items: Sequence[Any]) -> None:
+        self.buffer.write(data)
+        self.size += len(data)
+        self.items.extend(items)
 
-    def save(self) -> None:
-        state = {"key": self.key, "bytes": self.bytes, "index": self.index, "hashes": self.hashes}
-        atomic_write(self.folder / "progress.json", lambda f: f.write(json.dumps(state).encode()))
+    def commit(self) -> None:
+        """Nothing to record: a store in memory does not outlive its process."""
 
 
-def _build(
-    paths: Sequence[Path], view: StoreView, sink: Any, done: _Progress, num_workers: int, desc: str, save: Any
-) -> None:
-    """Decode ``paths[len(done.index):]`` in loader workers, appending each batch's bytes to ``sink``."""
-    first = len(done.index)
+def _build(paths: Sequence[Path], view: StoreView, sink: Segments | _InMemory, num_workers: int, desc: str) -> None:
+    """Decode the ``paths`` the sink does not hold yet in loader workers, appending each batch's bytes and items
+    ([offset, C, H, W, sha256 of the file]) to ``sink``, committed every ``SAVE_EVERY_S``."""
     loader = DataLoader(
-        _StoreItems(paths[first:], view),
+        _StoreItems(paths[len(sink.items) :], view),
         batch_size=BATCH,
         num_workers=num_workers,
         collate_fn=_collate,
@@ -245,13 +251,13 @@ def _build(
     )
     last_save = time.monotonic()
     for packed, hashes in progress(loader, desc, unit="batch"):
-        sink.write(memoryview(packed.data.numpy()))
-        for shape in packed.shapes:
-            done.index.append([done.bytes, *(int(v) for v in shape)])
-            done.bytes += shape.numel()
-        done.hashes.extend(hashes)
-        if save is not None and time.monotonic() - last_save >= SAVE_EVERY_S:
-            save()
+        offset, items = sink.size, []
+        for shape, sha in zip(packed.shapes, hashes):
+            items.append([offset, *(int(v) for v in shape), sha])
+            offset += shape.numel()
+        sink.write(memoryview(packed.data.numpy()), items)
+        if time.monotonic() - last_save >= SAVE_EVERY_S:
+            sink.commit()
             last_save = time.monotonic()
 
 
@@ -267,121 +273,150 @@ def open_store(
     *,
     num_workers: int = 0,
     desc: str = "decode",
+    flag: str = "--store-dir",
 ) -> DecodedImages:
     """The decoded store of ``dataset``'s files (an ImageFolder-style ``samples`` list) as ``view`` says:
-    read from ``directory`` when a whole, current store is there, else decoded now (continuing a partial one)."""
+    read from ``directory`` when a whole, current store is there (without writing: read-only storage serves), else
+    decoded now (continuing a partial one); ``flag`` names the option that moves ``directory``."""
     samples = list(dataset.samples)
     if not samples:
         raise ValueError("a decoded store needs at least one image file")
     root, files = _files(samples)
-    paths = [root / f[0] for f in files]
-    key = _digest(STORE_FORMAT, view.describe(), files)
     targets, classes = [label for _, label in samples], list(getattr(dataset, "classes", []))
     per_image = 3 * view.crop * view.crop if view.crop else None
     if directory is None:
-        announce(_size_note(len(paths), view, "in memory", per_image))
-        buffer = io.BytesIO()
-        done = _Progress(Path("."), key)
-        _build(paths, view, buffer, done, num_workers, desc, None)
-        pixels = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-        return DecodedImages(pixels, np.asarray(done.index, dtype=np.int64), targets, classes, view, "in memory")
-    slot = Path(directory) / _digest(STORE_FORMAT, view.describe(), [[f[0], f[3]] for f in files], str(root))[:24]
-    slot.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(slot):
-        found = _read(slot, key, files, targets, classes, view)
-        if found is not None:
-            return found
-        partial = slot.with_name(slot.name + ".partial")
-        partial.mkdir(exist_ok=True)
-        done = _Progress(partial, key)
-        done.resume()
-        announce(
-            _size_note(len(paths), view, f"at {slot}", per_image)
-            + (f", from row {len(done.index)}" if done.index else "")
-        )
-        with open(partial / "pixels.u8", "r+b" if (partial / "pixels.u8").exists() else "wb") as f:
-            f.truncate(done.bytes)  # what a killed build wrote past its last record
-            f.seek(done.bytes)
+        announce(_size_note(len(files), view, "in memory", per_image))
+        sink = _InMemory()
+        _build([root / f[0] for f in files], view, sink, num_workers, desc)
+        pixels = torch.frombuffer(bytearray(sink.buffer.getbuffer()), dtype=torch.uint8)
+        index = np.asarray([item[:4] for item in sink.items], dtype=np.int64)
+        return DecodedImages(pixels, index, targets, classes, view, "in memory")
+    name = content_key(STORE_FORMAT, view.describe(), [[f[0], f[4]] for f in files], str(root))[:24]
+    slot = _Slot(Path(directory) / name, content_key(STORE_FORMAT, view.describe(), files), root, files, view)
+    found = slot.read("exact")  # no lock and no write: a whole store on read-only storage serves
+    if found is None:
+        try:
+            slot.folder.parent.mkdir(parents=True, exist_ok=True)
+            with locked(slot.folder.with_name(name + ".lock"), flag):
+                found = slot.read("refresh")
+                if found is None:
+                    note = _size_note(len(files), view, f"at {slot.folder}", per_image)
+                    found = slot.decode(num_workers, desc, note)
+        except OSError as err:
+            if err.errno not in READ_ONLY:
+                raise
+            found = slot.read("check")
+            if found is None:
+                raise err if isinstance(err, WriteError) else not_writable(slot.folder.parent, err, flag) from None
+    return DecodedImages(found.pixels, found.index, targets, classes, view, found.where)
 
-            def save() -> None:
-                f.flush()
-                os.fsync(f.fileno())
-                done.save()
 
-            _build(paths, view, f, done, num_workers, desc, save)
-            save()
-        _finish(partial, slot, key, root, files, done, view)
-        store = _read(slot, key, files, targets, classes, view)
+@dataclass
+class _Slot:
+    """One store on disk: its folder, its key, and the files (stat rows and labels, under ``root``) it is made of."""
+
+    folder: Path
+    key: str
+    root: Path
+    files: list[list[Any]]
+    view: StoreView
+
+    def read(self, mode: str) -> DecodedImages | None:
+        """The store when it is whole and current, else None. ``exact``: its key equals this one (no file is hashed);
+        ``check``: also when every file whose stat row moved still holds its recorded bytes; ``refresh``: as
+        ``check``, and the caller holds the lock: such a manifest is brought up to date, and a stale or damaged store
+        is named in a warning (it is decoded again)."""
+        manifest_path = self.folder / "manifest.json"
+        if not manifest_path.exists():
+            return None
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            if manifest.get("key") != self.key:
+                if mode == "exact":
+                    return None
+                rows, change = _changes(manifest, self.root, self.files)
+                if rows is None:
+                    if mode == "refresh":
+                        warnings.warn(
+                            f"decoded store {self.folder} is stale: {change} since it was written; decoding again",
+                            StoreWarning,
+                            stacklevel=4,
+                        )
+                    return None
+                manifest.update(key=self.key, files=rows)
+                if mode == "refresh":
+                    atomic_write_json(manifest_path, manifest)
+            for name in ("pixels.u8", "index.npy"):
+                entry = manifest["pixels" if name == "pixels.u8" else "index"]
+                path = self.folder / name
+                if path.stat().st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
+                    raise ValueError(f"{path} is not the file that was written (size or sha256 differ)")
+            index = np.load(self.folder / "index.npy", allow_pickle=False)
+            size = int(manifest["pixels"]["bytes"])
+            array = np.memmap(self.folder / "pixels.u8", dtype=np.uint8, mode="c") if size else np.zeros(0, np.uint8)
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
+            if mode == "refresh":
+                warnings.warn(f"decoded store {self.folder} cannot be used ({err}); decoding again", StoreWarning, 4)
+            return None
+        return DecodedImages(torch.from_numpy(array), index, [], [], self.view, f"read from {self.folder}")
+
+    def decode(self, num_workers: int, desc: str, note: str) -> DecodedImages:
+        """Decode the store into ``<folder>.partial`` (continuing after what an earlier build recorded and its bytes
+        confirm), then rename it into place. A full disk removes the partial files and says so."""
+        partial = self.folder.with_name(self.folder.name + ".partial")
+        try:
+            partial.mkdir(exist_ok=True)
+            pixels = Segments(partial / "pixels.u8", self.key).open()
+            try:
+                if pixels.dropped:
+                    warnings.warn(
+                        f"partial decoded store {partial}: {pixels.dropped}; decoding again from row "
+                        f"{len(pixels.items)}",
+                        StoreWarning,
+                        stacklevel=4,
+                    )
+                announce(note + (f", from row {len(pixels.items)}" if pixels.items else ""))
+                _build([self.root / f[0] for f in self.files], self.view, pixels, num_workers, desc)
+            finally:
+                pixels.close()
+        except OSError as err:
+            if err.errno not in FULL:
+                raise
+            size = sum(f.stat().st_size for f in partial.glob("*") if f.is_file()) if partial.is_dir() else 0
+            shutil.rmtree(partial, ignore_errors=True)
+            removed = f"the partial store ({size / 2**20:,.1f} MiB at {partial}) was removed"
+            raise write_failure(self.folder, err, kept=removed) from err
+        self._publish(partial, pixels)
+        store = self.read("refresh")
         if store is None:
-            raise OSError(f"decoded store {slot} failed its checks right after it was written; remove it and run again")
+            raise OSError(f"decoded store {self.folder} failed its checks right after it was written; remove it")
         return store
 
-
-@contextlib.contextmanager
-def _locked(slot: Path) -> Any:
-    """An exclusive lock on ``<slot>.lock``: one process builds a store at a time; the others wait, then read it."""
-    fd = os.open(slot.with_name(slot.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _finish(
-    partial: Path, slot: Path, key: str, root: Path, files: list[list[Any]], done: _Progress, view: StoreView
-) -> None:
-    """Write ``index.npy`` and the manifest into the partial folder and rename it into place (a stale slot first
-    removed: it holds bt_hub's own files only)."""
-    index = np.asarray(done.index, dtype=np.int64)
-    atomic_write(partial / "index.npy", lambda f: np.save(f, index, allow_pickle=False))
-    (partial / "progress.json").unlink(missing_ok=True)
-    manifest = {
-        "format": STORE_FORMAT,
-        "key": key,
-        "view": dataclasses.asdict(view),
-        "describe": view.describe(),
-        "root": str(root),
-        "files": [[*f, sha] for f, sha in zip(files, done.hashes)],
-        "content_sha256": _digest([sha for sha in done.hashes], [f[3] for f in files], view.describe()),
-        "pixels": {"bytes": done.bytes, "sha256": file_sha256(partial / "pixels.u8")},
-        "index": {"bytes": (partial / "index.npy").stat().st_size, "sha256": file_sha256(partial / "index.npy")},
-    }
-    atomic_write_json(partial / "manifest.json", manifest)
-    if slot.exists():
-        shutil.rmtree(slot)
-    os.replace(partial, slot)
-
-
-def _read(
-    slot: Path, key: str, files: list[list[Any]], targets: list[int], classes: list[str], view: StoreView
-) -> DecodedImages | None:
-    """The store in ``slot`` when it is whole and current; None (with a warning when one was there) otherwise."""
-    manifest_path = slot / "manifest.json"
-    if not manifest_path.exists():
-        return None
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        if manifest.get("key") != key:
-            old = [f[:4] for f in manifest.get("files", [])]
-            warnings.warn(
-                f"decoded store {slot} is stale: {_first_change(old, files)} since it was written; decoding again",
-                StoreWarning,
-                stacklevel=3,
-            )
-            return None
-        for name in ("pixels.u8", "index.npy"):
-            entry = manifest["pixels" if name == "pixels.u8" else "index"]
-            path = slot / name
-            if path.stat().st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
-                raise ValueError(f"{path} is not the file that was written (size or sha256 differ)")
-        index = np.load(slot / "index.npy", allow_pickle=False)
-        size = int(manifest["pixels"]["bytes"])
-        array = np.memmap(slot / "pixels.u8", dtype=np.uint8, mode="c") if size else np.zeros(0, np.uint8)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        warnings.warn(f"decoded store {slot} cannot be used ({err}); decoding again", StoreWarning, stacklevel=3)
-        return None
-    return DecodedImages(torch.from_numpy(array), index, targets, classes, view, f"read from {slot}")
+    def _publish(self, partial: Path, pixels: Segments) -> None:
+        """Write ``index.npy`` and the manifest into the partial folder and rename it into place (a stale slot
+        first removed: it holds bt_hub's own files only)."""
+        items = pixels.items
+        if len(items) != len(self.files):
+            raise OSError(f"partial decoded store {partial} holds {len(items)} of {len(self.files)} images; run again")
+        index = np.asarray([item[:4] for item in items], dtype=np.int64)
+        hashes = [item[4] for item in items]
+        atomic_write(partial / "index.npy", lambda f: np.save(f, index, allow_pickle=False))
+        pixels.record.unlink(missing_ok=True)
+        manifest = {
+            "format": STORE_FORMAT,
+            "key": self.key,
+            "view": dataclasses.asdict(self.view),
+            "describe": self.view.describe(),
+            "root": str(self.root),
+            "files": [[*f, sha] for f, sha in zip(self.files, hashes)],
+            "content_sha256": content_key(hashes, [f[4] for f in self.files], self.view.describe()),
+            "pixels": {"bytes": pixels.size, "sha256": file_sha256(partial / "pixels.u8")},
+            "index": {"bytes": (partial / "index.npy").stat().st_size, "sha256": file_sha256(partial / "index.npy")},
+        }
+        atomic_write_json(partial / "manifest.json", manifest)
+        if self.folder.exists():
+            shutil.rmtree(self.folder)
+        os.replace(partial, self.folder)
 
 
 # ----------------------------------------------------------------------------- where it lives

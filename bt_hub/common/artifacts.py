@@ -1,0 +1,149 @@
+"""What every cache of bt_hub stands on: a content key, the stat rows of the files it was made from, a lock that
+read-only storage does not need, and a file built in verified segments that a killed build continues.
+
+A key says which changes it sees. The stat rows of a file are its name, size, mtime and ctime: any write to a
+file's bytes moves its ctime to the present, and no user can set a ctime back (``touch -r`` and ``os.utime`` set
+mtime and atime only; a restore from a backup writes the file, so it moves ctime too). Where a row differs but the
+name does not, a cache that recorded each file's sha256 hashes the file again before calling it changed (a
+``chmod`` or ``chown`` moves ctime alone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from bt_hub.common.files import WriteError, atomic_write, file_sha256
+
+READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)  # a folder this process may not write in
+
+
+def content_key(*parts: Any) -> str:
+    """The sha256 of ``parts`` as sorted JSON: a cache's key from everything that changes what it holds."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def stat_row(path: Path, root: Path) -> list[Any]:
+    """``[name relative to root, size, mtime_ns, ctime_ns]`` of ``path``, from ``stat`` alone."""
+    st = path.stat()
+    return [path.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def stat_change(old: Sequence[Any], new: Sequence[Any]) -> str | None:
+    """What differs between two stat rows of one name (``size``, ``mtime``, ``ctime``), or None."""
+    for what, i in (("size", 1), ("mtime", 2), ("ctime", 3)):
+        if old[i] != new[i]:
+            return what
+    return None
+
+
+def same_content(path: Path, sha256: str) -> bool:
+    """Whether ``path`` still holds the bytes whose sha256 was recorded (False when it cannot be read)."""
+    try:
+        return file_sha256(path) == sha256
+    except OSError:
+        return False
+
+
+def not_writable(folder: Path, err: OSError, flag: str) -> WriteError:
+    """One sentence for a cache folder this process may not write in, naming the flag that moves it."""
+    reason = os.strerror(err.errno) if err.errno else str(err)
+    return WriteError(
+        f"cannot write in {folder} ({reason}): the cache there is read without writing only when it is whole and "
+        f"current; give {flag} a writable folder"
+    )
+
+
+@contextlib.contextmanager
+def locked(path: Path, flag: str) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created): one process builds a cache entry while the others wait, then read
+    it. A folder that may not be written in is refused in one sentence naming ``flag``."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        if err.errno in READ_ONLY:
+            raise not_writable(path.parent, err, flag) from None
+        raise
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+class Segments:
+    """A file written front to back in segments, each recorded once it is on disk: its end, the sha256 of its bytes
+    and the caller's items for it, in ``<file>.progress.json``.
+
+    A rerun (:meth:`resume`) reads the file against the record and continues after the last segment whose bytes are
+    still what was written: bytes a kill left past the record are cut, and a file cut short or changed inside a
+    recorded segment loses that segment and every later one (they are made again), never read as zeros.
+    """
+
+    def __init__(self, path: Path, key: str) -> None:
+        self.path, self.key = path, key
+        self.record = path.with_name(path.name + ".progress.json")
+        self.segments: list[dict[str, Any]] = []
+        self.size = 0
+        self.dropped: str | None = None  # why recorded segments were not kept, when some were not
+        self._hash = hashlib.sha256()
+        self._pending: list[Any] = []
+        self._file: Any = None
+
+    @property
+    def items(self) -> list[Any]:
+        """The items of every kept segment, in order."""
+        return [item for segment in self.segments for item in segment["items"]]
+
+    def open(self) -> Segments:
+        """Open the file, keeping what an earlier build recorded and its bytes confirm."""
+        recorded: list[dict[str, Any]] = []
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            saved = json.loads(self.record.read_text())
+            recorded = saved["segments"] if saved["key"] == self.key else []
+        self._file = open(self.path, "r+b" if self.path.exists() else "w+b")  # closed by close()
+        start = 0
+        for i, segment in enumerate(recorded):
+            self._file.seek(start)
+            data = self._file.read(segment["end"] - start)
+            if len(data) != segment["end"] - start or hashlib.sha256(data).hexdigest() != segment["sha256"]:
+                self.dropped = f"its bytes from {start:,} on are not what was recorded (cut or changed)"
+                recorded = recorded[:i]
+                break
+            start = segment["end"]
+        self.segments, self.size = recorded, start
+        self._file.truncate(self.size)
+        self._file.seek(self.size)
+        return self
+
+    def write(self, data: memoryview | bytes, items: Sequence[Any] = ()) -> None:
+        """Append ``data`` and the items it holds to the open segment."""
+        self._file.write(data)
+        self._hash.update(data)
+        self.size += len(data)
+        self._pending.extend(items)
+
+    def commit(self) -> None:
+        """Close the open segment: its bytes on disk, then its record (a kill after this loses none of it)."""
+        if not self._pending and (not self.segments or self.segments[-1]["end"] == self.size):
+            return
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self.segments.append({"end": self.size, "sha256": self._hash.hexdigest(), "items": self._pending})
+        self._hash, self._pending = hashlib.sha256(), []
+        state = {"key": self.key, "segments": self.segments}
+        atomic_write(self.record, lambda f: f.write(json.dumps(state).encode()))
+
+    def close(self) -> None:
+        """Commit the open segment and close the file; the record stays until the caller publishes the file."""
+        if self._file is not None:
+            self.commit()
+            self._file.close()
+            self._file = None
