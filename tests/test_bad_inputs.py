@@ -444,6 +444,13 @@ def _cases() -> list[Case]:
             weights,
         ),
         Case("eval knn", "k -3", (*knn, "--k", "-3"), ("--k",), weights),
+        Case(  # Guards: the 200,000 values were echoed whole, a 1.5 MB line
+            "eval knn",
+            "k a 200,000-item list",
+            (*knn, "--k", *map(str, range(200_000))),
+            ("--k", "[0, 1, 2, 3, 4, 5, ...] (list of 200000 items)"),
+            weights,
+        ),
         Case("eval knn", "temperature 0", (*knn, "--temperature", "0"), ("--temperature",), weights),
         Case("eval knn", "temperature NaN", (*knn, "--temperature", "nan"), ("--temperature",), weights),
         Case("eval knn", "unknown backend", (*knn, "--backend", "gpu"), ("--backend",), weights),
