@@ -426,6 +426,13 @@ def _cases() -> list[Case]:
             ("key precision of", "run.yaml", "'fp32'"),
             write("run.yaml", "precision: fp64\n", with_weights=True),
         ),
+        Case(  # Guards: the second value was taken without a word (a run at 32 px)
+            "eval knn",
+            "config gives a key twice",
+            (*knn, "--config", "{d}/run.yaml"),
+            ("run.yaml", "line 3", "key image_size was already given at line 1"),
+            write("run.yaml", "image_size: 16\nk: [5]\nimage_size: 32\n", with_weights=True),
+        ),
         Case(
             "eval knn",
             "weights neither given nor in the config",

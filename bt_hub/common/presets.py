@@ -63,8 +63,21 @@ def from_preset(cls: type[C], name: str | None = None, /, **given: Any) -> C:
 
 class _Yaml12Loader(yaml.SafeLoader):
     """PyYAML's safe loader reading scalars as YAML 1.2 does: ``1e-3`` is a number, ``on``/``off``/``yes``/``no``
-    are strings (``--compile off``), only ``true``/``false`` are booleans.
+    are strings (``--compile off``), only ``true``/``false`` are booleans; a key given twice is refused.
     """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        """The mapping of ``node``, refusing a key it gives twice (PyYAML keeps the last value without a word)."""
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = self.construct_object(key_node)
+                if key in lines:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key} was already given at line {lines[key]}", key_node.start_mark
+                    )
+                lines[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
 
 
 _Yaml12Loader.yaml_implicit_resolvers = {
