@@ -202,14 +202,19 @@ def build_config(config_cls: type, namespace: argparse.Namespace) -> Any:
     path = given.pop("config_file", None)
     values = read_config_file(config_cls, path) if path else {}
     preset = given.pop("preset", values.pop("preset", None))
-    if path and any(f.name == "config_file" for f in dataclasses.fields(config_cls)):
+    from_file = frozenset(values) - frozenset(given)
+    recorded = path and any(f.name == "config_file" for f in dataclasses.fields(config_cls))
+    if recorded:
         values["config_file"] = path
     values.update(given)
     missing = [_flag(f) for f in dataclasses.fields(config_cls) if _required(f) and f.name not in values]
     if missing:
         where = f"on the command line or in {path}" if path else "on the command line or in a --config file"
         raise ValueError(f"the following arguments are required: {', '.join(missing)} ({where})")
-    return from_preset(config_cls, preset, **values)
+    config = from_preset(config_cls, preset, **values)
+    if recorded:  # a record says a value the file set came from it, not from its flag (RunConfig.given_from)
+        config.file_settings = from_file
+    return config
 
 
 def _required(f: dataclasses.Field) -> bool:

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from bt_hub.common.config import REQUIRED, option, out_field
 from bt_hub.common.files import read_json
-from bt_hub.common.presets import baseline, overrides, preset_values
+from bt_hub.common.presets import baseline, overrides, preset_values, shown
 from bt_hub.eval.config import EvalConfig, EvalWarning
 from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS, check_probe_settings
 from bt_hub.eval.knn import KnnConfig
@@ -93,7 +93,7 @@ class CompareConfig(EvalConfig):
     def __post_init__(self) -> None:
         self.weights = [str(w) for w in self.weights]
         if not self.weights or not all(w.strip() for w in self.weights):
-            raise ValueError(f"--weights must name one or more checkpoints, got {self.weights}")
+            raise ValueError(f"--weights must name one or more checkpoints, got {shown(self.weights)}")
         self.baselines, self.protocols = _split_list(self.baselines), _split_list(self.protocols)
         for flag, given, known in (
             ("--baselines", self.baselines, BASELINES),
@@ -101,7 +101,7 @@ class CompareConfig(EvalConfig):
         ):
             unknown = [v for v in given if v not in known]
             if unknown or not given:
-                raise ValueError(f"{flag} must list some of {', '.join(known)}, got {' '.join(given) or 'none'}")
+                raise ValueError(f"{flag} must list some of {', '.join(known)}, got {shown(given)}")
         super().__post_init__()
         if self.as_seeds:
             if len(self.weights) < 2:
@@ -116,7 +116,7 @@ class CompareConfig(EvalConfig):
         if not 1 <= self.seeds <= 100:
             raise ValueError(f"--seeds must be an integer in [1, 100], got {self.seeds}")
         if not self.fractions or any(not 0 < f <= 100 for f in self.fractions):
-            raise ValueError(f"--fractions must be percentages in (0, 100], got {self.fractions}")
+            raise ValueError(f"--fractions must be percentages in (0, 100], got {shown(self.fractions)}")
         self.require_positive("knn_k", "semi_epochs", "supervised_epochs")
         self.require_positive("finetune_steps", or_zero=True)
         preset_values(SemiSupervisedConfig, self.semi_preset, flag="--semi-preset")  # an unknown one fails here

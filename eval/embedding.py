@@ -16,6 +16,7 @@ from bt_hub.common.config import option, out_field
 from bt_hub.common.distributed import is_main_process
 from bt_hub.common.files import atomic_write, atomic_write_json, atomic_write_text
 from bt_hub.common.optional import require
+from bt_hub.common.presets import shown
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.features import as_float32
 from bt_hub.eval.runner import EvalRun, Scored, build_record, evaluation
@@ -46,7 +47,7 @@ class EmbedConfig(EvalConfig):
         self.splits = [s.strip() for value in self.splits for s in str(value).split(",") if s.strip()]
         bad = [s for s in self.splits if s not in ("train", "test")]
         if bad or not self.splits:
-            raise ValueError(f"--splits must list train and/or test, got {' '.join(self.splits) or 'none'}")
+            raise ValueError(f"--splits must list train and/or test, got {shown(self.splits)}")
         if self.format not in ("npy", "parquet"):
             raise ValueError(f"--format must be npy or parquet, got {self.format!r}")
         if self.format == "parquet":

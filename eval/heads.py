@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bt_hub.common.presets import shown
 from bt_hub.common.progress import progress as reported
 from bt_hub.eval.classifier import epoch_permutation, lr_factor, make_classifier, topk_correct
 from bt_hub.eval.features import as_float32
@@ -296,10 +297,10 @@ def check_probe_settings(
         raise ValueError(f"{epochs_flag} must be an integer in [1, {MAX_EPOCHS}], got {epochs}")
     for flag, values in lrs.items():
         if not values or any(not 0 < v <= MAX_LR for v in values):
-            raise ValueError(f"{flag} must be in (0, {MAX_LR:g}], got {' '.join(f'{v:g}' for v in values) or 'none'}")
+            raise ValueError(f"{flag} must be in (0, {MAX_LR:g}], got {shown(values)}")
     for flag, values in weight_decays.items():
         if not values or any(not 0 <= v < 1 for v in values):
-            raise ValueError(f"{flag} must be in [0, 1), got {' '.join(f'{v:g}' for v in values) or 'none'}")
+            raise ValueError(f"{flag} must be in [0, 1), got {shown(values)}")
     if not 0 <= momentum < 1:
         raise ValueError(f"--momentum must be in [0, 1), got {momentum:g}")
     if not 0 < val_fraction <= 0.5:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from bt_hub.common.config import option
 from bt_hub.common.distributed import is_main_process
 from bt_hub.common.optional import require
+from bt_hub.common.presets import shown
 from bt_hub.eval.config import EvalConfig, EvalWarning
 from bt_hub.eval.features import as_float32
 from bt_hub.eval.report import Table
@@ -168,7 +169,7 @@ class KnnConfig(EvalConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.k or any(k <= 0 for k in self.k):
-            raise ValueError(f"--k must list positive integers, got {self.k}")
+            raise ValueError(f"--k must list positive integers, got {shown(self.k)}")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(
                 f"--temperature must be a positive finite number (any small value is valid: the vote tends to the "

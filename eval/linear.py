@@ -11,7 +11,7 @@ from torch import nn
 
 from bt_hub.common.config import option
 from bt_hub.common.distributed import distributed_data_parallel, is_main_process
-from bt_hub.common.presets import overrides
+from bt_hub.common.presets import overrides, shown
 from bt_hub.common.runs import RunDir
 from bt_hub.eval.classifier import evaluate_loader, loop_precision, make_classifier, make_loader, train_classifier
 from bt_hub.eval.config import EvalConfig, warn_about_settings
@@ -150,7 +150,7 @@ class LinearConfig(EvalConfig):
         )
         self.require_fraction("gamma")
         if sorted(self.milestones) != list(self.milestones) or any(m <= 0 for m in self.milestones):
-            raise ValueError(f"--milestones must be increasing positive epochs, got {self.milestones}")
+            raise ValueError(f"--milestones must be increasing positive epochs, got {shown(self.milestones)}")
         self.require_fraction("crop_scale_min")
 
     def unused_flags(self) -> dict[str, str]:

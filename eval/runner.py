@@ -84,9 +84,12 @@ def load_weights(
     return LoadedWeights(str(source), network, str(info["sha256"]), info)
 
 
-def eval_image_size(given: int | None, trained: int | None, trained_from: str | None, weights: str) -> tuple[int, str]:
-    """The crop side and its source: ``--image-size`` (warned if unlike the weights'), what the weights say of
-    themselves (their metadata or config.json: ``trained`` from ``trained_from``), or the default."""
+def eval_image_size(
+    given: int | None, trained: int | None, trained_from: str | None, weights: str, given_from: str = "--image-size"
+) -> tuple[int, str]:
+    """The crop side and its source: ``given`` from ``given_from`` (``--image-size``, or the ``--config`` file; warned
+    if unlike the weights'), what the weights say of themselves (their metadata or config.json: ``trained`` from
+    ``trained_from``), or the default."""
     if given is None:
         return (trained, str(trained_from)) if trained else (DEFAULT_IMAGE_SIZE, "default")
     if trained and given != trained:
@@ -97,7 +100,7 @@ def eval_image_size(given: int | None, trained: int | None, trained_from: str | 
             EvalWarning,
             stacklevel=3,
         )
-    return given, "--image-size"
+    return given, given_from
 
 
 def _normalisation(info: Mapping[str, Any], weights: str) -> str:
@@ -118,10 +121,19 @@ def resolve_settings(config: Any, weights: LoadedWeights, device: torch.device) 
     """The run's :class:`Settings`: the config's flags where given, else what the weights say of themselves."""
     info = weights.info
     size, size_from = eval_image_size(
-        config.image_size, info.get("image_size"), info.get("image_size_from"), weights.source
+        config.image_size,
+        info.get("image_size"),
+        info.get("image_size_from"),
+        weights.source,
+        config.given_from("image_size", "--image-size"),
     )
     chosen = broadcast_object(precision_choice(config.precision, device) if is_main_process() else None)
-    flags = {"architecture": "--arch", "small_image_stem": "--small-image-stem"}
+    if config.precision != "auto":  # "--precision fp32": the setting given, by its flag or the --config file
+        chosen["precision_reason"] = config.given_from("precision", chosen["precision_reason"])
+    flags = {
+        "architecture": config.given_from("arch", "--arch"),
+        "small_image_stem": config.given_from("small_image_stem", "--small-image-stem"),
+    }
     source = {key: flags[key] if info.get(f"{key}_from") == "given" else info.get(f"{key}_from") for key in flags}
     return Settings(
         arch=str(info.get("architecture") or config.arch),

@@ -34,6 +34,7 @@ from torch.utils.data import Dataset, Subset
 
 from bt_hub.common.config import option
 from bt_hub.common.distributed import convert_sync_batchnorm, distributed_data_parallel, is_distributed
+from bt_hub.common.presets import shown
 from bt_hub.eval.classifier import evaluate_loader, loop_precision, make_classifier, make_loader, train_classifier
 from bt_hub.eval.config import EvalConfig, warn_about_settings
 from bt_hub.eval.features import TransformedDataset, train_transform
@@ -187,7 +188,7 @@ class SemiSupervisedConfig(EvalConfig):
                 f"got {self.lr_backbone} and {self.lr_classifier}"
             )
         if sorted(self.milestones) != list(self.milestones) or any(m <= 0 for m in self.milestones):
-            raise ValueError(f"--milestones must be increasing positive epochs, got {self.milestones}")
+            raise ValueError(f"--milestones must be increasing positive epochs, got {shown(self.milestones)}")
         self.require_fraction("crop_scale_min")
 
     def unused_flags(self) -> dict[str, str]:

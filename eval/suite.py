@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from bt_hub.common.config import option
-from bt_hub.common.presets import from_preset, preset_values
+from bt_hub.common.presets import from_preset, preset_values, shown
 from bt_hub.common.records import SCHEMA
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.protocols import Protocol, get_protocol, list_protocols
@@ -53,7 +53,7 @@ class SuiteConfig(EvalConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.knn_k or any(k <= 0 for k in self.knn_k):
-            raise ValueError(f"--knn-k must list positive integers, got {self.knn_k}")
+            raise ValueError(f"--knn-k must list positive integers, got {shown(self.knn_k)}")
         if self.voc07_devkit is not None and not Path(self.voc07_devkit).is_dir():
             raise ValueError(
                 f"--voc07-devkit {self.voc07_devkit} is not a folder; point it to a VOC devkit or leave it out"
@@ -62,7 +62,7 @@ class SuiteConfig(EvalConfig):
             if "preset" in values:
                 preset_values(protocol.config_class, values["preset"], flag=f"--{protocol.name}-preset")
         if any(f <= 0 or f > 100 for f in self.fractions):
-            raise ValueError(f"--fractions must be percentages in (0, 100], got {self.fractions}")
+            raise ValueError(f"--fractions must be percentages in (0, 100], got {shown(self.fractions)}")
         if self.subset_dir is not None:
             for pct in self.fractions:
                 if not (Path(self.subset_dir) / f"{pct}percent.txt").is_file():

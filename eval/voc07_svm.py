@@ -15,6 +15,7 @@ from PIL import Image
 from bt_hub.common.config import option
 from bt_hub.common.distributed import is_main_process
 from bt_hub.common.images import open_rgb
+from bt_hub.common.presets import shown
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.features import as_float32, dataset_fingerprint
 from bt_hub.eval.linear import TRANSFER_TABLE
@@ -173,7 +174,7 @@ class Voc07SvmConfig(EvalConfig):
                 f"got {self.data!r}"
             )
         if not self.costs or any(c <= 0 for c in self.costs):
-            raise ValueError(f"--costs must list positive numbers, got {self.costs}")
+            raise ValueError(f"--costs must list positive numbers, got {shown(self.costs)}")
         if self.cv_folds < 2:
             raise ValueError(f"--cv-folds must be at least 2, got {self.cv_folds}")
         self.require_positive("max_iter")

@@ -426,6 +426,13 @@ def _cases() -> list[Case]:
             ("key precision of", "run.yaml", "'fp32'"),
             write("run.yaml", "precision: fp64\n", with_weights=True),
         ),
+        Case(  # Guards: the second value was taken without a word (a run at 32 px)
+            "eval knn",
+            "config gives a key twice",
+            (*knn, "--config", "{d}/run.yaml"),
+            ("run.yaml", "line 3", "key image_size was already given at line 1"),
+            write("run.yaml", "image_size: 16\nk: [5]\nimage_size: 32\n", with_weights=True),
+        ),
         Case(
             "eval knn",
             "weights neither given nor in the config",
@@ -444,6 +451,13 @@ def _cases() -> list[Case]:
             weights,
         ),
         Case("eval knn", "k -3", (*knn, "--k", "-3"), ("--k",), weights),
+        Case(  # Guards: the 200,000 values were echoed whole, a 1.5 MB line
+            "eval knn",
+            "k a 200,000-item list",
+            (*knn, "--k", *map(str, range(200_000))),
+            ("--k", "[0, 1, 2, 3, 4, 5, ...] (list of 200000 items)"),
+            weights,
+        ),
         Case("eval knn", "temperature 0", (*knn, "--temperature", "0"), ("--temperature",), weights),
         Case("eval knn", "temperature NaN", (*knn, "--temperature", "nan"), ("--temperature",), weights),
         Case("eval knn", "unknown backend", (*knn, "--backend", "gpu"), ("--backend",), weights),

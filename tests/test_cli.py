@@ -281,14 +281,18 @@ def test_a_config_file_sets_the_flags_those_given_override_it_and_it_is_printed_
     recorded = json.loads((tmp_path / "a" / "results.json").read_text())["hyperparameters"]
     assert (recorded["image_size"], recorded["batch_size"], recorded["k"]) == (8, 16, [5])
     assert recorded["config_file"] == "run.yaml"  # as every path in a record: an absolute one by its name
-    printed = _printed_settings(capsys.readouterr().err)
+    said = capsys.readouterr()
+    printed = _printed_settings(said.err)
     assert yaml.safe_load(printed)["k"] == [5] and "config_file" not in yaml.safe_load(printed)
     (tmp_path / "printed.yaml").write_text(printed)  # what was printed is a config file that reproduces the run
-    assert cli.main(["eval", "knn", "--config", str(tmp_path / "printed.yaml"), "--out", str(tmp_path / "b")]) == 0
+    again_flags = ["--config", str(tmp_path / "printed.yaml"), "--image-size", "8", "--out", str(tmp_path / "b")]
+    assert cli.main(["eval", "knn", *again_flags]) == 0
     again = json.loads((tmp_path / "b" / "results.json").read_text())["hyperparameters"]
-    assert {k: v for k, v in again.items() if k not in ("out", "config_file", "features")} == {
-        k: v for k, v in recorded.items() if k not in ("out", "config_file", "features")
-    }
+    where = ("out", "config_file", "image_size_from", "features")
+    assert {k: v for k, v in again.items() if k not in where} == {k: v for k, v in recorded.items() if k not in where}
+    # Guards: a size the file set was recorded as from --image-size, a flag nobody typed; a flag given still is
+    assert (recorded["image_size_from"], again["image_size_from"]) == ("run.yaml", "--image-size")
+    assert "images 8 px (from run.yaml)" in said.out and "images 8 px (from --image-size)" in capsys.readouterr().out
 
 
 def test_pretrain_records_the_config_file_with_its_settings_in_run_json(tmp_path, capsys):

@@ -193,3 +193,15 @@ def test_resnet18_entry_refuses_resnet50_weights_naming_both(tmp_path):
     torch.save(torchvision.models.resnet50().state_dict(), tmp_path / "r50.pth")
     with pytest.raises(CheckpointError, match="r50.pth does not fit resnet18 \\(it looks like resnet50\\)"):
         torch.hub.load(str(REPO_ROOT), "resnet18", source="local", weights=str(tmp_path / "r50.pth"))
+
+
+@pytest.mark.parametrize("builder", ["resnet18", "resnet50", "barlow_twins"])
+@pytest.mark.parametrize("weights", [5, 0.5, True, ["w.pth"]], ids=repr)
+def test_weights_of_another_type_are_refused_in_one_sentence_naming_weights(builder, weights):
+    """Guards: ``resnet18(weights=5)`` raised os.fspath's "expected str, bytes or os.PathLike object, not int"."""
+    with pytest.raises(TypeError) as err:
+        torch.hub.load(str(REPO_ROOT), builder, source="local", weights=weights)
+    assert str(err.value) == (
+        "weights must be a BarlowTwinsWeights member or its name, a file or run folder, a URL, a Hugging Face Hub id "
+        f"(hf://org/name or org/name) or None, got a value of type {type(weights).__name__}"
+    )

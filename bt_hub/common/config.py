@@ -95,6 +95,8 @@ class RunConfig:
     config_file: str | None = option(
         None, "the YAML file of settings that --config read (recorded with them)", flag="config"
     )
+    # the settings that file set and no flag overrode (set where --config is read): given_from names the file for them
+    file_settings: ClassVar[frozenset[str]] = frozenset()
 
     def __post_init__(self) -> None:
         if self.out is not None:  # None: the Python API writes no folder
@@ -107,6 +109,11 @@ class RunConfig:
             )
         if not 0 <= (workers := getattr(self, "num_workers", 0)) <= THREADS_MAX:  # each one a forked process
             raise ValueError(f"--num-workers must be an integer from 0 to {THREADS_MAX}, got {_shown(workers)}")
+
+    def given_from(self, name: str, flag: str) -> str:
+        """Where setting ``name``, given, came from: the ``--config`` file by its name (``run.yaml``: a record holds
+        no absolute path) where that file set it, else ``flag``."""
+        return os.path.basename(self.config_file) if self.config_file and name in self.file_settings else flag
 
     def require_positive(self, *names: str, or_zero: bool = False) -> None:
         """Refuse the first field of ``names`` set below 1 (``or_zero``: below 0) in one sentence naming its flag."""

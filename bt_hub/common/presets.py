@@ -48,7 +48,7 @@ def from_preset(cls: type[C], name: str | None = None, /, **given: Any) -> C:
     """A ``cls`` config: dataclass defaults, then preset ``name`` (default: the ``preset`` field's default, else
     none: the plain defaults), then ``given``."""
     if name is not None and not isinstance(name, str):
-        raise SettingError(f"preset must be the name of a preset (a string), got {_shown(name)}")
+        raise SettingError(f"preset must be the name of a preset (a string), got {shown(name)}")
     field = next((f for f in dataclasses.fields(cls) if f.name == "preset"), None)
     if name is None and field is not None and field.default is not dataclasses.MISSING:
         name = field.default  # the preset used when none is named
@@ -63,8 +63,21 @@ def from_preset(cls: type[C], name: str | None = None, /, **given: Any) -> C:
 
 class _Yaml12Loader(yaml.SafeLoader):
     """PyYAML's safe loader reading scalars as YAML 1.2 does: ``1e-3`` is a number, ``on``/``off``/``yes``/``no``
-    are strings (``--compile off``), only ``true``/``false`` are booleans.
+    are strings (``--compile off``), only ``true``/``false`` are booleans; a key given twice is refused.
     """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        """The mapping of ``node``, refusing a key it gives twice (PyYAML keeps the last value without a word)."""
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = self.construct_object(key_node)
+                if key in lines:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key} was already given at line {lines[key]}", key_node.start_mark
+                    )
+                lines[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
 
 
 _Yaml12Loader.yaml_implicit_resolvers = {
@@ -106,7 +119,7 @@ def read_config_file(cls: type, path: str | os.PathLike) -> dict[str, Any]:
     values = {k: str(v) if type(v) is int and unwrap_optional(hints.get(k)) is str else v for k, v in data.items()}
     preset = values.pop("preset", None) if presets_of(cls) else None
     if preset is not None and preset not in presets_of(cls):
-        raise SettingError(f"key preset of {path} must be one of {_listed(presets_of(cls))}, got {_shown(preset)}")
+        raise SettingError(f"key preset of {path} must be one of {_listed(presets_of(cls))}, got {shown(preset)}")
     if "config_file" in values:  # the field that records the file: set by --config, never by a file
         raise SettingError(f"key config_file of {path} is not a setting; a config file names no other one")
     checked = check_values(cls, values, lambda name: f"key {name} of {path}", owner="this command (see its --help)")
@@ -140,7 +153,7 @@ def check_values(
         tp = unwrap_optional(hints[name])
         if literals == "only":
             if typing.get_origin(tp) is typing.Literal and value is not None and value not in typing.get_args(tp):
-                raise SettingError(f"{named(name)} must be one of {_listed(typing.get_args(tp))}, got {_shown(value)}")
+                raise SettingError(f"{named(name)} must be one of {_listed(typing.get_args(tp))}, got {shown(value)}")
             continue
         checked[name] = _checked(value, hints[name], fields[name].metadata.get("choices"), named(name), literals)
     return checked
@@ -175,7 +188,7 @@ def _checked(value: Any, tp: Any, choices: Iterable[Any] | None, label: str, lit
     if typing.get_origin(tp) is list:
         (element,) = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
-            given = f"the string {value!r}" if isinstance(value, str) else _shown(value)
+            given = f"the string {reprlib.repr(value)}" if isinstance(value, str) else shown(value)
             raise SettingError(f"{label} must be a list of {_TYPE_WORDS.get(element, ('', 'values'))[1]}, got {given}")
         return [_checked(v, element, choices, f"each item of {label}", literals) for v in value]
     if typing.get_origin(tp) is typing.Literal:
@@ -186,11 +199,11 @@ def _checked(value: Any, tp: Any, choices: Iterable[Any] | None, label: str, lit
             value = os.fspath(value)
         accepted = {bool: bool, int: numbers.Integral, float: numbers.Real, str: str}[tp]
         if not isinstance(value, accepted) or (isinstance(value, bool) and tp is not bool):
-            raise SettingError(f"{label} must be {_TYPE_WORDS[tp][0]}, got {_shown(value)}")
+            raise SettingError(f"{label} must be {_TYPE_WORDS[tp][0]}, got {shown(value)}")
         if tp in (int, float) and not isinstance(value, (int, float)):  # numpy's: records are JSON
             value = int(value) if tp is int else float(value)
     if choices is not None and value not in tuple(choices):
-        raise SettingError(f"{label} must be one of {_listed(choices)}, got {_shown(value)}")
+        raise SettingError(f"{label} must be one of {_listed(choices)}, got {shown(value)}")
     return value
 
 
@@ -206,9 +219,13 @@ def _listed(choices: Iterable[Any]) -> str:
     return ", ".join(map(repr, choices))
 
 
-def _shown(value: Any) -> str:
-    """``'16' (str)``: a value short enough for a message, and its type."""
-    return f"{reprlib.repr(value)} ({type(value).__name__})"
+def shown(value: Any) -> str:
+    """A value short enough for a message, and its type: ``'16' (str)``; a list, tuple, set or dict of more than a
+    few items as its first few and their count: ``[0, 1, 2, 3, 4, 5, ...] (list of 200000 items)``."""
+    kind = type(value).__name__
+    if isinstance(value, (list, tuple, set, frozenset, dict)) and len(value) > reprlib.aRepr.maxlist:
+        kind = f"{kind} of {len(value)} items"
+    return f"{reprlib.repr(value)} ({kind})"
 
 
 def baseline(cls: type, name: str | None) -> dict[str, Any]:

@@ -53,9 +53,15 @@ def _no_more(builder: str, kwargs: dict[str, Any], accepted: str) -> None:
 
 
 def _registered(weights: WeightsSource | None) -> BarlowTwinsWeights | None:
-    """The registry member ``weights`` names (a path that exists is a path, never a name), else None."""
+    """The registry member ``weights`` names (a path that exists is a path, never a name), else None; a TypeError
+    in one sentence for a ``weights`` of another type (``weights=5``)."""
     if weights is None or isinstance(weights, BarlowTwinsWeights):
         return weights
+    if not isinstance(weights, (str, os.PathLike)):
+        raise TypeError(
+            "weights must be a BarlowTwinsWeights member or its name, a file or run folder, a URL, a Hugging Face "
+            f"Hub id (hf://org/name or org/name) or None, got a value of type {type(weights).__name__}"
+        )
     return None if os.path.exists(os.fspath(weights)) else find_weights(os.fspath(weights))
 
 

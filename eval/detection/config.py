@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from bt_hub.common.presets import shown
+
 __all__ = [
     "CONFIGS",
     "FLAG_OWNED_KEYS",
@@ -62,7 +64,7 @@ def resolve_config(name_or_path: str) -> Path:
 def _check_opts(opts: Sequence[str]) -> list[str]:
     opts = list(opts)
     if len(opts) % 2:
-        raise ValueError(f"opts must be KEY VALUE pairs, got an odd number of items: {opts}")
+        raise ValueError(f"opts must be KEY VALUE pairs, got an odd number of items: {shown(opts)}")
     for key in opts[0::2]:
         if key in FLAG_OWNED_KEYS:
             raise ValueError(f"opts may not set {key}; use {FLAG_OWNED_KEYS[key]} instead")
@@ -85,7 +87,7 @@ def build_cfg(
     try:
         cfg.merge_from_list(opts)
     except (KeyError, AssertionError, ValueError) as err:
-        raise ValueError(f"opts {opts} do not fit the detectron2 config {path}: {err}") from err
+        raise ValueError(f"opts {shown(opts)} do not fit the detectron2 config {path}: {err}") from err
     cfg.freeze()
     return cfg
 
