@@ -62,7 +62,7 @@ from bt_hub.data.precision import autocast_dtype
 from bt_hub.data.prefetch import Prefetcher
 from bt_hub.data.store import DecodedImages, StoreView, rows
 from bt_hub.eval.config import EvalWarning
-from bt_hub.eval.feature_cache import CACHE_MISSING, FeatureCache, Parts, cache_problem, read_cache, write_cache
+from bt_hub.eval.feature_cache import CACHE_MISSING, Extraction, FeatureCache, cache_problem, read_cache
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms
 
 Pool = Literal["avg", "voc_res5"]
@@ -390,12 +390,11 @@ def extract_with_source(
         return read_cache(features_path, labels_path) + (f"cached {key}",)
     if problem != CACHE_MISSING:
         warnings.warn(f"feature cache {problem}; computing the features again", EvalWarning, stacklevel=3)
-    parts = Parts(cache, key, batch_size * get_world_size(), np.dtype(dtype))
-    first = int(broadcast_object(parts.resume() if is_main_process() else 0))  # rows a cut run already kept
+    extraction = Extraction(cache, key, batch_size * get_world_size(), np.dtype(dtype), len(dataset))
+    first = int(broadcast_object(extraction.resume() if is_main_process() else 0))  # rows a cut run already kept
     if is_main_process():
-        parts.extend(batches(first))
-        files = write_cache(parts.read(), len(dataset), np.dtype(dtype), features_path, labels_path)
-        parts.remove()  # before the meta file that makes the cache whole: a kill between them leaves no part for good
+        extraction.extend(batches(first))
+        files = extraction.finish()
         atomic_write_json(
             meta_path,
             {
