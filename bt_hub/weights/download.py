@@ -263,8 +263,7 @@ def _verify(partial: Path, url: str, target: Path, sha256: str | None) -> None:
     try:
         read_file(partial)
     except CheckpointError as err:
-        what = str(err).split(f"{partial} ", 1)[-1]
-        raise DownloadError(f"download of {url} was refused: it {what}; {_fixes(url, target)}") from None
+        raise DownloadError(f"download of {url} was refused: it {err.reason or err}; {_fixes(url, target)}") from None
     if expected is None:
         _record_sha256(target, actual)
 
