@@ -30,7 +30,20 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from bt_hub.cli_interrupted import interrupted
-from bt_hub.common.presets import describe_presets, from_preset, presets_of, read_config_file, unwrap_optional
+from bt_hub.common.presets import (
+    child_defaults,
+    child_flag,
+    children,
+    config_dict,
+    describe_presets,
+    from_preset,
+    knobs,
+    merged,
+    presets_of,
+    read_config_file,
+    required,
+    unwrap_optional,
+)
 from bt_hub.eval.protocols import get_protocol, list_protocols
 
 CONFIG_HELP = (
@@ -144,8 +157,8 @@ def commands() -> dict[str, Command | dict[str, Command]]:
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -> None:
-    """Add one flag per dataclass field (``field_name`` -> ``--field-name``)."""
-    hints = typing.get_type_hints(config_cls)
+    """Add one flag per dataclass field (``field_name`` -> ``--field-name``); a child config's settings as
+    ``--child.name`` (``bt_hub.common.config.child``), its flat aliases as hidden flags."""
     presets = presets_of(config_cls)
     parser.add_argument(
         "--config", dest="config_file", metavar="FILE.yaml", default=argparse.SUPPRESS, help=CONFIG_HELP
@@ -153,39 +166,23 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -
     for f in dataclasses.fields(config_cls):
         if not f.init or f.name == "config_file":  # set by --config
             continue
-        meta = dict(f.metadata)
-        tp = unwrap_optional(hints[f.name])
-        origin = typing.get_origin(tp)
-        # help texts are plain prose: escape argparse's %-formatting
-        kwargs: dict[str, Any] = {"help": meta.get("help", "").replace("%", "%%"), "default": argparse.SUPPRESS}
-        if origin is typing.Literal:
-            kwargs["choices"] = list(typing.get_args(tp))
-            kwargs["type"] = type(kwargs["choices"][0])
-        elif tp is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif origin in (list, tuple):
-            kwargs["nargs"] = meta.get("nargs", "+")
-            kwargs["type"] = typing.get_args(tp)[0]
-        else:
-            kwargs["type"] = tp
-        if "choices" in meta:
-            kwargs["choices"] = meta["choices"]
+        if f.name in children(config_cls):
+            _add_child(parser, config_cls, f.name)
+            continue
+        kwargs = _flag_kwargs(config_cls, f, f.default if f.default_factory is dataclasses.MISSING else None)
         if f.name == "preset" and presets:
             kwargs["choices"] = list(presets)
             kwargs["help"] = f"{kwargs['help']}: {describe_presets(config_cls)}".replace("%", "%%")
-        if meta.get("positional"):
-            kwargs["nargs"] = meta.get("nargs", "*")
+        if f.metadata.get("positional"):
+            kwargs["nargs"] = f.metadata.get("nargs", "*")
             parser.add_argument(f.name, **kwargs)
             continue
         if _required(f):  # on the command line or in the --config file (build_config checks)
             kwargs["help"] = f"{kwargs['help']} (required)".strip()
-        elif f.default is not dataclasses.MISSING and f.default is not None:
-            shown = ("on" if f.default else "off") if tp is bool else f.default
-            kwargs["help"] = f"{kwargs['help']} (default: {shown})".strip()
         if _flag(f) != "--" + f.name.replace("_", "-"):  # a --config file names the setting, not the flag
             kwargs["help"] = f"{kwargs['help']} (key in a --config file: {f.name})"
         parser.add_argument(_flag(f), dest=f.name, **kwargs)
-        for alias in meta.get("aliases", ()):
+        for alias in f.metadata.get("aliases", ()):
             parser.add_argument("--" + alias.replace("_", "-"), dest=f.name, **{**kwargs, "help": argparse.SUPPRESS})
     if presets and not any(f.name == "preset" for f in dataclasses.fields(config_cls)):
         preset_help = f"named sets of flag values; flags given override them: {describe_presets(config_cls)}"
@@ -194,9 +191,64 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -
         )
 
 
+def _add_child(parser: argparse.ArgumentParser, config_cls: type, name: str) -> None:
+    """The flags of child ``name``'s settings (``--knn.k``, dest ``knn.k``) and of their flat aliases (``--knn-k``:
+    hidden, dest ``knn_k``; one aliasing ``["k"]`` takes one value)."""
+    child, meta = children(config_cls)[name]
+    field = next(f for f in dataclasses.fields(config_cls) if f.name == name)
+    group = parser.add_argument_group(f"--{name}.*", field.metadata["help"].replace("%", "%%"))
+    defaults = child_defaults(config_cls, name)
+    fields = {f.name: f for f in dataclasses.fields(child)}
+    targets = {alias: to[0] if isinstance(to, list) else to for alias, to in meta["flat"].items()}
+    for knob in knobs(config_cls, name):
+        f, flat = fields[knob], [alias for alias, to in targets.items() if to == knob]
+        kwargs = _flag_kwargs(child, f, defaults.get(knob))
+        if flat:
+            kwargs["help"] += " (or " + ", ".join("--" + alias.replace("_", "-") for alias in flat) + ")"
+        if knob == "preset":
+            kwargs["help"] = f"{kwargs['help']}: {describe_presets(child)}".replace("%", "%%")
+        dest = f"{name}.{knob}"
+        if "type" in kwargs and "choices" not in kwargs:
+            kwargs["metavar"] = knob.upper()
+        group.add_argument(child_flag(child, name, knob), dest=dest, **kwargs)
+        hidden = {**kwargs, "help": argparse.SUPPRESS}
+        for alias in f.metadata.get("aliases", ()):
+            group.add_argument(f"--{name}.{alias.replace('_', '-')}", dest=dest, **hidden)
+        for alias in flat:
+            one = {"nargs": None} if isinstance(meta["flat"][alias], list) else {}
+            group.add_argument("--" + alias.replace("_", "-"), dest=alias, **{**hidden, **one})
+
+
+def _flag_kwargs(config_cls: type, f: dataclasses.Field, default: Any) -> dict[str, Any]:
+    """argparse's keywords for the flag of field ``f``: its type, choices and help with ``default``."""
+    meta = dict(f.metadata)
+    tp = unwrap_optional(typing.get_type_hints(config_cls)[f.name])
+    origin = typing.get_origin(tp)
+    # help texts are plain prose: escape argparse's %-formatting
+    kwargs: dict[str, Any] = {"help": meta.get("help", "").replace("%", "%%"), "default": argparse.SUPPRESS}
+    if origin is typing.Literal:
+        kwargs["choices"] = list(typing.get_args(tp))
+        kwargs["type"] = type(kwargs["choices"][0])
+    elif tp is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif origin in (list, tuple):
+        kwargs["nargs"] = meta.get("nargs", "+")
+        kwargs["type"] = typing.get_args(tp)[0]
+    else:
+        kwargs["type"] = tp
+    if "choices" in meta:
+        kwargs["choices"] = meta["choices"]
+    if default is not None and default is not dataclasses.MISSING and not meta.get("positional"):
+        shown = " ".join(map(str, default)) or "none" if isinstance(default, list) else default
+        shown = ("on" if default else "off") if tp is bool else shown
+        kwargs["help"] = f"{kwargs['help']} (default: {shown})".strip()
+    return kwargs
+
+
 def build_config(config_cls: type, namespace: argparse.Namespace) -> Any:
     """The config dataclass from parsed flags: defaults, then ``--preset``'s values, then the ``--config`` file's,
-    then the flags given (a ``--preset`` flag chooses over the file's ``preset``).
+    then the flags given (a ``--preset`` flag chooses over the file's ``preset``; a child's settings merged key by
+    key).
     """
     given = vars(namespace).copy()
     path = given.pop("config_file", None)
@@ -206,7 +258,7 @@ def build_config(config_cls: type, namespace: argparse.Namespace) -> Any:
     recorded = path and any(f.name == "config_file" for f in dataclasses.fields(config_cls))
     if recorded:
         values["config_file"] = path
-    values.update(given)
+    values = merged(config_cls, values, given)
     missing = [_flag(f) for f in dataclasses.fields(config_cls) if _required(f) and f.name not in values]
     if missing:
         where = f"on the command line or in {path}" if path else "on the command line or in a --config file"
@@ -219,8 +271,7 @@ def build_config(config_cls: type, namespace: argparse.Namespace) -> Any:
 
 def _required(f: dataclasses.Field) -> bool:
     """A flag without a default (not a positional argument, which argparse requires itself)."""
-    no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    return f.init and no_default and not f.metadata.get("positional")
+    return f.init and required(f) and not f.metadata.get("positional")
 
 
 def _flag(f: dataclasses.Field) -> str:
@@ -234,7 +285,7 @@ def resolved_settings(config: Any) -> str:
     import yaml
 
     names = [f.name for f in dataclasses.fields(config) if f.init and f.name != "config_file"]
-    values = json.loads(json.dumps({name: getattr(config, name) for name in names}, default=str))
+    values = json.loads(json.dumps({k: v for k, v in config_dict(config).items() if k in names}, default=str))
     return yaml.safe_dump(values, sort_keys=False, allow_unicode=True, default_flow_style=None).rstrip()
 
 

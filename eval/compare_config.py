@@ -1,27 +1,32 @@
 """The flags of ``bt-hub eval compare`` (:class:`CompareConfig`): which weights, baselines, protocols, label
-fractions and seeds make the table, and which knobs each cell reads; its rows (:class:`WeightsRow`, one per
-weights, or per kept step of a learning curve) and columns (:class:`Column`). ``bt_hub.eval.comparison`` scores it."""
+fractions and seeds make the table, and the configs of its columns' protocols (its children); its rows
+(:class:`WeightsRow`, one per weights, or per kept step of a learning curve) and columns (:class:`Column`).
+``bt_hub.eval.comparison`` scores it."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from bt_hub.common.config import REQUIRED, option, out_field
+from bt_hub.common.config import REQUIRED, child, option, out_field
 from bt_hub.common.files import read_json
-from bt_hub.common.presets import baseline, overrides, preset_values, shown
+from bt_hub.common.presets import overrides, shown
 from bt_hub.eval.config import EvalConfig, EvalWarning
-from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS, check_probe_settings
 from bt_hub.eval.knn import KnnConfig
-from bt_hub.eval.protocols import FROZEN_PROBE, SUPERVISED_BASELINE, get_protocol, list_protocols
+from bt_hub.eval.linear import LinearConfig
+from bt_hub.eval.protocols import get_protocol, list_protocols
 from bt_hub.eval.semi_supervised import SemiSupervisedConfig
 from bt_hub.weights.card import recipe_differences
 from bt_hub.weights.sources import kept_steps
 
 BASELINES = ("pixels", "random-init", "supervised")
+# The from-scratch recipe of the supervised baseline (the digits demo's): SGD for every layer, cosine; its cells are
+# semi runs of this recipe on the column's labels (all of them in a column without a fraction).
+SUPERVISED = {"lr_backbone": 0.1, "lr_classifier": 0.1, "weight_decay": 5e-4, "momentum": 0.9, "schedule": "cosine"}
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,8 @@ def _split_list(values: Sequence[str]) -> list[str]:
 
 @dataclass
 class CompareConfig(EvalConfig):
-    """Flags of ``bt-hub eval compare``: weights against baselines, every cell mean ± std over seeds."""
+    """Flags of ``bt-hub eval compare``: weights against baselines, every cell mean ± std over seeds; each column's
+    protocol config is a child (``--knn.k``, ``--linear.epochs``, ``--semi.preset``)."""
 
     RUN_FIELDS: ClassVar[tuple[str, ...]] = EvalConfig.RUN_FIELDS + ("seeds",)
     CACHE_UNDER_OUT: ClassVar[bool] = True
@@ -73,19 +79,22 @@ class CompareConfig(EvalConfig):
         "--keep-every), drawn against the baselines' bands in curve.png",
     )
     fractions: list[int] = option([1, 10], "label percentages of semi")
-    knn_k: int = option(20, f"neighbours of the kNN vote (T = {KnnConfig.temperature:g})")
-    linear_epochs: int = option(100, "epochs of the linear grid probe")
-    lr_grid: list[float] = option(list(GRID_LRS), "LRs of the grid")
-    weight_decay_grid: list[float] = option(list(GRID_WEIGHT_DECAYS), "weight decays of the grid")
-    val_fraction: float = option(0.2, "share of the training split the grid chooses on")
-    semi_preset: str = option("small", "fine-tuning recipe of semi (bt-hub eval semi)")
-    semi_epochs: int = option(20, "fine-tuning epochs of semi")
-    supervised_epochs: int = option(30, "epochs of the supervised baseline")
-    finetune_steps: int = option(
-        800,
-        "the fewest SGD steps of fine-tuning (semi) and of the supervised baseline: where the labelled "
-        "images are few, the epochs rise to reach it, so the from-scratch row learns (0: the epochs as given)",
+    knn: KnnConfig = child("the kNN column (bt-hub eval knn)", flat={"knn_k": ["k"]}, k=[20])
+    linear: LinearConfig = child(
+        "the linear column, and the probe of a row that has no network to train (pixels) in a column that trains "
+        "one: the grid probe (bt-hub eval linear --search grid)",
+        flat={n: n for n in ("lr_grid", "weight_decay_grid", "val_fraction")} | {"linear_epochs": "epochs"},
+        sets=("search",),
+        search="grid",
     )
+    semi: SemiSupervisedConfig = child(
+        "the semi columns (bt-hub eval semi), one per --fractions, and the recipe of the supervised row",
+        flat={"semi_preset": "preset", "semi_epochs": "epochs", "finetune_steps": "min_steps"},
+        sets=("fraction", "subset_file"),
+        preset="small",
+        min_steps=800,
+    )
+    supervised_epochs: int = option(30, "epochs of the supervised baseline")
     out: str | None = out_field(
         "runs/compare", "output directory: compare.md, compare.png, results.json, results.jsonl, results.md"
     )
@@ -117,64 +126,42 @@ class CompareConfig(EvalConfig):
             raise ValueError(f"--seeds must be an integer in [1, 100], got {self.seeds}")
         if not self.fractions or any(not 0 < f <= 100 for f in self.fractions):
             raise ValueError(f"--fractions must be percentages in (0, 100], got {shown(self.fractions)}")
-        self.require_positive("knn_k", "semi_epochs", "supervised_epochs")
-        self.require_positive("finetune_steps", or_zero=True)
-        preset_values(SemiSupervisedConfig, self.semi_preset, flag="--semi-preset")  # an unknown one fails here
-        check_probe_settings(
-            epochs=self.linear_epochs,
-            lrs={"--lr-grid": self.lr_grid},
-            weight_decays={"--weight-decay-grid": self.weight_decay_grid},
-            val_fraction=self.val_fraction,
-            epochs_flag="--linear-epochs",
-        )
+        self.require_positive("supervised_epochs")
+
+    def shared_settings(self) -> dict[str, Any]:
+        """The shared flags given; a cell's weights are its row's (the children are checked with the first)."""
+        return super().shared_settings() | {"weights": self.weights[0]}
 
     def unused_flags(self) -> dict[str, str]:
-        """The flags of a column's protocol (its ``cell`` mapping in the protocol table) when no cell runs it: in
-        ``--protocols``, as the probe of the pixels row in a column that trains the network (``FROZEN_PROBE``), or
-        as the supervised row's recipe (``SUPERVISED_BASELINE``, whose epochs are ``--supervised-epochs``)."""
+        """A column's child when no cell runs it: not in ``--protocols``, nor the probe of the pixels row in a column
+        that trains the network (linear), nor the supervised row's recipe (semi, less its epochs and optimiser:
+        ``--supervised-epochs`` and :data:`SUPERVISED`)."""
         unused = super().unused_flags()
+        column = "sets the {} column{}, which this run does not score"
         trains = any(get_protocol(p).trains_network for p in self.protocols)
-        also = {  # the rows that run a protocol outside its columns, the flags they read, and whether they run
-            FROZEN_PROBE: (
-                "the pixels row of a column that trains the network",
-                "",
-                trains and "pixels" in self.baselines,
-            ),
-            SUPERVISED_BASELINE: ("--baselines supervised", "epochs", "supervised" in self.baselines),
-        }
-        used = {f for p in self.protocols for f in _cell_flags(p)}
-        used.update(f for p, (_, but, runs) in also.items() if runs for f in _cell_flags(p, but))
+        if "knn" not in self.protocols:
+            unused["knn"] = column.format("kNN", "")
+        if "linear" not in self.protocols and not (trains and "pixels" in self.baselines):
+            unused["linear"] = column.format("linear", " (and the pixels row of a column that trains the network)")
+        if "semi" not in self.protocols and "supervised" in self.baselines:
+            unused |= dict.fromkeys([f"semi.{k}" for k in ("epochs", *SUPERVISED)], column.format("semi", ""))
+        elif "semi" not in self.protocols:
+            unused["semi"] = column.format("semi", " (and --baselines supervised)")
         if "supervised" not in self.baselines:
             unused["supervised_epochs"] = "sets --baselines supervised, which is not asked for"
-        for name in list_protocols(column=True):
-            row, but, _ = also.get(name, ("", "", False))
-            for flag in set(_cell_flags(name)) - used:
-                extra = f" (and {row})" if row and flag in _cell_flags(name, but) else ""
-                unused[flag] = f"sets the {get_protocol(name).heading} column{extra}, which this run does not score"
-        if not any(get_protocol(p).per_fraction for p in self.protocols):
+        if not any(per_fraction(p) for p in self.protocols):
             unused["fractions"] = "sets the columns on a share of the labels, which --protocols leaves out"
         return unused
-
-    @property
-    def finetune_batch_size(self) -> int:
-        """The batch of fine-tuning (semi, supervised): ``--batch-size`` where given, else ``--semi-preset``'s."""
-        if "batch_size" in overrides(self):
-            return self.batch_size
-        return int(baseline(SemiSupervisedConfig, self.semi_preset)["batch_size"])
 
     def columns(self) -> list[Column]:
         """The table's columns, in ``--protocols`` order: one per ``--fractions`` for a protocol scored on a share
         of the labels (semi), else one."""
-        return [
-            Column(p, f) for p in self.protocols for f in (self.fractions if get_protocol(p).per_fraction else [None])
-        ]
+        return [Column(p, f) for p in self.protocols for f in (self.fractions if per_fraction(p) else [None])]
 
 
-def _cell_flags(protocol: str, but: str = "") -> list[str]:
-    """Compare's flags that set ``protocol``'s cells (the table's ``cell`` mapping), but the one of field ``but``."""
-    mapped = [flag for field, flag in get_protocol(protocol).cell.items() if field != but]
-    flags = [f for flag in mapped for f in ([flag] if isinstance(flag, str) else flag)]
-    return [f for f in flags if f in CompareConfig.__dataclass_fields__]
+def per_fraction(protocol: str) -> bool:
+    """Whether ``protocol``'s columns are one per ``--fractions``: its config takes a share of the labels."""
+    return any(f.name == "fraction" for f in dataclasses.fields(get_protocol(protocol).config_class))
 
 
 def weights_rows(config: CompareConfig) -> list[WeightsRow]:

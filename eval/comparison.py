@@ -15,20 +15,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from bt_hub.common.presets import from_preset
+from bt_hub.common.presets import children
 from bt_hub.common.progress import note, progress
-from bt_hub.eval.compare_config import Column, CompareConfig, WeightsRow, weights_rows
-from bt_hub.eval.comparison_report import SEED_VARIES, Comparison, describe_settings, render_markdown, write_comparison
+from bt_hub.eval.compare_config import SUPERVISED, Column, CompareConfig, WeightsRow, per_fraction, weights_rows
+from bt_hub.eval.comparison_report import Comparison, describe_settings, render_markdown, seed_varies, write_comparison
 from bt_hub.eval.features import module_fingerprint
 from bt_hub.eval.label_subsets import balanced_subset_indices
-from bt_hub.eval.protocols import FROZEN_PROBE, SUPERVISED_BASELINE, Protocol, get_protocol
+from bt_hub.eval.protocols import Protocol, get_protocol
 from bt_hub.eval.runner import EvalRun, Scored, evaluation
 from bt_hub.method.model import default_init_backbone
 from bt_hub.weights.sources import live_run
-
-# The from-scratch recipe of the supervised baseline (the digits demo's): SGD for every layer, cosine; its cells are
-# semi runs of this recipe on the column's labels (all of them in a column without a fraction).
-SUPERVISED = {"lr_backbone": 0.1, "lr_classifier": 0.1, "weight_decay": 5e-4, "momentum": 0.9, "schedule": "cosine"}
 
 # ----------------------------------------------------------------------------- rows and their cells
 
@@ -92,25 +88,20 @@ class RowCell:
 
 
 def cell_protocol(settings: CompareConfig, source: Source, column: Column) -> tuple[Protocol, Any]:
-    """The protocol a cell runs and its own config, built from compare's flags by the table's ``cell`` mapping: the
-    column's protocol, ``FROZEN_PROBE`` where it would train a frozen row, ``SUPERVISED_BASELINE`` with
-    :data:`SUPERVISED` for the supervised row."""
-    protocol = get_protocol(SUPERVISED_BASELINE if source.supervised else column.protocol)
-    if protocol.trains_network and not source.trainable:
-        protocol = get_protocol(FROZEN_PROBE)
-    values = {field: _flag_values(settings, flag) for field, flag in protocol.cell.items()} | protocol.cell_values
-    if protocol.per_fraction:
-        values["fraction"] = column.fraction or 100  # all the labels in a column without a fraction
+    """The protocol a cell runs and its config: the column's (compare's child of its name, or the protocol's defaults
+    on compare's shared flags), the linear probe where it would train a frozen row (pixels), semi with
+    :data:`SUPERVISED` for the supervised row; on the row's weights, the column's share of the labels (all of them
+    in a column without a fraction)."""
+    name = "semi" if source.supervised else column.protocol
+    name = "linear" if get_protocol(name).trains_network and not source.trainable else name
+    values: dict[str, Any] = {"weights": source.name, "out": None}
+    if per_fraction(name):
+        values["fraction"] = column.fraction or 100
     if source.supervised:
         values |= SUPERVISED | {"epochs": settings.supervised_epochs}
-    keys = ("data", "batch_size", "num_workers")
-    shared = {k: getattr(settings, k) for k in keys} | {"weights": source.name, "out": None}
-    return protocol, from_preset(protocol.config_class, values.pop("preset", None), **(shared | values))
-
-
-def _flag_values(settings: CompareConfig, flag: str | list[str]) -> Any:
-    """The value of compare's ``flag``, or the list of the values of each of ``flag``'s flags."""
-    return [getattr(settings, f) for f in flag] if isinstance(flag, list) else getattr(settings, flag)
+    protocol = get_protocol(name)
+    config = getattr(settings, name) if name in children(CompareConfig) else None
+    return protocol, replace(config or settings.passed_down(protocol.config_class, {}), **values)
 
 
 def compare(
@@ -192,7 +183,7 @@ def _record(
     labels = scored.labels
     if labels is None and column.fraction:  # a frozen row probed on the column's labels
         labels = {"fraction": column.fraction, "source": "seeded", "seed": seed, "count": len(subset or [])}
-    varies = SEED_VARIES.get("supervised") if source.supervised else get_protocol(column.protocol).seed_varies
+    varies = seed_varies("supervised" if source.supervised else column.protocol)
     compared = {"row": source.name, "column": str(column), "seed_varies": varies, "protocol": scored.protocol}
     notes = {"compare": compared, **(scored.notes or {}), **network_id}
     if get_protocol(scored.protocol).deterministic:  # one network for every seed: the same vote (the card says so)

@@ -11,12 +11,16 @@ from typing import Any
 from bt_hub.common.files import atomic_write_text, read_json
 from bt_hub.common.records import fmt_mean_std, mean_std, seeds_text, settings_text
 from bt_hub.eval.compare_config import Column
-from bt_hub.eval.knn import KnnConfig
 from bt_hub.eval.protocols import get_protocol
 from bt_hub.eval.runner import EvalRun
 
-# What a seed varies in the supervised baseline's cells (a protocol's own: its entry's ``seed_varies``).
-SEED_VARIES = {"supervised": "the network's initialisation, the labelled subset (semi columns) and the data order"}
+# What a seed varies in a column's cells (another protocol's: the data order), and in the supervised baseline's.
+SEED_VARIES = {
+    "knn": "nothing for a fixed network (the vote is deterministic); the network itself for random-init",
+    "linear": "the validation split carved from the training data, the heads' initialisation and the data order",
+    "semi": "the labelled subset (seeded, class-balanced), the classifier's initialisation and the data order",
+    "supervised": "the network's initialisation, the labelled subset (semi columns) and the data order",
+}
 RULE = (
     "a weights row is *better* in a column when, pairing runs by seed, it beats the column's best baseline (highest "
     "mean) in every seed and the mean of the paired differences exceeds their standard deviation; one seed gives "
@@ -108,11 +112,9 @@ class Comparison:
         }
 
 
-def seed_varies(result: Comparison) -> dict[str, str]:
-    """What a seed varies in each of the table's protocols (their entries' ``seed_varies``) and baselines."""
-    protocols = dict.fromkeys(c.protocol for c in result.columns)
-    told = {p: get_protocol(p).seed_varies for p in protocols}
-    return told | {b: SEED_VARIES[b] for b in result.baselines if b in SEED_VARIES}
+def seed_varies(row_or_protocol: str) -> str:
+    """What a seed varies in the cells of a protocol's column (or of the supervised row), as compare.md says."""
+    return SEED_VARIES.get(row_or_protocol, "the data order")
 
 
 def describe_settings(run: EvalRun, partial: Mapping[str, str] | None = None) -> list[str]:
@@ -140,22 +142,21 @@ def describe_settings(run: EvalRun, partial: Mapping[str, str] | None = None) ->
             f"- pretraining runs as seeds: run i of {len(config.weights)} is scored with evaluation seed --seed + i,"
             " so a weights row's spread, and the verdict's pairing, is over pretraining runs"
         )
-    unused = config.unused_flags()
-    if "knn_k" not in unused:
-        k, train = min(config.knn_k, len(run.splits.train)), len(run.splits.train)
-        fewer = f" (--knn-k {config.knn_k} is more than the {train} training images)" if k < config.knn_k else ""
-        lines.append(f"- kNN: k = {k}{fewer}, T = {KnnConfig.temperature:g}, cosine similarity")
-    if "lr_grid" not in unused:
+    unused, knn, linear, semi = config.unused_flags(), config.knn, config.linear, config.semi
+    if "knn" not in unused:
+        k, train = min(knn.k[0], len(run.splits.train)), len(run.splits.train)
+        fewer = f" ({config.flag('knn.k')} {knn.k[0]} is more than the {train} training images)" if k < knn.k[0] else ""
+        lines.append(f"- kNN: k = {k}{fewer}, T = {knn.temperature:g}, cosine similarity")
+    if "linear" not in unused:
         lines.append(
-            f"- linear: grid of lr {', '.join(f'{v:g}' for v in config.lr_grid)} x weight decay "
-            f"{', '.join(f'{v:g}' for v in config.weight_decay_grid)}, {config.linear_epochs} epochs, chosen on a "
-            f"seeded {config.val_fraction:g} of the training split"
+            f"- linear: grid of lr {', '.join(f'{v:g}' for v in linear.lr_grid)} x weight decay "
+            f"{', '.join(f'{v:g}' for v in linear.weight_decay_grid)}, {linear.epochs} epochs, chosen on a "
+            f"seeded {linear.val_fraction:g} of the training split"
         )
-    if "finetune_steps" not in unused:
+    if "semi" not in unused:
         lines.append(
-            f"- semi: preset {config.semi_preset}, batch {config.finetune_batch_size}, {config.semi_epochs} epochs; "
-            "supervised baseline: "
-            f"{config.supervised_epochs} epochs from scratch; each at least {config.finetune_steps} SGD steps (the "
+            f"- semi: preset {semi.preset}, batch {semi.batch_size}, {semi.epochs} epochs; supervised baseline: "
+            f"{config.supervised_epochs} epochs from scratch; each at least {semi.min_steps} SGD steps (the "
             "epochs a cell ran are in its record)"
         )
     return lines
@@ -198,7 +199,8 @@ def render_markdown(
         "",
         "What a seed varies:",
         "",
-        *[f"- **{name}**: {text}" for name, text in seed_varies(result).items()],
+        *[f"- **{name}**: {seed_varies(name)}" for name in dict.fromkeys(c.protocol for c in result.columns)],
+        *[f"- **{name}**: {seed_varies(name)}" for name in result.baselines if name in SEED_VARIES],
         "",
     ]
     return "\n".join(lines)

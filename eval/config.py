@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from bt_hub.common.config import REQUIRED, RunConfig, check_image_size, option, out_field
-from bt_hub.common.presets import overrides, preset_values
+from bt_hub.common.presets import preset_values
 from bt_hub.common.runs import check_run_dir
 from bt_hub.method.model import ARCHITECTURES
 
@@ -137,15 +137,12 @@ class EvalConfig(RunConfig):
             raise ValueError(f"--holdout must be a fraction in (0, 1), e.g. 0.2, got {self.holdout}")
         preset = getattr(self, "preset", None)
         if preset is not None:
-            preset_values(type(self), preset)  # an unknown name fails here, listing the valid ones
-        given = overrides(self)
-        for name, why in self.unused_flags().items():
-            if name in given:
-                raise ValueError(f"--{name.replace('_', '-')} {why}; leave it out")
+            preset_values(type(self), preset, self.flag("preset"))  # an unknown name fails here, listing the valid ones
         if self.out is not None:
             check_run_dir(self.out, kind="eval", overwrite=self.overwrite)
-            if self.CACHE_UNDER_OUT and self.cache_dir is None:  # set once the given flags were checked
+            if self.CACHE_UNDER_OUT and self.cache_dir is None:
                 self.cache_dir = str(Path(self.out) / "feature_cache")
+        self.build_children()  # and refuses the flags given that this run would not read
 
     def unused_flags(self) -> dict[str, str]:
         """Field -> why this run would not read it; such a flag, when given, is refused, never ignored."""

@@ -175,7 +175,8 @@ def _pretrain(config: DemoConfig, directory: Path, seed: int, keep: list[int]) -
 
 def compare_settings(config: DemoConfig, runs: list[Path], out: Path) -> CompareConfig:
     """The ``bt-hub eval compare`` settings the demo scores with: the curve of its runs, as seeds."""
-    return CompareConfig(
+    return from_preset(
+        CompareConfig,
         weights=[str(run) for run in runs],
         as_seeds=len(runs) > 1,
         over_steps=True,

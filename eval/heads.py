@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -290,11 +290,12 @@ def check_probe_settings(
     weight_decays: dict[str, Sequence[float]],
     momentum: float = 0.9,
     val_fraction: float = 0.2,
-    epochs_flag: str = "--epochs",
+    named: Callable[[str], str] = lambda name: "--" + name.replace("_", "-"),
 ) -> None:
-    """Refuse linear-probe settings outside their working ranges, in one sentence naming the flag."""
+    """Refuse linear-probe settings outside their working ranges, in one sentence naming the flag (``named(name)``;
+    ``lrs`` and ``weight_decays`` are keyed by theirs)."""
     if not 1 <= epochs <= MAX_EPOCHS:
-        raise ValueError(f"{epochs_flag} must be an integer in [1, {MAX_EPOCHS}], got {epochs}")
+        raise ValueError(f"{named('epochs')} must be an integer in [1, {MAX_EPOCHS}], got {epochs}")
     for flag, values in lrs.items():
         if not values or any(not 0 < v <= MAX_LR for v in values):
             raise ValueError(f"{flag} must be in (0, {MAX_LR:g}], got {shown(values)}")
@@ -302,6 +303,6 @@ def check_probe_settings(
         if not values or any(not 0 <= v < 1 for v in values):
             raise ValueError(f"{flag} must be in [0, 1), got {shown(values)}")
     if not 0 <= momentum < 1:
-        raise ValueError(f"--momentum must be in [0, 1), got {momentum:g}")
+        raise ValueError(f"{named('momentum')} must be in [0, 1), got {momentum:g}")
     if not 0 < val_fraction <= 0.5:
-        raise ValueError(f"--val-fraction must be in (0, 0.5], got {val_fraction:g}")
+        raise ValueError(f"{named('val_fraction')} must be in (0, 0.5], got {val_fraction:g}")

@@ -169,11 +169,11 @@ class KnnConfig(EvalConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.k or any(k <= 0 for k in self.k):
-            raise ValueError(f"--k must list positive integers, got {shown(self.k)}")
+            raise ValueError(f"{self.flag('k')} must list positive integers, got {shown(self.k)}")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(
-                f"--temperature must be a positive finite number (any small value is valid: the vote tends to the "
-                f"nearest neighbour's label), got {self.temperature}"
+                f"{self.flag('temperature')} must be a positive finite number (any small value is valid: the vote "
+                f"tends to the nearest neighbour's label), got {self.temperature}"
             )
         self.require_positive("query_batch", "train_chunk")
 

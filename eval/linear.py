@@ -141,16 +141,21 @@ class LinearConfig(EvalConfig):
     def __post_init__(self) -> None:
         self._use_every_flag()  # the search is settled first: which flags the run reads depends on it
         super().__post_init__()
+        flag = self.flag
         check_probe_settings(
             epochs=self.epochs,
-            lrs={"--lr": [self.lr], "--lr-grid": self.lr_grid},
-            weight_decays={"--weight-decay": [self.weight_decay], "--weight-decay-grid": self.weight_decay_grid},
+            lrs={flag("lr"): [self.lr], flag("lr_grid"): self.lr_grid},
+            weight_decays={
+                flag("weight_decay"): [self.weight_decay],
+                flag("weight_decay_grid"): self.weight_decay_grid,
+            },
             momentum=self.momentum,
             val_fraction=self.val_fraction,
+            named=flag,
         )
         self.require_fraction("gamma")
         if sorted(self.milestones) != list(self.milestones) or any(m <= 0 for m in self.milestones):
-            raise ValueError(f"--milestones must be increasing positive epochs, got {shown(self.milestones)}")
+            raise ValueError(f"{flag('milestones')} must be increasing positive epochs, got {shown(self.milestones)}")
         self.require_fraction("crop_scale_min")
 
     def unused_flags(self) -> dict[str, str]:
@@ -166,8 +171,8 @@ class LinearConfig(EvalConfig):
     def _use_every_flag(self) -> None:
         """Flags of one search switch ``--search auto`` to it; flags the chosen search would ignore are refused."""
         changed = set(overrides(self, ignore=self.RUN_FIELDS))
-        fixed = [f"--{n.replace('_', '-')}" for n in ("lr", "weight_decay", "crop_scale_min", "flip") if n in changed]
-        grid = [f"--{n.replace('_', '-')}" for n in ("lr_grid", "weight_decay_grid", "val_fraction") if n in changed]
+        fixed = [self.flag(n) for n in ("lr", "weight_decay", "crop_scale_min", "flip") if n in changed]
+        grid = [self.flag(n) for n in ("lr_grid", "weight_decay_grid", "val_fraction") if n in changed]
         if self.search == "auto" and fixed and grid:
             raise ValueError(
                 f"{', '.join(fixed)} set the fixed recipe and {', '.join(grid)} the grid search; "
@@ -182,7 +187,7 @@ class LinearConfig(EvalConfig):
             )
         if self.search == "fixed" and grid:
             raise ValueError(f"{', '.join(grid)} apply to --search grid only; drop them or pass --search grid")
-        augment = [f for f in fixed if f in ("--crop-scale-min", "--flip")]
+        augment = [self.flag(n) for n in ("crop_scale_min", "flip") if n in changed]
         if self.cached and augment:
             raise ValueError(
                 f"{', '.join(augment)} shape the augmented views of the paper loop, which --cached skips "

@@ -16,19 +16,15 @@ CLI can list the commands without loading a network). The module provides:
 - optionally ``suite_settings(suite_config) -> [(folder, {field: value})]``: its runs in ``eval all`` (default:
   one run with the suite's shared flags).
 
-Its config in an ``eval compare`` cell is data in the entry: ``cell`` maps its config's fields to compare's flags
-(``{"epochs": "linear_epochs"}``, or to a list of flags for a list of their values: ``{"k": ["knn_k"]}``),
-``cell_values`` holds what every cell sets (``{"search": "grid"}``), and the cell's share of labels goes to its
-``fraction`` field where ``per_fraction``. ``SUPERVISED_BASELINE`` and ``FROZEN_PROBE`` name the protocols compare
-runs for its supervised row and, in a column that trains the network, for a row that has none to train (pixels):
-the protocol vocabulary is spelled in this module only.
+Its config in an ``eval compare`` cell is compare's child of its name (``CompareConfig.knn``) with the cell's own
+values replaced; its columns are one per label fraction where its config takes a ``fraction``.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -44,14 +40,10 @@ class Protocol:
     help: str
     suite: bool = True  # eval all runs it (its module's suite_settings may say on which flags)
     column: bool = False  # eval compare's --protocols can make it a column (its module has score_cell)
-    per_fraction: bool = False  # its compare columns are one per --fractions, each scored on that share of labels
     contract: str = ""  # the test of tests/test_against_reference.py that holds it to the reference code
     title: str = ""  # its name in a table's heading (default: its name)
     trains_network: bool = False  # it trains the network itself: a frozen compare row (pixels) gets the linear probe
-    seed_varies: str = "the data order"  # what a seed changes in a run of it, as compare.md says
     deterministic: bool = False  # on one network every seed scores the same (equal values are no spread)
-    cell: dict[str, Any] = field(default_factory=dict, hash=False)  # its config's field -> compare's flag (or [flags])
-    cell_values: dict[str, Any] = field(default_factory=dict, hash=False)  # what every compare cell of it sets
 
     @property
     def heading(self) -> str:
@@ -122,8 +114,6 @@ for _protocol in (
         column=True,
         contract=_CONTRACT + "test_knn_equals_dinos_knn_classifier_at_k_20_and_200",
         title="kNN",
-        cell={"k": ["knn_k"]},
-        seed_varies="nothing for a fixed network (the vote is deterministic); the network itself for random-init",
         deterministic=True,
     ),
     Protocol(
@@ -133,14 +123,6 @@ for _protocol in (
         "linear probe on a frozen backbone (ImageNet protocol)",
         column=True,
         contract=_CONTRACT + "test_the_linear_probe_loop_trains_evaluate_pys_first_epoch",
-        cell={
-            "epochs": "linear_epochs",
-            "lr_grid": "lr_grid",
-            "weight_decay_grid": "weight_decay_grid",
-            "val_fraction": "val_fraction",
-        },
-        cell_values={"search": "grid"},
-        seed_varies="the validation split carved from the training data, the heads' initialisation and the data order",
     ),
     Protocol(
         "semi",
@@ -148,15 +130,7 @@ for _protocol in (
         "SemiSupervisedConfig",
         "fine-tune on 1% or 10% of the labels",
         column=True,
-        per_fraction=True,
         trains_network=True,
-        cell={
-            "preset": "semi_preset",
-            "epochs": "semi_epochs",
-            "batch_size": "finetune_batch_size",
-            "min_steps": "finetune_steps",
-        },
-        seed_varies="the labelled subset (seeded, class-balanced), the classifier's initialisation and the data order",
     ),
     Protocol(
         "voc07-svm",
@@ -174,6 +148,3 @@ for _protocol in (
     ),
 ):
     register_protocol(_protocol)
-
-SUPERVISED_BASELINE = "semi"  # compare's supervised row: a run of it from scratch on the column's labels
-FROZEN_PROBE = "linear"  # what a row with no network to train (pixels) runs in a column that trains one

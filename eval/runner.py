@@ -19,10 +19,10 @@ from torch.utils.data import Dataset
 from bt_hub.common.artifacts import READ_ONLY, not_writable
 from bt_hub.common.distributed import broadcast_object, is_main_process, process_group
 from bt_hub.common.files import WriteError, atomic_write_json, remove_stale_temp_files
-from bt_hub.common.presets import overrides
+from bt_hub.common.presets import config_dict, overrides
 from bt_hub.common.progress import announce
 from bt_hub.common.records import FROM_WEIGHTS, SCHEMA, Record, make_record
-from bt_hub.common.runs import claim_run_dir, claimed_run_dir, config_dict
+from bt_hub.common.runs import claim_run_dir, claimed_run_dir
 from bt_hub.data.precision import precision_choice
 from bt_hub.data.store import DecodedImages, StoreView, fits_auto, open_store, store_device
 from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalWarning

@@ -174,21 +174,22 @@ class SemiSupervisedConfig(EvalConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        flag = self.flag
         if self.fraction is not None and self.subset_file is not None:
-            raise ValueError("--fraction and --subset-file exclude each other; give one")
+            raise ValueError(f"{flag('fraction')} and {flag('subset_file')} exclude each other; give one")
         if self.fraction is None and self.subset_file is None:
             self.fraction = 1
         if self.fraction is not None and not 0 < self.fraction <= 100:
-            raise ValueError(f"--fraction must be a percentage in (0, 100], got {self.fraction}")
+            raise ValueError(f"{flag('fraction')} must be a percentage in (0, 100], got {self.fraction}")
         self.require_positive("epochs")
         self.require_positive("min_steps", or_zero=True)
         if self.lr_backbone < 0 or self.lr_classifier <= 0:
             raise ValueError(
-                "--lr-backbone must be >= 0 and --lr-classifier positive, "
+                f"{flag('lr_backbone')} must be >= 0 and {flag('lr_classifier')} positive, "
                 f"got {self.lr_backbone} and {self.lr_classifier}"
             )
         if sorted(self.milestones) != list(self.milestones) or any(m <= 0 for m in self.milestones):
-            raise ValueError(f"--milestones must be increasing positive epochs, got {shown(self.milestones)}")
+            raise ValueError(f"{flag('milestones')} must be increasing positive epochs, got {shown(self.milestones)}")
         self.require_fraction("crop_scale_min")
 
     def unused_flags(self) -> dict[str, str]:

@@ -5,35 +5,25 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from bt_hub import cli
+from bt_hub.common.presets import from_preset
 from bt_hub.common.records import fmt_mean_std
 from bt_hub.data.datasets import ArrayImageDataset
 from bt_hub.eval.compare_config import Column, CompareConfig, weights_rows
 from bt_hub.eval.comparison import Source, compare
 from bt_hub.eval.comparison_report import Comparison, render_markdown
 from bt_hub.eval.config import EvalWarning
-from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS
 from bt_hub.eval.runner import EvalRun, Settings
 from bt_hub.eval.splits import Splits
 from bt_hub.method.model import build_backbone, default_init_backbone
 
 KNN, LINEAR = Column("knn"), Column("linear")
-SETTINGS = SimpleNamespace(
-    knn_k=5,
-    lr_grid=list(GRID_LRS),
-    weight_decay_grid=list(GRID_WEIGHT_DECAYS),
-    val_fraction=0.2,
-    linear_epochs=5,
-    batch_size=32,
-    data="planted",
-    num_workers=0,
-)
+SETTINGS = from_preset(CompareConfig, weights=["planted"], knn_k=5, linear_epochs=5, batch_size=32, out=None)
 
 
 def _planted_splits(n_train: int = 80, n_test: int = 40, classes: int = 4) -> Splits:
@@ -62,7 +52,7 @@ def _compare(signals: dict[str, float], baselines: set[str], seeds=(0, 1, 2)) ->
     planted = {name: _planted_features(splits, signal, seed=11) for name, signal in signals.items()}
     sources = [Source(name, lambda s: torch.nn.Identity(), baseline=name in baselines) for name in signals]
     settings = Settings("resnet18", False, 2, "default", "fp32", "workers", "cpu")
-    run = EvalRun(vars(SETTINGS), None, torch.device("cpu"), [], settings, given_splits=splits)
+    run = EvalRun(SETTINGS, None, torch.device("cpu"), [], settings, given_splits=splits)
     return compare(
         sources,
         run,
@@ -336,15 +326,29 @@ def test_compare_md_states_the_k_the_vote_used_when_knn_k_exceeds_the_training_i
         ("knn", "supervised", {"semi_preset", "finetune_steps", "supervised_epochs"}, {"semi_epochs", "lr_grid"}),
     ],
 )
-def test_a_flag_is_unused_exactly_when_no_cell_runs_the_protocol_the_table_maps_it_to(
-    protocols, baselines, read, unread
-):
+def test_a_flag_is_unused_exactly_when_no_cell_runs_the_child_config_it_sets(protocols, baselines, read, unread):
     # pixels gets the grid probe in a column that trains the network; the supervised row reads semi's recipe but
     # its own --supervised-epochs
-    unused = CompareConfig(weights=["w.pth"], protocols=[protocols], baselines=[baselines], out=None).unused_flags()
-    assert not read & set(unused) and unread <= set(unused)
+    values = {"knn_k": 5, "lr_grid": [0.1], "linear_epochs": 3, "val_fraction": 0.3, "semi_epochs": 2}
+    values |= {"semi_preset": "paper", "finetune_steps": 9, "supervised_epochs": 2, "fractions": [5]}
+
+    def refused(flag: str) -> str:
+        try:
+            from_preset(
+                CompareConfig,
+                weights=["w.pth"],
+                protocols=[protocols],
+                baselines=[baselines],
+                out=None,
+                **{flag: values[flag]},
+            )
+        except ValueError as err:
+            return str(err)
+        return ""
+
+    assert not [flag for flag in read if refused(flag)] and all(refused(flag) for flag in unread)
     if "lr_grid" in unread:
-        assert unused["lr_grid"] == (
-            "sets the linear column (and the pixels row of a column that trains the network), which this run does "
-            "not score"
+        assert refused("lr_grid") == (
+            "--lr-grid sets the linear column (and the pixels row of a column that trains the network), which this "
+            "run does not score; leave it out"
         )

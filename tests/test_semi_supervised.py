@@ -52,7 +52,7 @@ def test_small_preset_is_eval_compares_fine_tuning_recipe():
     # eval compare fine-tunes through the `small` preset itself, so the preset is the recipe its semi columns measure.
     from bt_hub.eval.comparison import CompareConfig
 
-    preset = CompareConfig(weights=["w"], out=None).semi_preset
+    preset = CompareConfig(weights=["w"], out=None).semi.preset
     c = from_preset(SemiSupervisedConfig, preset, weights="w")
     assert preset == "small"
     assert (c.lr_backbone, c.lr_classifier, c.schedule, c.batch_size) == (0.002, 0.05, "cosine", 32)

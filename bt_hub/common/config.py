@@ -5,16 +5,21 @@ threads), and the one device check.
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
+import dataclasses
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import MISSING, dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from bt_hub.common import presets
+
+C = TypeVar("C")
 REQUIRED: Any = MISSING  # the default of an ``option`` the command cannot run without
 OVERWRITE_HELP = "write into an --out that is not empty and was not created by bt-hub (same-named files are replaced)"
 
@@ -74,6 +79,26 @@ def option(default: Any, help: str, **metadata: Any) -> Any:
     return field(default=default, metadata={"help": help, **metadata})
 
 
+def child(
+    help: str,
+    *,
+    flat: Mapping[str, str | list[str]] | None = None,
+    sets: Iterable[str] = (),
+    own: Iterable[str] = (),
+    **defaults: Any,
+) -> Any:
+    """A config field holding the config of a command this one runs (``eval compare``'s ``knn``, a ``KnnConfig``).
+
+    Its settings are flags under its name (``--knn.k``) and a mapping under its key in a ``--config`` file
+    (``knn: {k: [20]}``), except the settings named like one of this command's own (``--data``, ``--device``: this
+    command's, passed down where given) and those it ``sets`` itself. ``flat`` names the flat spellings kept as
+    aliases (``{"knn_k": "k"}``; ``["k"]``: one value of the list ``k``); ``own``, settings named like this command's
+    that are the child's (eval all's fine-tuning batch); ``defaults``, this command's defaults for it (its
+    ``preset`` among them)."""
+    meta = {"flat": dict(flat or {}), "sets": tuple(sets), "own": tuple(own), "defaults": defaults}
+    return field(default_factory=dict, metadata={"help": help, "child": meta})
+
+
 def out_field(default: str, help: str) -> Any:
     """The ``out`` field of a command: its default folder and what it writes there (keyword-only, as in the base)."""
     return field(default=default, kw_only=True, metadata={"help": help})
@@ -97,6 +122,9 @@ class RunConfig:
     )
     # the settings that file set and no flag overrode (set where --config is read): given_from names the file for them
     file_settings: ClassVar[frozenset[str]] = frozenset()
+    # setting -> the flag it was given by, where a command holding this config built it (``k`` -> ``--knn-k``), and
+    # of a child's settings in the command holding it (``knn.k``): what ``flag`` names
+    flag_names: ClassVar[Mapping[str, str]] = {}
 
     def __post_init__(self) -> None:
         if self.out is not None:  # None: the Python API writes no folder
@@ -115,20 +143,81 @@ class RunConfig:
         no absolute path) where that file set it, else ``flag``."""
         return os.path.basename(self.config_file) if self.config_file and name in self.file_settings else flag
 
+    def flag(self, name: str) -> str:
+        """The flag of setting ``name`` as the user gave it: ``--k``; in a command holding this config, ``--knn.k``
+        or its flat alias ``--knn-k``."""
+        known = {f.name: f.metadata.get("flag", f.name) for f in dataclasses.fields(self)}
+        return self.flag_names.get(name) or "--" + known.get(name, name).replace("_", "-")
+
     def require_positive(self, *names: str, or_zero: bool = False) -> None:
         """Refuse the first field of ``names`` set below 1 (``or_zero``: below 0) in one sentence naming its flag."""
         for name in names:
             value = getattr(self, name)
             if value is not None and (value < 0 if or_zero else value <= 0):
                 sign = "non-negative" if or_zero else "positive"
-                raise ValueError(f"--{name.replace('_', '-')} must be {sign}, got {value}")
+                raise ValueError(f"{self.flag(name)} must be {sign}, got {value}")
 
     def require_fraction(self, *names: str) -> None:
         """Refuse the first field of ``names`` outside (0, 1] (a share: of a crop's area, of the LR at a milestone) in
         one sentence naming its flag."""
         for name in names:
             if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be in (0, 1], got {getattr(self, name)}")
+                raise ValueError(f"{self.flag(name)} must be in (0, 1], got {getattr(self, name)}")
+
+    def unused_flags(self) -> dict[str, str]:
+        """Setting (``name``, or ``child`` / ``child.name`` of a child's) -> why this run would not read it; such a
+        setting, when given, is refused, never ignored (:meth:`build_children`)."""
+        return {}
+
+    def shared_settings(self) -> dict[str, Any]:
+        """This command's settings that a config it runs takes where it has one of their name: those given (changed
+        from the defaults or preset, or required, such as ``--weights``); ``out`` is each run's own."""
+        given = presets.overrides(self)
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.init
+            and f.name not in ("out", *presets.children(type(self)))
+            and (f.name in given or presets.required(f))
+        }
+
+    def passed_down(
+        self,
+        cls: type[C],
+        values: Mapping[str, Any],
+        *,
+        own: Iterable[str] = (),
+        flag_names: Mapping[str, str] | None = None,
+    ) -> C:
+        """A ``cls`` config this command runs: ``values`` (``preset`` among them), then this command's
+        :meth:`shared_settings` that ``cls`` has (less ``own``: the child's own settings) and reads (not in its
+        ``unused_flags``); its checks name its settings by ``flag_names``."""
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        shared = {k: v for k, v in self.shared_settings().items() if k in fields and k not in (*own, *values)}
+        required = {k: v for k, v in shared.items() if presets.required(fields[k])}
+        first = presets.build(cls, {**required, **values}, flag_names)
+        trial = copy.copy(first)
+        vars(trial).update(shared)
+        unused = trial.unused_flags()
+        return presets.build(cls, {**{k: v for k, v in shared.items() if k not in unused}, **values}, flag_names)
+
+    def build_children(self) -> None:
+        """Build each child field's config (:func:`child`) from what was given for it and this command's defaults
+        and shared settings, so that its own checks run, naming its flags as given; then refuse a setting given that
+        this run would not read (:meth:`unused_flags`)."""
+        flag_names = dict(self.flag_names)
+        for name, (cls, meta) in presets.children(type(self)).items():
+            given = presets.nested(type(self), {name: getattr(self, name)})[name]
+            typed = {k: given.typed.get(k, presets.child_flag(cls, name, k)) for k in presets.knobs(type(self), name)}
+            values = {**meta["defaults"], **given}
+            setattr(self, name, self.passed_down(cls, values, own=meta["own"], flag_names=typed))
+            flag_names |= {f"{name}.{k}": flag for k, flag in typed.items()}
+        self.flag_names = flag_names
+        unused = self.unused_flags()
+        for key in presets.overrides(self):
+            why = unused.get(key) or unused.get(key.partition(".")[0])
+            if why:
+                raise ValueError(f"{self.flag(key)} {why}; leave it out")
 
 
 @contextlib.contextmanager

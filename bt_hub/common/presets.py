@@ -46,19 +46,113 @@ def preset_values(cls: type, name: str, flag: str = "--preset") -> dict[str, Any
 
 def from_preset(cls: type[C], name: str | None = None, /, **given: Any) -> C:
     """A ``cls`` config: dataclass defaults, then preset ``name`` (default: the ``preset`` field's default, else
-    none: the plain defaults), then ``given``."""
+    none: the plain defaults), then ``given`` (a child's settings nested, ``knn={"k": [5]}``, dotted, ``knn.k``,
+    or by a flat alias, ``knn_k``)."""
+    return build(cls, given, preset=name)
+
+
+def build(
+    cls: type[C], given: Mapping[str, Any], flag_names: Mapping[str, str] | None = None, *, preset: Any = None
+) -> C:
+    """:func:`from_preset` of ``given`` (``preset`` among them or apart), whose checks name its settings by
+    ``flag_names`` (``RunConfig.flag``: ``--knn-k`` where a command holding it was given that)."""
+    given = dict(given)
+    name = given.pop("preset", preset)
     if name is not None and not isinstance(name, str):
         raise SettingError(f"preset must be the name of a preset (a string), got {shown(name)}")
     field = next((f for f in dataclasses.fields(cls) if f.name == "preset"), None)
     if name is None and field is not None and field.default is not dataclasses.MISSING:
         name = field.default  # the preset used when none is named
-    values = preset_values(cls, name) if name is not None else {}
-    values.update(check_values(cls, given, literals=False))
+    flag = (flag_names or {}).get("preset", "--preset")
+    values = merged(
+        cls, preset_values(cls, name, flag) if name is not None else {}, check_values(cls, given, literals=False)
+    )
     if name is not None and field is not None:
         values["preset"] = name
-    config = cls(**values)
-    check_values(cls, {k: getattr(config, k) for k in given}, literals="only")  # what __post_init__ let through
+    config = cls.__new__(cls)
+    if flag_names:
+        config.flag_names = dict(flag_names)  # read by the messages of its __post_init__
+    config.__init__(**values)  # type: ignore[misc]
+    own = [k for k in given if k in {f.name for f in dataclasses.fields(cls)} and k not in children(cls)]
+    check_values(cls, {k: getattr(config, k) for k in own}, literals="only")  # what __post_init__ let through
     return config
+
+
+class Given(dict):
+    """The settings given for a child config (``{"k": [5]}``), and the flag each was given by (``--knn-k``)."""
+
+    def __init__(self, values: Mapping[str, Any] | None = None, typed: Mapping[str, str] | None = None) -> None:
+        super().__init__(values or {})
+        self.typed = dict(typed or {})
+
+
+def children(cls: type) -> dict[str, tuple[type, Mapping[str, Any]]]:
+    """The child fields of a config class (``bt_hub.common.config.child``): name -> (its config class, metadata)."""
+    found = [f for f in dataclasses.fields(cls) if "child" in f.metadata]
+    hints = typing.get_type_hints(cls) if found else {}
+    return {f.name: (hints[f.name], f.metadata["child"]) for f in found}
+
+
+def knobs(cls: type, name: str) -> list[str]:
+    """The settings child ``name`` of ``cls`` takes as its own flags: its fields less ``config_file``, those ``cls``
+    sets itself and those named like a field of ``cls`` but ``preset`` (unless they are the child's ``own``)."""
+    child, meta = children(cls)[name]
+    taken = {f.name for f in dataclasses.fields(cls)} - {"preset", *meta["own"]} | {"config_file", *meta["sets"]}
+    return [f.name for f in dataclasses.fields(child) if f.init and f.name not in taken]
+
+
+def child_flag(cls: type, name: str, knob: str) -> str:
+    """The flag of setting ``knob`` of a child ``name`` of config class ``cls``: ``--knn.k``, ``--pretrain.arch``."""
+    flag = next(f.metadata.get("flag", knob) for f in dataclasses.fields(cls) if f.name == knob)
+    return f"--{name}.{flag.replace('_', '-')}"
+
+
+def required(f: dataclasses.Field) -> bool:
+    """A field without a default."""
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def merged(cls: type, *layers: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of ``layers`` (as :func:`from_preset` takes them) in one, each over the ones before it; a
+    child's settings merged key by key."""
+    out: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in nested(cls, layer).items():
+            old = out.get(key)
+            if isinstance(old, Given) and isinstance(value, Given):
+                value = Given({**old, **value}, {**old.typed, **value.typed})
+            out[key] = value
+    return out
+
+
+def nested(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with each child's settings in one :class:`Given` under its name, however given: nested (a
+    mapping, or a config of the child's class), dotted (``knn.k``) or by a flat alias (``knn_k``; one aliasing
+    ``["k"]`` gives one value of the list ``k``)."""
+    kids = children(cls)
+    flat = {alias: (name, to) for name, (_, meta) in kids.items() for alias, to in meta["flat"].items()}
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name, _, knob = key.partition(".")
+        if key in flat:
+            name, to = flat[key]
+            one = isinstance(to, list)
+            pairs = [(to[0] if one else to, [value] if one else value, "--" + key.replace("_", "-"))]
+        elif knob and name in kids:
+            pairs = [(knob, value, None)]
+        elif key in kids and dataclasses.is_dataclass(value):
+            pairs = [(k, getattr(value, k), value.flag_names.get(k)) for k in knobs(cls, key)]
+        elif key in kids:
+            pairs = [(k, v, getattr(value, "typed", {}).get(k)) for k, v in value.items()]
+        else:
+            out[key] = value
+            continue
+        given = out.setdefault(name, Given())
+        for setting, setting_value, typed in pairs:
+            given[setting] = setting_value
+            if typed:
+                given.typed[setting] = typed
+    return out
 
 
 class _Yaml12Loader(yaml.SafeLoader):
@@ -133,8 +227,10 @@ def check_values(
     *,
     literals: bool | str = True,
     owner: str = "",
+    only: Iterable[str] | None = None,
 ) -> dict[str, Any]:
-    """``values`` checked against the fields of ``cls``: known names, each of its field's type and ``choices``.
+    """``values`` checked against the fields of ``cls`` (``only``: those named): known names, each of its field's
+    type and ``choices``; a child's settings (:func:`nested`) against its class's.
 
     A path is taken where a string is expected (as ``str``), a tuple where a list is; a string is never taken
     for a list (``splits="train"`` is not ``["t", "r", ...]``). ``literals``: whether a ``Literal`` field's value
@@ -145,17 +241,49 @@ def check_values(
         SettingError: one sentence naming the setting (``named(name)``), what was expected and what was given.
     """
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and (only is None or f.name in only)}
+    kids = children(cls)
+    flat = {alias: (name, to) for name, (_, meta) in kids.items() for alias, to in meta["flat"].items()}
     checked = {}
     for name, value in values.items():
-        if name not in fields:
+        child, _, knob = name.partition(".")
+        if isinstance(flat.get(name, (0, ""))[1], list):  # one value of a list
+            child, (to,) = flat[name]
+            (tp,) = typing.get_args(unwrap_optional(typing.get_type_hints(kids[child][0])[to]))
+            checked[name] = _checked(value, tp, None, named(name), literals)
+        elif name in flat or (knob and child in kids):
+            child, to = flat.get(name, (child, knob))
+            inner = {to: value}
+            checked[name] = check_values(
+                kids[child][0],
+                inner,
+                lambda _, n=name: named(n),
+                literals=literals,
+                owner=child,
+                only=knobs(cls, child),
+            )[to]
+        elif name in kids and not isinstance(value, kids[name][0]):
+            if not isinstance(value, Mapping):
+                raise SettingError(f"{named(name)} must be a mapping of settings of {name}, got {shown(value)}")
+            inner = check_values(
+                kids[name][0],
+                value,
+                lambda k, n=name: named(f"{n}.{k}"),
+                literals=literals,
+                owner=name,
+                only=knobs(cls, name),
+            )
+            checked[name] = Given(inner, getattr(value, "typed", None))
+        elif name in kids:
+            checked[name] = value
+        elif name not in fields:
             raise SettingError(_unknown(str(name), fields, named, owner or cls.__name__))
-        tp = unwrap_optional(hints[name])
-        if literals == "only":
+        elif literals == "only":
+            tp = unwrap_optional(hints[name])
             if typing.get_origin(tp) is typing.Literal and value is not None and value not in typing.get_args(tp):
                 raise SettingError(f"{named(name)} must be one of {_listed(typing.get_args(tp))}, got {shown(value)}")
-            continue
-        checked[name] = _checked(value, hints[name], fields[name].metadata.get("choices"), named(name), literals)
+        else:
+            checked[name] = _checked(value, hints[name], fields[name].metadata.get("choices"), named(name), literals)
     return checked
 
 
@@ -229,9 +357,11 @@ def shown(value: Any) -> str:
 
 
 def baseline(cls: type, name: str | None) -> dict[str, Any]:
-    """Every field's value under preset ``name`` alone (fields without a default are left out)."""
+    """Every field's value under preset ``name`` alone (fields without a default and child configs are left out)."""
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
+        if "child" in f.metadata:
+            continue
         if f.default is not dataclasses.MISSING:
             values[f.name] = f.default
         elif f.default_factory is not dataclasses.MISSING:
@@ -241,18 +371,45 @@ def baseline(cls: type, name: str | None) -> dict[str, Any]:
     return values
 
 
+def child_defaults(cls: type, name: str, preset: str | None = None, child_preset: str | None = None) -> dict[str, Any]:
+    """What ``cls`` (under its preset ``preset``) gives its child ``name`` where nothing is given: its defaults for
+    the child and its preset's (the child's ``preset`` among them), over the child class's defaults under that
+    preset (or ``child_preset``, the one the child was given)."""
+    child, meta = children(cls)[name]
+    given = {**meta["defaults"], **(preset_values(cls, preset).get(name, {}) if preset in presets_of(cls) else {})}
+    expected = given.pop("preset", baseline(child, None).get("preset"))
+    return {**baseline(child, child_preset or expected), **given, "preset": expected}
+
+
 def overrides(config: Any, ignore: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
-    """``{field: {"value": run's value, "preset": the preset's value}}`` for every field that differs.
+    """``{field: {"value": run's value, "preset": the preset's value}}`` for every field that differs; a child's
+    settings under ``child.name`` (against this config's defaults for it, its own preset apart).
 
     The preset is ``config.preset`` when the config has one, else the defaults; ``ignore`` names fields
     that say where or how a run executes rather than what it computes.
     """
     cls = type(config)
     name = getattr(config, "preset", None)
-    reference = baseline(cls, name if name in presets_of(cls) else None)
+    name = name if name in presets_of(cls) else None
+    reference = baseline(cls, name)
     compared = set(reference) - set(ignore) - {"preset"}
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls) if f.name in compared}
+    for child in (c for c in children(cls) if dataclasses.is_dataclass(getattr(config, c))):
+        settings = getattr(config, child)  # its settings against its own preset's, its preset against the expected
+        expected = child_defaults(cls, child, name, getattr(settings, "preset", None))
+        for knob in knobs(cls, child):
+            values[f"{child}.{knob}"], reference[f"{child}.{knob}"] = getattr(settings, knob), expected.get(knob)
     return {k: {"value": v, "preset": reference[k]} for k, v in values.items() if not _same(v, reference[k])}
+
+
+def config_dict(config: Any) -> dict[str, Any]:
+    """A dataclass config as a plain dict, a child config as the mapping of its own settings (what ``--config``
+    reads back); a mapping or a namespace as a dict."""
+    if not dataclasses.is_dataclass(config):
+        return dict(config) if hasattr(config, "keys") else dict(vars(config))
+    cls, kids = type(config), children(type(config))
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls)}
+    return {k: {n: getattr(v, n) for n in knobs(cls, k)} if k in kids else v for k, v in values.items()}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -273,6 +430,8 @@ def describe_presets(cls: type) -> str:
 
 
 def _as_flag(name: str, value: Any) -> str:
+    if isinstance(value, Mapping):  # a child's settings
+        return " ".join(_as_flag(f"{name}.{k}", v) for k, v in value.items())
     flag = "--" + name.replace("_", "-")
     if isinstance(value, bool):
         return flag if value else "--no-" + name.replace("_", "-")

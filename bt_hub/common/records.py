@@ -16,7 +16,8 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bt_hub.common.runs import config_dict, git_state, package_version
+from bt_hub.common.presets import config_dict
+from bt_hub.common.runs import git_state, package_version
 
 SCHEMA = "bt_hub.results/4"
 RESULT_FILES = ("results.json", "results.jsonl", "results.md")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import json
 import os
@@ -27,6 +26,7 @@ from bt_hub.common.files import (
     remove_stale_temp_files,
     write_failure,
 )
+from bt_hub.common.presets import config_dict
 
 MARKER_NAME = ".bt_hub_run"
 LOCK_NAME = ".bt_hub_run.lock"
@@ -57,13 +57,6 @@ def package_version() -> str:
         return version("bt_hub")
     except PackageNotFoundError:
         return "unknown"
-
-
-def config_dict(config: Any) -> dict[str, Any]:
-    """A dataclass config (or a mapping, or a namespace) as a plain JSON-able dict."""
-    if dataclasses.is_dataclass(config):
-        return dataclasses.asdict(config)
-    return dict(config) if hasattr(config, "keys") else dict(vars(config))
 
 
 def _regular_file(path: Path) -> bool:
