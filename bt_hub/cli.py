@@ -36,6 +36,7 @@ from bt_hub.common.presets import (
     children,
     config_dict,
     describe_presets,
+    flat_aliases,
     from_preset,
     knobs,
     merged,
@@ -194,17 +195,18 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -
 def _add_child(parser: argparse.ArgumentParser, config_cls: type, name: str) -> None:
     """The flags of child ``name``'s settings (``--knn.k``, dest ``knn.k``) and of their flat aliases (``--knn-k``:
     hidden, dest ``knn_k``; one aliasing ``["k"]`` takes one value)."""
-    child, meta = children(config_cls)[name]
+    child = children(config_cls)[name][0]
     field = next(f for f in dataclasses.fields(config_cls) if f.name == name)
     group = parser.add_argument_group(f"--{name}.*", field.metadata["help"].replace("%", "%%"))
     defaults = child_defaults(config_cls, name)
     fields = {f.name: f for f in dataclasses.fields(child)}
-    targets = {alias: to[0] if isinstance(to, list) else to for alias, to in meta["flat"].items()}
+    aliases = {alias: to for alias, to in flat_aliases(config_cls).items() if to[0] == name}
     for knob in knobs(config_cls, name):
-        f, flat = fields[knob], [alias for alias, to in targets.items() if to == knob]
+        f, flat = fields[knob], [alias for alias, (_, to, _) in aliases.items() if to == knob]
         kwargs = _flag_kwargs(child, f, defaults.get(knob))
         if flat:
-            kwargs["help"] += " (or " + ", ".join("--" + alias.replace("_", "-") for alias in flat) + ")"
+            said = [f"--{a}" + (f" for --no-{name}.{knob}" if aliases[a][2] == "not" else "") for a in flat]
+            kwargs["help"] += " (or " + ", ".join(said).replace("_", "-") + ")"
         if knob == "preset":
             kwargs["help"] = f"{kwargs['help']}: {describe_presets(child)}".replace("%", "%%")
         dest = f"{name}.{knob}"
@@ -215,7 +217,7 @@ def _add_child(parser: argparse.ArgumentParser, config_cls: type, name: str) -> 
         for alias in f.metadata.get("aliases", ()):
             group.add_argument(f"--{name}.{alias.replace('_', '-')}", dest=dest, **hidden)
         for alias in flat:
-            one = {"nargs": None} if isinstance(meta["flat"][alias], list) else {}
+            one = {"nargs": None} if aliases[alias][2] == "one" else {}
             group.add_argument("--" + alias.replace("_", "-"), dest=alias, **{**hidden, **one})
 
 

@@ -230,8 +230,3 @@ def score_cell(cell: Any, config: KnnConfig, seed: int) -> Scored:
     metrics = {"top1": metrics[f"top1_k{used[0]}"], "top5": metrics[f"top5_k{used[0]}"], **metrics}
     notes = {"neighbours_used": {str(k): min(k, len(train_y)) for k in config.k}, "backend": backend}
     return Scored(metrics, mode="features", warnings=warned, notes=notes, table=TABLE)
-
-
-def suite_settings(config: Any) -> list[tuple[str, dict[str, Any], tuple[str, ...]]]:
-    """Its run in ``eval all``: ``--knn-k`` neighbours."""
-    return [("knn", {"k": list(config.knn_k)}, ())]

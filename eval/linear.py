@@ -270,12 +270,6 @@ def _scored(
     )
 
 
-def suite_settings(config: Any) -> list[tuple[str, dict[str, Any], tuple[str, ...]]]:
-    """Its run in ``eval all``: ``--linear-preset``, on cached features unless ``--full-linear``."""
-    values = {"preset": config.linear_preset, "cached": not config.full_linear}
-    return [("linear", values | ({"epochs": config.linear_epochs} if config.linear_epochs else {}), ())]
-
-
 def _schedule(config: LinearConfig) -> dict[str, Any]:
     keys = ("epochs", "momentum", "schedule", "milestones", "gamma")
     return {k: getattr(config, k) for k in keys}

@@ -25,7 +25,6 @@ import copy
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -43,8 +42,6 @@ from bt_hub.eval.report import IMAGENET_FOLDERS, PaperRow, Table
 from bt_hub.eval.runner import EvalRun, Scored, run_protocol
 from bt_hub.method.transforms import eval_transforms
 
-# EvalConfig flags of feature extraction, which fine-tuning does not do (eval all's --semi-batch-size is its batch).
-_EXTRACTION_FIELDS = ("batch_size", "cache_dir", "cache_dtype", "decode", "store")
 # Flags of the fine-tuning recipe that finetune() takes as they are, under the same names.
 _RECIPE_FIELDS = ("lr_backbone", "lr_classifier", "schedule", "milestones", "gamma", "weight_decay", "momentum")
 
@@ -295,24 +292,3 @@ def score_cell(cell: Any, config: SemiSupervisedConfig, seed: int) -> Scored:
         labels=labels,
         notes=notes,
     )
-
-
-def suite_settings(config: Any) -> list[tuple[str, dict[str, Any], tuple[str, ...]]]:
-    """Its runs in ``eval all``: one per ``--fractions`` (SimCLR's lists from ``--subset-dir``, else seeded
-    class-balanced subsets), with ``--semi-preset``; fine-tuning reads none of the extraction flags."""
-    given = {"epochs": config.semi_epochs, "batch_size": config.semi_batch_size}
-    values = {"preset": config.semi_preset, **{k: v for k, v in given.items() if v is not None}}
-    skip = _EXTRACTION_FIELDS + (() if config.device.startswith("cuda") else ("precision",))
-    return [
-        (
-            f"semi_{pct}percent",
-            values
-            | (
-                {"subset_file": str(Path(config.subset_dir) / f"{pct}percent.txt")}
-                if config.subset_dir
-                else {"fraction": pct}
-            ),
-            skip,
-        )
-        for pct in config.fractions
-    ]

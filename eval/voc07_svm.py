@@ -193,13 +193,6 @@ def run(config: Voc07SvmConfig) -> dict[str, Any]:
     return run_protocol(config, score)
 
 
-def suite_settings(config: Any) -> list[tuple[str, dict[str, Any], tuple[str, ...]]]:
-    """Its run in ``eval all``: on ``--voc07-devkit``'s own lists, when it is given."""
-    if not config.voc07_devkit:
-        return []
-    return [("voc07_svm", {"data": config.voc07_devkit}, ("test_split", "holdout", "decode", "store"))]
-
-
 def score(run: EvalRun) -> Scored:
     """The devkit's splits, their features (VISSL's transform and pool), one SVM per class and cost, test AP."""
     config = run.config

@@ -42,7 +42,8 @@ def test_eval_all_reads_and_hashes_the_weights_once_for_every_protocol(small_ste
     reads = []
     real = bt_weights.load_backbone
     monkeypatch.setattr(bt_weights, "load_backbone", lambda *a, **k: reads.append(a[0]) or real(*a, **k))
-    config = SuiteConfig(
+    config = from_preset(
+        SuiteConfig,
         weights=str(small_stem_weights),
         data="synthetic:40",
         image_size=8,
@@ -62,7 +63,8 @@ def test_eval_all_reads_and_hashes_the_weights_once_for_every_protocol(small_ste
 
 def test_eval_all_passes_its_protocols_only_the_shared_flags_they_read(small_stem_weights, tmp_path):
     # guards: a shared flag that fine-tuning refuses (cache, decode, CPU bf16) must never break eval all
-    config = SuiteConfig(
+    config = from_preset(
+        SuiteConfig,
         weights=str(small_stem_weights),
         data="synthetic:40",
         image_size=8,
@@ -87,7 +89,8 @@ def test_eval_all_fine_tunes_on_simclrs_published_lists_from_subset_dir(small_st
     lists = tmp_path / "lists"
     lists.mkdir()
     (lists / "10percent.txt").write_text("a_0.png\nb_1.png\n")
-    config = SuiteConfig(
+    config = from_preset(
+        SuiteConfig,
         weights=str(small_stem_weights),
         data=str(root),
         image_size=8,

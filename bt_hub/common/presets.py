@@ -107,6 +107,18 @@ def child_flag(cls: type, name: str, knob: str) -> str:
     return f"--{name}.{flag.replace('_', '-')}"
 
 
+def flat_aliases(cls: type) -> dict[str, tuple[str, str, str]]:
+    """The flat aliases of ``cls``'s children's settings (``bt_hub.common.config.child``): alias -> (child, setting,
+    how the alias's value becomes the setting's: ``""`` as it is; ``"one"``, one value of a list, for ``["k"]``;
+    ``"not"``, negated, for ``"not cached"``)."""
+    found = {}
+    for name, (_, meta) in children(cls).items():
+        for alias, to in meta["flat"].items():
+            how, _, knob = ("one", "", to[0]) if isinstance(to, list) else to.rpartition(" ")
+            found[alias] = (name, knob, how)
+    return found
+
+
 def required(f: dataclasses.Field) -> bool:
     """A field without a default."""
     return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -129,15 +141,14 @@ def nested(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
     """``values`` with each child's settings in one :class:`Given` under its name, however given: nested (a
     mapping, or a config of the child's class), dotted (``knn.k``) or by a flat alias (``knn_k``; one aliasing
     ``["k"]`` gives one value of the list ``k``)."""
-    kids = children(cls)
-    flat = {alias: (name, to) for name, (_, meta) in kids.items() for alias, to in meta["flat"].items()}
+    kids, flat = children(cls), flat_aliases(cls)
     out: dict[str, Any] = {}
     for key, value in values.items():
         name, _, knob = key.partition(".")
         if key in flat:
-            name, to = flat[key]
-            one = isinstance(to, list)
-            pairs = [(to[0] if one else to, [value] if one else value, "--" + key.replace("_", "-"))]
+            name, knob, how = flat[key]
+            value = [value] if how == "one" else not value if how == "not" else value
+            pairs = [(knob, value, "--" + key.replace("_", "-"))]
         elif knob and name in kids:
             pairs = [(knob, value, None)]
         elif key in kids and dataclasses.is_dataclass(value):
@@ -242,26 +253,19 @@ def check_values(
     """
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init and (only is None or f.name in only)}
-    kids = children(cls)
-    flat = {alias: (name, to) for name, (_, meta) in kids.items() for alias, to in meta["flat"].items()}
+    kids, flat = children(cls), flat_aliases(cls)
     checked = {}
     for name, value in values.items():
         child, _, knob = name.partition(".")
-        if isinstance(flat.get(name, (0, ""))[1], list):  # one value of a list
-            child, (to,) = flat[name]
-            (tp,) = typing.get_args(unwrap_optional(typing.get_type_hints(kids[child][0])[to]))
-            checked[name] = _checked(value, tp, None, named(name), literals)
-        elif name in flat or (knob and child in kids):
-            child, to = flat.get(name, (child, knob))
-            inner = {to: value}
-            checked[name] = check_values(
-                kids[child][0],
-                inner,
-                lambda _, n=name: named(n),
-                literals=literals,
-                owner=child,
-                only=knobs(cls, child),
-            )[to]
+        if name in flat or (knob and child in kids):
+            child, knob, how = flat.get(name, (child, knob, ""))
+            kid, only = kids[child][0], knobs(cls, child)
+            if how == "one":  # one value of the list
+                (tp,) = typing.get_args(unwrap_optional(typing.get_type_hints(kid)[knob]))
+                checked[name] = _checked(value, tp, None, named(name), literals)
+            else:
+                label = lambda _, n=name: named(n)  # noqa: E731
+                checked[name] = check_values(kid, {knob: value}, label, literals=literals, owner=child, only=only)[knob]
         elif name in kids and not isinstance(value, kids[name][0]):
             if not isinstance(value, Mapping):
                 raise SettingError(f"{named(name)} must be a mapping of settings of {name}, got {shown(value)}")
@@ -360,15 +364,13 @@ def baseline(cls: type, name: str | None) -> dict[str, Any]:
     """Every field's value under preset ``name`` alone (fields without a default and child configs are left out)."""
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        if "child" in f.metadata:
-            continue
         if f.default is not dataclasses.MISSING:
             values[f.name] = f.default
         elif f.default_factory is not dataclasses.MISSING:
             values[f.name] = f.default_factory()
     if name is not None:
         values.update(preset_values(cls, name))
-    return values
+    return {k: v for k, v in values.items() if k not in children(cls)}
 
 
 def child_defaults(cls: type, name: str, preset: str | None = None, child_preset: str | None = None) -> dict[str, Any]:
