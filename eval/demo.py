@@ -23,15 +23,15 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bt_hub.common.config import RunConfig, check_image_size, option, out_field
+from bt_hub.common.config import RunConfig, child, option, out_field
 from bt_hub.common.files import atomic_write_json, atomic_write_text
-from bt_hub.common.presets import from_preset, preset_values
+from bt_hub.common.presets import config_dict, from_preset, preset_values
 from bt_hub.common.progress import announce
 from bt_hub.common.records import SCHEMA
 from bt_hub.common.runs import LOCK_NAME, MARKER_NAME, check_run_dir, claimed_run_dir, package_version
@@ -40,17 +40,17 @@ from bt_hub.data.precision import STEP_IMAGES, STEP_SIDE, precision_choice
 from bt_hub.eval.comparison import CompareConfig, compare_and_write
 from bt_hub.eval.comparison_report import Comparison, comparison_summary, render_markdown
 from bt_hub.eval.knn import KnnConfig
-from bt_hub.method.model import ARCHITECTURES
+from bt_hub.eval.linear import LinearConfig
 from bt_hub.train.pretrain import PretrainConfig, pretrain
 from bt_hub.train.report import run_plots
 
-# The pretraining recipe is the `digits` preset of bt-hub pretrain; the demo's flags default to it.
+# The pretraining recipe is the `digits` preset of bt-hub pretrain; the biases' LR keeps its ratio to the weights'.
 DIGITS = preset_values(PretrainConfig, "digits")
-# The demo's flags that bt-hub eval compare takes as they are, under the same names.
-COMPARE_FLAGS = ("overwrite", "device", "seed", "image_size", "small_image_stem", "knn_k", "linear_epochs")
 # Scoring the curve takes about 6% of the pretraining's time (the default 2 runs on a 2-core AVX-512 EPYC, bf16: 14 s
 # after 262 s).
 SCORING_SHARE = 0.06
+_PRETRAINING_FLAGS = ("epochs", "max_steps", "batch_size", "lr_weights", "crop_scale_min", "image_size", "backbone")
+_PRETRAINING_FLAGS += ("small_image_stem", "projector", "lambd", "warmup_epochs")
 
 
 @dataclass
@@ -63,45 +63,36 @@ class DemoConfig(RunConfig):
     threads: int = field(
         default=2, kw_only=True, metadata={"help": "CPU threads of torch in this process (0: torch's default)"}
     )
-    epochs: int = option(DIGITS["epochs"], "pretraining epochs")
-    max_steps: int = option(0, "stop pretraining after this many steps (0: all epochs); the schedule is unchanged")
-    batch_size: int = option(DIGITS["batch_size"], "pretraining batch size")
-    lr_weights: float = option(
-        DIGITS["lr_weights"], "LARS base LR of the weights, × batch/256 (paper: 0.2, far too slow for a short run)"
+    pretrain: PretrainConfig = child(
+        "the pretraining runs: bt-hub pretrain --preset digits on the 1,437 training digits, their biases' LR "
+        "scaled with --lr-weights",
+        flat={name: name for name in _PRETRAINING_FLAGS} | {"arch": "backbone"},
+        sets=("data", "keep_every", "lr_biases", "resume"),
+        preset="digits",
+        checkpoint_every=0,
     )
-    crop_scale_min: float = option(
-        DIGITS["crop_scale_min"],
-        "smallest area fraction of the random crops in pretraining (paper: 0.08, which can erase an 8-px digit)",
-    )
-    image_size: int = option(
-        DIGITS["image_size"], "side of the digit images and views in pixels (the originals are 8x8)"
-    )
-    backbone: str = option(
-        DIGITS["backbone"], "torchvision ResNet", flag="arch", aliases=("backbone",), choices=tuple(ARCHITECTURES)
-    )
-    small_image_stem: bool = option(
-        DIGITS["small_image_stem"],
-        "3x3 stem without max-pool (the standard 7x7/2 stem + max-pool keeps too little of a 16-px digit)",
-    )
-    projector: str = option(DIGITS["projector"], "projector widths joined by '-'")
-    lambd: float = option(DIGITS["lambd"], "weight of the redundancy-reduction term")
-    warmup_epochs: int = option(DIGITS["warmup_epochs"], "LARS warm-up epochs")
     pretrain_seeds: int = option(
         2,
         "pretraining runs (seeds --seed, --seed + 1, ...); run i is scored with evaluation seed "
         "--seed + i, so every cell is mean ± std over pretraining runs",
     )
     curve_points: int = option(5, "kept steps of the learning curve, log-spaced from the first epoch's end")
-    knn_k: int = option(20, f"neighbours of the weighted kNN (T = {KnnConfig.temperature:g})")
-    linear_epochs: int = option(100, "epochs of the linear grid probe on cached features (bt-hub eval compare's)")
+    knn: KnnConfig = child("the kNN column of bt-hub eval compare", flat={"knn_k": ["k"]}, k=[20])
+    linear: LinearConfig = child(
+        "the linear column of bt-hub eval compare: the grid probe on cached features",
+        flat={"linear_epochs": "epochs"},
+        sets=("search",),
+        search="grid",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.require_fraction("crop_scale_min")
-        self.require_positive("epochs", "batch_size", "lr_weights", "image_size", "knn_k", "linear_epochs")
         self.require_positive("pretrain_seeds", "curve_points")
-        check_image_size(self.image_size, "demo")
-        self.require_positive("max_steps", "warmup_epochs", or_zero=True)
+        self.build_children()
+
+    def shared_settings(self) -> dict[str, Any]:
+        """The shared flags given; the columns' configs are checked on the first pretraining run's weights."""
+        return super().shared_settings() | {"weights": str(Path(self.out) / "pretrain")}
 
 
 @contextlib.contextmanager
@@ -128,8 +119,9 @@ def _claimed_out(config: DemoConfig) -> Iterator[Path]:
 
 def curve_steps(config: DemoConfig) -> list[int]:
     """The steps the curve keeps: ``--curve-points`` log-spaced from the end of the first epoch to the last step."""
-    per_epoch = len(build_dataset("digits", "train", image_size=config.image_size)) // config.batch_size
-    last = config.max_steps or config.epochs * per_epoch
+    pre = config.pretrain
+    per_epoch = len(build_dataset("digits", "train", image_size=pre.image_size)) // pre.batch_size
+    last = pre.max_steps or pre.epochs * per_epoch
     first = min(per_epoch, last)
     return sorted({int(round(s)) for s in np.geomspace(first, last, config.curve_points)})
 
@@ -139,42 +131,30 @@ def expected_seconds(config: DemoConfig, step_s: float) -> float:
     each run costs that step times the ratio of the pixels the residual blocks see, 2 views of ``--batch-size``
     images at ``--image-size`` (whole through the 3x3 stem, a quarter of the side through the 7x7/2 stem and
     max-pool) against the micro-benchmark's 16 images of 64 px through the latter; scoring adds ``SCORING_SHARE``."""
-    side = config.image_size if config.small_image_stem else config.image_size / 4
-    per_step = step_s * 2 * config.batch_size * side**2 / (STEP_IMAGES * (STEP_SIDE / 4) ** 2)
+    pre = config.pretrain
+    side = pre.image_size if pre.small_image_stem else pre.image_size / 4
+    per_step = step_s * 2 * pre.batch_size * side**2 / (STEP_IMAGES * (STEP_SIDE / 4) ** 2)
     return per_step * curve_steps(config)[-1] * config.pretrain_seeds * (1 + SCORING_SHARE)
 
 
 def _pretrain(config: DemoConfig, directory: Path, seed: int, keep: list[int]) -> Path:
     """Barlow Twins on the digits' training split into ``directory`` (with ``--overwrite``, into the run there)."""
+    pre = config.pretrain
     return pretrain(
-        from_preset(
-            PretrainConfig,
-            "digits",
+        replace(
+            pre,
             out=str(directory),
-            overwrite=config.overwrite,
-            backbone=config.backbone,
-            projector=config.projector,
-            lambd=config.lambd,
-            small_image_stem=config.small_image_stem,
-            image_size=config.image_size,
-            crop_scale_min=config.crop_scale_min,
-            lr_weights=config.lr_weights,
-            lr_biases=config.lr_weights * DIGITS["lr_biases"] / DIGITS["lr_weights"],
-            epochs=config.epochs,
-            batch_size=config.batch_size,
-            warmup_epochs=min(config.warmup_epochs, config.epochs),
             seed=seed,
-            device=config.device,
-            max_steps=config.max_steps,
             keep_every=",".join(map(str, keep)),
-            log_every=10,
-            checkpoint_every=0,
+            warmup_epochs=min(pre.warmup_epochs, pre.epochs),
+            lr_biases=pre.lr_weights * DIGITS["lr_biases"] / DIGITS["lr_weights"],
         )
     )
 
 
 def compare_settings(config: DemoConfig, runs: list[Path], out: Path) -> CompareConfig:
     """The ``bt-hub eval compare`` settings the demo scores with: the curve of its runs, as seeds."""
+    pre = config.pretrain
     return from_preset(
         CompareConfig,
         weights=[str(run) for run in runs],
@@ -182,16 +162,23 @@ def compare_settings(config: DemoConfig, runs: list[Path], out: Path) -> Compare
         over_steps=True,
         baselines=["pixels", "random-init"],
         seeds=len(runs),
-        **{name: getattr(config, name) for name in COMPARE_FLAGS},
+        overwrite=config.overwrite,
+        device=config.device,
+        seed=config.seed,
+        image_size=pre.image_size,
+        small_image_stem=pre.small_image_stem,
+        knn=config.knn,
+        linear=config.linear,
         data="digits",
         test_split="test",
-        arch=config.backbone,
+        arch=pre.backbone,
         out=str(out),
     )
 
 
 def _report(config: DemoConfig, result: Comparison, timings: dict[str, float], plots: list[str]) -> str:
-    stem = " (3x3 stem)" if config.small_image_stem else ""
+    pre = config.pretrain
+    stem = " (3x3 stem)" if pre.small_image_stem else ""
     steps = ", ".join(f"{p['step']:g}" for p in sorted(result.positions.values(), key=lambda p: p["step"]))
     n = config.pretrain_seeds
     runs = f"{n} pretraining runs, seeds {config.seed} to {config.seed + n - 1}"
@@ -214,10 +201,10 @@ def _report(config: DemoConfig, result: Comparison, timings: dict[str, float], p
     lines = [
         "# When does pretraining pay? Barlow Twins on the digits",
         "",
-        f"bt_hub {package_version()}. A {config.backbone}{stem} pretrained with the Barlow Twins loss on the 1,437 "
-        f"training digits at {config.image_size} px ({runs}), {config.epochs} epochs of batch {config.batch_size}, "
-        f"projector {config.projector}, λ = {config.lambd}, LARS base LR {config.lr_weights}, crops of ≥ "
-        f"{config.crop_scale_min:.0%} of the area, no flip, no blur; its backbone kept at steps {steps} and scored "
+        f"bt_hub {package_version()}. A {pre.backbone}{stem} pretrained with the Barlow Twins loss on the 1,437 "
+        f"training digits at {pre.image_size} px ({runs}), {pre.epochs} epochs of batch {pre.batch_size}, "
+        f"projector {pre.projector}, λ = {pre.lambd}, LARS base LR {pre.lr_weights}, crops of ≥ "
+        f"{pre.crop_scale_min:.0%} of the area, no flip, no blur; its backbone kept at steps {steps} and scored "
         f"on the 360 held-out digits (top-1 %) as `bt-hub eval compare --over-steps` scores: {spread}.",
         "",
         "## The learning curve",
@@ -234,10 +221,10 @@ def _report(config: DemoConfig, result: Comparison, timings: dict[str, float], p
         "",
         "- **random-init**: the same network at torchvision's default initialisation (residual BN weights 1), not "
         "the zero-initialised residual branches pretraining starts from; a new network per seed.",
-        f"- **pixels**: the flattened {config.image_size}x{config.image_size} images through the same classifiers.",
-        f"- **kNN**: weighted vote of the {config.knn_k} nearest training digits, cosine similarity, "
-        f"T = {KnnConfig.temperature:g}.",
-        f"- **linear**: the grid probe of `bt-hub eval linear` (learning rate × weight decay, {config.linear_epochs} "
+        f"- **pixels**: the flattened {pre.image_size}x{pre.image_size} images through the same classifiers.",
+        f"- **kNN**: weighted vote of the {config.knn.k[0]} nearest training digits, cosine similarity, "
+        f"T = {config.knn.temperature:g}.",
+        f"- **linear**: the grid probe of `bt-hub eval linear` (learning rate × weight decay, {config.linear.epochs} "
         "epochs on cached frozen features, chosen on a validation split of the training digits).",
         "- Fine-tuning on 1% / 10% of the labels, against the same network trained from scratch, is "
         "`bt-hub eval compare --protocols semi --baselines supervised` (docs/evaluation.md).",
@@ -289,10 +276,10 @@ def _demo(config: DemoConfig, out: Path) -> dict[str, Any]:
     result, _ = compare_and_write(compare_settings(config, runs, out / "compare"))
     timings[f"evaluation ({len(keep)} steps x {config.pretrain_seeds} runs)"] = time.perf_counter() - tick
     timings["total"] = time.perf_counter() - start
-    plots = [path.name for path in run_plots(runs[0], out, lambd=config.lambd)]
+    plots = [path.name for path in run_plots(runs[0], out, lambd=config.pretrain.lambd)]
     atomic_write_text(out / "report.md", _report(config, result, timings, plots))
     last = max(result.positions, key=lambda row: result.positions[row]["step"])
-    extra = {"last_step": last, "seeds": result.seeds, "timings_s": timings, "config": vars(config).copy()}
+    extra = {"last_step": last, "seeds": result.seeds, "timings_s": timings, "config": config_dict(config)}
     results = {"schema": SCHEMA, **comparison_summary(result, start), **extra}  # compare's results.json, and the demo's
     atomic_write_json(out / "results.json", results)
     shown = {k: v for k, v in results.items() if k != "results"}  # the CLI prints the demo's summary, not its records

@@ -56,12 +56,12 @@ def check_out(out: str, flag: str = "--out") -> None:
         raise ValueError(f"{flag} must be a path without NUL bytes, got {str(out)!r}")
 
 
-def check_image_size(size: int | None, command: str) -> None:
+def check_image_size(size: int | None, command: str, flag: str = "--image-size") -> None:
     """Refuse an ``--image-size`` outside 2 to 2048 px (1 px breaks torch's antialiased resize and blur padding)."""
     if size is not None and not 2 <= size <= MAX_IMAGE_SIZE:
         bound = f"larger than {MAX_IMAGE_SIZE} px, the most" if size > 2 else "below 2 px, the least"
         raise ValueError(
-            f"--image-size {size} is {bound} bt-hub {command} accepts (the paper uses 224); choose another --image-size"
+            f"{flag} {size} is {bound} bt-hub {command} accepts (the paper uses 224); choose another {flag}"
         )
 
 

@@ -192,10 +192,10 @@ class PretrainConfig(RunConfig):
     def __post_init__(self) -> None:
         for name in ("lambd", "lr_weights", "lr_biases", "weight_decay", "crop_scale_min"):
             if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
+                raise ValueError(f"{self.flag(name)} must be a finite number, got {getattr(self, name)}")
         positive = ("image_size", "epochs", "batch_size", "log_every", "monitor_size", "lr_weights", "lr_biases")
         self.require_positive(*positive)
-        check_image_size(self.image_size, "pretrain")
+        check_image_size(self.image_size, "pretrain", self.flag("image_size"))
         nonnegative = ("lambd", "weight_decay", "warmup_epochs", "num_workers", "checkpoint_every", "max_steps")
         self.require_positive(*nonnegative, "probe_max_dim", "monitor_knn", or_zero=True)
         self.require_fraction("crop_scale_min")
@@ -208,14 +208,16 @@ class PretrainConfig(RunConfig):
         try:
             widths = parse_projector(self.projector)
         except ValueError as err:
-            raise ValueError(f"--projector: {err}") from None
+            raise ValueError(f"{self.flag('projector')}: {err}") from None
         if max(widths) > MAX_PROJECTOR_WIDTH:
             raise ValueError(
-                f"--projector {self.projector} has a layer of {max(widths)} units, more than the {MAX_PROJECTOR_WIDTH} "
-                "bt-hub pretrain accepts (the paper's is 8192-8192-8192); choose narrower widths"
+                f"{self.flag('projector')} {self.projector} has a layer of {max(widths)} units, more than the "
+                f"{MAX_PROJECTOR_WIDTH} bt-hub pretrain accepts (the paper's is 8192-8192-8192); choose narrower widths"
             )
         if self.backbone not in ARCHITECTURES:
-            raise ValueError(f"--arch {self.backbone!r} is unknown; expected one of {sorted(ARCHITECTURES)}")
+            raise ValueError(
+                f"{self.flag('backbone')} {self.backbone!r} is unknown; expected one of {sorted(ARCHITECTURES)}"
+            )
         super().__post_init__()
         if self.precision == "fp16" and not self.device.startswith("cuda"):
             raise ValueError("--precision fp16 needs --device cuda; use bf16 on CPU")
