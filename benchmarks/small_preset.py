@@ -3,7 +3,7 @@
     python benchmarks/small_preset.py --weights demo_out/pretrain            # after `bt-hub demo`
     python benchmarks/small_preset.py --weights demo_out/pretrain --holdout 0.3 --seed 1
 
-Every row runs `bt-hub eval semi` or `bt-hub eval linear` (the library's run(config)) with
+Every row runs `bt-hub eval semi` or `bt-hub eval linear` (the library's run_protocol(entry, config)) with
 `--holdout` on the digits: the classifier trains on the rest of the training split and is
 scored on the held-out share, so the digits' test split stays unseen. The semi-supervised
 rows change one thing at a time from the paper's recipe at the small preset's batch of 32:
@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from bt_hub.common.presets import from_preset
-from bt_hub.eval import linear, semi_supervised
+from bt_hub.eval.protocols import get_protocol
+from bt_hub.eval.runner import run_protocol
 
 
 def main() -> None:
@@ -43,24 +44,23 @@ def main() -> None:
         "seed": args.seed,
     }
     paper_at_32 = {"batch_size": 32}
-    rows: list[tuple[str, str, Any, str, dict[str, Any]]] = []
+    rows: list[tuple[str, str, str, str, dict[str, Any]]] = []
     for pct in (1, 10):
         rows += [
-            (f"semi {pct}%", "paper, batch 32", semi_supervised, "paper", {"fraction": pct, **paper_at_32}),
+            (f"semi {pct}%", "paper, batch 32", "semi", "paper", {"fraction": pct, **paper_at_32}),
             (
                 f"semi {pct}%",
                 "paper, batch 32, classifier lr 0.05",
-                semi_supervised,
+                "semi",
                 "paper",
                 {"fraction": pct, **paper_at_32, "lr_classifier": 0.05},
             ),
-            (f"semi {pct}%", "small", semi_supervised, "small", {"fraction": pct}),
+            (f"semi {pct}%", "small", "semi", "small", {"fraction": pct}),
         ]
     rows += [
-        ("linear (loop)", "imagenet", linear, "imagenet", {"epochs": args.linear_epochs}),
-        ("linear (loop)", "small", linear, "small", {"epochs": args.linear_epochs}),
+        ("linear (loop)", "imagenet", "linear", "imagenet", {"epochs": args.linear_epochs}),
+        ("linear (loop)", "small", "linear", "small", {"epochs": args.linear_epochs}),
     ]
-    config_class = {semi_supervised: semi_supervised.SemiSupervisedConfig, linear: linear.LinearConfig}
     print(
         f"digits: held-out {args.holdout:.0%} of the training split (seed {args.seed}), {args.image_size} px, "
         f"weights {args.weights}, "
@@ -69,10 +69,11 @@ def main() -> None:
     print("| protocol | recipe | held-out top-1 | s |")
     print("|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        for n, (protocol, recipe, module, preset, values) in enumerate(rows):
-            config = from_preset(config_class[module], preset, **common, **values, out=str(Path(tmp) / str(n)))
+        for n, (protocol, recipe, name, preset, values) in enumerate(rows):
+            entry = get_protocol(name)
+            config = from_preset(entry.config_class, preset, **common, **values, out=str(Path(tmp) / str(n)))
             tick = time.perf_counter()
-            record = module.run(config)
+            record = run_protocol(entry, config)
             print(
                 f"| {protocol} | {recipe} | {record['metrics']['top1']:.1f} | {time.perf_counter() - tick:.0f} |",
                 flush=True,

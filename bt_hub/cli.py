@@ -59,19 +59,21 @@ REFUSED = (ValueError, OSError, ImportError, RuntimeError)
 
 
 class Command(NamedTuple):
-    """Where a subcommand lives: module, config dataclass name, function name, one-line help."""
+    """Where a subcommand lives: module, config dataclass name, function name, one-line help; a protocol of the
+    table (``bt-hub eval NAME``) runs through the runner (``run_protocol``) instead of a function."""
 
     module: str
     config: str
     function: str
     help: str
+    protocol: str = ""
 
 
 def _eval_commands() -> dict[str, Command]:
     """``bt-hub eval``'s subcommands: every protocol of the table (bt_hub.eval.protocols), then ``all`` and
     ``compare``, which run the table's protocols."""
     protocols = (get_protocol(name) for name in list_protocols())
-    return {p.name: Command(p.module, p.config, "run", p.help) for p in protocols} | {
+    return {p.name: Command(p.module, p.config, "", p.help, p.name) for p in protocols} | {
         "all": Command(
             "bt_hub.eval.suite", "SuiteConfig", "run_suite", "every classification protocol on one checkpoint"
         ),
@@ -422,7 +424,12 @@ def _main(argv: Sequence[str] | None) -> int:
                 print(resolved_settings(config), file=sys.stderr)
             keep_freed_memory()
             with torch_threads(getattr(config, "threads", 0)):
-                result = getattr(module, command.function)(config)
+                if command.protocol:
+                    from bt_hub.eval.runner import run_protocol  # loaded with the protocol's module
+
+                    result = run_protocol(get_protocol(command.protocol), config)
+                else:
+                    result = getattr(module, command.function)(config)
     except KeyboardInterrupt as err:
         if main_thread:  # the command is ending: a second signal must not cut its one line into a traceback
             restore_signals(previous, ignore=True)

@@ -93,7 +93,7 @@ def evaluate(
             raise ValueError(f"protocol must be one of {', '.join([*PROTOCOLS, 'all'])}, got {protocol!r}")
         entry = get_protocol(protocol)
         config = from_preset(entry.config_class, preset, weights=weights, data=data, out=out, **settings)
-        records = [run_protocol(config, entry.hook("score"))]
+        records = [run_protocol(entry, config)]
     return Results(records, [record_row(r) for r in records], render_table(records), Path(out) if out else None)
 
 

@@ -63,9 +63,9 @@ class CompareConfig(EvalConfig):
         ["pixels", "random-init"], f"rows to beat, comma- or space-separated: {', '.join(BASELINES)}"
     )
     protocols: list[str] = option(
-        [p for p in list_protocols(column=True) if not get_protocol(p).trains_network],  # the frozen-feature ones
+        [p for p in list_protocols(any_data=True) if not get_protocol(p).trains_network],  # on frozen features
         "columns, comma- or space-separated: "
-        f"{', '.join(list_protocols(column=True))} (a protocol on a share of the labels, semi: one per --fractions)",
+        f"{', '.join(list_protocols(any_data=True))} (a protocol on a share of the labels, semi: one per --fractions)",
     )
     seeds: int = option(3, "seeds per cell (--seed, --seed + 1, ...); with --as-seeds, one per run")
     as_seeds: bool = option(
@@ -106,7 +106,7 @@ class CompareConfig(EvalConfig):
         self.baselines, self.protocols = _split_list(self.baselines), _split_list(self.protocols)
         for flag, given, known in (
             ("--baselines", self.baselines, BASELINES),
-            ("--protocols", self.protocols, list_protocols(column=True)),
+            ("--protocols", self.protocols, list_protocols(any_data=True)),
         ):
             unknown = [v for v in given if v not in known]
             if unknown or not given:

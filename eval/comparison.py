@@ -149,7 +149,7 @@ def compare(
                 if key not in done:
                     # a protocol standing in for the column's (the linear probe of a frozen row) gets its labels
                     rows = subsets.get(column.fraction) if protocol.name != column.protocol else None
-                    scored = protocol.hook("score_cell")(replace(cell, labelled=rows), config, seed)
+                    scored = protocol.load().score_cell(replace(cell, labelled=rows), config, seed)
                     done[key] = replace(scored, protocol=protocol.name)
                 scored = done[key]
                 values[source.name][column].append(scored.metrics["top1"])

@@ -6,7 +6,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ from bt_hub.common.presets import shown
 from bt_hub.eval.config import EvalConfig, EvalWarning
 from bt_hub.eval.features import as_float32
 from bt_hub.eval.report import Table
-from bt_hub.eval.runner import EvalRun, Scored, run_protocol
+from bt_hub.eval.runner import Cell, EvalRun, Scored
 from bt_hub.method.knn import knn_vote
 
 # ----------------------------------------------------------------------------- search and vote
@@ -189,17 +189,12 @@ def effective_k(requested: list[int], train_size: int) -> tuple[list[int], list[
     return used, messages if cut else []
 
 
-def run(config: KnnConfig) -> dict[str, Any]:
-    """``bt-hub eval knn``: features of both splits (cached when asked), the test split classified, one record."""
-    return run_protocol(config, score)
-
-
 def score(run: EvalRun) -> Scored:
     """``bt-hub eval knn``'s scoring step: :func:`score_cell` of the run's weights with its config and seed."""
     return score_cell(run, run.config, run.config.seed)
 
 
-def score_cell(cell: Any, config: KnnConfig, seed: int) -> Scored:
+def score_cell(cell: Cell, config: KnnConfig, seed: int) -> Scored:
     """Weighted kNN of test against training features for every ``--k`` (capped at the training size, warned).
 
     ``cell`` gives the features (an EvalRun, or a row of ``eval compare``); the vote draws nothing at random, so

@@ -26,7 +26,7 @@ from bt_hub.eval.heads import (
     train_heads,
 )
 from bt_hub.eval.report import IMAGENET_FOLDERS, PaperRow, Table
-from bt_hub.eval.runner import EvalRun, Scored, run_protocol
+from bt_hub.eval.runner import Cell, EvalRun, Scored
 from bt_hub.method.transforms import eval_transforms
 
 
@@ -209,11 +209,6 @@ class TransferConfig(LinearConfig):
     preset: str = option("places205", "named sets of flag values; flags given override them")
 
 
-def run(config: LinearConfig) -> dict[str, Any]:
-    """Train and score a linear classifier on the frozen backbone of ``--weights``; write and return the record."""
-    return run_protocol(config, score)
-
-
 def score(run: EvalRun) -> Scored:
     """The grid probe or the fixed recipe on cached features (:func:`score_cell`), or the paper's loop; top-1 /
     top-5 on the test split, with the warnings of a preset set for other data."""
@@ -230,7 +225,7 @@ def score(run: EvalRun) -> Scored:
     return scored
 
 
-def score_cell(cell: Any, config: LinearConfig, seed: int) -> Scored:
+def score_cell(cell: Cell, config: LinearConfig, seed: int) -> Scored:
     """The probe on ``cell``'s frozen features: the grid (heads chosen on a validation split drawn with ``seed``)
     or the preset's one recipe (``--cached``)."""
     num_classes = len(cell.splits.classes)

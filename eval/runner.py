@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import typing
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from bt_hub.data.store import DecodedImages, StoreView, fits_auto, open_store, s
 from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalWarning
 from bt_hub.eval.feature_cache import FeatureCache
 from bt_hub.eval.features import Pool, architecture_fingerprint, extract_with_source
+from bt_hub.eval.protocols import Protocol
 from bt_hub.eval.report import PaperRow, Table, append_results, check_history, load_results
 from bt_hub.eval.splits import Splits, load_splits
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms
@@ -168,7 +170,33 @@ class Scored:
     notes: Mapping[str, Any] | None = None
     warnings: Sequence[str] = ()
     dataset: Mapping[str, Any] | None = None  # the splits' facts, when the protocol built its own splits
-    protocol: str = ""  # a protocol's is the table's name of its config (``protocol_for``); embed, detect say theirs
+    protocol: str = ""  # the table entry's name (the runner sets it: run_protocol, run_child); embed, detect say theirs
+
+
+class Cell(typing.Protocol):
+    """What a protocol's ``score_cell`` scores: an :class:`EvalRun`, or a row of ``eval compare`` (its network on the
+    run's splits, features extracted once per network); a ``score_cell`` reads every knob from its config."""
+
+    progress: ClassVar[bool]  # whether the protocol shows its own progress lines
+
+    @property
+    def network(self) -> nn.Module:
+        """The network scored."""
+
+    @property
+    def splits(self) -> Splits:
+        """The train / test splits."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where to compute."""
+
+    @property
+    def settings(self) -> Settings:
+        """What the evaluation resolved (image size, precision)."""
+
+    def features(self, split: str) -> tuple[Any, Any]:
+        """Features and labels of ``split`` (``train`` or ``test``)."""
 
 
 @dataclass
@@ -315,9 +343,8 @@ class EvalRun:
         config: Any = None,
         wall_time_s: float | None = None,
     ) -> Record:
-        """The results record of ``scored``; weights, seed, config and wall time default to the run's."""
-        from bt_hub.eval.protocols import protocol_for  # the table, read when a record is built, not at import
-
+        """The results record of ``scored`` (its ``protocol`` set); weights, seed, config and wall time default to the
+        run's."""
         config = config or self.config
         changed = (
             overrides(config, ignore=getattr(config, "RUN_FIELDS", ())) if dataclasses.is_dataclass(config) else {}
@@ -331,7 +358,7 @@ class EvalRun:
             "features": dict(self.features_used),
         }
         return build_record(
-            dataclasses.replace(scored, protocol=scored.protocol or protocol_for(config)),
+            scored,
             hyperparameters=hyper,
             weights=weights if weights is not None else self.weights,
             dataset=scored.dataset if scored.dataset is not None else self.splits.info,
@@ -341,11 +368,12 @@ class EvalRun:
             settings=self.settings,
         )
 
-    def finished(self) -> Record | None:
-        """The newest record in the run's folder that this run would write again (:func:`_same_run`), or None."""
+    def finished(self, protocol: str) -> Record | None:
+        """The newest record of ``protocol`` in the run's folder that this run would write again (:func:`_same_run`),
+        or None."""
         if self.out is None:
             return None
-        planned = _same_run(self.record(Scored({}, dataset={}), wall_time_s=0.0))
+        planned = _same_run(self.record(Scored({}, dataset={}, protocol=protocol), wall_time_s=0.0))
         return next((r for r in reversed(load_results(self.out)[0]) if _same_run(r) == planned), None)
 
     def write(self, records: Sequence[Record], summary: Mapping[str, Any] | None = None) -> None:
@@ -446,28 +474,29 @@ def evaluation(config: Any, *, kind: str = "eval", weights: list[str] | None = N
         yield EvalRun(config, out, device, loaded, settings, reuses_splits=config.REUSES_SPLITS)
 
 
-def _score_and_write(run: EvalRun, score: Callable[[EvalRun], Scored]) -> Record:
-    scored = score(run)
+def _score_and_write(run: EvalRun, protocol: Protocol) -> Record:
+    scored = protocol.load().score(run)
     if not is_main_process():
         return {"metrics": dict(scored.metrics)}
-    record = run.record(scored)
+    record = run.record(dataclasses.replace(scored, protocol=protocol.name))
     run.write([record])
     return record
 
 
-def run_protocol(config: Any, score: Callable[[EvalRun], Scored]) -> Record:
-    """Run one protocol's scoring step inside :func:`evaluation` and write its record; return the record."""
+def run_protocol(protocol: Protocol, config: Any) -> Record:
+    """``bt-hub eval NAME``: the scoring step of ``protocol`` (an entry of the table) inside :func:`evaluation`, its
+    record (named after the entry) written; return the record."""
     with evaluation(config) as run:
-        return _score_and_write(run, score)
+        return _score_and_write(run, protocol)
 
 
-def run_child(parent: EvalRun, config: Any, score: Callable[[EvalRun], Scored], *, rerun: bool = False) -> Record:
+def run_child(parent: EvalRun, protocol: Protocol, config: Any, *, rerun: bool = False) -> Record:
     """One protocol of ``eval all`` on the parent's weights and settings, in its own folder ``config.out``; a record
     of the same run there (:meth:`EvalRun.finished`) is returned instead, with a line saying so, unless ``rerun``."""
     run = parent.child(config, Path(config.out) if config.out is not None else None)
-    done = None if rerun else broadcast_object(run.finished() if is_main_process() else None)
+    done = None if rerun else broadcast_object(run.finished(protocol.name) if is_main_process() else None)
     if done is None:
-        return _score_and_write(run, score)
+        return _score_and_write(run, protocol)
     announce(
         f"bt-hub eval all: {done['protocol']} in {run.out} finished before with the same weights and settings; "
         "skipped (--rerun runs it again)"

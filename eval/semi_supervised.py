@@ -39,7 +39,7 @@ from bt_hub.eval.config import EvalConfig, warn_about_settings
 from bt_hub.eval.features import TransformedDataset, train_transform
 from bt_hub.eval.label_subsets import read_subset_file, subset_indices
 from bt_hub.eval.report import IMAGENET_FOLDERS, PaperRow, Table
-from bt_hub.eval.runner import EvalRun, Scored, run_protocol
+from bt_hub.eval.runner import Cell, EvalRun, Scored
 from bt_hub.method.transforms import eval_transforms
 
 # Flags of the fine-tuning recipe that finetune() takes as they are, under the same names.
@@ -200,11 +200,6 @@ class SemiSupervisedConfig(EvalConfig):
         return unused
 
 
-def run(config: SemiSupervisedConfig) -> dict[str, Any]:
-    """``bt-hub eval semi``: fine-tune the backbone of ``--weights`` on the labelled subset, score it, one record."""
-    return run_protocol(config, score)
-
-
 TABLE = Table("Semi-supervised fine-tuning (paper Table 2)", ("top1", "top5"))
 # the paper's rows, by label percentage, that a run of the ``paper`` preset follows
 PAPER_ROWS = {
@@ -256,11 +251,11 @@ def score(run: EvalRun) -> Scored:
     return scored
 
 
-def _subset(cell: Any, config: SemiSupervisedConfig, seed: int) -> list[int]:
+def _subset(cell: Cell, config: SemiSupervisedConfig, seed: int) -> list[int]:
     return subset_indices(cell.splits.train, percent=config.fraction, subset_file=config.subset_file, seed=seed)
 
 
-def score_cell(cell: Any, config: SemiSupervisedConfig, seed: int) -> Scored:
+def score_cell(cell: Cell, config: SemiSupervisedConfig, seed: int) -> Scored:
     """Fine-tune a copy of ``cell.network`` and a new classifier on the labelled subset (drawn with ``seed``);
     top-1 / top-5 on the test split."""
     splits, size = cell.splits, cell.settings.image_size

@@ -95,7 +95,7 @@ def _runs(config: SuiteConfig) -> Iterator[tuple[Protocol, Any]]:
     def out(name: str) -> dict[str, Any]:
         return {"out": str(Path(config.out) / name) if config.out is not None else None}
 
-    for protocol in map(get_protocol, list_protocols(suite=True)):
+    for protocol in map(get_protocol, list_protocols()):
         if protocol.name == "semi":
             for pct in config.fractions:
                 listed = config.subset_dir and {"subset_file": f"{Path(config.subset_dir) / f'{pct}percent.txt'}"}
@@ -103,21 +103,19 @@ def _runs(config: SuiteConfig) -> Iterator[tuple[Protocol, Any]]:
                 yield protocol, dataclasses.replace(config.semi, **out(f"semi_{pct}percent"), **labels)
         elif protocol.name in children(SuiteConfig):
             yield protocol, dataclasses.replace(getattr(config, protocol.name), **out(protocol.name))
-        elif protocol.name != "voc07-svm" or config.voc07_devkit:
+        elif not protocol.dataset or protocol.name == "voc07-svm" and config.voc07_devkit:
             voc07 = {"data": config.voc07_devkit} if protocol.name == "voc07-svm" else {}
             yield protocol, config.passed_down(protocol.config_class, voc07 | out(protocol.name.replace("-", "_")))
 
 
 def run_suite(config: SuiteConfig) -> dict[str, Any]:
-    """Run every protocol of the table that ``eval all`` runs (:func:`bt_hub.eval.protocols.list_protocols`) on
-    ``--weights``, read and hashed once; return ``{"results": [record, ...], ...}``.
+    """Run every protocol of the table on ``--data`` (and VOC07 on ``--voc07-devkit``) on ``--weights``, read and
+    hashed once; return ``{"results": [record, ...], ...}``.
 
     A run whose folder holds a record of the same weights and settings is skipped, with a line, unless ``--rerun``.
     """
     with evaluation(config) as parent:
-        records = [
-            run_child(parent, child, protocol.hook("score"), rerun=config.rerun) for protocol, child in _runs(config)
-        ]
+        records = [run_child(parent, protocol, child, rerun=config.rerun) for protocol, child in _runs(config)]
         summary = {"results": records, "wall_time_s": time.perf_counter() - parent.started}
         kept = load_results(parent.out)[0] if parent.out is not None else []  # a skipped run's record may be there
         parent.write([r for r in records if r not in kept], summary)

@@ -20,7 +20,7 @@ from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.features import as_float32, dataset_fingerprint
 from bt_hub.eval.linear import TRANSFER_TABLE
 from bt_hub.eval.report import PaperRow
-from bt_hub.eval.runner import EvalRun, Scored, run_protocol
+from bt_hub.eval.runner import EvalRun, Scored
 from bt_hub.eval.splits import check_disjoint
 from bt_hub.eval.svm_grid import COSTS, evaluate_svms, l2_normalize, svm_grid
 
@@ -186,11 +186,6 @@ class Voc07SvmConfig(EvalConfig):
         in_pil = "does not apply to voc07-svm: VISSL's two resizes run in PIL in the loader workers"
         lists = "does not apply to VOC07: the devkit's ImageSets/Main lists give trainval and test"
         return super().unused_flags() | dict.fromkeys(("decode", "store"), in_pil) | {"holdout": lists}
-
-
-def run(config: Voc07SvmConfig) -> dict[str, Any]:
-    """``bt-hub eval voc07-svm``: features of trainval and test, the SVM grid on trainval, mean AP on test."""
-    return run_protocol(config, score)
 
 
 def score(run: EvalRun) -> Scored:

@@ -1,6 +1,6 @@
 """The protocol table (bt_hub.eval.protocols): one registration makes a protocol a ``bt-hub eval`` command, an
-``evaluate(protocol=...)`` choice, a run of ``eval all`` and a column of ``eval compare``; each entry's contract
-test exists."""
+``evaluate(protocol=...)`` choice, a run of ``eval all`` and a column of ``eval compare``; the test that holds
+each protocol to the field's reference code exists."""
 
 from __future__ import annotations
 
@@ -16,7 +16,14 @@ from bt_hub import cli
 from bt_hub.eval import evaluate
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.protocols import PROTOCOLS, Protocol, get_protocol, list_protocols, register_protocol
-from bt_hub.eval.runner import Scored, run_protocol
+from bt_hub.eval.runner import Cell, Scored
+
+# the test of tests/test_against_reference.py that holds each protocol to the field's reference code
+CONTRACTS = {
+    "knn": "test_knn_equals_dinos_knn_classifier_at_k_20_and_200",
+    "linear": "test_the_linear_probe_loop_trains_evaluate_pys_first_epoch",
+    "voc07-svm": "test_voc07_svms_choose_vissls_cost_per_class_and_score_its_test_ap",
+}
 
 SMALL = ["--data", "synthetic:40", "--image-size", "8", "--precision", "fp32"]
 
@@ -28,7 +35,7 @@ class CentroidConfig(EvalConfig):
     normalise: bool = field(default=True, metadata={"help": "L2-normalise the features first"})
 
 
-def score_cell(cell, config: CentroidConfig, seed: int) -> Scored:
+def score_cell(cell: Cell, config: CentroidConfig, seed: int) -> Scored:
     """Nearest-centroid accuracy of ``cell``'s test features."""
     (train_x, train_y), (test_x, test_y) = cell.features("train"), cell.features("test")
     train_x, test_x = torch.as_tensor(train_x).float(), torch.as_tensor(test_x).float()
@@ -44,17 +51,10 @@ def score(run) -> Scored:
     return score_cell(run, run.config, run.config.seed)
 
 
-def run(config: CentroidConfig) -> dict:
-    """``bt-hub eval centroid``."""
-    return run_protocol(config, score)
-
-
 @pytest.fixture
 def centroid():
     """The toy protocol, registered for one test (this module holds it)."""
-    yield register_protocol(
-        Protocol("centroid", __name__, "CentroidConfig", "nearest class centroid (a toy)", column=True)
-    )
+    yield register_protocol(Protocol("centroid", __name__, "CentroidConfig", "nearest class centroid (a toy)"))
     del PROTOCOLS["centroid"]
 
 
@@ -62,7 +62,7 @@ def test_a_registered_protocol_is_a_cli_command_an_api_choice_a_suite_run_and_a_
     centroid, small_stem_weights, tmp_path, capsys
 ):
     weights = ["--weights", str(small_stem_weights)]
-    assert "centroid" in list_protocols(suite=True) and "centroid" in list_protocols(column=True)
+    assert "centroid" in list_protocols(any_data=True)
     assert cli.main(["eval", "--help"]) == 0 and "centroid" in capsys.readouterr().out
     assert cli.main(["eval", "centroid", *weights, *SMALL, "--no-normalise", "--out", str(tmp_path / "c")]) == 0
     record = json.loads((tmp_path / "c" / "results.json").read_text())
@@ -99,17 +99,15 @@ def test_the_table_refuses_a_second_protocol_of_the_same_name_and_the_commands_o
 def test_every_contract_names_a_test_of_test_against_reference():
     tree = ast.parse((Path(__file__).parent / "test_against_reference.py").read_text())
     tests = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
-    contracts = [p.contract for p in PROTOCOLS.values() if p.contract]
-    assert len(contracts) == 3
-    for contract in contracts:
-        path, name = contract.split("::")
-        assert path == "tests/test_against_reference.py" and name in tests, contract
+    assert set(CONTRACTS) <= set(PROTOCOLS)
+    for name in CONTRACTS.values():
+        assert name in tests, name
 
 
 def test_every_protocol_module_provides_what_the_table_reads():
     for protocol in PROTOCOLS.values():
         module = protocol.load()
-        assert callable(module.run) and callable(protocol.hook("score")), protocol.name
+        assert callable(module.score), protocol.name
         assert issubclass(protocol.config_class, EvalConfig), protocol.name
-        if protocol.column:
-            assert callable(protocol.hook("score_cell")), protocol.name
+        if not protocol.dataset:  # eval compare's columns
+            assert callable(module.score_cell), protocol.name

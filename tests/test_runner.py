@@ -15,6 +15,7 @@ from bt_hub.common.presets import from_preset
 from bt_hub.eval import comparison, knn, runner, suite
 from bt_hub.eval.embedding import EmbedConfig
 from bt_hub.eval.linear import LinearConfig, TransferConfig
+from bt_hub.eval.protocols import get_protocol
 from bt_hub.eval.semi_supervised import SemiSupervisedConfig
 from bt_hub.eval.suite import SuiteConfig
 from bt_hub.eval.voc07_svm import Voc07SvmConfig
@@ -27,7 +28,7 @@ def test_the_runner_never_writes_into_the_users_config_and_records_what_it_resol
     # snapshotted the mutated config (so a config reused for a second run silently carried the first one's values)
     config = knn.KnnConfig(weights=str(small_stem_weights), data="synthetic:40", batch_size=16, out=str(tmp_path / "k"))
     before = dataclasses.asdict(config)
-    record = knn.run(config)
+    record = runner.run_protocol(get_protocol("knn"), config)
     assert dataclasses.asdict(config) == before and config.image_size is None and config.precision == "auto"
     settings = record["settings"]
     assert settings["arch"] == "resnet18" and settings["small_image_stem"] is True
@@ -83,8 +84,8 @@ def test_eval_all_passes_its_protocols_only_the_shared_flags_they_read(small_ste
 
 
 def test_eval_all_fine_tunes_on_simclrs_published_lists_from_subset_dir(small_stem_weights, image_folder, tmp_path):
-    # Guards eval all's semi runs from --subset-dir, which the protocol table now configures
-    # (semi_supervised.suite_settings): one run per --fractions, each on its N percent.txt, recorded as that list.
+    # Guards eval all's semi runs from --subset-dir, which the suite configures itself (suite._runs): one run per
+    # --fractions, each on its N percent.txt, recorded as that list.
     root = image_folder(tmp_path / "data", classes=("a", "b"), per_class=6, size=8)
     lists = tmp_path / "lists"
     lists.mkdir()
@@ -228,10 +229,11 @@ def test_two_weights_that_share_a_base_name_are_two_rows_with_their_own_scores(s
         runner.load_weights(str(p)).sha256 for p in (a, b)
     }
     for path in (a, b):
-        alone = knn.run(
+        alone = runner.run_protocol(
+            get_protocol("knn"),
             knn.KnnConfig(
                 weights=str(path), data="synthetic:40", image_size=8, batch_size=16, k=[5], out=None, threads=0
-            )
+            ),
         )
         row = next(n for n in weights_rows if rows[n]["weights"]["fingerprint"] == alone["weights"]["fingerprint"])
         assert rows[row]["metrics"]["top1"] == pytest.approx(alone["metrics"]["top1"])

@@ -184,7 +184,7 @@ def test_cli_voc07_svm_needs_a_devkit(tmp_path, capsys):
 
 
 def test_eval_all_with_a_devkit_runs_the_voc07_svms_on_its_lists_as_the_command_does(resnet18_weights, tmp_path):
-    # Guards eval all's VOC07 run, which the protocol table now configures (voc07_svm.suite_settings): on the
+    # Guards eval all's VOC07 run, which the suite configures itself (suite._runs, on --voc07-devkit): on the
     # devkit's own lists (not --data's), without the image-folder flags, scoring what bt-hub eval voc07-svm scores.
     devkit = write_synthetic_devkit(tmp_path / "VOCdevkit", ("cat", "dog"), trainval=12, test=10, image_size=32)
     common = ["--weights", str(resnet18_weights), "--image-size", "176", "--batch-size", "16", "--precision", "fp32"]
