@@ -215,6 +215,12 @@ def _folder_for_split(root: Path, split: str) -> Path:
     )
 
 
+def is_builtin(spec: str) -> bool:
+    """Whether a ``--data`` value names a set made in memory (``digits``, ``synthetic[:N]``, each with its own
+    held-out part) rather than a folder (``synthetic_shapes/`` is a folder)."""
+    return spec in ("digits", "synthetic") or spec.startswith("synthetic:")
+
+
 def build_dataset(
     name_or_path: str | os.PathLike,
     split: str = "train",
@@ -227,7 +233,7 @@ def build_dataset(
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is unknown; expected one of {SPLITS}")
     spec = str(name_or_path)
-    if (spec == "digits" or spec.split(":")[0] == "synthetic") and Path(spec).is_dir():
+    if is_builtin(spec) and Path(spec).is_dir():
         raise ValueError(f"--data {spec} names a built-in set and a folder here; pass ./{spec} for the folder")
     if spec == "digits":
         train, test = load_digits_split(seed=seed, test_fraction=test_fraction, image_size=image_size or 32)
