@@ -20,6 +20,7 @@ from bt_hub.common.artifacts import READ_ONLY, not_writable
 from bt_hub.common.distributed import broadcast_object, is_main_process, process_group
 from bt_hub.common.files import WriteError, atomic_write_json, remove_stale_temp_files
 from bt_hub.common.presets import overrides
+from bt_hub.common.progress import announce
 from bt_hub.common.records import FROM_WEIGHTS, SCHEMA, Record, make_record
 from bt_hub.common.runs import claim_run_dir, claimed_run_dir, config_dict
 from bt_hub.data.precision import precision_choice
@@ -27,7 +28,7 @@ from bt_hub.data.store import DecodedImages, StoreView, fits_auto, open_store, s
 from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalWarning
 from bt_hub.eval.feature_cache import FeatureCache
 from bt_hub.eval.features import Pool, architecture_fingerprint, extract_with_source
-from bt_hub.eval.report import PaperRow, Table, append_results, check_history
+from bt_hub.eval.report import PaperRow, Table, append_results, check_history, load_results
 from bt_hub.eval.splits import Splits, load_splits
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms
 
@@ -340,6 +341,13 @@ class EvalRun:
             settings=self.settings,
         )
 
+    def finished(self) -> Record | None:
+        """The newest record in the run's folder that this run would write again (:func:`_same_run`), or None."""
+        if self.out is None:
+            return None
+        planned = _same_run(self.record(Scored({}, dataset={}), wall_time_s=0.0))
+        return next((r for r in reversed(load_results(self.out)[0]) if _same_run(r) == planned), None)
+
     def write(self, records: Sequence[Record], summary: Mapping[str, Any] | None = None) -> None:
         """:func:`write_records` into the run's folder (nothing without one, or off the main process)."""
         if self.out is not None and is_main_process():
@@ -383,6 +391,22 @@ def build_record(
     if settings is not None:
         record["settings"] = settings.as_dict()
     return record
+
+
+# what a record says of where or how it ran, not of what it computed: the weights are compared by sha256, the
+# features' cache and a value's source (``*_from``: a flag, the weights, the cache of a measurement) are not
+NOT_SETTINGS = ("features", "weights", "out", "overwrite", "threads", "config_file", "num_workers", "cache_dir")
+
+
+def _same_run(record: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What makes two records one run: the protocol, the weights' sha256, the resolved settings and the
+    hyper-parameters, less ``NOT_SETTINGS`` and the ``*_from`` sources (``eval all`` skips a run it finds)."""
+
+    def kept(block: Mapping[str, Any] | None) -> dict[str, Any]:
+        return {k: v for k, v in (block or {}).items() if k not in NOT_SETTINGS and not k.endswith("_from")}
+
+    fingerprint = (record.get("weights") or {}).get("fingerprint")
+    return record.get("protocol"), fingerprint, kept(record.get("settings")), kept(record.get("hyperparameters"))
 
 
 def write_records(out: str | Path, records: Sequence[Record], summary: Mapping[str, Any] | None = None) -> None:
@@ -437,6 +461,15 @@ def run_protocol(config: Any, score: Callable[[EvalRun], Scored]) -> Record:
         return _score_and_write(run, score)
 
 
-def run_child(parent: EvalRun, config: Any, score: Callable[[EvalRun], Scored]) -> Record:
-    """One protocol of ``eval all`` on the parent's weights and settings, in its own folder ``config.out``."""
-    return _score_and_write(parent.child(config, Path(config.out) if config.out is not None else None), score)
+def run_child(parent: EvalRun, config: Any, score: Callable[[EvalRun], Scored], *, rerun: bool = False) -> Record:
+    """One protocol of ``eval all`` on the parent's weights and settings, in its own folder ``config.out``; a record
+    of the same run there (:meth:`EvalRun.finished`) is returned instead, with a line saying so, unless ``rerun``."""
+    run = parent.child(config, Path(config.out) if config.out is not None else None)
+    done = None if rerun else broadcast_object(run.finished() if is_main_process() else None)
+    if done is None:
+        return _score_and_write(run, score)
+    announce(
+        f"bt-hub eval all: {done['protocol']} in {run.out} finished before with the same weights and settings; "
+        "skipped (--rerun runs it again)"
+    )
+    return done

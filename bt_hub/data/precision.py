@@ -20,6 +20,7 @@ from bt_hub.common.files import atomic_write_json, read_json
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 CACHE_NAME = "precision_auto.json"
 TIMED_REPEATS = 5  # timed steps per precision, after one untimed warm-up step each
+STEP_IMAGES, STEP_SIDE = 16, 64  # the micro-benchmark's batch: 16 images of 64 px
 
 
 def cpu_flags() -> frozenset[str]:
@@ -54,7 +55,8 @@ def time_step(dtype: torch.dtype | None, repeats: int = TIMED_REPEATS) -> float:
     from bt_hub.method.model import build_backbone
 
     generator = torch.Generator().manual_seed(0)
-    network, x = build_backbone("resnet18"), torch.randn(16, 3, 64, 64, generator=generator)
+    network = build_backbone("resnet18")
+    x = torch.randn(STEP_IMAGES, 3, STEP_SIDE, STEP_SIDE, generator=generator)
     seconds = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
