@@ -249,7 +249,7 @@ def test_importing_knn_loads_no_card_export_hub_or_download_module():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     heavy = [f"bt_hub.weights.{name}" for name in ("card", "export", "hf", "download", "registry")]
     assert "bt_hub.eval.knn" in loaded and [m for m in loaded if m in heavy] == []
-    assert len(loaded) <= 34, loaded
+    assert len(loaded) <= 35, loaded  # 35: bt_hub.common.optional, the import of nvImageCodec (--decode)
 
 
 @pytest.mark.parametrize("generic_name", ["eval", "detection_configs"])
