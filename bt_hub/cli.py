@@ -206,17 +206,17 @@ def _add_child(parser: argparse.ArgumentParser, config_cls: type, name: str) -> 
     for knob in knobs(config_cls, name):
         f, flat = fields[knob], [alias for alias, (_, to, _) in aliases.items() if to == knob]
         kwargs = _flag_kwargs(child, f, defaults.get(knob))
-        if flat:
-            said = [f"--{a}" + (f" for --no-{name}.{knob}" if aliases[a][2] == "not" else "") for a in flat]
+        dest, hides = f"{name}.{knob}", f.metadata.get("aliases", ())  # what the child hides (--backbone) stays hidden
+        said = [f"--{a}" + (" for --no-" + dest if aliases[a][2] == "not" else "") for a in flat if a not in hides]
+        if said:
             kwargs["help"] += " (or " + ", ".join(said).replace("_", "-") + ")"
         if knob == "preset":
             kwargs["help"] = f"{kwargs['help']}: {describe_presets(child)}".replace("%", "%%")
-        dest = f"{name}.{knob}"
         if "type" in kwargs and "choices" not in kwargs:
             kwargs["metavar"] = knob.upper()
         group.add_argument(child_flag(child, name, knob), dest=dest, **kwargs)
         hidden = {**kwargs, "help": argparse.SUPPRESS}
-        for alias in f.metadata.get("aliases", ()):
+        for alias in hides:
             group.add_argument(f"--{name}.{alias.replace('_', '-')}", dest=dest, **hidden)
         for alias in flat:
             one = {"nargs": None} if aliases[alias][2] == "one" else {}

@@ -24,6 +24,7 @@ from bt_hub.common.presets import config_dict, overrides
 from bt_hub.common.progress import announce
 from bt_hub.common.records import FROM_WEIGHTS, SCHEMA, Record, make_record
 from bt_hub.common.runs import claim_run_dir, claimed_run_dir
+from bt_hub.data.decode import decode_choice, decoding_for
 from bt_hub.data.precision import precision_choice
 from bt_hub.data.store import DecodedImages, StoreView, fits_auto, open_store, store_device
 from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalWarning
@@ -55,6 +56,8 @@ class Settings:
     normalisation_from: str = "default"
     weights_run: str | None = None  # the id of the pretraining run the weights came from, where they say it
     precision_from: str = "default"  # --precision, or why auto chose it (on a CPU: both measured times)
+    decode_from: str = "default"  # --decode, or why auto chose it (the decoders' measured rates)
+    decode_share: float = 0.0  # the fraction of the device's JPEGs that the loader workers decode (auto on CUDA)
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as a JSON-ready dict."""
@@ -120,6 +123,18 @@ def _normalisation(info: Mapping[str, Any], weights: str) -> str:
     return "weights metadata"
 
 
+def decode_settings(config: Any, device: torch.device) -> dict[str, Any]:
+    """``decode``, ``decode_from`` and ``decode_share`` of the run: ``--decode`` resolved on the main process
+    (:func:`bt_hub.data.decode.decode_choice`: ``auto`` times the decoders there) and shared with every rank."""
+    chosen = broadcast_object(
+        decode_choice(config.decode, device, config.data, config.num_workers) if is_main_process() else None
+    )
+    reason = (
+        chosen["decode_reason"] if config.decode == "auto" else config.given_from("decode", chosen["decode_reason"])
+    )
+    return {"decode": chosen["decode"], "decode_from": reason, "decode_share": chosen["decode_share"]}
+
+
 def resolve_settings(config: Any, weights: LoadedWeights, device: torch.device) -> Settings:
     """The run's :class:`Settings`: the config's flags where given, else what the weights say of themselves."""
     info = weights.info
@@ -145,7 +160,7 @@ def resolve_settings(config: Any, weights: LoadedWeights, device: torch.device) 
         image_size_from=size_from,
         precision=chosen["precision"],
         precision_from=chosen["precision_reason"],
-        decode=config.decode,
+        **decode_settings(config, device),
         device=str(device),
         arch_from=str(source["architecture"] or "default"),
         small_image_stem_from=str(source["small_image_stem"] or "default"),
@@ -245,14 +260,15 @@ class EvalRun:
         """The same weights, settings and splits under another protocol's config and folder (``eval all``)."""
         if out is not None and is_main_process():
             claim_run_dir(out, overwrite=config.overwrite, kind="eval")
-        settings = dataclasses.replace(self.settings, decode=config.decode)
+        same = config.decode == self.config.decode  # eval all's children: resolved (and timed) once
+        settings = self.settings if same else dataclasses.replace(self.settings, **decode_settings(config, self.device))
         shared = {"reuses_splits": self.reuses_splits, "_splits": self._splits, "_stores": self._stores}
         return EvalRun(config, out, self.device, self.all_weights, settings, **shared)
 
     def transform(self) -> Callable[[Any], torch.Tensor]:
-        """The test transform at the run's image size: on the device (``--decode device``) or PIL in the workers."""
+        """The test transform at the run's image size: on the device, or PIL in the workers (``--decode workers``)."""
         size = self.settings.image_size
-        return DeviceEvalTransform(size) if self.settings.decode == "device" else eval_transforms(size)
+        return eval_transforms(size) if self.settings.decode == "workers" else DeviceEvalTransform(size)
 
     def decoded(self, split: str) -> Dataset:
         """The split's images from its decoded store (``--store``, see :mod:`bt_hub.data.store`), made once per run
@@ -324,6 +340,7 @@ class EvalRun:
                 desc=f"features {name}",
                 precision=self.settings.precision,
                 stored=stored,
+                decoding=decoding_for(self.settings.decode, self.device, self.settings.decode_share),
             )
         except WriteError as err:  # a feature cache on read-only storage: what is whole there was read
             if cache_dir and err.errno in READ_ONLY:

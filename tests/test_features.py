@@ -495,6 +495,26 @@ def test_cli_decode_device_and_precision_are_recorded_and_change_the_cache_key(s
     assert records["device", "fp32"]["metrics"] == records["workers", "fp32"]["metrics"]
 
 
+def test_cli_decode_auto_and_nvimgcodec_record_who_decoded_and_score_as_device_does(
+    small_stem_weights, tmp_path, with_nvimgcodec
+):
+    data = _files(tmp_path / "data")
+    common = ["eval", "knn", "--weights", str(small_stem_weights), "--data", str(data), "--image-size", "16"]
+    common += ["--k", "1", "--precision", "fp32", "--num-workers", "1"]  # a worker process decodes
+    records = {}
+    for decode in ("device", "nvimgcodec", None):
+        out = tmp_path / str(decode)
+        assert cli.main([*common, *(["--decode", decode] if decode else []), "--out", str(out)]) == 0
+        records[decode] = json.loads((out / "results.json").read_text())
+    assert records["nvimgcodec"]["settings"]["decode_from"] == "--decode nvimgcodec"
+    auto = records[None]["settings"]  # the default: the faster of PIL and nvImageCodec in the workers, timed here
+    assert auto["decode"] in ("device", "nvimgcodec") and records[None]["hyperparameters"]["decode"] == auto["decode"]
+    assert (
+        auto["decode_from"].startswith("auto: a loader worker decoded ~") and "images/s with pil" in auto["decode_from"]
+    )
+    assert records["device"]["metrics"] == records["nvimgcodec"]["metrics"] == records[None]["metrics"]
+
+
 def test_bf16_knn_and_linear_are_within_half_a_point_of_fp32_on_the_digits():
     """bf16 autocast (what --precision auto picks on AMX / avx512_bf16 CPUs) must not move the scores."""
     splits = load_splits("digits", test_split="test", image_size=8)

@@ -249,7 +249,16 @@ def test_importing_knn_loads_no_card_export_hub_or_download_module():
     code = "import sys, bt_hub.eval.knn; print(' '.join(sorted(sys.modules)))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     heavy = [f"bt_hub.weights.{name}" for name in ("card", "export", "hf", "download", "registry")]
-    heavy += ["bt_hub.train", "bt_hub.cli", "sklearn", "huggingface_hub", "matplotlib", "pandas", "detectron2"]
+    heavy += [
+        "bt_hub.train",
+        "bt_hub.cli",
+        "sklearn",
+        "huggingface_hub",
+        "matplotlib",
+        "pandas",
+        "detectron2",
+        "nvidia",
+    ]
     assert "bt_hub.eval.knn" in loaded
     assert [m for m in loaded if any(m == h or m.startswith(h + ".") for h in heavy)] == []
 

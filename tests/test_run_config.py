@@ -105,23 +105,24 @@ def test_every_command_refuses_hostile_run_fields_naming_the_flag_and_range(
 
 
 @pytest.mark.parametrize(
-    "config_cls,given",
+    "config_cls,given,child",
     [
-        (PretrainConfig, {}),
-        (LinearConfig, {"weights": "w.pth", "search": "fixed"}),
-        (SemiSupervisedConfig, {"weights": "w.pth"}),
-        (DemoConfig, {}),
+        (PretrainConfig, {}, ""),
+        (LinearConfig, {"weights": "w.pth", "search": "fixed"}, ""),
+        (SemiSupervisedConfig, {"weights": "w.pth"}, ""),
+        (DemoConfig, {}, "pretrain"),  # the demo's pretraining runs: its child's own check, naming the nested flag
     ],
     ids=lambda c: getattr(c, "__name__", ""),
 )
 @pytest.mark.parametrize("value", [0.0, 1.5, -0.1])
 def test_every_command_with_random_crops_refuses_a_crop_scale_min_outside_0_1_in_the_same_sentence(
-    config_cls, given, value, tmp_path
+    config_cls, given, child, value, tmp_path
 ):
     # Guards the one check (RunConfig.require_fraction) that pretrain, eval linear, eval semi and the demo share.
+    crop = {child: {"crop_scale_min": value}} if child else {"crop_scale_min": value}
     with pytest.raises(ValueError) as err:
-        config_cls(out=str(tmp_path / "o"), crop_scale_min=value, **given)
-    assert str(err.value) == f"--crop-scale-min must be in (0, 1], got {value}"
+        config_cls(out=str(tmp_path / "o"), **crop, **given)
+    assert str(err.value) == f"--{child + '.' if child else ''}crop-scale-min must be in (0, 1], got {value}"
 
 
 def test_the_largest_seed_is_accepted(tmp_path):

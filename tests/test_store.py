@@ -22,7 +22,7 @@ from bt_hub.cli import main as cli_main
 from bt_hub.common.artifacts import Segments, recorded_segments
 from bt_hub.common.files import WriteError
 from bt_hub.data import store as store_module
-from bt_hub.data.datasets import ImageFolderDataset
+from bt_hub.data.datasets import ImageFolderDataset, is_builtin
 from bt_hub.data.decode import decode_on_cpu
 from bt_hub.data.store import StoreView, StoreWarning, open_store
 from bt_hub.method.transforms import DeviceEvalTransform
@@ -270,7 +270,7 @@ def test_a_store_that_fills_the_disk_removes_its_partial_files_and_says_so(tmp_p
     full_disk = r"no space is left on the device; .*\(the partial store \(.* MiB at .*\.partial\) was removed\)"
     with pytest.raises(WriteError, match=full_disk):
         open_store(ImageFolderDataset(data), StoreView(), tmp_path / "s")
-    assert [p.suffix for p in (tmp_path / "s").iterdir()] == [".lock"]  # no partial file is left filling the disk
+    assert list((tmp_path / "s").iterdir()) == []  # no partial file is left filling the disk, nor a lock
 
 
 @pytest.fixture
@@ -341,3 +341,15 @@ def test_eval_with_a_cache_dir_on_read_only_storage_reads_what_is_whole_and_name
         assert cli_main([*argv, *out]) == 2
         said = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
         assert len(said) == 1 and "(Read-only file system)" in said[0] and "give --cache-dir a writable" in said[0]
+
+
+def test_a_folder_whose_name_starts_with_synthetic_is_read_as_a_folder(tmp_path, image_folder, monkeypatch):
+    # Guards: "is --data a built-in set?" was spelled five ways, and pretraining took any name starting with
+    # "synthetic" for the built-in set: --data synthetic_shapes (a folder) was decoded in the main process, its
+    # --store disk ignored without a word.
+    monkeypatch.chdir(tmp_path)
+    image_folder(tmp_path / "synthetic_shapes", classes=("a", "b"), per_class=8, size=8, splits=())
+    argv = ["pretrain", "--data", "synthetic_shapes", *PRETRAIN, "--max-steps", "1", "--out", "run"]
+    assert cli_main([*argv, "--store", "disk", "--store-dir", "stores"]) == 0
+    assert len(list((tmp_path / "stores").glob("*/manifest.json"))) == 1
+    assert is_builtin("synthetic:40") and is_builtin("digits") and not is_builtin("synthetic_shapes")

@@ -84,18 +84,26 @@ def not_writable(folder: Path, err: OSError, flag: str) -> WriteError:
 
 @contextlib.contextmanager
 def locked(path: Path, flag: str) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path`` (created): one process builds a cache entry while the others wait, then read
-    it. A folder that may not be written in is refused in one sentence naming ``flag``."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as err:
-        if err.errno in READ_ONLY:
-            raise not_writable(path.parent, err, flag) from None
-        raise
-    try:
+    """An exclusive ``flock`` on ``path`` (created, and removed on leaving): one process builds a cache entry while
+    the others wait, then read it. A waiter whose lock file was removed meanwhile locks the new one. A folder that
+    may not be written in is refused in one sentence naming ``flag``."""
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            if err.errno in READ_ONLY:
+                raise not_writable(path.parent, err, flag) from None
+            raise
         fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                break
+        os.close(fd)
+    try:
         yield
     finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
         os.close(fd)
 
 
