@@ -198,8 +198,8 @@ EOF
     echo "eval compare --over-steps wall time: $((SECONDS - tick)) s"
     [[ "$PARSE" == 1 ]] && return
     "$PY" - "$dir/curve/results.jsonl" "$((SECONDS - tick))" <<'EOF'
-"""The curve's seconds per cell, and its records' wall_time_s summed by column (a kNN cell extracts its row's
-features first; the linear column's cells are scored together, each with its share)."""
+"""The curve's seconds per cell, and its records' wall_time_s summed by column (with the features each extracted:
+the first kNN cell its row's, the linear column, scored together at its first cell, every other row's)."""
 import json
 import sys
 from collections import Counter
