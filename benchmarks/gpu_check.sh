@@ -61,10 +61,11 @@ if [[ "$DRY" == 1 ]]; then
     CURVE_TRAIN=300 CURVE_VAL=60
     CURVE_PRETRAIN="--warmup-epochs 1 --batch-size 32 --projector 64-64 --max-steps 10 --keep-every 1"
     CURVE_WORKERS=1
-    ALL_ARCH=resnet18 ALL_PX=32 ALL_TRAIN=60 ALL_VAL=20 ALL_WORKERS=1 ALL_EPOCHS="--linear-epochs 10 --semi-epochs 1"
-    STRETCH_TRAIN=200 STRETCH_VAL=40
+    STRETCH_TRAIN=200 STRETCH_VAL=40 STRETCH_BUDGET=120
     STRETCH_PRETRAIN="--batch-size 32 --projector 64-64 --epochs 1 --warmup-epochs 0 --keep-every 3"
-    BUDGET=(60 60 40 100 70 150 90 120)
+    PROFILED=40  # seconds rows 4 and 5 get beside their BUDGET: the steps they profile after the timed ones
+    ALL_ARCH=resnet18 ALL_PX=32 ALL_TRAIN=60 ALL_VAL=20 ALL_WORKERS=1 ALL_EPOCHS="--linear-epochs 10 --semi-epochs 1"
+    BUDGET=(60 60 40 60 60 150 90)
     export TORCH_COMPILE_DISABLE=1  # Inductor's C++ build of ResNet-18 alone outlasts the dry run on 2 cores
 else
     DEVICE=cuda
@@ -79,12 +80,12 @@ else
     CURVE_TRAIN=60000 CURVE_VAL=10000
     CURVE_PRETRAIN="--warmup-epochs 1 --batch-size 512 --max-steps 50 --keep-every 5"
     CURVE_WORKERS=14
+    # 100 epochs of the cifar preset (batch 256): 23,400 steps, kept every 2,340
+    STRETCH_TRAIN=60000 STRETCH_VAL=10000 STRETCH_PRETRAIN="--epochs 100 --keep-every 2340" STRETCH_BUDGET=560
+    PROFILED=15  # ~10 s of profiled steps, and row 5's 2 more timed steps
     # eval all: the paper presets, one label fraction, fine-tuning's 800-step floor at batch 64
     ALL_ARCH=resnet50 ALL_PX=224 ALL_TRAIN=500 ALL_VAL=100 ALL_WORKERS=8 ALL_EPOCHS="--fractions 10 --semi-batch-size 64"
-    # 100 epochs of the cifar preset (batch 256): 23,400 steps, kept every 2,340
-    STRETCH_TRAIN=60000 STRETCH_VAL=10000 STRETCH_PRETRAIN="--epochs 100 --keep-every 2340"
-    # H200: the CUDA tests outgrew 70 s; compiles 108 + 71 s (+ ~10 s of profiled steps); eval all 18 s
-    BUDGET=(120 80 45 85 215 120 60 560)
+    BUDGET=(120 80 45 70 200 120 60)  # H200: the CUDA tests outgrew 70 s; compiles 108 + 71 s; eval all 18 s
 fi
 if [[ "$PARSE" == 1 ]]; then
     export BT_HUB_PARSE_ONLY=1  # bt-hub and the benchmark scripts parse their command lines and stop
@@ -95,6 +96,7 @@ fi
 step() {
     local name=$1 budget=$2 log=$3
     shift 3
+    [[ "$STRETCH" == 1 && "$name" != stretch* ]] && return  # GPU_CHECK_STRETCH=1: the stretch row alone
     local tick=$SECONDS left=$((DEADLINE - (SECONDS - START)))
     if ((left < 20)); then
         echo "== $name: skipped (GPU_CHECK_SECONDS=$DEADLINE spent)" | tee -a "$log"
@@ -136,29 +138,27 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"
 # ---------------------------------------------------------------------------- 1. CUDA tests
 if [[ "$PARSE" == 1 ]]; then
     echo "pytest -m gpu: not run in a parse check (tests/test_gpu_scripts.py parses the CUDA tests' command lines)"
-elif [[ "$STRETCH" != 1 ]]; then
+else
     step "pytest -m gpu" "${BUDGET[0]}" "$OUT/pytest_gpu.txt" "$PY" -m pytest -m gpu -q -p no:cacheprovider
 fi
 
-if [[ "$STRETCH" != 1 ]]; then
-    # ------------------------------------------------------------------------ 2. evaluation throughput
-    step "evaluation throughput" "${BUDGET[1]}" "$OUT/eval_throughput.txt" \
-        "$PY" "$BENCH/eval_throughput.py" --device "$DEVICE" "${EVAL_SIZES[@]}" --rows pabsc --out "$WORK/eval_throughput"
+# ---------------------------------------------------------------------------- 2. evaluation throughput
+step "evaluation throughput" "${BUDGET[1]}" "$OUT/eval_throughput.txt" \
+    "$PY" "$BENCH/eval_throughput.py" --device "$DEVICE" "${EVAL_SIZES[@]}" --rows pabsc --out "$WORK/eval_throughput"
 
-    # ------------------------------------------------------------------------ 3. small-image extraction
-    step "small-image extraction" "${BUDGET[2]}" "$OUT/eval_small.txt" \
-        "$PY" "$BENCH/eval_throughput.py" --device "$DEVICE" "${SMALL_EVAL[@]}" --rows abs --out "$WORK/eval_small"
+# ---------------------------------------------------------------------------- 3. small-image extraction
+step "small-image extraction" "${BUDGET[2]}" "$OUT/eval_small.txt" \
+    "$PY" "$BENCH/eval_throughput.py" --device "$DEVICE" "${SMALL_EVAL[@]}" --rows abs --out "$WORK/eval_small"
 
-    # ------------------------------------------------------------------------ 4. small-image pretraining
-    step "small-image pretraining" "${BUDGET[3]}" "$OUT/pretrain_small.txt" \
-        "$PY" "$BENCH/pretrain_throughput.py" --device "$DEVICE" "${SMALL_PRETRAIN[@]}" --rows abf --store device \
-        --out "$WORK/pretrain_small"
+# ---------------------------------------------------------------------------- 4. small-image pretraining
+step "small-image pretraining" "$((BUDGET[3] + PROFILED))" "$OUT/pretrain_small.txt" \
+    "$PY" "$BENCH/pretrain_throughput.py" --device "$DEVICE" "${SMALL_PRETRAIN[@]}" --rows abf --store device \
+    --out "$WORK/pretrain_small"
 
-    # ------------------------------------------------------------------------ 5. compiled pretraining
-    step "compiled pretraining" "${BUDGET[4]}" "$OUT/pretrain_compiled.txt" \
-        "$PY" "$BENCH/pretrain_throughput.py" --device "$DEVICE" "${PRETRAIN_SIZES[@]}" --compile only \
-        --out "$WORK/pretrain_throughput"
-fi
+# ---------------------------------------------------------------------------- 5. compiled pretraining
+step "compiled pretraining" "$((BUDGET[4] + PROFILED))" "$OUT/pretrain_compiled.txt" \
+    "$PY" "$BENCH/pretrain_throughput.py" --device "$DEVICE" "${PRETRAIN_SIZES[@]}" --compile only \
+    --out "$WORK/pretrain_throughput"
 
 # ---------------------------------------------------------------------------- 6. and 8. learning curves
 # curve NAME TRAIN VAL FLAGS: TRAIN + VAL 28-px grey PNGs, `bt-hub pretrain --preset cifar FLAGS` on train/ keeping
@@ -253,13 +253,11 @@ EOF
 }
 export PY WORK DEVICE BENCH PARSE CURVE_WORKERS ALL_ARCH ALL_PX ALL_TRAIN ALL_VAL ALL_WORKERS ALL_EPOCHS
 export -f curve eval_all bt_hub
-if [[ "$STRETCH" != 1 ]]; then
-    step "learning curve" "${BUDGET[5]}" "$OUT/curve.txt" \
-        bash -c 'curve curve "$@"' - "$CURVE_TRAIN" "$CURVE_VAL" "$CURVE_PRETRAIN"
-    step "bt-hub eval all" "${BUDGET[6]}" "$OUT/eval_all.txt" bash -c eval_all
-fi
+step "learning curve" "${BUDGET[5]}" "$OUT/curve.txt" \
+    bash -c 'curve curve "$@"' - "$CURVE_TRAIN" "$CURVE_VAL" "$CURVE_PRETRAIN"
+step "bt-hub eval all" "${BUDGET[6]}" "$OUT/eval_all.txt" bash -c eval_all
 if [[ "$STRETCH" == 1 || "$DRY" == 1 || "$PARSE" == 1 ]]; then
-    step "stretch: 100 epochs and their curve" "${BUDGET[7]}" "$OUT/stretch.txt" \
+    step "stretch: 100 epochs and their curve" "$STRETCH_BUDGET" "$OUT/stretch.txt" \
         bash -c 'curve stretch "$@"' - "$STRETCH_TRAIN" "$STRETCH_VAL" "$STRETCH_PRETRAIN"
 fi
 
