@@ -11,14 +11,20 @@ one device, each row after an untimed warm-up pass over ``--warmup`` batches:
 (a) ceiling: the backbone alone on one batch already in device memory, at bt_hub's precision
     and memory format;
 (b) bt_hub: ``bt_hub.eval.features.extract_features`` from the files, as ``bt-hub eval`` runs it
-    (``--decode device``: workers read bytes, the device decodes, resizes and crops the batch,
-    the next batch prepared on a side stream on CUDA; ``--precision auto``: bf16 on GPUs and
-    on AMX / avx512_bf16 CPUs; channels-last);
+    (``--decode auto``: the decoders at hand timed on the first JPEGs, the faster one decoding on the device
+    with the workers decoding their measured share of each batch on CUDA, the faster one in the workers on a
+    CPU; the choice and why are printed first; workers read bytes, the device resizes and crops the batch, the
+    next batch prepared on a side stream on CUDA; ``--precision auto``: bf16 on GPUs and on AMX / avx512_bf16
+    CPUs; channels-last);
+(t) the same with ``--decode device``: torchvision's decoder on the device (nvJPEG on the GPU's SMs; on a CPU
+    PIL in the workers), no share for the workers;
+(n) the same with ``--decode nvimgcodec``: nvImageCodec on the device (the hardware JPEG engines where the GPU
+    has them; on a CPU its CPU backend in the workers), no share for the workers (skipped without it);
 (w) the same with ``--decode workers`` (PIL resize and crop per image in the workers);
 (s) the same from the files' decoded store (``--store``: decoded once, untimed; the test crops read back, on the
     GPU when they fit), what every kept step and seed of a learning curve after the first costs;
-(p) the device path phase by phase (ms a batch, the device synchronised between phases): read, copy and
-    decode, resize and crop, normalise, forward;
+(p) (b)'s device path phase by phase (ms a batch, the device synchronised between phases): read (and the
+    workers' share decoded), copy and decode, resize and crop, normalise, forward;
 (i) the input side alone: bt_hub's loader over the files (workers read bytes and hand over one
     tensor a batch), against the same loader handing over a list of tensors a batch (DataLoader's
     per-item transfer: one shared-memory block a file); files/s, no model;
@@ -51,13 +57,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # noqa: E402
 from pretrain_throughput import write_jpegs  # noqa: E402
 
+from bt_hub.common.optional import MissingDependencyError  # noqa: E402
 from bt_hub.data.datasets import build_dataset  # noqa: E402
-from bt_hub.data.decode import PackedItems, collate_packed  # noqa: E402
+from bt_hub.data.decode import Decoding, PackedItems, collate_packed, decode_choice, decoding_for, nvimgcodec  # noqa: E402
 from bt_hub.data.precision import autocast_dtype, resolve_precision  # noqa: E402
 from bt_hub.data.store import StoreView, open_store, store_device  # noqa: E402
 from bt_hub.eval.features import EncodedItems, extract_features  # noqa: E402
 from bt_hub.method.model import build_backbone  # noqa: E402
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms  # noqa: E402
+
+ROWS = "abtnwsicp"
 
 
 def _sync(device: torch.device) -> None:
@@ -87,15 +96,22 @@ def ceiling(args: argparse.Namespace, device: torch.device, precision: str) -> f
     return args.batch_size * args.steps / (time.perf_counter() - tick)
 
 
+def chosen_decoding(args: argparse.Namespace, data: Path, device: torch.device, decode: str) -> tuple[Decoding, str]:
+    """``--decode decode`` resolved as ``bt-hub eval`` resolves it (``auto``: timed, or read from its cache); why."""
+    chosen = decode_choice(decode, device, data, args.workers)
+    return decoding_for(chosen["decode"], device, chosen["decode_share"]), chosen["decode_reason"]
+
+
 def bt_hub_extraction(
     args: argparse.Namespace, data: Path, device: torch.device, precision: str, decode: str, store: bool = False
 ) -> float:
-    """(b): ``extract_features`` over the files, as ``bt-hub eval`` runs it with ``--decode decode``; images/s of the
-    timed pass. ``store``: (s), from the files' decoded store (made first, untimed, as a curve's first step does;
-    on the GPU as ``--store auto`` puts it)."""
+    """(b), (t), (n), (w): ``extract_features`` over the files, as ``bt-hub eval`` runs it with ``--decode decode``;
+    images/s of the timed pass. ``store``: (s), from the files' decoded store (made first, untimed, as a curve's
+    first step does; on the GPU as ``--store auto`` puts it)."""
     net = _backbone(args, device)
     dataset: torch.utils.data.Dataset = build_dataset(str(data), "train", image_size=None)
-    transform = DeviceEvalTransform(args.image_size) if decode == "device" else eval_transforms(args.image_size)
+    transform = eval_transforms(args.image_size) if decode == "workers" else DeviceEvalTransform(args.image_size)
+    decoding = chosen_decoding(args, data, device, decode)[0]
     if store:
         stored = open_store(dataset, StoreView.for_eval(transform), None, num_workers=args.workers)
         dataset = stored.to(where) if (where := store_device("auto", stored.nbytes, device)).type != "cpu" else stored
@@ -110,6 +126,7 @@ def bt_hub_extraction(
             num_workers=args.workers,
             precision=precision,
             desc="bt_hub",
+            decoding=decoding,
         )
 
     if not store:  # a store is read whole every pass; its warm-up pass is the same as the timed one
@@ -124,14 +141,16 @@ def bt_hub_extraction(
 
 
 def phases(args: argparse.Namespace, data: Path, device: torch.device, precision: str) -> str:
-    """(p): milliseconds a batch of the device path spends in each phase, timed one after another with the device
-    synchronised between them (no overlap, unlike (b)): the loader's read, the host-to-device copy and decode
-    (``to_device_images``), the resize and crop (one call a size group), the normalisation, the forward pass."""
+    """(p): milliseconds a batch of (b)'s device path spends in each phase, timed one after another with the device
+    synchronised between them (no overlap, unlike (b)): the loader's read (with the workers' share decoded), the
+    host-to-device copy and decode (``to_device_images``), the resize and crop (one call a size group), the
+    normalisation, the forward pass."""
     from bt_hub.data.decode import to_device_images
 
     net = _backbone(args, device).to(memory_format=torch.channels_last)
     transform = DeviceEvalTransform(args.image_size)
-    items = EncodedItems(build_dataset(str(data), "train", image_size=None), device.type == "cuda")
+    decoding = chosen_decoding(args, data, device, args.decode if args.decode != "workers" else "device")[0]
+    items = EncodedItems(build_dataset(str(data), "train", image_size=None), decoding)
     loader = DataLoader(items, batch_size=args.batch_size, num_workers=args.workers, collate_fn=_packed)
     amp = autocast_dtype(precision)
     totals = dict.fromkeys(("read", "copy + decode", "resize + crop", "normalise", "forward"), 0.0)
@@ -139,7 +158,7 @@ def phases(args: argparse.Namespace, data: Path, device: torch.device, precision
     tick = time.perf_counter()
     for i, packed in enumerate(loader):
         marks = [tick, time.perf_counter()]  # the wait for the loader's batch: its read
-        images = to_device_images(packed, device)
+        images = to_device_images(packed, device, decoding.device or "torchvision")
         _sync(device)
         marks.append(time.perf_counter())
         crops = transform.crop(images) if isinstance(images, torch.Tensor) else transform(images)
@@ -245,8 +264,10 @@ def main() -> None:
         "--reference-workers", type=int, nargs="+", default=None, help="(c) once per count (default: --workers)"
     )
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="(a) and (b)")
-    parser.add_argument("--decode", default="device", choices=["device", "workers"], help="(b)'s --decode")
-    parser.add_argument("--rows", default="abic", help="which of the rows a, b, w, s, i, c, p (phases) to run")
+    parser.add_argument(
+        "--decode", default="auto", choices=["auto", "device", "nvimgcodec", "workers"], help="(b)'s --decode"
+    )
+    parser.add_argument("--rows", default="abic", help="which of the rows a, b, t, n, w, s, i, c, p (phases) to run")
     parser.add_argument("--jpeg-size", default="500x375", help="WIDTHxHEIGHT of the generated JPEGs")
     parser.add_argument("--format", default="jpeg", choices=["jpeg", "png"], help="colour JPEGs or grey PNGs")
     parser.add_argument(
@@ -254,6 +275,10 @@ def main() -> None:
     )
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for eval_throughput.txt (default: $OUT)")
     args = parser.parse_args()
+    if set(args.rows) - set(ROWS):
+        parser.error(
+            f"--rows {args.rows}: unknown rows {''.join(sorted(set(args.rows) - set(ROWS)))}; the rows are {ROWS}"
+        )
     if os.environ.get("BT_HUB_PARSE_ONLY"):  # the CPU suite's check of benchmarks/gpu_check.sh's command lines
         print(f"{Path(__file__).name}: parsed (BT_HUB_PARSE_ONLY is set: nothing run)")
         return
@@ -274,6 +299,14 @@ def main() -> None:
         f"{torch.__version__}, {torch.get_num_threads()} threads\n{machine_line()}"
     )
     print(header, flush=True)
+    if set(args.rows) & set("bp"):  # auto's choice, timed now (or read from its cache) before any row
+        print(f"(b) decode: {chosen_decoding(args, data, device, args.decode)[1]}", flush=True)
+    if "n" in args.rows:
+        try:
+            print(f"(n) nvImageCodec {nvimgcodec().__version__}", flush=True)
+        except MissingDependencyError as err:
+            print(f"(n) skipped: {err}", flush=True)
+            args.rows = args.rows.replace("n", "")
     rows: dict[str, float] = {}
     reference = "fp16 autocast" if device.type == "cuda" else "fp32"
     runs = [
@@ -282,6 +315,16 @@ def main() -> None:
             "b",
             f"(b) bt_hub extract_features from files ({precision}, decode {args.decode})",
             lambda: bt_hub_extraction(args, data, device, precision, args.decode),
+        ),
+        (
+            "t",
+            f"(t) bt_hub extract_features from files ({precision}, decode device: torchvision)",
+            lambda: bt_hub_extraction(args, data, device, precision, "device"),
+        ),
+        (
+            "n",
+            f"(n) bt_hub extract_features from files ({precision}, decode nvimgcodec)",
+            lambda: bt_hub_extraction(args, data, device, precision, "nvimgcodec"),
         ),
         (
             "w",

@@ -8,12 +8,20 @@
 #                                                       # tests/test_gpu_scripts.py runs it in the CPU suite)
 #     GPU_CHECK_STRETCH=1 bash benchmarks/gpu_check.sh  # the stretch row (8.) alone: it does not fit beside the rest
 #
-# Installs bt_hub from this tree without network, then runs, each step under its own `timeout` (and all of them
-# under GPU_CHECK_SECONDS, 560 by default: a step that would start after it is skipped) and going on when one
-# fails or runs out of time, in the order of what is least known:
+# Installs bt_hub from this tree without network, and nvImageCodec from the wheels brought along in
+# benchmarks/wheels/ (git-ignored; the GPU machine has no network: fetch them beforehand, on any machine, with
+#     pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#         --platform manylinux2014_x86_64 -d benchmarks/wheels nvidia-nvimgcodec-cu13==0.9.0.20 nvidia-nvjpeg==13.3.2.43
+# , 29 MB, and carry the folder to the GPU machine; they are installed with pip install --no-index --no-deps
+# --target into a temporary folder put on PYTHONPATH; without them the (n) row is skipped and --decode auto times
+# torchvision alone), then runs, each step under its own `timeout` (and all of them under GPU_CHECK_SECONDS, 560
+# by default: a step that would start after it is skipped) and going on when one fails or runs out of time, in
+# the order of what is least known:
 #   1. pytest -m gpu (the CUDA tests)                                               -> pytest_gpu.txt
-#   2. evaluation throughput, ResNet-50, 224 px, 500x375 JPEGs: (a) model-only ceiling, (b) bt_hub from files,
-#      (s) bt_hub from the decoded store, (c) ImageFolder + PIL in 4 and in 16 workers -> eval_throughput.txt
+#   2. evaluation throughput, ResNet-50, 224 px, 500x375 JPEGs: (a) model-only ceiling, (b) bt_hub from files
+#      (--decode auto: the faster device decoder, the workers decoding their measured share of each batch),
+#      (t) the same decoded by torchvision's nvJPEG alone, (n) by nvImageCodec alone, (p) (b)'s phases, (s) bt_hub
+#      from the decoded store, (c) ImageFolder + PIL in 4 and in 16 workers          -> eval_throughput.txt
 #   3. the same for small images: ResNet-18 small stem, 32 px, 28-px grey PNGs: (a), (b), (s) -> eval_small.txt
 #   4. pretraining on 28-px grey PNGs, ResNet-18 small stem, 32 px: (a) ceiling, (b) bt_hub from a store in GPU
 #      memory (--store device), (f) with --store off (workers decode every epoch); the profiler's top rows of
@@ -65,7 +73,7 @@ if [[ "$DRY" == 1 ]]; then
     STRETCH_PRETRAIN="--batch-size 32 --projector 64-64 --epochs 1 --warmup-epochs 0 --keep-every 3"
     PROFILED=40  # seconds rows 4 and 5 get beside their BUDGET: the steps they profile after the timed ones
     ALL_ARCH=resnet18 ALL_PX=32 ALL_TRAIN=60 ALL_VAL=20 ALL_WORKERS=1 ALL_EPOCHS="--linear-epochs 10 --semi-epochs 1"
-    BUDGET=(60 60 40 60 60 150 90)
+    BUDGET=(60 90 40 60 60 150 90)
     export TORCH_COMPILE_DISABLE=1  # Inductor's C++ build of ResNet-18 alone outlasts the dry run on 2 cores
 else
     DEVICE=cuda
@@ -85,7 +93,7 @@ else
     PROFILED=15  # ~10 s of profiled steps, and row 5's 2 more timed steps
     # eval all: the paper presets, one label fraction, fine-tuning's 800-step floor at batch 64
     ALL_ARCH=resnet50 ALL_PX=224 ALL_TRAIN=500 ALL_VAL=100 ALL_WORKERS=8 ALL_EPOCHS="--fractions 10 --semi-batch-size 64"
-    BUDGET=(120 80 45 70 200 120 60)  # H200: the CUDA tests outgrew 70 s; compiles 108 + 71 s; eval all 18 s
+    BUDGET=(120 100 45 70 200 120 60)  # H200: the CUDA tests outgrew 70 s; compiles 108 + 71 s; eval all 18 s
 fi
 if [[ "$PARSE" == 1 ]]; then
     export BT_HUB_PARSE_ONLY=1  # bt-hub and the benchmark scripts parse their command lines and stop
@@ -126,12 +134,24 @@ else  # no setuptools that builds an editable install: the installed layout, cop
     export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
     echo "install: pip failed (above); a copy of the installed layout on PYTHONPATH" | tee -a "$OUT/machine.txt"
 fi
+WHEELS=("$BENCH"/wheels/*.whl)
+if [[ "$PARSE" == 1 || ! -e "${WHEELS[0]}" ]]; then
+    echo "nvImageCodec wheels: none in benchmarks/wheels (or a parse check); this Python's own, if any" |
+        tee -a "$OUT/machine.txt"
+elif "$PY" -m pip install -q --no-index --no-deps --target "$WORK/wheels" "${WHEELS[@]}" >>"$OUT/machine.txt" 2>&1; then
+    export PYTHONPATH="$WORK/wheels${PYTHONPATH:+:$PYTHONPATH}"
+    echo "nvImageCodec wheels: ${WHEELS[*]##*/} installed (--target, on PYTHONPATH)" | tee -a "$OUT/machine.txt"
+else
+    echo "nvImageCodec wheels: pip failed (above); this Python's own, if any" | tee -a "$OUT/machine.txt"
+fi
 {
     nvidia-smi -L || echo "nvidia-smi: not available"
     "$PY" -c "import sys, torch, torchvision; print('python', sys.version.split()[0], '| torch', torch.__version__,
 '| torchvision', torchvision.__version__, '| cuda', torch.version.cuda, '| GPU:',
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"
     "$PY" -c "import sys; sys.path.insert(0, '$BENCH'); import machine; print('CPU:', machine.cpu())"
+    "$PY" -c "from bt_hub.data.decode import nvimgcodec; print('nvImageCodec', nvimgcodec().__version__)" 2>&1 |
+        tail -1
     echo "logical CPUs: $(nproc); uptime: $(uptime)"
 } 2>&1 | tee -a "$OUT/machine.txt"
 
@@ -144,7 +164,7 @@ fi
 
 # ---------------------------------------------------------------------------- 2. evaluation throughput
 step "evaluation throughput" "${BUDGET[1]}" "$OUT/eval_throughput.txt" \
-    "$PY" "$BENCH/eval_throughput.py" --device "$DEVICE" "${EVAL_SIZES[@]}" --rows pabsc --out "$WORK/eval_throughput"
+    "$PY" "$BENCH/eval_throughput.py" --device "$DEVICE" "${EVAL_SIZES[@]}" --rows pabtnsc --out "$WORK/eval_throughput"
 
 # ---------------------------------------------------------------------------- 3. small-image extraction
 step "small-image extraction" "${BUDGET[2]}" "$OUT/eval_small.txt" \
@@ -297,7 +317,7 @@ small_eval, small_pretrain = rates("eval_small.txt"), rates("pretrain_small.txt"
 lines = ["# GPU check (issues 28, 33 and 42)", ""]
 if dry:
     lines += ["**Dry run on the CPU at tiny sizes: the numbers say only that every step ran.**", ""]
-keep = ("gpu_check", "GPU ", "python ", "CPU:", "logical", "install:")
+keep = ("gpu_check", "GPU ", "python ", "CPU:", "logical", "install:", "nvImageCodec")
 lines += [f"    {line}" for line in read("machine.txt").splitlines() if line.startswith(keep)]
 lines += ["", f"Total wall time: {total} s.", "", "| step | exit | seconds | timeout |", "|---|---|---|---|"]
 for row in steps.read_text().splitlines() if steps.exists() else []:
@@ -308,7 +328,9 @@ lines += ["", f"pytest -m gpu: {tests[-1] if tests else 'no result line (pytest_
 lines += ["| ratio (one run, one machine) | measured | target | met |", "|---|---|---|---|"]
 b = pick(extraction, "(b)")
 c4 = pick(extraction, "(c)", " 4 workers") or (pick(extraction, "(c)") if dry else None)
-lines.append(f"| 224-px JPEG extraction (b)/(a) | {ratio(b, pick(extraction, '(a)'), 0.5)} |")
+lines.append(f"| 224-px JPEG extraction (b, --decode auto)/(a) | {ratio(b, pick(extraction, '(a)'), 0.5)} |")
+for row, name in (("(t)", "torchvision"), ("(n)", "nvimgcodec")):
+    lines.append(f"| 224-px JPEG extraction ({row[1]}, {name} alone)/(a) | {ratio(pick(extraction, row), pick(extraction, '(a)'), 0.5)} |")
 lines.append(f"| 224-px JPEG extraction from the store (s)/(a) | {ratio(pick(extraction, '(s)'), pick(extraction, '(a)'), 0.9)} |")
 lines.append(f"| 224-px JPEG extraction (b)/(c at 4 workers) | {ratio(b, c4, 2)} |")
 lines.append(f"| small-image extraction (b)/(a) | {ratio(pick(small_eval, '(b)'), pick(small_eval, '(a)'), 0.9)} |")

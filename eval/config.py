@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Literal
 from bt_hub.common.config import REQUIRED, RunConfig, check_image_size, option, out_field
 from bt_hub.common.presets import overrides, preset_values
 from bt_hub.common.runs import check_run_dir
+from bt_hub.data.decode import nvimgcodec
 from bt_hub.method.model import ARCHITECTURES
 
 DEFAULT_IMAGE_SIZE = 224  # the paper's crop, used when neither --image-size nor the weights' config.json gives one
@@ -107,11 +108,15 @@ class EvalConfig(RunConfig):
         "fp32 and bf16 on a micro-benchmark timed once per CPU model (the choice and both times are recorded in "
         "results.json)",
     )
-    decode: Literal["device", "workers"] = option(
-        "device",
+    decode: Literal["auto", "device", "nvimgcodec", "workers"] = option(
+        "auto",
         "feature extraction's input pipeline: 'device' (workers read bytes; --device decodes, resizes, "
-        "crops and normalises the batch, as pretraining does; on the CPU too, where it leaves the cores to the "
-        "model: benchmarks/eval_throughput.py) or 'workers' (PIL per image in the workers)",
+        "crops and normalises the batch, as pretraining does, JPEGs with torchvision's nvJPEG on CUDA; on the CPU "
+        "the workers decode with PIL), 'nvimgcodec' (the same with nvImageCodec, on the GPU's hardware JPEG engines "
+        "where it has them, its CPU backend in the workers on a CPU; pip install 'bt_hub[nvimgcodec]'), 'workers' "
+        "(PIL per image in the workers); auto: the decoders at hand timed on the data's first JPEGs once per "
+        "machine, the faster one, and on CUDA the workers decoding the share of each batch that keeps pace with "
+        "the GPU (the choice and the rates are recorded in results.json)",
     )
 
     store: Literal["auto", "off", "disk", "device"] = option(
@@ -131,6 +136,8 @@ class EvalConfig(RunConfig):
         super().__post_init__()
         if self.precision == "fp16" and not self.device.startswith("cuda"):
             raise ValueError("--precision fp16 needs --device cuda; use bf16 on the CPU")
+        if self.decode == "nvimgcodec":
+            nvimgcodec()  # a missing extra is refused here, before the run claims --out
         if self.cache_dtype not in ("float32", "float16"):
             raise ValueError(f"--cache-dtype must be 'float32' or 'float16', got {self.cache_dtype!r}")
         if self.holdout is not None and not 0 < self.holdout < 1:

@@ -32,9 +32,11 @@ import numpy as np
 from bt_hub.common.config import RunConfig, check_image_size, option, out_field
 from bt_hub.common.files import atomic_write_json, atomic_write_text
 from bt_hub.common.presets import from_preset, preset_values
+from bt_hub.common.progress import announce
 from bt_hub.common.records import SCHEMA
 from bt_hub.common.runs import LOCK_NAME, MARKER_NAME, check_run_dir, claimed_run_dir, package_version
 from bt_hub.data.datasets import build_dataset
+from bt_hub.data.precision import STEP_IMAGES, STEP_SIDE, precision_choice
 from bt_hub.eval.comparison import CompareConfig, compare_and_write
 from bt_hub.eval.comparison_report import Comparison, comparison_summary, render_markdown
 from bt_hub.eval.knn import KnnConfig
@@ -46,11 +48,15 @@ from bt_hub.train.report import run_plots
 DIGITS = preset_values(PretrainConfig, "digits")
 # The demo's flags that bt-hub eval compare takes as they are, under the same names.
 COMPARE_FLAGS = ("overwrite", "device", "seed", "image_size", "small_image_stem", "knn_k", "linear_epochs")
+# Scoring the curve takes about 6% of the pretraining's time (the default 2 runs on a 2-core AVX-512 EPYC, bf16: 14 s
+# after 262 s).
+SCORING_SHARE = 0.06
 
 
 @dataclass
 class DemoConfig(RunConfig):
-    """Flags of ``bt-hub demo``; the defaults are sized to finish in about five minutes on two idle CPU cores."""
+    """Flags of ``bt-hub demo``; the defaults are sized to finish in minutes on two idle CPU cores (5 to 17 on the
+    EPYCs README.md names; the demo says at its start how long here)."""
 
     out: str = out_field("demo_out", "output directory: report.md, PNG plots, results.json, compare/, pretrain*/")
     # the demo's timings are stated for two threads
@@ -126,6 +132,16 @@ def curve_steps(config: DemoConfig) -> list[int]:
     last = config.max_steps or config.epochs * per_epoch
     first = min(per_epoch, last)
     return sorted({int(round(s)) for s in np.geomspace(first, last, config.curve_points)})
+
+
+def expected_seconds(config: DemoConfig, step_s: float) -> float:
+    """How long the demo takes where ``--precision auto``'s ResNet-18 step took ``step_s``: each pretraining step of
+    each run costs that step times the ratio of the pixels the residual blocks see, 2 views of ``--batch-size``
+    images at ``--image-size`` (whole through the 3x3 stem, a quarter of the side through the 7x7/2 stem and
+    max-pool) against the micro-benchmark's 16 images of 64 px through the latter; scoring adds ``SCORING_SHARE``."""
+    side = config.image_size if config.small_image_stem else config.image_size / 4
+    per_step = step_s * 2 * config.batch_size * side**2 / (STEP_IMAGES * (STEP_SIDE / 4) ** 2)
+    return per_step * curve_steps(config)[-1] * config.pretrain_seeds * (1 + SCORING_SHARE)
 
 
 def _pretrain(config: DemoConfig, directory: Path, seed: int, keep: list[int]) -> Path:
@@ -243,10 +259,26 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         return _demo(config, out)
 
 
+def _say_how_long(config: DemoConfig, steps: int) -> None:
+    """One line before any work: how long the demo takes here, from the step ``--precision auto`` timed on a CPU
+    (pretraining's own choice, so it is timed once and then read from its cache)."""
+    chosen = precision_choice("auto", config.device)
+    step_s = chosen.get(f"precision_{chosen['precision']}_s")
+    if step_s is None:  # a GPU: nothing timed
+        return
+    seconds, n = expected_seconds(config, step_s), config.pretrain_seeds
+    took = f"{seconds / 60:.0f} minutes" if seconds >= 90 else f"{seconds:.0f} s"
+    announce(
+        f"bt-hub demo: about {took} on this machine ({n} pretraining run{'s' * (n > 1)} of {steps} steps, then "
+        f"scoring), from --precision auto's ResNet-18 step of {step_s:.3g} s in {chosen['precision']} here"
+    )
+
+
 def _demo(config: DemoConfig, out: Path) -> dict[str, Any]:
     timings: dict[str, float] = {}
     tick = start = time.perf_counter()
     keep = curve_steps(config)
+    _say_how_long(config, keep[-1])
     runs = [
         _pretrain(config, out / ("pretrain" if i == 0 else f"pretrain-seed{config.seed + i}"), config.seed + i, keep)
         for i in range(config.pretrain_seeds)

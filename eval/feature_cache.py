@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -15,7 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from bt_hub.common.files import atomic_write, file_sha256
+from bt_hub.common.artifacts import Segments, content_key, entry_problem, file_entry, recorded_segments
+from bt_hub.common.files import atomic_write
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class FeatureCache:
             "dtype": dtype,
             "precision": precision,
         }
-        return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:24]
+        return content_key(record)[:24]
 
     def paths(self, key: str) -> tuple[Path, Path, Path]:
         """(features .npy, labels .npy, meta .json) for a key; the meta file is written last."""
@@ -69,16 +69,12 @@ def cache_problem(meta_path: Path, key: str) -> str | None:
     if meta.get("key") != key or not isinstance(files, dict) or set(files) != {"features", "labels"}:
         return f"{meta_path} does not record the checksums of key {key} (written by another bt_hub version?)"
     for entry in files.values():
+        problem = entry_problem(meta_path.parent, entry)
+        if problem is not None:
+            return problem
         path = meta_path.parent / str(entry.get("file"))
         try:
-            size = path.stat().st_size
-            if size != entry.get("bytes"):
-                return f"{path} is {size} bytes, {entry.get('bytes')} were written (truncated or changed)"
-            if file_sha256(path) != entry.get("sha256"):
-                return f"{path} does not match the sha256 recorded when it was written (changed since)"
             array = np.load(path, mmap_mode="r", allow_pickle=False)
-        except FileNotFoundError:
-            return f"{path} is missing"
         except (OSError, ValueError) as err:
             return f"{path} cannot be read ({err})"
         if list(array.shape) != entry.get("shape") or str(array.dtype) != entry.get("dtype"):
@@ -92,136 +88,57 @@ def read_cache(features_path: Path, labels_path: Path) -> tuple[np.ndarray, torc
     return features, torch.from_numpy(np.load(labels_path, allow_pickle=False))
 
 
-def write_cache(
-    chunks: Iterator[tuple[torch.Tensor, torch.Tensor]], n: int, dtype: np.dtype, features_path: Path, labels_path: Path
-) -> dict[str, dict[str, Any]]:
-    """Stream feature chunks into an .npy file atomically; return its name, bytes, sha256, shape and dtype."""
-    first_features, first_labels = next(chunks)
-    labels = [first_labels]
-    digest = hashlib.sha256()
-    size = 0
-
-    def write(f: io.BufferedWriter) -> None:
-        nonlocal size
-        for block in _feature_bytes(first_features, chunks, labels, n, dtype):
-            digest.update(block)
-            size += len(block)
-            f.write(block)
-
-    atomic_write(features_path, write)
-    buf = io.BytesIO()
-    label_array = torch.cat(labels).numpy()
-    np.save(buf, label_array, allow_pickle=False)
-    atomic_write(labels_path, lambda f: f.write(buf.getvalue()))
-    return {
-        "features": {
-            "file": features_path.name,
-            "bytes": size,
-            "sha256": digest.hexdigest(),
-            "shape": [n, int(first_features.shape[1])],
-            "dtype": str(dtype),
-        },
-        "labels": {
-            "file": labels_path.name,
-            "bytes": len(buf.getvalue()),
-            "sha256": hashlib.sha256(buf.getvalue()).hexdigest(),
-            "shape": list(label_array.shape),
-            "dtype": str(label_array.dtype),
-        },
-    }
-
-
-def _feature_bytes(
-    first: torch.Tensor,
-    rest: Iterator[tuple[torch.Tensor, torch.Tensor]],
-    labels: list[torch.Tensor],
-    n: int,
-    dtype: np.dtype,
-) -> Iterator[bytes]:
-    """The .npy header, then every chunk's rows as ``dtype`` bytes; the chunks' labels are appended to ``labels``."""
-    yield _npy_header((n, first.shape[1]), dtype)
-    yield first.numpy().astype(dtype).tobytes()
-    for feats, labs in rest:
-        yield feats.numpy().astype(dtype).tobytes()
-        labels.append(labs)
-
-
 PART_ROWS = 8192  # rows of each checksummed part an extraction in progress keeps (whole batches)...
 PART_SECONDS = 30.0  # ...or fewer: the batches of this many seconds, so an interruption loses at most about that
 
 
-class Parts:
-    """The checksummed parts of an extraction in progress: what a cut run kept, and where a rerun continues.
-
-    Each ``<key>.part<first row>.npz`` holds whole global batches and is listed with its sha256 in
-    ``<key>.parts.json``; a rerun continues after the last good part, so its features equal, bit for bit,
-    an uninterrupted extraction's.
+class Extraction:
+    """An extraction in progress, written straight into its features file: ``<key>.features.npy.partial`` holds the
+    ``.npy`` header and the rows so far, in checksummed parts (:class:`~bt_hub.common.artifacts.Segments`, whose
+    items are the rows' labels) of whole global batches, so a rerun continues after the last good part with
+    features equal, bit for bit, to an uninterrupted extraction's. :meth:`finish` renames the file into place.
     """
 
-    def __init__(self, cache: FeatureCache, key: str, global_batch: int, dtype: np.dtype) -> None:
-        self.directory, self.key, self.global_batch, self.dtype = Path(cache.directory), key, global_batch, dtype
-        self.index = self.directory / f"{key}.parts.json"
-        self.parts: list[dict[str, Any]] = []
+    def __init__(self, cache: FeatureCache, key: str, global_batch: int, dtype: np.dtype, n: int) -> None:
+        self.features_path, self.labels_path, _ = cache.paths(key)
+        self.dtype, self.n = np.dtype(dtype), n
+        partial = self.features_path.with_name(self.features_path.name + ".partial")
+        self.parts = Segments(partial, content_key(key, global_batch, str(self.dtype)))
 
     def resume(self) -> int:
-        """The first row still to extract: after the listed parts whose files still hold what was written."""
-        try:
-            listed = json.loads(self.index.read_text())
-        except (OSError, ValueError):
-            listed = {}
-        if listed.get("global_batch") != self.global_batch or listed.get("dtype") != str(self.dtype):
-            listed = {}
-        for part in listed.get("parts", []):
-            path = self.directory / part["file"]
-            if part["first"] != self.rows or not path.is_file() or file_sha256(path) != part["sha256"]:
-                break
-            self.parts.append(part)
-        return self.rows
-
-    @property
-    def rows(self) -> int:
-        """Rows the kept parts hold."""
-        return self.parts[-1]["stop"] if self.parts else 0
+        """The first row still to extract: after the parts whose bytes are what was written."""
+        Path(self.features_path).parent.mkdir(parents=True, exist_ok=True)
+        return len(self.parts.open().items)
 
     def extend(self, chunks: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write ``chunks`` (the batches from :meth:`resume`'s row on) as parts, each listed once it is whole.
+        """Write ``chunks`` (the batches from :meth:`resume`'s row on), closing a part at ``PART_ROWS`` rows or
+        ``PART_SECONDS`` after the previous one, whichever comes first (a slow extraction of 8192 rows took minutes,
+        all lost to a Ctrl-C); a part always holds whole global batches."""
+        rows, since = 0, time.monotonic()
+        for features, labels in chunks:
+            header = _npy_header((self.n, features.shape[1]), self.dtype) if self.parts.size == 0 else b""
+            self.parts.write(header + features.numpy().astype(self.dtype).tobytes(), labels.tolist())
+            rows += len(features)
+            if rows >= PART_ROWS or time.monotonic() - since >= PART_SECONDS:
+                self.parts.commit()
+                rows, since = 0, time.monotonic()
+        self.parts.commit()
 
-        A part closes at ``PART_ROWS`` rows or ``PART_SECONDS`` after the previous one, whichever comes first (a
-        slow extraction of 8192 rows took minutes, all lost to a Ctrl-C); it always holds whole global batches.
-        """
-        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-        since = time.monotonic()
-        for chunk in chunks:
-            pending.append(chunk)
-            if sum(len(f) for f, _ in pending) >= PART_ROWS or time.monotonic() - since >= PART_SECONDS:
-                self._write(pending)
-                pending, since = [], time.monotonic()
-        if pending:
-            self._write(pending)
-
-    def _write(self, chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        features = torch.cat([f for f, _ in chunks]).numpy().astype(self.dtype)
-        labels = torch.cat([lab for _, lab in chunks]).numpy()
+    def finish(self) -> dict[str, dict[str, Any]]:
+        """Rename the whole features file into place beside its labels; their names, bytes, sha256, shapes and
+        dtypes, for the meta file that the caller writes last."""
+        self.parts.close()
+        labels = np.asarray(self.parts.items, dtype=np.int64)
         buffer = io.BytesIO()
-        np.savez(buffer, features=features, labels=labels)
-        data = buffer.getvalue()
-        path = atomic_write(self.directory / f"{self.key}.part{self.rows}.npz", lambda f: f.write(data))
-        sha = hashlib.sha256(data).hexdigest()
-        self.parts.append({"file": path.name, "first": self.rows, "stop": self.rows + len(features), "sha256": sha})
-        listing = {"global_batch": self.global_batch, "dtype": str(self.dtype), "parts": self.parts}
-        atomic_write(self.index, lambda f: f.write(json.dumps(listing).encode()))
-
-    def read(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Every part's (features, labels) in row order, as ``write_cache`` takes them."""
-        for part in self.parts:
-            with np.load(self.directory / part["file"], allow_pickle=False) as data:
-                yield torch.from_numpy(data["features"]), torch.from_numpy(data["labels"])
-
-    def remove(self) -> None:
-        """Delete the parts and their list once the whole features file is written (bt_hub's own names only)."""
-        for part in self.parts:
-            (self.directory / part["file"]).unlink(missing_ok=True)
-        self.index.unlink(missing_ok=True)
+        np.save(buffer, labels, allow_pickle=False)
+        atomic_write(self.labels_path, lambda f: f.write(buffer.getvalue()))
+        os.replace(self.parts.path, self.features_path)
+        self.parts.record.unlink(missing_ok=True)
+        features = np.load(self.features_path, mmap_mode="r", allow_pickle=False)
+        return {
+            name: {**file_entry(path), "shape": list(array.shape), "dtype": str(array.dtype)}
+            for name, path, array in (("features", self.features_path, features), ("labels", self.labels_path, labels))
+        }
 
 
 def kept_features(directory: str | os.PathLike, since: float) -> tuple[list[int], list[int]]:
@@ -235,10 +152,7 @@ def kept_features(directory: str | os.PathLike, since: float) -> tuple[list[int]
                 whole.append(int(json.loads(meta.read_text(encoding="utf-8"))["num_samples"]))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    for index in sorted(directory.glob("*.parts.json")):
-        try:
-            parts = json.loads(index.read_text(encoding="utf-8"))["parts"]
-            partial += [int(parts[-1]["stop"])] if parts else []
-        except (OSError, ValueError, KeyError, TypeError, IndexError):
-            continue
+    for record in sorted(directory.glob("*.features.npy.partial.progress.jsonl")):
+        rows = sum(len(segment["items"]) for segment in recorded_segments(record))
+        partial += [rows] if rows else []
     return whole, partial

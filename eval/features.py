@@ -57,12 +57,20 @@ from bt_hub.common.files import atomic_write_json, file_sha256
 from bt_hub.common.progress import progress
 from bt_hub.common.signals import ignore_group_signals
 from bt_hub.data.datasets import to_uint8_tensor
-from bt_hub.data.decode import EncodedImage, PackedItems, collate_packed, to_device_images, worker_item
+from bt_hub.data.decode import (
+    Decoding,
+    EncodedImage,
+    PackedItems,
+    collate_packed,
+    decoding_for,
+    to_device_images,
+    worker_item,
+)
 from bt_hub.data.precision import autocast_dtype
 from bt_hub.data.prefetch import Prefetcher
 from bt_hub.data.store import DecodedImages, StoreView, rows
 from bt_hub.eval.config import EvalWarning
-from bt_hub.eval.feature_cache import CACHE_MISSING, FeatureCache, Parts, cache_problem, read_cache, write_cache
+from bt_hub.eval.feature_cache import CACHE_MISSING, Extraction, FeatureCache, cache_problem, read_cache
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms
 
 Pool = Literal["avg", "voc_res5"]
@@ -196,11 +204,11 @@ def _global_batches(n: int, batch_size: int, world_size: int, rank: int, first: 
 
 
 class EncodedItems(Dataset):
-    """``(image, label)`` for the device path: a file's bytes that ``device_decoder`` takes, else the image decoded
-    in the loader worker (:func:`bt_hub.data.decode.worker_item`), or in-memory pixels, as a uint8 tensor."""
+    """``(image, label)`` for the device path: a file's bytes that ``decoding`` leaves to the device, else the image
+    decoded in the loader worker (:func:`bt_hub.data.decode.worker_item`), or in-memory pixels, as a uint8 tensor."""
 
-    def __init__(self, dataset: Dataset, device_decoder: bool = False) -> None:
-        self.dataset, self.device_decoder = dataset, device_decoder
+    def __init__(self, dataset: Dataset, decoding: Decoding | None = None) -> None:
+        self.dataset, self.decoding = dataset, decoding or Decoding()
         resized = getattr(dataset, "image_size", None) is not None
         self.samples = None if resized else getattr(dataset, "samples", None)
 
@@ -210,7 +218,7 @@ class EncodedItems(Dataset):
     def __getitem__(self, index: int) -> tuple[EncodedImage | torch.Tensor, Any]:
         if self.samples is not None:
             path, label = self.samples[index][:2]
-            return worker_item(path, self.device_decoder), label
+            return worker_item(path, self.decoding, index), label
         image, label = self.dataset[index][:2]
         return (image if isinstance(image, torch.Tensor) else to_uint8_tensor(image)), label
 
@@ -231,14 +239,17 @@ def iter_feature_batches(
     desc: str = "features",
     precision: str = "fp32",
     first: int = 0,
+    decoding: Decoding | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield ``(features float32 [b, F], labels)`` on CPU, consecutive chunks in dataset order.
 
     ``first`` (a multiple of the global batch) starts at that row with the batches a run from row 0 has there.
+    ``decoding``: who decodes the files of the device path (default: torchvision on CUDA, the workers on a CPU).
     """
     if pool not in ("avg", "voc_res5"):
         raise ValueError(f"pool {pool!r} is unknown; expected 'avg' or 'voc_res5'")
     device = torch.device(device)
+    decoding = decoding or decoding_for("device", device)
     n, world = len(dataset), get_world_size()
     on_device = isinstance(transform, DeviceEvalTransform)
     indices = _global_batches(n, batch_size, world, get_rank(), first)
@@ -259,7 +270,7 @@ def iter_feature_batches(
     else:
         source = progress(
             DataLoader(
-                EncodedItems(dataset, device.type == "cuda") if on_device else TransformedDataset(dataset, transform),
+                EncodedItems(dataset, decoding) if on_device else TransformedDataset(dataset, transform),
                 batch_sampler=indices,
                 num_workers=num_workers,
                 pin_memory=device.type == "cuda",
@@ -272,7 +283,10 @@ def iter_feature_batches(
 
         def prepare(batch: tuple[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
             images, labels = batch
-            images = transform(to_device_images(images, device)) if on_device else images.to(device, non_blocking=True)
+            if on_device:
+                images = transform(to_device_images(images, device, decoding.device or "torchvision"))
+            else:
+                images = images.to(device, non_blocking=True)
             return images.contiguous(memory_format=torch.channels_last), torch.as_tensor(labels).to(device)
 
     amp = autocast_dtype(precision)
@@ -335,7 +349,8 @@ def extract_features(
     """Features and labels of a frozen backbone over a dataset of ``(image, label)``, in dataset order.
 
     ``options`` are :func:`extract_with_source`'s (``transform``, ``pool``, ``batch_size``, ``device``,
-    ``num_workers``, ``cache``, ``dtype``, ``desc``, ``precision``). ``transform`` defaults to ``eval_transforms(224)``.
+    ``num_workers``, ``cache``, ``dtype``, ``desc``, ``precision``, ``decoding``). ``transform`` defaults to
+    ``eval_transforms(224)``.
     With a ``cache`` they are stored under a key of all that changes them and returned as a read-only memmap; a
     cached file that fails its checks is computed again.
     """
@@ -356,6 +371,7 @@ def extract_with_source(
     desc: str = "features",
     precision: str = "fp32",
     stored: Callable[[], Dataset] | None = None,
+    decoding: Decoding | None = None,
 ) -> tuple[torch.Tensor | np.ndarray, torch.Tensor, str]:
     """``extract_features`` and where the features came from: ``computed`` or ``cached <key>``.
 
@@ -378,6 +394,7 @@ def extract_with_source(
         desc=desc,
         precision=precision,
         first=first,
+        decoding=decoding,
     )
     if cache is None:
         chunks = list(batches())
@@ -390,12 +407,11 @@ def extract_with_source(
         return read_cache(features_path, labels_path) + (f"cached {key}",)
     if problem != CACHE_MISSING:
         warnings.warn(f"feature cache {problem}; computing the features again", EvalWarning, stacklevel=3)
-    parts = Parts(cache, key, batch_size * get_world_size(), np.dtype(dtype))
-    first = int(broadcast_object(parts.resume() if is_main_process() else 0))  # rows a cut run already kept
+    extraction = Extraction(cache, key, batch_size * get_world_size(), np.dtype(dtype), len(dataset))
+    first = int(broadcast_object(extraction.resume() if is_main_process() else 0))  # rows a cut run already kept
     if is_main_process():
-        parts.extend(batches(first))
-        files = write_cache(parts.read(), len(dataset), np.dtype(dtype), features_path, labels_path)
-        parts.remove()  # before the meta file that makes the cache whole: a kill between them leaves no part for good
+        extraction.extend(batches(first))
+        files = extraction.finish()
         atomic_write_json(
             meta_path,
             {

@@ -20,14 +20,16 @@ from bt_hub.common.artifacts import READ_ONLY, not_writable
 from bt_hub.common.distributed import broadcast_object, is_main_process, process_group
 from bt_hub.common.files import WriteError, atomic_write_json, remove_stale_temp_files
 from bt_hub.common.presets import overrides
+from bt_hub.common.progress import announce
 from bt_hub.common.records import FROM_WEIGHTS, SCHEMA, Record, make_record
 from bt_hub.common.runs import claim_run_dir, claimed_run_dir, config_dict
+from bt_hub.data.decode import decode_choice, decoding_for
 from bt_hub.data.precision import precision_choice
 from bt_hub.data.store import DecodedImages, StoreView, fits_auto, open_store, store_device
 from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalWarning
 from bt_hub.eval.feature_cache import FeatureCache
 from bt_hub.eval.features import Pool, architecture_fingerprint, extract_with_source
-from bt_hub.eval.report import PaperRow, Table, append_results, check_history
+from bt_hub.eval.report import PaperRow, Table, append_results, check_history, load_results
 from bt_hub.eval.splits import Splits, load_splits
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms
 
@@ -52,6 +54,8 @@ class Settings:
     normalisation_from: str = "default"
     weights_run: str | None = None  # the id of the pretraining run the weights came from, where they say it
     precision_from: str = "default"  # --precision, or why auto chose it (on a CPU: both measured times)
+    decode_from: str = "default"  # --decode, or why auto chose it (the decoders' measured rates)
+    decode_share: float = 0.0  # the fraction of the device's JPEGs that the loader workers decode (auto on CUDA)
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as a JSON-ready dict."""
@@ -117,6 +121,18 @@ def _normalisation(info: Mapping[str, Any], weights: str) -> str:
     return "weights metadata"
 
 
+def decode_settings(config: Any, device: torch.device) -> dict[str, Any]:
+    """``decode``, ``decode_from`` and ``decode_share`` of the run: ``--decode`` resolved on the main process
+    (:func:`bt_hub.data.decode.decode_choice`: ``auto`` times the decoders there) and shared with every rank."""
+    chosen = broadcast_object(
+        decode_choice(config.decode, device, config.data, config.num_workers) if is_main_process() else None
+    )
+    reason = (
+        chosen["decode_reason"] if config.decode == "auto" else config.given_from("decode", chosen["decode_reason"])
+    )
+    return {"decode": chosen["decode"], "decode_from": reason, "decode_share": chosen["decode_share"]}
+
+
 def resolve_settings(config: Any, weights: LoadedWeights, device: torch.device) -> Settings:
     """The run's :class:`Settings`: the config's flags where given, else what the weights say of themselves."""
     info = weights.info
@@ -142,7 +158,7 @@ def resolve_settings(config: Any, weights: LoadedWeights, device: torch.device) 
         image_size_from=size_from,
         precision=chosen["precision"],
         precision_from=chosen["precision_reason"],
-        decode=config.decode,
+        **decode_settings(config, device),
         device=str(device),
         arch_from=str(source["architecture"] or "default"),
         small_image_stem_from=str(source["small_image_stem"] or "default"),
@@ -216,14 +232,15 @@ class EvalRun:
         """The same weights, settings and splits under another protocol's config and folder (``eval all``)."""
         if out is not None and is_main_process():
             claim_run_dir(out, overwrite=config.overwrite, kind="eval")
-        settings = dataclasses.replace(self.settings, decode=config.decode)
+        same = config.decode == self.config.decode  # eval all's children: resolved (and timed) once
+        settings = self.settings if same else dataclasses.replace(self.settings, **decode_settings(config, self.device))
         shared = {"reuses_splits": self.reuses_splits, "_splits": self._splits, "_stores": self._stores}
         return EvalRun(config, out, self.device, self.all_weights, settings, **shared)
 
     def transform(self) -> Callable[[Any], torch.Tensor]:
-        """The test transform at the run's image size: on the device (``--decode device``) or PIL in the workers."""
+        """The test transform at the run's image size: on the device, or PIL in the workers (``--decode workers``)."""
         size = self.settings.image_size
-        return DeviceEvalTransform(size) if self.settings.decode == "device" else eval_transforms(size)
+        return eval_transforms(size) if self.settings.decode == "workers" else DeviceEvalTransform(size)
 
     def decoded(self, split: str) -> Dataset:
         """The split's images from its decoded store (``--store``, see :mod:`bt_hub.data.store`), made once per run
@@ -295,6 +312,7 @@ class EvalRun:
                 desc=f"features {name}",
                 precision=self.settings.precision,
                 stored=stored,
+                decoding=decoding_for(self.settings.decode, self.device, self.settings.decode_share),
             )
         except WriteError as err:  # a feature cache on read-only storage: what is whole there was read
             if cache_dir and err.errno in READ_ONLY:
@@ -340,6 +358,13 @@ class EvalRun:
             settings=self.settings,
         )
 
+    def finished(self) -> Record | None:
+        """The newest record in the run's folder that this run would write again (:func:`_same_run`), or None."""
+        if self.out is None:
+            return None
+        planned = _same_run(self.record(Scored({}, dataset={}), wall_time_s=0.0))
+        return next((r for r in reversed(load_results(self.out)[0]) if _same_run(r) == planned), None)
+
     def write(self, records: Sequence[Record], summary: Mapping[str, Any] | None = None) -> None:
         """:func:`write_records` into the run's folder (nothing without one, or off the main process)."""
         if self.out is not None and is_main_process():
@@ -383,6 +408,22 @@ def build_record(
     if settings is not None:
         record["settings"] = settings.as_dict()
     return record
+
+
+# what a record says of where or how it ran, not of what it computed: the weights are compared by sha256, the
+# features' cache and a value's source (``*_from``: a flag, the weights, the cache of a measurement) are not
+NOT_SETTINGS = ("features", "weights", "out", "overwrite", "threads", "config_file", "num_workers", "cache_dir")
+
+
+def _same_run(record: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What makes two records one run: the protocol, the weights' sha256, the resolved settings and the
+    hyper-parameters, less ``NOT_SETTINGS`` and the ``*_from`` sources (``eval all`` skips a run it finds)."""
+
+    def kept(block: Mapping[str, Any] | None) -> dict[str, Any]:
+        return {k: v for k, v in (block or {}).items() if k not in NOT_SETTINGS and not k.endswith("_from")}
+
+    fingerprint = (record.get("weights") or {}).get("fingerprint")
+    return record.get("protocol"), fingerprint, kept(record.get("settings")), kept(record.get("hyperparameters"))
 
 
 def write_records(out: str | Path, records: Sequence[Record], summary: Mapping[str, Any] | None = None) -> None:
@@ -437,6 +478,15 @@ def run_protocol(config: Any, score: Callable[[EvalRun], Scored]) -> Record:
         return _score_and_write(run, score)
 
 
-def run_child(parent: EvalRun, config: Any, score: Callable[[EvalRun], Scored]) -> Record:
-    """One protocol of ``eval all`` on the parent's weights and settings, in its own folder ``config.out``."""
-    return _score_and_write(parent.child(config, Path(config.out) if config.out is not None else None), score)
+def run_child(parent: EvalRun, config: Any, score: Callable[[EvalRun], Scored], *, rerun: bool = False) -> Record:
+    """One protocol of ``eval all`` on the parent's weights and settings, in its own folder ``config.out``; a record
+    of the same run there (:meth:`EvalRun.finished`) is returned instead, with a line saying so, unless ``rerun``."""
+    run = parent.child(config, Path(config.out) if config.out is not None else None)
+    done = None if rerun else broadcast_object(run.finished() if is_main_process() else None)
+    if done is None:
+        return _score_and_write(run, score)
+    announce(
+        f"bt-hub eval all: {done['protocol']} in {run.out} finished before with the same weights and settings; "
+        "skipped (--rerun runs it again)"
+    )
+    return done

@@ -17,7 +17,7 @@ from PIL import Image
 from torch.utils.data import Dataset, Subset
 
 from bt_hub.common.files import file_sha256
-from bt_hub.data.datasets import SPLITS, ArrayImageDataset, build_dataset
+from bt_hub.data.datasets import SPLITS, ArrayImageDataset, build_dataset, is_builtin
 from bt_hub.eval.config import EvalWarning
 from bt_hub.eval.features import dataset_fingerprint
 from bt_hub.eval.label_subsets import balanced_subset_indices
@@ -49,11 +49,6 @@ class Splits:
         # PIL (w, h); tensors C x H x W
         size = image.size if isinstance(image, Image.Image) else tuple(np.asarray(image).shape[-2:])
         return int(min(size))
-
-
-def is_builtin(data: str) -> bool:
-    """``digits`` and ``synthetic[:N]``: datasets made in memory, with their own held-out part."""
-    return data == "digits" or data == "synthetic" or data.startswith("synthetic:")
 
 
 def load_splits(
@@ -132,7 +127,7 @@ def check_scorable(data: str, train: Dataset, test: Dataset, test_name: str, *, 
     if not len(train) or not (len(test) or test_name == "none"):
         hint = (
             " (synthetic:N holds out about a fifth of its N images: give a larger N, e.g. synthetic:100)"
-            if data.startswith("synthetic")
+            if is_builtin(data) and data != "digits"
             else ""
         )
         raise ValueError(

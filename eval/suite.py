@@ -14,6 +14,7 @@ from bt_hub.common.presets import from_preset, preset_values, shown
 from bt_hub.common.records import SCHEMA
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.protocols import Protocol, get_protocol, list_protocols
+from bt_hub.eval.report import load_results
 from bt_hub.eval.runner import evaluation, run_child
 
 
@@ -49,6 +50,9 @@ class SuiteConfig(EvalConfig):
         "without it subsets are seeded and class-balanced",
     )
     voc07_devkit: str | None = option(None, "VOC devkit path: also run the VOC07 SVM protocol")
+    rerun: bool = option(
+        False, "run again the protocols whose record in --out has the same weights and settings (default: skip them)"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -72,8 +76,11 @@ class SuiteConfig(EvalConfig):
                     )
 
     def unused_flags(self) -> dict[str, str]:
-        """The semi-supervised flags when ``--fractions`` is empty (no semi-supervised run)."""
+        """The semi-supervised flags when ``--fractions`` is empty (no semi-supervised run); ``--rerun`` without a
+        folder."""
         unused = super().unused_flags()
+        if self.out is None:
+            unused["rerun"] = "runs again the protocols finished in --out, and this run writes no folder"
         if not self.fractions:
             why = "sets the semi-supervised runs, which an empty --fractions skips"
             unused.update(dict.fromkeys(("semi_preset", "semi_epochs", "semi_batch_size", "subset_dir"), why))
@@ -99,14 +106,16 @@ def run_suite(config: SuiteConfig) -> dict[str, Any]:
     """Run every protocol of the table that ``eval all`` runs (:func:`bt_hub.eval.protocols.list_protocols`) on
     ``--weights``, read and hashed once; return ``{"results": [record, ...], ...}``.
 
-    A protocol's module says on which flags it runs (``suite_settings``); by default, once on the shared flags.
+    A protocol's module says on which flags it runs (``suite_settings``); by default, once on the shared flags. A run
+    whose folder holds a record of the same weights and settings is skipped, with a line, unless ``--rerun``.
     """
     with evaluation(config) as parent:
         records = []
         for protocol, folder, values, skip in _runs(config):
             given = {k: v for k, v in values.items() if k != "preset"}
             child = from_preset(protocol.config_class, values.get("preset"), **(_shared(config, folder, skip) | given))
-            records.append(run_child(parent, child, protocol.hook("score")))
+            records.append(run_child(parent, child, protocol.hook("score"), rerun=config.rerun))
         summary = {"results": records, "wall_time_s": time.perf_counter() - parent.started}
-        parent.write(records, summary)
+        kept = load_results(parent.out)[0] if parent.out is not None else []  # a skipped run's record may be there
+        parent.write([r for r in records if r not in kept], summary)
     return {"schema": SCHEMA, **summary}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from bt_hub.common.config import option
 from bt_hub.common.distributed import is_main_process
 from bt_hub.common.images import open_rgb
 from bt_hub.common.presets import shown
+from bt_hub.data.datasets import read_voc_annotation
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.features import as_float32, dataset_fingerprint
 from bt_hub.eval.linear import TRANSFER_TABLE
@@ -67,21 +67,6 @@ def voc_root(path: str | os.PathLike) -> Path:
     )
 
 
-def read_annotation(path: Path) -> list[tuple[str, bool]]:
-    """``(class name, difficult)`` for every object of a VOC annotation file."""
-    try:
-        root = ET.parse(path).getroot()
-    except (ET.ParseError, OSError) as err:
-        raise OSError(f"annotation {path} cannot be read as VOC XML ({err})") from err
-    objects = []
-    for obj in root.iter("object"):
-        name = obj.findtext("name")
-        if not name:
-            raise ValueError(f"annotation {path} has an <object> without a <name>")
-        objects.append((name.strip(), (obj.findtext("difficult") or "0").strip() == "1"))
-    return objects
-
-
 class VocClassification:
     """VOC2007 images of one ``split`` with VISSL-coded multi-label targets (1 present, 0 absent, -1 difficult only).
 
@@ -96,18 +81,18 @@ class VocClassification:
         ids = [line.split()[0] for line in list_file.read_text().splitlines() if line.strip()]
         if not ids:
             raise ValueError(f"split list {list_file} is empty")
-        objects = {i: read_annotation(self.root / "Annotations" / f"{i}.xml") for i in ids}
+        objects = {i: read_voc_annotation(self.root / "Annotations" / f"{i}.xml")[0] for i in ids}
         if classes is None:
-            found = {name for objs in objects.values() for name, _ in objs}
+            found = {obj.name for objs in objects.values() for obj in objs}
             classes = [c for c in VOC_CLASSES if c in found] + sorted(found - set(VOC_CLASSES))
         self.classes = list(classes)
         index = {c: j for j, c in enumerate(self.classes)}
         self.samples: list[tuple[Path, tuple[int, ...]]] = []
         for i in ids:
             target = [0] * len(self.classes)
-            for name, difficult in objects[i]:
-                if name in index and target[index[name]] != 1:
-                    target[index[name]] = -1 if difficult else 1
+            for obj in objects[i]:
+                if obj.name in index and target[index[obj.name]] != 1:
+                    target[index[obj.name]] = -1 if obj.difficult else 1
             image = self.root / "JPEGImages" / f"{i}.jpg"
             if not image.is_file():
                 raise FileNotFoundError(f"image {image} listed in {list_file} does not exist")

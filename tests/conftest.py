@@ -60,13 +60,26 @@ def _two_torch_threads():
 @pytest.fixture(scope="session", autouse=True)
 def _precision_cache_of_the_session(tmp_path_factory):
     """``--precision auto`` keeps its CPU measurement in a file of the session, never in the user's cache (it is
-    measured once, by the first test that resolves auto on the CPU)."""
+    measured once, by the first test that resolves auto on the CPU); so does ``--decode auto`` (once per image
+    size class)."""
     from bt_hub.data import precision
 
     path = tmp_path_factory.mktemp("precision") / precision.CACHE_NAME
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(precision, "cache_file", lambda: path)
+        patch.setattr(precision, "cache_file", lambda name=precision.CACHE_NAME: path.parent / name)
         yield path
+
+
+@pytest.fixture
+def with_nvimgcodec():
+    """nvImageCodec, whose CPU backend stands in for the GPU's decoder (the test extra installs it), or a skip."""
+    from bt_hub.common.optional import MissingDependencyError
+    from bt_hub.data.decode import nvimgcodec
+
+    try:
+        return nvimgcodec()
+    except MissingDependencyError:
+        pytest.skip("nvImageCodec is not installed: pip install 'bt_hub[nvimgcodec]'")
 
 
 @pytest.fixture(scope="session")

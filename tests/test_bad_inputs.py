@@ -52,6 +52,7 @@ class Case:
     setup: Callable[[Path, Path], None] | None = None  # (case folder, good weights file)
     env: dict[str, str] = field(default_factory=dict)
     xfail: str = ""
+    missing: tuple[str, ...] = ()  # modules imported as if they were not installed (an optional extra)
 
 
 @dataclass
@@ -390,6 +391,14 @@ def _cases() -> list[Case]:
         *_eval_cases("knn"),
         Case("eval knn", "k 0", (*knn, "--k", "0"), ("--k",), weights),
         Case("eval knn", "store, PIL decode", (*knn, "--decode", "workers", "--store", "disk"), ("--store",), weights),
+        Case(
+            "eval knn",
+            "decode nvimgcodec, the extra not installed",
+            (*knn, "--decode", "nvimgcodec"),
+            ("--decode nvimgcodec", "pip install 'bt_hub[nvimgcodec]'"),
+            weights,
+            missing=("nvidia.nvimgcodec",),
+        ),
         Case("eval knn", "config file missing", (*knn, "--config", "{d}/run.yaml"), ("--config", "run.yaml"), weights),
         Case(
             "eval knn",
@@ -830,14 +839,21 @@ def _snapshot(root: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _inside(folder: Path, env: dict[str, str]) -> Iterator[None]:
-    """Run in ``folder`` with ``env`` set; restore the working directory and the environment after."""
+def _inside(folder: Path, env: dict[str, str], missing: tuple[str, ...] = ()) -> Iterator[None]:
+    """Run in ``folder`` with ``env`` set and the ``missing`` modules unimportable; restore all three after."""
     cwd, saved = Path.cwd(), {k: os.environ.get(k) for k in env}
+    modules = {name: sys.modules.pop(name, None) for name in missing}
     os.chdir(folder)
     os.environ.update(env)
+    sys.modules.update(dict.fromkeys(missing))  # None in sys.modules: import raises ImportError
     try:
         yield
     finally:
+        for name, module in modules.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
         os.chdir(cwd)
         for k, v in saved.items():
             if v is None:
@@ -855,7 +871,7 @@ def run_case(case: Case, d: Path, good_weights: Path) -> Outcome:
     argv = [a.format(d=d) for a in case.argv]
     env = {k: v.format(d=d) for k, v in case.env.items()}
     err, code, escaped = io.StringIO(), None, ""
-    with _inside(d, env), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    with _inside(d, env, case.missing), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
             code = cli.main(argv)
         except SystemExit as exit_:

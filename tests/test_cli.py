@@ -679,9 +679,9 @@ def test_loader_workers_outlive_a_signal_meant_for_their_main_process(signum):
 
 def _cut_after_batches(monkeypatch, batches: int) -> None:
     """Ctrl-C once ``batches`` batches of features (over every split) were extracted in the next command."""
-    from bt_hub.eval.feature_cache import Parts
+    from bt_hub.eval.feature_cache import Extraction
 
-    extend, seen = getattr(Parts.extend, "real", Parts.extend), [0]
+    extend, seen = getattr(Extraction.extend, "real", Extraction.extend), [0]
 
     def counted(chunks):
         for chunk in chunks:
@@ -694,7 +694,7 @@ def _cut_after_batches(monkeypatch, batches: int) -> None:
         return extend(self, counted(chunks))
 
     cut.real = extend
-    monkeypatch.setattr(Parts, "extend", cut)
+    monkeypatch.setattr(Extraction, "extend", cut)
 
 
 def test_ctrl_c_in_an_extraction_says_exactly_which_features_were_kept_and_the_rerun_continues_there(

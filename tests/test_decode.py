@@ -3,23 +3,38 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image, JpegImagePlugin
+from torch.utils.data import DataLoader
 
+import bt_hub.data.decode as decode
 from bt_hub.cli import main as cli_main
+from bt_hub.common.optional import MissingDependencyError
+from bt_hub.data import precision
+from bt_hub.data.datasets import build_dataset
 from bt_hub.data.decode import (
+    Decoding,
     PackedItems,
     collate_packed,
+    decode_choice,
     decode_images,
     device_decodable,
+    nvimgcodec,
     read_encoded,
     resolve_decode,
+    time_decoders,
     to_device_images,
 )
+from bt_hub.eval.config import EvalConfig
+from bt_hub.eval.features import EncodedItems, extract_features
+from bt_hub.method.model import build_backbone
+from bt_hub.method.transforms import DeviceEvalTransform
 from bt_hub.method.views import (
     VIEW_A,
     VIEW_B,
@@ -116,6 +131,139 @@ def test_batch_decoded_through_the_device_path_equals_pil_on_the_cpu(tmp_path):
     assert_decoded_like_pil(decoded, paths)
     rgb = [p for name, p in files.items() if name.startswith("rgb")]
     assert all(torch.equal(d, _pil(p)) for d, p in zip(decoded, rgb))  # libjpeg-turbo both ways on the CPU
+
+
+def test_nvimgcodec_decodes_jpegs_as_pil_does_bit_for_bit_and_leaves_cmyk_and_png_to_pil(
+    tmp_path, with_nvimgcodec, monkeypatch
+):
+    files = write_images(tmp_path)
+    by_pil, pil = [], decode.decode_on_cpu
+    monkeypatch.setattr(decode, "decode_on_cpu", lambda item: by_pil.append(Path(item.path).name) or pil(item))
+    decoded = decode_images([read_encoded(p) for p in files.values()], "cpu", "nvimgcodec")
+    assert all(torch.equal(d, _pil(p)) for d, p in zip(decoded, files.values()))  # libjpeg-turbo both ways
+    assert by_pil == ["cmyk.jpg", "image.png"]  # nvImageCodec decoded every JPEG the device decoder takes
+
+
+def test_nvimgcodec_is_imported_and_refuses_a_file_without_a_word_on_stderr(tmp_path, with_nvimgcodec):
+    """Guards: importing nvImageCodec printed 10 lines to stderr (nvJPEG2000 and nvTIFF not found) on every run,
+    and each JPEG it refused one line more."""
+    (tmp_path / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0" + b"garbage" * 20)
+    code = (
+        "from bt_hub.data.decode import decode_images, nvimgcodec, read_encoded\n"
+        "nvimgcodec()\n"
+        "try:\n"
+        f"    decode_images([read_encoded({str(tmp_path / 'bad.jpg')!r})], 'cpu', 'nvimgcodec')\n"
+        "except OSError as err:\n"
+        "    print(type(err).__name__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "ImageFileError\n", "")  # PIL names the file
+
+
+def test_a_missing_nvimgcodec_is_refused_in_one_sentence_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)  # as if it were not installed
+    with pytest.raises(MissingDependencyError, match=r"--decode nvimgcodec needs nvidia\.nvimgcodec, .*\[nvimgcodec\]"):
+        nvimgcodec()
+    with pytest.raises(MissingDependencyError, match=r"pip install 'bt_hub\[nvimgcodec\]'"):
+        EvalConfig(weights="w.pth", decode="nvimgcodec")
+    assert decode_choice("device", "cpu", "digits", 2)["decode"] == "device"  # the other values need nothing
+
+
+@pytest.mark.parametrize("share", [0.1, 0.35, 0.5, 0.9])
+def test_the_workers_share_is_the_same_indices_every_time_and_spread_over_every_batch(share):
+    jpeg = read_encoded(Path(__file__))._replace(device_decodable=True)
+    left = [Decoding("torchvision", "pil", share).leaves_encoded(jpeg, i) for i in range(20_000)]
+    for start in range(0, 20_000 - 256, 97):  # any batch of 256 consecutive indices gets its share, within 3
+        assert abs(256 * (1 - share) - sum(left[start : start + 256])) <= 3
+    assert left == [Decoding("nvimgcodec", "pil", share).leaves_encoded(jpeg, i) for i in range(20_000)]
+    assert not any(Decoding(None).leaves_encoded(jpeg, i) for i in range(100))  # no device decoder: workers
+
+
+def test_split_decoding_gives_the_unsplit_tensors_and_decodes_each_file_once(tmp_path, with_nvimgcodec, monkeypatch):
+    """The device path with the workers decoding a share of each batch, nvImageCodec's CPU backend standing in for
+    the GPU decoder: the same tensors as the unsplit path, and no file decoded twice or left undecoded."""
+    for cls in ("a", "b"):
+        write_images(tmp_path / cls)
+    dataset = build_dataset(str(tmp_path), "train", image_size=None)
+    on_device, in_workers, pil = [], [], decode.decode_on_cpu
+    nvjpeg_stand_in = decode._DEVICE_DECODERS["nvimgcodec"]
+    monkeypatch.setattr(decode, "decode_on_cpu", lambda item: in_workers.append(item.path) or pil(item))
+    monkeypatch.setitem(
+        decode._DEVICE_DECODERS,
+        "nvimgcodec",
+        lambda data, device: on_device.append(len(data)) or nvjpeg_stand_in(data, device),
+    )
+
+    def images(decoding: Decoding) -> list[torch.Tensor]:
+        on_device.clear(), in_workers.clear()
+        loader = DataLoader(
+            EncodedItems(dataset, decoding), batch_size=6, collate_fn=lambda b: collate_packed([x for x, _ in b])
+        )
+        return [image for batch in loader for image in to_device_images(batch, "cpu", decoding.device or "pil")]
+
+    unsplit = images(Decoding("nvimgcodec"))
+    assert sum(on_device) == 14 and len(in_workers) == 4  # the device: every JPEG it takes; PIL: CMYK and PNG
+    for share in (0.5, 1.0):
+        split = images(Decoding("nvimgcodec", "pil", share))
+        assert all(torch.equal(a, b) for a, b in zip(split, unsplit, strict=True))
+        assert sorted(in_workers) == sorted(set(in_workers)) and sum(on_device) + len(in_workers) == len(dataset)
+        assert (sum(on_device), len(in_workers)) == ((7, 11) if share == 0.5 else (0, 18))
+    assert all(torch.equal(a, b) for a, b in zip(images(Decoding()), unsplit, strict=True))  # the workers alone
+
+
+def test_features_of_the_split_path_equal_the_unsplit_path_bit_for_bit(tmp_path, with_nvimgcodec):
+    for cls in ("a", "b"):
+        write_images(tmp_path / cls)
+    dataset = build_dataset(str(tmp_path), "train", image_size=None)
+    torch.manual_seed(0)
+    net = build_backbone("resnet18", small_image_stem=True)
+    options = {"transform": DeviceEvalTransform(16), "batch_size": 8}
+    unsplit, labels = extract_features(net, dataset, decoding=Decoding("nvimgcodec"), **options)
+    split, split_labels = extract_features(net, dataset, decoding=Decoding("nvimgcodec", "pil", 0.5), **options)
+    assert torch.equal(split, unsplit) and split_labels.tolist() == labels.tolist() == dataset.targets
+
+
+def test_time_decoders_times_each_decoder_at_hand_and_the_device_ones_on_one_batch(tmp_path, with_nvimgcodec):
+    sample = decode.jpeg_sample(write_images(tmp_path / "a")["rgb0"].parent.parent)
+    assert len(sample) == 7  # the JPEGs the device decoder takes: not the CMYK one nor the PNG
+    on_device = time_decoders(sample, "cpu", on_device=True)  # what CUDA times, here on the CPU
+    in_workers = time_decoders(sample, "cpu", on_device=False)
+    assert set(on_device) == {"pil", "torchvision", "nvimgcodec"} and set(in_workers) == {"pil", "nvimgcodec"}
+    assert all(0 < s < 1 for s in [*on_device.values(), *in_workers.values()])
+
+
+def test_decode_auto_takes_the_faster_decoder_splits_by_the_two_rates_and_caches_per_machine(tmp_path, monkeypatch):
+    monkeypatch.setattr(precision, "cache_file", lambda name: tmp_path / name)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(decode.os, "cpu_count", lambda: 16)
+    write_images(tmp_path / "data" / "a")
+    timed = []
+
+    def measure(sample, device, on_device):
+        timed.append((len(sample), on_device))
+        return (
+            {"pil": 1 / 400, "torchvision": 1 / 12_000, "nvimgcodec": 1 / 9_000}
+            if on_device
+            else {"pil": 1 / 400, "nvimgcodec": 1 / 500}
+        )
+
+    chosen = decode_choice("auto", "cuda", tmp_path / "data", 16, measure)
+    assert chosen["decode"] == "device" and chosen["decode_share"] == pytest.approx(6_400 / 18_400)
+    assert "9,000 images/s with nvimgcodec, 12,000 images/s with torchvision" in chosen["decode_reason"]
+    assert chosen["decode_reason"].endswith("the workers decoding 35% of each batch's JPEGs (measured now)")
+    again = decode_choice("auto", "cuda", tmp_path / "data", 4, lambda *a: pytest.fail("measured again"))
+    assert (
+        again["decode_share"] == pytest.approx(1_600 / 13_600)
+        and "cached in decode_auto.json" in again["decode_reason"]
+    )
+    assert decode_choice("auto", "cuda", tmp_path / "data", 0, measure)["decode_share"] == 0  # no workers
+    on_cpu = decode_choice("auto", "cpu", tmp_path / "data", 2, measure)
+    assert (on_cpu["decode"], on_cpu["decode_share"]) == ("nvimgcodec", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")  # another machine: timed anew
+    assert decode_choice("auto", "cuda", tmp_path / "data", 16, measure)["decode"] == "device"
+    assert timed == [(7, True), (7, False), (7, True)]
+    none = decode_choice("auto", "cuda", "digits", 16, measure)  # in-memory images: nothing to decode
+    assert none == {"decode": "device", "decode_reason": "auto: no JPEG files to time decoders on", "decode_share": 0}
 
 
 def test_a_batch_of_files_or_of_images_of_their_own_sizes_crosses_from_workers_as_one_tensor(tmp_path):
@@ -283,3 +431,38 @@ def test_pretraining_on_cuda_decodes_files_on_the_gpu(tmp_path):
     assert recipe["decode"] == "device" and recipe["precision"] == (
         "bf16" if torch.cuda.is_bf16_supported() else "fp32"
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nvimgcodec_decodes_on_the_gpu_as_nvjpeg_does_and_its_split_path_extracts_the_same_features(
+    tmp_path, with_nvimgcodec
+):
+    files = write_images(tmp_path / "data" / "a")
+    write_images(tmp_path / "data" / "b")
+    decoded = decode_images([read_encoded(p) for p in files.values()], "cuda", "nvimgcodec")
+    assert all(d.device.type == "cuda" for d in decoded)
+    assert_decoded_like_pil(decoded, list(files.values()))
+    dataset = build_dataset(str(tmp_path / "data"), "train", image_size=None)
+    torch.manual_seed(0)
+    net = build_backbone("resnet18", small_image_stem=True)
+    options = {"transform": DeviceEvalTransform(16), "batch_size": 8, "device": "cuda", "num_workers": 2}
+    unsplit, _ = extract_features(net, dataset, decoding=Decoding("nvimgcodec"), **options)
+    split, _ = extract_features(net, dataset, decoding=Decoding("nvimgcodec", "pil", 0.5), **options)
+    assert torch.linalg.vector_norm(split - unsplit) / torch.linalg.vector_norm(unsplit) < 0.01  # PIL's pixels
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_eval_on_cuda_times_the_decoders_and_lets_the_workers_decode_a_share(tmp_path, small_stem_weights):
+    for split in ("train", "val"):
+        for cls in ("a", "b"):
+            write_images(tmp_path / "data" / split / cls)
+    argv = ["eval", "knn", "--weights", str(small_stem_weights), "--data", str(tmp_path / "data"), "--k", "1"]
+    assert (
+        cli_main([*argv, "--image-size", "16", "--device", "cuda", "--num-workers", "2", "--out", str(tmp_path / "ev")])
+        == 0
+    )
+    settings = json.loads((tmp_path / "ev" / "results.json").read_text())["settings"]
+    assert settings["decode"] in ("device", "nvimgcodec") and 0 < settings["decode_share"] < 1
+    assert settings["decode_from"].startswith(f"auto: the {torch.cuda.get_device_name()} decoded ~")

@@ -5,6 +5,7 @@ Keyed by URL, verified before it is kept, bounded in time, clear when it fails.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
@@ -20,8 +21,10 @@ import torch
 from loopback import LoopbackFiles
 
 from bt_hub import cli
+from bt_hub.common.files import WriteError
 from bt_hub.method.model import build_backbone
 from bt_hub.weights import BarlowTwinsWeights, DownloadError, cache_path, download, load_backbone
+from bt_hub.weights.download import sha256_record
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -405,3 +408,42 @@ def test_weights_download_checks_a_published_sha256_and_keeps_nothing_that_fails
     assert capsys.readouterr().out.strip().endswith(f"(sha256 {sha}; registered sha256)")
     assert cli.main(["weights", "verify", str(member.cache_path())]) == 0
     assert capsys.readouterr().out.strip().endswith("is barlowtwins-in1k (its published sha256)")
+
+
+def test_two_processes_asking_for_one_url_at_once_download_it_once(torch_home, weights_a_b):
+    # Guards: each caller fetched the file into its own staging folder, the last rename winning (twice the bytes).
+    (data_a, _), _ = weights_a_b
+    server = LoopbackFiles({"/once/resnet18.pth": ("flaky", data_a)})  # 503, then the file 0.5 s later
+    url = f"{server.url}/once/resnet18.pth"
+    paths = []
+    try:
+        callers = [threading.Thread(target=lambda: paths.append(download(url, progress=False))) for _ in range(2)]
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join(60)
+    finally:
+        server.stop()
+    assert server.hits["/once/resnet18.pth"] == 2  # the 503 and one download: the second caller waited, then read
+    assert paths == [cache_path(url)] * 2 and cache_path(url).read_bytes() == data_a
+
+
+def test_a_cached_file_on_read_only_storage_is_read_without_recording_its_sha256(torch_home, weights_a_b, monkeypatch):
+    # Guards: a shared TORCH_HOME mounted read-only failed on the sha256 record bt_hub writes beside a file it uses
+    (data_a, _), _ = weights_a_b
+    server = LoopbackFiles({"/shared/resnet18.pth": data_a})
+    url = f"{server.url}/shared/resnet18.pth"
+    try:
+        path = download(url, progress=False)
+    finally:
+        server.stop()
+    sha256_record(path).unlink()  # as a cache filled by an older bt_hub, then mounted read-only
+    download_module = sys.modules[sha256_record.__module__]
+    monkeypatch.setattr(download_module, "atomic_write_text", lambda p, text: _raise_read_only(p))
+    assert download(url, progress=False) == path and not sha256_record(path).exists()
+
+
+def _raise_read_only(path):
+    error = WriteError(f"could not write {path}")
+    error.errno = errno.EROFS
+    raise error

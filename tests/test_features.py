@@ -14,6 +14,7 @@ from PIL import Image
 from torch import nn
 
 from bt_hub import cli
+from bt_hub.common.artifacts import recorded_segments
 from bt_hub.common.images import open_rgb
 from bt_hub.data.datasets import ArrayImageDataset, build_dataset
 from bt_hub.data.decode import decode_images, read_encoded
@@ -381,32 +382,33 @@ def test_an_extraction_cut_short_continues_from_its_last_whole_part_to_the_same_
         monkeypatch.setattr(net, "forward", stop_at_the_fifth_batch)
         with pytest.raises(KeyboardInterrupt):
             run.features("train")
-    assert len(list((tmp_path / "cut").glob("*.part*.npz"))) == 2  # rows 0-15 and 16-31: 4 whole batches
+    (record,) = (tmp_path / "cut").glob("*.features.npy.partial.progress.jsonl")
+    assert [len(part["items"]) for part in recorded_segments(record)] == [16, 16]  # rows 0-31: 4 whole batches
     with evaluation(cut) as run:
         resumed = np.array(run.features("train")[0])
         assert run.features_used["train"] == "computed, continued at row 32 of a cut run"
     np.testing.assert_array_equal(resumed, whole)
-    assert not list((tmp_path / "cut").glob("*.part*"))  # the parts go once the whole file is written
+    assert not list((tmp_path / "cut").glob("*.partial*"))  # the record goes once the whole file is in place
 
 
 def test_a_kill_as_the_cache_is_completed_leaves_no_part_files_after_the_rerun(
     small_stem_weights, tmp_path, monkeypatch
 ):
-    # guards: killed after the cache's meta file was written but before its parts were deleted, the parts stayed
-    # for good beside a cache that the rerun reused
-    import bt_hub.eval.feature_cache as feature_cache
+    # guards: killed after the cache's files were in place but before its meta file, the parts stayed for good
+    # beside a cache that the rerun made again
+    import bt_hub.eval.features as features
     from bt_hub.eval.knn import KnnConfig
     from bt_hub.eval.runner import evaluation
 
     config = KnnConfig(weights=str(small_stem_weights), data="synthetic:40", image_size=8, batch_size=8, out=None)
     config.cache_dir = str(tmp_path)
-    remove = feature_cache.Parts.remove
+    write = features.atomic_write_json
 
-    def killed(parts):
-        monkeypatch.setattr(feature_cache.Parts, "remove", remove)
+    def killed(*args):
+        monkeypatch.setattr(features, "atomic_write_json", write)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(feature_cache.Parts, "remove", killed)
+    monkeypatch.setattr(features, "atomic_write_json", killed)
     with evaluation(config) as run, pytest.raises(KeyboardInterrupt):
         run.features("train")
     with evaluation(config) as run:
@@ -491,6 +493,26 @@ def test_cli_decode_device_and_precision_are_recorded_and_change_the_cache_key(s
         assert records[decode, precision]["hyperparameters"]["precision"] == precision
     assert len(list((tmp_path / "cache").glob("*.meta.json"))) == 6  # each pipeline and precision its own features
     assert records["device", "fp32"]["metrics"] == records["workers", "fp32"]["metrics"]
+
+
+def test_cli_decode_auto_and_nvimgcodec_record_who_decoded_and_score_as_device_does(
+    small_stem_weights, tmp_path, with_nvimgcodec
+):
+    data = _files(tmp_path / "data")
+    common = ["eval", "knn", "--weights", str(small_stem_weights), "--data", str(data), "--image-size", "16"]
+    common += ["--k", "1", "--precision", "fp32", "--num-workers", "1"]  # a worker process decodes
+    records = {}
+    for decode in ("device", "nvimgcodec", None):
+        out = tmp_path / str(decode)
+        assert cli.main([*common, *(["--decode", decode] if decode else []), "--out", str(out)]) == 0
+        records[decode] = json.loads((out / "results.json").read_text())
+    assert records["nvimgcodec"]["settings"]["decode_from"] == "--decode nvimgcodec"
+    auto = records[None]["settings"]  # the default: the faster of PIL and nvImageCodec in the workers, timed here
+    assert auto["decode"] in ("device", "nvimgcodec") and records[None]["hyperparameters"]["decode"] == auto["decode"]
+    assert (
+        auto["decode_from"].startswith("auto: a loader worker decoded ~") and "images/s with pil" in auto["decode_from"]
+    )
+    assert records["device"]["metrics"] == records["nvimgcodec"]["metrics"] == records[None]["metrics"]
 
 
 def test_bf16_knn_and_linear_are_within_half_a_point_of_fp32_on_the_digits():

@@ -245,11 +245,22 @@ def test_no_evaluation_module_but_the_demo_imports_training():
 def test_importing_knn_loads_no_card_export_hub_or_download_module():
     # Guards: eval/report.py imported the weights registry for the paper's numbers and bt_hub/weights/__init__.py
     # imported the whole wing, so import bt_hub.eval.knn loaded 42 bt_hub modules, the model card and Hub upload too.
-    code = "import sys, bt_hub.eval.knn; print(' '.join(sorted(m for m in sys.modules if m.startswith('bt_hub'))))"
+    # What a protocol may not load is named (the publishing wing, training, libraries kNN does not use), not counted.
+    code = "import sys, bt_hub.eval.knn; print(' '.join(sorted(sys.modules)))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     heavy = [f"bt_hub.weights.{name}" for name in ("card", "export", "hf", "download", "registry")]
-    assert "bt_hub.eval.knn" in loaded and [m for m in loaded if m in heavy] == []
-    assert len(loaded) <= 34, loaded
+    heavy += [
+        "bt_hub.train",
+        "bt_hub.cli",
+        "sklearn",
+        "huggingface_hub",
+        "matplotlib",
+        "pandas",
+        "detectron2",
+        "nvidia",
+    ]
+    assert "bt_hub.eval.knn" in loaded
+    assert [m for m in loaded if any(m == h or m.startswith(h + ".") for h in heavy)] == []
 
 
 @pytest.mark.parametrize("generic_name", ["eval", "detection_configs"])

@@ -106,6 +106,42 @@ def test_eval_all_fine_tunes_on_simclrs_published_lists_from_subset_dir(small_st
     assert (tmp_path / "all" / "semi_10percent" / "results.json").is_file()
 
 
+def test_eval_all_run_again_skips_the_protocols_finished_with_the_same_settings(
+    small_stem_weights, tmp_path, monkeypatch, capsys
+):
+    # guards: after a SIGTERM that stopped eval all after its kNN run, each rerun scored kNN again and appended
+    # another record (1, 2, then 3); same settings are the record's (weights sha256, settings, hyper-parameters)
+    from bt_hub.common.signals import Terminated
+    from bt_hub.data import precision
+    from bt_hub.eval import linear
+    from bt_hub.eval.report import load_results
+
+    monkeypatch.setattr(precision, "cache_file", lambda: tmp_path / "precision.json")  # measured now, then cached
+    monkeypatch.setattr(precision, "measure_cpu", lambda: {"fp32": 1.0, "bf16": 2.0})
+    out = tmp_path / "all"
+    argv = ["eval", "all", "--weights", str(small_stem_weights), *SMALL, "--fractions", "--linear-epochs", "1"]
+    argv += ["--knn-k", "5", "--out", str(out)]
+    score = linear.score
+    monkeypatch.setattr(linear, "score", lambda run: (_ for _ in ()).throw(Terminated()))
+    assert cli.main(argv) == 143
+    monkeypatch.setattr(linear, "score", score)
+
+    def counts() -> list[int]:
+        return [len(load_results(folder)[0]) for folder in (out / "knn", out / "linear", out)]
+
+    skipped = "finished before with the same weights and settings; skipped (--rerun runs it again)"
+    assert cli.main(argv) == 0 and counts() == [1, 1, 2]
+    assert f"bt-hub eval all: knn in {out / 'knn'} {skipped}" in capsys.readouterr().err.splitlines()
+    assert cli.main(argv) == 0 and counts() == [1, 1, 2]
+    assert [line.split(" in ")[0] for line in capsys.readouterr().err.splitlines() if skipped in line] == [
+        "bt-hub eval all: knn",
+        "bt-hub eval all: linear",
+    ]
+    assert len(json.loads((out / "results.json").read_text())["results"]) == 2
+    assert cli.main([*argv, "--knn-k", "7"]) == 0 and counts() == [2, 1, 3]  # a changed setting runs again
+    assert cli.main([*argv, "--rerun"]) == 0 and counts() == [3, 2, 5]
+
+
 @pytest.mark.parametrize(
     ("cls", "flags", "flag"),
     [
@@ -125,6 +161,7 @@ def test_eval_all_fine_tunes_on_simclrs_published_lists_from_subset_dir(small_st
         (SuiteConfig, {"fractions": [], "semi_epochs": 2}, "--semi-epochs"),
         (SuiteConfig, {"fractions": [], "semi_preset": "small"}, "--semi-preset"),
         (SuiteConfig, {"out": None, "cache_dtype": "float16"}, "--cache-dtype"),
+        (SuiteConfig, {"out": None, "rerun": True}, "--rerun"),
         (comparison.CompareConfig, {"protocols": ["knn"], "fractions": [5]}, "--fractions"),
         (comparison.CompareConfig, {"protocols": ["knn"], "semi_epochs": 2}, "--semi-epochs"),
         (comparison.CompareConfig, {"protocols": ["knn"], "lr_grid": [0.1]}, "--lr-grid"),

@@ -19,10 +19,10 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from bt_hub.cli import main as cli_main
-from bt_hub.common.artifacts import Segments
+from bt_hub.common.artifacts import Segments, recorded_segments
 from bt_hub.common.files import WriteError
 from bt_hub.data import store as store_module
-from bt_hub.data.datasets import ImageFolderDataset
+from bt_hub.data.datasets import ImageFolderDataset, is_builtin
 from bt_hub.data.decode import decode_on_cpu
 from bt_hub.data.store import StoreView, StoreWarning, open_store
 from bt_hub.method.transforms import DeviceEvalTransform
@@ -142,7 +142,7 @@ def test_a_build_cut_short_continues_at_its_last_record_and_equals_a_whole_build
     with pytest.raises(KeyboardInterrupt):
         open_store(dataset, view, tmp_path / "cut")
     partial = next((tmp_path / "cut").glob("*.partial"))
-    assert not list((tmp_path / "cut").glob("*/manifest.json")) and (partial / "pixels.u8.progress.json").exists()
+    assert not list((tmp_path / "cut").glob("*/manifest.json")) and (partial / "pixels.u8.progress.jsonl").exists()
     calls = []
     monkeypatch.setattr(store_module, "decode_on_cpu", lambda item: calls.append(item) or decode_on_cpu(item))
     resumed = open_store(ImageFolderDataset(data), view, tmp_path / "cut")
@@ -160,7 +160,8 @@ def test_a_damaged_store_is_decoded_again_with_a_warning(tmp_path, image_folder)
     expected = first.pixels.clone()
     pixels = next((tmp_path / "s").glob("*/pixels.u8"))
     pixels.write_bytes(b"\0" * pixels.stat().st_size)
-    with pytest.warns(StoreWarning, match=r"cannot be used \(.*pixels.u8 is not the file that was written"):
+    damaged = r"cannot be used \(.*pixels.u8 does not match the sha256 recorded when it was written"
+    with pytest.warns(StoreWarning, match=damaged):
         again = open_store(dataset, StoreView(), tmp_path / "s")
     assert torch.equal(again.pixels, expected) and again.shape == (3, 8, 8)
 
@@ -246,7 +247,7 @@ def test_a_partial_store_cut_inside_its_recorded_rows_decodes_them_again_never_a
     with pytest.raises(KeyboardInterrupt):
         open_store(dataset, view, tmp_path / "cut")
     pixels = next((tmp_path / "cut").glob("*.partial")) / "pixels.u8"
-    recorded = json.loads(pixels.with_name("pixels.u8.progress.json").read_text())["segments"][-1]["end"]
+    recorded = recorded_segments(pixels.with_name("pixels.u8.progress.jsonl"))[-1]["end"]
     os.truncate(pixels, recorded // 2)
     damaged = r"bytes from 12,288 on are not what was recorded \(cut or changed\); decoding again from row 64"
     with pytest.warns(StoreWarning, match=damaged):  # the first batch's segment (64 images of 8 x 8 x 3) is kept
@@ -269,7 +270,7 @@ def test_a_store_that_fills_the_disk_removes_its_partial_files_and_says_so(tmp_p
     full_disk = r"no space is left on the device; .*\(the partial store \(.* MiB at .*\.partial\) was removed\)"
     with pytest.raises(WriteError, match=full_disk):
         open_store(ImageFolderDataset(data), StoreView(), tmp_path / "s")
-    assert [p.suffix for p in (tmp_path / "s").iterdir()] == [".lock"]  # no partial file is left filling the disk
+    assert list((tmp_path / "s").iterdir()) == []  # no partial file is left filling the disk, nor a lock
 
 
 @pytest.fixture
@@ -340,3 +341,15 @@ def test_eval_with_a_cache_dir_on_read_only_storage_reads_what_is_whole_and_name
         assert cli_main([*argv, *out]) == 2
         said = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
         assert len(said) == 1 and "(Read-only file system)" in said[0] and "give --cache-dir a writable" in said[0]
+
+
+def test_a_folder_whose_name_starts_with_synthetic_is_read_as_a_folder(tmp_path, image_folder, monkeypatch):
+    # Guards: "is --data a built-in set?" was spelled five ways, and pretraining took any name starting with
+    # "synthetic" for the built-in set: --data synthetic_shapes (a folder) was decoded in the main process, its
+    # --store disk ignored without a word.
+    monkeypatch.chdir(tmp_path)
+    image_folder(tmp_path / "synthetic_shapes", classes=("a", "b"), per_class=8, size=8, splits=())
+    argv = ["pretrain", "--data", "synthetic_shapes", *PRETRAIN, "--max-steps", "1", "--out", "run"]
+    assert cli_main([*argv, "--store", "disk", "--store-dir", "stores"]) == 0
+    assert len(list((tmp_path / "stores").glob("*/manifest.json"))) == 1
+    assert is_builtin("synthetic:40") and is_builtin("digits") and not is_builtin("synthetic_shapes")

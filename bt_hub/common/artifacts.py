@@ -52,6 +52,27 @@ def same_content(path: Path, sha256: str) -> bool:
         return False
 
 
+def file_entry(path: Path) -> dict[str, Any]:
+    """A manifest's entry for a file a cache wrote: its name, bytes and sha256."""
+    return {"file": path.name, "bytes": path.stat().st_size, "sha256": file_sha256(path)}
+
+
+def entry_problem(folder: Path, entry: dict[str, Any]) -> str | None:
+    """None when the file a manifest entry names (in ``folder``) is what was written; else what is wrong."""
+    path = folder / str(entry.get("file"))
+    try:
+        size = path.stat().st_size
+        if size != entry.get("bytes"):
+            return f"{path} is {size} bytes, {entry.get('bytes')} were written (truncated or changed)"
+        if file_sha256(path) != entry.get("sha256"):
+            return f"{path} does not match the sha256 recorded when it was written (changed since)"
+    except FileNotFoundError:
+        return f"{path} is missing"
+    except OSError as err:
+        return f"{path} cannot be read ({err})"
+    return None
+
+
 def not_writable(folder: Path, err: OSError, flag: str) -> WriteError:
     """One sentence for a cache folder this process may not write in, naming the flag that moves it."""
     reason = os.strerror(err.errno) if err.errno else str(err)
@@ -63,39 +84,67 @@ def not_writable(folder: Path, err: OSError, flag: str) -> WriteError:
 
 @contextlib.contextmanager
 def locked(path: Path, flag: str) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path`` (created): one process builds a cache entry while the others wait, then read
-    it. A folder that may not be written in is refused in one sentence naming ``flag``."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as err:
-        if err.errno in READ_ONLY:
-            raise not_writable(path.parent, err, flag) from None
-        raise
-    try:
+    """An exclusive ``flock`` on ``path`` (created, and removed on leaving): one process builds a cache entry while
+    the others wait, then read it. A waiter whose lock file was removed meanwhile locks the new one. A folder that
+    may not be written in is refused in one sentence naming ``flag``."""
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            if err.errno in READ_ONLY:
+                raise not_writable(path.parent, err, flag) from None
+            raise
         fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                break
+        os.close(fd)
+    try:
         yield
     finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
         os.close(fd)
+
+
+def recorded_segments(record: Path, key: str | None = None) -> list[dict[str, Any]]:
+    """The segments a :class:`Segments` record lists (of ``key``, when given), up to its first unreadable line."""
+    segments: list[dict[str, Any]] = []
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        lines = record.read_text().splitlines()
+        head = json.loads(lines[0]) if lines else {}
+        if key is not None and head.get("key") != key:
+            return []
+        for line in lines[1:]:
+            try:
+                segment = json.loads(line)
+                segments.append(
+                    {"end": int(segment["end"]), "sha256": str(segment["sha256"]), "items": segment["items"]}
+                )
+            except (ValueError, KeyError, TypeError):
+                break  # a line a kill cut short, and whatever follows it
+    return segments
 
 
 class Segments:
     """A file written front to back in segments, each recorded once it is on disk: its end, the sha256 of its bytes
-    and the caller's items for it, in ``<file>.progress.json``.
+    and the caller's items for it, one JSON line each appended to ``<file>.progress.jsonl`` (first line: the key).
 
-    A rerun (:meth:`resume`) reads the file against the record and continues after the last segment whose bytes are
+    A rerun (:meth:`open`) reads the file against the record and continues after the last segment whose bytes are
     still what was written: bytes a kill left past the record are cut, and a file cut short or changed inside a
     recorded segment loses that segment and every later one (they are made again), never read as zeros.
     """
 
     def __init__(self, path: Path, key: str) -> None:
         self.path, self.key = path, key
-        self.record = path.with_name(path.name + ".progress.json")
+        self.record = path.with_name(path.name + ".progress.jsonl")
         self.segments: list[dict[str, Any]] = []
         self.size = 0
         self.dropped: str | None = None  # why recorded segments were not kept, when some were not
         self._hash = hashlib.sha256()
         self._pending: list[Any] = []
         self._file: Any = None
+        self._log: Any = None
 
     @property
     def items(self) -> list[Any]:
@@ -104,10 +153,7 @@ class Segments:
 
     def open(self) -> Segments:
         """Open the file, keeping what an earlier build recorded and its bytes confirm."""
-        recorded: list[dict[str, Any]] = []
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            saved = json.loads(self.record.read_text())
-            recorded = saved["segments"] if saved["key"] == self.key else []
+        recorded = recorded_segments(self.record, self.key)
         self._file = open(self.path, "r+b" if self.path.exists() else "w+b")  # closed by close()
         start = 0
         for i, segment in enumerate(recorded):
@@ -121,6 +167,9 @@ class Segments:
         self.segments, self.size = recorded, start
         self._file.truncate(self.size)
         self._file.seek(self.size)
+        lines = [json.dumps({"key": self.key}), *(json.dumps(segment) for segment in recorded)]
+        atomic_write(self.record, lambda f: f.write("".join(line + "\n" for line in lines).encode()))
+        self._log = open(self.record, "ab")  # closed by close()
         return self
 
     def write(self, data: memoryview | bytes, items: Sequence[Any] = ()) -> None:
@@ -131,19 +180,23 @@ class Segments:
         self._pending.extend(items)
 
     def commit(self) -> None:
-        """Close the open segment: its bytes on disk, then its record (a kill after this loses none of it)."""
-        if not self._pending and (not self.segments or self.segments[-1]["end"] == self.size):
+        """Close the open segment: its bytes on disk, then its line in the record (a kill after this loses none of
+        it; one during the line's write leaves a line the next :meth:`open` drops)."""
+        if not self._pending and (self.segments[-1]["end"] if self.segments else 0) == self.size:
             return
         self._file.flush()
         os.fsync(self._file.fileno())
-        self.segments.append({"end": self.size, "sha256": self._hash.hexdigest(), "items": self._pending})
+        segment = {"end": self.size, "sha256": self._hash.hexdigest(), "items": self._pending}
+        self._log.write((json.dumps(segment) + "\n").encode())
+        self._log.flush()
+        os.fsync(self._log.fileno())
+        self.segments.append(segment)
         self._hash, self._pending = hashlib.sha256(), []
-        state = {"key": self.key, "segments": self.segments}
-        atomic_write(self.record, lambda f: f.write(json.dumps(state).encode()))
 
     def close(self) -> None:
         """Commit the open segment and close the file; the record stays until the caller publishes the file."""
         if self._file is not None:
             self.commit()
             self._file.close()
-            self._file = None
+            self._log.close()
+            self._file = self._log = None

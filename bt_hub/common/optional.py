@@ -13,6 +13,7 @@ EXTRAS = {
     "tensorboard": "pip install 'bt_hub[tensorboard]'",
     "pandas": "pip install 'bt_hub[analysis]'",
     "pyarrow": "pip install 'bt_hub[analysis]'",
+    "nvidia.nvimgcodec": "pip install 'bt_hub[nvimgcodec]'",
     "detectron2": (
         "detectron2 is not on PyPI: pip install --no-build-isolation "
         "'git+https://github.com/facebookresearch/detectron2.git'"
@@ -29,6 +30,6 @@ def require(module: str, purpose: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        top = module.split(".")[0]
+        top = module if module in EXTRAS else module.split(".")[0]
         how = EXTRAS.get(top, f"pip install {top}")
         raise MissingDependencyError(f"{purpose} needs {top}, which is not installed; install it with: {how}") from err

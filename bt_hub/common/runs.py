@@ -19,12 +19,14 @@ from typing import Any
 import torch
 
 from bt_hub.common.files import (
+    WRITTEN_BY,
     WriteError,
     atomic_write_json,
     atomic_write_text,
     open_no_follow,
     read_json,
     remove_stale_temp_files,
+    safetensors_metadata,
     write_failure,
 )
 
@@ -70,12 +72,24 @@ def _regular_file(path: Path) -> bool:
     return path.is_file() and not path.is_symlink()
 
 
-def is_bt_hub_dir(path: str | os.PathLike) -> bool:
-    """True when ``path`` holds bt_hub's marker (or a run.json / results.json an earlier bt_hub wrote)."""
+def owned_by_bt_hub(path: str | os.PathLike) -> bool:
+    """Whether bt_hub wrote ``path``, the one ownership rule of run folders and of the files bt_hub replaces: a folder
+    holding bt_hub's marker (or a run.json / results.json an earlier bt_hub wrote); a file that says so itself (the
+    safetensors metadata ``written_by: bt_hub``, a JSON record with ``bt_hub_version``, a model card whose front
+    matter names ``library_name: bt_hub``)."""
     path = Path(path)
-    return _regular_file(path / MARKER_NAME) or any(
-        isinstance(r := read_json(path / name), dict) and "bt_hub_version" in r for name in ("run.json", "results.json")
-    )
+    if path.is_dir():
+        return _regular_file(path / MARKER_NAME) or any(owned_by_bt_hub(path / n) for n in ("run.json", "results.json"))
+    try:
+        if path.suffix == ".safetensors":
+            return safetensors_metadata(path).get("written_by") == WRITTEN_BY["written_by"]
+        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".json":
+            record = json.loads(text)
+            return isinstance(record, dict) and "bt_hub_version" in record
+        return text.startswith("---") and "library_name: bt_hub" in text.split("\n---", 1)[0]
+    except (OSError, ValueError):
+        return False
 
 
 def run_kind(path: str | os.PathLike) -> str | None:
@@ -133,7 +147,7 @@ def check_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False
             )
         if ancestor.exists():
             break
-    if not overwrite and path.is_dir() and any(path.iterdir()) and not is_bt_hub_dir(path):
+    if not overwrite and path.is_dir() and any(path.iterdir()) and not owned_by_bt_hub(path):
         raise ValueError(
             f"{flag} {path} is not empty and was not created by bt-hub (it has no {MARKER_NAME}); "
             f"choose another {flag}, or pass --overwrite to write into it anyway (files of the same names are replaced)"

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import warnings
+import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -16,6 +18,43 @@ from bt_hub.common.images import open_rgb, to_rgb
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 SPLITS = ("train", "val", "test")
+
+
+class VocObject(NamedTuple):
+    """One ``<object>`` of a VOC annotation: its class, whether it is marked difficult, and its box as the file
+    writes it (xmin, ymin, xmax, ymax: 1-based, inclusive), None where it has none."""
+
+    name: str
+    difficult: bool
+    box: tuple[float, float, float, float] | None
+
+
+def read_voc_annotation(path: Path) -> tuple[list[VocObject], tuple[int, int] | None]:
+    """The objects of a VOC annotation file and its image's (height, width) where the file gives them; the one VOC
+    XML reader of the classification (VOC07 SVMs) and detection protocols. Raises OSError / ValueError naming the
+    file."""
+    try:
+        root = ET.parse(path).getroot()
+    except (ET.ParseError, OSError) as err:
+        raise OSError(f"annotation {path} cannot be read as VOC XML ({err})") from err
+    objects = []
+    for obj in root.iter("object"):
+        name = (obj.findtext("name") or "").strip()
+        if not name:
+            raise ValueError(f"annotation {path} has an <object> without a <name>")
+        box = _numbers(path, obj.find("bndbox"), ("xmin", "ymin", "xmax", "ymax"))
+        objects.append(VocObject(name, (obj.findtext("difficult") or "0").strip() == "1", box))  # type: ignore[arg-type]
+    size = _numbers(path, root.find("size"), ("height", "width"))
+    return objects, (int(size[0]), int(size[1])) if size else None
+
+
+def _numbers(path: Path, node: ET.Element | None, tags: tuple[str, ...]) -> tuple[float, ...] | None:
+    if node is None:
+        return None
+    try:
+        return tuple(float(node.findtext(tag)) for tag in tags)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"annotation {path}: <{node.tag}> must hold the numbers {', '.join(tags)}") from None
 
 
 def to_uint8_tensor(image: Image.Image, source: str = "<in memory>") -> torch.Tensor:
@@ -176,6 +215,12 @@ def _folder_for_split(root: Path, split: str) -> Path:
     )
 
 
+def is_builtin(spec: str) -> bool:
+    """Whether a ``--data`` value names a set made in memory (``digits``, ``synthetic[:N]``, each with its own
+    held-out part) rather than a folder (``synthetic_shapes/`` is a folder)."""
+    return spec in ("digits", "synthetic") or spec.startswith("synthetic:")
+
+
 def build_dataset(
     name_or_path: str | os.PathLike,
     split: str = "train",
@@ -188,7 +233,7 @@ def build_dataset(
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is unknown; expected one of {SPLITS}")
     spec = str(name_or_path)
-    if (spec == "digits" or spec.split(":")[0] == "synthetic") and Path(spec).is_dir():
+    if is_builtin(spec) and Path(spec).is_dir():
         raise ValueError(f"--data {spec} names a built-in set and a folder here; pass ./{spec} for the folder")
     if spec == "digits":
         train, test = load_digits_split(seed=seed, test_fraction=test_fraction, image_size=image_size or 32)

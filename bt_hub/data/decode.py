@@ -8,25 +8,51 @@ The path of one file, from disk to a batch on the device:
    the worker from those bytes with PIL's RGB rules (:func:`worker_item`), so the main process never decodes;
 2. the worker packs its batch, bytes and images alike, end to end into one tensor (:class:`PackedItems`);
 3. the main process (or its prefetch thread) moves the decoded images to the device in one copy and decodes
-   the JPEG bytes there in one batched nvJPEG call (:func:`to_device_images`); images of one size come out as
+   the JPEG bytes there in one batched call (:func:`to_device_images`); images of one size come out as
    one B x C x H x W tensor, others as a list that the views or the eval transform resize per size group.
+
+Who decodes is a :class:`Decoding`: the device's library (torchvision's nvJPEG, which runs on the GPU's SMs, or
+nvImageCodec, ``pip install bt_hub[nvimgcodec]``, which uses the hardware JPEG engines of A100/H100/H200 where
+they are), the workers' (PIL, or nvImageCodec's CPU backend: libjpeg-turbo as PIL's, the same pixels), and the
+share of the device's JPEGs that the workers decode while the device decodes the rest: the CPU cores decode
+beside the GPU instead of idling. Evaluation's ``--decode auto`` (:func:`decode_choice`) times the decoders at
+hand on the data's first JPEGs and sets that share so that both finish a batch together; the timings are cached
+per machine as ``--precision auto``'s are (:func:`bt_hub.data.precision.measured`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import math
 import os
+import statistics
+import sys
+import time
 import warnings
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any, NamedTuple
 
 import numpy as np
+import PIL
 import torch
+import torchvision
+from PIL import Image
 
 from bt_hub.common.images import open_rgb
+from bt_hub.common.optional import require
+from bt_hub.data import precision
 from bt_hub.data.datasets import to_uint8_tensor
 
-DECODE_MODES = ("auto", "device", "workers")
+DECODE_MODES = ("auto", "device", "workers")  # pretraining's --decode; evaluation's adds nvimgcodec
+NVIMGCODEC = "nvidia.nvimgcodec"
+DECODE_CACHE = "decode_auto.json"
+SAMPLE = 256  # JPEGs of the data that --decode auto times the device decoders on, in one batch
+CPU_SAMPLE = 32  # of them, the ones it times the workers' decoders on, one file at a time
+# index x this, modulo 1, spreads any run of consecutive indices evenly over [0, 1): the workers' share of a batch
+_GOLDEN = (math.sqrt(5) - 1) / 2
 # Start-of-frame markers (baseline, extended, progressive, lossless, arithmetic), not DHT/JPG/DAC.
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 
@@ -72,13 +98,43 @@ def read_encoded(path: str | os.PathLike) -> EncodedImage:
     return EncodedImage(torch.from_numpy(data), str(path), device_decodable(memoryview(data)))
 
 
-def worker_item(path: str | os.PathLike, device_decoder: bool) -> EncodedImage | torch.Tensor:
-    """What a loader worker hands on for one file: its bytes when ``device_decoder`` takes them (a JPEG nvJPEG
-    decodes, :func:`device_decodable`), else the image decoded here in the worker (PIL, from the bytes already
-    read: the file is opened once), so that the main process never decodes a file the device refuses.
+class Decoding(NamedTuple):
+    """Who decodes a batch's image files. ``device``: the library that decodes JPEGs on the device (``torchvision``:
+    nvJPEG on the GPU's SMs; ``nvimgcodec``: nvImageCodec, on the hardware JPEG engines where the GPU has them);
+    None: the loader workers decode every file. ``workers``: the workers' decoder (``pil``, or ``nvimgcodec``: its
+    CPU backend). ``worker_share``: the fraction of the device's JPEGs that the workers decode instead, while the
+    device decodes the rest (``--decode auto`` sets it from the two measured rates)."""
+
+    device: str | None = None
+    workers: str = "pil"
+    worker_share: float = 0.0
+
+    def leaves_encoded(self, item: EncodedImage, index: int) -> bool:
+        """Whether a worker hands ``item`` (dataset index ``index``) on as bytes: a JPEG the device decoder takes,
+        outside the workers' share (a fixed set of indices: the same in every epoch, worker and run)."""
+        return self.device is not None and item.device_decodable and (index * _GOLDEN) % 1 >= self.worker_share
+
+
+def decoding_for(decode: str, device: str | torch.device, share: float = 0.0) -> Decoding:
+    """The :class:`Decoding` of a resolved evaluation ``--decode`` on ``device``: on CUDA the device decodes the JPEGs
+    (torchvision for ``device``, nvImageCodec for ``nvimgcodec``) and PIL in the workers ``share`` of them; on a CPU
+    the workers decode every file (nvImageCodec's CPU backend for ``nvimgcodec``, PIL otherwise)."""
+    library = "nvimgcodec" if decode == "nvimgcodec" else "torchvision"
+    if decode == "workers":
+        return Decoding()
+    if torch.device(device).type == "cuda":
+        return Decoding(library, "pil", share)
+    return Decoding(None, "nvimgcodec" if library == "nvimgcodec" else "pil")
+
+
+def worker_item(path: str | os.PathLike, decoding: Decoding, index: int = 0) -> EncodedImage | torch.Tensor:
+    """What a loader worker hands on for one file (dataset index ``index``): its bytes when ``decoding`` leaves them
+    to the device (:meth:`Decoding.leaves_encoded`), else the image decoded here in the worker by
+    ``decoding.workers`` from the bytes already read (the file is opened once): the main process never decodes a
+    file the device refuses, and a file of the workers' share is decoded once, here.
     """
     item = read_encoded(path)
-    return item if device_decoder and item.device_decodable else decode_on_cpu(item)
+    return item if decoding.leaves_encoded(item, index) else decode_images([item], "cpu", decoding.workers)[0]
 
 
 class PackedItems(NamedTuple):
@@ -132,35 +188,113 @@ def _decode_jpegs(data: list[torch.Tensor], device: torch.device) -> list[torch.
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
 
 
-def decode_images(items: Sequence[EncodedImage], device: str | torch.device) -> list[torch.Tensor]:
-    """Decode a batch of files into 3 x H x W uint8 RGB tensors on ``device``, in order; PIL takes what it refuses.
+def _torchvision(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+    try:
+        return _decode_jpegs(data, device)
+    except RuntimeError:  # one at a time: only the files nvJPEG refuses go to PIL
+        decoded: list[torch.Tensor | None] = []
+        for one in data:
+            try:
+                decoded.append(_decode_jpegs([one], device)[0])
+            except RuntimeError:
+                decoded.append(None)
+        return decoded
 
-    The files that reach this function are the ones the device decoder was expected to take (loader workers
-    decode the rest, :func:`worker_item`); PIL here is the fallback for a JPEG whose header looked fine but
-    that nvJPEG still refused, one file in many thousands.
+
+def nvimgcodec() -> ModuleType:
+    """nvImageCodec (``pip install bt_hub[nvimgcodec]``, else one sentence naming it), imported without the lines
+    it writes to stderr for each GPU codec library it does not find (nvJPEG2000, nvTIFF: bt_hub decodes JPEGs
+    only) and, at its verbosity 0 (read at import), for each file it refuses (PIL decodes those, or names them)."""
+    module = sys.modules.get(NVIMGCODEC)
+    if module is not None:
+        return module
+    quiet = "PYNVIMGCODEC_VERBOSITY" not in os.environ
+    os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)  # the file descriptor: the lines come from its C++ libraries
+    try:
+        return require(NVIMGCODEC, "--decode nvimgcodec")
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+        if quiet:
+            del os.environ["PYNVIMGCODEC_VERBOSITY"]
+
+
+_NVIMGCODEC_DECODERS: dict[tuple[int, str], Any] = {}  # per process (a forked worker makes its own) and device
+
+
+def _nvimgcodec_decoder(device: torch.device) -> Any:
+    key = (os.getpid(), str(device))
+    if key not in _NVIMGCODEC_DECODERS:
+        codec = nvimgcodec()
+        if device.type == "cuda":  # hardware engines first, then CUDA, then the CPU: nvImageCodec's own order
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            _NVIMGCODEC_DECODERS[key] = codec.Decoder(device_id=index)
+        else:  # the CPU backend alone, on one thread (a loader worker's): the default decoder needs a GPU
+            cpu_only = [codec.Backend(codec.BackendKind.CPU_ONLY)]
+            _NVIMGCODEC_DECODERS[key] = codec.Decoder(
+                device_id=codec.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1, backends=cpu_only
+            )
+    return _NVIMGCODEC_DECODERS[key]
+
+
+def _nvimgcodec(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+    codec = nvimgcodec()
+    # PIL's pixels: RGB planes (3 x H x W, as torchvision's), no EXIF rotation
+    params = codec.DecodeParams(
+        apply_exif_orientation=False, color_spec=codec.ColorSpec.SRGB, sample_format=codec.SampleFormat.P_RGB
+    )
+    streams = {}
+    for i, one in enumerate(data):
+        with contextlib.suppress(RuntimeError):  # a header it cannot parse: PIL decodes the file, or names it
+            streams[i] = codec.CodeStream(one.numpy())
+    # on CUDA the images are ready on the stream torch is on and handed over by DLPack; host images by numpy's
+    # array interface (their DLPack export asks for a GPU)
+    on_gpu = device.type == "cuda"
+    stream = {"cuda_stream": torch.cuda.current_stream(device).cuda_stream} if on_gpu else {}
+    images = _nvimgcodec_decoder(device).decode(list(streams.values()), params=params, **stream)
+    decoded: dict[int, torch.Tensor | None] = dict.fromkeys(range(len(data)))
+    for i, image in zip(streams, images):
+        if image is not None:
+            decoded[i] = torch.from_dlpack(image) if on_gpu else torch.from_numpy(np.array(image))
+    return list(decoded.values())
+
+
+_DEVICE_DECODERS: dict[str, Callable[[list[torch.Tensor], torch.device], list[torch.Tensor | None]]] = {
+    "torchvision": _torchvision,
+    "nvimgcodec": _nvimgcodec,
+}
+
+
+def decode_images(
+    items: Sequence[EncodedImage], device: str | torch.device, decoder: str = "torchvision"
+) -> list[torch.Tensor]:
+    """Decode a batch of files into 3 x H x W uint8 RGB tensors on ``device``, in order: the JPEGs the device decoder
+    takes in one call of ``decoder`` (``torchvision``, ``nvimgcodec``; ``pil``: none), the rest and any it refuses
+    by PIL.
+
+    The files that reach this function on the device are the ones its decoder was expected to take (loader workers
+    decode the rest, :func:`worker_item`); PIL here is the fallback for a JPEG whose header looked fine but that
+    the decoder still refused, one file in many thousands.
     """
     device = torch.device(device)
-    batch = [i for i, item in enumerate(items) if item.device_decodable]
-    decoded: dict[int, torch.Tensor] = {}
-    if batch:
-        try:
-            decoded = dict(zip(batch, _decode_jpegs([items[i].data for i in batch], device)))
-        except RuntimeError:  # one at a time: only the files nvJPEG refuses go to PIL
-            for i in batch:
-                with contextlib.suppress(RuntimeError):
-                    decoded[i] = _decode_jpegs([items[i].data], device)[0]
+    batch = [i for i, item in enumerate(items) if item.device_decodable and decoder != "pil"]
+    decoded = dict(zip(batch, _DEVICE_DECODERS[decoder]([items[i].data for i in batch], device))) if batch else {}
     return [
-        decoded[i] if i in decoded else decode_on_cpu(item).to(device, non_blocking=True)
+        image if (image := decoded.get(i)) is not None else decode_on_cpu(item).to(device, non_blocking=True)
         for i, item in enumerate(items)
     ]
 
 
 def to_device_images(
-    batch: PackedItems | Sequence[EncodedImage | torch.Tensor], device: str | torch.device
+    batch: PackedItems | Sequence[EncodedImage | torch.Tensor], device: str | torch.device, decoder: str = "torchvision"
 ) -> torch.Tensor | list[torch.Tensor]:
     """A loader's batch on ``device``: the decoded images in one host-to-device copy, as one B x C x H x W tensor
     when they all share a size (small-image folders: no per-image work at all), else a list in order, with the
-    files' bytes decoded there (:func:`decode_images`).
+    files' bytes decoded there by ``decoder`` (:func:`decode_images`).
     """
     if not isinstance(batch, PackedItems):
         batch = collate_packed(batch)
@@ -172,7 +306,7 @@ def to_device_images(
     out = PackedItems(moved, batch.shapes, None, None).unpack()  # the images as views, the files' bytes replaced
     if files:
         items = batch.unpack()
-        for i, image in zip(files, decode_images([items[i] for i in files], device)):  # type: ignore[misc]
+        for i, image in zip(files, decode_images([items[i] for i in files], device, decoder)):  # type: ignore[misc]
             out[i] = image
     return out
 
@@ -186,3 +320,110 @@ def resolve_decode(decode: str, device: torch.device | str, views: str) -> str:
     if decode == "auto":
         return "device" if views == "batched" and torch.device(device).type == "cuda" else "workers"
     return decode
+
+
+def jpeg_sample(root: str | os.PathLike, limit: int = SAMPLE) -> list[torch.Tensor]:
+    """The bytes of the first ``limit`` JPEGs under the folder ``root`` (walked in sorted order) that the device
+    decoder takes; [] when ``root`` is no folder (``digits``, ``synthetic``: images in memory)."""
+    found: list[torch.Tensor] = []
+    if not Path(root).expanduser().is_dir():
+        return found
+    for folder, subfolders, names in os.walk(Path(root).expanduser(), followlinks=True):
+        subfolders.sort()
+        for name in sorted(names):
+            item = read_encoded(Path(folder) / name) if name.lower().endswith((".jpg", ".jpeg")) else None
+            if item is not None and item.device_decodable:
+                found.append(item.data)
+                if len(found) == limit:
+                    return found
+    return found
+
+
+def _seconds_an_image(decode: Callable[[], object], images: int, sync: Callable[[], None]) -> float:
+    seconds = []
+    for _ in range(4):  # one untimed call, then the median of three
+        start = time.perf_counter()
+        decode()
+        sync()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[1:]) / images
+
+
+def time_decoders(sample: Sequence[torch.Tensor], device: str | torch.device, on_device: bool) -> dict[str, float]:
+    """Seconds an image of each decoder at hand on ``sample`` (JPEG bytes): the workers' (``pil``; on a CPU also
+    ``nvimgcodec``'s CPU backend, where it is installed), one file at a time on one thread as a loader worker decodes
+    them; with ``on_device``, the device's instead (``torchvision``, ``nvimgcodec``), the whole sample in one batch
+    as the device decodes a loader's batch. A decoder that cannot run here is left out."""
+    device = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    items = [EncodedImage(data, f"sample{i}.jpg", True) for i, data in enumerate(sample)]
+    few = items[:CPU_SAMPLE]
+    seconds = {"pil": _seconds_an_image(lambda: [decode_on_cpu(item) for item in few], len(few), sync)}
+    for name in ("torchvision", "nvimgcodec") if on_device else ("nvimgcodec",):
+        batches = [items] if on_device else [[item] for item in few]
+        with contextlib.suppress(ImportError, RuntimeError):  # not installed, or built for another CUDA
+            seconds[name] = _seconds_an_image(
+                lambda b=batches, n=name: [decode_images(x, device, n) for x in b], sum(map(len, batches)), sync
+            )
+    return seconds
+
+
+def _machine(device: torch.device, sample: Sequence[torch.Tensor]) -> tuple[str, str]:
+    """The cache key of ``--decode auto``'s timings (the device, the CPU, the libraries, the images' size class) and
+    the sample's median size, ``WxH``."""
+    try:
+        codec = getattr(nvimgcodec(), "__version__", "?")
+    except ImportError:
+        codec = "none"
+    sizes = sorted((Image.open(io.BytesIO(data.numpy())).size for data in sample), key=math.prod)  # headers only
+    width, height = sizes[len(sizes) // 2]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    key = (
+        f"decode | {name} | {precision.cpu_model()} | torch {torch.__version__} | torchvision {torchvision.__version__}"
+        f" | pillow {PIL.__version__} | nvimgcodec {codec} | ~2^{round(math.log2(width * height))} px"
+    )
+    return key, f"{width}x{height}"
+
+
+def decode_choice(
+    decode: str,
+    device: str | torch.device,
+    data: str | os.PathLike,
+    num_workers: int,
+    measure: Callable[[Sequence[torch.Tensor], torch.device, bool], Mapping[str, float]] | None = None,
+) -> dict[str, Any]:
+    """Evaluation's ``--decode`` resolved (``decode``), why (``decode_reason``) and the share of the device's JPEGs the
+    loader workers decode (``decode_share``, see :func:`decoding_for`).
+
+    ``auto`` times the decoders at hand on the first JPEGs of ``data`` (``measure``, default :func:`time_decoders`;
+    cached per device, CPU model, library versions and image size class) and takes on CUDA the faster device decoder,
+    with the workers decoding the share of each batch that makes both finish together (the workers' rate: one
+    worker's times the workers, at most one a core); on a CPU the faster of PIL and nvImageCodec's CPU backend in
+    the workers. Without JPEGs to time it is ``device``, the default path.
+    """
+    if decode != "auto":
+        return {"decode": decode, "decode_reason": f"--decode {decode}", "decode_share": 0.0}
+    device, sample = torch.device(device), jpeg_sample(data)
+    if not sample:
+        return {"decode": "device", "decode_reason": "auto: no JPEG files to time decoders on", "decode_share": 0.0}
+    on_device = device.type == "cuda"
+    key, size = _machine(device, sample)
+    timed = lambda: (measure or time_decoders)(sample, device, on_device)  # noqa: E731
+    seconds, where = precision.measured(key, timed, precision.cache_file(DECODE_CACHE), ["pil"])
+    rate, cores = {name: 1 / s for name, s in seconds.items()}, min(num_workers, os.cpu_count() or 1)
+    if not on_device:
+        fast = "nvimgcodec" if rate.get("nvimgcodec", 0) > rate["pil"] else "device"
+        speeds = ", ".join(f"{rate[n]:,.0f} images/s with {n}" for n in sorted(rate))
+        reason = f"auto: a loader worker decoded ~{size} JPEGs at {speeds} on {precision.cpu_model()} ({where})"
+        return {"decode": fast, "decode_reason": reason, "decode_share": 0.0}
+    on_gpu = {name: rate[name] for name in ("torchvision", "nvimgcodec") if name in rate}
+    fast = max(on_gpu, key=on_gpu.__getitem__, default="torchvision")
+    workers = cores * rate["pil"]
+    share = workers / (workers + on_gpu.get(fast, 0.0)) if workers else 0.0
+    speeds = ", ".join(f"{r:,.0f} images/s with {n}" for n, r in sorted(on_gpu.items()))
+    reason = (
+        f"auto: the {torch.cuda.get_device_name(device)} decoded ~{size} JPEGs at {speeds}, {cores} loader "
+        f"workers at {workers:,.0f} with pil: {fast} on the device, the workers decoding {share:.0%} of each batch's "
+        f"JPEGs ({where})"
+    )
+    return {"decode": "device" if fast == "torchvision" else fast, "decode_reason": reason, "decode_share": share}

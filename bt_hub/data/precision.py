@@ -2,6 +2,9 @@
 the faster of fp32 and bf16 autocast on a micro-benchmark (a ResNet-18 step), timed once per CPU model and torch
 version and cached; the speed of bf16 differs by CPU (avx512_bf16 alone has run slower than fp32), so CPU flags
 are no guide.
+
+The cache of such measured choices (:func:`measured`) is shared: ``--decode auto`` keeps its decoders' timings
+the same way (:mod:`bt_hub.data.decode`), each in a file of its own beside bt_hub's download cache.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import platform
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,7 @@ from bt_hub.common.files import atomic_write_json, read_json
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 CACHE_NAME = "precision_auto.json"
 TIMED_REPEATS = 5  # timed steps per precision, after one untimed warm-up step each
+STEP_IMAGES, STEP_SIDE = 16, 64  # the micro-benchmark's batch: 16 images of 64 px
 
 
 def cpu_flags() -> frozenset[str]:
@@ -43,9 +47,29 @@ def _cpuinfo(field: str) -> str:
     return ""
 
 
-def cache_file() -> Path:
+def cache_file(name: str = CACHE_NAME) -> Path:
     """Where the measured choices are kept: beside bt_hub's download cache (``<torch hub dir>/checkpoints/bt_hub``)."""
-    return Path(torch.hub.get_dir()) / "checkpoints" / "bt_hub" / CACHE_NAME
+    return Path(torch.hub.get_dir()) / "checkpoints" / "bt_hub" / name
+
+
+def measured(
+    key: str, measure: Callable[[], Mapping[str, float]], path: Path, names: Sequence[str] = ()
+) -> tuple[dict[str, float], str]:
+    """The timings cached under ``key`` in ``path`` (a JSON file of such entries) when they hold every one of
+    ``names``, else ``measure()``'s, cached there now; and where they came from, for a choice's reason."""
+    cache = read_json(path)
+    cache = cache if isinstance(cache, dict) else {}
+    found = cache.get(key)
+    if isinstance(found, dict) and found and all(isinstance(v, (int, float)) for v in found.values()):
+        if all(name in found for name in names):
+            # the file by name: the reason goes into results.json and model cards, which hold no absolute path
+            return {name: float(v) for name, v in found.items()}, f"cached in {path.name}"
+    timings, where = {name: float(v) for name, v in measure().items()}, "measured now"
+    try:
+        atomic_write_json(path, {**cache, key: timings})
+    except OSError:
+        where += f", not cached ({path} is not writable)"
+    return timings, where
 
 
 def time_step(dtype: torch.dtype | None, repeats: int = TIMED_REPEATS) -> float:
@@ -54,7 +78,8 @@ def time_step(dtype: torch.dtype | None, repeats: int = TIMED_REPEATS) -> float:
     from bt_hub.method.model import build_backbone
 
     generator = torch.Generator().manual_seed(0)
-    network, x = build_backbone("resnet18"), torch.randn(16, 3, 64, 64, generator=generator)
+    network = build_backbone("resnet18")
+    x = torch.randn(STEP_IMAGES, 3, STEP_SIDE, STEP_SIDE, generator=generator)
     seconds = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
@@ -74,20 +99,8 @@ def cpu_choice(measure: Callable[[], Mapping[str, float]] | None = None, path: P
     """``--precision auto`` on this CPU: the faster of fp32 and bf16 by ``measure``'s seconds (default
     :func:`measure_cpu`), cached in ``path`` (default :func:`cache_file`) per CPU model and torch version; the
     choice, why, and both times."""
-    path = path or cache_file()
     key = f"{cpu_model()} | torch {torch.__version__}"
-    cache = read_json(path)
-    cache = cache if isinstance(cache, dict) else {}
-    found = cache.get(key)
-    if isinstance(found, dict) and all(isinstance(found.get(p), (int, float)) for p in ("fp32", "bf16")):
-        # the file by name: the reason goes into results.json and model cards, which hold no absolute path
-        timings, where = {p: float(found[p]) for p in ("fp32", "bf16")}, f"cached in {path.name}"
-    else:
-        timings, where = {p: float(v) for p, v in (measure or measure_cpu)().items()}, "measured now"
-        try:
-            atomic_write_json(path, {**cache, key: timings})
-        except OSError:
-            where += f", not cached ({path} is not writable)"
+    timings, where = measured(key, measure or measure_cpu, path or cache_file(), ("fp32", "bf16"))
     choice = "bf16" if timings["bf16"] < timings["fp32"] else "fp32"
     return {
         "precision": choice,

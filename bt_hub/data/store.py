@@ -60,13 +60,15 @@ from bt_hub.common.artifacts import (
     READ_ONLY,
     Segments,
     content_key,
+    entry_problem,
+    file_entry,
     locked,
     not_writable,
     same_content,
     stat_change,
     stat_row,
 )
-from bt_hub.common.files import FULL, WriteError, atomic_write, atomic_write_json, file_sha256, write_failure
+from bt_hub.common.files import FULL, WriteError, atomic_write, atomic_write_json, write_failure
 from bt_hub.common.progress import announce, progress
 from bt_hub.common.signals import ignore_group_signals
 from bt_hub.data.decode import PackedItems, collate_packed, decode_on_cpu, read_encoded
@@ -346,11 +348,9 @@ class _Slot:
                 manifest.update(key=self.key, files=rows)
                 if mode == "refresh":
                     atomic_write_json(manifest_path, manifest)
-            for name in ("pixels.u8", "index.npy"):
-                entry = manifest["pixels" if name == "pixels.u8" else "index"]
-                path = self.folder / name
-                if path.stat().st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
-                    raise ValueError(f"{path} is not the file that was written (size or sha256 differ)")
+            for problem in (entry_problem(self.folder, manifest[name]) for name in ("pixels", "index")):
+                if problem is not None:
+                    raise ValueError(problem)
             index = np.load(self.folder / "index.npy", allow_pickle=False)
             size = int(manifest["pixels"]["bytes"])
             array = np.memmap(self.folder / "pixels.u8", dtype=np.uint8, mode="c") if size else np.zeros(0, np.uint8)
@@ -410,8 +410,8 @@ class _Slot:
             "root": str(self.root),
             "files": [[*f, sha] for f, sha in zip(self.files, hashes)],
             "content_sha256": content_key(hashes, [f[4] for f in self.files], self.view.describe()),
-            "pixels": {"bytes": pixels.size, "sha256": file_sha256(partial / "pixels.u8")},
-            "index": {"bytes": (partial / "index.npy").stat().st_size, "sha256": file_sha256(partial / "index.npy")},
+            "pixels": file_entry(partial / "pixels.u8"),
+            "index": file_entry(partial / "index.npy"),
         }
         atomic_write_json(partial / "manifest.json", manifest)
         if self.folder.exists():

@@ -15,7 +15,7 @@ from bt_hub.common.distributed import get_rank, get_world_size
 from bt_hub.common.files import atomic_write
 from bt_hub.common.signals import ignore_group_signals
 from bt_hub.data.datasets import to_uint8_tensor
-from bt_hub.data.decode import PackedItems, collate_packed, to_device_images, worker_item
+from bt_hub.data.decode import Decoding, PackedItems, collate_packed, to_device_images, worker_item
 from bt_hub.data.store import (
     DecodedImages,
     StoreView,
@@ -70,7 +70,8 @@ class ViewDataset(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> Any:
         epoch, index = key
         if self.file_items:  # the file's bytes for the device decoder, or the image decoded in this worker
-            return worker_item(self.dataset.samples[index][0], self.device_decoder)
+            decoding = Decoding("torchvision") if self.device_decoder else Decoding()
+            return worker_item(self.dataset.samples[index][0], decoding, index)
         image, _ = self.dataset[index]
         if self.batched:
             return to_uint8_tensor(image)

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from bt_hub.common.optional import require
 from bt_hub.common.signals import ignore_group_signals
-from bt_hub.data.datasets import ImageFolderDataset, build_dataset, to_uint8_tensor
+from bt_hub.data.datasets import ImageFolderDataset, build_dataset, is_builtin, to_uint8_tensor
 from bt_hub.method.knn import knn_vote, nearest_neighbours
 from bt_hub.method.model import default_init_backbone
 from bt_hub.method.transforms import normalize
@@ -60,7 +60,7 @@ def monitor_sets(
     """(bank images, bank labels, query images, query labels) of ``data``, uint8, seeded; queries held out (``val/``
     or ``test/``, else training images outside the bank); an image folder's files decoded by ``num_workers`` loader
     workers."""
-    in_memory = data == "digits" or data.startswith("synthetic")
+    in_memory = is_builtin(data)
     size = image_size if in_memory else None
     train = build_dataset(data, "train", image_size=size, seed=seed)
     split = next((s for s in ("val", "test") if in_memory or (Path(data).expanduser() / s).is_dir()), None)

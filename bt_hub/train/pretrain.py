@@ -34,7 +34,7 @@ from bt_hub.common.files import atomic_write_json, read_json, write_safetensors
 from bt_hub.common.progress import progress
 from bt_hub.common.runs import RunDir
 from bt_hub.common.signals import Terminated, deferred_stop
-from bt_hub.data.datasets import build_dataset
+from bt_hub.data.datasets import build_dataset, is_builtin
 from bt_hub.data.decode import resolve_decode
 from bt_hub.data.precision import autocast_dtype, precision_choice, resolve_channels_last
 from bt_hub.data.prefetch import Prefetcher
@@ -225,7 +225,7 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
     if config.batch_size % world:
         raise ValueError(f"--batch-size {config.batch_size} is not a multiple of the {world} processes")
     state = _resume_state(config, out)
-    is_dir = not (config.data == "digits" or config.data.startswith("synthetic"))
+    is_dir = not is_builtin(config.data)
     dataset = build_dataset(config.data, "train", image_size=None if is_dir else config.image_size, seed=config.seed)
     steps_per_epoch = len(dataset) // config.batch_size
     total_steps, warmup_steps, last_step = config.schedule_steps(len(dataset), int(state["step"]) if state else 0)

@@ -18,7 +18,8 @@ from urllib.parse import urlparse
 import torch
 from tqdm import tqdm
 
-from bt_hub.common.files import CheckpointError, atomic_write_text, file_sha256, read_file
+from bt_hub.common.artifacts import READ_ONLY, locked, not_writable
+from bt_hub.common.files import CheckpointError, WriteError, atomic_write_text, file_sha256, read_file
 
 TIMEOUT_ENV = "BT_HUB_DOWNLOAD_TIMEOUT"
 RETRIES_ENV = "BT_HUB_DOWNLOAD_RETRIES"
@@ -112,7 +113,11 @@ def check_cached(path: Path, url: str, sha256: str | None, actual: str) -> str:
         return actual
     recorded = recorded_sha256(path)
     if recorded is None:
-        _record_sha256(path, actual)
+        try:
+            _record_sha256(path, actual)
+        except WriteError as err:  # a cache on read-only storage (a shared TORCH_HOME) is read, not recorded in
+            if err.errno not in READ_ONLY:
+                raise
     elif actual != recorded:
         raise DownloadError(
             f"cached file {path} has sha256 {actual[:16]}..., not the {recorded[:16]}... recorded in "
@@ -156,7 +161,18 @@ def download_unchecked(
         return target, False
     seconds = _setting(TIMEOUT_ENV, timeout, DEFAULT_TIMEOUT_S)
     attempts = 1 + int(_setting(RETRIES_ENV, retries, DEFAULT_RETRIES))
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise not_writable(target.parent, err, "TORCH_HOME") if err.errno in READ_ONLY else err from None
+    with locked(target.with_name(f".{target.name}.lock"), "TORCH_HOME"):  # one process fetches, the others wait
+        if target.is_file():
+            return target, False
+        return _fetch_verified(url, target, sha256, seconds, attempts, progress), True
+
+
+def _fetch_verified(url: str, target: Path, sha256: str | None, seconds: float, attempts: int, progress: bool) -> Path:
+    """Fetch ``url`` into a staging folder beside ``target``, verify it, rename it into place (retrying)."""
     _remove_stale_staging(target.parent)
     reason = ""
     for attempt in range(attempts):
@@ -168,7 +184,7 @@ def download_unchecked(
             _fetch(url, partial, seconds, progress)
             _verify(partial, url, target, sha256)
             os.replace(partial, target)
-            return target, True
+            return target
         except _Retryable as err:
             reason = str(err)
         finally:
@@ -247,8 +263,7 @@ def _verify(partial: Path, url: str, target: Path, sha256: str | None) -> None:
     try:
         read_file(partial)
     except CheckpointError as err:
-        what = str(err).split(f"{partial} ", 1)[-1]
-        raise DownloadError(f"download of {url} was refused: it {what}; {_fixes(url, target)}") from None
+        raise DownloadError(f"download of {url} was refused: it {err.reason or err}; {_fixes(url, target)}") from None
     if expected is None:
         _record_sha256(target, actual)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import pickle
 import re
@@ -21,12 +20,11 @@ from bt_hub.common.files import (
     atomic_write,
     atomic_write_json,
     atomic_write_text,
-    safetensors_metadata,
     write_safetensors,
 )
 from bt_hub.common.optional import require
 from bt_hub.common.records import display_path
-from bt_hub.common.runs import package_version
+from bt_hub.common.runs import owned_by_bt_hub, package_version
 from bt_hub.method.model import ARCHITECTURES
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, input_metadata
 from bt_hub.weights.card import card_rows, model_card, timm_fields
@@ -114,19 +112,6 @@ def save_torchvision(state_dict: Mapping[str, torch.Tensor], path: str | os.Path
 # --------------------------------------------------------------------------- Hugging Face folder
 
 
-def _written_by_bt_hub(path: Path) -> bool:
-    try:
-        if path.suffix == ".safetensors":
-            return safetensors_metadata(path).get("written_by") == "bt_hub"
-        text = path.read_text(encoding="utf-8")
-        if path.name == "config.json":
-            config = json.loads(text)
-            return isinstance(config, dict) and "bt_hub_version" in config
-        return text.startswith("---") and "library_name: bt_hub" in text.split("\n---", 1)[0]
-    except (OSError, ValueError):
-        return False
-
-
 def check_hf_target(folder: Path, *, force: bool) -> None:
     """Refuse a folder that is not empty (unless ``force``) or that holds a file of ours bt_hub did not write."""
     if folder.exists() and not folder.is_dir():
@@ -137,7 +122,7 @@ def check_hf_target(folder: Path, *, force: bool) -> None:
         raise FileExistsError(
             f"folder {folder} is not empty; pass --force to replace the files bt_hub wrote there (other files are kept)"
         )
-    foreign = [name for name in HF_FOLDER_FILES if (folder / name).exists() and not _written_by_bt_hub(folder / name)]
+    foreign = [name for name in HF_FOLDER_FILES if (folder / name).exists() and not owned_by_bt_hub(folder / name)]
     if foreign:
         raise FileExistsError(
             f"{folder / foreign[0]} was not written by bt_hub, so even --force does not replace it; "

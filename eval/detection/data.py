@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from torch.utils.data import Dataset
 
 from bt_hub.common.images import open_rgb
 from bt_hub.common.optional import require
+from bt_hub.data.datasets import read_voc_annotation
 from bt_hub.eval.voc07_svm import VOC_CLASSES  # the 20 PASCAL VOC classes, one list for both protocols
 
 __all__ = ["VOC_CLASSES", "DatasetLocation", "DetectionDataset", "Record", "load_records", "locate", "voc_class_names"]
@@ -87,26 +87,27 @@ def _voc_records(loc: DatasetLocation, class_names: tuple[str, ...]) -> list[Rec
     records = []
     for file_id in ids:
         xml_path = loc.dirname / "Annotations" / f"{file_id}.xml"
-        tree = ET.parse(xml_path)
-        boxes, labels, difficult = [], [], []
-        for obj in tree.findall("object"):
-            name = obj.findtext("name", "").strip()
-            if name not in index:
-                raise ValueError(f"{xml_path}: class {name!r} is not one of the dataset's classes {list(class_names)}")
-            box = obj.find("bndbox")
-            xmin, ymin, xmax, ymax = (float(box.findtext(k)) for k in ("xmin", "ymin", "xmax", "ymax"))
+        objects, shape = read_voc_annotation(xml_path)
+        boxes, labels = [], []
+        for obj in objects:
+            if obj.name not in index:
+                raise ValueError(
+                    f"{xml_path}: class {obj.name!r} is not one of the dataset's classes {list(class_names)}"
+                )
+            if obj.box is None or shape is None:
+                raise ValueError(f"annotation {xml_path} gives no <bndbox> of {obj.name} or no <size>")
+            xmin, ymin, xmax, ymax = obj.box
             boxes.append([xmin - 1.0, ymin - 1.0, xmax, ymax])  # 1-based inclusive -> continuous
-            labels.append(index[name])
-            difficult.append(obj.findtext("difficult", "0").strip() == "1")
+            labels.append(index[obj.name])
         records.append(
             Record(
                 image_id=file_id,
                 file_name=str(loc.dirname / "JPEGImages" / f"{file_id}.jpg"),
-                height=int(tree.findtext("size/height")),
-                width=int(tree.findtext("size/width")),
+                height=shape[0],
+                width=shape[1],
                 boxes=np.asarray(boxes, dtype=np.float32).reshape(-1, 4),
                 labels=np.asarray(labels, dtype=np.int64),
-                difficult=np.asarray(difficult, dtype=bool),
+                difficult=np.asarray([obj.difficult for obj in objects], dtype=bool),
                 iscrowd=np.zeros(len(labels), dtype=bool),
             )
         )
