@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The GPU rows of docs/performance.md in one run of under 9.5 minutes on one H100/H200 (issues 28 and 33):
+# The GPU rows of docs/performance.md in one run of under 9.5 minutes on one H100/H200 (issues 28, 33 and 42):
 #
 #     bash benchmarks/gpu_check.sh                      # on the GPU machine, from the repository root
-#     GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh      # the same steps on the CPU at tiny sizes (~4 min, 2 cores;
+#     GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh      # the same steps on the CPU at tiny sizes (~5 min, 2 idle cores;
 #                                                       # torch.compile disabled: Inductor would take minutes)
 #     GPU_CHECK_PARSE=1 bash benchmarks/gpu_check.sh    # the GPU run's command lines parsed, nothing run (seconds;
 #                                                       # tests/test_gpu_scripts.py runs it in the CPU suite)
+#     GPU_CHECK_STRETCH=1 bash benchmarks/gpu_check.sh  # the stretch row (8.) alone: it does not fit beside the rest
 #
 # Installs bt_hub from this tree without network, and nvImageCodec from the wheels brought along in
 # benchmarks/wheels/ (git-ignored; the GPU machine has no network: fetch them beforehand, on any machine, with
@@ -22,13 +23,19 @@
 #      (t) the same decoded by torchvision's nvJPEG alone, (n) by nvImageCodec alone, (p) (b)'s phases, (s) bt_hub
 #      from the decoded store, (c) ImageFolder + PIL in 4 and in 16 workers          -> eval_throughput.txt
 #   3. the same for small images: ResNet-18 small stem, 32 px, 28-px grey PNGs: (a), (b), (s) -> eval_small.txt
-#   4. pretraining on 28-px grey PNGs, ResNet-18 small stem, 32 px: (a) ceiling, (b) bt_hub from the folder
-#      (--store auto), (f) with --store off                                        -> pretrain_small.txt
-#   5. compiled pretraining, batch 256: (a) compiled ceiling, (b) bt_hub --compile  -> pretrain_compiled.txt
+#   4. pretraining on 28-px grey PNGs, ResNet-18 small stem, 32 px: (a) ceiling, (b) bt_hub from a store in GPU
+#      memory (--store device), (f) with --store off (workers decode every epoch); the profiler's top rows of
+#      (b) and (f) over the steps after the timed ones                            -> pretrain_small.txt
+#   5. compiled pretraining, batch 256: (a) compiled ceiling, (b) bt_hub --compile, and (b)'s profiler rows
+#                                                                                   -> pretrain_compiled.txt
 #   6. a learning curve: a folder of 60,000 + 10,000 28-px grey PNGs, a short pretraining run keeping 10 steps,
-#      then `bt-hub eval compare --over-steps` (kNN + linear, pixels and random-init baselines), timed -> curve.txt
+#      then `bt-hub eval compare --over-steps` (kNN + linear, pixels and random-init baselines), timed, with
+#      its seconds per cell                                                         -> curve.txt
 #   7. `bt-hub eval all --device cuda` on a generated 224-px ImageFolder (train/, val/) with a
 #      torchvision-default-init ResNet-50 exported by `bt-hub export`, timed            -> eval_all.txt
+#   8. the stretch row, only with GPU_CHECK_STRETCH=1 (then alone; ~8-9 min estimated on an H200, so not beside
+#      1-7) and in the dry and parse runs: 100 epochs (--preset cifar) of 60,000 28-px grey PNGs keeping 10 steps,
+#      then their curve as in 6.; target: both within 600 s                             -> stretch.txt
 # and writes machine.txt (GPU, torch, CPU model and flags, the install's log) and summary.md (each
 # step's exit status and seconds; the ratios the issues target). Everything goes to $OUT (default
 # ./gpu_check_out): files only, no folders. PYTHON picks the interpreter (default python3).
@@ -47,6 +54,7 @@ BENCH=$(cd "$(dirname "$0")" && pwd)
 START=$SECONDS
 
 PARSE=${GPU_CHECK_PARSE:-0}
+STRETCH=${GPU_CHECK_STRETCH:-0}
 DEADLINE=${GPU_CHECK_SECONDS:-560}
 if [[ "$DRY" == 1 ]]; then
     DEVICE=cpu
@@ -55,11 +63,15 @@ if [[ "$DRY" == 1 ]]; then
     SMALL_EVAL=(--arch resnet18 --small-image-stem --image-size 32 --format png --jpeg-size 28x28 --batch-size 32
         --steps 2 --warmup 1 --workers 1)
     SMALL_PRETRAIN=(--arch resnet18 --small-image-stem --image-size 32 --format png --jpeg-size 28x28
-        --projector 64-64 --batch-size 16 --warmup 1 --steps 2 --workers 1)
+        --projector 64-64 --batch-size 16 --warmup 1 --steps 2 --workers 1 --profile 1)
     PRETRAIN_SIZES=(--arch resnet18 --image-size 32 --projector 64-64 --batch-size 8 --warmup 1 --steps 2
-        --jpeg-size 64x48 --workers 1)
-    CURVE_TRAIN=300 CURVE_VAL=60 CURVE_PRETRAIN="--batch-size 32 --projector 64-64 --max-steps 10 --keep-every 1"
+        --jpeg-size 64x48 --workers 1 --profile 1)
+    CURVE_TRAIN=300 CURVE_VAL=60
+    CURVE_PRETRAIN="--warmup-epochs 1 --batch-size 32 --projector 64-64 --max-steps 10 --keep-every 1"
     CURVE_WORKERS=1
+    STRETCH_TRAIN=200 STRETCH_VAL=40 STRETCH_BUDGET=120
+    STRETCH_PRETRAIN="--batch-size 32 --projector 64-64 --epochs 1 --warmup-epochs 0 --keep-every 3"
+    PROFILED=40  # seconds rows 4 and 5 get beside their BUDGET: the steps they profile after the timed ones
     ALL_ARCH=resnet18 ALL_PX=32 ALL_TRAIN=60 ALL_VAL=20 ALL_WORKERS=1 ALL_EPOCHS="--linear-epochs 10 --semi-epochs 1"
     BUDGET=(60 90 40 60 60 150 90)
     export TORCH_COMPILE_DISABLE=1  # Inductor's C++ build of ResNet-18 alone outlasts the dry run on 2 cores
@@ -70,11 +82,15 @@ else
     SMALL_EVAL=(--arch resnet18 --small-image-stem --image-size 32 --format png --jpeg-size 28x28 --batch-size 1024
         --steps 20 --warmup 2 --workers 14)
     SMALL_PRETRAIN=(--arch resnet18 --small-image-stem --image-size 32 --format png --jpeg-size 28x28
-        --projector 2048-2048-2048 --batch-size 512 --warmup 10 --steps 40 --workers 14)
+        --projector 2048-2048-2048 --batch-size 512 --warmup 10 --steps 40 --workers 14 --profile 6)
     PRETRAIN_SIZES=(--arch resnet50 --image-size 224 --projector 8192-8192-8192 --batch-size 256 --warmup 3
-        --steps 10 --jpeg-size 500x375 --workers 16)
-    CURVE_TRAIN=60000 CURVE_VAL=10000 CURVE_PRETRAIN="--batch-size 512 --max-steps 50 --keep-every 5"
+        --steps 12 --jpeg-size 500x375 --workers 16 --profile 6)
+    CURVE_TRAIN=60000 CURVE_VAL=10000
+    CURVE_PRETRAIN="--warmup-epochs 1 --batch-size 512 --max-steps 50 --keep-every 5"
     CURVE_WORKERS=14
+    # 100 epochs of the cifar preset (batch 256): 23,400 steps, kept every 2,340
+    STRETCH_TRAIN=60000 STRETCH_VAL=10000 STRETCH_PRETRAIN="--epochs 100 --keep-every 2340" STRETCH_BUDGET=560
+    PROFILED=15  # ~10 s of profiled steps, and row 5's 2 more timed steps
     # eval all: the paper presets, one label fraction, fine-tuning's 800-step floor at batch 64
     ALL_ARCH=resnet50 ALL_PX=224 ALL_TRAIN=500 ALL_VAL=100 ALL_WORKERS=8 ALL_EPOCHS="--fractions 10 --semi-batch-size 64"
     BUDGET=(120 100 45 70 200 120 60)  # H200: the CUDA tests outgrew 70 s; compiles 108 + 71 s; eval all 18 s
@@ -88,6 +104,7 @@ fi
 step() {
     local name=$1 budget=$2 log=$3
     shift 3
+    [[ "$STRETCH" == 1 && "$name" != stretch* ]] && return  # GPU_CHECK_STRETCH=1: the stretch row alone
     local tick=$SECONDS left=$((DEADLINE - (SECONDS - START)))
     if ((left < 20)); then
         echo "== $name: skipped (GPU_CHECK_SECONDS=$DEADLINE spent)" | tee -a "$log"
@@ -154,19 +171,22 @@ step "small-image extraction" "${BUDGET[2]}" "$OUT/eval_small.txt" \
     "$PY" "$BENCH/eval_throughput.py" --device "$DEVICE" "${SMALL_EVAL[@]}" --rows abs --out "$WORK/eval_small"
 
 # ---------------------------------------------------------------------------- 4. small-image pretraining
-step "small-image pretraining" "${BUDGET[3]}" "$OUT/pretrain_small.txt" \
-    "$PY" "$BENCH/pretrain_throughput.py" --device "$DEVICE" "${SMALL_PRETRAIN[@]}" --rows abf \
+step "small-image pretraining" "$((BUDGET[3] + PROFILED))" "$OUT/pretrain_small.txt" \
+    "$PY" "$BENCH/pretrain_throughput.py" --device "$DEVICE" "${SMALL_PRETRAIN[@]}" --rows abf --store device \
     --out "$WORK/pretrain_small"
 
 # ---------------------------------------------------------------------------- 5. compiled pretraining
-step "compiled pretraining" "${BUDGET[4]}" "$OUT/pretrain_compiled.txt" \
+step "compiled pretraining" "$((BUDGET[4] + PROFILED))" "$OUT/pretrain_compiled.txt" \
     "$PY" "$BENCH/pretrain_throughput.py" --device "$DEVICE" "${PRETRAIN_SIZES[@]}" --compile only \
     --out "$WORK/pretrain_throughput"
 
-# ---------------------------------------------------------------------------- 6. a learning curve
+# ---------------------------------------------------------------------------- 6. and 8. learning curves
+# curve NAME TRAIN VAL FLAGS: TRAIN + VAL 28-px grey PNGs, `bt-hub pretrain --preset cifar FLAGS` on train/ keeping
+# its steps, then `eval compare --over-steps` of them against pixels and random-init (kNN + linear), each timed
 curve() {
+    local dir=$WORK/$1 tick=$SECONDS start=$SECONDS
     if [[ "$PARSE" != 1 ]]; then
-        "$PY" - "$WORK/curve_data" "$CURVE_TRAIN" "$CURVE_VAL" "$BENCH" <<'EOF' || return
+        "$PY" - "$dir/data" "$2" "$3" "$BENCH" <<'EOF' || return
 """train/ and val/ of distinct 28-px grey PNGs in 10 classes (pretrain_throughput.py's pictures)."""
 import sys
 from multiprocessing import Pool
@@ -185,17 +205,34 @@ for i, picture in enumerate(pictures):
 print(f"{n_train} + {n_val} grey 28-px PNGs in {root}")
 EOF
     fi
-    local tick=$SECONDS
-    # shellcheck disable=SC2086  # CURVE_PRETRAIN holds several flags
-    bt_hub pretrain --data "$WORK/curve_data/train" --preset cifar --warmup-epochs 1 $CURVE_PRETRAIN \
-        --num-workers "$CURVE_WORKERS" --device "$DEVICE" --out "$WORK/curve_run" || return
+    echo "data: $((SECONDS - tick)) s"
+    tick=$SECONDS
+    # shellcheck disable=SC2086  # $4 holds several flags
+    bt_hub pretrain --data "$dir/data/train" --preset cifar $4 --num-workers "$CURVE_WORKERS" --device "$DEVICE" \
+        --out "$dir/run" || return
     echo "pretraining wall time (the store made, then the steps): $((SECONDS - tick)) s"
     tick=$SECONDS
-    bt_hub eval compare --weights "$WORK/curve_run" --over-steps --data "$WORK/curve_data" --image-size 32 \
+    bt_hub eval compare --weights "$dir/run" --over-steps --data "$dir/data" --image-size 32 \
         --protocols knn linear --baselines pixels random-init --seeds 1 --num-workers "$CURVE_WORKERS" --device "$DEVICE" \
-        --out "$WORK/curve" || return
+        --out "$dir/curve" || return
     echo "eval compare --over-steps wall time: $((SECONDS - tick)) s"
-    [[ "$PARSE" == 1 ]] || cat "$WORK/curve/compare.md"
+    [[ "$PARSE" == 1 ]] && return
+    "$PY" - "$dir/curve/results.jsonl" "$((SECONDS - tick))" <<'EOF'
+"""The curve's seconds per cell, and its records' wall_time_s summed by column (with the features each extracted:
+the first kNN cell its row's, the linear column, scored together at its first cell, every other row's)."""
+import json
+import sys
+from collections import Counter
+
+records = [json.loads(line) for line in open(sys.argv[1])]
+columns = Counter()
+for record in records:
+    columns[record["notes"]["compare"]["column"]] += record["wall_time_s"]
+spent = ", ".join(f"{column} {seconds:.1f} s" for column, seconds in columns.items())
+print(f"seconds per cell: {int(sys.argv[2]) / len(records):.2f} ({len(records)} cells; by column: {spent})")
+EOF
+    echo "curve wall time (data, pretraining and compare): $((SECONDS - start)) s"
+    cat "$dir/curve/compare.md"
 }
 
 # ---------------------------------------------------------------------------- 7. bt-hub eval all
@@ -234,15 +271,20 @@ EOF
     echo "eval all wall time: $((SECONDS - tick)) s"
     [[ "$PARSE" == 1 ]] || cat "$WORK/eval_all/results.md"
 }
-export PY WORK DEVICE BENCH PARSE CURVE_TRAIN CURVE_VAL CURVE_PRETRAIN CURVE_WORKERS
-export ALL_ARCH ALL_PX ALL_TRAIN ALL_VAL ALL_WORKERS ALL_EPOCHS
+export PY WORK DEVICE BENCH PARSE CURVE_WORKERS ALL_ARCH ALL_PX ALL_TRAIN ALL_VAL ALL_WORKERS ALL_EPOCHS
 export -f curve eval_all bt_hub
-step "learning curve" "${BUDGET[5]}" "$OUT/curve.txt" bash -c curve
+step "learning curve" "${BUDGET[5]}" "$OUT/curve.txt" \
+    bash -c 'curve curve "$@"' - "$CURVE_TRAIN" "$CURVE_VAL" "$CURVE_PRETRAIN"
 step "bt-hub eval all" "${BUDGET[6]}" "$OUT/eval_all.txt" bash -c eval_all
+if [[ "$STRETCH" == 1 || "$DRY" == 1 || "$PARSE" == 1 ]]; then
+    step "stretch: 100 epochs and their curve" "$STRETCH_BUDGET" "$OUT/stretch.txt" \
+        bash -c 'curve stretch "$@"' - "$STRETCH_TRAIN" "$STRETCH_VAL" "$STRETCH_PRETRAIN"
+fi
 
 # ---------------------------------------------------------------------------- summary.md
 "$PY" - "$OUT" "$WORK/steps" "$DRY" "$((SECONDS - START))" <<'EOF'
-"""summary.md: each step's status and seconds, the images/s rows and the ratios issues 28 and 33 target."""
+"""summary.md: each step's status and seconds, the images/s rows, the ratios issues 28, 33 and 42 target, the curves'
+seconds and the profiler's busy time."""
 import re
 import sys
 from pathlib import Path
@@ -272,7 +314,7 @@ def ratio(num, den, target):
 
 extraction, pretrain = rates("eval_throughput.txt"), rates("pretrain_compiled.txt")
 small_eval, small_pretrain = rates("eval_small.txt"), rates("pretrain_small.txt")
-lines = ["# GPU check (issues 28 and 33)", ""]
+lines = ["# GPU check (issues 28, 33 and 42)", ""]
 if dry:
     lines += ["**Dry run on the CPU at tiny sizes: the numbers say only that every step ran.**", ""]
 keep = ("gpu_check", "GPU ", "python ", "CPU:", "logical", "install:", "nvImageCodec")
@@ -293,13 +335,25 @@ lines.append(f"| 224-px JPEG extraction from the store (s)/(a) | {ratio(pick(ext
 lines.append(f"| 224-px JPEG extraction (b)/(c at 4 workers) | {ratio(b, c4, 2)} |")
 lines.append(f"| small-image extraction (b)/(a) | {ratio(pick(small_eval, '(b)'), pick(small_eval, '(a)'), 0.9)} |")
 lines.append(f"| small-image extraction (s)/(a) | {ratio(pick(small_eval, '(s)'), pick(small_eval, '(a)'), 0.9)} |")
-lines.append(f"| small-image pretraining (b)/(a) | {ratio(pick(small_pretrain, '(b)'), pick(small_pretrain, '(a)'), 0.9)} |")
+small = {key: pick(small_pretrain, key) for key in ("(a)", "(b)", "(f)")}
+lines.append(f"| small-image pretraining, store in GPU memory (b)/(a) | {ratio(small['(b)'], small['(a)'], 0.9)} |")
+lines.append(f"| small-image pretraining, workers decoding (f)/(a) | {ratio(small['(f)'], small['(a)'], 0.9)} |")
+lines.append(f"| the store against the workers (b)/(f): below 1, it leaves pretraining | {ratio(small['(b)'], small['(f)'], 1)} |")
 lines.append(f"| compiled pretraining (b)/(a) | {ratio(pick(pretrain, '(b)'), pick(pretrain, '(a)'), 0.95)} |")
 every = {**extraction, **{f"{k} [small]": v for k, v in {**small_eval, **small_pretrain}.items()}, **pretrain}
 lines += ["", "| row | images/s |", "|---|---|"] + [f"| {k} | {v:.1f} |" for k, v in every.items()]
-for name, pattern in (("learning curve", r"^(?:pretraining|eval compare).* wall time: .*$"), ("bt-hub eval all", r"^eval all wall time: .*$")):
-    found = re.findall(pattern, read("curve.txt" if name == "learning curve" else "eval_all.txt"), re.M)
-    lines.append(f"{name}: {'; '.join(found) if found else 'did not finish'}")
+curves = (("learning curve", "curve.txt", 60, "its compare"), ("stretch, 100 epochs", "stretch.txt", 600, "the whole row"))
+for name, log, target, what in curves:
+    compare = re.search(r"^eval compare --over-steps wall time: (\d+) s$", read(log), re.M)
+    whole = re.search(r"^curve wall time \(data, pretraining and compare\): (\d+) s$", read(log), re.M)
+    took = compare if target == 60 else whole
+    verdict = f"{took[1]} s, target {what} <= {target} s: {'met' if int(took[1]) <= target else 'NOT met'}" if took else ""
+    found = re.findall(r"^(?:data|pretraining|eval compare|seconds per cell|curve wall time).*$", read(log), re.M)
+    lines.append(f"{name}: {verdict + '; ' if verdict else ''}{'; '.join(found) if found else 'did not finish or run'}")
+found = re.findall(r"^eval all wall time: .*$", read("eval_all.txt"), re.M)
+lines.append(f"bt-hub eval all: {'; '.join(found) if found else 'did not finish'}")
+for log in ("pretrain_small.txt", "pretrain_compiled.txt"):  # what the profiler says is left
+    lines += [f"{log}: {line}" for line in re.findall(r"^profile of .*$", read(log), re.M)]
 (out / "summary.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF

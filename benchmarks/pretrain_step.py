@@ -157,7 +157,7 @@ class Pipeline:
     def views(self, images: list[Image.Image], step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ours:
             batch = torch.stack([to_uint8_tensor(im) for im in images]).to(self.device)
-            gen = torch.Generator(device=self.device).manual_seed(1000 + step)
+            gen = torch.Generator().manual_seed(1000 + step)  # on the host, as bt-hub pretrain draws them
             y_a, y_b = self.batched(batch, generator=gen)
         else:
             t_a, t_b = self.ref_views

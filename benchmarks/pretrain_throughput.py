@@ -22,11 +22,14 @@ then times on one device, each after ``--warmup`` untimed steps:
 and with ``--compile``, (a) and (b) again under torch.compile (``--compile only``: those two alone).
 Images/s counts source images (each gives two views). The table and ``throughput.json`` go to
 ``--out`` (default ``$OUT`` when set), rewritten after every row, so a run cut short keeps what it measured.
+``--profile N`` runs each bt_hub row N steps longer, under torch.profiler after its timed steps, and prints the
+profiler's top rows by device time (the views' kernels and copies beside the model's: what the ceiling lacks).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -35,12 +38,16 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from multiprocessing import Pool
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
+from torch.autograd import DeviceType
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.profiler import ProfilerActivity
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -170,6 +177,7 @@ def bt_hub_pipeline(
     steps after warm-up (a store is made before step 1, outside the timed steps)."""
     out = work / ("run_compiled" if compile_model else "run")
     shutil.rmtree(out, ignore_errors=True)
+    last_timed = args.warmup + args.steps
     config = PretrainConfig(
         data=str(data),
         out=str(out),
@@ -189,18 +197,47 @@ def bt_hub_pipeline(
         compile="on" if compile_model else "off",
         num_workers=args.workers,
         device=str(device),
-        max_steps=args.warmup + args.steps,
+        max_steps=last_timed + args.profile,
         log_every=args.warmup,
         checkpoint_every=0,
         probe_max_dim=0,
     )
-    pretrain(config)
+    with _profiled(args, device, f"bt_hub pretrain, store {store}, compile {config.compile}"):
+        pretrain(config)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["step"] <= last_timed]
     timed = [r for r in rows if r["step"] > args.warmup]
     steps = [r["step"] - prev["step"] for prev, r in zip(rows, rows[1:]) if r["step"] > args.warmup]
     seconds = sum(n * args.batch_size / r["pairs_per_s"] for n, r in zip(steps, timed))
     shutil.rmtree(out, ignore_errors=True)  # the end-of-run checkpoint of a ResNet-50 run is over a gigabyte
     return args.batch_size * sum(steps) / seconds
+
+
+@contextlib.contextmanager
+def _profiled(args: argparse.Namespace, device: torch.device, label: str) -> Iterator[None]:
+    """torch.profiler over the ``--profile`` steps that follow the timed ones (stepped after each optimizer step);
+    prints its top rows by self device time (CPU time on the CPU) and the device's busy time a step."""
+    if not args.profile:
+        yield
+        return
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    active = max(args.profile - 1, 1)  # the first profiled step warms the profiler up
+    when = torch.profiler.schedule(wait=args.warmup + args.steps, warmup=args.profile - active, active=active, repeat=1)
+    with torch.profiler.profile(activities=activities, schedule=when) as prof:
+        hook = register_optimizer_step_post_hook(lambda *_: prof.step())
+        try:
+            yield
+        finally:
+            hook.remove()
+    rows = prof.key_averages()
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    # the kernels' own rows (an op's row repeats its kernels' time), as the profiler's table sums them
+    on_device = device.type == "cuda"
+    kernels = [r for r in rows if not on_device or (r.device_type != DeviceType.CPU and not r.is_user_annotation)]
+    busy = sum(getattr(r, key) for r in kernels) / 1e3 / active
+    print(f"profile of {label}, over the {active} step(s) after the timed ones: {busy:.1f} ms a step of self "
+          f"{'device' if device.type == 'cuda' else 'CPU'} time (streams that overlap add up)")  # fmt: skip
+    print(rows.table(sort_by=key, row_limit=15, max_name_column_width=70), flush=True)
 
 
 def reference_loop(args: argparse.Namespace, files: list[Path], device: torch.device) -> float:
@@ -284,6 +321,9 @@ def main() -> None:
         help="also (or only) time (a) and (b) under torch.compile",
     )
     parser.add_argument("--rows", default="abc", help="which of the rows a, b, f, c to run (f: (b) with --store off)")
+    parser.add_argument(
+        "--profile", type=int, default=0, help="profile this many steps after each bt_hub row's timed ones (0: none)"
+    )
     parser.add_argument("--store", default="auto", choices=["auto", "off", "disk", "device"], help="(b)'s --store")
     parser.add_argument("--jpeg-size", default="500x375", help="WIDTHxHEIGHT of the generated JPEGs")
     parser.add_argument("--format", default="jpeg", choices=["jpeg", "png"], help="colour JPEGs or grey PNGs")
@@ -305,9 +345,8 @@ def main() -> None:
     width, height = (int(v) for v in args.jpeg_size.split("x"))
     work = Path(tempfile.mkdtemp(prefix="bt_hub_throughput_"))
     data = Path(args.data_dir) if args.data_dir else work / "jpegs"
-    count = args.batch_size * (
-        args.warmup + args.steps + 1
-    )  # (b) ends before its first epoch does (no epoch-end checkpoint)
+    # (b) ends before its first epoch does (no epoch-end checkpoint)
+    count = args.batch_size * (args.warmup + args.steps + args.profile + 1)
     tick = time.perf_counter()
     write_jpegs(data, count, width, height, max(args.workers, 1), args.format)
     files = sorted(data.rglob("*.png" if args.format == "png" else "*.jpg"))

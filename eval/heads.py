@@ -54,7 +54,19 @@ def _feature_rows(features: torch.Tensor | np.ndarray, idx: torch.Tensor, device
 
 
 def train_heads(
-    features: torch.Tensor | np.ndarray,
+    features: torch.Tensor | np.ndarray, labels: torch.Tensor, num_classes: int, **hyper: Any
+) -> LinearHeads:
+    """Train one linear head per ``(lrs[k], weight_decays[k])`` at once on fixed features (optionally ``rows`` only).
+
+    Each head equals the paper's classifier as ``train_classifier`` trains it with that LR (to float32
+    rounding); a head that becomes non-finite goes back to where that epoch started and stops (``diverged``).
+    The keywords are :func:`train_head_sets`'.
+    """
+    return train_head_sets([features], labels, num_classes, **hyper)[0]
+
+
+def train_head_sets(
+    feature_sets: Sequence[torch.Tensor | np.ndarray],
     labels: torch.Tensor,
     num_classes: int,
     *,
@@ -71,46 +83,46 @@ def train_heads(
     device: str | torch.device | None = None,
     progress: bool = True,
     desc: str = "linear heads",
-) -> LinearHeads:
-    """Train one linear head per ``(lrs[k], weight_decays[k])`` at once on fixed features (optionally ``rows`` only).
-
-    Each head equals the paper's classifier as ``train_classifier`` trains it with that LR (to float32
-    rounding); a head that becomes non-finite goes back to where that epoch started and stops (``diverged``).
-    """
+) -> list[LinearHeads]:
+    """:func:`train_heads` on several sets of features of one width for the same images and labels (the rows of a
+    learning curve), each set's heads as that function trains them on it alone (bit for bit on the CPU), all in
+    one batched product per step: on a GPU, where a step's cost is its kernel launches, S sets cost about one."""
     if len(lrs) != len(weight_decays) or not lrs:
         raise ValueError(
             f"lrs and weight_decays must be equally long and not empty, got {len(lrs)} and {len(weight_decays)}"
         )
+    first = feature_sets[0]
     if device is None:
-        device = features.device if isinstance(features, torch.Tensor) else torch.device("cpu")
+        device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
     device = torch.device(device)
     pool = torch.arange(len(labels)) if rows is None else torch.as_tensor(list(rows), dtype=torch.long)
     torch.manual_seed(seed)
-    fc = make_classifier(features.shape[1], num_classes)
-    k, c, d = len(lrs), num_classes, features.shape[1]
-    # every head's weight with its bias as an extra column, K*C x (D+1), one flat buffer per state
-    # (parameters, gradients, momentum), so that x with a column of ones gives both in one product each way
-    params = torch.cat([fc.weight.detach(), fc.bias.detach()[:, None]], 1).repeat(k, 1).to(device)
+    fc = make_classifier(first.shape[1], num_classes)
+    s, k, c, d = len(feature_sets), len(lrs), num_classes, first.shape[1]
+    # every head's weight with its bias as an extra column, S x K*C x (D+1), one buffer per state (parameters,
+    # gradients, momentum), so that x with a column of ones gives both in one product each way
+    params = torch.cat([fc.weight.detach(), fc.bias.detach()[:, None]], 1).repeat(s, k, 1).to(device)
     grads, velocity, epoch_start = torch.empty_like(params), torch.zeros_like(params), torch.empty_like(params)
-    lists = [float(v) for v in lrs], [float(v) for v in weight_decays], [None] * k
-    heads = LinearHeads(params[:, :d].view(k, c, d), params[:, d].view(k, c), *lists)
-    # the same buffers with one row per head, for the per-head LR and weight decay (K x 1)
-    head_params, head_grads, head_velocity = params.view(k, -1), grads.view(k, -1), velocity.view(k, -1)
-    decay, base_lr = (torch.tensor(v, device=device)[:, None] for v in (heads.weight_decays, heads.lrs))
-    alive = torch.ones(k, 1, dtype=torch.bool, device=device)
+    lr_list, wd_list = [float(v) for v in lrs], [float(v) for v in weight_decays]
+    heads = [LinearHeads(p[:, :d].view(k, c, d), p[:, d].view(k, c), lr_list, wd_list, [None] * k) for p in params]
+    # the same buffers with one row per head, for the per-head LR and weight decay (S*K x 1)
+    head_params, head_grads, head_velocity = params.view(s * k, -1), grads.view(s * k, -1), velocity.view(s * k, -1)
+    decay, base_lr = (torch.tensor(v * s, device=device)[:, None] for v in (wd_list, lr_list))
+    alive = torch.ones(s * k, 1, dtype=torch.bool, device=device)
     classes = torch.arange(c, device=device)[:, None]
-    rows_with_one = torch.ones(batch_size, d + 1, device=device)  # a batch of features and a column of ones
-    features, y = _on_device(features, labels.long().cpu(), device)
+    rows_with_one = torch.ones(s, batch_size, d + 1, device=device)  # each set's batch of features and a column of ones
+    moved = [_on_device(f, labels.long().cpu(), device) for f in feature_sets]
+    features, y = [f for f, _ in moved], moved[0][1]
     for epoch in reported(range(epochs), desc, unit="epoch") if progress else range(epochs):
         step = base_lr * lr_factor(epoch, epochs, schedule, milestones, gamma) * alive
         epoch_start.copy_(params)
         order = pool[epoch_permutation(len(pool), seed, epoch)].to(y.device)
-        for first in range(0, len(order), batch_size):
+        for start in range(0, len(order), batch_size):
             # rows in file order: quick to read from a memmap, and the same sums (so the same heads) as a tensor
-            idx = order[first : first + batch_size].sort().values
-            n = len(idx)
-            x = rows_with_one[:n]
-            _copy_feature_rows(features, idx, x[:, :d])
+            idx = order[start : start + batch_size].sort().values
+            x = rows_with_one[:, : len(idx)]
+            for f, out in zip(features, x):
+                _copy_feature_rows(f, idx, out[:, :d])
             _cross_entropy_gradient(params, x, y[idx].to(device), classes, out=grads)
             # SGD with momentum and weight decay as torch.optim.SGD: v = mu v + (grad + wd w); w -= lr v
             head_grads.addcmul_(head_params, decay)
@@ -134,20 +146,20 @@ def _on_device(
 def _cross_entropy_gradient(
     params: torch.Tensor, x: torch.Tensor, targets: torch.Tensor, classes: torch.Tensor, out: torch.Tensor
 ) -> None:
-    """Write every head's mean cross-entropy gradient on ``x`` (N x D+1) into ``out`` (K*C x D+1).
+    """Write every head's mean cross-entropy gradient on each set's ``x`` (S x N x D+1) into ``out`` (S x K*C x D+1).
 
     Probabilities below TINY_PROBABILITY become 0, so that no subnormal float slows the products.
     """
-    n = len(x)
-    logits = torch.mm(params, x.T).view(-1, len(classes), n)
+    n = x.shape[1]
+    logits = torch.bmm(params, x.transpose(1, 2)).view(-1, len(classes), n)
     g = torch.maximum(logits, logits.amax(1, keepdim=True) - 70.0).softmax(1)
     F.threshold(g, TINY_PROBABILITY, 0.0, inplace=True)
     g.sub_((targets == classes).float()).mul_(1 / n)  # the C x N one-hot, broadcast over heads
-    torch.mm(g.view(-1, n), x, out=out)
+    torch.bmm(g.view(len(x), -1, n), x, out=out)
 
 
 def _stop_diverged(
-    heads: LinearHeads,
+    heads: list[LinearHeads],
     epoch: int,
     alive: torch.Tensor,
     head_params: torch.Tensor,
@@ -158,10 +170,10 @@ def _stop_diverged(
     finite = torch.isfinite(head_params).all(1, keepdim=True)
     if bool(finite.all()):
         return
-    back = ~finite.flatten()
+    back, k = ~finite.flatten(), len(heads[0].lrs)
     for h in back.nonzero().flatten().tolist():
-        if heads.diverged[h] is None:
-            heads.diverged[h] = epoch
+        if heads[h // k].diverged[h % k] is None:
+            heads[h // k].diverged[h % k] = epoch
     alive &= finite
     head_params[back] = epoch_start.view_as(head_params)[back]
     head_velocity[back] = 0
@@ -202,18 +214,32 @@ def grid_probe(
     test_x: torch.Tensor | np.ndarray,
     test_y: torch.Tensor,
     num_classes: int,
+    **settings: Any,
+) -> dict[str, Any]:
+    """The linear probe with its LR and weight decay chosen on a validation split carved from the training data.
+
+    The best head on a seeded, class-stratified ``val_fraction`` (ties: lower loss, then grid order) is scored
+    on the test features; returns ``metrics``, ``chosen``, ``grid`` and ``validation``. NonFiniteLoss when all diverge.
+    The keywords are :func:`grid_probes`'.
+    """
+    return grid_probes([train_x], train_y, [test_x], test_y, num_classes, **settings)[0]
+
+
+def grid_probes(
+    train_sets: Sequence[torch.Tensor | np.ndarray],
+    train_y: torch.Tensor,
+    test_sets: Sequence[torch.Tensor | np.ndarray],
+    test_y: torch.Tensor,
+    num_classes: int,
     *,
     lrs: Sequence[float] = GRID_LRS,
     weight_decays: Sequence[float] = GRID_WEIGHT_DECAYS,
     val_fraction: float = 0.2,
     seed: int = 0,
     **hyper: Any,
-) -> dict[str, Any]:
-    """The linear probe with its LR and weight decay chosen on a validation split carved from the training data.
-
-    The best head on a seeded, class-stratified ``val_fraction`` (ties: lower loss, then grid order) is scored
-    on the test features; returns ``metrics``, ``chosen``, ``grid`` and ``validation``. NonFiniteLoss when all diverge.
-    """
+) -> list[dict[str, Any]]:
+    """:func:`grid_probe` of each of several feature sets of one width for the same images, their grids trained
+    together (:func:`train_head_sets`): one result a set, each what ``grid_probe`` finds on it alone."""
     pairs = [(lr, wd) for wd in weight_decays for lr in lrs]
     fit_rows, val_rows = stratified_holdout(np.asarray(train_y), val_fraction, seed)
     if not val_rows:
@@ -221,8 +247,8 @@ def grid_probe(
             f"the {len(fit_rows)} training images hold at most one per class, so the grid has no validation split to "
             "choose on; pass --search fixed (the preset's recipe) or label more images"
         )
-    heads = train_heads(
-        train_x,
+    head_sets = train_head_sets(
+        train_sets,
         train_y,
         num_classes,
         lrs=[p[0] for p in pairs],
@@ -232,36 +258,37 @@ def grid_probe(
         **hyper,
     )
     val_idx = torch.as_tensor(val_rows, dtype=torch.long)
-    val_x = train_x[val_idx] if isinstance(train_x, torch.Tensor) else np.asarray(train_x[val_rows], dtype=np.float32)
-    grid = _grid_rows(pairs, score_heads(heads, val_x, train_y[val_idx]), heads.diverged)
-    usable = [h for h, row in enumerate(grid) if row["val_top1"] is not None]
-    if not usable:
-        raise NonFiniteLoss(
-            f"every head of the linear grid diverged (lr {', '.join(f'{lr:g}' for lr in lrs)}); "
-            "give smaller --lr-grid values"
+    found = []
+    for heads, train_x, test_x in zip(head_sets, train_sets, test_sets):
+        val_x = train_x[val_idx] if isinstance(train_x, torch.Tensor) else np.asarray(train_x[val_rows], np.float32)
+        grid = _grid_rows(pairs, score_heads(heads, val_x, train_y[val_idx]), heads.diverged)
+        usable = [h for h, row in enumerate(grid) if row["val_top1"] is not None]
+        if not usable:
+            raise NonFiniteLoss(
+                f"every head of the linear grid diverged (lr {', '.join(f'{lr:g}' for lr in lrs)}); "
+                "give smaller --lr-grid values"
+            )
+        best = min(usable, key=lambda h: (-grid[h]["val_top1"], grid[h]["val_loss"], h))
+        lr, wd = pairs[best]
+        chosen = LinearHeads(heads.weight[best : best + 1], heads.bias[best : best + 1], [lr], [wd], [None])
+        test = score_heads(chosen, test_x, test_y)[0]
+        found.append(
+            {
+                "metrics": {"top1": test["top1"], "top5": test["top5"]},
+                "chosen": {"lr": lr, "weight_decay": wd, "val_top1": grid[best]["val_top1"]},
+                "grid": grid,
+                "validation": {
+                    "fraction": val_fraction,
+                    "seed": seed,
+                    "source_split": "train",
+                    "train_size": len(fit_rows),
+                    "val_size": len(val_rows),
+                    "val_indices_sha256": indices_sha256(val_rows),
+                    "refit": "none: the chosen head as trained on the rest of the training split",
+                },
+            }
         )
-    best = min(usable, key=lambda h: (-grid[h]["val_top1"], grid[h]["val_loss"], h))
-    test = score_heads(
-        LinearHeads(
-            heads.weight[best : best + 1], heads.bias[best : best + 1], [pairs[best][0]], [pairs[best][1]], [None]
-        ),
-        test_x,
-        test_y,
-    )[0]
-    return {
-        "metrics": {"top1": test["top1"], "top5": test["top5"]},
-        "chosen": {"lr": pairs[best][0], "weight_decay": pairs[best][1], "val_top1": grid[best]["val_top1"]},
-        "grid": grid,
-        "validation": {
-            "fraction": val_fraction,
-            "seed": seed,
-            "source_split": "train",
-            "train_size": len(fit_rows),
-            "val_size": len(val_rows),
-            "val_indices_sha256": indices_sha256(val_rows),
-            "refit": "none: the chosen head as trained on the rest of the training split",
-        },
-    }
+    return found
 
 
 def _grid_rows(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -21,7 +22,7 @@ from bt_hub.eval.heads import (
     GRID_WEIGHT_DECAYS,
     NonFiniteLoss,
     check_probe_settings,
-    grid_probe,
+    grid_probes,
     score_heads,
     train_heads,
 )
@@ -228,27 +229,43 @@ def score(run: EvalRun) -> Scored:
 def score_cell(cell: Cell, config: LinearConfig, seed: int) -> Scored:
     """The probe on ``cell``'s frozen features: the grid (heads chosen on a validation split drawn with ``seed``)
     or the preset's one recipe (``--cached``)."""
-    num_classes = len(cell.splits.classes)
-    train, test = cell.features("train"), cell.features("test")
+    return score_cells([cell], config, seed)[0]
+
+
+def score_cells(cells: Sequence[Cell], config: LinearConfig, seed: int) -> list[Scored]:
+    """:func:`score_cell` of several cells on the same splits and labels (the rows of ``eval compare``), each what it
+    scores alone; the grids of the cells whose features share a width are trained together (``grid_probes``)."""
+    num_classes = len(cells[0].splits.classes)
+    pairs = [(cell.features("train"), cell.features("test")) for cell in cells]
     if not config.uses_grid(num_classes):
-        return _scored(config, _fixed_on_features(config, train, test, num_classes, seed, cell.device), "cached")
-    heads = len(config.lr_grid) * len(config.weight_decay_grid)
-    found = grid_probe(
-        *train,
-        *test,
-        num_classes,
-        **_schedule(config),
-        batch_size=config.batch_size,
-        device=cell.device,
-        lrs=config.lr_grid,
-        weight_decays=config.weight_decay_grid,
-        val_fraction=config.val_fraction,
-        seed=seed,
-        desc=f"linear grid ({heads} heads)",
-        progress=cell.progress,
-    )
-    metrics = found.pop("metrics")
-    return _scored(config, metrics, "cached", {"search": "grid", **found}, grid=True)
+        return [
+            _scored(config, _fixed_on_features(config, train, test, num_classes, seed, cell.device), "cached")
+            for cell, (train, test) in zip(cells, pairs)
+        ]
+    scored: dict[int, Scored] = {}
+    for width in dict.fromkeys(train[0].shape[1] for train, _ in pairs):
+        group = [i for i, (train, _) in enumerate(pairs) if train[0].shape[1] == width]
+        heads = len(config.lr_grid) * len(config.weight_decay_grid) * len(group)
+        found = grid_probes(
+            [pairs[i][0][0] for i in group],
+            pairs[group[0]][0][1],
+            [pairs[i][1][0] for i in group],
+            pairs[group[0]][1][1],
+            num_classes,
+            **_schedule(config),
+            batch_size=config.batch_size,
+            device=cells[0].device,
+            lrs=config.lr_grid,
+            weight_decays=config.weight_decay_grid,
+            val_fraction=config.val_fraction,
+            seed=seed,
+            desc=f"linear grid ({heads} heads)",
+            progress=cells[0].progress,
+        )
+        for i, one in zip(group, found):
+            metrics = one.pop("metrics")
+            scored[i] = _scored(config, metrics, "cached", {"search": "grid", **one}, grid=True)
+    return [scored[i] for i in range(len(cells))]
 
 
 def _scored(

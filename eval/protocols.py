@@ -11,6 +11,8 @@ CLI can list the commands without loading a network). The module provides:
   (``bt_hub.eval.runner.Cell``): an ``EvalRun`` when the command runs, or one row of ``eval compare`` (its
   network on the same splits). It reads every knob from ``config``, never from the cell, and does not name
   itself: the runner records the entry's name;
+- optionally ``score_cells(cells, config, seed) -> [Scored]``: several cells of one ``eval compare`` column scored
+  at once (the linear grids of a curve's rows in one set of heads), each what ``score_cell`` scores it;
 - ``score(run) -> Scored``: the command's step (its warnings about the data, then ``score_cell``; a protocol whose
   command does more, such as the linear probe's paper loop, says so there), which
   ``bt_hub.eval.runner.run_protocol(entry, config)`` runs.

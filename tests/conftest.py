@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
@@ -192,3 +195,48 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+class DeviceTraffic(TorchDispatchMode):
+    """Counts the ops run inside it (``ops``, by name) and lists those that send host data to a device (``sent``):
+    an op taking a CPU tensor and giving a tensor elsewhere, or ``torch.tensor(data, device=...)`` (which the
+    dispatcher hides from a mode: it is watched by patching ``torch.tensor``).
+
+    On the ``meta`` device, which holds no data, it stands for a GPU on the CPU: anything that reads device data
+    back to the host (``nonzero``, ``item``, ``tolist``: a CUDA sync) raises there.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.sent: list[str] = []
+
+    def __enter__(self) -> DeviceTraffic:
+        self._patch, real = pytest.MonkeyPatch(), torch.tensor
+
+        def tensor(data, *args, device=None, **kwargs):
+            if device is not None and torch.device(device).type != "cpu":
+                self.sent.append("torch.tensor")
+            return real(data, *args, device=device, **kwargs)
+
+        self._patch.setattr(torch, "tensor", tensor)
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self._patch.undo()
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops[func.name()] += 1
+        given = [t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        made = [t.device.type for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if "cpu" in given and any(d != "cpu" for d in made):
+            self.sent.append(func.name())
+        return out
+
+
+@pytest.fixture
+def device_traffic() -> Callable[[], DeviceTraffic]:
+    """Factory fixture for :class:`DeviceTraffic` (``with device_traffic() as seen: ...``)."""
+    return DeviceTraffic

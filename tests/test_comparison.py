@@ -194,6 +194,26 @@ def test_a_learning_curve_over_pretraining_runs_as_seeds_pairs_run_i_with_seed_i
     assert all(" vs pixels " in c or " vs random-init " in c for c in summary["curve"]["crossings"])
 
 
+def test_a_curve_whose_linear_cells_are_scored_together_records_what_each_cell_scores_alone(tmp_path, monkeypatch):
+    from bt_hub.eval import linear
+
+    run = _kept_run(tmp_path / "run", 0)
+    flags = ["eval", "compare", "--weights", str(run), "--over-steps", "--protocols", "knn", "linear", "--seeds", "2"]
+    flags += ["--data", "synthetic:60", "--image-size", "8", "--knn-k", "5", "--linear-epochs", "4"]
+
+    def records(out: Path) -> list[tuple]:
+        assert cli.main([*flags, "--out", str(out)]) == 0
+        lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+        return [(r["notes"]["compare"]["row"], r["seed"], r["protocol"], r["metrics"], r["notes"]) for r in lines]
+
+    together = records(tmp_path / "together")  # the three steps' grids in one set of heads, pixels' in another
+    together_of = linear.score_cells  # each cell on its own, as score_cell scores it
+    monkeypatch.setattr(linear, "score_cells", lambda cells, *args: [together_of([c], *args)[0] for c in cells])
+    alone = records(tmp_path / "alone")
+    assert together == alone and len(together) == 2 * 5 * 2
+    assert {row for row, *_ in together} == {"step 1", "step 2", "step 4", "pixels", "random-init"}
+
+
 def test_a_curve_over_a_run_still_pretraining_says_it_is_live_how_far_it_got_and_that_the_curve_is_partial(
     tmp_path, capsys
 ):

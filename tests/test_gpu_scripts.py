@@ -38,9 +38,11 @@ def test_every_command_line_of_gpu_check_sh_parses(tmp_path):
         "bt-hub eval compare",
         "bt-hub export",
         "bt-hub eval all",
+        "bt-hub pretrain",  # the stretch row: 100 epochs and their curve
+        "bt-hub eval compare",
     ], done.stdout[-3000:]
     steps = re.findall(r"^== (.+): exit (\d+) after", done.stdout, re.M)
-    assert len(steps) == 6 and all(rc == "0" for _, rc in steps), steps
+    assert len(steps) == 7 and all(rc == "0" for _, rc in steps), steps
     assert (tmp_path / "out/summary.md").exists()
 
 

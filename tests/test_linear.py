@@ -13,7 +13,15 @@ import torch
 from bt_hub import cli
 from bt_hub.common.presets import from_preset
 from bt_hub.eval.classifier import lr_factor, make_classifier, make_loader, topk_correct, train_classifier
-from bt_hub.eval.heads import GRID_LRS, GRID_WEIGHT_DECAYS, NonFiniteLoss, grid_probe, score_heads, train_heads
+from bt_hub.eval.heads import (
+    GRID_LRS,
+    GRID_WEIGHT_DECAYS,
+    NonFiniteLoss,
+    grid_probe,
+    score_heads,
+    train_head_sets,
+    train_heads,
+)
 from bt_hub.eval.linear import FrozenBackboneClassifier, LinearConfig, TransferConfig, equally_spaced_milestones
 from bt_hub.eval.runner import EvalRun
 from bt_hub.method.model import build_backbone
@@ -337,6 +345,22 @@ def test_every_head_of_a_grid_equals_that_head_trained_alone():
         alone = train_heads(x, y, 4, lrs=[lr], weight_decays=[wd], epochs=3, batch_size=16, seed=1, progress=False)
         torch.testing.assert_close(together.weight[k], alone.weight[0], rtol=1e-5, atol=1e-6)
     assert not torch.equal(together.weight[0], together.weight[2])
+
+
+def test_heads_trained_on_several_feature_sets_at_once_equal_those_trained_on_each_set_alone():
+    # A learning curve trains its rows' grids together (one batched product a step for all of them): each set's
+    # heads, divergence included (the third set overflows at LR 3), must be bit for bit what it trains alone.
+    sets = [_separable(30, 4, 16, seed=s)[0] for s in (5, 6)]
+    sets.append(sets[0] * 1e19)
+    y = _separable(30, 4, 16, seed=5)[1]
+    hyper = {"lrs": [1e-30, 0.3, 3.0], "weight_decays": [0.0, 1e-3, 0.0], "epochs": 3, "batch_size": 16, "seed": 1}
+    together = train_head_sets([*sets, np.asarray(sets[1])], y, 4, **hyper, rows=range(10, 120), progress=False)
+    for x, heads in zip([*sets, sets[1]], together):
+        alone = train_heads(x, y, 4, **hyper, rows=range(10, 120), progress=False)
+        assert torch.equal(heads.weight, alone.weight) and torch.equal(heads.bias, alone.bias)
+        assert heads.diverged == alone.diverged
+    assert together[2].diverged[0] is None and together[2].diverged[2] is not None
+    assert together[0].diverged == [None] * 3
 
 
 def test_a_diverged_head_keeps_its_weights_from_the_start_of_that_epoch_and_spares_the_others():

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import bt_hub.method.loss as loss_module
-from bt_hub.method.loss import barlow_twins_loss, choose_method
+from bt_hub.method.loss import barlow_twins_loss, choose_method, standardize
 
 LAMBD = 0.0051
 SHAPES = [(8, 48), (64, 16)]  # N < D (Gram is cheaper) and N > D (dense is cheaper)
@@ -171,3 +171,13 @@ def test_loss_parts_recombine_with_lambda():
 def test_bad_shapes_methods_and_batches_raise_value_error(z_a, z_b, kwargs, match):
     with pytest.raises(ValueError, match=match):
         barlow_twins_loss(z_a, z_b, **kwargs)
+
+
+def test_standardising_in_one_process_sends_nothing_from_the_host_to_the_device(device_traffic):
+    # Guards a CUDA sync a view in every training step: the global batch size was made as a tensor on the device
+    # (torch.tensor from host data) even without a process group to sum it over. The meta device stands for the GPU.
+    z = torch.empty(8, 16, device="meta", requires_grad=True)
+    with device_traffic() as seen:
+        a, n = standardize(z)
+        a.sum().backward()
+    assert n == 8 and seen.sent == []

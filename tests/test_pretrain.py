@@ -439,3 +439,30 @@ def test_a_short_trial_run_is_told_every_flag_it_needs_in_one_message_and_then_r
     hint = re.search(r"pass these together: (.*?) \(", err).group(1).split()
     assert hint == ["--batch-size", "32", "--epochs", "3", "--warmup-epochs", "0", "--max-steps", "3"]
     assert cli_main(["pretrain", *small, *hint, "--out", str(tmp_path / "b")]) == 0
+
+
+def test_a_training_step_reads_its_loss_from_the_device_once(tmp_path, device_traffic):
+    # Guards a wait for the whole step at its end on CUDA: the progress bar read the loss from the device again after
+    # the LARS step, so the host waited for the backward and the update before it could queue the next step.
+    def reads(steps: int) -> int:
+        config = PretrainConfig(
+            data="synthetic:40",
+            out=str(tmp_path / str(steps)),
+            backbone="resnet18",
+            small_image_stem=True,
+            image_size=8,
+            projector="16-16",
+            batch_size=8,
+            max_steps=steps,
+            log_every=1000,
+            checkpoint_every=0,
+            probe_max_dim=0,
+            precision="fp32",
+            views="batched",
+            num_workers=0,
+        )
+        with device_traffic() as seen:
+            pretrain(config)
+        return seen.ops["aten::_local_scalar_dense"]
+
+    assert reads(4) - reads(2) == 2

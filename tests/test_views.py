@@ -246,3 +246,18 @@ def test_a_list_of_one_size_is_viewed_as_its_stacked_batch_and_like_the_padded_c
     batch, params = crop_to_views(images, drawn)
     padded = [apply_view(to_float_rgb(batch), p, 8, v) for p, v in zip(params, views.views)]
     assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(listed, padded))  # the mixed-size path, same views
+
+
+@pytest.mark.parametrize("listed", [False, True])
+def test_batched_views_on_a_device_read_nothing_back_and_take_their_parameters_in_one_copy(device_traffic, listed):
+    # Guards the pretraining views' ~90 CUDA syncs a step: a synchronising copy per parameter, a nonzero per
+    # colour-jitter op and position, a torch.tensor constant per gray, hue and normalisation. The meta device
+    # stands for the GPU: it holds no data, so a read back to the host raises.
+    images = torch.empty(16, 3, 28, 28, dtype=torch.uint8, device="meta")
+    batch = list(images) if listed else images
+    views = BatchedTwoViews(32)
+    views(batch, torch.Generator().manual_seed(0))  # the constants (gray weights, mean, std) are made once
+    with device_traffic() as seen:
+        view_a, view_b = views(batch, torch.Generator().manual_seed(1))
+    assert view_a.shape == view_b.shape == (16, 3, 32, 32) and view_a.device.type == "meta"
+    assert seen.sent == ["aten::_to_copy"]

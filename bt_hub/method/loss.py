@@ -66,8 +66,9 @@ class _Standardize(torch.autograd.Function):
 
 def standardize(z: torch.Tensor, eps: float = EPS) -> tuple[torch.Tensor, int]:
     """Per-dimension (z − mean) / sqrt(biased var + eps) over the global batch; the rows and the global N."""
-    n_local = torch.tensor([float(z.shape[0])], device=z.device)
-    n = int(all_reduce_sum(n_local).item()) if get_world_size() > 1 else z.shape[0]
+    n = z.shape[0]
+    if get_world_size() > 1:  # a tensor made on the device only here: in one process it was a CUDA sync a view
+        n = int(all_reduce_sum(torch.tensor([float(n)], device=z.device)).item())
     return _Standardize.apply(z, n, eps), n
 
 

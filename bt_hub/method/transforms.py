@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,10 +19,18 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
+@functools.cache
+def constant(values: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, made once: made again for each batch, it is a copy from pageable memory
+    that waits for the device (a CUDA sync a batch). Read it; never write to it. Made outside inference mode, so
+    that autograd may save it whoever asked first."""
+    with torch.inference_mode(False):
+        return torch.tensor(values, device=device, dtype=dtype)
+
+
 def normalize(x: torch.Tensor) -> torch.Tensor:
     """ImageNet normalisation of float RGB images in [0, 1] (C x H x W or B x C x H x W)."""
-    mean = torch.tensor(IMAGENET_MEAN, device=x.device, dtype=x.dtype).view(3, 1, 1)
-    std = torch.tensor(IMAGENET_STD, device=x.device, dtype=x.dtype).view(3, 1, 1)
+    mean, std = (constant(v, x.device, x.dtype).view(3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
     return (x - mean) / std
 
 

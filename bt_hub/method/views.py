@@ -7,7 +7,10 @@ Every random choice is drawn per image by :func:`sample_view_params`, which both
 fixed number and order of draws: :class:`TwoViewTransform` (PIL, in data-loader workers, the reference
 pipeline's operations) and :class:`BatchedTwoViews` (whole batches on the training device, no Python loop
 over samples). Both take an optional ``torch.Generator``, so that a loader can seed each sample from
-``(seed, epoch, index)`` and a resumed run draws the same views.
+``(seed, epoch, index)`` and a resumed run draws the same views. Pretraining draws the batched views' parameters
+on the host: with the images each per-image op takes, found there, they reach the device in one copy, and
+making the views never waits for the device (no ``nonzero``, no copy from pageable memory, no constant made
+again each batch: each of these was a CUDA sync, about 90 a step).
 
 Order of operations, as in the reference: RandomResizedCrop (torchvision's algorithm: the first of 10
 valid tries, else a centre crop), horizontal flip, ColorJitter (brightness, contrast, saturation, hue,
@@ -42,7 +45,7 @@ from PIL import Image
 from torchvision.ops import roi_align
 
 from bt_hub.common.images import to_rgb
-from bt_hub.method.transforms import normalize
+from bt_hub.method.transforms import constant, normalize
 
 GRAY_WEIGHTS = (0.2989, 0.587, 0.114)
 CROP_ATTEMPTS = 10
@@ -207,7 +210,7 @@ class TwoViewTransform(_TwoViews):
 
 
 def _gray(x: torch.Tensor) -> torch.Tensor:
-    w = torch.tensor(GRAY_WEIGHTS, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
+    w = constant(GRAY_WEIGHTS, x.device, x.dtype).view(1, 3, 1, 1)
     return (x * w).sum(dim=1, keepdim=True)
 
 
@@ -231,7 +234,7 @@ def _rgb_to_hsv(x: torch.Tensor) -> torch.Tensor:
 def _hsv_to_rgb(x: torch.Tensor) -> torch.Tensor:
     """Channel n of RGB is v − v·s·clamp(min(k, 4 − k), 0, 1) with k = (n + 6h) mod 6, n = 5, 3, 1."""
     h, s, v = x[:, 0:1], x[:, 1:2], x[:, 2:3]
-    k = (torch.tensor([5.0, 3.0, 1.0], device=x.device, dtype=x.dtype).view(1, 3, 1, 1) + 6 * h) % 6
+    k = (constant((5.0, 3.0, 1.0), x.device, x.dtype).view(1, 3, 1, 1) + 6 * h) % 6
     return v - v * s * torch.minimum(k, 4 - k).clamp_(0, 1)
 
 
@@ -254,10 +257,33 @@ def _color_jitter(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
     x = x.clone()
     for position in range(4):
         for op in range(4):
-            idx = torch.nonzero(p["jitter"] & (p["jitter_order"][:, position] == op)).squeeze(1)
+            idx = p[f"jitter_{position}{op}"]
             if idx.numel():
                 x[idx] = _adjust(x[idx], op, factors[idx, op])
     return x
+
+
+def _subsets(p: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The images each per-image op takes: colour-jitter op ``o`` at position ``i`` (``jitter_io``) and the blur."""
+    masks = {f"jitter_{i}{o}": p["jitter"] & (p["jitter_order"][:, i] == o) for i in range(4) for o in range(4)}
+    return {k: torch.nonzero(m).squeeze(1) for k, m in (masks | {"blur_rows": p["blur"]}).items()}
+
+
+def _on_device(params: Sequence[dict[str, torch.Tensor]], device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """The views' parameters with their op subsets (found where they were drawn: on the host, no device sync), on
+    ``device`` in one copy (page-locked and asynchronous on CUDA) instead of one synchronising copy a parameter."""
+    params = [p | _subsets(p) for p in params]
+    # as bytes, widest types first, so that each part starts where its type can be viewed again
+    entries = sorted(((p[k].itemsize, i, k) for i, p in enumerate(params) for k in p), reverse=True)
+    parts = [params[i][k].reshape(-1).view(torch.uint8) for _, i, k in entries]
+    packed = torch.cat(parts)
+    if packed.device.type == "cpu" and device.type == "cuda":
+        packed = packed.pin_memory()
+    moved = packed.to(device, non_blocking=True)
+    out: list[dict[str, torch.Tensor]] = [dict.fromkeys(p) for p in params]  # type: ignore[misc]
+    for (_, i, k), part in zip(entries, moved.split([len(part) for part in parts])):
+        out[i][k] = part.view(params[i][k].dtype).view(params[i][k].shape)
+    return out
 
 
 def _gaussian_blur(x: torch.Tensor, sigma: torch.Tensor, kernel_size: int) -> torch.Tensor:
@@ -276,7 +302,10 @@ def _gaussian_blur(x: torch.Tensor, sigma: torch.Tensor, kernel_size: int) -> to
 
 def apply_view(images: torch.Tensor, p: dict[str, torch.Tensor], size: int, view: ViewParams = VIEW_A) -> torch.Tensor:
     """One view of a batch (float B x 3 x H x W in [0, 1]) from drawn parameters; normalised."""
-    p = {k: v.to(images.device) for k, v in p.items()}
+    return _apply(images, _on_device([p], images.device)[0], size, view)
+
+
+def _apply(images: torch.Tensor, p: dict[str, torch.Tensor], size: int, view: ViewParams) -> torch.Tensor:
     top, left = p["top"].to(images.dtype), p["left"].to(images.dtype)
     boxes = torch.stack(
         (
@@ -292,7 +321,7 @@ def apply_view(images: torch.Tensor, p: dict[str, torch.Tensor], size: int, view
     x = torch.where(p["flip"].view(-1, 1, 1, 1), x.flip(-1), x)
     x = _color_jitter(x, p)
     x = torch.where(p["grayscale"].view(-1, 1, 1, 1), _gray(x).expand_as(x), x)
-    idx = torch.nonzero(p["blur"]).squeeze(1)
+    idx = p["blur_rows"]
     if idx.numel():
         x[idx] = _gaussian_blur(x[idx], p["sigma"][idx].to(x.dtype), blur_kernel_size(size))
     x = torch.where(p["solarize"].view(-1, 1, 1, 1) & (x >= view.solarize_threshold), 1 - x, x)
@@ -359,4 +388,4 @@ class BatchedTwoViews(_TwoViews):
             one_size = len({tuple(im.shape) for im in images}) == 1
             batch, params = (torch.stack(list(images)), drawn) if one_size else crop_to_views(images, drawn)
             x = to_float_rgb(batch)
-        return tuple(apply_view(x, p, self.size, v) for p, v in zip(params, self.views))
+        return tuple(_apply(x, p, self.size, v) for p, v in zip(_on_device(params, x.device), self.views))

@@ -128,19 +128,20 @@ def to_views(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The two view batches on the device (batched views are drawn per (seed, step, rank)).
 
-    With a decoded ``store`` the batch is the sampler's (epoch, index) keys: one gather from the store, the same
-    views (the same CPU generator) as the images a loader decodes from the files.
+    Batched views draw their parameters on the host (a CPU generator) and send them in one copy, so that making
+    them never waits for the device; with a decoded ``store`` the batch is the sampler's (epoch, index) keys: one
+    gather from the store, the same views as the images a loader decodes from the files.
     """
-    if store is not None:
-        images = store.batch([index for _, index in batch], device)
-        y_a, y_b = batched(images, generator=seeded_generator(config.seed, step, get_rank()))  # type: ignore[misc]
-    elif batched is not None and isinstance(batch, PackedItems):  # a folder's images (or bytes), one copy to the device
-        y_a, y_b = batched(to_device_images(batch, device), generator=seeded_generator(config.seed, step, get_rank()))
-    elif batched is not None:
-        images = batch.to(device, non_blocking=True)
-        y_a, y_b = batched(images, generator=seeded_generator(config.seed, step, get_rank(), device=device))
-    else:
+    if batched is None:
         y_a, y_b = (v.to(device, non_blocking=True) for v in batch)
+    else:
+        if store is not None:
+            images = store.batch([index for _, index in batch], device)
+        elif isinstance(batch, PackedItems):  # a folder's images (or bytes), one copy to the device
+            images = to_device_images(batch, device)
+        else:
+            images = batch.to(device, non_blocking=True)
+        y_a, y_b = batched(images, generator=seeded_generator(config.seed, step, get_rank()))
     if config.channels_last == "on":
         y_a, y_b = y_a.contiguous(memory_format=torch.channels_last), y_b.contiguous(memory_format=torch.channels_last)
     return y_a, y_b
@@ -177,7 +178,6 @@ def probe_views(
     if batched is not None and views.file_items:
         return batched(to_device_images([views[k] for k in keys], device), generator=seeded_generator(config.seed, -1))
     if batched is not None:
-        images = torch.stack([views[k] for k in keys]).to(device)
-        return batched(images, generator=seeded_generator(config.seed, -1, device=device))
+        return batched(torch.stack([views[k] for k in keys]).to(device), generator=seeded_generator(config.seed, -1))
     view_a, view_b = zip(*(views[k] for k in keys))
     return torch.stack(view_a).to(device), torch.stack(view_b).to(device)

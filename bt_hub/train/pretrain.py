@@ -345,7 +345,7 @@ def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], termin
     ) as batches:
         mark = time.perf_counter()
         for y_a, y_b in batches:
-            rates, terms, spread = _optimizer_step(loop, y_a, y_b, step)
+            rates, loss, terms, spread = _optimizer_step(loop, y_a, y_b, step)
             step += 1
             loop.seconds += time.perf_counter() - mark
             if config.keeps(step, loop.last_step):
@@ -358,7 +358,7 @@ def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], termin
                     "epoch": epoch,
                     "lr_weights": rates[0],
                     "lr_biases": rates[1],
-                    "loss": float(terms.loss.detach()),
+                    "loss": loss,
                     "invariance": float(terms.invariance_term),
                     "redundancy": float(terms.redundancy_term),
                     "embedding_std": float(spread),
@@ -373,7 +373,7 @@ def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], termin
                 if loop.scalars is not None:
                     loop.scalars.log({"step": step, **row})
             # the postfix is set before update(1) so the line shows this step's values
-            bar.set_postfix(loss=f"{float(terms.loss.detach()):.4g}", epoch=epoch, **postfix)
+            bar.set_postfix(loss=f"{loss:.4g}", epoch=epoch, **postfix)
             bar.update(1)
             # a checkpoint at each epoch end, at the last step, and every --checkpoint-every steps
             every = config.checkpoint_every
@@ -392,8 +392,10 @@ def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], termin
 
 def _optimizer_step(
     loop: _Loop, y_a: torch.Tensor, y_b: torch.Tensor, step: int
-) -> tuple[list[float], LossTerms, torch.Tensor]:
-    """One LARS step on a pair of view batches at this step's LRs; the rates, loss terms and embedding spread."""
+) -> tuple[list[float], float, LossTerms, torch.Tensor]:
+    """One LARS step on a pair of view batches at this step's LRs; the rates, the loss read before the step (the one
+    wait for the device a step: read again after it, the host would wait for the whole step), the loss terms and
+    the embedding spread."""
     rates = set_learning_rates(loop.optimizer, step, loop.total_steps, loop.warmup_steps, loop.config.batch_size)
     amp_dtype = loop.amp_dtype
     with torch.autocast(loop.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
@@ -405,7 +407,7 @@ def _optimizer_step(
     loop.scaler.scale(terms.loss).backward()
     loop.scaler.step(loop.optimizer)
     loop.scaler.update()
-    return rates, terms, spread
+    return rates, loss, terms, spread
 
 
 def _checkpoint(loop: _Loop, step: int) -> None:

@@ -24,9 +24,9 @@ def derive_seed(*parts: int) -> int:
     return int(words[0]) << 31 ^ int(words[1])
 
 
-def seeded_generator(*parts: int, device: str | torch.device = "cpu") -> torch.Generator:
-    """A fresh ``torch.Generator`` on ``device`` seeded by ``derive_seed(*parts)``."""
-    return torch.Generator(device=device).manual_seed(derive_seed(*parts))
+def seeded_generator(*parts: int) -> torch.Generator:
+    """A fresh CPU ``torch.Generator`` seeded by ``derive_seed(*parts)`` (the views draw on the host)."""
+    return torch.Generator().manual_seed(derive_seed(*parts))
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
