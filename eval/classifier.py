@@ -48,8 +48,9 @@ def topk_correct(logits: torch.Tensor, targets: torch.Tensor, ks: Sequence[int] 
     return [int(hits[:, : min(k, kmax)].any(dim=1).sum()) for k in ks]
 
 
-def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
-    """The training order of ``epoch``: ``randperm(n)`` seeded by ``seed + epoch``, as DistributedSampler."""
+def distributed_sampler_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The training order of ``epoch``: ``randperm(n)`` seeded by ``seed + epoch``, torch's DistributedSampler's rule
+    (pretraining's order, ``bt_hub.train.resume.derived_seed_permutation``, mixes the two instead)."""
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
 
 
@@ -65,7 +66,8 @@ def set_epoch_lr(optimizer: torch.optim.Optimizer, base_lrs: Sequence[float], fa
 def make_loader(
     dataset: Dataset, batch_size: int, *, shuffle: bool, seed: int, num_workers: int, device: torch.device
 ) -> DataLoader:
-    """A loader of ``batch_size`` images in all, split over the ranks, in :func:`epoch_permutation`'s order."""
+    """A loader of ``batch_size`` images in all, split over the ranks, in the order of
+    :func:`distributed_sampler_permutation`."""
     world = get_world_size()
     sampler = DistributedSampler(
         dataset, num_replicas=world, rank=get_rank(), shuffle=shuffle, seed=seed, drop_last=False

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from bt_hub.common.presets import shown
 from bt_hub.common.progress import progress as reported
-from bt_hub.eval.classifier import epoch_permutation, lr_factor, make_classifier, topk_correct
+from bt_hub.eval.classifier import distributed_sampler_permutation, lr_factor, make_classifier, topk_correct
 from bt_hub.eval.features import as_float32
 from bt_hub.eval.splits import indices_sha256, stratified_holdout
 
@@ -116,7 +116,7 @@ def train_head_sets(
     for epoch in reported(range(epochs), desc, unit="epoch") if progress else range(epochs):
         step = base_lr * lr_factor(epoch, epochs, schedule, milestones, gamma) * alive
         epoch_start.copy_(params)
-        order = pool[epoch_permutation(len(pool), seed, epoch)].to(y.device)
+        order = pool[distributed_sampler_permutation(len(pool), seed, epoch)].to(y.device)
         for start in range(0, len(order), batch_size):
             # rows in file order: quick to read from a memmap, and the same sums (so the same heads) as a tensor
             idx = order[start : start + batch_size].sort().values

@@ -29,8 +29,9 @@ def seeded_generator(*parts: int) -> torch.Generator:
     return torch.Generator().manual_seed(derive_seed(*parts))
 
 
-def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
-    """The sample order of one epoch: a permutation seeded by (seed, epoch)."""
+def derived_seed_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The sample order of one epoch: a permutation seeded by :func:`derive_seed` of (seed, epoch), so seed 1's first
+    epoch is not seed 0's second (the evaluation's classifiers keep DistributedSampler's ``seed + epoch``)."""
     return torch.randperm(num_samples, generator=seeded_generator(seed, epoch))
 
 
@@ -51,7 +52,7 @@ class EpochBatchSampler:
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
-        self.order = epoch_permutation(num_samples, seed, epoch).tolist()
+        self.order = derived_seed_permutation(num_samples, seed, epoch).tolist()
         self.steps = num_samples // batch_size
         self.batch_size, self.epoch, self.start = batch_size, epoch, start
         self.local = batch_size // world_size
