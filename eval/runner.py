@@ -23,6 +23,7 @@ from bt_hub.common.files import WriteError, atomic_write_json, remove_stale_temp
 from bt_hub.common.presets import config_dict, overrides
 from bt_hub.common.progress import announce
 from bt_hub.common.records import FROM_WEIGHTS, SCHEMA, Record, make_record
+from bt_hub.common.reuse import changed_input
 from bt_hub.common.runs import claim_run_dir, claimed_run_dir
 from bt_hub.data.decode import decode_choice, decoding_for
 from bt_hub.data.precision import precision_choice
@@ -385,13 +386,20 @@ class EvalRun:
             settings=self.settings,
         )
 
-    def finished(self, protocol: str) -> Record | None:
-        """The newest record of ``protocol`` in the run's folder that this run would write again (:func:`_same_run`),
-        or None."""
+    def finished(self, protocol: Protocol) -> tuple[Record | None, str | None]:
+        """The newest record of ``protocol`` in the run's folder made from this run's inputs, every one of them
+        (:func:`record_inputs`, asked through :func:`bt_hub.common.reuse.changed_input`); else None, and which input
+        of the newest such record changed (None where the folder holds none)."""
         if self.out is None:
-            return None
-        planned = _same_run(self.record(Scored({}, dataset={}, protocol=protocol), wall_time_s=0.0))
-        return next((r for r in reversed(load_results(self.out)[0]) if _same_run(r) == planned), None)
+            return None, None
+        own_data = getattr(protocol.load(), "dataset_info", None)  # a protocol on splits of its own (VOC07, semi)
+        dataset = own_data(self) if own_data is not None else self.splits.info
+        planned = record_inputs(self.record(Scored({}, dataset=dataset, protocol=protocol.name), wall_time_s=0.0))
+        found = [r for r in load_results(self.out)[0] if r.get("protocol") == protocol.name]
+        same = [r for r in found if changed_input("record", record_inputs(r), planned) is None]
+        if same:
+            return same[-1], None
+        return None, changed_input("record", record_inputs(found[-1]), planned) if found else None
 
     def write(self, records: Sequence[Record], summary: Mapping[str, Any] | None = None) -> None:
         """:func:`write_records` into the run's folder (nothing without one, or off the main process)."""
@@ -443,15 +451,26 @@ def build_record(
 NOT_SETTINGS = ("features", "weights", "out", "overwrite", "threads", "config_file", "num_workers", "cache_dir")
 
 
-def _same_run(record: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What makes two records one run: the protocol, the weights' sha256, the resolved settings and the
-    hyper-parameters, less ``NOT_SETTINGS`` and the ``*_from`` sources (``eval all`` skips a run it finds)."""
+def record_inputs(record: Mapping[str, Any]) -> dict[str, Any]:
+    """What a finished protocol record was made from (``INPUTS["record"]`` of :mod:`bt_hub.common.reuse`): the
+    protocol, the weights' sha256, the fingerprints of the train and test splits (with the labelled subset where the
+    protocol drew one) and the held-out split's facts, the resolved settings and the hyper-parameters, less
+    ``NOT_SETTINGS`` and the ``*_from`` sources. ``eval all`` skips a run only where all of them are the same."""
 
     def kept(block: Mapping[str, Any] | None) -> dict[str, Any]:
         return {k: v for k, v in (block or {}).items() if k not in NOT_SETTINGS and not k.endswith("_from")}
 
-    fingerprint = (record.get("weights") or {}).get("fingerprint")
-    return record.get("protocol"), fingerprint, kept(record.get("settings")), kept(record.get("hyperparameters"))
+    dataset = record.get("dataset") or {}
+    split = {name: dataset.get(name) or {} for name in ("train", "test")}
+    return {
+        "protocol": record.get("protocol"),
+        "weights": (record.get("weights") or {}).get("fingerprint"),
+        "train split": [split["train"].get("fingerprint"), split["train"].get("labelled_indices_sha256")],
+        "test split": split["test"].get("fingerprint"),
+        "held-out split": dataset.get("holdout"),
+        "settings": kept(record.get("settings")),
+        "hyper-parameters": kept(record.get("hyperparameters")),
+    }
 
 
 def write_records(out: str | Path, records: Sequence[Record], summary: Mapping[str, Any] | None = None) -> None:
@@ -511,11 +530,20 @@ def run_child(parent: EvalRun, protocol: Protocol, config: Any, *, rerun: bool =
     """One protocol of ``eval all`` on the parent's weights and settings, in its own folder ``config.out``; a record
     of the same run there (:meth:`EvalRun.finished`) is returned instead, with a line saying so, unless ``rerun``."""
     run = parent.child(config, Path(config.out) if config.out is not None else None)
-    done = None if rerun else broadcast_object(run.finished(protocol.name) if is_main_process() else None)
+    done, why = (None, None) if rerun else broadcast_object(run.finished(protocol) if is_main_process() else None)
     if done is None:
+        if why is not None:
+            announce(f"bt-hub eval all: {protocol.name} in {run.out} was scored {_from(why)} ({why}); running it again")
         return _score_and_write(run, protocol)
     announce(
-        f"bt-hub eval all: {done['protocol']} in {run.out} finished before with the same weights and settings; "
-        "skipped (--rerun runs it again)"
+        f"bt-hub eval all: {done['protocol']} in {run.out} finished before from the same inputs (weights, data, "
+        "settings); skipped (--rerun runs it again)"
     )
     return done
+
+
+def _from(why: str) -> str:
+    """``on other data`` / ``with other weights`` / ``with other settings``, of a :func:`changed_input` reason."""
+    if "split" in why:
+        return "on other data"
+    return "with other weights" if why.startswith("weights") else "with other settings"

@@ -40,6 +40,7 @@ from bt_hub.eval.features import TransformedDataset, train_transform
 from bt_hub.eval.label_subsets import read_subset_file, subset_indices
 from bt_hub.eval.report import IMAGENET_FOLDERS, PaperRow, Table
 from bt_hub.eval.runner import Cell, EvalRun, Scored
+from bt_hub.eval.splits import indices_sha256
 from bt_hub.method.transforms import eval_transforms
 
 # Flags of the fine-tuning recipe that finetune() takes as they are, under the same names.
@@ -239,6 +240,14 @@ def _labels(config: SemiSupervisedConfig, indices: Sequence[int], train_size: in
     }
 
 
+def dataset_info(run: EvalRun) -> dict[str, Any]:
+    """The record's ``dataset`` block: the run's splits, the training split's with the sha256 of the labelled subset's
+    indices (a list changed in place under the same name draws another subset: ``eval all`` scores it again)."""
+    info = dict(run.splits.info)
+    labelled = indices_sha256(_subset(run, run.config, run.config.seed))
+    return info | {"train": {**info["train"], "labelled_indices_sha256": labelled}}
+
+
 def score(run: EvalRun) -> Scored:
     """``bt-hub eval semi``'s scoring step, with the warnings of a preset set for other data: :func:`score_cell`."""
     config, splits = run.config, run.splits
@@ -247,7 +256,7 @@ def score(run: EvalRun) -> Scored:
         config, num_classes=len(splits.classes), train_images=len(indices), image_side=splits.image_side()
     )
     scored = score_cell(run, config, config.seed)
-    scored.warnings = warned
+    scored.warnings, scored.dataset = warned, dataset_info(run)
     return scored
 
 

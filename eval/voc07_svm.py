@@ -173,9 +173,8 @@ class Voc07SvmConfig(EvalConfig):
         return super().unused_flags() | dict.fromkeys(("decode", "store"), in_pil) | {"holdout": lists}
 
 
-def score(run: EvalRun) -> Scored:
-    """The devkit's splits, their features (VISSL's transform and pool), one SVM per class and cost, test AP."""
-    config = run.config
+def _splits(config: Voc07SvmConfig) -> tuple[VocClassification, VocClassification, dict[str, Any]]:
+    """The devkit's trainval and test lists as datasets, and what the record says of them (fingerprints included)."""
     train = VocClassification(config.data, config.train_split)
     test = VocClassification(config.data, config.test_split, classes=train.classes)
     info: dict[str, Any] = {
@@ -185,11 +184,25 @@ def score(run: EvalRun) -> Scored:
         "holdout": None,
         "overlap_check": check_disjoint(train, test),
     }
+    for name, split, dataset in (("train", config.train_split, train), ("test", config.test_split, test)):
+        info[name] = {"split": split, "size": len(dataset), "fingerprint": dataset_fingerprint(dataset)}
+    return train, test, info
+
+
+def dataset_info(run: EvalRun) -> dict[str, Any]:
+    """The record's ``dataset`` block of a run on ``run.config``'s devkit, before any scoring (``eval all`` compares
+    it with a finished record's, :meth:`bt_hub.eval.runner.EvalRun.finished`)."""
+    return _splits(run.config)[2]
+
+
+def score(run: EvalRun) -> Scored:
+    """The devkit's splits, their features (VISSL's transform and pool), one SVM per class and cost, test AP."""
+    config = run.config
+    train, test, info = _splits(config)
     transform = voc07_transform(run.settings.image_size)
     data = {}
     for name, split, dataset in (("train", config.train_split, train), ("test", config.test_split, test)):
-        fingerprint = dataset_fingerprint(dataset)
-        info[name] = {"split": split, "size": len(dataset), "fingerprint": fingerprint}
+        fingerprint = info[name]["fingerprint"]
         features, targets = run.features(
             name, dataset=dataset, dataset_id=fingerprint, transform=transform, pool=config.pool, label=split
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 
 import numpy as np
@@ -133,7 +134,7 @@ def test_eval_all_run_again_skips_the_protocols_finished_with_the_same_settings(
     def counts() -> list[int]:
         return [len(load_results(folder)[0]) for folder in (out / "knn", out / "linear", out)]
 
-    skipped = "finished before with the same weights and settings; skipped (--rerun runs it again)"
+    skipped = "finished before from the same inputs (weights, data, settings); skipped (--rerun runs it again)"
     assert cli.main(argv) == 0 and counts() == [1, 1, 2]
     assert f"bt-hub eval all: knn in {out / 'knn'} {skipped}" in capsys.readouterr().err.splitlines()
     assert cli.main(argv) == 0 and counts() == [1, 1, 2]
@@ -143,7 +144,43 @@ def test_eval_all_run_again_skips_the_protocols_finished_with_the_same_settings(
     ]
     assert len(json.loads((out / "results.json").read_text())["results"]) == 2
     assert cli.main([*argv, "--knn-k", "7"]) == 0 and counts() == [2, 1, 3]  # a changed setting runs again
+    said = f"bt-hub eval all: knn in {out / 'knn'} was scored with other settings (hyper-parameters changed (k))"
+    assert f"{said}; running it again" in capsys.readouterr().err.splitlines()
     assert cli.main([*argv, "--rerun"]) == 0 and counts() == [3, 2, 5]
+
+
+@pytest.mark.parametrize("change", ["replaced in place", "a class added", "a class removed"])
+def test_eval_all_scores_a_folder_changed_in_place_again_saying_which_split_changed(
+    small_stem_weights, tmp_path, image_folder, capsys, change
+):
+    # guards: eval all compared the data by its path alone, so a folder whose images were replaced under the same
+    # names (or that gained or lost a class) printed the old top-1 as "finished before" with exit 0 (43.0 vs 3.0)
+    data = image_folder(tmp_path / "data", classes=("a", "b", "c"), per_class=4, seed=0)
+    out = tmp_path / "all"
+    argv = ["eval", "all", "--weights", str(small_stem_weights), "--data", str(data), "--image-size", "8"]
+    argv += ["--batch-size", "16", "--fractions", "--linear.epochs", "1", "--knn.k", "3", "--out", str(out)]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    if change == "replaced in place":  # other pixels under the same names, sizes and mtimes
+        fresh = image_folder(tmp_path / "other", classes=("a", "b", "c"), per_class=4, seed=1)
+        for path in sorted((data / "train").rglob("*.png")):
+            stat = path.stat()
+            shutil.copyfile(fresh / path.relative_to(data), path)
+            os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    elif change == "a class added":
+        image_folder(data, classes=("d",), per_class=4, splits=("train",), seed=2)
+    else:
+        shutil.rmtree(data / "train" / "c")
+        shutil.rmtree(data / "val" / "c")
+    fresh_out = tmp_path / "fresh"
+    assert cli.main([*argv[:-1], str(fresh_out)]) == 0
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    for name in ("knn", "linear"):
+        said = f"bt-hub eval all: {name} in {out / name} was scored on other data (train split changed); running it"
+        assert said in err
+        latest, expected = (json.loads((o / name / "results.json").read_text()) for o in (out, fresh_out))
+        assert latest["metrics"] == expected["metrics"] and latest["dataset"]["train"] == expected["dataset"]["train"]
 
 
 @pytest.mark.parametrize(
