@@ -18,6 +18,7 @@ from bt_hub.eval.embedding import EmbedConfig
 from bt_hub.eval.linear import LinearConfig, TransferConfig
 from bt_hub.eval.protocols import get_protocol
 from bt_hub.eval.semi_supervised import SemiSupervisedConfig
+from bt_hub.eval.settings import load_weights
 from bt_hub.eval.suite import SuiteConfig
 from bt_hub.eval.voc07_svm import Voc07SvmConfig
 
@@ -36,7 +37,7 @@ def test_the_runner_never_writes_into_the_users_config_and_records_what_it_resol
     assert settings["image_size"] == 224 and settings["image_size_from"] == "default"
     assert settings["precision"] in ("fp32", "bf16") and record["hyperparameters"]["precision"] == settings["precision"]
     assert settings["precision_from"].startswith("auto: a ResNet-18 step took")  # measured, both times said
-    assert record["weights"]["fingerprint"] == runner.load_weights(str(small_stem_weights)).sha256
+    assert record["weights"]["fingerprint"] == load_weights(str(small_stem_weights)).sha256
 
 
 def test_eval_all_reads_and_hashes_the_weights_once_for_every_protocol(small_stem_weights, tmp_path, monkeypatch):
@@ -262,9 +263,7 @@ def test_two_weights_that_share_a_base_name_are_two_rows_with_their_own_scores(s
     rows = {r["notes"]["compare"]["row"]: r for r in records}
     weights_rows = [name for name in rows if name != "pixels"]
     assert len(weights_rows) == 2 and weights_rows[0] != weights_rows[1]
-    assert {rows[n]["weights"]["fingerprint"] for n in weights_rows} == {
-        runner.load_weights(str(p)).sha256 for p in (a, b)
-    }
+    assert {rows[n]["weights"]["fingerprint"] for n in weights_rows} == {load_weights(str(p)).sha256 for p in (a, b)}
     for path in (a, b):
         alone = runner.run_protocol(
             get_protocol("knn"),
