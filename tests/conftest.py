@@ -62,11 +62,11 @@ def _precision_cache_of_the_session(tmp_path_factory):
     """``--precision auto`` keeps its CPU measurement in a file of the session, never in the user's cache (it is
     measured once, by the first test that resolves auto on the CPU); so does ``--decode auto`` (once per image
     size class)."""
-    from bt_hub.data import precision
+    from bt_hub.data import measured, precision
 
     path = tmp_path_factory.mktemp("precision") / precision.CACHE_NAME
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(precision, "cache_file", lambda name=precision.CACHE_NAME: path.parent / name)
+        patch.setattr(measured, "cache_file", lambda name: path.parent / name)
         yield path
 
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 import bt_hub.data.decode as decode
 from bt_hub.cli import main as cli_main
 from bt_hub.common.optional import MissingDependencyError
-from bt_hub.data import precision
+from bt_hub.data import measured
 from bt_hub.data.datasets import build_dataset
 from bt_hub.data.decode import (
     Decoding,
@@ -233,7 +233,7 @@ def test_time_decoders_times_each_decoder_at_hand_and_the_device_ones_on_one_bat
 
 
 def test_decode_auto_takes_the_faster_decoder_splits_by_the_two_rates_and_caches_per_machine(tmp_path, monkeypatch):
-    monkeypatch.setattr(precision, "cache_file", lambda name: tmp_path / name)
+    monkeypatch.setattr(measured, "cache_file", lambda name: tmp_path / name)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     monkeypatch.setattr(decode.os, "cpu_count", lambda: 16)
     write_images(tmp_path / "data" / "a")

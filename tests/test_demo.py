@@ -208,10 +208,10 @@ def test_the_demo_pretrains_with_the_digits_preset_of_bt_hub_pretrain(tmp_path, 
 def test_the_demo_says_at_its_start_how_long_it_takes_here_from_the_step_it_measured(tmp_path, monkeypatch, capsys):
     # Guards: the README promised about 5 minutes on 2 cores (an AVX-512 EPYC, bf16); on an AVX2-only EPYC (fp32)
     # the demo took 17, and said nothing of it before it ended.
-    from bt_hub.data import precision
+    from bt_hub.data import measured, precision
     from bt_hub.eval import demo
 
-    monkeypatch.setattr(precision, "cache_file", lambda: tmp_path / "precision.json")
+    monkeypatch.setattr(measured, "cache_file", lambda name: tmp_path / "precision.json")
     monkeypatch.setattr(demo, "pretrain", lambda config: (_ for _ in ()).throw(KeyboardInterrupt))
     said = []
     for run, fp32 in enumerate((0.3, 0.1)):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
+import bt_hub.data.measured as measured
 import bt_hub.data.precision as precision
 from bt_hub.cli import main as cli_main
 from bt_hub.common.progress import LineProgress, progress
@@ -175,7 +176,7 @@ def test_precision_auto_on_a_cpu_is_the_faster_of_the_two_measured_and_cached(tm
         chosen["precision_reason"].endswith("(measured now)")
         and f"{bf16_s:.3g} s in bf16" in chosen["precision_reason"]
     )
-    key = f"{precision.cpu_model()} | torch {torch.__version__}"
+    key = f"{measured.cpu_model()} | torch {torch.__version__}"
     assert json.loads(cache.read_text()) == {key: {"fp32": fp32_s, "bf16": bf16_s}}
     assert not list(cache.parent.glob(".*.tmp"))  # written whole, through a temp file
 
@@ -190,7 +191,7 @@ def test_precision_auto_on_a_cpu_is_the_faster_of_the_two_measured_and_cached(tm
 def test_precision_auto_is_measured_again_on_another_cpu_model_or_torch_version(tmp_path, monkeypatch):
     cache = tmp_path / "precision_auto.json"
     assert precision.cpu_choice(lambda: {"fp32": 1.0, "bf16": 2.0}, cache)["precision"] == "fp32"
-    monkeypatch.setattr(precision, "cpu_model", lambda: "Another CPU")
+    monkeypatch.setattr(measured, "cpu_model", lambda: "Another CPU")
     assert precision.cpu_choice(lambda: {"fp32": 2.0, "bf16": 1.0}, cache)["precision"] == "bf16"
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     assert precision.cpu_choice(lambda: {"fp32": 3.0, "bf16": 4.0}, cache)["precision"] == "fp32"
@@ -206,7 +207,7 @@ def test_precision_auto_on_cuda_is_bf16_where_the_gpu_supports_it_without_measur
 
 
 def test_precision_auto_is_recorded_resolved_and_a_resume_with_auto_accepts_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(precision, "cache_file", lambda: tmp_path / "precision_auto.json")
+    monkeypatch.setattr(measured, "cache_file", lambda name: tmp_path / "precision_auto.json")
     monkeypatch.setattr(precision, "measure_cpu", lambda: {"fp32": 0.25, "bf16": 0.125})
     out = tmp_path / "run"
     tiny = [
@@ -230,7 +231,7 @@ def test_precision_auto_is_recorded_resolved_and_a_resume_with_auto_accepts_it(t
     assert "0.125 s in bf16 and 0.25 s in fp32" in started["precision_reason"]
     assert recipe["recipe"]["precision"] == "bf16" and recipe["recipe"]["precision_bf16_s"] == 0.125
     assert cli_main(["pretrain", *tiny, "--max-steps", "2", "--resume", "auto"]) == 0  # the cached choice again
-    monkeypatch.setattr(precision, "cache_file", lambda: tmp_path / "elsewhere.json")
+    monkeypatch.setattr(measured, "cache_file", lambda name: tmp_path / "elsewhere.json")
     monkeypatch.setattr(precision, "measure_cpu", lambda: {"fp32": 0.125, "bf16": 0.25})
     assert (
         cli_main(["pretrain", *tiny, "--max-steps", "3", "--resume", "auto"]) == 2

@@ -118,11 +118,11 @@ def test_eval_all_run_again_skips_the_protocols_finished_with_the_same_settings(
     # guards: after a SIGTERM that stopped eval all after its kNN run, each rerun scored kNN again and appended
     # another record (1, 2, then 3); same settings are the record's (weights sha256, settings, hyper-parameters)
     from bt_hub.common.signals import Terminated
-    from bt_hub.data import precision
+    from bt_hub.data import measured, precision
     from bt_hub.eval import linear
     from bt_hub.eval.report import load_results
 
-    monkeypatch.setattr(precision, "cache_file", lambda: tmp_path / "precision.json")  # measured now, then cached
+    monkeypatch.setattr(measured, "cache_file", lambda name: tmp_path / "precision.json")  # measured now, then cached
     monkeypatch.setattr(precision, "measure_cpu", lambda: {"fp32": 1.0, "bf16": 2.0})
     out = tmp_path / "all"
     argv = ["eval", "all", "--weights", str(small_stem_weights), *SMALL, "--fractions", "--linear-epochs", "1"]

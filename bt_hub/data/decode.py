@@ -17,7 +17,7 @@ they are), the workers' (PIL, or nvImageCodec's CPU backend: libjpeg-turbo as PI
 share of the device's JPEGs that the workers decode while the device decodes the rest: the CPU cores decode
 beside the GPU instead of idling. Evaluation's ``--decode auto`` (:func:`decode_choice`) times the decoders at
 hand on the data's first JPEGs and sets that share so that both finish a batch together; the timings are cached
-per machine as ``--precision auto``'s are (:func:`bt_hub.data.precision.measured`).
+per machine as ``--precision auto``'s are (:func:`bt_hub.data.measured.measured`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from PIL import Image
 
 from bt_hub.common.images import open_rgb
 from bt_hub.common.optional import require
-from bt_hub.data import precision
+from bt_hub.data import measured
 from bt_hub.data.datasets import to_uint8_tensor
 
 DECODE_MODES = ("auto", "device", "workers")  # pretraining's --decode; evaluation's adds nvimgcodec
@@ -379,7 +379,7 @@ def _machine(device: torch.device, sample: Sequence[torch.Tensor]) -> tuple[str,
     width, height = sizes[len(sizes) // 2]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     key = (
-        f"decode | {name} | {precision.cpu_model()} | torch {torch.__version__} | torchvision {torchvision.__version__}"
+        f"decode | {name} | {measured.cpu_model()} | torch {torch.__version__} | torchvision {torchvision.__version__}"
         f" | pillow {PIL.__version__} | nvimgcodec {codec} | ~2^{round(math.log2(width * height))} px"
     )
     return key, f"{width}x{height}"
@@ -409,12 +409,12 @@ def decode_choice(
     on_device = device.type == "cuda"
     key, size = _machine(device, sample)
     timed = lambda: (measure or time_decoders)(sample, device, on_device)  # noqa: E731
-    seconds, where = precision.measured(key, timed, precision.cache_file(DECODE_CACHE), ["pil"])
+    seconds, where = measured.measured(key, timed, measured.cache_file(DECODE_CACHE), ["pil"])
     rate, cores = {name: 1 / s for name, s in seconds.items()}, min(num_workers, os.cpu_count() or 1)
     if not on_device:
         fast = "nvimgcodec" if rate.get("nvimgcodec", 0) > rate["pil"] else "device"
         speeds = ", ".join(f"{rate[n]:,.0f} images/s with {n}" for n in sorted(rate))
-        reason = f"auto: a loader worker decoded ~{size} JPEGs at {speeds} on {precision.cpu_model()} ({where})"
+        reason = f"auto: a loader worker decoded ~{size} JPEGs at {speeds} on {measured.cpu_model()} ({where})"
         return {"decode": fast, "decode_reason": reason, "decode_share": 0.0}
     on_gpu = {name: rate[name] for name in ("torchvision", "nvimgcodec") if name in rate}
     fast = max(on_gpu, key=on_gpu.__getitem__, default="torchvision")
