@@ -59,7 +59,8 @@ from pretrain_throughput import write_jpegs  # noqa: E402
 
 from bt_hub.common.optional import MissingDependencyError  # noqa: E402
 from bt_hub.data.datasets import build_dataset  # noqa: E402
-from bt_hub.data.decode import Decoding, PackedItems, collate_packed, decode_choice, decoding_for, nvimgcodec  # noqa: E402
+from bt_hub.data.decode import Decoding, PackedItems, collate_packed, decoding_for, nvimgcodec  # noqa: E402
+from bt_hub.data.decode_auto import decode_choice  # noqa: E402
 from bt_hub.data.precision import autocast_dtype, resolve_precision  # noqa: E402
 from bt_hub.data.store import StoreView, open_store, store_device  # noqa: E402
 from bt_hub.eval.features import EncodedItems, extract_features  # noqa: E402

@@ -16,7 +16,7 @@ from torch import nn
 
 from bt_hub.common.distributed import broadcast_object, is_main_process
 from bt_hub.common.records import FROM_WEIGHTS
-from bt_hub.data.decode import decode_choice
+from bt_hub.data.decode_auto import decode_choice
 from bt_hub.data.precision import precision_choice
 from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalWarning
 from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD
@@ -109,7 +109,7 @@ def _normalisation(info: Mapping[str, Any], weights: str) -> str:
 
 def decode_settings(config: Any, device: torch.device) -> dict[str, Any]:
     """``decode``, ``decode_from`` and ``decode_share`` of the run: ``--decode`` resolved on the main process
-    (:func:`bt_hub.data.decode.decode_choice`: ``auto`` times the decoders there) and shared with every rank."""
+    (:func:`bt_hub.data.decode_auto.decode_choice`: ``auto`` times the decoders there) and shared with every rank."""
     chosen = broadcast_object(
         decode_choice(config.decode, device, config.data, config.num_workers) if is_main_process() else None
     )

@@ -14,6 +14,7 @@ from PIL import Image, JpegImagePlugin
 from torch.utils.data import DataLoader
 
 import bt_hub.data.decode as decode
+import bt_hub.data.decode_auto as decode_auto
 from bt_hub.cli import main as cli_main
 from bt_hub.common.optional import MissingDependencyError
 from bt_hub.data import measured
@@ -22,15 +23,13 @@ from bt_hub.data.decode import (
     Decoding,
     PackedItems,
     collate_packed,
-    decode_choice,
     decode_images,
     device_decodable,
     nvimgcodec,
     read_encoded,
-    resolve_decode,
-    time_decoders,
     to_device_images,
 )
+from bt_hub.data.decode_auto import decode_choice, resolve_decode, time_decoders
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.features import EncodedItems, extract_features
 from bt_hub.method.model import build_backbone
@@ -224,7 +223,7 @@ def test_features_of_the_split_path_equal_the_unsplit_path_bit_for_bit(tmp_path,
 
 
 def test_time_decoders_times_each_decoder_at_hand_and_the_device_ones_on_one_batch(tmp_path, with_nvimgcodec):
-    sample = decode.jpeg_sample(write_images(tmp_path / "a")["rgb0"].parent.parent)
+    sample = decode_auto.jpeg_sample(write_images(tmp_path / "a")["rgb0"].parent.parent)
     assert len(sample) == 7  # the JPEGs the device decoder takes: not the CMYK one nor the PNG
     on_device = time_decoders(sample, "cpu", on_device=True)  # what CUDA times, here on the CPU
     in_workers = time_decoders(sample, "cpu", on_device=False)
@@ -235,7 +234,7 @@ def test_time_decoders_times_each_decoder_at_hand_and_the_device_ones_on_one_bat
 def test_decode_auto_takes_the_faster_decoder_splits_by_the_two_rates_and_caches_per_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(measured, "cache_file", lambda name: tmp_path / name)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
-    monkeypatch.setattr(decode.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(decode_auto.os, "cpu_count", lambda: 16)
     write_images(tmp_path / "data" / "a")
     timed = []
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from bt_hub.common.config import RunConfig, check_image_size, option, out_field
-from bt_hub.data.decode import resolve_decode
+from bt_hub.data.decode_auto import resolve_decode
 from bt_hub.method.loss import LAMBD
 from bt_hub.method.model import ARCHITECTURES, parse_projector
 

@@ -35,7 +35,7 @@ from bt_hub.common.progress import progress
 from bt_hub.common.runs import RunDir
 from bt_hub.common.signals import Terminated, deferred_stop
 from bt_hub.data.datasets import build_dataset, is_builtin
-from bt_hub.data.decode import resolve_decode
+from bt_hub.data.decode_auto import resolve_decode
 from bt_hub.data.precision import autocast_dtype, precision_choice, resolve_channels_last
 from bt_hub.data.prefetch import Prefetcher
 from bt_hub.method.loss import LossTerms
