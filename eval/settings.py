@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import bt_hub.weights
 from bt_hub.common.distributed import broadcast_object, is_main_process
 from bt_hub.common.records import FROM_WEIGHTS
 from bt_hub.data.decode_auto import decode_choice
@@ -66,10 +67,11 @@ class LoadedWeights:
 def load_weights(
     source: str, *, arch: str | None = None, small_image_stem: bool | None = None, allow_non_finite: bool = False
 ) -> LoadedWeights:
-    """Read ``source`` once into a backbone (``bt_hub.weights.load_backbone``) with the hash of those bytes."""
-    from bt_hub.weights.load import load_backbone
-
-    network = load_backbone(source, arch=arch, small_image_stem=small_image_stem, allow_non_finite=allow_non_finite)
+    """Read ``source`` once into a backbone (``bt_hub.weights.load_backbone``, which the wing imports on first use:
+    reading no weights loads no registry or downloader) with the hash of those bytes."""
+    network = bt_hub.weights.load_backbone(
+        source, arch=arch, small_image_stem=small_image_stem, allow_non_finite=allow_non_finite
+    )
     info = dict(getattr(network, "weights_info", None) or {})
     return LoadedWeights(str(source), network, str(info["sha256"]), info)
 

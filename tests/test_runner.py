@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-import bt_hub.weights.load as bt_weights
+import bt_hub.weights as bt_weights
 from bt_hub import cli
 from bt_hub.common.presets import from_preset
 from bt_hub.eval import comparison, knn, runner, suite
