@@ -62,7 +62,6 @@ from bt_hub.data.decode import (
     EncodedImage,
     PackedItems,
     collate_packed,
-    decoding_for,
     to_device_images,
     worker_item,
 )
@@ -249,7 +248,7 @@ def iter_feature_batches(
     if pool not in ("avg", "voc_res5"):
         raise ValueError(f"pool {pool!r} is unknown; expected 'avg' or 'voc_res5'")
     device = torch.device(device)
-    decoding = decoding or decoding_for("device", device)
+    decoding = decoding or (Decoding("torchvision") if device.type == "cuda" else Decoding())
     n, world = len(dataset), get_world_size()
     on_device = isinstance(transform, DeviceEvalTransform)
     indices = _global_batches(n, batch_size, world, get_rank(), first)

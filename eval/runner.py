@@ -24,7 +24,6 @@ from bt_hub.common.progress import announce
 from bt_hub.common.records import SCHEMA, Record, make_record
 from bt_hub.common.reuse import changed_input
 from bt_hub.common.runs import claim_run_dir, claimed_run_dir
-from bt_hub.data.decode import decoding_for
 from bt_hub.data.store import DecodedImages, StoreView, fits_auto, open_store, store_device
 from bt_hub.eval.feature_cache import FeatureCache
 from bt_hub.eval.features import Pool, architecture_fingerprint, extract_with_source
@@ -203,7 +202,7 @@ class EvalRun:
                 desc=f"features {name}",
                 precision=self.settings.precision,
                 stored=stored,
-                decoding=decoding_for(self.settings.decode, self.device, self.settings.decode_share),
+                decoding=self.settings.decoding,
             )
         except WriteError as err:  # a feature cache on read-only storage: what is whole there was read
             if cache_dir and err.errno in READ_ONLY:
@@ -309,8 +308,21 @@ def build_record(
 
 
 # what a record says of where or how it ran, not of what it computed: the weights are compared by sha256, the
-# features' cache and a value's source (``*_from``: a flag, the weights, the cache of a measurement) are not
-NOT_SETTINGS = ("features", "weights", "out", "overwrite", "threads", "config_file", "num_workers", "cache_dir")
+# features' cache, a value's source (``*_from``: a flag, the weights, the cache of a measurement) and what ``decode``
+# and the device already say (who decoded, the decoders' measured pixels) are not
+NOT_SETTINGS = (
+    "features",
+    "weights",
+    "out",
+    "overwrite",
+    "threads",
+    "config_file",
+    "num_workers",
+    "cache_dir",
+    "decoder",
+    "decoded_on",
+    "decode_agreement",
+)
 
 
 def record_inputs(record: Mapping[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from torch import nn
 import bt_hub.weights
 from bt_hub.common.distributed import broadcast_object, is_main_process
 from bt_hub.common.records import FROM_WEIGHTS
+from bt_hub.data.decode import Decoding
 from bt_hub.data.decode_auto import decode_choice
 from bt_hub.data.precision import precision_choice
 from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalWarning
@@ -43,10 +44,15 @@ class Settings:
     precision_from: str = "default"  # --precision, or why auto chose it (on a CPU: both measured times)
     decode_from: str = "default"  # --decode, or why auto chose it (the decoders' measured rates)
     decode_share: float = 0.0  # the fraction of the device's JPEGs that the loader workers decode (auto on CUDA)
+    # auto on JPEGs: each timed decoder's pixels against PIL's (max and mean levels), a decoder over the tolerance
+    # never taken
+    decode_agreement: Mapping[str, Mapping[str, float]] | None = None
+    decoding: Decoding = Decoding()  # who decodes, handed to the loaders; recorded as its decoder and decoded_on
 
     def as_dict(self) -> dict[str, Any]:
-        """The settings as a JSON-ready dict."""
-        return dataclasses.asdict(self)
+        """The settings as a JSON-ready dict (``decoding`` as the ``decoder`` that ran and where: ``decoded_on``)."""
+        found = {k: v for k, v in dataclasses.asdict(self).items() if k != "decoding"}
+        return {**found, **self.decoding.described()}
 
 
 @dataclass(frozen=True)
@@ -110,15 +116,20 @@ def _normalisation(info: Mapping[str, Any], weights: str) -> str:
 
 
 def decode_settings(config: Any, device: torch.device) -> dict[str, Any]:
-    """``decode``, ``decode_from`` and ``decode_share`` of the run: ``--decode`` resolved on the main process
-    (:func:`bt_hub.data.decode_auto.decode_choice`: ``auto`` times the decoders there) and shared with every rank."""
+    """The run's decode settings (``decode``, ``decode_from``, ``decode_share``, ``decode_agreement`` and who decodes,
+    ``decoding``): ``--decode`` resolved on the main process (:func:`bt_hub.data.decode_auto.decode_choice`: ``auto``
+    measures the decoders there) and shared with every rank."""
     chosen = broadcast_object(
         decode_choice(config.decode, device, config.data, config.num_workers) if is_main_process() else None
     )
-    reason = (
-        chosen["decode_reason"] if config.decode == "auto" else config.given_from("decode", chosen["decode_reason"])
-    )
-    return {"decode": chosen["decode"], "decode_from": reason, "decode_share": chosen["decode_share"]}
+    reason = chosen.reason if config.decode == "auto" else config.given_from("decode", chosen.reason)
+    return {
+        "decode": chosen.decode,
+        "decode_from": reason,
+        "decode_share": chosen.decoding.worker_share,
+        "decode_agreement": chosen.agreement,
+        "decoding": chosen.decoding,
+    }
 
 
 def resolve_settings(config: Any, weights: LoadedWeights, device: torch.device) -> Settings:

@@ -127,9 +127,11 @@ def make_image_folder(
     splits: Sequence[str] = ("train", "val"),
     seed: int = 0,
     suffix: str = ".png",
+    jpeg: bool = False,
 ) -> Path:
-    """A class-per-folder tree of random RGB PNG files: ``root/<split>/<class>/<class>_<i><suffix>`` for each split
-    (``root/<class>/...`` when ``splits`` is empty). ``size`` is an int (square) or ``(height, width)``.
+    """A class-per-folder tree of random RGB PNG files (baseline JPEGs of quality 90 with ``jpeg``, whatever the
+    ``suffix``): ``root/<split>/<class>/<class>_<i><suffix>`` for each split (``root/<class>/...`` when ``splits`` is
+    empty). ``size`` is an int (square) or ``(height, width)``.
 
     One random generator, seeded by ``seed``, draws every image in order, so two splits of one call never share
     an image, and two calls with the same arguments make byte-identical files. Returns ``root``.
@@ -142,7 +144,7 @@ def make_image_folder(
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(per_class):
                 image = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
-                Image.fromarray(image).save(folder / f"{c}_{i}{suffix}", format="PNG")
+                Image.fromarray(image).save(folder / f"{c}_{i}{suffix}", format="JPEG" if jpeg else "PNG", quality=90)
     return root
 
 

@@ -17,6 +17,7 @@ import bt_hub.data.measured as measured
 import bt_hub.data.precision as precision
 from bt_hub.cli import main as cli_main
 from bt_hub.common.progress import LineProgress, progress
+from bt_hub.common.reuse import inputs_key
 from bt_hub.data.datasets import ImageFolderDataset
 from bt_hub.method.knn import knn_vote, nearest_neighbours
 from bt_hub.train.monitor import KnnMonitor, monitor_sets
@@ -167,34 +168,39 @@ def test_tensorboard_without_the_package_names_the_extra(tmp_path, monkeypatch, 
 
 
 @pytest.mark.parametrize(("fp32_s", "bf16_s", "expected"), [(2.0, 1.0, "bf16"), (1.0, 2.0, "fp32"), (1.0, 1.0, "fp32")])
-def test_precision_auto_on_a_cpu_is_the_faster_of_the_two_measured_and_cached(tmp_path, fp32_s, bf16_s, expected):
+def test_precision_auto_on_a_cpu_is_the_faster_of_the_two_measured_and_cached(
+    tmp_path, monkeypatch, fp32_s, bf16_s, expected
+):
     """Guards: auto picked bf16 on any CPU with avx512_bf16, where bf16 ran slower than fp32 on some of them."""
     cache = tmp_path / "cache" / "precision_auto.json"
-    chosen = precision.cpu_choice(lambda: {"fp32": fp32_s, "bf16": bf16_s}, cache)
+    monkeypatch.setattr(measured, "cache_file", lambda name: cache.parent / name)
+    chosen = precision.cpu_choice(lambda: {"fp32": fp32_s, "bf16": bf16_s})
     assert (chosen["precision"], chosen["precision_fp32_s"], chosen["precision_bf16_s"]) == (expected, fp32_s, bf16_s)
     assert (
         chosen["precision_reason"].endswith("(measured now)")
         and f"{bf16_s:.3g} s in bf16" in chosen["precision_reason"]
     )
-    key = f"{measured.cpu_model()} | torch {torch.__version__}"
-    assert json.loads(cache.read_text()) == {key: {"fp32": fp32_s, "bf16": bf16_s}}
+    machine = f"{measured.cpu_model()} | torch {torch.__version__}"
+    key = inputs_key("measurement", {"machine": machine})
+    assert json.loads(cache.read_text()) == {key: {"machine": machine, "measured": {"fp32": fp32_s, "bf16": bf16_s}}}
     assert not list(cache.parent.glob(".*.tmp"))  # written whole, through a temp file
 
     def not_again():
         raise AssertionError("measured again although this CPU model and torch version are cached")
 
-    again = precision.cpu_choice(not_again, cache)
+    again = precision.cpu_choice(not_again)
     assert again["precision"] == expected and again["precision_reason"].endswith(f"(cached in {cache.name})")
     assert str(cache.parent) not in again["precision_reason"]  # Guards: the home folder went into results and cards
 
 
 def test_precision_auto_is_measured_again_on_another_cpu_model_or_torch_version(tmp_path, monkeypatch):
     cache = tmp_path / "precision_auto.json"
-    assert precision.cpu_choice(lambda: {"fp32": 1.0, "bf16": 2.0}, cache)["precision"] == "fp32"
+    monkeypatch.setattr(measured, "cache_file", lambda name: cache)
+    assert precision.cpu_choice(lambda: {"fp32": 1.0, "bf16": 2.0})["precision"] == "fp32"
     monkeypatch.setattr(measured, "cpu_model", lambda: "Another CPU")
-    assert precision.cpu_choice(lambda: {"fp32": 2.0, "bf16": 1.0}, cache)["precision"] == "bf16"
+    assert precision.cpu_choice(lambda: {"fp32": 2.0, "bf16": 1.0})["precision"] == "bf16"
     monkeypatch.setattr(torch, "__version__", "9.9.9")
-    assert precision.cpu_choice(lambda: {"fp32": 3.0, "bf16": 4.0}, cache)["precision"] == "fp32"
+    assert precision.cpu_choice(lambda: {"fp32": 3.0, "bf16": 4.0})["precision"] == "fp32"
     assert len(json.loads(cache.read_text())) == 3
 
 

@@ -101,17 +101,18 @@ class Decoding(NamedTuple):
         outside the workers' share (a fixed set of indices: the same in every epoch, worker and run)."""
         return self.device is not None and item.device_decodable and (index * _GOLDEN) % 1 >= self.worker_share
 
+    def hand_on(self, item: EncodedImage, index: int) -> EncodedImage | torch.Tensor:
+        """What a loader worker hands on for a file it read (dataset index ``index``): its bytes when this decoding
+        leaves them to the device, else the image decoded by ``workers`` from those bytes."""
+        return item if self.leaves_encoded(item, index) else decode_images([item], "cpu", self.workers)[0]
 
-def decoding_for(decode: str, device: str | torch.device, share: float = 0.0) -> Decoding:
-    """The :class:`Decoding` of a resolved evaluation ``--decode`` on ``device``: on CUDA the device decodes the JPEGs
-    (torchvision for ``device``, nvImageCodec for ``nvimgcodec``) and PIL in the workers ``share`` of them; on a CPU
-    the workers decode every file (nvImageCodec's CPU backend for ``nvimgcodec``, PIL otherwise)."""
-    library = "nvimgcodec" if decode == "nvimgcodec" else "torchvision"
-    if decode == "workers":
-        return Decoding()
-    if torch.device(device).type == "cuda":
-        return Decoding(library, "pil", share)
-    return Decoding(None, "nvimgcodec" if library == "nvimgcodec" else "pil")
+    def described(self) -> dict[str, str]:
+        """What a record says of it: the ``decoder`` that decodes the JPEGs (``pil``, ``torchvision``,
+        ``nvimgcodec``) and where (``decoded_on``: ``loader workers``, ``device``, or ``split``: the workers decode
+        ``worker_share`` of them with ``pil``)."""
+        if self.device is None:
+            return {"decoder": self.workers, "decoded_on": "loader workers"}
+        return {"decoder": self.device, "decoded_on": "split" if self.worker_share else "device"}
 
 
 def worker_item(path: str | os.PathLike, decoding: Decoding, index: int = 0) -> EncodedImage | torch.Tensor:
@@ -120,8 +121,7 @@ def worker_item(path: str | os.PathLike, decoding: Decoding, index: int = 0) -> 
     ``decoding.workers`` from the bytes already read (the file is opened once): the main process never decodes a
     file the device refuses, and a file of the workers' share is decoded once, here.
     """
-    item = read_encoded(path)
-    return item if decoding.leaves_encoded(item, index) else decode_images([item], "cpu", decoding.workers)[0]
+    return decoding.hand_on(read_encoded(path), index)
 
 
 class PackedItems(NamedTuple):
