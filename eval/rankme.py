@@ -1,6 +1,6 @@
 """RankMe of frozen features (``bt-hub eval rankme``): how many dimensions a checkpoint's embeddings use, read without
 a label (Garrido, Balestriero, Najman, LeCun, ICML 2023; the formula and how it is computed:
-bt_hub/method/rankme.py).
+bt_hub/method/rankme.py, which the pretraining monitor calls too).
 
 The backbone's features are scored, and the projector's output too where the weights carry a projector (a
 pretraining run, its checkpoint.pth, a Hugging Face folder with projector.safetensors), on at most ``--max-images``

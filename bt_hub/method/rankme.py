@@ -1,6 +1,6 @@
 """RankMe (Garrido, Balestriero, Najman, LeCun, "RankMe: Assessing the Downstream Performance of Pretrained
-Self-Supervised Representations by Their Rank", ICML 2023), computed for ``bt-hub eval rankme``: the
-effective rank of an N x D embedding matrix Z, read without a label.
+Self-Supervised Representations by Their Rank", ICML 2023), shared by ``bt-hub eval rankme`` and the pretraining
+monitor: the effective rank of an N x D embedding matrix Z, read without a label.
 
     RankMe(Z) = exp(-sum_k p_k log p_k),  p_k = sigma_k / sum_j sigma_j + eps,  eps = 1e-7 (the paper's)
 
