@@ -316,11 +316,12 @@ def test_cli_eval_all_runs_every_protocol_sharing_one_feature_cache(resnet18_wei
         ("linear", None),
         ("semi", 1),
         ("semi", 10),
+        ("rankme", None),
     ]
     assert summary["results"][1]["mode"] == "cached"
     assert (
         len(list((out / "feature_cache").glob("*.features.npy"))) == 2
-    )  # train and test, computed once for kNN and linear
+    )  # train and test, computed once for kNN, linear and RankMe
     table = (out / "results.md").read_text()
     assert all(title in table for title in ("Linear evaluation", "Semi-supervised", "Weighted kNN"))
     assert all((out / sub / "results.json").exists() for sub in ("knn", "linear", "semi_1percent", "semi_10percent"))
@@ -331,6 +332,7 @@ def test_cli_eval_all_runs_every_protocol_sharing_one_feature_cache(resnet18_wei
         "linear",
         "semi",
         "semi",
+        "rankme",
     ]  # what push --results reads
 
 
