@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from bt_hub import cli
+from bt_hub.common.presets import read_config_file
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -88,6 +89,6 @@ def test_every_documented_config_file_is_read_by_its_command(doc, name, argv, te
     _parses(argv, monkeypatch, capsys)
     path, command, _ = cli._resolve(argv)
     config_class = getattr(importlib.import_module(command.module), command.config)
-    values = cli.read_config_file(config_class, str(tmp_path / name))  # unknown keys and wrong types refused here
+    values = read_config_file(config_class, str(tmp_path / name))  # unknown keys and wrong types refused here
     keys = re.findall(r"^(\w+):", text, re.M)
     assert keys and sorted(values) == sorted(keys), (keys, values)

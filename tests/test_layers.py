@@ -36,6 +36,7 @@ PREFIXES = [  # most specific first
     ("bt_hub.cli", "cli"),
     ("bt_hub.__main__", "cli"),  # python -m bt_hub
     ("bt_hub.cli_interrupted", "cli"),  # what a cut command kept
+    ("bt_hub.cli_flags", "cli"),  # a config dataclass as flags
     ("bt_hub", "method"),  # the package's __init__ re-exports the method, and nothing above it
 ]
 
