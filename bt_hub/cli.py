@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bt_hub.cli_flags import Parser, add_dataclass_arguments, build_config, resolved_settings
 from bt_hub.cli_interrupted import interrupted
 from bt_hub.eval.protocols import get_protocol, list_protocols
 
@@ -236,17 +235,18 @@ def _main(argv: Sequence[str] | None) -> int:
         with warnings.catch_warnings():
             warnings.showwarning = _print_warning(prefix)
             with held_signals():  # torch loads with the command's module, not for --help
+                from bt_hub.cli_flags import Parser, add_dataclass_arguments, build_config, parse, resolved_settings
                 from bt_hub.common.config import keep_freed_memory, torch_threads
 
                 module = importlib.import_module(command.module)
             config_cls = getattr(module, command.config)
             parser = Parser(prog=prefix, description=command.help)
             add_dataclass_arguments(parser, config_cls)
-            args = parser.parse_args(rest)
+            args, typed = parse(parser, rest)
             if os.environ.get("BT_HUB_PARSE_ONLY"):  # the CPU suite's check of GPU scripts' command lines
                 print(f"{prefix}: parsed (BT_HUB_PARSE_ONLY is set: nothing run)")
                 return 0
-            config = build_config(config_cls, args)
+            config = build_config(config_cls, args, typed)
             if getattr(args, "config_file", None) and os.environ.get("RANK", "0") == "0":
                 print(f"{prefix}: settings from {args.config_file} and the flags given:", file=sys.stderr)
                 print(resolved_settings(config), file=sys.stderr)

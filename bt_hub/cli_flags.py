@@ -2,57 +2,74 @@
 YAML file) as that dataclass.
 
 Each field is a flag (kebab-case, or ``metadata["flag"]`` with the other spellings in ``metadata["aliases"]`` kept as
-hidden aliases) whose help text is the field's ``metadata["help"]`` with the default that runs; a ``PRESETS`` class
-attribute adds ``--preset`` (bt_hub.common.presets; its help lists what each preset sets). Every subcommand takes
-``--config FILE.yaml``: settings keyed by the fields' names, under the flags given; the settings it resolves to are
-printed (stderr) and kept in the ``config_file`` field of configs that have one, so the run records the file beside
-its settings.
+hidden aliases) whose help text is the field's ``metadata["help"]`` with the default that runs; a child config's
+settings (``bt_hub.common.config.child``) are flags under its name (``--knn.k``); a ``PRESETS`` class attribute adds
+``--preset`` (bt_hub.common.presets; its help lists what each preset sets). Every subcommand takes ``--config
+FILE.yaml``: settings keyed by the fields' names (a child's under its name), under the flags given; the settings it
+resolves to are printed (stderr) and kept in the ``config_file`` field of configs that have one, so the run records
+the file beside its settings. The flat spellings composites took before their children's flags were nested live in
+one table, :data:`LEGACY_FLAGS`, and nowhere else.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bt_hub.common.presets import (
-    child_defaults,
-    child_flag,
-    children,
-    config_dict,
-    describe_presets,
-    flat_aliases,
-    from_preset,
-    knobs,
-    merged,
-    presets_of,
-    read_config_file,
-    required,
-    unwrap_optional,
-)
+from bt_hub.common.config import Origin, build, child_defaults, children, config_dict, knobs, merged
+from bt_hub.common.presets import describe_presets, presets_of, read_config_file, required, unwrap_optional
 
 CONFIG_HELP = (
     "a YAML file of settings for this command, keyed by the flags' names with '_' for '-' and no '--' "
     "(image_size: 32, k: [20]; preset: NAME where there are presets); flags given override it; the settings "
     "it resolves to are printed, and recorded with the run"
 )
+# The flat spellings of the composites' child settings (eval compare, eval all, demo) before those were nested: each
+# is rewritten to its nested flag where a command has that and not the flat one (torchvision's
+# _utils.handle_legacy_interface: old interfaces in one place, the library never sees them). docs/evaluation.md
+# lists them; --help shows the nested flags only.
+LEGACY_FLAGS = {
+    "--knn-k": "--knn.k",
+    "--linear-preset": "--linear.preset",
+    "--linear-epochs": "--linear.epochs",
+    "--full-linear": "--no-linear.cached",
+    "--no-full-linear": "--linear.cached",
+    "--lr-grid": "--linear.lr-grid",
+    "--weight-decay-grid": "--linear.weight-decay-grid",
+    "--val-fraction": "--linear.val-fraction",
+    "--semi-preset": "--semi.preset",
+    "--semi-epochs": "--semi.epochs",
+    "--semi-batch-size": "--semi.batch-size",
+    "--finetune-steps": "--semi.min-steps",
+    **{f"--{flag}": f"--pretrain.{flag}" for flag in ("epochs", "max-steps", "batch-size", "lr-weights")},
+    **{f"--{flag}": f"--pretrain.{flag}" for flag in ("crop-scale-min", "image-size", "projector", "lambd")},
+    **{f"--{flag}": f"--pretrain.{flag}" for flag in ("warmup-epochs", "small-image-stem")},
+    "--no-small-image-stem": "--no-pretrain.small-image-stem",
+    "--arch": "--pretrain.arch",
+    "--backbone": "--pretrain.arch",
+}
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -> None:
     """Add one flag per dataclass field (``field_name`` -> ``--field-name``); a child config's settings as
-    ``--child.name`` (``bt_hub.common.config.child``), its flat aliases as hidden flags."""
+    ``--child.name`` (``bt_hub.common.config.child``)."""
     presets = presets_of(config_cls)
     parser.add_argument(
         "--config", dest="config_file", metavar="FILE.yaml", default=argparse.SUPPRESS, help=CONFIG_HELP
     )
     for f in dataclasses.fields(config_cls):
-        if not f.init or f.name == "config_file":  # set by --config
+        if not f.init or f.name in ("config_file", "origin"):  # set by --config; not a setting
             continue
         if f.name in children(config_cls):
             _add_child(parser, config_cls, f.name)
             continue
-        kwargs = _flag_kwargs(config_cls, f, f.default if f.default_factory is dataclasses.MISSING else None)
+        kwargs = _flag_kwargs(
+            config_cls, f, f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        )
         if f.name == "preset" and presets:
             kwargs["choices"] = list(presets)
             kwargs["help"] = f"{kwargs['help']}: {describe_presets(config_cls)}".replace("%", "%%")
@@ -75,32 +92,24 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -
 
 
 def _add_child(parser: argparse.ArgumentParser, config_cls: type, name: str) -> None:
-    """The flags of child ``name``'s settings (``--knn.k``, dest ``knn.k``) and of their flat aliases (``--knn-k``:
-    hidden, dest ``knn_k``; one aliasing ``["k"]`` takes one value)."""
+    """The flags of child ``name``'s settings (``--knn.k``, dest ``knn.k``), with this command's defaults for it."""
     child = children(config_cls)[name][0]
     field = next(f for f in dataclasses.fields(config_cls) if f.name == name)
     group = parser.add_argument_group(f"--{name}.*", field.metadata["help"].replace("%", "%%"))
     defaults = child_defaults(config_cls, name)
     fields = {f.name: f for f in dataclasses.fields(child)}
-    aliases = {alias: to for alias, to in flat_aliases(config_cls).items() if to[0] == name}
     for knob in knobs(config_cls, name):
-        f, flat = fields[knob], [alias for alias, (_, to, _) in aliases.items() if to == knob]
+        f, dest = fields[knob], f"{name}.{knob}"
         kwargs = _flag_kwargs(child, f, defaults.get(knob))
-        dest, hides = f"{name}.{knob}", f.metadata.get("aliases", ())  # what the child hides (--backbone) stays hidden
-        said = [f"--{a}" + (" for --no-" + dest if aliases[a][2] == "not" else "") for a in flat if a not in hides]
-        if said:
-            kwargs["help"] += " (or " + ", ".join(said).replace("_", "-") + ")"
         if knob == "preset":
             kwargs["help"] = f"{kwargs['help']}: {describe_presets(child)}".replace("%", "%%")
         if "type" in kwargs and "choices" not in kwargs:
             kwargs["metavar"] = knob.upper()
-        group.add_argument(child_flag(child, name, knob), dest=dest, **kwargs)
-        hidden = {**kwargs, "help": argparse.SUPPRESS}
-        for alias in hides:
-            group.add_argument(f"--{name}.{alias.replace('_', '-')}", dest=dest, **hidden)
-        for alias in flat:
-            one = {"nargs": None} if aliases[alias][2] == "one" else {}
-            group.add_argument("--" + alias.replace("_", "-"), dest=alias, **{**hidden, **one})
+        group.add_argument(f"--{name}.{f.metadata.get('flag', knob).replace('_', '-')}", dest=dest, **kwargs)
+        for alias in f.metadata.get("aliases", ()):  # what the child hides (--backbone) stays hidden
+            group.add_argument(
+                f"--{name}.{alias.replace('_', '-')}", dest=dest, **{**kwargs, "help": argparse.SUPPRESS}
+            )
 
 
 def _flag_kwargs(config_cls: type, f: dataclasses.Field, default: Any) -> dict[str, Any]:
@@ -129,28 +138,57 @@ def _flag_kwargs(config_cls: type, f: dataclasses.Field, default: Any) -> dict[s
     return kwargs
 
 
-def build_config(config_cls: type, namespace: argparse.Namespace) -> Any:
+def parse(parser: Parser, argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, str]]:
+    """The flags of ``argv``, each old flat spelling (:data:`LEGACY_FLAGS`) first rewritten to the nested flag the
+    parser has (its errors name the old one); and each setting (dest) given -> its flag as typed, the last one typed.
+    A setting given by an old spelling and another one (``--knn.k 5 --knn-k 7``) is refused, in one line, exit 2."""
+    actions = parser._option_string_actions  # every flag the parser takes, hidden aliases included
+    words, spelled, legacy = [], {}, set()
+    for word in argv:
+        flag, equals, value = word.partition("=")
+        nested = LEGACY_FLAGS.get(flag, "")
+        if nested in actions and flag not in actions:
+            word, parser.typed[nested] = nested + equals + value, flag
+            legacy.add(actions[nested].dest)
+        if (action := actions.get(word.partition("=")[0])) is not None:
+            flags = spelled.setdefault(action.dest, {})
+            flags.pop(flag, None)
+            flags[flag] = None  # in the order last typed
+        words.append(word)
+    for dest in legacy:
+        if len(spelled[dest]) > 1:
+            parser.error(f"{' and '.join(spelled[dest])} are two spellings of the setting {dest}: give it once")
+    return parser.parse_args(words), {dest: list(flags)[-1] for dest, flags in spelled.items()}
+
+
+def build_config(config_cls: type, namespace: argparse.Namespace, typed: Mapping[str, str] | None = None) -> Any:
     """The config dataclass from parsed flags: defaults, then ``--preset``'s values, then the ``--config`` file's,
-    then the flags given (a ``--preset`` flag chooses over the file's ``preset``; a child's settings merged key by
-    key).
+    then the flags given (a ``--preset`` flag chooses over the file's ``preset``; a child's settings, ``--knn.k``,
+    under its name and merged key by key). It keeps where each setting came from (``Origin``): the file, or the flag
+    as ``typed`` (:func:`parse`); a flag given overrides the file's value and its credit.
     """
     given = vars(namespace).copy()
     path = given.pop("config_file", None)
     values = read_config_file(config_cls, path) if path else {}
     preset = given.pop("preset", values.pop("preset", None))
-    from_file = frozenset(values) - frozenset(given)
-    recorded = path and any(f.name == "config_file" for f in dataclasses.fields(config_cls))
-    if recorded:
+    flags: dict[str, Any] = {}
+    for key, value in given.items():  # a child's settings (dest knn.k) under its name
+        name, _, knob = key.partition(".")
+        if knob:
+            flags.setdefault(name, {})[knob] = value
+        else:
+            flags[key] = value
+    keys = [key for k, v in values.items() for key in ([f"{k}.{n}" for n in v] if isinstance(v, Mapping) else [k])]
+    origin = {k: os.path.basename(path) for k in keys if k not in given} | dict(typed or {})
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    if path and "config_file" in fields:  # a record says a value the file set came from it (RunConfig.given_from)
         values["config_file"] = path
-    values = merged(config_cls, values, given)
-    missing = [_flag(f) for f in dataclasses.fields(config_cls) if _required(f) and f.name not in values]
+    values = merged(values, flags)
+    missing = [_flag(f) for f in fields.values() if _required(f) and f.name not in values]
     if missing:
         where = f"on the command line or in {path}" if path else "on the command line or in a --config file"
         raise ValueError(f"the following arguments are required: {', '.join(missing)} ({where})")
-    config = from_preset(config_cls, preset, **values)
-    if recorded:  # a record says a value the file set came from it, not from its flag (RunConfig.given_from)
-        config.file_settings = from_file
-    return config
+    return build(config_cls, values, preset=preset, origin=Origin(given=origin) if "origin" in fields else None)
 
 
 def _required(f: dataclasses.Field) -> bool:
@@ -174,7 +212,14 @@ def resolved_settings(config: Any) -> str:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line: what is wrong and where the flags are listed."""
+    """argparse whose usage errors are one line: what is wrong (naming a flag as typed) and where the flags are
+    listed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.typed: dict[str, str] = {}  # a nested flag -> the old spelling typed for it (:func:`parse`)
 
     def error(self, message: str) -> typing.NoReturn:
+        for flag, typed in self.typed.items():
+            message = message.replace(f"argument {flag}:", f"argument {typed}:")
         self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help' for the flags\n")

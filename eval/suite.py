@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from bt_hub.common.config import child, option
-from bt_hub.common.presets import children, shown
+from bt_hub.common.config import child, children, option
+from bt_hub.common.presets import shown
 from bt_hub.common.records import SCHEMA
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.knn import KnnConfig
@@ -34,10 +34,10 @@ class SuiteConfig(EvalConfig):
     }
 
     preset: str = option("paper", "the protocols' presets, by name; --linear.preset / --semi.preset override them")
-    knn: KnnConfig = child("the kNN run (bt-hub eval knn)", flat={"knn_k": "k"})
+    knn: KnnConfig = child("the kNN run (bt-hub eval knn)")
     linear: LinearConfig = child(
-        "the linear probe's run (bt-hub eval linear), on cached features unless --full-linear",
-        flat={"linear_preset": "preset", "linear_epochs": "epochs", "full_linear": "not cached"},
+        "the linear probe's run (bt-hub eval linear), on cached features here, not eval linear's paper loop: every "
+        "protocol of eval all reads one feature cache (--no-linear.cached: the paper's loop)",
         cached=True,
     )
     fractions: list[int] = option(
@@ -46,7 +46,6 @@ class SuiteConfig(EvalConfig):
     semi: SemiSupervisedConfig = child(
         "the semi-supervised runs (bt-hub eval semi), one per --fractions; --batch-size is the feature extraction's "
         "batch, --semi.batch-size theirs",
-        flat={"semi_preset": "preset", "semi_epochs": "epochs", "semi_batch_size": "batch_size"},
         sets=("fraction", "subset_file"),
         own=("batch_size",),
     )

@@ -7,6 +7,7 @@ import hashlib
 import importlib
 import os
 import pkgutil
+import re
 import signal
 import subprocess
 import sys
@@ -60,7 +61,7 @@ def test_every_subcommand_has_help_from_its_config_dataclass(path, command, caps
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     for field in dataclasses.fields(config_cls):
-        if field.init and not field.metadata.get("positional"):
+        if field.init and not field.metadata.get("positional") and field.name != "origin":  # origin: no setting
             assert "--" + field.metadata.get("flag", field.name).replace("_", "-") in out
             assert field.metadata.get("help"), f"{command.config}.{field.name} has no help text"
 
@@ -144,7 +145,7 @@ def test_every_preset_help_lists_what_the_preset_sets(path, presets, capsys):
 
 
 def test_one_preset_mechanism_builds_eval_and_pretrain_configs():
-    from bt_hub.common.presets import from_preset, overrides
+    from bt_hub.common.config import from_preset, overrides
     from bt_hub.eval.semi_supervised import SemiSupervisedConfig
     from bt_hub.train.pretrain import PretrainConfig
 
@@ -157,6 +158,32 @@ def test_one_preset_mechanism_builds_eval_and_pretrain_configs():
     assert overrides(semi, ignore=SemiSupervisedConfig.RUN_FIELDS) == {"lr_classifier": {"value": 0.1, "preset": 0.05}}
     with pytest.raises(ValueError, match="--preset 'tiny' is unknown; expected one of paper, reference, small"):
         from_preset(SemiSupervisedConfig, "tiny", weights="w")
+
+
+def test_a_composite_offers_only_the_child_flags_it_passes_on_and_each_help_line_the_default_that_runs(capsys):
+    # guards: the demo's --help offered --knn.data, --knn.weights and --linear.data and ignored them; eval compare's
+    # showed no default for --baselines, --protocols or --fractions, nor any flat spelling it still reads
+    def help_text(*path: str) -> str:
+        with pytest.raises(SystemExit):
+            cli.main([*path, "--help"])
+        return " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # argparse wraps inside flag names
+
+    demo = help_text("demo")
+    assert "--knn.k" in demo and "--linear.lr-grid" in demo and "--pretrain.epochs" in demo
+    assert not re.findall(r"--(?:knn|linear)\.(?:data|weights|batch-size|image-size|device)\b", demo)
+    compare = help_text("eval", "compare")
+    for flag, default in (
+        ("--baselines", "pixels random-init"),
+        ("--protocols", "knn linear"),
+        ("--fractions", "1 10"),
+    ):
+        name = flag[2:].upper()
+        helped = compare.split(f" {flag} {name} [{name} ...] ", 1)[1]  # the help line, and those after it
+        assert helped.split("(default: ", 1)[1].startswith(f"{default})"), flag
+    assert "(default: 20 200)" in help_text("eval", "knn") and "--knn-k" not in compare
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--knn.data", "digits"])
+    assert exit_info.value.code == 2
 
 
 def test_the_cli_describes_what_a_command_returned_and_prints_nothing_for_plain_data(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bt_hub import cli
-from bt_hub.common.presets import from_preset
+from bt_hub.common.config import from_preset
 from bt_hub.eval.classifier import lr_factor, make_classifier, make_loader, topk_correct, train_classifier
 from bt_hub.eval.heads import (
     GRID_LRS,
