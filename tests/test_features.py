@@ -16,12 +16,11 @@ from torch import nn
 from bt_hub import cli
 from bt_hub.common.artifacts import recorded_segments
 from bt_hub.common.images import open_rgb
-from bt_hub.data.datasets import ArrayImageDataset, build_dataset
+from bt_hub.data.datasets import ArrayImageDataset, build_dataset, dataset_fingerprint
 from bt_hub.data.decode import decode_images, read_encoded
 from bt_hub.eval.feature_cache import FeatureCache
 from bt_hub.eval.features import (
     as_float32,
-    dataset_fingerprint,
     extract_features,
     module_fingerprint,
     train_transform,
