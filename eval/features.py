@@ -30,6 +30,7 @@ global batch).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import warnings
@@ -346,35 +347,38 @@ def extract_with_source(
     description = describe_transform(transform)
     key = str(broadcast_object(cache.key(description, pool, dtype, precision)))  # every rank reads rank 0's file
     features_path, labels_path, meta_path = cache.paths(key)
-    problem = broadcast_object(cache_problem(meta_path, key) if is_main_process() else None)
-    if problem is None:
-        return read_cache(features_path, labels_path) + (f"cached {key}",)
-    if problem != CACHE_MISSING:
-        warnings.warn(f"feature cache {problem}; computing the features again", EvalWarning, stacklevel=3)
-    extraction = Extraction(cache, key, batch_size * get_world_size(), np.dtype(dtype), len(dataset))
-    first = int(broadcast_object(extraction.resume() if is_main_process() else 0))  # rows a cut run already kept
-    if is_main_process():
-        extraction.extend(batches(first))
-        files = extraction.finish()
-        atomic_write_json(
-            meta_path,
-            {
-                "key": key,
-                "weights": cache.weights,
-                "model": cache.model,
-                "dataset": cache.dataset,
-                "transform": description,
-                "pool": pool,
-                "dtype": dtype,
-                "precision": precision,
-                "num_samples": len(dataset),
-                "files": files,
-            },
-        )
-    else:
-        for _ in batches(first):  # the other ranks take part in every gather, then read rank 0's file
-            pass
-    barrier()
+    check = lambda: broadcast_object(cache_problem(meta_path, key) if is_main_process() else None)  # noqa: E731
+    problem = check()
+    with cache.lock(key) if problem is not None and is_main_process() else contextlib.nullcontext():
+        problem = problem and check()  # again under the key's lock: the run it waited for may have written them
+        if problem is None:
+            return read_cache(features_path, labels_path) + (f"cached {key}",)
+        if problem != CACHE_MISSING:
+            warnings.warn(f"feature cache {problem}; computing the features again", EvalWarning, stacklevel=3)
+        extraction = Extraction(cache, key, batch_size * get_world_size(), np.dtype(dtype), len(dataset))
+        first = int(broadcast_object(extraction.resume() if is_main_process() else 0))  # rows a cut run kept
+        if is_main_process():
+            extraction.extend(batches(first))
+            files = extraction.finish()
+            atomic_write_json(
+                meta_path,
+                {
+                    "key": key,
+                    "weights": cache.weights,
+                    "model": cache.model,
+                    "dataset": cache.dataset,
+                    "transform": description,
+                    "pool": pool,
+                    "dtype": dtype,
+                    "precision": precision,
+                    "num_samples": len(dataset),
+                    "files": files,
+                },
+            )
+        else:
+            for _ in batches(first):  # the other ranks take part in every gather, then read rank 0's file
+                pass
+        barrier()
     features, labels = read_cache(features_path, labels_path)
     source = "computed" if problem == CACHE_MISSING else f"computed ({problem})"
     return features, labels, source + (f", continued at row {first} of a cut run" if first else "")

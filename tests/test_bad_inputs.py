@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cli_output beside this file, also under __main__
 
 from cli_output import messages  # noqa: E402
-from conftest import REPO_ROOT, make_image_folder  # noqa: E402
+from conftest import REPO_ROOT, make_image_folder, read_only_storage  # noqa: E402
 
 from bt_hub import cli  # noqa: E402
 
@@ -53,6 +53,7 @@ class Case:
     env: dict[str, str] = field(default_factory=dict)
     xfail: str = ""
     missing: tuple[str, ...] = ()  # modules imported as if they were not installed (an optional extra)
+    read_only: tuple[str, ...] = ()  # folders the command sees as on read-only storage (``{d}`` is the case's folder)
 
 
 @dataclass
@@ -537,6 +538,14 @@ def _cases() -> list[Case]:
             ("cache",),
             write("cache", "mine", with_weights=True),
         ),
+        Case(
+            "eval knn",
+            "cache-dir read-only without the features asked",
+            (*knn, "--cache-dir", "{d}/cache"),
+            ("--cache-dir", "cache", "Read-only file system"),
+            folder("cache", with_weights=True),
+            read_only=("{d}/cache",),
+        ),
         Case("eval knn", "decompression bomb", (*knn, "--data", "{d}/data"), ("c0_0.png",), bomb_tree),
         *_eval_cases("linear"),
         Case("eval linear", "epochs 0", (*lin, "--epochs", "0"), ("--epochs",), weights),
@@ -871,7 +880,13 @@ def run_case(case: Case, d: Path, good_weights: Path) -> Outcome:
     argv = [a.format(d=d) for a in case.argv]
     env = {k: v.format(d=d) for k, v in case.env.items()}
     err, code, escaped = io.StringIO(), None, ""
-    with _inside(d, env, case.missing), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    read_only = [Path(f.format(d=d)).resolve() for f in case.read_only]
+    with (
+        _inside(d, env, case.missing),
+        read_only_storage(read_only),
+        contextlib.redirect_stderr(err),
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
         try:
             code = cli.main(argv)
         except SystemExit as exit_:
