@@ -271,12 +271,13 @@ def _sampled_content(paths: list[Path]) -> bytes:
     return "".join(file_sha256(paths[i]) for i in picks).encode()
 
 
-def dataset_fingerprint(dataset_or_path: Dataset | str | os.PathLike) -> str:
+def dataset_fingerprint(dataset_or_path: Dataset | str | os.PathLike, *, content: bool = True) -> str:
     """A sha256 that changes when the images, their order or their labels change.
 
     Files: their stat rows (relative path, size, mtime, ctime: any write to a file moves its ctime, see
-    :mod:`bt_hub.common.artifacts`) and labels, plus the bytes of 32 evenly spaced files; in-memory sets: the array
-    and labels; other datasets: every item's pixels and label.
+    :mod:`bt_hub.common.artifacts`) and labels, plus the bytes of 32 evenly spaced files unless ``content`` is False
+    (pretraining's checkpoint: a store reads each image once, and no fingerprint reads one again); in-memory sets:
+    the array and labels; other datasets: every item's pixels and label.
     """
     h = hashlib.sha256()
     if isinstance(dataset_or_path, (str, os.PathLike)):
@@ -292,7 +293,7 @@ def dataset_fingerprint(dataset_or_path: Dataset | str | os.PathLike) -> str:
                 p = Path(dirpath) / name
                 files.append(p)
                 h.update(f"{stat_row(p, root)};".encode())
-        h.update(_sampled_content(files))
+        h.update(_sampled_content(files) if content else b"")
         return h.hexdigest()
     dataset = dataset_or_path
     samples = getattr(dataset, "samples", None)
@@ -303,7 +304,7 @@ def dataset_fingerprint(dataset_or_path: Dataset | str | os.PathLike) -> str:
         for path, label in samples:
             p = Path(path)
             h.update(f"{stat_row(p, root if p.is_relative_to(root) else Path(p.anchor))}:{label!r};".encode())
-        h.update(_sampled_content([Path(s[0]) for s in samples]))
+        h.update(_sampled_content([Path(s[0]) for s in samples]) if content else b"")
     elif isinstance(images, np.ndarray):
         h.update(f"{images.shape}:{images.dtype};".encode())
         h.update(np.ascontiguousarray(images).tobytes())
