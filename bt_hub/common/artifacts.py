@@ -115,18 +115,19 @@ def whose(holder: Any, *, command: bool = True) -> str:
     return who
 
 
-def _take(fd: int, path: Path, said: list[bool]) -> None:
+def _take(fd: int, path: Path, said: bool) -> bool:
     """Take the exclusive ``flock`` on ``fd``, waiting as long as it takes; a wait longer than ``SAY_WAIT_S`` says
-    once whose lock it is (a holder stopped with Ctrl-Z, or on a hung file system, would leave the waiter silent)."""
+    once whose lock it is, unless ``said`` (a holder stopped with Ctrl-Z, or on a hung file system, would leave the
+    waiter silent). Whether it has been said."""
     since = time.monotonic()
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
+            return said
         except BlockingIOError:
             pass
-        if not said[0] and time.monotonic() - since >= SAY_WAIT_S:
-            said[0] = True
+        if not said and time.monotonic() - since >= SAY_WAIT_S:
+            said = True
             announce(
                 f"waiting for {path}, the lock of a cache entry another bt-hub run is writing "
                 f"({whose(read_json(path))}); this run reads that entry when it is let go (a run stopped by Ctrl-Z "
@@ -141,7 +142,7 @@ def locked(path: Path, flag: str) -> Iterator[None]:
     the others wait, then read it. The holder writes who it is into the lock (:func:`record_holder`); a wait longer
     than a few seconds says so once, naming it. A waiter whose lock file was removed meanwhile locks the new one. A
     folder that may not be written in is refused in one sentence naming ``flag``."""
-    said = [False]
+    said = False
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -149,7 +150,7 @@ def locked(path: Path, flag: str) -> Iterator[None]:
             if err.errno in READ_ONLY:
                 raise not_writable(path.parent, err, flag) from None
             raise
-        _take(fd, path, said)
+        said = _take(fd, path, said)
         with contextlib.suppress(FileNotFoundError):
             if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
                 break
