@@ -285,6 +285,7 @@ def _cases() -> list[Case]:
     voc = ("eval", "voc07-svm", "--weights", "{d}/w.pth", "--data", "{d}/VOCdevkit", "--out", "{d}/out")
     compare = ("eval", "compare", "--weights", "{d}/w.pth", "--data", "digits", *SIZE, "--out", "{d}/out")
     suite = ("eval", "all", "--weights", "{d}/w.pth", "--data", "digits", *SIZE, "--out", "{d}/out")
+    rankme = ("eval", "rankme", "--weights", "{d}/w.pth", "--data", "digits", *SIZE, "--out", "{d}/out")
     detect = ("detect", "--weights", "{d}/w.pth", "--data", "{d}/shapes", "--out", "{d}/det")
     mdd = ("make-detection-data", "--train", "2", "--test", "1", "--size", "32", "--out", "{d}/shapes")
     cases = [
@@ -592,6 +593,17 @@ def _cases() -> list[Case]:
             weights,
         ),
         *_eval_cases("transfer"),
+        *_eval_cases("rankme"),
+        Case("eval rankme", "max-images 0", (*rankme, "--max-images", "0"), ("--max-images",), weights),
+        Case("eval rankme", "split val", (*rankme, "--split", "val"), ("--split",), weights),
+        Case("eval rankme", "test-split, train scored", (*rankme, "--test-split", "test"), ("--test-split",), weights),
+        Case(
+            "eval rankme",
+            "split test of a folder without one",
+            (*rankme, "--data", "{d}/photos", "--split", "test"),
+            ("photos", "has no held-out split", "rankme: --split train"),
+            write("photos/a.png", b"not read", with_weights=True),
+        ),
         *_eval_cases("all"),
         Case("eval all", "fractions 150", (*suite, "--fractions", "150"), ("--fractions",), weights),
         # the message named --preset, a flag eval all does not have

@@ -18,6 +18,8 @@ from bt_hub.cli import main as cli_main
 from bt_hub.common.progress import LineProgress, progress
 from bt_hub.data.datasets import ImageFolderDataset
 from bt_hub.method.knn import knn_vote, nearest_neighbours
+from bt_hub.method.rankme import rankme
+from bt_hub.method.transforms import normalize
 from bt_hub.train.monitor import KnnMonitor, monitor_sets
 
 # the demo's recipe on the 8-px digits: kNN climbs from ~15% to ~65% in five steps
@@ -86,6 +88,15 @@ def test_knn_monitor_rises_on_the_digits_within_the_first_epoch_and_is_logged(mo
     assert all("loss" in r for r in rows if r["step"] in (5, 10))
 
 
+def test_rankme_of_the_monitors_bank_is_logged_at_the_knn_monitors_cadence(monitored_run):
+    # guards: metrics.jsonl carried no label-free measure of the embeddings' rank during pretraining
+    out, _ = monitored_run
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    ranks = {r["step"]: r["rankme"] for r in rows if "rankme" in r}
+    assert sorted(ranks) == [0, 5, 10] == sorted(r["step"] for r in rows if "knn_top1" in r)
+    assert all(1 < value <= 512 for value in ranks.values()), ranks  # ResNet-18: D = 512 < the bank's 2000 images
+
+
 def test_off_a_terminal_progress_is_a_line_every_log_every_steps_with_the_knn(monitored_run):
     _, lines = monitored_run
     progress_lines = [line for line in lines.splitlines() if line.startswith("pretrain: ")]
@@ -128,7 +139,9 @@ def test_monitor_queries_are_held_out_images_and_its_vote_is_the_eval_knn_vote()
 
     assert eval_vote is knn_vote
     identity = KnnMonitor(bank, bank_labels, bank[:20], bank_labels[:20])
-    assert identity(torch.nn.Flatten(), "cpu") == 100.0  # each query finds itself first
+    scores = identity(torch.nn.Flatten(), "cpu")
+    assert scores["knn_top1"] == 100.0  # each query finds itself first
+    assert scores["rankme"] == rankme(normalize(bank.float() / 255).flatten(1))  # eval rankme's function, on the bank
     sims, idx = nearest_neighbours(torch.eye(3), torch.tensor([[0.0, 2.0, 0.1]]), 2)
     assert idx.tolist() == [[1, 2]] and sims[0, 0] > 0.99
 
@@ -154,9 +167,13 @@ def test_tensorboard_scalars_are_written_for_each_metrics_row(tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
     monkeypatch.setitem(sys.modules, "tensorboard", types.ModuleType("tensorboard"))
     out = tmp_path / "run"
-    assert cli_main([*DIGITS, "--out", str(out), "--max-steps", "2", "--log-every", "1", "--tensorboard"]) == 0
+    monitor = ["--monitor-knn", "2", "--monitor-size", "40"]
+    assert (
+        cli_main([*DIGITS, "--out", str(out), "--max-steps", "2", "--log-every", "1", "--tensorboard", *monitor]) == 0
+    )
     assert written[0] == ("dir", str(out / "tensorboard")) and written[-1] == ("closed", None)
     assert ("pretrain/loss", 1) in written and ("pretrain/loss", 2) in written and ("pretrain/lr_weights", 2) in written
+    assert ("pretrain/rankme", 2) in written and ("pretrain/knn_top1", 2) in written
 
 
 def test_tensorboard_without_the_package_names_the_extra(tmp_path, monkeypatch, capsys):

@@ -58,7 +58,7 @@ def test_eval_all_reads_and_hashes_the_weights_once_for_every_protocol(small_ste
     summary = suite.run_suite(config)
     assert len(reads) == 1
     records = summary["results"]
-    assert [r["protocol"] for r in records] == ["knn", "linear", "semi"]
+    assert [r["protocol"] for r in records] == ["knn", "linear", "semi", "rankme"]
     assert len({r["weights"]["fingerprint"] for r in records}) == 1
     assert all(r["settings"]["image_size"] == 8 for r in records)
 
@@ -80,7 +80,7 @@ def test_eval_all_passes_its_protocols_only_the_shared_flags_they_read(small_ste
         out=str(tmp_path / "all"),
     )
     records = suite.run_suite(config)["results"]
-    assert [r["settings"]["decode"] for r in records] == ["workers", "workers", "workers"]
+    assert [r["settings"]["decode"] for r in records] == ["workers", "workers", "workers", "workers"]
     assert records[0]["hyperparameters"]["cache_dtype"] == "float16"
 
 
@@ -106,7 +106,7 @@ def test_eval_all_fine_tunes_on_simclrs_published_lists_from_subset_dir(small_st
     )
     records = suite.run_suite(config)["results"]
     semi = records[2]
-    assert [r["protocol"] for r in records] == ["knn", "linear", "semi"]
+    assert [r["protocol"] for r in records] == ["knn", "linear", "semi", "rankme"]
     assert (semi["labels"]["source"], semi["labels"]["file"], semi["labels"]["count"]) == ("list", "10percent.txt", 2)
     assert (tmp_path / "all" / "semi_10percent" / "results.json").is_file()
 
@@ -135,18 +135,19 @@ def test_eval_all_run_again_skips_the_protocols_finished_with_the_same_settings(
         return [len(load_results(folder)[0]) for folder in (out / "knn", out / "linear", out)]
 
     skipped = "finished before from the same inputs (weights, data, settings); skipped (--rerun runs it again)"
-    assert cli.main(argv) == 0 and counts() == [1, 1, 2]
+    assert cli.main(argv) == 0 and counts() == [1, 1, 3]  # kNN kept; linear and RankMe scored
     assert f"bt-hub eval all: knn in {out / 'knn'} {skipped}" in capsys.readouterr().err.splitlines()
-    assert cli.main(argv) == 0 and counts() == [1, 1, 2]
+    assert cli.main(argv) == 0 and counts() == [1, 1, 3]
     assert [line.split(" in ")[0] for line in capsys.readouterr().err.splitlines() if skipped in line] == [
         "bt-hub eval all: knn",
         "bt-hub eval all: linear",
+        "bt-hub eval all: rankme",
     ]
-    assert len(json.loads((out / "results.json").read_text())["results"]) == 2
-    assert cli.main([*argv, "--knn-k", "7"]) == 0 and counts() == [2, 1, 3]  # a changed setting runs again
+    assert len(json.loads((out / "results.json").read_text())["results"]) == 3
+    assert cli.main([*argv, "--knn-k", "7"]) == 0 and counts() == [2, 1, 4]  # a changed setting runs again
     said = f"bt-hub eval all: knn in {out / 'knn'} was scored with other settings (hyper-parameters changed (k))"
     assert f"{said}; running it again" in capsys.readouterr().err.splitlines()
-    assert cli.main([*argv, "--rerun"]) == 0 and counts() == [3, 2, 5]
+    assert cli.main([*argv, "--rerun"]) == 0 and counts() == [3, 2, 7]
 
 
 @pytest.mark.parametrize("change", ["replaced in place", "a class added", "a class removed"])

@@ -174,7 +174,7 @@ class PretrainConfig(RunConfig):
     monitor_knn: int = option(
         0,
         "every this many steps, weighted kNN top-1 (k = 20, T = 0.07) of the backbone's features on a "
-        "small labelled bank, logged and shown in the progress bar (0: off)",
+        "small labelled bank, logged and shown in the progress bar, and RankMe of the bank's features, logged (0: off)",
     )
     monitor_data: str | None = option(
         None,

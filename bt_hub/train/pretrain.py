@@ -338,11 +338,12 @@ def _run_loop(loop: _Loop, step: int) -> int:
     bar = progress(None, "pretrain", total=loop.last_step, initial=step, unit="step", every=config.log_every)
     postfix: dict[str, str] = {}
     if loop.monitor is not None and step == 0:
-        postfix["knn"] = f"{loop.monitor(model.backbone, device, loop.amp_dtype):.1f}"
+        scores = loop.monitor(model.backbone, device, loop.amp_dtype)
+        postfix["knn"] = f"{scores['knn_top1']:.1f}"
         baselines = loop.monitor.baselines(
             config.backbone, config.small_image_stem, config.seed, device, loop.amp_dtype
         )
-        loop.run.log({"step": 0, "knn_top1": float(postfix["knn"]), **baselines})
+        loop.run.log({"step": 0, "knn_top1": float(postfix["knn"]), "rankme": scores["rankme"], **baselines})
     model.train()
     with deferred_stop(device) as terminated:
         while step < loop.last_step:
@@ -394,7 +395,7 @@ def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], termin
                 }
                 tick, tick_step = now, step
             if loop.monitor is not None and (step % config.monitor_knn == 0 or step == loop.last_step):
-                row["knn_top1"] = loop.monitor(model.backbone, device, loop.amp_dtype)
+                row |= loop.monitor(model.backbone, device, loop.amp_dtype)  # knn_top1, rankme
                 postfix["knn"] = f"{row['knn_top1']:.1f}"
             if row:
                 loop.run.log({"step": step, **row})
