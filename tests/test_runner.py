@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-import bt_hub.weights.load as bt_weights
+import bt_hub.weights as bt_weights
 from bt_hub import cli
 from bt_hub.common.presets import from_preset
 from bt_hub.eval import comparison, knn, runner, suite
@@ -18,6 +18,7 @@ from bt_hub.eval.embedding import EmbedConfig
 from bt_hub.eval.linear import LinearConfig, TransferConfig
 from bt_hub.eval.protocols import get_protocol
 from bt_hub.eval.semi_supervised import SemiSupervisedConfig
+from bt_hub.eval.settings import load_weights
 from bt_hub.eval.suite import SuiteConfig
 from bt_hub.eval.voc07_svm import Voc07SvmConfig
 
@@ -36,7 +37,7 @@ def test_the_runner_never_writes_into_the_users_config_and_records_what_it_resol
     assert settings["image_size"] == 224 and settings["image_size_from"] == "default"
     assert settings["precision"] in ("fp32", "bf16") and record["hyperparameters"]["precision"] == settings["precision"]
     assert settings["precision_from"].startswith("auto: a ResNet-18 step took")  # measured, both times said
-    assert record["weights"]["fingerprint"] == runner.load_weights(str(small_stem_weights)).sha256
+    assert record["weights"]["fingerprint"] == load_weights(str(small_stem_weights)).sha256
 
 
 def test_eval_all_reads_and_hashes_the_weights_once_for_every_protocol(small_stem_weights, tmp_path, monkeypatch):
@@ -117,11 +118,11 @@ def test_eval_all_run_again_skips_the_protocols_finished_with_the_same_settings(
     # guards: after a SIGTERM that stopped eval all after its kNN run, each rerun scored kNN again and appended
     # another record (1, 2, then 3); same settings are the record's (weights sha256, settings, hyper-parameters)
     from bt_hub.common.signals import Terminated
-    from bt_hub.data import precision
+    from bt_hub.data import measured, precision
     from bt_hub.eval import linear
     from bt_hub.eval.report import load_results
 
-    monkeypatch.setattr(precision, "cache_file", lambda: tmp_path / "precision.json")  # measured now, then cached
+    monkeypatch.setattr(measured, "cache_file", lambda name: tmp_path / "precision.json")  # measured now, then cached
     monkeypatch.setattr(precision, "measure_cpu", lambda: {"fp32": 1.0, "bf16": 2.0})
     out = tmp_path / "all"
     argv = ["eval", "all", "--weights", str(small_stem_weights), *SMALL, "--fractions", "--linear-epochs", "1"]
@@ -263,9 +264,7 @@ def test_two_weights_that_share_a_base_name_are_two_rows_with_their_own_scores(s
     rows = {r["notes"]["compare"]["row"]: r for r in records}
     weights_rows = [name for name in rows if name != "pixels"]
     assert len(weights_rows) == 2 and weights_rows[0] != weights_rows[1]
-    assert {rows[n]["weights"]["fingerprint"] for n in weights_rows} == {
-        runner.load_weights(str(p)).sha256 for p in (a, b)
-    }
+    assert {rows[n]["weights"]["fingerprint"] for n in weights_rows} == {load_weights(str(p)).sha256 for p in (a, b)}
     for path in (a, b):
         alone = runner.run_protocol(
             get_protocol("knn"),

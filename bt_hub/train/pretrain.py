@@ -37,7 +37,7 @@ from bt_hub.common.reuse import changed_input
 from bt_hub.common.runs import RunDir
 from bt_hub.common.signals import Terminated, deferred_stop
 from bt_hub.data.datasets import build_dataset, dataset_fingerprint, is_builtin
-from bt_hub.data.decode import resolve_decode
+from bt_hub.data.decode_auto import decode_choice
 from bt_hub.data.precision import autocast_dtype, precision_choice, resolve_channels_last
 from bt_hub.data.prefetch import Prefetcher
 from bt_hub.method.loss import LossTerms
@@ -237,20 +237,24 @@ def pretrain(config: PretrainConfig) -> Path:
 
 
 def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
-    chosen = broadcast_object(precision_choice(config.precision, device) if is_main_process() else None)
-    precision = chosen["precision"]
-    config = dataclasses.replace(
-        config,
-        precision=precision,
-        channels_last=resolve_channels_last(config.channels_last, precision),
-        decode=resolve_decode(config.decode, device, config.views),
-    )
     world = get_world_size()
     out = Path(config.out)
     if config.batch_size % world:
         raise ValueError(f"--batch-size {config.batch_size} is not a multiple of the {world} processes")
     is_dir = not is_builtin(config.data)
     dataset = build_dataset(config.data, "train", image_size=None if is_dir else config.image_size, seed=config.seed)
+    config.schedule_steps(len(dataset))  # the data and the schedule refused before anything is measured
+    chosen = broadcast_object(precision_choice(config.precision, device) if is_main_process() else None)
+    decode = config.decode if config.views == "batched" else "workers"  # PIL views: the workers decode and augment
+    decoded = broadcast_object(
+        decode_choice(decode, device, config.data, config.num_workers) if is_main_process() else None
+    )
+    config = dataclasses.replace(
+        config,
+        precision=chosen["precision"],
+        channels_last=resolve_channels_last(config.channels_last, chosen["precision"]),
+        decode=decoded.decode,
+    )
     data = broadcast_object(dataset_fingerprint(dataset, content=False) if is_main_process() else None)
     state = _resume_state(config, out, data)
     steps_per_epoch = len(dataset) // config.batch_size
@@ -260,7 +264,9 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
     step_module = _wrapped(model, config, device, world, last_step - step)  # before the probe: it sees wrapped BNs
     if state is None and config.overwrite and is_main_process():
         _clear_replaced_run(out, config)
-    run.start(config, step, fresh=state is None and (config.resume is None or config.overwrite), facts=chosen)
+    facts = {**chosen, "decode_reason": decoded.reason, **decoded.decoding.described()}
+    facts.update(decode_share=decoded.decoding.worker_share, decode_agreement=decoded.agreement)
+    run.start(config, step, fresh=state is None and (config.resume is None or config.overwrite), facts=facts)
     view_params = view_pair(config)
     batched = BatchedTwoViews(config.image_size, view_params) if config.views == "batched" else None
     views = ViewDataset(
@@ -270,7 +276,7 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
         batched is not None,
         view_params,
         files=is_dir,
-        device_decoder=config.decode == "device" and device.type == "cuda",
+        decoding=decoded.decoding,
         store=decoded_store(config, dataset, device) if is_dir and batched is not None else None,
     )
     probe = probe_views(views, config, device, batched) if is_main_process() else None
@@ -368,7 +374,7 @@ def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], termin
     # on CUDA the next batches are decoded and viewed on a side stream while this step trains
     with Prefetcher(
         enumerate(loader, step),
-        lambda item: to_views(item[1], item[0], config, device, loop.batched, loop.views.store),
+        lambda item: to_views(item[1], item[0], config, device, loop.batched, loop.views),
         device,
         depth=2 if device.type == "cuda" else 0,
     ) as batches:
