@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cli_output beside this file, also under __main__
 
 from cli_output import messages  # noqa: E402
-from conftest import REPO_ROOT, make_image_folder  # noqa: E402
+from conftest import REPO_ROOT, make_image_folder, read_only_storage  # noqa: E402
 
 from bt_hub import cli  # noqa: E402
 
@@ -59,6 +59,7 @@ class Case:
     measurements: bool = False  # the measured choices' cache in the case's folder (d/cache), not the session's
     rewritten: tuple[str, ...] = ()  # files of bt_hub's cache the case expects replaced (a damaged one made again)
     absent: tuple[str, ...] = ()  # files that must not exist afterwards (a measurement that must not be made)
+    read_only: tuple[str, ...] = ()  # folders the command sees as on read-only storage (``{d}`` is the case's folder)
 
 
 @dataclass
@@ -625,6 +626,14 @@ def _cases() -> list[Case]:
             ("cache",),
             write("cache", "mine", with_weights=True),
         ),
+        Case(
+            "eval knn",
+            "cache-dir read-only without the features asked",
+            (*knn, "--cache-dir", "{d}/cache"),
+            ("--cache-dir", "cache", "Read-only file system"),
+            folder("cache", with_weights=True),
+            read_only=("{d}/cache",),
+        ),
         Case("eval knn", "decompression bomb", (*knn, "--data", "{d}/data"), ("c0_0.png",), bomb_tree),
         *_eval_cases("linear"),
         Case("eval linear", "epochs 0", (*lin, "--epochs", "0"), ("--epochs",), weights),
@@ -972,6 +981,7 @@ def run_case(case: Case, d: Path, good_weights: Path) -> Outcome:
     err, code, escaped = io.StringIO(), None, ""
     with contextlib.ExitStack() as stack:
         stack.enter_context(_inside(d, env, case.missing))
+        stack.enter_context(read_only_storage([Path(f.format(d=d)).resolve() for f in case.read_only]))
         stack.enter_context(contextlib.redirect_stderr(err))
         stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
         if case.measurements:
