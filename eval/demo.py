@@ -189,15 +189,7 @@ def _report(config: DemoConfig, result: Comparison, timings: dict[str, float], p
         else "pretraining run i with evaluation seed i (`--as-seeds`), so every spread is over pretraining runs"
     )
     last = max(result.positions, key=lambda row: result.positions[row]["step"])
-    table = Comparison(
-        result.seeds,
-        result.columns,
-        {row: cells for row, cells in result.values.items() if row == last or row in result.baselines},
-        result.baselines,
-        result.test_size,
-        varying=result.varying,
-    )
-    rest = render_markdown(table, title=None)
+    rest = render_markdown(result, title=None, rows=[last, *result.baselines])
     lines = [
         "# When does pretraining pay? Barlow Twins on the digits",
         "",
