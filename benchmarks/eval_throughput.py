@@ -59,7 +59,8 @@ from pretrain_throughput import write_jpegs  # noqa: E402
 
 from bt_hub.common.optional import MissingDependencyError  # noqa: E402
 from bt_hub.data.datasets import build_dataset  # noqa: E402
-from bt_hub.data.decode import Decoding, PackedItems, collate_packed, decode_choice, decoding_for, nvimgcodec  # noqa: E402
+from bt_hub.data.decode import Decoding, PackedItems, collate_packed, nvimgcodec  # noqa: E402
+from bt_hub.data.decode_auto import decode_choice  # noqa: E402
 from bt_hub.data.precision import autocast_dtype, resolve_precision  # noqa: E402
 from bt_hub.data.store import StoreView, open_store, store_device  # noqa: E402
 from bt_hub.eval.features import EncodedItems, extract_features  # noqa: E402
@@ -99,7 +100,7 @@ def ceiling(args: argparse.Namespace, device: torch.device, precision: str) -> f
 def chosen_decoding(args: argparse.Namespace, data: Path, device: torch.device, decode: str) -> tuple[Decoding, str]:
     """``--decode decode`` resolved as ``bt-hub eval`` resolves it (``auto``: timed, or read from its cache); why."""
     chosen = decode_choice(decode, device, data, args.workers)
-    return decoding_for(chosen["decode"], device, chosen["decode_share"]), chosen["decode_reason"]
+    return chosen.decoding, chosen.reason
 
 
 def bt_hub_extraction(

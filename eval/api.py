@@ -80,7 +80,7 @@ def evaluate(
     **settings: Any,
 ) -> Results:
     """Score ``weights`` on ``data`` with one protocol of the table (bt_hub.eval.protocols: knn, linear, transfer,
-    semi, voc07-svm), or ``all`` of them (``bt-hub eval all``).
+    semi, voc07-svm, rankme), or ``all`` of them (``bt-hub eval all``).
 
     ``settings`` are the protocol's flags as field names (``k=[20]``, ``epochs=10``, ``image_size=32``,
     ``device="cuda"``); ``preset`` names one of its presets. A folder is written only when ``out`` is given.

@@ -43,6 +43,12 @@ class Column:
         return f"{name} {self.fraction}%" if self.fraction else name
 
 
+def column_protocols() -> list[str]:
+    """The protocols a column can run: those on any ``--data`` that score with labels (a verdict against a baseline
+    compares accuracies; a label-free value, RankMe, is none)."""
+    return [p for p in list_protocols(any_data=True) if not get_protocol(p).label_free]
+
+
 def _split_list(values: Sequence[str]) -> list[str]:
     return [v.strip() for value in values for v in str(value).split(",") if v.strip()]
 
@@ -63,9 +69,9 @@ class CompareConfig(EvalConfig):
         ["pixels", "random-init"], f"rows to beat, comma- or space-separated: {', '.join(BASELINES)}"
     )
     protocols: list[str] = option(
-        [p for p in list_protocols(any_data=True) if not get_protocol(p).trains_network],  # on frozen features
+        [p for p in column_protocols() if not get_protocol(p).trains_network],  # on frozen features
         "columns, comma- or space-separated: "
-        f"{', '.join(list_protocols(any_data=True))} (a protocol on a share of the labels, semi: one per --fractions)",
+        f"{', '.join(column_protocols())} (a protocol on a share of the labels, semi: one per --fractions)",
     )
     seeds: int = option(3, "seeds per cell (--seed, --seed + 1, ...); with --as-seeds, one per run")
     as_seeds: bool = option(
@@ -106,7 +112,7 @@ class CompareConfig(EvalConfig):
         self.baselines, self.protocols = _split_list(self.baselines), _split_list(self.protocols)
         for flag, given, known in (
             ("--baselines", self.baselines, BASELINES),
-            ("--protocols", self.protocols, list_protocols(any_data=True)),
+            ("--protocols", self.protocols, column_protocols()),
         ):
             unknown = [v for v in given if v not in known]
             if unknown or not given:

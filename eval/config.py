@@ -108,15 +108,16 @@ class EvalConfig(RunConfig):
         "fp32 and bf16 on a micro-benchmark timed once per CPU model (the choice and both times are recorded in "
         "results.json)",
     )
-    decode: Literal["auto", "device", "nvimgcodec", "workers"] = option(
+    decode: Literal["auto", "device", "nvimgcodec", "pil", "workers"] = option(
         "auto",
         "feature extraction's input pipeline: 'device' (workers read bytes; --device decodes, resizes, "
         "crops and normalises the batch, as pretraining does, JPEGs with torchvision's nvJPEG on CUDA; on the CPU "
         "the workers decode with PIL), 'nvimgcodec' (the same with nvImageCodec, on the GPU's hardware JPEG engines "
-        "where it has them, its CPU backend in the workers on a CPU; pip install 'bt_hub[nvimgcodec]'), 'workers' "
-        "(PIL per image in the workers); auto: the decoders at hand timed on the data's first JPEGs once per "
-        "machine, the faster one, and on CUDA the workers decoding the share of each batch that keeps pace with "
-        "the GPU (the choice and the rates are recorded in results.json)",
+        "where it has them, its CPU backend in the workers on a CPU; pip install 'bt_hub[nvimgcodec]'), 'pil' (the "
+        "same with PIL decoding every file in the workers), 'workers' (PIL per image in the workers); auto: the "
+        "decoders at hand timed on the data's first JPEGs once per machine and their pixels checked against PIL's, "
+        "the faster one that matches, and on CUDA the workers decoding the share of each batch that keeps pace with "
+        "the GPU (the choice, the rates and the pixel check are recorded in results.json)",
     )
 
     store: Literal["auto", "off", "disk", "device"] = option(

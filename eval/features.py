@@ -33,7 +33,7 @@ import hashlib
 import os
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -62,7 +62,6 @@ from bt_hub.data.decode import (
     EncodedImage,
     PackedItems,
     collate_packed,
-    decoding_for,
     to_device_images,
     worker_item,
 )
@@ -249,7 +248,7 @@ def iter_feature_batches(
     if pool not in ("avg", "voc_res5"):
         raise ValueError(f"pool {pool!r} is unknown; expected 'avg' or 'voc_res5'")
     device = torch.device(device)
-    decoding = decoding or decoding_for("device", device)
+    decoding = decoding or (Decoding("torchvision") if device.type == "cuda" else Decoding())
     n, world = len(dataset), get_world_size()
     on_device = isinstance(transform, DeviceEvalTransform)
     indices = _global_batches(n, batch_size, world, get_rank(), first)
@@ -268,26 +267,7 @@ def iter_feature_batches(
             return images.contiguous(memory_format=torch.channels_last), targets[rows(idx, targets.device)].to(device)
 
     else:
-        source = progress(
-            DataLoader(
-                EncodedItems(dataset, decoding) if on_device else TransformedDataset(dataset, transform),
-                batch_sampler=indices,
-                num_workers=num_workers,
-                pin_memory=device.type == "cuda",
-                collate_fn=_collate_encoded if on_device else None,
-                worker_init_fn=ignore_group_signals,
-            ),
-            desc,
-            unit="batch",
-        )
-
-        def prepare(batch: tuple[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-            images, labels = batch
-            if on_device:
-                images = transform(to_device_images(images, device, decoding.device or "torchvision"))
-            else:
-                images = images.to(device, non_blocking=True)
-            return images.contiguous(memory_format=torch.channels_last), torch.as_tensor(labels).to(device)
+        source, prepare = _loaded_batches(dataset, transform, indices, device, num_workers, desc, decoding)
 
     amp = autocast_dtype(precision)
     was_training = backbone.training
@@ -313,6 +293,43 @@ def iter_feature_batches(
         # back to the layout as loaded: a protocol fine-tuning the network next (eval all's semi) would compute
         # otherwise after an extraction than after features read from the cache
         backbone.train(was_training).to(memory_format=torch.contiguous_format)
+
+
+def _loaded_batches(
+    dataset: Dataset,
+    transform: Callable[[Any], torch.Tensor] | DeviceEvalTransform,
+    indices: list[list[int]],
+    device: torch.device,
+    num_workers: int,
+    desc: str,
+    decoding: Decoding,
+) -> tuple[Iterable[Any], Callable[[Any], tuple[torch.Tensor, torch.Tensor]]]:
+    """The loader of ``indices``' batches of a dataset read from its files (or in-memory images) and the step that
+    makes each of its batches the network's input on ``device``: the device path (``DeviceEvalTransform``: workers
+    hand on bytes or images as ``decoding`` says, the device decodes the rest and preprocesses) or PIL's."""
+    on_device = isinstance(transform, DeviceEvalTransform)
+    source = progress(
+        DataLoader(
+            EncodedItems(dataset, decoding) if on_device else TransformedDataset(dataset, transform),
+            batch_sampler=indices,
+            num_workers=num_workers,
+            pin_memory=device.type == "cuda",
+            collate_fn=_collate_encoded if on_device else None,
+            worker_init_fn=ignore_group_signals,
+        ),
+        desc,
+        unit="batch",
+    )
+
+    def prepare(batch: tuple[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = batch
+        if on_device:
+            images = transform(to_device_images(images, device, decoding.device or "torchvision"))
+        else:
+            images = images.to(device, non_blocking=True)
+        return images.contiguous(memory_format=torch.channels_last), torch.as_tensor(labels).to(device)
+
+    return source, prepare
 
 
 def _to_host_one_behind(

@@ -85,7 +85,8 @@ def train_head_sets(
     desc: str = "linear heads",
 ) -> list[LinearHeads]:
     """:func:`train_heads` on several sets of features of one width for the same images and labels (the rows of a
-    learning curve), each set's heads as that function trains them on it alone (bit for bit on the CPU), all in
+    learning curve), each set's heads as that function trains them on it alone (within a few float32 ulps: a batched
+    product is not bit-exact on every CPU; the same divergence), all in
     one batched product per step: on a GPU, where a step's cost is its kernel launches, S sets cost about one."""
     if len(lrs) != len(weight_decays) or not lrs:
         raise ValueError(

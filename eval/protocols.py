@@ -38,6 +38,7 @@ class Protocol:
     dataset: str = ""  # the dataset it is defined on, where not any --data (VOC2007's lists, Places-205 / iNat18)
     trains_network: bool = False  # it trains the network itself (a row without one, pixels, cannot run it)
     deterministic: bool = False  # on one network every seed scores the same (equal values are no spread)
+    label_free: bool = False  # it reads no label: its value is no accuracy (RankMe)
 
     @property
     def heading(self) -> str:
@@ -111,6 +112,14 @@ for _protocol in (
         "TransferConfig",
         "linear transfer to Places-205 / iNat18 (PIRL settings)",
         dataset="Places-205, iNat18",
+    ),
+    Protocol(
+        "rankme",
+        "bt_hub.eval.rankme",
+        "RankmeConfig",
+        "RankMe: the effective rank of the features, read without labels (Garrido et al., ICML 2023)",
+        title="RankMe",
+        label_free=True,
     ),
 ):
     register_protocol(_protocol)

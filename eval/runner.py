@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import time
 import typing
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,155 +21,17 @@ from bt_hub.common.distributed import broadcast_object, is_main_process, process
 from bt_hub.common.files import WriteError, atomic_write_json, remove_stale_temp_files
 from bt_hub.common.presets import config_dict, overrides
 from bt_hub.common.progress import announce
-from bt_hub.common.records import FROM_WEIGHTS, SCHEMA, Record, make_record
+from bt_hub.common.records import SCHEMA, Record, make_record
 from bt_hub.common.reuse import changed_input
 from bt_hub.common.runs import claim_run_dir, claimed_run_dir
-from bt_hub.data.decode import decode_choice, decoding_for
-from bt_hub.data.precision import precision_choice
 from bt_hub.data.store import DecodedImages, StoreView, fits_auto, open_store, store_device
-from bt_hub.eval.config import DEFAULT_IMAGE_SIZE, EvalWarning
 from bt_hub.eval.feature_cache import FeatureCache
 from bt_hub.eval.features import Pool, architecture_fingerprint, extract_with_source
 from bt_hub.eval.protocols import Protocol
 from bt_hub.eval.report import PaperRow, Table, append_results, check_history, load_results
+from bt_hub.eval.settings import LoadedWeights, Settings, decode_settings, load_weights, resolve_settings
 from bt_hub.eval.splits import Splits, load_splits
-from bt_hub.method.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceEvalTransform, eval_transforms
-
-# ----------------------------------------------------------------------------- what a run resolved
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What an evaluation resolved before any data was drawn, and where each came from (a flag, the weights'
-    metadata or config.json, their keys, or the default); every record of the run stores it."""
-
-    arch: str
-    small_image_stem: bool
-    image_size: int
-    image_size_from: str
-    precision: str
-    decode: str
-    device: str
-    arch_from: str = "default"
-    small_image_stem_from: str = "default"
-    normalisation: str = "ImageNet mean/std"
-    normalisation_from: str = "default"
-    weights_run: str | None = None  # the id of the pretraining run the weights came from, where they say it
-    precision_from: str = "default"  # --precision, or why auto chose it (on a CPU: both measured times)
-    decode_from: str = "default"  # --decode, or why auto chose it (the decoders' measured rates)
-    decode_share: float = 0.0  # the fraction of the device's JPEGs that the loader workers decode (auto on CUDA)
-
-    def as_dict(self) -> dict[str, Any]:
-        """The settings as a JSON-ready dict."""
-        return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True)
-class LoadedWeights:
-    """Weights read once: the network, the sha256 of the bytes read, and what the loader recognised."""
-
-    source: str
-    network: nn.Module
-    sha256: str
-    info: Mapping[str, Any]
-
-    @property
-    def label(self) -> str:
-        """A short display name: the file or folder name, URL or Hub id (never the identity; that is ``sha256``)."""
-        return Path(self.source).name or self.source if "://" not in self.source else self.source
-
-
-def load_weights(
-    source: str, *, arch: str | None = None, small_image_stem: bool | None = None, allow_non_finite: bool = False
-) -> LoadedWeights:
-    """Read ``source`` once into a backbone (``bt_hub.weights.load_backbone``) with the hash of those bytes."""
-    from bt_hub.weights.load import load_backbone
-
-    network = load_backbone(source, arch=arch, small_image_stem=small_image_stem, allow_non_finite=allow_non_finite)
-    info = dict(getattr(network, "weights_info", None) or {})
-    return LoadedWeights(str(source), network, str(info["sha256"]), info)
-
-
-def eval_image_size(
-    given: int | None, trained: int | None, trained_from: str | None, weights: str, given_from: str = "--image-size"
-) -> tuple[int, str]:
-    """The crop side and its source: ``given`` from ``given_from`` (``--image-size``, or the ``--config`` file; warned
-    if unlike the weights'), what the weights say of themselves (their metadata or config.json: ``trained`` from
-    ``trained_from``), or the default."""
-    if given is None:
-        return (trained, str(trained_from)) if trained else (DEFAULT_IMAGE_SIZE, "default")
-    if trained and given != trained:
-        warnings.warn(
-            f"--image-size {given} differs from the {trained} px the weights {weights} were pretrained at "
-            f"(from {FROM_WEIGHTS.get(str(trained_from), trained_from)}); features at another size usually score "
-            f"lower: leave --image-size out to use {trained}",
-            EvalWarning,
-            stacklevel=3,
-        )
-    return given, given_from
-
-
-def _normalisation(info: Mapping[str, Any], weights: str) -> str:
-    """Where the ImageNet mean/std every protocol normalises with came from; refuses weights trained with others."""
-    mean, std = info.get("mean"), info.get("std")
-    if mean is None and std is None:
-        return "default"
-    if tuple(mean or IMAGENET_MEAN) != IMAGENET_MEAN or tuple(std or IMAGENET_STD) != IMAGENET_STD:
-        raise ValueError(
-            f"weights {weights} were trained on inputs normalised with mean {list(mean or IMAGENET_MEAN)} and std "
-            f"{list(std or IMAGENET_STD)} (their metadata), but bt_hub evaluates with ImageNet's "
-            f"{list(IMAGENET_MEAN)} / {list(IMAGENET_STD)}, so the scores would be of another input"
-        )
-    return "weights metadata"
-
-
-def decode_settings(config: Any, device: torch.device) -> dict[str, Any]:
-    """``decode``, ``decode_from`` and ``decode_share`` of the run: ``--decode`` resolved on the main process
-    (:func:`bt_hub.data.decode.decode_choice`: ``auto`` times the decoders there) and shared with every rank."""
-    chosen = broadcast_object(
-        decode_choice(config.decode, device, config.data, config.num_workers) if is_main_process() else None
-    )
-    reason = (
-        chosen["decode_reason"] if config.decode == "auto" else config.given_from("decode", chosen["decode_reason"])
-    )
-    return {"decode": chosen["decode"], "decode_from": reason, "decode_share": chosen["decode_share"]}
-
-
-def resolve_settings(config: Any, weights: LoadedWeights, device: torch.device) -> Settings:
-    """The run's :class:`Settings`: the config's flags where given, else what the weights say of themselves."""
-    info = weights.info
-    size, size_from = eval_image_size(
-        config.image_size,
-        info.get("image_size"),
-        info.get("image_size_from"),
-        weights.source,
-        config.given_from("image_size", "--image-size"),
-    )
-    chosen = broadcast_object(precision_choice(config.precision, device) if is_main_process() else None)
-    if config.precision != "auto":  # "--precision fp32": the setting given, by its flag or the --config file
-        chosen["precision_reason"] = config.given_from("precision", chosen["precision_reason"])
-    flags = {
-        "architecture": config.given_from("arch", "--arch"),
-        "small_image_stem": config.given_from("small_image_stem", "--small-image-stem"),
-    }
-    source = {key: flags[key] if info.get(f"{key}_from") == "given" else info.get(f"{key}_from") for key in flags}
-    return Settings(
-        arch=str(info.get("architecture") or config.arch),
-        small_image_stem=bool(info.get("small_image_stem")),
-        image_size=int(size),
-        image_size_from=size_from,
-        precision=chosen["precision"],
-        precision_from=chosen["precision_reason"],
-        **decode_settings(config, device),
-        device=str(device),
-        arch_from=str(source["architecture"] or "default"),
-        small_image_stem_from=str(source["small_image_stem"] or "default"),
-        normalisation_from=_normalisation(info, weights.source),
-        weights_run=info.get("run_id"),
-    )
-
-
-# ----------------------------------------------------------------------------- the run
+from bt_hub.method.transforms import DeviceEvalTransform, eval_transforms
 
 
 @dataclass
@@ -341,7 +202,7 @@ class EvalRun:
                 desc=f"features {name}",
                 precision=self.settings.precision,
                 stored=stored,
-                decoding=decoding_for(self.settings.decode, self.device, self.settings.decode_share),
+                decoding=self.settings.decoding,
             )
         except WriteError as err:  # a feature cache on read-only storage: what is whole there was read
             if cache_dir and err.errno in READ_ONLY:
@@ -447,8 +308,21 @@ def build_record(
 
 
 # what a record says of where or how it ran, not of what it computed: the weights are compared by sha256, the
-# features' cache and a value's source (``*_from``: a flag, the weights, the cache of a measurement) are not
-NOT_SETTINGS = ("features", "weights", "out", "overwrite", "threads", "config_file", "num_workers", "cache_dir")
+# features' cache, a value's source (``*_from``: a flag, the weights, the cache of a measurement) and what ``decode``
+# and the device already say (who decoded, the decoders' measured pixels) are not
+NOT_SETTINGS = (
+    "features",
+    "weights",
+    "out",
+    "overwrite",
+    "threads",
+    "config_file",
+    "num_workers",
+    "cache_dir",
+    "decoder",
+    "decoded_on",
+    "decode_agreement",
+)
 
 
 def record_inputs(record: Mapping[str, Any]) -> dict[str, Any]:

@@ -73,8 +73,8 @@ def load_splits(
             record keeps the fraction, seed and a sha256 of the held-out indices).
         seed: the seed of ``holdout``'s draw and of the built-in sets' split.
         image_size: the side the built-in sets are rendered at; folders ignore it (their transform resizes).
-        scored: False when only features are wanted (``bt-hub embed``): a training split of one class is then
-            accepted.
+        scored: False when no label is scored (``bt-hub embed``, ``bt-hub eval rankme``): a training split of one
+            class is then accepted, and a folder of images without class folders is one class.
 
     Returns:
         ``Splits(train, test, info)``: ``info`` names the data and gives each split's name, size and
@@ -92,7 +92,7 @@ def load_splits(
     size = image_size if is_builtin(spec) else None
     if not is_builtin(spec) and test_split is not None:
         _check_layout(Path(spec).expanduser(), test_split, holdout, scored)
-    train = build_dataset(spec, "train", image_size=size, seed=seed)
+    train = build_dataset(spec, "train", image_size=size, seed=seed, unlabelled=not scored)
     info: dict[str, Any] = {"name": _name(spec), "path": spec, "holdout": None}
     if holdout is not None:
         source_fingerprint = dataset_fingerprint(train)
@@ -177,7 +177,7 @@ def _check_layout(root: Path, test_split: str, holdout: float | None, scored: bo
         + (
             "or pass --holdout 0.2 to score on a seeded, class-stratified 20% of the images (recorded in results.json)"
             if scored
-            else "or pass --splits train to embed the training images alone"
+            else "or pass --splits train to embed the training images alone (bt-hub eval rankme: --split train)"
         )
     )
 

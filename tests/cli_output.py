@@ -8,11 +8,14 @@ import re
 PROGRESS_LINE = re.compile(r"^[\w .-]+: \d+/\d+ \w+( \(\d+%\))?, ")
 # bt_hub.data.store's announcement before it decodes a folder: what a long step is about to do, not a message
 STORE_LINE = re.compile(r"^decoding \d+ images once into a store ")
+# bt_hub.data.measured's, before a measured choice is timed (the first run on a machine): likewise
+MEASURE_LINE = re.compile(r"^timing .+ once\b.*; kept in \w+\.json\)$")
 
 
 def messages(err: str) -> list[str]:
-    """The non-empty stderr lines that are not progress lines (nor a decoded store's announcement)."""
-    skipped = (PROGRESS_LINE, STORE_LINE)
+    """The non-empty stderr lines that are not progress lines (nor the announcement of a decoded store or of a
+    measurement)."""
+    skipped = (PROGRESS_LINE, STORE_LINE, MEASURE_LINE)
     return [line for line in err.splitlines() if line.strip() and not any(p.match(line) for p in skipped)]
 
 

@@ -62,11 +62,11 @@ def _precision_cache_of_the_session(tmp_path_factory):
     """``--precision auto`` keeps its CPU measurement in a file of the session, never in the user's cache (it is
     measured once, by the first test that resolves auto on the CPU); so does ``--decode auto`` (once per image
     size class)."""
-    from bt_hub.data import precision
+    from bt_hub.data import measured, precision
 
     path = tmp_path_factory.mktemp("precision") / precision.CACHE_NAME
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(precision, "cache_file", lambda name=precision.CACHE_NAME: path.parent / name)
+        patch.setattr(measured, "cache_file", lambda name: path.parent / name)
         yield path
 
 
@@ -127,9 +127,11 @@ def make_image_folder(
     splits: Sequence[str] = ("train", "val"),
     seed: int = 0,
     suffix: str = ".png",
+    jpeg: bool = False,
 ) -> Path:
-    """A class-per-folder tree of random RGB PNG files: ``root/<split>/<class>/<class>_<i><suffix>`` for each split
-    (``root/<class>/...`` when ``splits`` is empty). ``size`` is an int (square) or ``(height, width)``.
+    """A class-per-folder tree of random RGB PNG files (baseline JPEGs of quality 90 with ``jpeg``, whatever the
+    ``suffix``): ``root/<split>/<class>/<class>_<i><suffix>`` for each split (``root/<class>/...`` when ``splits`` is
+    empty). ``size`` is an int (square) or ``(height, width)``.
 
     One random generator, seeded by ``seed``, draws every image in order, so two splits of one call never share
     an image, and two calls with the same arguments make byte-identical files. Returns ``root``.
@@ -142,7 +144,7 @@ def make_image_folder(
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(per_class):
                 image = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
-                Image.fromarray(image).save(folder / f"{c}_{i}{suffix}", format="PNG")
+                Image.fromarray(image).save(folder / f"{c}_{i}{suffix}", format="JPEG" if jpeg else "PNG", quality=90)
     return root
 
 

@@ -3,14 +3,16 @@
 tests/fixtures/reference/ holds, per protocol, the inputs (``<name>.npz``) and what the reference
 function returned on them (``<name>.json``, with its repository and commit), as
 benchmarks/reference_fixtures.py wrote them from checkouts of DINO, VISSL and the official Barlow
-Twins code; no reference code is in this repository. These are the protocols' contract: a
-change that moves any of these numbers changes the protocol.
+Twins code; no reference code is in this repository. RankMe is held to the paper's formula computed
+in this file by NumPy's float64 SVD. These are the protocols' contract: a change that moves any of
+these numbers changes the protocol.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ from bt_hub.eval.classifier import evaluate_loader, make_classifier, make_loader
 from bt_hub.eval.heads import score_heads, train_heads
 from bt_hub.eval.knn import knn_classify, knn_search
 from bt_hub.eval.linear import FrozenBackboneClassifier
+from bt_hub.eval.rankme import RankmeConfig, score_cell
 from bt_hub.eval.svm_grid import evaluate_svms, l2_normalize, svm_grid
 from bt_hub.method.knn import knn_vote
 from bt_hub.method.model import BarlowTwins, build_projector
@@ -219,3 +222,32 @@ def test_the_cached_linear_heads_train_evaluate_pys_first_epoch():
     np.testing.assert_allclose(heads.bias[0].numpy(), data["trained_fc_bias"], rtol=0, atol=1e-6)
     scored = score_heads(heads, data["test_x"], torch.from_numpy(data["test_y"]))[0]
     assert (scored["top1"], scored["top5"]) == (expected["acc1"], expected["acc5"])
+
+
+# ----------------------------------------------------------------------------- RankMe: the paper's formula in NumPy
+
+
+def _numpy_rankme(features: np.ndarray) -> float:
+    """Garrido et al.'s RankMe by NumPy's float64 SVD: exp(-sum p log p), p = sigma / sum(sigma) + 1e-7."""
+    sigma = np.linalg.svd(features.astype(np.float64), compute_uv=False)
+    p = sigma / sigma.sum() + 1e-7
+    return float(np.exp(-(p * np.log(p)).sum()))
+
+
+def test_rankme_equals_a_float64_numpy_computation_on_the_same_features():
+    # guards: a RankMe off the paper's formula (centred features, no epsilon, float32 singular values); the tolerance
+    # is 1e-9 where the matrix has full rank and 1e-4 where its rank is below min(N, D): the Gram matrix's rounding
+    # leaves ~5e-8 of the largest singular value where the SVD finds 0 (measured in bt_hub/method/rankme.py)
+    rng = np.random.default_rng(0)
+    full = {
+        "ReLU features, N > D": np.maximum(rng.standard_normal((5000, 64)) @ rng.standard_normal((64, 256)), 0) + 0.01,
+        "N < D, far from centred": rng.standard_normal((40, 512)) + 3.0,
+    }
+    deficient = {"rank 8 of 96": rng.standard_normal((300, 8)) @ rng.standard_normal((8, 96))}
+    for rtol, cases in ((1e-9, full), (1e-4, deficient)):
+        for name, x in cases.items():
+            features = x.astype(np.float32)
+            cell = SimpleNamespace(features=lambda split, f=features: (f, np.zeros(len(f), dtype=np.int64)))
+            scored = score_cell(cell, RankmeConfig(weights="planted", out=None), seed=0)
+            assert scored.metrics["rankme"] == pytest.approx(_numpy_rankme(features), rel=rtol, abs=0), name
+            assert scored.notes["outputs"]["rankme"]["max_value"] == min(features.shape), name

@@ -152,7 +152,13 @@ BAD_CALLS = [  # (function, positional arguments, keyword arguments, exception, 
     ("embed", (None,), {}, TypeError, "weights must be a string, got None"),
     ("embed", ("W",), {"format": 3}, TypeError, "format must be a string, got 3"),
     ("embed", ("W",), {"format": "hdf5"}, ValueError, "--format must be npy or parquet, got 'hdf5'"),
-    ("embed", ("W",), {"decode": "gpu"}, ValueError, "one of 'auto', 'device', 'nvimgcodec', 'workers', got 'gpu'"),
+    (
+        "embed",
+        ("W",),
+        {"decode": "gpu"},
+        ValueError,
+        "one of 'auto', 'device', 'nvimgcodec', 'pil', 'workers', got 'gpu'",
+    ),
 ]
 
 

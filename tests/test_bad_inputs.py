@@ -1,8 +1,10 @@
 """The bad-input matrix: every command refuses what it cannot use in one sentence and loses nothing.
 
 Each case runs ``bt_hub.cli.main`` in-process inside a folder of its own and asserts: exit code 2
-(a usage error or a refused input), exactly one message line on stderr naming the flag or file
-at fault, no traceback, and every file that was in the folder before is byte-identical after.
+(a usage error or a refused input; 0 for an accident bt_hub works around, such as a damaged cache of
+measured choices, measured again), exactly one message line on stderr naming the flag or file at
+fault, no traceback, and every file that was in the folder before is byte-identical after (but a
+cache file of bt_hub's that the case expects rewritten).
 ``python tests/test_bad_inputs.py`` prints the summary table that README.md and
 docs/reliability.md show (``--details`` adds a line per case, ``--only TEXT`` runs the cases whose name has TEXT).
 """
@@ -53,6 +55,10 @@ class Case:
     env: dict[str, str] = field(default_factory=dict)
     xfail: str = ""
     missing: tuple[str, ...] = ()  # modules imported as if they were not installed (an optional extra)
+    code: int = 2  # the exit code expected
+    measurements: bool = False  # the measured choices' cache in the case's folder (d/cache), not the session's
+    rewritten: tuple[str, ...] = ()  # files of bt_hub's cache the case expects replaced (a damaged one made again)
+    absent: tuple[str, ...] = ()  # files that must not exist afterwards (a measurement that must not be made)
 
 
 @dataclass
@@ -63,14 +69,15 @@ class Outcome:
     err: str
     escaped: str
     changed: list[str]
+    present: list[str] = field(default_factory=list)  # of the case's ``absent`` files, those that exist
 
     def problems(self, case: Case) -> list[str]:
         """Why the case is not clean ([] when it is)."""
         found = []
         if self.escaped:
             found.append(f"traceback: {self.escaped}")
-        if self.code != 2:
-            found.append(f"exit code {self.code}, expected 2")
+        if self.code != case.code:
+            found.append(f"exit code {self.code}, expected {case.code}")
         lines = messages(self.err)
         if "Traceback (most recent call last)" in self.err:
             found.append("a traceback on stderr")
@@ -81,6 +88,8 @@ class Outcome:
             found.append(f"the message does not name {missing}")
         if self.changed:
             found.append(f"changed files: {self.changed}")
+        if self.present:
+            found.append(f"files made that must not be: {self.present}")
         return found
 
 
@@ -229,6 +238,30 @@ def bomb_tree(d: Path, w: Path) -> None:
     (d / "data" / "train" / "c0" / "c0_0.png").write_bytes(bomb)
 
 
+def jpeg_tree(d: Path, w: Path) -> None:
+    """``d/data``: an ImageFolder tree of baseline JPEGs (two classes of 3 random 8-px images a split), the weights."""
+    make_image_folder(d / "data", ("c0", "c1"), per_class=3, jpeg=True, suffix=".jpg")
+    _weights_here(d, w)
+
+
+def decode_cache(measured: object, *, installed: bool = True, raw: str | None = None) -> Callable[[Path, Path], None]:
+    """Setup: :func:`jpeg_tree` and ``d/cache/decode_auto.json`` holding ``measured`` as this machine's measurement
+    of those JPEGs (with nvImageCodec hidden when not ``installed``), or the text ``raw``."""
+
+    def setup(d: Path, w: Path) -> None:
+        from bt_hub.common.reuse import inputs_key
+        from bt_hub.data import decode_auto
+
+        jpeg_tree(d, w)
+        with _inside(d, {}, () if installed else ("nvidia.nvimgcodec",)):
+            machine = decode_auto._machine(torch.device("cpu"), decode_auto.jpeg_sample(d / "data"))[0]
+        entry = {inputs_key("measurement", {"machine": machine}): {"machine": machine, "measured": measured}}
+        (d / "cache").mkdir()
+        (d / "cache" / "decode_auto.json").write_text(raw if raw is not None else json.dumps(entry))
+
+    return setup
+
+
 # ----------------------------------------------------------------------------- the cases
 
 
@@ -282,6 +315,51 @@ def _eval_cases(protocol: str, data: str = "digits") -> list[Case]:
     return cases
 
 
+def _measured_cache_cases() -> list[Case]:
+    """``--decode auto`` on JPEGs whose cache of measured choices is damaged or hostile: measured again, one warning
+    naming the file, exit 0."""
+    knn = ("eval", "knn", "--weights", "{d}/w.pth", "--data", "{d}/data", *SIZE, "--k", "1", "--precision", "fp32")
+    knn = (*knn, "--out", "{d}/out")
+    cache = {"measurements": True, "code": 0, "rewritten": ("cache/decode_auto.json",)}
+    claim = {"seconds": {"pil": 1e-3, "nvimgcodec": 1e-5}, "agreement": {"nvimgcodec": {"max": 0, "mean": 0.0}}}
+    return [
+        Case(
+            "eval knn",
+            "decode_auto.json holds a zero timing",
+            knn,
+            ("decode_auto.json", "0 s for pil", "measuring again"),
+            decode_cache({"seconds": {"pil": 0}, "agreement": {}}),
+            **cache,
+        ),
+        Case(
+            "eval knn",
+            "decode_auto.json nested deeper than the JSON reader goes",
+            knn,
+            ("decode_auto.json", "nests its JSON deeper", "measuring again"),
+            decode_cache(None, raw="[" * 100_000 + "]" * 100_000),
+            **cache,
+        ),
+        Case(
+            "eval knn",
+            "decode_auto.json claims a decoder that is not installed",
+            knn,
+            ("decode_auto.json", "timing of nvimgcodec, which is not installed", "measuring again"),
+            decode_cache(claim, installed=False),
+            missing=("nvidia.nvimgcodec",),
+            **cache,
+        ),
+        Case(
+            "eval knn",
+            "the cache of measured choices cannot be written",
+            knn,
+            ("decode_auto.json cannot be written", "measured now without keeping it"),
+            both(jpeg_tree, write("cache", "a file where the cache's folder would be")),
+            measurements=True,
+            code=0,
+        ),
+    ]
+
+
 def _cases() -> list[Case]:
     pre = ("pretrain", "--preset", "digits", "--max-steps", "1", "--out", "{d}/run")
     demo = ("demo", "--epochs", "1", "--max-steps", "1", "--out", "{d}/demo")
@@ -292,6 +370,7 @@ def _cases() -> list[Case]:
     voc = ("eval", "voc07-svm", "--weights", "{d}/w.pth", "--data", "{d}/VOCdevkit", "--out", "{d}/out")
     compare = ("eval", "compare", "--weights", "{d}/w.pth", "--data", "digits", *SIZE, "--out", "{d}/out")
     suite = ("eval", "all", "--weights", "{d}/w.pth", "--data", "digits", *SIZE, "--out", "{d}/out")
+    rankme = ("eval", "rankme", "--weights", "{d}/w.pth", "--data", "digits", *SIZE, "--out", "{d}/out")
     detect = ("detect", "--weights", "{d}/w.pth", "--data", "{d}/shapes", "--out", "{d}/det")
     mdd = ("make-detection-data", "--train", "2", "--test", "1", "--size", "32", "--out", "{d}/shapes")
     cases = [
@@ -334,6 +413,14 @@ def _cases() -> list[Case]:
         Case("pretrain", "batch-size -5", (*pre, "--batch-size", "-5"), ("--batch-size",)),
         Case("pretrain", "batch-size not a number", (*pre, "--batch-size", "lots"), ("--batch-size",)),
         Case("pretrain", "batch-size past the data", (*pre, "--batch-size", "100000"), ("--batch-size",)),
+        Case(
+            "pretrain",
+            "batch-size past the data, nothing measured yet (--precision auto)",
+            (*pre, "--batch-size", "100000", "--precision", "auto"),
+            ("--batch-size",),
+            measurements=True,
+            absent=("cache/precision_auto.json",),  # refused before the CPU is timed
+        ),
         Case("pretrain", "lr-weights NaN", (*pre, "--lr-weights", "nan"), ("--lr-weights",)),
         Case("pretrain", "lambd inf", (*pre, "--lambd", "inf"), ("--lambd",)),
         Case("pretrain", "crop-scale-min 2", (*pre, "--crop-scale-min", "2"), ("--crop-scale-min",)),
@@ -398,6 +485,7 @@ def _cases() -> list[Case]:
         Case("embed", "out is a user folder", embed, ("--out", "--overwrite"), both(weights, write("out/x", "mine"))),
         # eval: every protocol
         *_eval_cases("knn"),
+        *_measured_cache_cases(),
         Case("eval knn", "k 0", (*knn, "--k", "0"), ("--k",), weights),
         Case("eval knn", "store, PIL decode", (*knn, "--decode", "workers", "--store", "disk"), ("--store",), weights),
         Case(
@@ -592,6 +680,17 @@ def _cases() -> list[Case]:
             weights,
         ),
         *_eval_cases("transfer"),
+        *_eval_cases("rankme"),
+        Case("eval rankme", "max-images 0", (*rankme, "--max-images", "0"), ("--max-images",), weights),
+        Case("eval rankme", "split val", (*rankme, "--split", "val"), ("--split",), weights),
+        Case("eval rankme", "test-split, train scored", (*rankme, "--test-split", "test"), ("--test-split",), weights),
+        Case(
+            "eval rankme",
+            "split test of a folder without one",
+            (*rankme, "--data", "{d}/photos", "--split", "test"),
+            ("photos", "has no held-out split", "rankme: --split train"),
+            write("photos/a.png", b"not read", with_weights=True),
+        ),
         *_eval_cases("all"),
         Case("eval all", "fractions 150", (*suite, "--fractions", "150"), ("--fractions",), weights),
         # the message named --preset, a flag eval all does not have
@@ -880,7 +979,14 @@ def run_case(case: Case, d: Path, good_weights: Path) -> Outcome:
     argv = [a.format(d=d) for a in case.argv]
     env = {k: v.format(d=d) for k, v in case.env.items()}
     err, code, escaped = io.StringIO(), None, ""
-    with _inside(d, env, case.missing), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_inside(d, env, case.missing))
+        stack.enter_context(contextlib.redirect_stderr(err))
+        stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+        if case.measurements:
+            from bt_hub.data import measured
+
+            stack.enter_context(pytest.MonkeyPatch.context()).setattr(measured, "cache_file", lambda n: d / "cache" / n)
         try:
             code = cli.main(argv)
         except SystemExit as exit_:
@@ -888,8 +994,8 @@ def run_case(case: Case, d: Path, good_weights: Path) -> Outcome:
         except BaseException as exc:  # noqa: BLE001 - a traceback is what the matrix looks for
             escaped = f"{type(exc).__name__}: {exc}"[:300]
     after = _snapshot(d)
-    changed = [name for name, digest in before.items() if after.get(name) != digest]
-    return Outcome(code, err.getvalue(), escaped, changed)
+    changed = [name for name, digest in before.items() if after.get(name) != digest and name not in case.rewritten]
+    return Outcome(code, err.getvalue(), escaped, changed, [name for name in case.absent if (d / name).exists()])
 
 
 def _good_weights(folder: Path) -> Path:

@@ -14,23 +14,22 @@ from PIL import Image, JpegImagePlugin
 from torch.utils.data import DataLoader
 
 import bt_hub.data.decode as decode
+import bt_hub.data.decode_auto as decode_auto
 from bt_hub.cli import main as cli_main
 from bt_hub.common.optional import MissingDependencyError
-from bt_hub.data import precision
+from bt_hub.data import measured
 from bt_hub.data.datasets import build_dataset
 from bt_hub.data.decode import (
     Decoding,
     PackedItems,
     collate_packed,
-    decode_choice,
     decode_images,
     device_decodable,
     nvimgcodec,
     read_encoded,
-    resolve_decode,
-    time_decoders,
     to_device_images,
 )
+from bt_hub.data.decode_auto import check_decode, decode_choice, time_decoders
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.features import EncodedItems, extract_features
 from bt_hub.method.model import build_backbone
@@ -166,7 +165,7 @@ def test_a_missing_nvimgcodec_is_refused_in_one_sentence_naming_the_extra(monkey
         nvimgcodec()
     with pytest.raises(MissingDependencyError, match=r"pip install 'bt_hub\[nvimgcodec\]'"):
         EvalConfig(weights="w.pth", decode="nvimgcodec")
-    assert decode_choice("device", "cpu", "digits", 2)["decode"] == "device"  # the other values need nothing
+    assert decode_choice("device", "cpu", "digits", 2).decode == "device"  # the other values need nothing
 
 
 @pytest.mark.parametrize("share", [0.1, 0.35, 0.5, 0.9])
@@ -224,7 +223,7 @@ def test_features_of_the_split_path_equal_the_unsplit_path_bit_for_bit(tmp_path,
 
 
 def test_time_decoders_times_each_decoder_at_hand_and_the_device_ones_on_one_batch(tmp_path, with_nvimgcodec):
-    sample = decode.jpeg_sample(write_images(tmp_path / "a")["rgb0"].parent.parent)
+    sample = decode_auto.jpeg_sample(write_images(tmp_path / "a")["rgb0"].parent.parent)
     assert len(sample) == 7  # the JPEGs the device decoder takes: not the CMYK one nor the PNG
     on_device = time_decoders(sample, "cpu", on_device=True)  # what CUDA times, here on the CPU
     in_workers = time_decoders(sample, "cpu", on_device=False)
@@ -233,37 +232,120 @@ def test_time_decoders_times_each_decoder_at_hand_and_the_device_ones_on_one_bat
 
 
 def test_decode_auto_takes_the_faster_decoder_splits_by_the_two_rates_and_caches_per_machine(tmp_path, monkeypatch):
-    monkeypatch.setattr(precision, "cache_file", lambda name: tmp_path / name)
+    monkeypatch.setattr(measured, "cache_file", lambda name: tmp_path / name)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
-    monkeypatch.setattr(decode.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(decode_auto.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(decode_auto, "split_problem", lambda *a: None)  # its own test below: a CPU has no "cuda"
     write_images(tmp_path / "data" / "a")
     timed = []
+    same = {"max": 2, "mean": 0.4}
 
     def measure(sample, device, on_device):
         timed.append((len(sample), on_device))
-        return (
-            {"pil": 1 / 400, "torchvision": 1 / 12_000, "nvimgcodec": 1 / 9_000}
-            if on_device
-            else {"pil": 1 / 400, "nvimgcodec": 1 / 500}
-        )
+        if on_device:
+            seconds = {"pil": 1 / 400, "torchvision": 1 / 12_000, "nvimgcodec": 1 / 9_000}
+            return {"seconds": seconds, "agreement": {"torchvision": same, "nvimgcodec": same}}
+        return {"seconds": {"pil": 1 / 400, "nvimgcodec": 1 / 500}, "agreement": {"nvimgcodec": same}}
 
     chosen = decode_choice("auto", "cuda", tmp_path / "data", 16, measure)
-    assert chosen["decode"] == "device" and chosen["decode_share"] == pytest.approx(6_400 / 18_400)
-    assert "9,000 images/s with nvimgcodec, 12,000 images/s with torchvision" in chosen["decode_reason"]
-    assert chosen["decode_reason"].endswith("the workers decoding 35% of each batch's JPEGs (measured now)")
+    assert chosen.decoding == Decoding("torchvision", "pil", pytest.approx(6_400 / 18_400))
+    assert chosen.decode == "device" and chosen.agreement == {"torchvision": same, "nvimgcodec": same}
+    assert "9,000 images/s with nvimgcodec, 12,000 images/s with torchvision" in chosen.reason
+    assert chosen.reason.endswith("the workers decoding 35% of each batch's JPEGs (measured now)")
     again = decode_choice("auto", "cuda", tmp_path / "data", 4, lambda *a: pytest.fail("measured again"))
-    assert (
-        again["decode_share"] == pytest.approx(1_600 / 13_600)
-        and "cached in decode_auto.json" in again["decode_reason"]
-    )
-    assert decode_choice("auto", "cuda", tmp_path / "data", 0, measure)["decode_share"] == 0  # no workers
+    assert again.decoding.worker_share == pytest.approx(1_600 / 13_600) and "cached in decode_auto.json" in again.reason
+    assert decode_choice("auto", "cuda", tmp_path / "data", 0, measure).decoding.worker_share == 0  # no workers
     on_cpu = decode_choice("auto", "cpu", tmp_path / "data", 2, measure)
-    assert (on_cpu["decode"], on_cpu["decode_share"]) == ("nvimgcodec", 0)
+    assert (on_cpu.decode, on_cpu.decoding) == ("nvimgcodec", Decoding(None, "nvimgcodec"))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")  # another machine: timed anew
-    assert decode_choice("auto", "cuda", tmp_path / "data", 16, measure)["decode"] == "device"
+    assert decode_choice("auto", "cuda", tmp_path / "data", 16, measure).decode == "device"
     assert timed == [(7, True), (7, False), (7, True)]
     none = decode_choice("auto", "cuda", "digits", 16, measure)  # in-memory images: nothing to decode
-    assert none == {"decode": "device", "decode_reason": "auto: no JPEG files to time decoders on", "decode_share": 0}
+    assert none == ("device", Decoding("torchvision"), "auto: no JPEG files to time decoders on", None)
+
+
+# deliberately wrong decoders standing in for a device decoder (on the CPU: torchvision's libjpeg-turbo, PIL's pixels)
+WRONG = {
+    "channels swapped": lambda image: image.flip(0),
+    "transposed": lambda image: image.transpose(1, 2),
+    "a row shifted": lambda image: image.roll(1, dims=1),
+}
+
+
+def _few_levels_off(image: torch.Tensor) -> torch.Tensor:
+    """PIL's pixels up to 2 levels off, as another IDCT leaves them."""
+    noise = torch.randint(-2, 3, image.shape, generator=torch.Generator().manual_seed(image.numel()))
+    return (image.int() + noise).clamp(0, 255).byte()
+
+
+def _decoder_that(change):
+    return lambda data, device: [change(image) for image in decode._torchvision(data, device)]
+
+
+def _on_an_h200_timed_here(monkeypatch, tmp_path, seconds):
+    """decode_choice's CUDA rule on this CPU: the device named, ``seconds`` as timed, the pixels of those decoders
+    checked here."""
+    monkeypatch.setattr(measured, "cache_file", lambda name: tmp_path / name)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(decode_auto.os, "cpu_count", lambda: 16)
+    for cls in ("a", "b"):
+        write_images(tmp_path / "data" / cls)
+
+    def measure(sample, device, on_device):
+        checked = decode_auto.measure_decoders(sample, torch.device("cpu"), True)["agreement"]
+        return {"seconds": seconds, "agreement": {name: checked[name] for name in seconds if name != "pil"}}
+
+    return measure
+
+
+@pytest.mark.parametrize("wrong", list(WRONG))
+def test_decode_auto_never_takes_a_decoder_whose_pixels_are_not_pils(tmp_path, monkeypatch, with_nvimgcodec, wrong):
+    # guards (case 7): --decode auto took the fastest device decoder without looking at what it decoded
+    measure = _on_an_h200_timed_here(
+        monkeypatch, tmp_path, {"pil": 1 / 400, "torchvision": 1 / 50_000, "nvimgcodec": 1 / 9_000}
+    )
+    monkeypatch.setattr(decode_auto, "split_problem", lambda *a: None)  # its own test below
+    monkeypatch.setitem(decode._DEVICE_DECODERS, "torchvision", _decoder_that(WRONG[wrong]))  # the fastest
+    monkeypatch.setitem(decode._DEVICE_DECODERS, "nvimgcodec", _decoder_that(_few_levels_off))
+    chosen = decode_choice("auto", "cuda", tmp_path / "data", 4, measure)
+    levels = chosen.agreement
+    assert not decode_auto.agrees(levels["torchvision"]) and 0 < levels["nvimgcodec"]["max"] <= 3
+    assert decode_auto.agrees(levels["nvimgcodec"]) and chosen.decoding == Decoding(
+        "nvimgcodec", "pil", pytest.approx(1_600 / 10_600)
+    )
+    assert (
+        chosen.decode == "nvimgcodec"
+        and "not taken, over the 64 / 2.0 allowed: torchvision (its pixels up to" in chosen.reason
+    )
+    monkeypatch.setitem(decode._DEVICE_DECODERS, "nvimgcodec", _decoder_that(WRONG[wrong]))
+    (tmp_path / "decode_auto.json").unlink()
+    none = decode_choice("auto", "cuda", tmp_path / "data", 4, measure)  # no device decoder fits: the workers decode
+    assert (none.decode, none.decoding) == (
+        "pil",
+        Decoding(),
+    ) and "has no decoder whose pixels match PIL's" in none.reason
+
+
+def test_a_split_decode_unlike_the_unsplit_one_is_found_and_switched_off_with_one_warning(
+    tmp_path, monkeypatch, with_nvimgcodec
+):
+    # guards (case 7): the split decode had met only its CPU stand-in; a merge that put the workers' images in the
+    # wrong places, or a workers' decoder that decodes otherwise, would have been scored
+    sample = decode_auto.jpeg_sample(write_images(tmp_path / "a")["rgb0"].parent)
+    split, cpu = Decoding("nvimgcodec", "pil", 0.5), torch.device("cpu")
+    assert decode_auto.split_problem(sample, split, cpu) is None  # nvImageCodec's CPU backend: PIL's pixels
+    pil = decode.decode_on_cpu
+    monkeypatch.setattr(decode, "decode_on_cpu", lambda item: pil(item).flip(0))  # the workers' share decoded wrong
+    problem = decode_auto.split_problem(sample, split, cpu)
+    assert problem.startswith("differs from the unsplit decode by up to")
+    measure = _on_an_h200_timed_here(monkeypatch, tmp_path / "h200", {"pil": 1 / 400, "torchvision": 1 / 12_000})
+    monkeypatch.setattr(decode, "decode_on_cpu", pil)
+    monkeypatch.setattr(decode_auto, "split_problem", lambda *a: problem)  # what it finds on the GPU's first JPEGs
+    with pytest.warns(
+        measured.MeasurementWarning, match="the split decode of the data's first JPEGs differs"
+    ) as warned:
+        chosen = decode_choice("auto", "cuda", tmp_path / "h200" / "data", 16, measure)
+    assert len(warned) == 1 and chosen.decoding == Decoding("torchvision") and chosen.reason.endswith("so it is off")
 
 
 def test_a_batch_of_files_or_of_images_of_their_own_sizes_crosses_from_workers_as_one_tensor(tmp_path):
@@ -338,13 +420,18 @@ def test_views_of_decoded_files_equal_per_image_pil_views_within_the_batched_tol
         torch.testing.assert_close(pil_views.mean(dim=(0, 2, 3)), out.mean(dim=(0, 2, 3)), atol=0.03, rtol=0)
 
 
-def test_decode_auto_is_device_only_for_batched_views_on_cuda_and_device_needs_batched_views():
-    assert resolve_decode("auto", "cpu", "batched") == "workers"
-    assert resolve_decode("auto", "cuda", "batched") == "device"
-    assert resolve_decode("auto", "cuda", "pil") == "workers"
-    assert resolve_decode("device", "cpu", "batched") == "device"
-    with pytest.raises(ValueError, match="--decode device needs --views batched"):
-        resolve_decode("device", "cpu", "pil")
+def test_a_decode_given_is_who_decodes_on_that_device_and_the_device_path_needs_batched_views():
+    on = {
+        d: {m: decode_choice(m, d, "digits", 2).decoding for m in ("device", "nvimgcodec", "pil")}
+        for d in ("cpu", "cuda")
+    }
+    assert on["cuda"] == {"device": Decoding("torchvision"), "nvimgcodec": Decoding("nvimgcodec"), "pil": Decoding()}
+    assert on["cpu"] == {"device": Decoding(), "nvimgcodec": Decoding(None, "nvimgcodec"), "pil": Decoding()}
+    assert decode_choice("workers", "cuda", "digits", 2) == ("workers", Decoding(), "--decode workers", None)
+    check_decode("auto", "pil")  # pretraining's PIL views: the workers decode (its _train passes "workers")
+    for mode in ("device", "nvimgcodec", "pil"):
+        with pytest.raises(ValueError, match=f"--decode {mode} needs --views batched"):
+            check_decode(mode, "pil")
 
 
 def _folder_pretrain(data: Path, out: Path, *extra: str) -> list[dict]:
@@ -428,9 +515,11 @@ def test_pretraining_on_cuda_decodes_files_on_the_gpu(tmp_path):
     )
     assert len(rows) == 3 and all(np.isfinite(r["loss"]) for r in rows)
     recipe = json.loads((tmp_path / "run" / "config.json").read_text())["recipe"]
-    assert recipe["decode"] == "device" and recipe["precision"] == (
+    assert recipe["decode"] in ("device", "nvimgcodec") and recipe["precision"] == (
         "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    )
+    )  # auto: the faster device decoder whose pixels are PIL's, named in run.json
+    started = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert started["decoder"] in ("torchvision", "nvimgcodec") and started["decoded_on"] in ("device", "split")
 
 
 @pytest.mark.gpu
@@ -465,4 +554,7 @@ def test_eval_on_cuda_times_the_decoders_and_lets_the_workers_decode_a_share(tmp
     )
     settings = json.loads((tmp_path / "ev" / "results.json").read_text())["settings"]
     assert settings["decode"] in ("device", "nvimgcodec") and 0 < settings["decode_share"] < 1
+    assert settings["decoded_on"] == "split" and all(
+        decode_auto.agrees(a) for a in settings["decode_agreement"].values()
+    )
     assert settings["decode_from"].startswith(f"auto: the {torch.cuda.get_device_name()} decoded ~")

@@ -235,10 +235,10 @@ def test_an_interrupted_demo_names_the_command_that_continues_it_and_refuses_oth
     tmp_path, monkeypatch, capsys
 ):
     # guards: a demo started with --overwrite and cut by Ctrl-C named the --overwrite command, which starts over
-    from bt_hub.data import precision
+    from bt_hub.data import measured, precision
     from bt_hub.eval import demo
 
-    monkeypatch.setattr(precision, "cache_file", lambda: tmp_path / "precision.json")
+    monkeypatch.setattr(measured, "cache_file", lambda name: tmp_path / "precision.json")
     monkeypatch.setattr(precision, "measure_cpu", lambda: {"fp32": 0.1, "bf16": 10.0})
     resumed = []
     monkeypatch.setattr(
@@ -296,17 +296,19 @@ def test_the_demo_pretrains_with_the_digits_preset_of_bt_hub_pretrain(tmp_path, 
 def test_the_demo_says_at_its_start_how_long_it_takes_here_from_the_step_it_measured(tmp_path, monkeypatch, capsys):
     # Guards: the README promised about 5 minutes on 2 cores (an AVX-512 EPYC, bf16); on an AVX2-only EPYC (fp32)
     # the demo took 17, and said nothing of it before it ended.
-    from bt_hub.data import precision
+    from bt_hub.data import measured, precision
     from bt_hub.eval import demo
 
-    monkeypatch.setattr(precision, "cache_file", lambda: tmp_path / "precision.json")
+    monkeypatch.setattr(measured, "cache_file", lambda name: tmp_path / "precision.json")
     monkeypatch.setattr(demo, "pretrain", lambda config: (_ for _ in ()).throw(KeyboardInterrupt))
     said = []
     for run, fp32 in enumerate((0.3, 0.1)):
         (tmp_path / "precision.json").unlink(missing_ok=True)
         monkeypatch.setattr(precision, "measure_cpu", lambda fp32=fp32: {"fp32": fp32, "bf16": 10.0})
         assert cli.main(["demo", "--out", str(tmp_path / str(run))]) == 130
-        said.append(capsys.readouterr().err.splitlines()[0])
+        first, demo_line = capsys.readouterr().err.splitlines()[:2]  # measured anew: the timing is announced first
+        assert first.startswith("timing bf16 against fp32 on this CPU once")
+        said.append(demo_line)
     # 2 runs x 200 steps x 8 x the step (2 x 256 digits of 8 px through the 3x3 stem against 16 images of 64 px
     # through the 7x7/2 stem and max-pool), and 6% more for scoring
     assert said == [

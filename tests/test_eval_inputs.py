@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_output import one_sentence
 from torch import nn
 
 from bt_hub import cli
@@ -55,7 +56,7 @@ def test_eval_scores_at_the_image_size_the_weights_were_pretrained_at(run_folder
 
 
 def test_weights_without_a_config_json_are_scored_at_the_default_size_and_say_so(run_folder, tmp_path):
-    from bt_hub.eval.runner import eval_image_size
+    from bt_hub.eval.settings import eval_image_size
     from bt_hub.weights import load_backbone
 
     assert eval_image_size(None, None, None, str(run_folder)) == (224, "default")
@@ -289,7 +290,7 @@ def test_a_one_class_dataset_is_refused_in_one_sentence(run_folder, image_folder
     data = image_folder(tmp_path / "data", classes=("cats",), per_class=4)
     argv = ["eval", "knn", "--weights", str(run_folder), "--data", str(data), "--k", "1"]
     assert cli.main([*argv, "--out", str(tmp_path / "o")]) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
+    line = one_sentence(capsys.readouterr().err)  # after the settings: --precision auto may be timed first
     assert "every training image is of one class (cats)" in line and "accuracy means nothing" in line
 
 
@@ -297,5 +298,5 @@ def test_a_dataset_too_small_to_split_names_the_data_flag(run_folder, tmp_path, 
     """Guards: synthetic:1 failed with 'cannot extract features from an empty dataset'."""
     argv = ["eval", "knn", "--weights", str(run_folder), "--data", "synthetic:1", "--out", str(tmp_path / "o")]
     assert cli.main(argv) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
+    line = one_sentence(capsys.readouterr().err)
     assert "--data synthetic:1 gives 1 training and 0 val images" in line and "give a larger N" in line

@@ -508,11 +508,39 @@ def test_cli_decode_auto_and_nvimgcodec_record_who_decoded_and_score_as_device_d
         records[decode] = json.loads((out / "results.json").read_text())
     assert records["nvimgcodec"]["settings"]["decode_from"] == "--decode nvimgcodec"
     auto = records[None]["settings"]  # the default: the faster of PIL and nvImageCodec in the workers, timed here
-    assert auto["decode"] in ("device", "nvimgcodec") and records[None]["hyperparameters"]["decode"] == auto["decode"]
+    assert auto["decode"] in ("pil", "nvimgcodec") and records[None]["hyperparameters"]["decode"] == auto["decode"]
+    assert (auto["decoder"], auto["decoded_on"]) == (auto["decode"], "loader workers")
+    assert auto["decode_agreement"] == {"nvimgcodec": {"max": 0, "mean": 0.0}}  # libjpeg-turbo's pixels, as PIL's
     assert (
         auto["decode_from"].startswith("auto: a loader worker decoded ~") and "images/s with pil" in auto["decode_from"]
     )
     assert records["device"]["metrics"] == records["nvimgcodec"]["metrics"] == records[None]["metrics"]
+
+
+def test_on_a_cpu_where_pil_wins_decode_auto_records_pil_in_the_loader_workers(
+    small_stem_weights, tmp_path, monkeypatch
+):
+    # guards (case 6): --decode auto recorded decode "device" for the loader workers decoding with PIL, and the
+    # choice went on to the extractor as that string, parsed back into a Decoding
+    from bt_hub.data import decode_auto, measured
+
+    monkeypatch.setattr(measured, "cache_file", lambda name: tmp_path / name)  # measured here, not the session's
+    timed = decode_auto.time_decoders
+    monkeypatch.setattr(decode_auto, "time_decoders", lambda *a: {n: 1e-4 if n == "pil" else 1e-3 for n in timed(*a)})
+    data = _files(tmp_path / "data")
+    argv = ["eval", "knn", "--weights", str(small_stem_weights), "--data", str(data), "--image-size", "16", "--k", "1"]
+    assert cli.main([*argv, "--precision", "fp32", "--out", str(tmp_path / "auto")]) == 0
+    record = json.loads((tmp_path / "auto" / "results.json").read_text())
+    settings = record["settings"]
+    assert (settings["decode"], settings["decoder"], settings["decoded_on"]) == ("pil", "pil", "loader workers")
+    assert record["hyperparameters"]["decode"] == "pil" and settings["decode_share"] == 0.0
+    assert (
+        settings["decode_from"].startswith("auto: a loader worker decoded ~")
+        and "10,000 images/s with pil" in settings["decode_from"]
+    )
+    assert cli.main([*argv, "--precision", "fp32", "--decode", "pil", "--out", str(tmp_path / "pil")]) == 0
+    again = json.loads((tmp_path / "pil" / "results.json").read_text())  # the recorded mode runs the same again
+    assert again["metrics"] == record["metrics"] and again["settings"]["decoder"] == "pil"
 
 
 def test_bf16_knn_and_linear_are_within_half_a_point_of_fp32_on_the_digits():

@@ -316,11 +316,12 @@ def test_cli_eval_all_runs_every_protocol_sharing_one_feature_cache(resnet18_wei
         ("linear", None),
         ("semi", 1),
         ("semi", 10),
+        ("rankme", None),
     ]
     assert summary["results"][1]["mode"] == "cached"
     assert (
         len(list((out / "feature_cache").glob("*.features.npy"))) == 2
-    )  # train and test, computed once for kNN and linear
+    )  # train and test, computed once for kNN, linear and RankMe
     table = (out / "results.md").read_text()
     assert all(title in table for title in ("Linear evaluation", "Semi-supervised", "Weighted kNN"))
     assert all((out / sub / "results.json").exists() for sub in ("knn", "linear", "semi_1percent", "semi_10percent"))
@@ -331,6 +332,7 @@ def test_cli_eval_all_runs_every_protocol_sharing_one_feature_cache(resnet18_wei
         "linear",
         "semi",
         "semi",
+        "rankme",
     ]  # what push --results reads
 
 
@@ -349,7 +351,9 @@ def test_every_head_of_a_grid_equals_that_head_trained_alone():
 
 def test_heads_trained_on_several_feature_sets_at_once_equal_those_trained_on_each_set_alone():
     # A learning curve trains its rows' grids together (one batched product a step for all of them): each set's
-    # heads, divergence included (the third set overflows at LR 3), must be bit for bit what it trains alone.
+    # heads, divergence included (the third set overflows at LR 3), must be what it trains alone: the same divergence
+    # and weights within 4 float32 ulps of the largest weight (a batched product is not bit-exact on every x86-64
+    # CPU: on an AVX2-only EPYC it differs from each set's own product by 1e-7 of weights near 44).
     sets = [_separable(30, 4, 16, seed=s)[0] for s in (5, 6)]
     sets.append(sets[0] * 1e19)
     y = _separable(30, 4, 16, seed=5)[1]
@@ -357,7 +361,11 @@ def test_heads_trained_on_several_feature_sets_at_once_equal_those_trained_on_ea
     together = train_head_sets([*sets, np.asarray(sets[1])], y, 4, **hyper, rows=range(10, 120), progress=False)
     for x, heads in zip([*sets, sets[1]], together):
         alone = train_heads(x, y, 4, **hyper, rows=range(10, 120), progress=False)
-        assert torch.equal(heads.weight, alone.weight) and torch.equal(heads.bias, alone.bias)
+        for trained, expected in ((heads.weight, alone.weight), (heads.bias, alone.bias)):
+            finite = torch.isfinite(expected)
+            assert torch.equal(finite, torch.isfinite(trained)) and torch.equal(trained[~finite], expected[~finite])
+            atol = 4 * torch.finfo(torch.float32).eps * float(expected[finite].abs().max())
+            torch.testing.assert_close(trained[finite], expected[finite], rtol=0, atol=atol)
         assert heads.diverged == alone.diverged
     assert together[2].diverged[0] is None and together[2].diverged[2] is not None
     assert together[0].diverged == [None] * 3

@@ -13,11 +13,15 @@ import pytest
 import torch
 from PIL import Image
 
+import bt_hub.data.measured as measured
 import bt_hub.data.precision as precision
 from bt_hub.cli import main as cli_main
 from bt_hub.common.progress import LineProgress, progress
+from bt_hub.common.reuse import inputs_key
 from bt_hub.data.datasets import ImageFolderDataset
 from bt_hub.method.knn import knn_vote, nearest_neighbours
+from bt_hub.method.rankme import rankme
+from bt_hub.method.transforms import normalize
 from bt_hub.train.monitor import KnnMonitor, monitor_sets
 
 # the demo's recipe on the 8-px digits: kNN climbs from ~15% to ~65% in five steps
@@ -86,6 +90,15 @@ def test_knn_monitor_rises_on_the_digits_within_the_first_epoch_and_is_logged(mo
     assert all("loss" in r for r in rows if r["step"] in (5, 10))
 
 
+def test_rankme_of_the_monitors_bank_is_logged_at_the_knn_monitors_cadence(monitored_run):
+    # guards: metrics.jsonl carried no label-free measure of the embeddings' rank during pretraining
+    out, _ = monitored_run
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    ranks = {r["step"]: r["rankme"] for r in rows if "rankme" in r}
+    assert sorted(ranks) == [0, 5, 10] == sorted(r["step"] for r in rows if "knn_top1" in r)
+    assert all(1 < value <= 512 for value in ranks.values()), ranks  # ResNet-18: D = 512 < the bank's 2000 images
+
+
 def test_off_a_terminal_progress_is_a_line_every_log_every_steps_with_the_knn(monitored_run):
     _, lines = monitored_run
     progress_lines = [line for line in lines.splitlines() if line.startswith("pretrain: ")]
@@ -128,7 +141,9 @@ def test_monitor_queries_are_held_out_images_and_its_vote_is_the_eval_knn_vote()
 
     assert eval_vote is knn_vote
     identity = KnnMonitor(bank, bank_labels, bank[:20], bank_labels[:20])
-    assert identity(torch.nn.Flatten(), "cpu") == 100.0  # each query finds itself first
+    scores = identity(torch.nn.Flatten(), "cpu")
+    assert scores["knn_top1"] == 100.0  # each query finds itself first
+    assert scores["rankme"] == rankme(normalize(bank.float() / 255).flatten(1))  # eval rankme's function, on the bank
     sims, idx = nearest_neighbours(torch.eye(3), torch.tensor([[0.0, 2.0, 0.1]]), 2)
     assert idx.tolist() == [[1, 2]] and sims[0, 0] > 0.99
 
@@ -154,9 +169,13 @@ def test_tensorboard_scalars_are_written_for_each_metrics_row(tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
     monkeypatch.setitem(sys.modules, "tensorboard", types.ModuleType("tensorboard"))
     out = tmp_path / "run"
-    assert cli_main([*DIGITS, "--out", str(out), "--max-steps", "2", "--log-every", "1", "--tensorboard"]) == 0
+    monitor = ["--monitor-knn", "2", "--monitor-size", "40"]
+    assert (
+        cli_main([*DIGITS, "--out", str(out), "--max-steps", "2", "--log-every", "1", "--tensorboard", *monitor]) == 0
+    )
     assert written[0] == ("dir", str(out / "tensorboard")) and written[-1] == ("closed", None)
     assert ("pretrain/loss", 1) in written and ("pretrain/loss", 2) in written and ("pretrain/lr_weights", 2) in written
+    assert ("pretrain/rankme", 2) in written and ("pretrain/knn_top1", 2) in written
 
 
 def test_tensorboard_without_the_package_names_the_extra(tmp_path, monkeypatch, capsys):
@@ -166,34 +185,39 @@ def test_tensorboard_without_the_package_names_the_extra(tmp_path, monkeypatch, 
 
 
 @pytest.mark.parametrize(("fp32_s", "bf16_s", "expected"), [(2.0, 1.0, "bf16"), (1.0, 2.0, "fp32"), (1.0, 1.0, "fp32")])
-def test_precision_auto_on_a_cpu_is_the_faster_of_the_two_measured_and_cached(tmp_path, fp32_s, bf16_s, expected):
+def test_precision_auto_on_a_cpu_is_the_faster_of_the_two_measured_and_cached(
+    tmp_path, monkeypatch, fp32_s, bf16_s, expected
+):
     """Guards: auto picked bf16 on any CPU with avx512_bf16, where bf16 ran slower than fp32 on some of them."""
     cache = tmp_path / "cache" / "precision_auto.json"
-    chosen = precision.cpu_choice(lambda: {"fp32": fp32_s, "bf16": bf16_s}, cache)
+    monkeypatch.setattr(measured, "cache_file", lambda name: cache.parent / name)
+    chosen = precision.cpu_choice(lambda: {"fp32": fp32_s, "bf16": bf16_s})
     assert (chosen["precision"], chosen["precision_fp32_s"], chosen["precision_bf16_s"]) == (expected, fp32_s, bf16_s)
     assert (
         chosen["precision_reason"].endswith("(measured now)")
         and f"{bf16_s:.3g} s in bf16" in chosen["precision_reason"]
     )
-    key = f"{precision.cpu_model()} | torch {torch.__version__}"
-    assert json.loads(cache.read_text()) == {key: {"fp32": fp32_s, "bf16": bf16_s}}
+    machine = f"{measured.cpu_model()} | torch {torch.__version__}"
+    key = inputs_key("measurement", {"machine": machine})
+    assert json.loads(cache.read_text()) == {key: {"machine": machine, "measured": {"fp32": fp32_s, "bf16": bf16_s}}}
     assert not list(cache.parent.glob(".*.tmp"))  # written whole, through a temp file
 
     def not_again():
         raise AssertionError("measured again although this CPU model and torch version are cached")
 
-    again = precision.cpu_choice(not_again, cache)
+    again = precision.cpu_choice(not_again)
     assert again["precision"] == expected and again["precision_reason"].endswith(f"(cached in {cache.name})")
     assert str(cache.parent) not in again["precision_reason"]  # Guards: the home folder went into results and cards
 
 
 def test_precision_auto_is_measured_again_on_another_cpu_model_or_torch_version(tmp_path, monkeypatch):
     cache = tmp_path / "precision_auto.json"
-    assert precision.cpu_choice(lambda: {"fp32": 1.0, "bf16": 2.0}, cache)["precision"] == "fp32"
-    monkeypatch.setattr(precision, "cpu_model", lambda: "Another CPU")
-    assert precision.cpu_choice(lambda: {"fp32": 2.0, "bf16": 1.0}, cache)["precision"] == "bf16"
+    monkeypatch.setattr(measured, "cache_file", lambda name: cache)
+    assert precision.cpu_choice(lambda: {"fp32": 1.0, "bf16": 2.0})["precision"] == "fp32"
+    monkeypatch.setattr(measured, "cpu_model", lambda: "Another CPU")
+    assert precision.cpu_choice(lambda: {"fp32": 2.0, "bf16": 1.0})["precision"] == "bf16"
     monkeypatch.setattr(torch, "__version__", "9.9.9")
-    assert precision.cpu_choice(lambda: {"fp32": 3.0, "bf16": 4.0}, cache)["precision"] == "fp32"
+    assert precision.cpu_choice(lambda: {"fp32": 3.0, "bf16": 4.0})["precision"] == "fp32"
     assert len(json.loads(cache.read_text())) == 3
 
 
@@ -206,7 +230,7 @@ def test_precision_auto_on_cuda_is_bf16_where_the_gpu_supports_it_without_measur
 
 
 def test_precision_auto_is_recorded_resolved_and_a_resume_with_auto_accepts_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(precision, "cache_file", lambda: tmp_path / "precision_auto.json")
+    monkeypatch.setattr(measured, "cache_file", lambda name: tmp_path / "precision_auto.json")
     monkeypatch.setattr(precision, "measure_cpu", lambda: {"fp32": 0.25, "bf16": 0.125})
     out = tmp_path / "run"
     tiny = [
@@ -230,7 +254,7 @@ def test_precision_auto_is_recorded_resolved_and_a_resume_with_auto_accepts_it(t
     assert "0.125 s in bf16 and 0.25 s in fp32" in started["precision_reason"]
     assert recipe["recipe"]["precision"] == "bf16" and recipe["recipe"]["precision_bf16_s"] == 0.125
     assert cli_main(["pretrain", *tiny, "--max-steps", "2", "--resume", "auto"]) == 0  # the cached choice again
-    monkeypatch.setattr(precision, "cache_file", lambda: tmp_path / "elsewhere.json")
+    monkeypatch.setattr(measured, "cache_file", lambda name: tmp_path / "elsewhere.json")
     monkeypatch.setattr(precision, "measure_cpu", lambda: {"fp32": 0.125, "bf16": 0.25})
     assert (
         cli_main(["pretrain", *tiny, "--max-steps", "3", "--resume", "auto"]) == 2

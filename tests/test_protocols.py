@@ -23,6 +23,7 @@ CONTRACTS = {
     "knn": "test_knn_equals_dinos_knn_classifier_at_k_20_and_200",
     "linear": "test_the_linear_probe_loop_trains_evaluate_pys_first_epoch",
     "voc07-svm": "test_voc07_svms_choose_vissls_cost_per_class_and_score_its_test_ap",
+    "rankme": "test_rankme_equals_a_float64_numpy_computation_on_the_same_features",
 }
 
 SMALL = ["--data", "synthetic:40", "--image-size", "8", "--precision", "fp32"]
@@ -73,10 +74,10 @@ def test_a_registered_protocol_is_a_cli_command_an_api_choice_a_suite_run_and_a_
     suite = ["eval", "all", *weights, *SMALL, "--fractions", "--linear-epochs", "2", "--out", str(tmp_path / "all")]
     assert cli.main(suite) == 0
     records = json.loads((tmp_path / "all" / "results.json").read_text())["results"]
-    assert [r["protocol"] for r in records] == ["knn", "linear", "centroid"]
+    assert [r["protocol"] for r in records] == ["knn", "linear", "rankme", "centroid"]
     assert (tmp_path / "all" / "centroid" / "results.json").is_file()
     normalised = evaluate(small_stem_weights, "synthetic:40", "centroid", image_size=8, precision="fp32")
-    assert records[2]["metrics"] == normalised.records[0]["metrics"]
+    assert records[3]["metrics"] == normalised.records[0]["metrics"]
 
     compare = ["eval", "compare", *weights, *SMALL, "--protocols", "centroid,knn", "--baselines", "pixels"]
     assert cli.main([*compare, "--seeds", "1", "--out", str(tmp_path / "cmp")]) == 0
@@ -92,7 +93,9 @@ def test_the_table_refuses_a_second_protocol_of_the_same_name_and_the_commands_o
         register_protocol(Protocol("knn", __name__, "CentroidConfig", "a second knn"))
     with pytest.raises(ValueError, match="'compare' is a bt-hub eval command of its own"):
         register_protocol(Protocol("compare", __name__, "CentroidConfig", "a protocol named compare"))
-    with pytest.raises(ValueError, match="protocol must be one of knn, linear, semi, voc07-svm, transfer, centroid"):
+    with pytest.raises(
+        ValueError, match="protocol must be one of knn, linear, semi, voc07-svm, transfer, rankme, centroid"
+    ):
         get_protocol("nope")
 
 

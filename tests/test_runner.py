@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-import bt_hub.weights.load as bt_weights
+import bt_hub.weights as bt_weights
 from bt_hub import cli
 from bt_hub.common.presets import from_preset
 from bt_hub.eval import comparison, knn, runner, suite
@@ -18,6 +18,7 @@ from bt_hub.eval.embedding import EmbedConfig
 from bt_hub.eval.linear import LinearConfig, TransferConfig
 from bt_hub.eval.protocols import get_protocol
 from bt_hub.eval.semi_supervised import SemiSupervisedConfig
+from bt_hub.eval.settings import load_weights
 from bt_hub.eval.suite import SuiteConfig
 from bt_hub.eval.voc07_svm import Voc07SvmConfig
 
@@ -36,7 +37,7 @@ def test_the_runner_never_writes_into_the_users_config_and_records_what_it_resol
     assert settings["image_size"] == 224 and settings["image_size_from"] == "default"
     assert settings["precision"] in ("fp32", "bf16") and record["hyperparameters"]["precision"] == settings["precision"]
     assert settings["precision_from"].startswith("auto: a ResNet-18 step took")  # measured, both times said
-    assert record["weights"]["fingerprint"] == runner.load_weights(str(small_stem_weights)).sha256
+    assert record["weights"]["fingerprint"] == load_weights(str(small_stem_weights)).sha256
 
 
 def test_eval_all_reads_and_hashes_the_weights_once_for_every_protocol(small_stem_weights, tmp_path, monkeypatch):
@@ -58,7 +59,7 @@ def test_eval_all_reads_and_hashes_the_weights_once_for_every_protocol(small_ste
     summary = suite.run_suite(config)
     assert len(reads) == 1
     records = summary["results"]
-    assert [r["protocol"] for r in records] == ["knn", "linear", "semi"]
+    assert [r["protocol"] for r in records] == ["knn", "linear", "semi", "rankme"]
     assert len({r["weights"]["fingerprint"] for r in records}) == 1
     assert all(r["settings"]["image_size"] == 8 for r in records)
 
@@ -80,7 +81,7 @@ def test_eval_all_passes_its_protocols_only_the_shared_flags_they_read(small_ste
         out=str(tmp_path / "all"),
     )
     records = suite.run_suite(config)["results"]
-    assert [r["settings"]["decode"] for r in records] == ["workers", "workers", "workers"]
+    assert [r["settings"]["decode"] for r in records] == ["workers", "workers", "workers", "workers"]
     assert records[0]["hyperparameters"]["cache_dtype"] == "float16"
 
 
@@ -106,7 +107,7 @@ def test_eval_all_fine_tunes_on_simclrs_published_lists_from_subset_dir(small_st
     )
     records = suite.run_suite(config)["results"]
     semi = records[2]
-    assert [r["protocol"] for r in records] == ["knn", "linear", "semi"]
+    assert [r["protocol"] for r in records] == ["knn", "linear", "semi", "rankme"]
     assert (semi["labels"]["source"], semi["labels"]["file"], semi["labels"]["count"]) == ("list", "10percent.txt", 2)
     assert (tmp_path / "all" / "semi_10percent" / "results.json").is_file()
 
@@ -117,11 +118,11 @@ def test_eval_all_run_again_skips_the_protocols_finished_with_the_same_settings(
     # guards: after a SIGTERM that stopped eval all after its kNN run, each rerun scored kNN again and appended
     # another record (1, 2, then 3); same settings are the record's (weights sha256, settings, hyper-parameters)
     from bt_hub.common.signals import Terminated
-    from bt_hub.data import precision
+    from bt_hub.data import measured, precision
     from bt_hub.eval import linear
     from bt_hub.eval.report import load_results
 
-    monkeypatch.setattr(precision, "cache_file", lambda: tmp_path / "precision.json")  # measured now, then cached
+    monkeypatch.setattr(measured, "cache_file", lambda name: tmp_path / "precision.json")  # measured now, then cached
     monkeypatch.setattr(precision, "measure_cpu", lambda: {"fp32": 1.0, "bf16": 2.0})
     out = tmp_path / "all"
     argv = ["eval", "all", "--weights", str(small_stem_weights), *SMALL, "--fractions", "--linear-epochs", "1"]
@@ -135,18 +136,19 @@ def test_eval_all_run_again_skips_the_protocols_finished_with_the_same_settings(
         return [len(load_results(folder)[0]) for folder in (out / "knn", out / "linear", out)]
 
     skipped = "finished before from the same inputs (weights, data, settings); skipped (--rerun runs it again)"
-    assert cli.main(argv) == 0 and counts() == [1, 1, 2]
+    assert cli.main(argv) == 0 and counts() == [1, 1, 3]  # kNN kept; linear and RankMe scored
     assert f"bt-hub eval all: knn in {out / 'knn'} {skipped}" in capsys.readouterr().err.splitlines()
-    assert cli.main(argv) == 0 and counts() == [1, 1, 2]
+    assert cli.main(argv) == 0 and counts() == [1, 1, 3]
     assert [line.split(" in ")[0] for line in capsys.readouterr().err.splitlines() if skipped in line] == [
         "bt-hub eval all: knn",
         "bt-hub eval all: linear",
+        "bt-hub eval all: rankme",
     ]
-    assert len(json.loads((out / "results.json").read_text())["results"]) == 2
-    assert cli.main([*argv, "--knn-k", "7"]) == 0 and counts() == [2, 1, 3]  # a changed setting runs again
+    assert len(json.loads((out / "results.json").read_text())["results"]) == 3
+    assert cli.main([*argv, "--knn-k", "7"]) == 0 and counts() == [2, 1, 4]  # a changed setting runs again
     said = f"bt-hub eval all: knn in {out / 'knn'} was scored with other settings (hyper-parameters changed (k))"
     assert f"{said}; running it again" in capsys.readouterr().err.splitlines()
-    assert cli.main([*argv, "--rerun"]) == 0 and counts() == [3, 2, 5]
+    assert cli.main([*argv, "--rerun"]) == 0 and counts() == [3, 2, 7]
 
 
 @pytest.mark.parametrize("change", ["replaced in place", "a class added", "a class removed"])
@@ -262,9 +264,7 @@ def test_two_weights_that_share_a_base_name_are_two_rows_with_their_own_scores(s
     rows = {r["notes"]["compare"]["row"]: r for r in records}
     weights_rows = [name for name in rows if name != "pixels"]
     assert len(weights_rows) == 2 and weights_rows[0] != weights_rows[1]
-    assert {rows[n]["weights"]["fingerprint"] for n in weights_rows} == {
-        runner.load_weights(str(p)).sha256 for p in (a, b)
-    }
+    assert {rows[n]["weights"]["fingerprint"] for n in weights_rows} == {load_weights(str(p)).sha256 for p in (a, b)}
     for path in (a, b):
         alone = runner.run_protocol(
             get_protocol("knn"),

@@ -190,7 +190,7 @@ def test_eval_all_with_a_devkit_runs_the_voc07_svms_on_its_lists_as_the_command_
     suite = ["eval", "all", *common, "--data", "synthetic:20", "--fractions", "--linear-epochs", "2"]
     assert cli.main([*suite, "--voc07-devkit", str(devkit.parent), "--out", str(tmp_path / "all")]) == 0
     records = json.loads((tmp_path / "all" / "results.json").read_text())["results"]
-    assert [r["protocol"] for r in records] == ["knn", "linear", "voc07-svm"]
+    assert [r["protocol"] for r in records] == ["knn", "linear", "voc07-svm", "rankme"]
     voc = records[2]
     assert voc["hyperparameters"]["data"] == "VOCdevkit" and voc["hyperparameters"]["decode"] == "workers"
     alone = ["eval", "voc07-svm", *common, "--data", str(devkit.parent), "--out", str(tmp_path / "alone")]

@@ -224,7 +224,7 @@ def data_label(record: Mapping[str, Any]) -> str:
         return Path(str(dataset or "")).name or str(dataset or "")
     name = str(dataset.get("name") or "")
     test = (dataset.get("test") or {}).get("split")
-    return f"{name} ({test})" if test and test not in ("val", "test") else name
+    return f"{name} ({test})" if test and test not in ("val", "test", "none") else name
 
 
 def weights_label(record: Mapping[str, Any]) -> str:

@@ -147,9 +147,11 @@ def _walk(top: Path) -> list[tuple[str, list[str]]]:
 
 
 class ImageFolderDataset(Dataset):
-    """``root/<class>/<image>``, classes sorted by name, optionally resized to ``image_size`` squares (bicubic)."""
+    """``root/<class>/<image>``, classes sorted by name, optionally resized to ``image_size`` squares (bicubic);
+    ``unlabelled``: a folder of images without class folders is read too, as one class named after the folder (a
+    run that scores no label: ``bt-hub eval rankme``, ``bt-hub embed``)."""
 
-    def __init__(self, root: str | os.PathLike, image_size: int | None = None) -> None:
+    def __init__(self, root: str | os.PathLike, image_size: int | None = None, *, unlabelled: bool = False) -> None:
         self.root = Path(root)
         if not self.root.exists():
             raise FileNotFoundError(f"data directory {self.root} does not exist")
@@ -166,15 +168,19 @@ class ImageFolderDataset(Dataset):
                 "and are not read; an ImageFolder holds <class>/<image>",
                 stacklevel=2,
             )
-        if not self.classes:
+        if not self.classes and not (unlabelled and loose):
             raise ValueError(
                 f"data directory {self.root} has no class subdirectories; "
                 "expected an ImageFolder tree (class/image.png)"
             )
         self.samples: list[tuple[Path, int]] = []
         apple_double: list[Path] = []  # macOS's "._x.png" beside "x.png": Finder metadata, not an image
-        for label, name in enumerate(self.classes):
-            for dirpath, filenames in sorted(_walk(self.root / name)):
+        listed = {name: sorted(_walk(self.root / name)) for name in self.classes}
+        if not listed:  # unlabelled: the folder's own images, one class
+            listed = {self.root.resolve().name: [(str(self.root), loose)]}
+        self.classes = list(listed)
+        for label, folders in enumerate(listed.values()):
+            for dirpath, filenames in folders:
                 for fname in sorted(f for f in filenames if f.lower().endswith(IMAGE_EXTENSIONS)):
                     (apple_double if fname.startswith("._") else self.samples).append((Path(dirpath) / fname, label))
         if apple_double:
@@ -228,8 +234,10 @@ def build_dataset(
     image_size: int | None = 32,
     seed: int = 0,
     test_fraction: float = 0.2,
+    unlabelled: bool = False,
 ) -> Dataset:
-    """The dataset behind a ``--data`` value (``digits``, ``synthetic[:N]`` or a directory) of (RGB image, label)."""
+    """The dataset behind a ``--data`` value (``digits``, ``synthetic[:N]`` or a directory) of (RGB image, label);
+    ``unlabelled``: a folder of images without class folders is one class (:class:`ImageFolderDataset`)."""
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is unknown; expected one of {SPLITS}")
     spec = str(name_or_path)
@@ -255,4 +263,4 @@ def build_dataset(
             f"data directory {root} does not exist "
             "(expected 'digits', 'synthetic[:N]' or a path to an ImageFolder tree)"
         )
-    return ImageFolderDataset(_folder_for_split(root, split), image_size=image_size)
+    return ImageFolderDataset(_folder_for_split(root, split), image_size=image_size, unlabelled=unlabelled)

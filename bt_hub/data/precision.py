@@ -3,73 +3,24 @@ the faster of fp32 and bf16 autocast on a micro-benchmark (a ResNet-18 step), ti
 version and cached; the speed of bf16 differs by CPU (avx512_bf16 alone has run slower than fp32), so CPU flags
 are no guide.
 
-The cache of such measured choices (:func:`measured`) is shared: ``--decode auto`` keeps its decoders' timings
-the same way (:mod:`bt_hub.data.decode`), each in a file of its own beside bt_hub's download cache.
+The timings are kept as every measured choice is (:mod:`bt_hub.data.measured`), in ``precision_auto.json``.
 """
 
 from __future__ import annotations
 
-import platform
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from bt_hub.common.files import atomic_write_json, read_json
+from bt_hub.data import measured
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 CACHE_NAME = "precision_auto.json"
 TIMED_REPEATS = 5  # timed steps per precision, after one untimed warm-up step each
 STEP_IMAGES, STEP_SIDE = 16, 64  # the micro-benchmark's batch: 16 images of 64 px
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of /proc/cpuinfo (empty where there is none, e.g. macOS)."""
-    return frozenset(_cpuinfo("flags").split())
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo, else what the platform says), the key of the precision cache."""
-    return _cpuinfo("model name") or platform.processor() or platform.machine() or "unknown CPU"
-
-
-def _cpuinfo(field: str) -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
-    for line in text.splitlines():
-        if line.split(":", 1)[0].strip() == field:
-            return line.split(":", 1)[1].strip()
-    return ""
-
-
-def cache_file(name: str = CACHE_NAME) -> Path:
-    """Where the measured choices are kept: beside bt_hub's download cache (``<torch hub dir>/checkpoints/bt_hub``)."""
-    return Path(torch.hub.get_dir()) / "checkpoints" / "bt_hub" / name
-
-
-def measured(
-    key: str, measure: Callable[[], Mapping[str, float]], path: Path, names: Sequence[str] = ()
-) -> tuple[dict[str, float], str]:
-    """The timings cached under ``key`` in ``path`` (a JSON file of such entries) when they hold every one of
-    ``names``, else ``measure()``'s, cached there now; and where they came from, for a choice's reason."""
-    cache = read_json(path)
-    cache = cache if isinstance(cache, dict) else {}
-    found = cache.get(key)
-    if isinstance(found, dict) and found and all(isinstance(v, (int, float)) for v in found.values()):
-        if all(name in found for name in names):
-            # the file by name: the reason goes into results.json and model cards, which hold no absolute path
-            return {name: float(v) for name, v in found.items()}, f"cached in {path.name}"
-    timings, where = {name: float(v) for name, v in measure().items()}, "measured now"
-    try:
-        atomic_write_json(path, {**cache, key: timings})
-    except OSError:
-        where += f", not cached ({path} is not writable)"
-    return timings, where
 
 
 def time_step(dtype: torch.dtype | None, repeats: int = TIMED_REPEATS) -> float:
@@ -95,18 +46,28 @@ def measure_cpu() -> dict[str, float]:
     return {"fp32": time_step(None), "bf16": time_step(torch.bfloat16)}
 
 
-def cpu_choice(measure: Callable[[], Mapping[str, float]] | None = None, path: Path | None = None) -> dict[str, Any]:
+def cpu_choice(measure: Callable[[], Mapping[str, float]] | None = None) -> dict[str, Any]:
     """``--precision auto`` on this CPU: the faster of fp32 and bf16 by ``measure``'s seconds (default
-    :func:`measure_cpu`), cached in ``path`` (default :func:`cache_file`) per CPU model and torch version; the
-    choice, why, and both times."""
-    key = f"{cpu_model()} | torch {torch.__version__}"
-    timings, where = measured(key, measure or measure_cpu, path or cache_file(), ("fp32", "bf16"))
+    :func:`measure_cpu`), kept in ``precision_auto.json`` (:mod:`bt_hub.data.measured`) per CPU model and torch
+    version; the choice, why, and both times."""
+    steps = 2 * (TIMED_REPEATS + 1)
+    note = (
+        f"timing bf16 against fp32 on this CPU once ({steps} steps of a ResNet-18, under a minute on most CPUs; "
+        f"kept in {CACHE_NAME})"
+    )
+    timings, where = measured.measured(
+        f"{measured.cpu_model()} | torch {torch.__version__}",
+        measure or measure_cpu,
+        CACHE_NAME,
+        lambda found: measured.timings_problem(found, ("fp32", "bf16"), ("fp32", "bf16")),
+        note,
+    )
     choice = "bf16" if timings["bf16"] < timings["fp32"] else "fp32"
     return {
         "precision": choice,
         "precision_reason": (
             f"auto: a ResNet-18 step took {timings['bf16']:.3g} s in bf16 and {timings['fp32']:.3g} s in fp32 on "
-            f"{cpu_model()} ({where})"
+            f"{measured.cpu_model()} ({where})"
         ),
         "precision_fp32_s": timings["fp32"],
         "precision_bf16_s": timings["bf16"],

@@ -46,7 +46,7 @@ def view_pair(config: PretrainConfig) -> tuple[ViewParams, ViewParams]:
 
 class ViewDataset(Dataset):
     """Items keyed by (epoch, index): two seeded PIL views, or for batched views the uint8 image or the file's bytes
-    (``device_decoder``: JPEG bytes are left to the device's decoder; see :func:`bt_hub.data.decode.worker_item`)."""
+    (``decoding`` says which JPEGs are left to the device's decoder; see :func:`bt_hub.data.decode.worker_item`)."""
 
     def __init__(
         self,
@@ -56,11 +56,11 @@ class ViewDataset(Dataset):
         batched: bool,
         views: tuple[ViewParams, ViewParams] = (VIEW_A, VIEW_B),
         files: bool = False,
-        device_decoder: bool = False,
+        decoding: Decoding | None = None,
         store: DecodedImages | None = None,
     ) -> None:
         self.store = store  # the folder decoded once: batches are gathered from it, no loader
-        self.dataset, self.seed, self.batched, self.device_decoder = dataset, seed, batched, device_decoder
+        self.dataset, self.seed, self.batched, self.decoding = dataset, seed, batched, decoding or Decoding()
         self.file_items = batched and files  # images of their own sizes, packed a batch at a time
         self.transform = TwoViewTransform(image_size, views)
 
@@ -70,8 +70,7 @@ class ViewDataset(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> Any:
         epoch, index = key
         if self.file_items:  # the file's bytes for the device decoder, or the image decoded in this worker
-            decoding = Decoding("torchvision") if self.device_decoder else Decoding()
-            return worker_item(self.dataset.samples[index][0], decoding, index)
+            return worker_item(self.dataset.samples[index][0], self.decoding, index)
         image, _ = self.dataset[index]
         if self.batched:
             return to_uint8_tensor(image)
@@ -124,21 +123,22 @@ def to_views(
     config: PretrainConfig,
     device: torch.device,
     batched: BatchedTwoViews | None,
-    store: DecodedImages | None = None,
+    views: ViewDataset,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The two view batches on the device (batched views are drawn per (seed, step, rank)).
 
     Batched views draw their parameters on the host (a CPU generator) and send them in one copy, so that making
-    them never waits for the device; with a decoded ``store`` the batch is the sampler's (epoch, index) keys: one
-    gather from the store, the same views as the images a loader decodes from the files.
+    them never waits for the device; with a decoded store (``views.store``) the batch is the sampler's (epoch, index)
+    keys: one gather from the store, the same views as the images a loader decodes from the files; file bytes are
+    decoded by ``views.decoding``'s device decoder.
     """
     if batched is None:
         y_a, y_b = (v.to(device, non_blocking=True) for v in batch)
     else:
-        if store is not None:
-            images = store.batch([index for _, index in batch], device)
+        if views.store is not None:
+            images = views.store.batch([index for _, index in batch], device)
         elif isinstance(batch, PackedItems):  # a folder's images (or bytes), one copy to the device
-            images = to_device_images(batch, device)
+            images = to_device_images(batch, device, views.decoding.device or "pil")
         else:
             images = batch.to(device, non_blocking=True)
         y_a, y_b = batched(images, generator=seeded_generator(config.seed, step, get_rank()))
@@ -176,7 +176,8 @@ def probe_views(
     if batched is not None and views.store is not None:
         return batched(views.store.batch([i for _, i in keys], device), generator=seeded_generator(config.seed, -1))
     if batched is not None and views.file_items:
-        return batched(to_device_images([views[k] for k in keys], device), generator=seeded_generator(config.seed, -1))
+        images = to_device_images([views[k] for k in keys], device, views.decoding.device or "pil")
+        return batched(images, generator=seeded_generator(config.seed, -1))
     if batched is not None:
         return batched(torch.stack([views[k] for k in keys]).to(device), generator=seeded_generator(config.seed, -1))
     view_a, view_b = zip(*(views[k] for k in keys))

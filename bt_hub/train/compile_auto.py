@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from bt_hub.common.distributed import broadcast_object
-from bt_hub.data.precision import cpu_flags
+from bt_hub.data.measured import cpu_flags
 
 SAVED_FRACTION = 0.25
 COMPILE_SECONDS = {"cuda": 120.0, "cpu": 300.0}

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from bt_hub.common.config import RunConfig, check_image_size, option, out_field
-from bt_hub.data.decode import resolve_decode
+from bt_hub.data.decode import nvimgcodec
+from bt_hub.data.decode_auto import check_decode
 from bt_hub.method.loss import LAMBD
 from bt_hub.method.model import ARCHITECTURES, parse_projector
 
@@ -143,10 +144,13 @@ class PretrainConfig(RunConfig):
     views: Literal["pil", "batched"] = option(
         "pil", "augment per image in loader workers (pil) or per batch on the device (batched)"
     )
-    decode: Literal["auto", "device", "workers"] = option(
+    decode: Literal["auto", "device", "nvimgcodec", "pil", "workers"] = option(
         "auto",
-        "image files with --views batched: workers read bytes and the device decodes the batch (device), "
-        "or workers decode with PIL (workers); auto: device on CUDA",
+        "image files with --views batched: workers read bytes and the device decodes the batch (device: "
+        "torchvision's nvJPEG; nvimgcodec: nvImageCodec, pip install 'bt_hub[nvimgcodec]'), or the workers decode "
+        "every file with PIL (pil, workers); auto: as bt-hub eval's, the decoders at hand timed on the data's first "
+        "JPEGs and checked against PIL's pixels, the faster one that matches, the workers decoding a share of each "
+        "batch on CUDA; with --views pil: workers",
     )
     store: Literal["auto", "off", "disk", "device"] = option(
         "auto",
@@ -174,7 +178,7 @@ class PretrainConfig(RunConfig):
     monitor_knn: int = option(
         0,
         "every this many steps, weighted kNN top-1 (k = 20, T = 0.07) of the backbone's features on a "
-        "small labelled bank, logged and shown in the progress bar (0: off)",
+        "small labelled bank, logged and shown in the progress bar, and RankMe of the bank's features, logged (0: off)",
     )
     monitor_data: str | None = option(
         None,
@@ -221,7 +225,9 @@ class PretrainConfig(RunConfig):
         super().__post_init__()
         if self.precision == "fp16" and not self.device.startswith("cuda"):
             raise ValueError("--precision fp16 needs --device cuda; use bf16 on CPU")
-        resolve_decode(self.decode, self.device, self.views)  # an impossible --decode / --views pair fails here
+        check_decode(self.decode, self.views)  # an impossible --decode / --views pair fails here
+        if self.decode == "nvimgcodec":
+            nvimgcodec()  # a missing extra is refused here, before the run claims --out
         if self.store in ("disk", "device") and self.views != "batched":
             raise ValueError(
                 f"--store {self.store} keeps a folder decoded once for --views batched; with --views {self.views} the "

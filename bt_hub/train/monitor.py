@@ -1,5 +1,5 @@
 """Runs you can watch: an online kNN monitor of the backbone (solo-learn's: a small labelled bank, held-out
-queries, the weighted vote of 20 neighbours), and optional TensorBoard scalars.
+queries, the weighted vote of 20 neighbours) with RankMe of the bank's features, and optional TensorBoard scalars.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from bt_hub.common.signals import ignore_group_signals
 from bt_hub.data.datasets import ImageFolderDataset, build_dataset, is_builtin, to_uint8_tensor
 from bt_hub.method.knn import knn_vote, nearest_neighbours
 from bt_hub.method.model import default_init_backbone
+from bt_hub.method.rankme import rankme
 from bt_hub.method.transforms import normalize
 from bt_hub.train.resume import seeded_generator
 
@@ -85,7 +86,8 @@ def monitor_sets(
 
 
 class KnnMonitor:
-    """Weighted kNN top-1 (percent) of a backbone's features; bank and queries (uint8 images) fixed at construction."""
+    """Weighted kNN top-1 (percent) of a backbone's features and RankMe of the bank's; bank and queries (uint8 images)
+    fixed at construction."""
 
     def __init__(
         self,
@@ -110,8 +112,12 @@ class KnnMonitor:
                 feats.append(backbone(x).float())
         return torch.cat(feats)
 
-    def __call__(self, backbone: nn.Module, device: torch.device | str, amp_dtype: torch.dtype | None = None) -> float:
-        """Top-1 of the k = 20, T = 0.07 vote with ``backbone`` in eval mode (its mode is restored)."""
+    def __call__(
+        self, backbone: nn.Module, device: torch.device | str, amp_dtype: torch.dtype | None = None
+    ) -> dict[str, float]:
+        """``knn_top1``, the top-1 of the k = 20, T = 0.07 vote, and ``rankme``, RankMe of the bank's features
+        (:func:`bt_hub.method.rankme.rankme`, as ``bt-hub eval rankme`` computes it: N is the bank's size, so its
+        largest value is min(bank, D)), with ``backbone`` in eval mode (its mode is restored)."""
         device = torch.device(device)
         was_training = backbone.training
         backbone.eval()
@@ -122,9 +128,10 @@ class KnnMonitor:
             backbone.train(was_training)
         k = min(MONITOR_K, len(bank))
         sims, idx = nearest_neighbours(bank, queries, k)
-        return knn_vote(
+        top1 = knn_vote(
             sims.cpu(), idx.cpu(), self.bank_labels, self.query_labels, k, MONITOR_TEMPERATURE, self.num_classes
         )["top1"]
+        return {"knn_top1": top1, "rankme": rankme(bank)}
 
     def baselines(
         self, arch: str, small_image_stem: bool, seed: int, device: torch.device | str, amp_dtype: torch.dtype | None
@@ -133,8 +140,8 @@ class KnnMonitor:
         what the curve must beat, logged beside its first point."""
         random_init = default_init_backbone(arch, small_image_stem, seed).to(device)
         return {
-            "knn_pixels": self(nn.Flatten(), device, amp_dtype),
-            "knn_random_init": self(random_init, device, amp_dtype),
+            "knn_pixels": self(nn.Flatten(), device, amp_dtype)["knn_top1"],
+            "knn_random_init": self(random_init, device, amp_dtype)["knn_top1"],
         }
 
 

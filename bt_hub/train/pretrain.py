@@ -35,7 +35,7 @@ from bt_hub.common.progress import progress
 from bt_hub.common.runs import RunDir
 from bt_hub.common.signals import Terminated, deferred_stop
 from bt_hub.data.datasets import build_dataset, is_builtin
-from bt_hub.data.decode import resolve_decode
+from bt_hub.data.decode_auto import decode_choice
 from bt_hub.data.precision import autocast_dtype, precision_choice, resolve_channels_last
 from bt_hub.data.prefetch import Prefetcher
 from bt_hub.method.loss import LossTerms
@@ -212,21 +212,25 @@ def pretrain(config: PretrainConfig) -> Path:
 
 
 def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
-    chosen = broadcast_object(precision_choice(config.precision, device) if is_main_process() else None)
-    precision = chosen["precision"]
-    config = dataclasses.replace(
-        config,
-        precision=precision,
-        channels_last=resolve_channels_last(config.channels_last, precision),
-        decode=resolve_decode(config.decode, device, config.views),
-    )
     world = get_world_size()
     out = Path(config.out)
     if config.batch_size % world:
         raise ValueError(f"--batch-size {config.batch_size} is not a multiple of the {world} processes")
-    state = _resume_state(config, out)
     is_dir = not is_builtin(config.data)
     dataset = build_dataset(config.data, "train", image_size=None if is_dir else config.image_size, seed=config.seed)
+    config.schedule_steps(len(dataset))  # the data and the schedule refused before anything is measured
+    chosen = broadcast_object(precision_choice(config.precision, device) if is_main_process() else None)
+    decode = config.decode if config.views == "batched" else "workers"  # PIL views: the workers decode and augment
+    decoded = broadcast_object(
+        decode_choice(decode, device, config.data, config.num_workers) if is_main_process() else None
+    )
+    config = dataclasses.replace(
+        config,
+        precision=chosen["precision"],
+        channels_last=resolve_channels_last(config.channels_last, chosen["precision"]),
+        decode=decoded.decode,
+    )
+    state = _resume_state(config, out)
     steps_per_epoch = len(dataset) // config.batch_size
     total_steps, warmup_steps, last_step = config.schedule_steps(len(dataset), int(state["step"]) if state else 0)
 
@@ -234,7 +238,9 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
     step_module = _wrapped(model, config, device, world, last_step - step)  # before the probe: it sees wrapped BNs
     if state is None and config.overwrite and is_main_process():
         _clear_replaced_run(out, config)
-    run.start(config, step, fresh=state is None and (config.resume is None or config.overwrite), facts=chosen)
+    facts = {**chosen, "decode_reason": decoded.reason, **decoded.decoding.described()}
+    facts.update(decode_share=decoded.decoding.worker_share, decode_agreement=decoded.agreement)
+    run.start(config, step, fresh=state is None and (config.resume is None or config.overwrite), facts=facts)
     view_params = view_pair(config)
     batched = BatchedTwoViews(config.image_size, view_params) if config.views == "batched" else None
     views = ViewDataset(
@@ -244,7 +250,7 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
         batched is not None,
         view_params,
         files=is_dir,
-        device_decoder=config.decode == "device" and device.type == "cuda",
+        decoding=decoded.decoding,
         store=decoded_store(config, dataset, device) if is_dir and batched is not None else None,
     )
     probe = probe_views(views, config, device, batched) if is_main_process() else None
@@ -310,11 +316,12 @@ def _run_loop(loop: _Loop, step: int) -> int:
     bar = progress(None, "pretrain", total=loop.last_step, initial=step, unit="step", every=config.log_every)
     postfix: dict[str, str] = {}
     if loop.monitor is not None and step == 0:
-        postfix["knn"] = f"{loop.monitor(model.backbone, device, loop.amp_dtype):.1f}"
+        scores = loop.monitor(model.backbone, device, loop.amp_dtype)
+        postfix["knn"] = f"{scores['knn_top1']:.1f}"
         baselines = loop.monitor.baselines(
             config.backbone, config.small_image_stem, config.seed, device, loop.amp_dtype
         )
-        loop.run.log({"step": 0, "knn_top1": float(postfix["knn"]), **baselines})
+        loop.run.log({"step": 0, "knn_top1": float(postfix["knn"]), "rankme": scores["rankme"], **baselines})
     model.train()
     with deferred_stop(device) as terminated:
         while step < loop.last_step:
@@ -339,7 +346,7 @@ def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], termin
     # on CUDA the next batches are decoded and viewed on a side stream while this step trains
     with Prefetcher(
         enumerate(loader, step),
-        lambda item: to_views(item[1], item[0], config, device, loop.batched, loop.views.store),
+        lambda item: to_views(item[1], item[0], config, device, loop.batched, loop.views),
         device,
         depth=2 if device.type == "cuda" else 0,
     ) as batches:
@@ -366,7 +373,7 @@ def _run_epoch(loop: _Loop, step: int, bar: Any, postfix: dict[str, str], termin
                 }
                 tick, tick_step = now, step
             if loop.monitor is not None and (step % config.monitor_knn == 0 or step == loop.last_step):
-                row["knn_top1"] = loop.monitor(model.backbone, device, loop.amp_dtype)
+                row |= loop.monitor(model.backbone, device, loop.amp_dtype)  # knn_top1, rankme
                 postfix["knn"] = f"{row['knn_top1']:.1f}"
             if row:
                 loop.run.log({"step": step, **row})

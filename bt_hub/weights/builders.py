@@ -18,7 +18,7 @@ from bt_hub.common.files import CheckpointError
 from bt_hub.method.model import BarlowTwins, build_backbone
 from bt_hub.method.transforms import transforms_for
 from bt_hub.weights.formats import projector_spec
-from bt_hub.weights.load import load_backbone, read_projector_state_dict
+from bt_hub.weights.load import load_backbone, load_projector
 from bt_hub.weights.registry import RECIPE, BarlowTwinsWeights, find_weights
 from bt_hub.weights.sources import WeightsSource
 
@@ -162,9 +162,9 @@ def barlow_twins(
             f"weights {member.short_name} carry no projector; use resnet50(weights=...) for the backbone, "
             f'or barlow_twins(weights="{BarlowTwinsWeights.IN1K_LJNG_FULL.short_name}")'
         )
-    projector = read_projector_state_dict(weights, progress=progress, allow_non_finite=allow_non_finite)
     backbone = load_backbone(weights, progress=progress, allow_non_finite=allow_non_finite)
-    if not projector:
+    projector = load_projector(weights, backbone, progress=progress, allow_non_finite=allow_non_finite)
+    if projector is None:
         raise CheckpointError(
             f"weights {backbone.weights_info['file']} carry no projector; "
             "use resnet50(weights=...) for the backbone alone"
@@ -173,16 +173,9 @@ def barlow_twins(
     lambd = float(config.get("lambd", RECIPE["lambd"])) if lambd is None else lambd
     model = BarlowTwins(
         backbone.weights_info["architecture"],
-        projector_spec(projector),
+        projector_spec(projector.state_dict()),
         lambd,
         small_image_stem=backbone.weights_info["small_image_stem"],
     )
-    model.backbone = backbone
-    try:
-        model.projector.load_state_dict(projector, strict=True)
-    except RuntimeError as err:
-        raise CheckpointError(
-            f"projector weights of {backbone.weights_info['file']} do not fit {projector_spec(projector)}: "
-            f"{str(err).splitlines()[0]}"
-        ) from None
+    model.backbone, model.projector = backbone, projector
     return model

@@ -11,9 +11,16 @@ import torch
 from torch import nn
 
 from bt_hub.common.files import CheckpointError, read_file_and_sha256
-from bt_hub.method.model import build_backbone
+from bt_hub.method.model import build_backbone, build_projector
 from bt_hub.method.transforms import transforms_for
-from bt_hub.weights.formats import check_finite, check_fits, extract_projector, infer_architecture, read_backbone
+from bt_hub.weights.formats import (
+    check_finite,
+    check_fits,
+    extract_projector,
+    infer_architecture,
+    projector_spec,
+    read_backbone,
+)
 from bt_hub.weights.registry import get_weights
 from bt_hub.weights.sources import WeightsSource, resolve
 
@@ -135,3 +142,22 @@ def read_projector_state_dict(
                 check_finite(projector, str(candidate), allow=allow_non_finite)
                 return projector
     return {}
+
+
+def load_projector(
+    source: WeightsSource, backbone: nn.Module, *, progress: bool = True, allow_non_finite: bool = False
+) -> nn.Sequential | None:
+    """The projector of ``source`` (:func:`read_projector_state_dict`) on ``backbone``'s features, loaded strictly;
+    None where the weights carry none."""
+    state = read_projector_state_dict(source, progress=progress, allow_non_finite=allow_non_finite)
+    if not state:
+        return None
+    projector = build_projector(backbone.feature_dim, projector_spec(state))
+    try:
+        projector.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise CheckpointError(
+            f"projector weights of {backbone.weights_info['file']} do not fit {projector_spec(state)}: "
+            f"{str(err).splitlines()[0]}"
+        ) from None
+    return projector
