@@ -193,6 +193,14 @@ def run_folder(d: Path, w: Path, *, config: dict | None = None, metrics: str = "
     (run / "metrics.jsonl").write_text(metrics or METRICS)
 
 
+def demo_run(d: Path, w: Path) -> None:
+    """``d/demo``: the folder a demo of the default settings leaves when it is stopped before its first step."""
+    from bt_hub.eval.demo import DemoConfig, _claimed_out
+
+    with _claimed_out(DemoConfig(out=str(d / "demo"))):
+        pass
+
+
 def run_with(**kwargs) -> Callable[[Path, Path], None]:
     return lambda d, w: run_folder(d, w, **kwargs)
 
@@ -462,6 +470,7 @@ def _cases() -> list[Case]:
         Case("demo", "image-size 100000", (*demo, "--image-size", "100000"), ("--image-size", "2048 px")),
         Case("demo", "out is a user folder", demo, ("--out", "--overwrite"), write("demo/report.md", "my report")),
         Case("demo", "out holds a pretraining run", demo, ("--out",), run_with(at="demo/pretrain")),
+        Case("demo", "out holds a demo of other settings", demo, ("other settings", "--overwrite"), demo_run),
         # embed
         *_run_config_cases("embed", embed, weights),
         Case("embed", "splits val", (*embed, "--splits", "val"), ("--splits",), weights),
