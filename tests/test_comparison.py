@@ -13,7 +13,7 @@ from cli_output import one_sentence
 
 from bt_hub import cli
 from bt_hub.common.config import from_preset
-from bt_hub.common.records import fmt_mean_std
+from bt_hub.common.records import fmt_mean_std, mean_std
 from bt_hub.data.datasets import ArrayImageDataset
 from bt_hub.eval.compare_config import Column, CompareConfig, weights_rows
 from bt_hub.eval.comparison import Source, compare
@@ -252,10 +252,10 @@ def test_a_curve_over_a_run_still_pretraining_says_it_is_live_how_far_it_got_and
     assert "partial" not in json.loads((tmp_path / "after" / "results.json").read_text())["curve"]
 
 
-def test_crossings_name_the_step_from_which_a_curve_stays_above_each_baselines_band():
+def test_crossings_name_the_step_from_which_every_step_of_a_curve_is_better_than_each_baseline():
     values = {
         "step 10": {KNN: [50.0, 52.0]},
-        "step 20": {KNN: [81.0, 83.0]},  # above random-init's band, then below it again
+        "step 20": {KNN: [81.0, 83.0]},  # better than random-init, then not again
         "step 40": {KNN: [70.0, 72.0]},
         "step 80": {KNN: [90.0, 92.0]},
         "pixels": {KNN: [95.0, 95.0]},
@@ -270,9 +270,43 @@ def test_crossings_name_the_step_from_which_a_curve_stays_above_each_baselines_b
     assert result.cell("step 10", LINEAR) == "60.0 (2 seeds alike)"  # two runs that scored alike are no vote
     result.columns.remove(LINEAR)
     assert result.crossings() == [
-        "kNN vs pixels (95.0 (deterministic)): never above its band; best 91.0 at step 80",
-        "kNN vs random-init (75.0 ± 1.4): above its band from step 80 (8 s of pretraining) on",
+        "kNN vs pixels (95.0 (deterministic)): better at no step; best 91.0 at step 80",
+        "kNN vs random-init (75.0 ± 1.4): better from step 80 (8 s of pretraining) on",
     ]
+    one_seed = Comparison([0], [KNN], {r: {KNN: v[KNN][:1]} for r, v in values.items()}, ["pixels", "random-init"], 100)
+    one_seed.positions = result.positions
+    assert (
+        one_seed.crossings()[1]
+        == "kNN vs random-init (74.0 (1 seed)): no verdict at any step (1 seed); best 90.0 at step 80"
+    )
+
+
+def test_the_curves_summary_says_what_its_tables_verdicts_say_at_every_step():
+    # guards: compare.md's summary read "kNN vs pixels (38.3 (deterministic)): never above its band; best 48.3 at step
+    # 10" while the table below it marked step 10 "kNN: yes (+10.0 vs pixels)" (issue 46, case 10)
+    values = {
+        "step 5": {KNN: [30.0, 31.0]},
+        "step 10": {KNN: [48.0, 48.6]},
+        "step 20": {KNN: [37.0, 38.0]},
+        "pixels": {KNN: [38.3, 38.3]},
+        "random-init": {KNN: [20.0, 22.0]},
+    }
+    result = Comparison([0, 1], [KNN], values, ["pixels", "random-init"], 60)
+    result.positions = {f"step {s}": {"step": s, "seconds": s} for s in (5, 10, 20)}
+    result.varying = {"random-init"}
+    md = render_markdown(result)
+    table = {
+        cells[0]: cells[-1] for cells in (line.strip("| ").split(" | ") for line in md.splitlines()) if len(cells) == 3
+    }
+    assert table["step 10"] == "kNN: yes (+10.0 ± 0.4 vs pixels)" and table["step 20"].startswith("kNN: no ")
+    lines = result.crossings()
+    assert lines[0] == (
+        "kNN vs pixels (38.3 (deterministic)): better at step 10 but not at the last step (20); best 48.3 at step 10"
+    )
+    assert lines[1] == "kNN vs random-init (21.0 ± 1.4): better from step 5 (5 s of pretraining) on"
+    assert all(f"- {line}" in md for line in lines)
+    # against the best baseline the line lists exactly the steps the table's verdict column calls better
+    assert [r for r in result.positions if table[r].startswith("kNN: yes")] == ["step 10"]
 
 
 @pytest.mark.parametrize(
@@ -395,6 +429,22 @@ def test_a_flag_is_unused_exactly_when_no_cell_runs_the_child_config_it_sets(pro
         )
 
 
+def test_the_report_summarises_each_cell_once_for_every_table_line_and_file_it_writes(monkeypatch):
+    # guards: compare.md, its summary lines, results.json and the Python API's rows each recomputed mean ± std cell
+    # by cell (issue 47, item 3)
+    from bt_hub.eval import comparison_report
+
+    seen = []
+    monkeypatch.setattr(comparison_report, "mean_std", lambda values: seen.append(list(values)) or mean_std(values))
+    values = {"step 5": {KNN: [30.0, 31.0]}, "step 10": {KNN: [48.0, 48.6]}, "pixels": {KNN: [38.3, 38.3]}}
+    result = Comparison([0, 1], [KNN], values, ["pixels"], 60)
+    result.positions = {f"step {s}": {"step": s, "seconds": s} for s in (5, 10)}
+    render_markdown(result), comparison_report.table_rows(result), comparison_report.comparison_summary(result, 0.0)
+    cells = [cell[KNN] for cell in values.values()]
+    differences = [[w - b for w, b in zip(values[row][KNN], values["pixels"][KNN])] for row in result.positions]
+    assert sorted(seen) == sorted([*cells, *differences])  # each cell once, and each verdict's paired differences
+
+
 def test_compare_builds_its_knn_config_once_and_checks_it_once_per_cell(small_stem_weights, tmp_path, monkeypatch):
     # guards: RunConfig.passed_down built each child twice (a trial copy to ask what it reads, then the real one)
     from bt_hub.eval.knn import KnnConfig
@@ -403,19 +453,8 @@ def test_compare_builds_its_knn_config_once_and_checks_it_once_per_cell(small_st
     check = KnnConfig.__post_init__
     monkeypatch.setattr(KnnConfig, "__post_init__", lambda config: checked.append(config.weights) or check(config))
     argv = ["eval", "compare", "--weights", str(small_stem_weights), "--baselines", "pixels", "--protocols", "knn"]
-    argv += [
-        "--seeds",
-        "2",
-        "--knn.k",
-        "5",
-        "--data",
-        "synthetic:40",
-        "--image-size",
-        "8",
-        "--out",
-        str(tmp_path / "o"),
-    ]
-    assert cli.main(argv) == 0
+    argv += ["--seeds", "2", "--knn.k", "5", "--data", "synthetic:40", "--image-size", "8"]
+    assert cli.main([*argv, "--out", str(tmp_path / "o")]) == 0
     # the child, when compare's flags are read; then each cell (row x column, for every seed), its values replaced
     assert checked == [str(small_stem_weights), small_stem_weights.name, "pixels"]
 

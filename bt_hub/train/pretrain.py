@@ -10,6 +10,7 @@ import math
 import random
 import signal
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +34,10 @@ from bt_hub.common.distributed import (
 )
 from bt_hub.common.files import atomic_write_json, read_json, write_safetensors
 from bt_hub.common.progress import progress
+from bt_hub.common.reuse import changed_input
 from bt_hub.common.runs import RunDir
 from bt_hub.common.signals import Terminated, deferred_stop
-from bt_hub.data.datasets import build_dataset, is_builtin
+from bt_hub.data.datasets import build_dataset, dataset_fingerprint, is_builtin
 from bt_hub.data.decode_auto import decode_choice
 from bt_hub.data.precision import autocast_dtype, precision_choice, resolve_channels_last
 from bt_hub.data.prefetch import Prefetcher
@@ -95,8 +97,13 @@ def _finished_run(out: Path, config: PretrainConfig) -> str | None:
     return None
 
 
-def _resume_state(config: PretrainConfig, out: Path) -> dict[str, Any] | None:
-    """The checkpoint to continue from, or None for a fresh run (refusing to replace a run without ``--overwrite``)."""
+def _resume_state(config: PretrainConfig, out: Path, data: str) -> dict[str, Any] | None:
+    """The checkpoint to continue from, or None for a fresh run (refusing to replace a run without ``--overwrite``).
+
+    A checkpoint is resumed only where its inputs are this run's (``changed_input("checkpoint", ...)`` of
+    :mod:`bt_hub.common.reuse`): its recipe (``RESUME_INVARIANTS``) and its training data, ``data`` being the
+    fingerprint of ``--data`` now (``dataset_fingerprint``: its files' stat rows and labels), so a folder changed in
+    place is refused. A checkpoint of an older bt_hub, which recorded no fingerprint, is resumed with a warning."""
     own = out / CHECKPOINT_NAME
     if config.resume is None or (config.resume == "auto" and not own.exists()):
         if config.overwrite:
@@ -115,10 +122,28 @@ def _resume_state(config: PretrainConfig, out: Path) -> dict[str, Any] | None:
         return None
     path = own if config.resume == "auto" else Path(config.resume)
     state = load_checkpoint(path)
-    for key in RESUME_INVARIANTS:
-        saved, now = state["config"].get(key), getattr(config, key)
-        if saved != now:
-            raise ValueError(f"--{key.replace('_', '-')} is {now!r} but checkpoint {path} was trained with {saved!r}")
+    recipe = {key: state["config"].get(key) for key in RESUME_INVARIANTS}
+    if "data_fingerprint" not in state:
+        warnings.warn(
+            f"checkpoint {path} records no fingerprint of its training data (an older bt_hub wrote it), so resuming "
+            f"it cannot check that --data {config.data} still holds the images it was trained on; its next checkpoint "
+            "records them",
+            stacklevel=2,
+        )
+    recorded = {"recipe": recipe, "data": state.get("data_fingerprint", data)}
+    why = changed_input("checkpoint", recorded, {"recipe": {key: getattr(config, key) for key in recipe}, "data": data})
+    if why is not None and why.startswith("recipe"):
+        key = next(key for key, saved in recipe.items() if saved != getattr(config, key))
+        raise ValueError(
+            f"--{key.replace('_', '-')} is {getattr(config, key)!r} but checkpoint {path} was trained with "
+            f"{recipe[key]!r}"
+        )
+    if why is not None:
+        raise ValueError(
+            f"--data {config.data} is not what checkpoint {path} was trained on ({why}: an image was added, removed, "
+            "relabelled or written since); put back the images it was trained on to resume it, or start a new run "
+            "on this data (--overwrite without --resume, or another --out)"
+        )
     return state
 
 
@@ -231,7 +256,8 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
         channels_last=resolve_channels_last(config.channels_last, chosen["precision"]),
         decode=decoded.decode,
     )
-    state = _resume_state(config, out)
+    data = broadcast_object(dataset_fingerprint(dataset, content=False) if is_main_process() else None)
+    state = _resume_state(config, out, data)
     steps_per_epoch = len(dataset) // config.batch_size
     total_steps, warmup_steps, last_step = config.schedule_steps(len(dataset), int(state["step"]) if state else 0)
 
@@ -275,6 +301,7 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
         monitor=_knn_monitor(config),
         scalars=TensorBoardScalars(out / "tensorboard") if config.tensorboard and is_main_process() else None,
         seconds=resumed_seconds(state, out),
+        data=data,
     )
     step = _run_loop(loop, step)
     if is_main_process():
@@ -305,6 +332,7 @@ class _Loop:
     monitor: KnnMonitor | None
     scalars: TensorBoardScalars | None
     seconds: float = 0.0  # training time (data and steps) since step 0, carried over a resume by the checkpoint
+    data: str = ""  # the fingerprint of the training data, which a resume of the checkpoint compares
 
     @property
     def checkpoint_path(self) -> Path:
@@ -430,6 +458,7 @@ def _checkpoint(loop: _Loop, step: int) -> None:
             epoch=step // loop.steps_per_epoch,
             config=config_dict(loop.config),
             train_seconds=loop.seconds,
+            data_fingerprint=loop.data,
         )
     barrier()
 

@@ -274,7 +274,7 @@ def _write(
     preset; the paper's row applies only when nothing but ``EXECUTION_OVERRIDES`` changed.
     """
     from bt_hub.common.config import config_dict, overrides
-    from bt_hub.eval.features import dataset_fingerprint
+    from bt_hub.data.datasets import dataset_fingerprint
 
     preset = config.detection_config if config.detection_config in DetectConfig.ALIASES else yaml_path.stem
     changed = {
