@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as nnf
 from torch import nn
 
+from bt_hub.common.config import config_dict
 from bt_hub.common.distributed import (
     barrier,
     broadcast_object,
@@ -455,7 +456,7 @@ def _checkpoint(loop: _Loop, step: int) -> None:
             scaler=loop.scaler.state_dict(),
             step=step,
             epoch=step // loop.steps_per_epoch,
-            config=dataclasses.asdict(loop.config),
+            config=config_dict(loop.config),
             train_seconds=loop.seconds,
             data_fingerprint=loop.data,
         )
