@@ -13,12 +13,14 @@ def interrupted(path: list[str], rest: list[str], config: Any, started: float = 
     """What an interrupted command kept and the command that continues it (Ctrl-C), as the end of one sentence.
 
     A command with a ``resume`` field continues from its checkpoint (``--resume auto``, or ``--resume`` for a
-    flag); any other command is run again: files are written whole, so what it finished is kept, and features
-    it cached (whole splits written since ``started``, parts of one in progress) are reused.
+    flag); any other command is run again (without ``--overwrite`` once ``--out`` is bt_hub's: the demo continues
+    its own run, and with it would start over): files are written whole, so what it finished is kept, and
+    features it cached (whole splits written since ``started``, parts of one in progress) are reused.
     """
     again = ["bt-hub", *path, *rest]
     if config is None:  # perhaps cut inside ``import torch``: import nothing that imports it
         return f"nothing was written; run the command again: {shlex.join(again)}"
+    from bt_hub.common.runs import owned_by_bt_hub
     from bt_hub.train.resume import CHECKPOINT_NAME
 
     out = Path(config.out) if getattr(config, "out", None) else None
@@ -45,6 +47,9 @@ def interrupted(path: list[str], rest: list[str], config: Any, started: float = 
         kept += f", and {_features_kept(whole, partial)} in {cache} (checked before reuse)"
     if not hasattr(config, "resume"):
         if cache or not hasattr(config, "cache_dir"):
+            if getattr(config, "overwrite", False) and out is not None and owned_by_bt_hub(out):
+                again = _without_flag(again, "--overwrite", takes_value=False)
+                return f"{kept}; run the command again without --overwrite to continue: {shlex.join(again)}"
             return f"{kept}; run the same command again to continue: {shlex.join(again)}"
         starts_over = "without --cache-dir nothing of the features is kept, so running it again starts over"
         return f"{kept}; {starts_over}: {shlex.join(again)}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,25 @@ RULE = (
 )
 
 
+@dataclass(frozen=True)
+class CellSummary:
+    """One cell of the table, summarised once (:attr:`Comparison.cells`) before anything renders it: its per-seed
+    values (one a seed), their mean and std, the text the table shows, and for a weights row its paired verdict against
+    each baseline of its column (``verdict``: against the best, what the table's verdict column says)."""
+
+    values: list[float]
+    mean: float
+    std: float
+    text: str
+    verdicts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    best: str | None = None  # the column's best baseline (highest mean)
+
+    @property
+    def verdict(self) -> dict[str, Any] | None:
+        """The paired comparison with the column's best baseline (``RULE``); None for a baseline or without one."""
+        return self.verdicts.get(self.best) if self.best else None
+
+
 @dataclass
 class Comparison:
     """Per-seed top-1 of every row and column, and what was compared."""
@@ -49,6 +69,43 @@ class Comparison:
         fixed = get_protocol(column.protocol).deterministic and not any(r in self.varying for r in rows)
         return "1 seed" if n == 1 else "deterministic" if fixed else f"{n} seeds alike"
 
+    @cached_property
+    def cells(self) -> dict[str, dict[Column, CellSummary]]:
+        """Every scored cell, summarised once, the first time a report reads it (the comparison is filled by then):
+        row -> column -> :class:`CellSummary`. Every table, line and plot of the report reads these."""
+        cells: dict[str, dict[Column, CellSummary]] = {}
+        for row in [*self.baselines, *(r for r in self.values if r not in self.baselines)]:  # baselines first
+            for column, values in self.values[row].items():
+                if not values:
+                    continue
+                mean, std = mean_std(values)
+                text = fmt_mean_std(values)
+                if len(values) == 1 or len(set(values)) == 1:  # no spread: say why instead of "± 0.0"
+                    text = f"{fmt_mean_std(values[:1])} ({self._alike([row], column, len(values))})"
+                verdicts, best = {}, None
+                scored = [b for b in self.baselines if column in cells.get(b, {})]
+                if row not in self.baselines and scored:
+                    best = max(scored, key=lambda b: cells[b][column].mean)
+                    behind = {b: cells[b][column].mean - mean for b in scored}
+                    loses_to = {b: gap for b, gap in sorted(behind.items(), key=lambda kv: -kv[1]) if gap > 0}
+                    verdicts = {b: {**self._paired(row, b, column), "loses_to": loses_to} for b in scored}
+                cells.setdefault(row, {})[column] = CellSummary(list(values), mean, std, text, verdicts, best)
+        return {row: cells.get(row, {}) for row in self.values}
+
+    def _paired(self, row: str, baseline: str, column: Column) -> dict[str, Any]:
+        """The paired comparison of a weights row with one baseline of its column (``RULE``): the one place that
+        decides whether the row is better (``better``: True), not (False), or that its seeds cannot tell (None)."""
+        diffs = [w - b for w, b in zip(self.values[row][column], self.values[baseline][column])]
+        mean, std = mean_std(diffs)
+        return {
+            "baseline": baseline,
+            "alike": self._alike([row, baseline], column, len(diffs)),
+            "differences": diffs,
+            "mean": mean,
+            "std": std,
+            "better": None if len(diffs) < 2 else all(d > 0 for d in diffs) and mean > std,
+        }
+
     def curves(self) -> dict[str, list[str]]:
         """The learning curves: curve name ('' for one run) -> its rows, by pretraining step."""
         curves: dict[str, list[str]] = {}
@@ -57,59 +114,44 @@ class Comparison:
         return curves
 
     def crossings(self) -> list[str]:
-        """Per curve, column and baseline, one line: the step (and seconds) from which the curve stays above the
-        baseline's band (mean + std), or that it never gets there."""
+        """Per curve, column and baseline, one line read from the cells' verdicts against that baseline (against
+        the best baseline, the table's verdict column): the step from which every step is better, the steps that
+        are if the last is not, or that none is; with the curve's best point."""
         lines = []
         for name, rows in self.curves().items():
             for column in self.columns:
-                for b in (b for b in self.baselines if self.values[b].get(column)):
-                    mean, std = mean_std(self.values[b][column])
-                    means = [mean_std(self.values[r][column])[0] for r in rows]
-                    above = [i for i in range(len(rows)) if all(m > mean + std for m in means[i:])]
-                    where = f"{column}{f' ({name})' if name else ''} vs {b} ({self.cell(b, column)})"
-                    if above:
-                        at = self.positions[rows[above[0]]]
-                        lines.append(
-                            f"{where}: above its band from step {at['step']:g} ({at['seconds']:.0f} s of "
-                            "pretraining) on"
-                        )
+                for b in (b for b in self.baselines if column in self.cells[b]):
+                    points = [(r, self.cells[r][column]) for r in rows if column in self.cells[r]]
+                    better = [cell.verdicts[b]["better"] for _, cell in points]
+                    steps = [f"{self.positions[r]['step']:g}" for r, _ in points]
+                    start = next((i for i in range(len(points)) if all(v is True for v in better[i:])), None)
+                    yes = [s for s, v in zip(steps, better) if v is True]
+                    if start is not None:
+                        seconds = self.positions[points[start][0]]["seconds"]
+                        said = f"better from step {steps[start]} ({seconds:.0f} s of pretraining) on"
+                    elif yes:
+                        said = f"better at step {', '.join(yes)} but not at the last step ({steps[-1]})"
+                    elif all(v is None for v in better):
+                        said = f"no verdict at any step ({points[0][1].verdicts[b]['alike']})"
                     else:
-                        best = max(range(len(rows)), key=means.__getitem__)
-                        lines.append(
-                            f"{where}: never above its band; best {means[best]:.1f} at step "
-                            f"{self.positions[rows[best]]['step']:g}"
-                        )
+                        said = "better at no step"
+                    top = max(range(len(points)), key=lambda i: points[i][1].mean)
+                    said += f"; best {points[top][1].mean:.1f} at step {steps[top]}" * (start is None)
+                    lines.append(
+                        f"{column}{f' ({name})' if name else ''} vs {b} ({self.cells[b][column].text}): {said}"
+                    )
         return lines
 
     def cell(self, row: str, column: Column) -> str:
         """``mean ± std`` of a cell; ``x (1 seed)``, ``x (deterministic)`` or ``x (3 seeds alike)`` where there is no
         spread; '—' if empty."""
-        values = self.values[row].get(column, [])
-        if len(values) == 1 or (values and len(set(values)) == 1):
-            return f"{fmt_mean_std(values[:1])} ({self._alike([row], column, len(values))})"
-        return fmt_mean_std(values)
+        cell = self.cells[row].get(column)
+        return cell.text if cell else "—"
 
     def verdict(self, row: str, column: Column) -> dict[str, Any] | None:
         """The paired comparison of a weights row with the column's best baseline (``RULE``); None without one."""
-        scored = [b for b in self.baselines if self.values[b].get(column)]
-        if not scored or not self.values[row].get(column):
-            return None
-        best = max(scored, key=lambda b: mean_std(self.values[b][column])[0])
-        diffs = [w - b for w, b in zip(self.values[row][column], self.values[best][column])]
-        mean, std = mean_std(diffs)
-        better = None if len(diffs) < 2 else all(d > 0 for d in diffs) and mean > std
-        ours = mean_std(self.values[row][column])[0]
-        behind = {b: mean_std(self.values[b][column])[0] - ours for b in scored}
-        loses_to = {b: gap for b, gap in sorted(behind.items(), key=lambda kv: -kv[1]) if gap > 0}
-        return {
-            "baseline": best,
-            "alike": self._alike([row, best], column, len(diffs)),
-            "differences": diffs,
-            "mean": mean,
-            "std": std,
-            "better": better,
-            "loses_to": loses_to,
-        }
+        cell = self.cells[row].get(column)
+        return cell.verdict if cell else None
 
 
 def seed_varies(row_or_protocol: str) -> str:
@@ -163,18 +205,24 @@ def describe_settings(run: EvalRun, partial: Mapping[str, str] | None = None) ->
 
 
 def render_markdown(
-    result: Comparison, title: str | None = "Did pretraining help?", settings: Sequence[str] = (), paired: bool = True
+    result: Comparison,
+    title: str | None = "Did pretraining help?",
+    settings: Sequence[str] = (),
+    paired: bool = True,
+    rows: Sequence[str] | None = None,
 ) -> str:
     """``compare.md``: the mean ± std table with the verdict column, the paired comparisons, the rule and the seeds
-    (``paired=False``: up to the table, what the CLI prints; ``title=None``: no heading, for a report of its own)."""
-    weights_rows = [r for r in result.values if r not in result.baselines]
+    (``paired=False``: up to the table, what the CLI prints; ``title=None``: no heading, for a report of its own;
+    ``rows``: only these rows' table, without the curve's lines)."""
+    shown = [r for r in result.values if rows is None or r in rows]
+    weights_rows = [r for r in shown if r not in result.baselines]
     header = ["representation", *map(str, result.columns), "better than the best baseline?"]
     lines = [*([f"# {title}", ""] if title else []), *([*settings, ""] if settings else [])]
-    if result.positions:
+    if result.positions and rows is None:
         lines += ["## Learning curve", "", "![curve](curve.png)", "", *(f"- {c}" for c in result.crossings()), ""]
     lines += ["| " + " | ".join(header) + " |"]
     lines.append("|---" * len(header) + "|")
-    for row in result.values:
+    for row in shown:
         verdicts = [] if row in result.baselines else [(c, result.verdict(row, c)) for c in result.columns]
         said = "; ".join(f"{c}: {_verdict_word(v)}" for c, v in verdicts if v) or "—"
         label = f"{row} (baseline)" if row in result.baselines else row
@@ -231,10 +279,10 @@ def plot(result: Comparison, path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
     width = 0.8 / len(result.values)
-    for i, (row, cells) in enumerate(result.values.items()):
-        xs = [j + i * width for j, c in enumerate(result.columns) if cells.get(c)]
-        stats = [mean_std(cells[c]) for c in result.columns if cells.get(c)]
-        ax.bar(xs, [m for m, _ in stats], width, yerr=[s for _, s in stats], capsize=3, label=row)
+    for i, (row, cells) in enumerate(result.cells.items()):
+        xs = [j + i * width for j, c in enumerate(result.columns) if c in cells]
+        shown = [cells[c] for c in result.columns if c in cells]
+        ax.bar(xs, [c.mean for c in shown], width, yerr=[c.std for c in shown], capsize=3, label=row)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(result.columns))], list(map(str, result.columns)))
     ax.set(ylabel="test top-1 (%)", ylim=(0, 100), title=f"mean ± std over {seeds_text(len(result.seeds))}")
     ax.legend(fontsize=8, loc="lower right")
@@ -255,14 +303,16 @@ def plot_curve(result: Comparison, path: Path) -> Path:
     for j, column in enumerate(result.columns):
         for i, axis in enumerate(("step", "seconds")):
             ax = axes[i][j]
-            for k, b in enumerate(b for b in result.baselines if result.values[b].get(column)):
-                mean, std = mean_std(result.values[b][column])
+            for k, b in enumerate(b for b in result.baselines if column in result.cells[b]):
+                mean, std = result.cells[b][column].mean, result.cells[b][column].std
                 ax.axhspan(mean - std, mean + std, color=f"C{k + 1}", alpha=0.2)
                 ax.axhline(mean, color=f"C{k + 1}", lw=1, label=f"{b} (mean ± std)")
             for name, rows in result.curves().items():
                 xs = [result.positions[r][axis] for r in rows]
-                stats = [mean_std(result.values[r][column]) for r in rows]
-                ax.errorbar(xs, [m for m, _ in stats], [s for _, s in stats], marker="o", ms=3, label=name or "weights")
+                stats = [result.cells[r][column] for r in rows]
+                ax.errorbar(
+                    xs, [c.mean for c in stats], [c.std for c in stats], marker="o", ms=3, label=name or "weights"
+                )
                 if max(xs) >= 20 * max(min(xs), 1e-9):
                     ax.set_xscale("log")
             ax.set(xlabel=f"pretraining {axis}", ylabel=f"{column} test top-1 (%)")
@@ -275,14 +325,13 @@ def plot_curve(result: Comparison, path: Path) -> Path:
 def table_rows(result: Comparison) -> list[dict[str, Any]]:
     """One row per representation: per column its mean, std and per-seed values; for weights, the verdicts."""
     rows = []
-    for name, cells in result.values.items():
+    for name, cells in result.cells.items():
         row: dict[str, Any] = {"representation": name, "baseline": name in result.baselines}
         for column in result.columns:
-            values = cells.get(column) or []
-            mean, std = mean_std(values) if values else (float("nan"), float("nan"))
-            row |= {str(column): mean, f"{column} std": std, f"{column} per seed": list(values)}
-            if name not in result.baselines and (verdict := result.verdict(name, column)):
-                row[f"{column} better"] = verdict["better"]
+            cell = cells.get(column) or CellSummary([], float("nan"), float("nan"), "—")
+            row |= {str(column): cell.mean, f"{column} std": cell.std, f"{column} per seed": list(cell.values)}
+            if cell.verdict:
+                row[f"{column} better"] = cell.verdict["better"]
         rows.append(row)
     return rows
 

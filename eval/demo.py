@@ -15,32 +15,35 @@
    cross-correlation plots.
 
 Everything is seeded by ``--seed``. The demo writes only into a new or empty ``--out`` (or one
-passed with ``--overwrite``) and deletes nothing.
+passed with ``--overwrite``, where it starts over) and deletes nothing; run again into its own folder (after
+Ctrl-C) with the same settings, it continues: each pretraining run from its checkpoint, then the scoring.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bt_hub.common.config import RunConfig, child, option, out_field
-from bt_hub.common.files import atomic_write_json, atomic_write_text
-from bt_hub.common.presets import config_dict, from_preset, preset_values
+from bt_hub.common.config import RunConfig, child, config_dict, from_preset, option, out_field
+from bt_hub.common.files import atomic_write_json, atomic_write_text, read_json
+from bt_hub.common.presets import preset_values
 from bt_hub.common.progress import announce
 from bt_hub.common.records import SCHEMA
-from bt_hub.common.runs import LOCK_NAME, MARKER_NAME, check_run_dir, claimed_run_dir, package_version
+from bt_hub.common.reuse import changed_input
+from bt_hub.common.runs import LOCK_NAME, MARKER_NAME, RunDir, check_run_dir, claimed_run_dir, package_version
 from bt_hub.data.datasets import build_dataset
 from bt_hub.data.precision import STEP_IMAGES, STEP_SIDE, precision_choice
 from bt_hub.eval.comparison import CompareConfig, compare_and_write
 from bt_hub.eval.comparison_report import Comparison, comparison_summary, render_markdown
 from bt_hub.eval.knn import KnnConfig
 from bt_hub.eval.linear import LinearConfig
+from bt_hub.eval.runner import NOT_SETTINGS
 from bt_hub.train.pretrain import PretrainConfig, pretrain
 from bt_hub.train.report import run_plots
 
@@ -49,8 +52,8 @@ DIGITS = preset_values(PretrainConfig, "digits")
 # Scoring the curve takes about 6% of the pretraining's time (the default 2 runs on a 2-core AVX-512 EPYC, bf16: 14 s
 # after 262 s).
 SCORING_SHARE = 0.06
-_PRETRAINING_FLAGS = ("epochs", "max_steps", "batch_size", "lr_weights", "crop_scale_min", "image_size", "backbone")
-_PRETRAINING_FLAGS += ("small_image_stem", "projector", "lambd", "warmup_epochs")
+# what the demo's kNN and linear columns take from their children: the settings compare passes on, not its own
+_SET_BY_COMPARE = tuple(f.name for f in fields(CompareConfig))
 
 
 @dataclass
@@ -66,7 +69,6 @@ class DemoConfig(RunConfig):
     pretrain: PretrainConfig = child(
         "the pretraining runs: bt-hub pretrain --preset digits on the 1,437 training digits, their biases' LR "
         "scaled with --lr-weights",
-        flat={name: name for name in _PRETRAINING_FLAGS} | {"arch": "backbone"},
         sets=("data", "keep_every", "lr_biases", "resume"),
         preset="digits",
         checkpoint_every=0,
@@ -77,11 +79,14 @@ class DemoConfig(RunConfig):
         "--seed + i, so every cell is mean ± std over pretraining runs",
     )
     curve_points: int = option(5, "kept steps of the learning curve, log-spaced from the first epoch's end")
-    knn: KnnConfig = child("the kNN column of bt-hub eval compare", flat={"knn_k": ["k"]}, k=[20])
+    knn: KnnConfig = child(
+        "the kNN column of bt-hub eval compare; k is 20, as there: a column is one number, the first k's top-1",
+        sets=_SET_BY_COMPARE,
+        k=[20],
+    )
     linear: LinearConfig = child(
         "the linear column of bt-hub eval compare: the grid probe on cached features",
-        flat={"linear_epochs": "epochs"},
-        sets=("search",),
+        sets=(*_SET_BY_COMPARE, "search"),
         search="grid",
     )
 
@@ -96,25 +101,60 @@ class DemoConfig(RunConfig):
 
 
 @contextlib.contextmanager
-def _claimed_out(config: DemoConfig) -> Iterator[Path]:
-    """``--out`` under every command's ownership rule, refused (before any work) if it holds anything already;
-    claimed and locked (:func:`claimed_run_dir`) for the block.
+def _claimed_out(config: DemoConfig) -> Iterator[tuple[Path, bool]]:
+    """``--out`` under every command's ownership rule, claimed and locked (:func:`claimed_run_dir`) for the block,
+    its settings recorded in ``run.json``; and whether the demo continues its own run there.
 
-    Without ``--overwrite`` the demo writes only into a new or empty folder (bt_hub's marker aside),
-    so no earlier demo, pretraining run, evaluation or file of the user's is replaced. It never
-    deletes anything.
+    Without ``--overwrite`` the demo writes only into a new or empty folder (bt_hub's marker aside), or continues
+    the demo run that folder holds (:func:`_continues`), so no earlier demo of other settings, pretraining run,
+    evaluation or file of the user's is replaced; anything else is refused before any work. It never deletes
+    anything.
     """
     out = check_run_dir(config.out, kind="demo", overwrite=config.overwrite)
     held = sorted(p.name for p in out.iterdir() if p.name not in (MARKER_NAME, LOCK_NAME)) if out.is_dir() else []
-    if held and not config.overwrite:
+    continues = bool(held) and not config.overwrite and _continues(config, out)
+    if held and not (config.overwrite or continues):
         shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
         raise ValueError(
-            f"--out {out} already holds {shown} and the demo writes only into a new or empty folder; choose a "
-            "new --out, or pass --overwrite to replace the demo's files there (report.md, results.json, the plots, "
-            "compare/, pretrain*/)"
+            f"--out {out} already holds {shown} and the demo writes only into a new or empty folder (or continues "
+            "its own run there); choose a new --out, or pass --overwrite to replace the demo's files there (run.json, "
+            "report.md, results.json, the plots, compare/, pretrain*/)"
         )
     with claimed_run_dir(out, kind="demo", overwrite=config.overwrite) as claimed:
-        yield claimed
+        RunDir(claimed, kind="demo", claimed=True).start(config, fresh=not continues)
+        try:
+            yield claimed, continues
+        except Exception:  # a failed start that wrote nothing but its record leaves no run to continue
+            if not continues and {p.name for p in claimed.iterdir()} <= {MARKER_NAME, LOCK_NAME, "run.json"}:
+                (claimed / "run.json").unlink()
+            raise
+
+
+def _continues(config: DemoConfig, out: Path) -> bool:
+    """Whether ``out`` holds a demo run of bt_hub's (its ``run.json`` of kind demo records the demo's settings) for
+    this command to continue: the one reuse rule (:func:`~bt_hub.common.reuse.changed_input`) asks whether it was
+    made from this command's inputs, and a run of other settings is refused, naming the first that changed."""
+    record = read_json(out / "run.json")
+    if not (isinstance(record, dict) and record.get("kind") == "demo" and isinstance(record.get("config"), dict)):
+        return False
+    changed = changed_input("checkpoint", _inputs(record["config"]), _inputs(config_dict(config)))
+    if changed:
+        raise ValueError(
+            f"--out {out} holds a demo run of other settings: {changed}; the demo continues only a run of its own "
+            "settings, so choose a new --out, or pass --overwrite to start that demo over"
+        )
+    return True
+
+
+def _inputs(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """What a demo's runs and scores are made from, as a checkpoint's inputs: its data (always the digits) and, as
+    its recipe, every setting flat (``pretrain.epochs``) but those of where and how it runs (:data:`NOT_SETTINGS`;
+    and ``device``: a pretraining run resumes on another)."""
+    skip = (*NOT_SETTINGS, "device")
+    recipe = {k: v for k, v in settings.items() if not isinstance(v, Mapping) and k not in skip}
+    for name, values in ((k, v) for k, v in settings.items() if isinstance(v, Mapping)):
+        recipe |= {f"{name}.{k}": v for k, v in values.items() if k not in skip}
+    return {"data": "digits", "recipe": recipe}
 
 
 def curve_steps(config: DemoConfig) -> list[int]:
@@ -137,8 +177,9 @@ def expected_seconds(config: DemoConfig, step_s: float) -> float:
     return per_step * curve_steps(config)[-1] * config.pretrain_seeds * (1 + SCORING_SHARE)
 
 
-def _pretrain(config: DemoConfig, directory: Path, seed: int, keep: list[int]) -> Path:
-    """Barlow Twins on the digits' training split into ``directory`` (with ``--overwrite``, into the run there)."""
+def _pretrain(config: DemoConfig, directory: Path, seed: int, keep: list[int], resume: bool = False) -> Path:
+    """Barlow Twins on the digits' training split into ``directory`` (with ``--overwrite``, into the run there);
+    ``resume``: continued from its checkpoint as ``bt-hub pretrain --resume auto`` does, a finished run reused."""
     pre = config.pretrain
     return pretrain(
         replace(
@@ -148,6 +189,7 @@ def _pretrain(config: DemoConfig, directory: Path, seed: int, keep: list[int]) -
             keep_every=",".join(map(str, keep)),
             warmup_epochs=min(pre.warmup_epochs, pre.epochs),
             lr_biases=pre.lr_weights * DIGITS["lr_biases"] / DIGITS["lr_weights"],
+            resume="auto" if resume else None,
         )
     )
 
@@ -189,15 +231,7 @@ def _report(config: DemoConfig, result: Comparison, timings: dict[str, float], p
         else "pretraining run i with evaluation seed i (`--as-seeds`), so every spread is over pretraining runs"
     )
     last = max(result.positions, key=lambda row: result.positions[row]["step"])
-    table = Comparison(
-        result.seeds,
-        result.columns,
-        {row: cells for row, cells in result.values.items() if row == last or row in result.baselines},
-        result.baselines,
-        result.test_size,
-        varying=result.varying,
-    )
-    rest = render_markdown(table, title=None)
+    rest = render_markdown(result, title=None, rows=[last, *result.baselines])
     lines = [
         "# When does pretraining pay? Barlow Twins on the digits",
         "",
@@ -243,8 +277,8 @@ def _report(config: DemoConfig, result: Comparison, timings: dict[str, float], p
 
 def run_demo(config: DemoConfig) -> dict[str, Any]:
     """Pretrain on the digits, score the learning curve against random init and pixels, write the report."""
-    with _claimed_out(config) as out:
-        return _demo(config, out)
+    with _claimed_out(config) as (out, continues):
+        return _demo(config, out, continues)
 
 
 def _say_how_long(config: DemoConfig, steps: int) -> None:
@@ -262,16 +296,19 @@ def _say_how_long(config: DemoConfig, steps: int) -> None:
     )
 
 
-def _demo(config: DemoConfig, out: Path) -> dict[str, Any]:
+def _demo(config: DemoConfig, out: Path, continues: bool) -> dict[str, Any]:
     timings: dict[str, float] = {}
     tick = start = time.perf_counter()
     keep = curve_steps(config)
-    _say_how_long(config, keep[-1])
-    runs = [
-        _pretrain(config, out / ("pretrain" if i == 0 else f"pretrain-seed{config.seed + i}"), config.seed + i, keep)
-        for i in range(config.pretrain_seeds)
+    if continues:
+        announce(f"bt-hub demo: continuing the demo in {out}: each pretraining run from its checkpoint, then scoring")
+    else:
+        _say_how_long(config, keep[-1])
+    folders = [
+        out / ("pretrain" if i == 0 else f"pretrain-seed{config.seed + i}") for i in range(config.pretrain_seeds)
     ]
-    timings[f"pretraining ({config.pretrain_seeds} runs)"] = time.perf_counter() - tick
+    runs = [_pretrain(config, run, config.seed + i, keep, resume=continues) for i, run in enumerate(folders)]
+    timings[f"pretraining ({config.pretrain_seeds} runs{', continued' * continues})"] = time.perf_counter() - tick
     tick = time.perf_counter()
     result, _ = compare_and_write(compare_settings(config, runs, out / "compare"))
     timings[f"evaluation ({len(keep)} steps x {config.pretrain_seeds} runs)"] = time.perf_counter() - tick

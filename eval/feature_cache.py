@@ -1,21 +1,34 @@
-"""The on-disk feature cache: checksummed ``.npy`` files keyed by everything that changes the features."""
+"""The on-disk feature cache: checksummed ``.npy`` files keyed by everything that changes the features (the inputs
+of ``features`` in :mod:`bt_hub.common.reuse`), one writer a key at a time."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from bt_hub.common.artifacts import Segments, content_key, entry_problem, file_entry, recorded_segments
-from bt_hub.common.files import atomic_write
+from bt_hub.common.artifacts import (
+    READ_ONLY,
+    Segments,
+    content_key,
+    entry_problem,
+    file_entry,
+    locked,
+    not_writable,
+    recorded_segments,
+)
+from bt_hub.common.files import atomic_write, atomic_write_json
+from bt_hub.common.reuse import inputs_key
+from bt_hub.eval.config import EvalWarning
 
 
 @dataclass(frozen=True)
@@ -28,17 +41,22 @@ class FeatureCache:
     model: str = ""
 
     def key(self, transform: str, pool: str, dtype: str, precision: str = "fp32") -> str:
-        """The file stem for features of these weights, model and data under a transform, pool, dtype and precision."""
-        record = {
-            "weights": self.weights,
-            "model": self.model,
-            "dataset": self.dataset,
-            "transform": transform,
-            "pool": pool,
-            "dtype": dtype,
-            "precision": precision,
-        }
-        return content_key(record)[:24]
+        """The file stem for features of these weights, model and data under a transform, pool, dtype and precision:
+        the key of their inputs (``inputs_key``), the transform standing for all four."""
+        transform_input = {"transform": transform, "pool": pool, "dtype": dtype, "precision": precision}
+        inputs = {"weights": self.weights, "dataset": self.dataset, "model": self.model, "transform": transform_input}
+        return inputs_key("features", inputs)[:24]
+
+    def lock(self, key: str) -> contextlib.AbstractContextManager[None]:
+        """The lock of ``key`` (``<key>.lock``), held while its files are written: a second run asking for the same
+        features waits, then reads them. A folder that cannot hold it is refused in one sentence naming
+        ``--cache-dir``."""
+        directory = Path(self.directory)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise not_writable(directory, err, "--cache-dir") if err.errno in READ_ONLY else err from None
+        return locked(directory / f"{key}.lock", "--cache-dir")
 
     def paths(self, key: str) -> tuple[Path, Path, Path]:
         """(features .npy, labels .npy, meta .json) for a key; the meta file is written last."""
@@ -100,15 +118,24 @@ class Extraction:
     """
 
     def __init__(self, cache: FeatureCache, key: str, global_batch: int, dtype: np.dtype, n: int) -> None:
-        self.features_path, self.labels_path, _ = cache.paths(key)
+        self.cache, self.key = cache, key
+        self.features_path, self.labels_path, self.meta_path = cache.paths(key)
         self.dtype, self.n = np.dtype(dtype), n
         partial = self.features_path.with_name(self.features_path.name + ".partial")
         self.parts = Segments(partial, content_key(key, global_batch, str(self.dtype)))
 
     def resume(self) -> int:
-        """The first row still to extract: after the parts whose bytes are what was written."""
-        Path(self.features_path).parent.mkdir(parents=True, exist_ok=True)
-        return len(self.parts.open().items)
+        """The first row still to extract: after the parts whose bytes are what was written (a part cut short or
+        changed, and every later one, is extracted again with a warning)."""
+        self.parts.open()
+        if self.parts.dropped:
+            warnings.warn(
+                f"partial features {self.parts.path}: {self.parts.dropped}; extracting again from row "
+                f"{len(self.parts.items)}",
+                EvalWarning,
+                stacklevel=3,
+            )
+        return len(self.parts.items)
 
     def extend(self, chunks: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write ``chunks`` (the batches from :meth:`resume`'s row on), closing a part at ``PART_ROWS`` rows or
@@ -124,9 +151,10 @@ class Extraction:
                 rows, since = 0, time.monotonic()
         self.parts.commit()
 
-    def finish(self) -> dict[str, dict[str, Any]]:
-        """Rename the whole features file into place beside its labels; their names, bytes, sha256, shapes and
-        dtypes, for the meta file that the caller writes last."""
+    def finish(self, **settings: str) -> None:
+        """Rename the whole features file into place beside its labels, then write the meta file, last: the key, what
+        the features were computed from (the cache's fingerprints and ``settings``: transform, pool, dtype,
+        precision), and the files' names, bytes, sha256, shapes and dtypes that :func:`cache_problem` checks."""
         self.parts.close()
         labels = np.asarray(self.parts.items, dtype=np.int64)
         buffer = io.BytesIO()
@@ -135,10 +163,13 @@ class Extraction:
         os.replace(self.parts.path, self.features_path)
         self.parts.record.unlink(missing_ok=True)
         features = np.load(self.features_path, mmap_mode="r", allow_pickle=False)
-        return {
+        files = {
             name: {**file_entry(path), "shape": list(array.shape), "dtype": str(array.dtype)}
             for name, path, array in (("features", self.features_path, features), ("labels", self.labels_path, labels))
         }
+        cache = self.cache
+        inputs = {"weights": cache.weights, "model": cache.model, "dataset": cache.dataset, **settings}
+        atomic_write_json(self.meta_path, {"key": self.key, **inputs, "num_samples": self.n, "files": files})
 
 
 def kept_features(directory: str | os.PathLike, since: float) -> tuple[list[int], list[int]]:

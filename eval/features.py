@@ -18,23 +18,23 @@ files while the other ranks take part in every gather; then all read rank 0's fi
 Cache key (``FeatureCache.key``, the first 24 hex digits of a sha256 of a JSON record, computed on rank 0
 and broadcast): the weights (their file's sha256; a caller holding weights only in memory passes
 ``module_fingerprint``), the architecture they were loaded into (``architecture_fingerprint``: the
-module's repr), the dataset (``dataset_fingerprint``: each file's relative path, size, mtime and label
-plus the bytes of 32 evenly spaced files), the transform (``describe_transform``: its repr without memory
-addresses, so the image size and where preprocessing runs), the pool, the stored dtype (float32 or
-float16) and the precision. The same request from another protocol loads the features; any other
-request computes its own. The meta file, written last, records the key's parts and each file's size,
-sha256, shape and dtype, checked before a read; a file that fails is computed again with one warning. A
-cut extraction resumes from the rows it kept (a multiple of the global batch).
+module's repr), the dataset (``bt_hub.data.datasets.dataset_fingerprint``: each file's relative path,
+size, mtime, ctime and label plus the bytes of 32 evenly spaced files), the transform
+(``describe_transform``: its repr without memory addresses, so the image size and where preprocessing
+runs), the pool, the stored dtype (float32 or float16) and the precision. The same request from another
+protocol loads the features; any other request computes its own. The meta file, written last, records
+the key's parts and each file's size, sha256, shape and dtype, checked before a read; a file that fails
+is computed again with one warning. A cut extraction resumes from the rows it kept (a multiple of the
+global batch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import os
 import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -43,7 +43,6 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision import transforms
 
-from bt_hub.common.artifacts import stat_row
 from bt_hub.common.distributed import (
     all_gather_cat,
     barrier,
@@ -53,7 +52,6 @@ from bt_hub.common.distributed import (
     is_distributed,
     is_main_process,
 )
-from bt_hub.common.files import atomic_write_json, file_sha256
 from bt_hub.common.progress import progress
 from bt_hub.common.signals import ignore_group_signals
 from bt_hub.data.datasets import to_uint8_tensor
@@ -111,60 +109,6 @@ def module_fingerprint(module: nn.Module) -> str:
         t = tensor.detach().cpu().contiguous()
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # reshape: 0-d counters
-    return h.hexdigest()
-
-
-CONTENT_SAMPLE = 32  # files of a directory whose bytes go into its fingerprint
-
-
-def _sampled_content(paths: list[Path]) -> bytes:
-    """sha256s of ``CONTENT_SAMPLE`` evenly spaced files: two folders with the same names and sizes still differ."""
-    picks = sorted({int(i) for i in np.linspace(0, len(paths) - 1, min(len(paths), CONTENT_SAMPLE))}) if paths else []
-    return "".join(file_sha256(paths[i]) for i in picks).encode()
-
-
-def dataset_fingerprint(dataset_or_path: Dataset | str | os.PathLike) -> str:
-    """A sha256 that changes when the images, their order or their labels change.
-
-    Files: their stat rows (relative path, size, mtime, ctime: any write to a file moves its ctime, see
-    :mod:`bt_hub.common.artifacts`) and labels, plus the bytes of 32 evenly spaced files; in-memory sets: the array
-    and labels; other datasets: every item's pixels and label.
-    """
-    h = hashlib.sha256()
-    if isinstance(dataset_or_path, (str, os.PathLike)):
-        spec = str(dataset_or_path)
-        root = Path(spec).expanduser()
-        if not root.is_dir():
-            h.update(spec.encode())
-            return h.hexdigest()
-        files = []
-        for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-            dirnames.sort()
-            for name in sorted(filenames):
-                p = Path(dirpath) / name
-                files.append(p)
-                h.update(f"{stat_row(p, root)};".encode())
-        h.update(_sampled_content(files))
-        return h.hexdigest()
-    dataset = dataset_or_path
-    samples = getattr(dataset, "samples", None)
-    images = getattr(dataset, "images", None)
-    if samples is not None:
-        root = Path(getattr(dataset, "root", "/"))
-        h.update(f"{root.name}/;".encode())
-        for path, label in samples:
-            p = Path(path)
-            h.update(f"{stat_row(p, root if p.is_relative_to(root) else Path(p.anchor))}:{label!r};".encode())
-        h.update(_sampled_content([Path(s[0]) for s in samples]))
-    elif isinstance(images, np.ndarray):
-        h.update(f"{images.shape}:{images.dtype};".encode())
-        h.update(np.ascontiguousarray(images).tobytes())
-        h.update(repr(list(getattr(dataset, "targets", []))).encode())
-    else:
-        for i in range(len(dataset)):
-            image, label = dataset[i][:2]
-            h.update(np.asarray(image).tobytes())
-            h.update(f":{label!r};".encode())
     return h.hexdigest()
 
 
@@ -419,35 +363,23 @@ def extract_with_source(
     description = describe_transform(transform)
     key = str(broadcast_object(cache.key(description, pool, dtype, precision)))  # every rank reads rank 0's file
     features_path, labels_path, meta_path = cache.paths(key)
-    problem = broadcast_object(cache_problem(meta_path, key) if is_main_process() else None)
-    if problem is None:
-        return read_cache(features_path, labels_path) + (f"cached {key}",)
-    if problem != CACHE_MISSING:
-        warnings.warn(f"feature cache {problem}; computing the features again", EvalWarning, stacklevel=3)
-    extraction = Extraction(cache, key, batch_size * get_world_size(), np.dtype(dtype), len(dataset))
-    first = int(broadcast_object(extraction.resume() if is_main_process() else 0))  # rows a cut run already kept
-    if is_main_process():
-        extraction.extend(batches(first))
-        files = extraction.finish()
-        atomic_write_json(
-            meta_path,
-            {
-                "key": key,
-                "weights": cache.weights,
-                "model": cache.model,
-                "dataset": cache.dataset,
-                "transform": description,
-                "pool": pool,
-                "dtype": dtype,
-                "precision": precision,
-                "num_samples": len(dataset),
-                "files": files,
-            },
-        )
-    else:
-        for _ in batches(first):  # the other ranks take part in every gather, then read rank 0's file
-            pass
-    barrier()
+    check = lambda: broadcast_object(cache_problem(meta_path, key) if is_main_process() else None)  # noqa: E731
+    problem = check()
+    with cache.lock(key) if problem is not None and is_main_process() else contextlib.nullcontext():
+        problem = problem and check()  # again under the key's lock: the run it waited for may have written them
+        if problem is None:
+            return read_cache(features_path, labels_path) + (f"cached {key}",)
+        if problem != CACHE_MISSING:
+            warnings.warn(f"feature cache {problem}; computing the features again", EvalWarning, stacklevel=3)
+        extraction = Extraction(cache, key, batch_size * get_world_size(), np.dtype(dtype), len(dataset))
+        first = int(broadcast_object(extraction.resume() if is_main_process() else 0))  # rows a cut run kept
+        if is_main_process():
+            extraction.extend(batches(first))
+            extraction.finish(transform=description, pool=pool, dtype=dtype, precision=precision)
+        else:
+            for _ in batches(first):  # the other ranks take part in every gather, then read rank 0's file
+                pass
+        barrier()
     features, labels = read_cache(features_path, labels_path)
     source = "computed" if problem == CACHE_MISSING else f"computed ({problem})"
     return features, labels, source + (f", continued at row {first} of a cut run" if first else "")

@@ -19,8 +19,9 @@ from torch import nn
 
 from bt_hub.common.config import option
 from bt_hub.common.distributed import is_main_process
+from bt_hub.data.datasets import dataset_fingerprint
 from bt_hub.eval.config import EvalConfig
-from bt_hub.eval.features import dataset_fingerprint, module_fingerprint
+from bt_hub.eval.features import module_fingerprint
 from bt_hub.eval.report import Table
 from bt_hub.eval.runner import Cell, EvalRun, Scored
 from bt_hub.eval.splits import indices_sha256, take

@@ -24,6 +24,8 @@ from bt_hub.common.records import (
     group_by_seed,
     mean_std,
     metric_label,
+    paper_comparable,
+    paper_mismatch,
     seed_free_setting,
     seed_group_key,
     seeds_text,
@@ -64,10 +66,11 @@ class PaperRow:
     setting: str
     folders: tuple[str, ...]
     test_size: int
+    labels: str | None = None  # the published label subset the paper's row fine-tuned on (by its file name)
 
     def block(self) -> dict[str, Any]:
-        """The record's ``paper``: everything results.md and the card show of this row."""
-        return {
+        """The record's ``paper``: everything results.md and the card show of this row, and check it against."""
+        block = {
             "task": self.task,
             "name": PAPER_NAME,
             "metrics": PAPER_RESULTS[self.task],
@@ -76,6 +79,7 @@ class PaperRow:
             "folders": list(self.folders),
             "test_size": self.test_size,
         }
+        return block | ({"labels": self.labels} if self.labels else {})
 
 
 def table_of(record: Mapping[str, Any]) -> Table:
@@ -91,11 +95,14 @@ def _row(cells: Sequence[str]) -> str:
 
 
 def _paper_key(record: Mapping[str, Any]) -> str | None:
-    paper = record.get("paper")
-    return paper.get("task") if isinstance(paper, Mapping) else None
+    paper = paper_comparable(record)
+    return paper.get("task") if paper else None
 
 
 def _table(rows: list[Mapping[str, Any]]) -> str:
+    """One ``Table`` of results.md: the paper's row above the runs it applies to (:func:`paper_comparable`), a
+    warning a run's records carry marked beside its numbers and said under the table, and why a paper row a run
+    follows is left out."""
     tables = [table_of(r) for r in rows]
     shown = [m for t in tables for m in t.metrics if any(m in (r.get("metrics") or {}) for r in rows)]
     hidden = {m for t in tables for m in t.hidden}
@@ -103,21 +110,30 @@ def _table(rows: list[Mapping[str, Any]]) -> str:
     shown = list(dict.fromkeys(shown))
     header = ["Run", "Setting", "Weights", "Data", "Seeds"] + [metric_label(m) for m in shown] + ["Wall time (s)"]
     lines = [f"### {tables[0].title}", "", _row(header), "|" + "---|" * len(header)]
-    papers = {_paper_key(r): r.get("paper") for r in rows}  # our rows grouped by the paper number they follow
+    notes: dict[str, int] = {}  # a warning -> its mark
+    papers = {_paper_key(r): paper_comparable(r) for r in rows}  # our rows grouped by the paper number they follow
     for key, paper in papers.items():
         if paper:
             cells = [paper["name"], paper["setting"], "paper's", paper["data"], "not stated"]
             lines.append(_row(cells + [fmt(paper["metrics"].get(m)) for m in shown] + ["—"]))
         for runs in group_by_seed([r for r in rows if _paper_key(r) == key], seed_group_key):
             first = runs[0]
+            said = dict.fromkeys(w for r in runs for w in r.get("warnings") or [])
+            mark = "".join(f" [{notes.setdefault(w, len(notes) + 1)}]" for w in said)
             words = seed_free_setting(first) if len(runs) > 1 else setting(first)
             cells = [f"ours: {first.get('protocol')}", words or "—", weights_label(first)]
             cells += [data_label(first) or "—", seeds_text(len(runs))]
-            cells += [fmt_mean_std([(r.get("metrics") or {}).get(m) for r in runs]) for m in shown]
+            values = [fmt_mean_std([(r.get("metrics") or {}).get(m) for r in runs]) for m in shown]
+            cells += [v + mark if v != "—" else v for v in values]
             times = [r.get("wall_time_s") for r in runs]
             wall = mean_std(times)[0] if all(fmt(t) != "—" for t in times) else None
             lines.append(_row(cells + [fmt(wall)]))
-    return "\n".join(lines)
+    left_out = {
+        (r["paper"].get("data"), r["paper"].get("setting")): why for r in rows if (why := paper_mismatch(r)) is not None
+    }
+    under = [f"- [{n}] {warning}" for warning, n in notes.items()]
+    under += [f"- The paper's {data} row ({words}) is left out: {why}." for (data, words), why in left_out.items()]
+    return "\n".join(lines + ([""] + under if under else []))
 
 
 def render_table(results: list[Mapping[str, Any]]) -> str:

@@ -210,6 +210,7 @@ PAPER_ROWS = {
         f"{pct}% labels (SimCLR list {pct}percent.txt); preset paper; paper loop with augmentation",
         IMAGENET_FOLDERS,
         50000,
+        labels=f"{pct}percent.txt",
     )
     for pct in (1, 10)
 }

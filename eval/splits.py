@@ -17,9 +17,8 @@ from PIL import Image
 from torch.utils.data import Dataset, Subset
 
 from bt_hub.common.files import file_sha256
-from bt_hub.data.datasets import SPLITS, ArrayImageDataset, build_dataset, is_builtin
+from bt_hub.data.datasets import SPLITS, ArrayImageDataset, build_dataset, dataset_fingerprint, is_builtin
 from bt_hub.eval.config import EvalWarning
-from bt_hub.eval.features import dataset_fingerprint
 from bt_hub.eval.label_subsets import balanced_subset_indices
 
 OVERLAP_SAMPLE = 64  # test images whose bytes are compared with the training split's

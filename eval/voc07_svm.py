@@ -15,9 +15,9 @@ from bt_hub.common.config import option
 from bt_hub.common.distributed import is_main_process
 from bt_hub.common.images import open_rgb
 from bt_hub.common.presets import shown
-from bt_hub.data.datasets import read_voc_annotation
+from bt_hub.data.datasets import dataset_fingerprint, read_voc_annotation
 from bt_hub.eval.config import EvalConfig
-from bt_hub.eval.features import as_float32, dataset_fingerprint
+from bt_hub.eval.features import as_float32
 from bt_hub.eval.linear import TRANSFER_TABLE
 from bt_hub.eval.report import PaperRow
 from bt_hub.eval.runner import EvalRun, Scored

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import builtins
+import contextlib
+import errno
+import io
 import os
 import signal
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -52,9 +56,10 @@ def _ctrl_c_as_a_terminal_gives_it():
 @pytest.fixture(scope="session", autouse=True)
 def _two_torch_threads():
     """Two torch threads in all for every test: the machines running the suite have few cores, shared with other
-    jobs. Under pytest-xdist (``-n 2``, the README's command) each worker and the processes its tests start get one:
-    two threads a worker would put four on two cores, and torch's OpenMP threads spin at every barrier waiting for
-    a thread the kernel has put aside (a 10-step pretraining took 127 s of CPU on two loaded cores, 10 s on one)."""
+    jobs. Under pytest-xdist (``-n 2``, pyproject.toml's addopts) each worker and the processes its tests start get
+    one: two threads a worker would put four on two cores, and torch's OpenMP threads spin at every barrier waiting
+    for a thread the kernel has put aside (a 10-step pretraining took 127 s of CPU on two loaded cores, 10 s on
+    one)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     before, threads = torch.get_num_threads(), max(1, 2 // workers)
     torch.set_num_threads(threads)
@@ -154,6 +159,51 @@ def make_image_folder(
                 image = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
                 Image.fromarray(image).save(folder / f"{c}_{i}{suffix}", format="JPEG" if jpeg else "PNG", quality=90)
     return root
+
+
+@contextlib.contextmanager
+def read_only_storage(folders: list[Path]) -> Iterator[None]:
+    """Inside, this process sees each of ``folders`` (a list the caller may add to) as on read-only storage:
+    creating or writing anything under one (``os.open``, ``os.mkdir``, ``open``) fails with EROFS, as on a read-only
+    mount; tests run as root, whom a ``chmod`` does not stop."""
+    real_open, real_mkdir, real_builtin_open = os.open, os.mkdir, builtins.open
+
+    def under(path) -> bool:
+        return any(Path(os.path.abspath(os.fspath(path))).is_relative_to(f) for f in folders)
+
+    def refuse(path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+
+    def guarded_open(path, flags, mode=0o777, *, dir_fd=None):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and under(path):
+            refuse(path)
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    def guarded_mkdir(path, mode=0o777, *, dir_fd=None):
+        if under(path):
+            if os.path.isdir(path):
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fspath(path))
+            refuse(path)
+        return real_mkdir(path, mode, dir_fd=dir_fd)
+
+    def guarded_builtin_open(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and set(mode) & set("wax+") and under(file):
+            refuse(file)
+        return real_builtin_open(file, mode, *args, **kwargs)
+
+    os.open, os.mkdir, builtins.open, io.open = guarded_open, guarded_mkdir, guarded_builtin_open, guarded_builtin_open
+    try:
+        yield
+    finally:
+        os.open, os.mkdir, builtins.open, io.open = real_open, real_mkdir, real_builtin_open, real_builtin_open
+
+
+@pytest.fixture
+def read_only() -> Iterator[Callable[[Path], None]]:
+    """``read_only(folder)``: this process sees ``folder`` as on read-only storage (:func:`read_only_storage`)."""
+    folders: list[Path] = []
+    with read_only_storage(folders):
+        yield lambda folder: folders.append(Path(folder).resolve())
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cli_output beside this file, also under __main__
 
 from cli_output import messages  # noqa: E402
-from conftest import REPO_ROOT, make_image_folder  # noqa: E402
+from conftest import REPO_ROOT, make_image_folder, read_only_storage  # noqa: E402
 
 from bt_hub import cli  # noqa: E402
 
@@ -59,6 +59,7 @@ class Case:
     measurements: bool = False  # the measured choices' cache in the case's folder (d/cache), not the session's
     rewritten: tuple[str, ...] = ()  # files of bt_hub's cache the case expects replaced (a damaged one made again)
     absent: tuple[str, ...] = ()  # files that must not exist afterwards (a measurement that must not be made)
+    read_only: tuple[str, ...] = ()  # folders the command sees as on read-only storage (``{d}`` is the case's folder)
 
 
 @dataclass
@@ -190,6 +191,14 @@ def run_folder(d: Path, w: Path, *, config: dict | None = None, metrics: str = "
         json.dumps(config or {"architecture": "resnet18", "small_image_stem": True, "image_size": 8, "lambd": 0.1})
     )
     (run / "metrics.jsonl").write_text(metrics or METRICS)
+
+
+def demo_run(d: Path, w: Path) -> None:
+    """``d/demo``: the folder a demo of the default settings leaves when it is stopped before its first step."""
+    from bt_hub.eval.demo import DemoConfig, _claimed_out
+
+    with _claimed_out(DemoConfig(out=str(d / "demo"))):
+        pass
 
 
 def run_with(**kwargs) -> Callable[[Path, Path], None]:
@@ -461,6 +470,7 @@ def _cases() -> list[Case]:
         Case("demo", "image-size 100000", (*demo, "--image-size", "100000"), ("--image-size", "2048 px")),
         Case("demo", "out is a user folder", demo, ("--out", "--overwrite"), write("demo/report.md", "my report")),
         Case("demo", "out holds a pretraining run", demo, ("--out",), run_with(at="demo/pretrain")),
+        Case("demo", "out holds a demo of other settings", demo, ("other settings", "--overwrite"), demo_run),
         # embed
         *_run_config_cases("embed", embed, weights),
         Case("embed", "splits val", (*embed, "--splits", "val"), ("--splits",), weights),
@@ -624,6 +634,14 @@ def _cases() -> list[Case]:
             (*knn, "--cache-dir", "{d}/cache"),
             ("cache",),
             write("cache", "mine", with_weights=True),
+        ),
+        Case(
+            "eval knn",
+            "cache-dir read-only without the features asked",
+            (*knn, "--cache-dir", "{d}/cache"),
+            ("--cache-dir", "cache", "Read-only file system"),
+            folder("cache", with_weights=True),
+            read_only=("{d}/cache",),
         ),
         Case("eval knn", "decompression bomb", (*knn, "--data", "{d}/data"), ("c0_0.png",), bomb_tree),
         *_eval_cases("linear"),
@@ -972,6 +990,7 @@ def run_case(case: Case, d: Path, good_weights: Path) -> Outcome:
     err, code, escaped = io.StringIO(), None, ""
     with contextlib.ExitStack() as stack:
         stack.enter_context(_inside(d, env, case.missing))
+        stack.enter_context(read_only_storage([Path(f.format(d=d)).resolve() for f in case.read_only]))
         stack.enter_context(contextlib.redirect_stderr(err))
         stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
         if case.measurements:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from bt_hub import cli
 from bt_hub.common.records import fmt_mean_std
@@ -165,9 +167,11 @@ def test_demo_never_replaces_a_users_report_in_a_bt_hub_folder(tmp_path, capsys)
     assert _snapshot(tmp_path) == before
 
 
-def test_a_second_demo_into_the_same_out_keeps_the_first_ones_files(short_demo, capsys):
+def test_a_demo_of_other_settings_into_the_same_out_is_refused_and_keeps_the_first_ones_files(short_demo, capsys):
     before = _snapshot(short_demo)
-    assert "--overwrite" in _refused(["demo", "--out", str(short_demo), *SHORT], capsys)
+    err = _refused(["demo", "--out", str(short_demo), *SHORT, "--curve-points", "3"], capsys)
+    assert "holds a demo run of other settings: recipe changed (curve_points);" in err
+    assert "--overwrite" in err and "new --out" in err
     assert _snapshot(short_demo) == before
 
 
@@ -175,10 +179,94 @@ def test_demo_with_overwrite_claims_a_used_folder_and_keeps_its_other_files(tmp_
     from bt_hub.eval import demo
 
     (tmp_path / "notes.txt").write_text("mine")
-    with demo._claimed_out(demo.DemoConfig(out=str(tmp_path), overwrite=True)) as out:
-        assert out == tmp_path
+    with demo._claimed_out(demo.DemoConfig(out=str(tmp_path), overwrite=True)) as (out, continues):
+        assert out == tmp_path and not continues
         assert (tmp_path / "notes.txt").read_text() == "mine"
         assert (tmp_path / ".bt_hub_run").is_file()
+
+
+# a demo of 4 steps of batch 32 (one run, its curve at step 4), cut by Ctrl-C after its second step
+TINY = ["--epochs", "1", "--batch-size", "32", "--max-steps", "4", "--pretrain-seeds", "1", "--curve-points", "1"]
+TINY += ["--linear-epochs", "2"]
+
+
+def _one_line(err: str) -> str:
+    """The last line a command wrote on stderr (its one sentence; progress lines come before it)."""
+    return err.strip().splitlines()[-1]
+
+
+def test_the_demo_run_again_after_ctrl_c_continues_each_pretraining_run_from_its_checkpoint(
+    tmp_path, monkeypatch, capsys
+):
+    # guards: after Ctrl-C the demo said "run the same command again to continue", which was refused (--out holds
+    # pretrain ...; pass --overwrite), and with --overwrite it pretrained again from step 0 (issue 46, case 9)
+    import contextlib as ctx
+    import signal
+
+    from safetensors.torch import load_file
+
+    from bt_hub.common.config import torch_threads
+    from bt_hub.train import pretrain as loop
+    from bt_hub.train.config import PretrainConfig
+
+    @ctx.contextmanager
+    def ctrl_c_after_two_steps(device):
+        steps = iter(range(1, 100))
+        yield lambda: signal.SIGINT if next(steps) == 2 else 0
+
+    out, argv = tmp_path / "demo", ["demo", "--out", str(tmp_path / "demo"), *TINY]
+    monkeypatch.setattr(loop, "deferred_stop", ctrl_c_after_two_steps)
+    assert cli.main(argv) == 130
+    said = _one_line(capsys.readouterr().err)
+    assert said.endswith(f"run the same command again to continue: bt-hub {' '.join(argv)}"), said
+    monkeypatch.undo()
+    assert cli.main(argv) == 0  # the same command
+    run = json.loads((out / "pretrain" / "run.json").read_text())
+    assert [r["resumed_from_step"] for r in run["resumes"]] == [2]  # continued from the checkpoint of step 2
+    assert json.loads((out / "results.json").read_text())["last_step"] == "step 4"
+    # an uninterrupted run of the recipe the demo recorded: the same last metrics and weights, bit for bit
+    recipe = {k: v for k, v in run["config"].items() if k in {f.name for f in dataclasses.fields(PretrainConfig)}}
+    with torch_threads(2):  # the demo's threads
+        runs = [out / "pretrain", loop.pretrain(PretrainConfig(**{**recipe, "out": str(tmp_path / "ref")}))]
+    keys = ("step", "loss", "invariance", "redundancy", "embedding_std", "lr_weights")
+    ours, theirs = ({k: json.loads((p / "metrics.jsonl").read_text().splitlines()[-1])[k] for k in keys} for p in runs)
+    assert ours == theirs and ours["step"] == 4
+    weights = [load_file(p / "backbone.safetensors") for p in runs]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])
+
+
+def test_an_interrupted_demo_names_the_command_that_continues_it_and_refuses_other_settings(
+    tmp_path, monkeypatch, capsys
+):
+    # guards: a demo started with --overwrite and cut by Ctrl-C named the --overwrite command, which starts over
+    from bt_hub.data import measured, precision
+    from bt_hub.eval import demo
+
+    monkeypatch.setattr(measured, "cache_file", lambda name: tmp_path / "precision.json")
+    monkeypatch.setattr(precision, "measure_cpu", lambda: {"fp32": 0.1, "bf16": 10.0})
+    resumed = []
+    monkeypatch.setattr(
+        demo, "pretrain", lambda c: resumed.append(c.resume) or (_ for _ in ()).throw(KeyboardInterrupt)
+    )
+    out, tiny = tmp_path / "demo", ["--epochs", "1", "--max-steps", "2"]
+    assert cli.main(["demo", "--out", str(out), "--overwrite", *tiny]) == 130
+    said = _one_line(capsys.readouterr().err)
+    assert said.endswith(
+        f"run the command again without --overwrite to continue: bt-hub demo --out {out} {' '.join(tiny)}"
+    )
+    assert cli.main(["demo", "--out", str(out), *tiny]) == 130  # that command continues the demo's run
+    assert _one_line(capsys.readouterr().err).endswith(
+        f"run the same command again to continue: bt-hub demo --out {out} {' '.join(tiny)}"
+    )
+    assert resumed == [None, "auto"]  # the first pretraining run started afresh, then resumed from its checkpoint
+    before = _snapshot(out)
+    err = _refused(["demo", "--out", str(out), "--epochs", "2", "--max-steps", "2"], capsys)
+    assert f"--out {out} holds a demo run of other settings: recipe changed (pretrain.epochs);" in err
+    assert "choose a new --out, or pass --overwrite to start that demo over" in err and _snapshot(out) == before
+    # a refusal after the claim (pretraining's schedule check) takes it back whole: no run.json of the refused
+    # settings is left to refuse the corrected command as "other settings"
+    monkeypatch.setattr(demo, "pretrain", lambda c: (_ for _ in ()).throw(ValueError("--max-steps 9 is too many")))
+    assert cli.main(["demo", "--out", str(tmp_path / "new"), *tiny]) == 2 and not (tmp_path / "new").exists()
 
 
 @pytest.mark.slow

@@ -325,7 +325,7 @@ def test_detection_record_lists_every_override_and_the_table_marks_a_run_that_is
     from bt_hub.eval.detection.detect import DetectConfig, _write
     from bt_hub.eval.settings import LoadedWeights
 
-    weights, data = tmp_path / "r50.pth", tmp_path / "data"
+    weights, data = tmp_path / "r50.pth", tmp_path / "VOCdevkit"  # the paper's data, by its folder name
     weights.write_bytes(b"weights")
     data.mkdir()
     opts = ["DATALOADER.NUM_WORKERS", "0", "SOLVER.BASE_LR", "0.1"]  # the lr is the YAML's own: no change
@@ -375,7 +375,7 @@ def test_detection_results_get_the_papers_rows_in_the_report():
             "table": TABLES.get(preset, TABLES[None]).block(),
             "metrics": metrics,
             "weights": {"name": "bt.pth", "fingerprint": "ab"},
-            "dataset": {"name": "d"},
+            "dataset": {"name": "coco" if preset == "coco" else "voc"},  # the paper's data, by folder name
             "wall_time_s": 1.0,
             "seed": 0,
         }
@@ -389,7 +389,7 @@ def test_detection_results_get_the_papers_rows_in_the_report():
     )
     voc, coco, other = text.split("### ")[1:]
     assert "VOC07+12 Faster R-CNN" in voc and "| box AP | box AP50 | box AP75 | Wall time (s) |" in voc
-    assert "| 56.8 | 82.6 | 63.4 | — |" in voc and "| preset voc | bt.pth (ab) | d |" in voc
+    assert "| 56.8 | 82.6 | 63.4 | — |" in voc and "| preset voc | bt.pth (ab) | voc |" in voc
     assert "| 50.0 | 80.0 | 55.0 | 1.0 |" in voc
     assert "| mask AP | mask AP50 | mask AP75 |" in coco
     assert (
@@ -398,6 +398,6 @@ def test_detection_results_get_the_papers_rows_in_the_report():
     )
     assert (
         "paper" not in other.split("|---")[1]
-        and "| preset shapes-voc | bt.pth (ab) | d |" in other
+        and "| preset shapes-voc | bt.pth (ab) | voc |" in other
         and "| 60.0 | 90.0 | 70.0 | 1.0 |" in other
     )

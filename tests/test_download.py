@@ -428,6 +428,23 @@ def test_two_processes_asking_for_one_url_at_once_download_it_once(torch_home, w
     assert paths == [cache_path(url)] * 2 and cache_path(url).read_bytes() == data_a
 
 
+def test_a_new_registered_sha256_for_the_same_url_is_a_new_cache_entry(torch_home, weights_a_b):
+    # guards: the cache was keyed by the URL alone, so weights re-registered with a new sha256 at the same URL found
+    # the old file and were refused as "changed after it was verified" (an input of the download changed)
+    (data_a, _), (data_b, _) = weights_a_b
+    sha_a, sha_b = hashlib.sha256(data_a).hexdigest(), hashlib.sha256(data_b).hexdigest()
+    server = LoopbackFiles({"/w/resnet18.pth": data_a})
+    url = f"{server.url}/w/resnet18.pth"
+    try:
+        first = download(url, sha256=sha_a, progress=False)
+        server.routes["/w/resnet18.pth"] = data_b  # the file replaced upstream, and registered anew
+        second = download(url, sha256=sha_b, progress=False)
+    finally:
+        server.stop()
+    assert first != second and (first.read_bytes(), second.read_bytes()) == (data_a, data_b)
+    assert second == cache_path(url, sha256=sha_b) and server.hits["/w/resnet18.pth"] == 2
+
+
 def test_a_cached_file_on_read_only_storage_is_read_without_recording_its_sha256(torch_home, weights_a_b, monkeypatch):
     # Guards: a shared TORCH_HOME mounted read-only failed on the sha256 record bt_hub writes beside a file it uses
     (data_a, _), _ = weights_a_b

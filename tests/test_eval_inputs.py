@@ -14,10 +14,10 @@ from cli_output import one_sentence
 from torch import nn
 
 from bt_hub import cli
-from bt_hub.data.datasets import ArrayImageDataset
+from bt_hub.data.datasets import ArrayImageDataset, dataset_fingerprint
 from bt_hub.eval.config import EvalWarning
 from bt_hub.eval.feature_cache import FeatureCache, cache_problem
-from bt_hub.eval.features import dataset_fingerprint, extract_features
+from bt_hub.eval.features import extract_features
 from bt_hub.method.knn import knn_vote
 
 

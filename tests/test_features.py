@@ -4,6 +4,12 @@ pretraining pipeline (decode, resize and crop on the device) and in bf16."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,12 +22,11 @@ from torch import nn
 from bt_hub import cli
 from bt_hub.common.artifacts import recorded_segments
 from bt_hub.common.images import open_rgb
-from bt_hub.data.datasets import ArrayImageDataset, build_dataset
+from bt_hub.data.datasets import ArrayImageDataset, build_dataset, dataset_fingerprint
 from bt_hub.data.decode import decode_images, read_encoded
 from bt_hub.eval.feature_cache import FeatureCache
 from bt_hub.eval.features import (
     as_float32,
-    dataset_fingerprint,
     extract_features,
     module_fingerprint,
     train_transform,
@@ -389,6 +394,96 @@ def test_an_extraction_cut_short_continues_from_its_last_whole_part_to_the_same_
         assert run.features_used["train"] == "computed, continued at row 32 of a cut run"
     np.testing.assert_array_equal(resumed, whole)
     assert not list((tmp_path / "cut").glob("*.partial*"))  # the record goes once the whole file is in place
+
+
+def test_a_damaged_part_of_a_cut_extraction_is_extracted_again_with_the_stores_warning(
+    small_stem_weights, tmp_path, monkeypatch
+):
+    # guards: a partial features file changed inside a kept part was extracted again without a word
+    import bt_hub.eval.feature_cache as feature_cache
+    from bt_hub.eval.config import EvalWarning
+    from bt_hub.eval.knn import KnnConfig
+    from bt_hub.eval.runner import evaluation
+
+    monkeypatch.setattr(feature_cache, "PART_ROWS", 16)  # a part every 2 batches of 8
+    config = KnnConfig(weights=str(small_stem_weights), data="synthetic:80", image_size=8, batch_size=8, out=None)
+    config.cache_dir = str(tmp_path)
+    with evaluation(config) as run:
+        whole = np.array(run.features("train")[0])
+    for path in tmp_path.iterdir():
+        path.unlink()
+    with evaluation(config) as run:
+        forward, calls = run.weights.network.forward, []
+
+        def stop_at_the_fifth_batch(x):
+            calls.append(len(x))
+            if len(calls) == 5:
+                raise KeyboardInterrupt
+            return forward(x)
+
+        monkeypatch.setattr(run.weights.network, "forward", stop_at_the_fifth_batch)
+        with pytest.raises(KeyboardInterrupt):
+            run.features("train")
+    (partial,) = tmp_path.glob("*.features.npy.partial")
+    first_part_ends = recorded_segments(Path(f"{partial}.progress.jsonl"))[0]["end"]
+    with open(partial, "r+b") as f:  # one byte of the second part (rows 16 to 31) changed
+        f.seek(first_part_ends + 100)
+        byte = f.read(1)
+        f.seek(first_part_ends + 100)
+        f.write(bytes([byte[0] ^ 1]))
+    said = (
+        f"partial features {partial}: its bytes from {first_part_ends:,} on are not what was recorded (cut or "
+        "changed); extracting again from row 16"
+    )
+    with evaluation(config) as run, pytest.warns(EvalWarning, match=re.escape(said)):
+        resumed = np.array(run.features("train")[0])
+    assert run.features_used["train"] == "computed, continued at row 16 of a cut run"
+    np.testing.assert_array_equal(resumed, whole)
+
+
+def test_two_evaluations_extracting_the_same_features_into_one_cache_dir_both_finish_with_the_same_scores(
+    tmp_path, image_folder, resnet18_weights
+):
+    # guards: a second eval knn into the --cache-dir a first one was writing failed after all its work ("No such file
+    # or directory: '...features.npy.partial'", rc 2), and a wait on a stopped lock holder was silent
+    data = image_folder(tmp_path / "data", per_class=50, size=32)
+    cmd = ["eval", "knn", "--weights", str(resnet18_weights), "--arch", "resnet18", "--data", str(data)]
+    cmd += ["--test-split", "val", "--image-size", "32", "--batch-size", "2", "--cache-dir", str(tmp_path / "c")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "BT_HUB_PROGRESS_EVERY": "1"}
+    runs, logs = [], [tmp_path / "first.txt", tmp_path / "second.txt"]
+
+    def start(i: int) -> subprocess.Popen:
+        with open(logs[i], "w") as stderr:
+            argv = [sys.executable, "-m", "bt_hub.cli", *cmd, "--out", str(tmp_path / f"ev{i}")]
+            runs.append(subprocess.Popen(argv, env=env, stderr=stderr, start_new_session=True))
+        return runs[-1]
+
+    def wait_for(i: int, text: str) -> None:
+        deadline = time.monotonic() + 240
+        while text not in logs[i].read_text():
+            assert runs[i].poll() is None and time.monotonic() < deadline, logs[i].read_text()[-2000:]
+            time.sleep(0.02)
+
+    try:
+        first = start(0)
+        wait_for(0, "features train: ")  # extracting under the key's lock...
+        os.killpg(first.pid, signal.SIGSTOP)  # ...and stopped there, as by Ctrl-Z
+        start(1)
+        wait_for(1, "waiting for ")
+        os.killpg(first.pid, signal.SIGCONT)
+        for run in runs:
+            run.wait(timeout=300)
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.wait()
+    errs = [log.read_text() for log in logs]
+    assert [run.returncode for run in runs] == [0, 0], errs[1][-2000:]
+    waited = [line for line in errs[1].splitlines() if line.startswith("waiting for ")]
+    assert waited and f"(pid {first.pid} on host " in waited[0] and "cli.py eval knn --weights" in waited[0]
+    scores = [json.loads((tmp_path / f"ev{i}" / "results.json").read_text())["metrics"] for i in (0, 1)]
+    assert scores[0] == scores[1] and scores[0]
 
 
 def test_a_kill_as_the_cache_is_completed_leaves_no_part_files_after_the_rerun(

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from cli_output import one_sentence
+from PIL import Image
 from safetensors.torch import load_file
 
 from bt_hub.cli import main as cli_main
@@ -336,6 +337,36 @@ def test_existing_run_is_not_overwritten_and_resume_checks_the_recipe(tmp_path, 
     assert "--flip is False but checkpoint" in capsys.readouterr().err
 
 
+def test_resume_refuses_training_data_changed_in_place_and_resumes_an_older_checkpoint_with_a_warning(
+    tmp_path, image_folder, capsys
+):
+    # guards: --resume auto continued a checkpoint on a training folder whose images had been replaced under the same
+    # names: its data entered the check as the --data path alone
+    data = image_folder(tmp_path / "data", classes=("a", "b"), per_class=8, size=8, splits=())
+    out = tmp_path / "run"
+    argv = ["pretrain", "--data", str(data), *TINY[2:], "--out", str(out)]
+    assert cli_main([*argv, "--max-steps", "2"]) == 0
+    checkpoint = out / "checkpoint.pth"
+    image = data / "a" / "a_0.png"
+    kept = image.read_bytes()
+    Image.fromarray(np.full((8, 8, 3), 200, dtype=np.uint8)).save(image)  # same name, other pixels
+    capsys.readouterr()
+    assert cli_main([*argv, "--max-steps", "3", "--resume", "auto"]) == 2
+    assert one_sentence(capsys.readouterr().err) == (
+        f"bt-hub pretrain: error: --data {data} is not what checkpoint {checkpoint} was trained on (data changed: an "
+        "image was added, removed, relabelled or written since); put back the images it was trained on to resume it, "
+        "or start a new run on this data (--overwrite without --resume, or another --out)"
+    )
+    image.write_bytes(kept)  # the bytes put back, with a new ctime: still a change to the fingerprint
+    state = torch.load(checkpoint, weights_only=True)
+    del state["data_fingerprint"]  # as a checkpoint written before bt_hub recorded it
+    torch.save(state, checkpoint)
+    assert cli_main([*argv, "--max-steps", "3", "--resume", "auto"]) == 0
+    assert f"checkpoint {checkpoint} records no fingerprint of its training data" in capsys.readouterr().err
+    assert int(torch.load(checkpoint, weights_only=True)["step"]) == 3
+    assert cli_main([*argv, "--max-steps", "4", "--resume", "auto"]) == 0  # its next checkpoint records the data
+
+
 def test_views_follow_crop_scale_min_no_flip_and_no_blur_and_keep_the_rest_of_the_paper():
     paper = view_pair(PretrainConfig())
     assert paper == (
@@ -363,7 +394,7 @@ def test_channels_last_auto_follows_the_resolved_precision():
 
 
 def test_keep_every_keeps_the_backbone_at_its_steps_with_the_seconds_trained_across_a_resume(tmp_path):
-    from bt_hub.train.kept import kept_weights
+    from bt_hub.train.run_folder import kept_weights
 
     out = tmp_path / "run"
     assert cli_main(["pretrain", *TINY, "--out", str(out), "--keep-every", "3", "--max-steps", "5"]) == 0
@@ -395,7 +426,7 @@ def test_kept_seconds_after_a_resume_count_the_steps_between_the_last_kept_step_
     import types
 
     import bt_hub.train.pretrain as loop
-    from bt_hub.train.kept import kept_weights
+    from bt_hub.train.run_folder import kept_weights
 
     clock = [0.0]
     monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))

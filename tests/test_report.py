@@ -9,11 +9,12 @@ from typing import Any, ClassVar
 
 import pytest
 
-from bt_hub.common.presets import from_preset
-from bt_hub.common.presets import overrides as changed_from_preset
+from bt_hub.common.config import from_preset
+from bt_hub.common.config import overrides as changed_from_preset
 from bt_hub.common.records import SCHEMA, card_table, make_record, read_records, setting, summary_text
 from bt_hub.eval import knn, linear, semi_supervised, voc07_svm
 from bt_hub.eval.detection import detect
+from bt_hub.eval.label_subsets import PUBLISHED_SUBSETS
 from bt_hub.eval.report import render_table
 from bt_hub.eval.runner import write_records
 from bt_hub.weights.registry import PAPER_RESULTS
@@ -59,6 +60,15 @@ SPLITS = {
     "train": {"split": "train", "size": 1437, "fingerprint": "a" * 64},
     "test": {"split": "val", "size": 360, "fingerprint": "b" * 64},
     "overlap_check": {"shared_files": 0, "sampled": 64, "identical": 0},
+}
+
+
+# the paper's data: ImageNet's validation split, by folder name and size
+IMAGENET = {
+    **SPLITS,
+    "name": "imagenet",
+    "path": "imagenet",
+    "test": {"split": "val", "size": 50000, "fingerprint": "c"},
 }
 
 
@@ -217,7 +227,7 @@ def test_a_value_changed_from_the_preset_is_named_in_results_md_and_the_card(tmp
 
 
 def test_tables_round_to_one_decimal_and_show_the_paper_row_only_for_its_own_protocol(tmp_path):
-    _write(tmp_path)  # the paper's ImageNet probe
+    _write(tmp_path, dataset=IMAGENET)  # the paper's ImageNet probe
     _write(
         tmp_path, config=from_preset(FakeConfig, "short"), preset="small"
     )  # not the paper's protocol: no paper row of its own
@@ -229,18 +239,16 @@ def test_tables_round_to_one_decimal_and_show_the_paper_row_only_for_its_own_pro
     )
     assert "| 71.2 | 90.0 | 12.5 |" in md and "71.25" not in md
     card = card_table([json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()])
-    assert card.count("| Top-1 | 71.2 | 1 seed | — |") == 2  # digits are not the paper's data: no paper number
+    assert card.count("| Top-1 | 71.2 | 1 seed | 73.2 |") == 1 and card.count("| Top-1 | 71.2 | 1 seed | — |") == 1
 
 
 def test_semi_rows_say_which_label_fraction_and_get_that_fractions_paper_row(tmp_path):
     for pct in (1, 10):
-        _write(
-            tmp_path,
-            protocol="semi",
-            preset="paper",
-            labels={"fraction": pct, "source": "seeded", "seed": 0, "count": pct * 10},
-            metrics={"top1": 40.0 + pct, "top5": 70.0},
-        )
+        listing = f"{pct}percent.txt"
+        labels = {"fraction": pct, "source": "list", "file": listing, "published": listing, "count": pct * 10}
+        labels["sha256"] = PUBLISHED_SUBSETS[listing]
+        metrics = {"top1": 40.0 + pct, "top5": 70.0}
+        _write(tmp_path, protocol="semi", preset="paper", labels=labels, metrics=metrics, dataset=IMAGENET)
     md = (tmp_path / "results.md").read_text()
     assert (
         "1% labels (SimCLR list 1percent.txt); preset paper; paper loop with augmentation "
@@ -250,20 +258,42 @@ def test_semi_rows_say_which_label_fraction_and_get_that_fractions_paper_row(tmp
         "10% labels (SimCLR list 10percent.txt); preset paper; paper loop with augmentation "
         "| paper's | ImageNet | not stated | 69.7 | 89.3 |" in md
     )
-    assert (
-        "| ours: semi | 1% labels (seeded class-balanced, seed 0); preset paper; paper loop with augmentation |" in md
-    )
-    assert (
-        "| ours: semi | 10% labels (seeded class-balanced, seed 0); preset paper; paper loop with augmentation |" in md
-    )
+    assert "| ours: semi | 1% labels (SimCLR list 1percent.txt); preset paper; paper loop with augmentation |" in md
+    assert "| ours: semi | 10% labels (SimCLR list 10percent.txt); preset paper; paper loop with augmentation |" in md
     records = read_records([tmp_path / "results.jsonl"])
     assert ["1% labels" in setting(r) for r in records] == [True, False]
+    assert "left out" not in md
+
+
+def test_a_paper_row_stands_only_beside_runs_on_its_data_and_label_subsets_and_a_warning_beside_its_number(tmp_path):
+    # guards: eval all's semi on a 3-class folder (33.3 at chance under the paper preset's 20 steps) was printed under
+    # the paper's ImageNet rows (55.0 / 69.7), and its "may not fit" warning reached stderr and results.json but not
+    # results.md (issue 46, case 11)
+    warned = "preset 'paper' assumes 1000 classes (the data has 3); its hyper-parameters may not fit"
+    three = {**SPLITS, "name": "d", "test": {"split": "val", "size": 60, "fingerprint": "d"}}
+    for pct, top1 in ((1, 46.7), (10, 33.3)):
+        labels = {"fraction": pct, "source": "seeded", "seed": 0, "count": 3}
+        metrics = {"top1": top1, "top5": 100.0}
+        _write(
+            tmp_path, protocol="semi", preset="paper", labels=labels, metrics=metrics, dataset=three, warnings=[warned]
+        )
+    seeded = {"fraction": 10, "source": "seeded", "seed": 0, "count": 12811}
+    _write(tmp_path, protocol="semi", preset="paper", labels=seeded, metrics={"top1": 60.0}, dataset=IMAGENET)
+    md = (tmp_path / "results.md").read_text()
+    records = read_records([tmp_path / "results.jsonl"])
+    assert all(r["paper"]["task"].startswith("semi_supervised_") for r in records)  # each follows a paper row...
+    assert "| Barlow Twins paper" not in md  # ...that applies to none of them
+    assert "| d | 1 seed | 46.7 [1] | 100.0 [1] |" in md and "| d | 1 seed | 33.3 [1] | 100.0 [1] |" in md
+    assert f"\n- [1] {warned}\n" in md and "| imagenet | 1 seed | 60.0 |" in md
+    assert "- The paper's ImageNet row (1% labels (SimCLR list 1percent.txt); " in md and "the data is d, not" in md
+    assert "the labels are a seeded subset, not the paper's 10percent.txt." in md
+    assert "| 55.0 |" not in card_table(records) and "| 69.7 |" not in card_table(records)  # the card agrees
 
 
 def test_transfer_presets_land_in_the_transfer_table_with_their_paper_row():
     base = {
         "weights": {"name": "w", "fingerprint": ""},
-        "dataset": {"name": "inat"},
+        "dataset": {"name": "inat18"},
         "wall_time_s": 1.0,
         "mode": "loop",
         "seed": 0,
@@ -281,7 +311,7 @@ def test_transfer_presets_land_in_the_transfer_table_with_their_paper_row():
     assert lines[0] == "### Transfer to other classification tasks (paper Table 3)"
     assert lines[2] == "| Run | Setting | Weights | Data | Seeds | Top-1 | Wall time (s) |"
     assert lines[4].endswith("| iNat18 | not stated | 46.5 | — |")
-    assert lines[5].endswith("| inat | 1 seed | 30.0 | 1.0 |")
+    assert lines[5].endswith("| inat18 | 1 seed | 30.0 | 1.0 |")
 
 
 def test_unknown_protocols_get_a_table_of_their_own_metrics():

@@ -273,36 +273,6 @@ def test_a_store_that_fills_the_disk_removes_its_partial_files_and_says_so(tmp_p
     assert list((tmp_path / "s").iterdir()) == []  # no partial file is left filling the disk, nor a lock
 
 
-@pytest.fixture
-def read_only(monkeypatch):
-    """``read_only(folder)``: this process sees ``folder`` as on read-only storage (creating or writing anything
-    under it fails with EROFS, as on a read-only mount)."""
-    real_open, real_mkdir = os.open, os.mkdir
-    folders: list[Path] = []
-
-    def under(path) -> bool:
-        return any(Path(os.path.abspath(os.fspath(path))).is_relative_to(f) for f in folders)
-
-    def refuse(path):
-        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
-
-    def guarded_open(path, flags, mode=0o777, *, dir_fd=None):
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and under(path):
-            refuse(path)
-        return real_open(path, flags, mode, dir_fd=dir_fd)
-
-    def guarded_mkdir(path, mode=0o777, *, dir_fd=None):
-        if under(path):
-            if os.path.isdir(path):
-                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fspath(path))
-            refuse(path)
-        return real_mkdir(path, mode, dir_fd=dir_fd)
-
-    monkeypatch.setattr(os, "open", guarded_open)
-    monkeypatch.setattr(os, "mkdir", guarded_mkdir)
-    return lambda folder: folders.append(Path(folder).resolve())
-
-
 def _listing(folder: Path) -> dict[str, int]:
     return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*")}
 
@@ -329,6 +299,7 @@ def test_a_whole_store_on_read_only_storage_is_read_without_writing_and_anything
 def test_eval_with_a_cache_dir_on_read_only_storage_reads_what_is_whole_and_names_the_flag_otherwise(
     tmp_path, small_stem_weights, read_only, capsys
 ):
+    # guards: features not in a read-only --cache-dir ended in "[Errno 30] Read-only file system: '....partial'"
     data = _flat_folder(tmp_path / "data", per_class=3)
     _, first = _features(tmp_path, data, small_stem_weights, capsys, "--store", "disk")
     read_only(tmp_path / "cache")

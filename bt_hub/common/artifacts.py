@@ -1,5 +1,6 @@
 """What every cache of bt_hub stands on: a content key, the stat rows of the files it was made from, a lock that
-read-only storage does not need, and a file built in verified segments that a killed build continues.
+read-only storage does not need and that says who holds it, and a file built in verified segments that a killed build
+continues.
 
 A key says which changes it sees. The stat rows of a file are its name, size, mtime and ctime: any write to a
 file's bytes moves its ctime to the present, and no user can set a ctime back (``touch -r`` and ``os.utime`` set
@@ -16,13 +17,18 @@ import fcntl
 import hashlib
 import json
 import os
+import socket
+import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from bt_hub.common.files import WriteError, atomic_write, file_sha256
+from bt_hub.common.files import WriteError, atomic_write, file_sha256, read_json
+from bt_hub.common.progress import announce
 
 READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)  # a folder this process may not write in
+SAY_WAIT_S = 3.0  # a wait on a lock longer than this says once whose lock it is
 
 
 def content_key(*parts: Any) -> str:
@@ -82,11 +88,61 @@ def not_writable(folder: Path, err: OSError, flag: str) -> WriteError:
     )
 
 
+def timestamp() -> str:
+    """The local time as bt_hub's records and locks write it (``2026-11-26T07:00:00+0000``)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def record_holder(fd: int) -> None:
+    """Write into the lock file open as ``fd`` who holds it (pid, host, since when, command): what a second run
+    waiting for it or refused by it says. A courtesy to the next caller: the ``flock`` is what counts."""
+    holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": timestamp(), "command": sys.argv}
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(holder).encode())
+
+
+def whose(holder: Any, *, command: bool = True) -> str:
+    """A lock's holder in words, from what :func:`record_holder` wrote: ``pid 4242 on host node7, started
+    2026-11-26T07:00:00+0000: bt-hub eval knn --data d`` (``?`` where it is not known; without ``command``, what a
+    record may hold: no command line, whose paths may be absolute)."""
+    holder = holder if isinstance(holder, dict) else {}
+    who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
+    argv = holder.get("command")
+    if command and isinstance(argv, list) and argv:
+        line = " ".join([Path(str(argv[0])).name, *map(str, argv[1:])])
+        who += f": {line[:200]}{'...' * (len(line) > 200)}"
+    return who
+
+
+def _take(fd: int, path: Path, said: bool) -> bool:
+    """Take the exclusive ``flock`` on ``fd``, waiting as long as it takes; a wait longer than ``SAY_WAIT_S`` says
+    once whose lock it is, unless ``said`` (a holder stopped with Ctrl-Z, or on a hung file system, would leave the
+    waiter silent). Whether it has been said."""
+    since = time.monotonic()
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return said
+        except BlockingIOError:
+            pass
+        if not said and time.monotonic() - since >= SAY_WAIT_S:
+            said = True
+            announce(
+                f"waiting for {path}, the lock of a cache entry another bt-hub run is writing "
+                f"({whose(read_json(path))}); this run reads that entry when it is let go (a run stopped by Ctrl-Z "
+                "holds it until it is continued or ended)"
+            )
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def locked(path: Path, flag: str) -> Iterator[None]:
     """An exclusive ``flock`` on ``path`` (created, and removed on leaving): one process builds a cache entry while
-    the others wait, then read it. A waiter whose lock file was removed meanwhile locks the new one. A folder that
-    may not be written in is refused in one sentence naming ``flag``."""
+    the others wait, then read it. The holder writes who it is into the lock (:func:`record_holder`); a wait longer
+    than a few seconds says so once, naming it. A waiter whose lock file was removed meanwhile locks the new one. A
+    folder that may not be written in is refused in one sentence naming ``flag``."""
+    said = False
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -94,11 +150,12 @@ def locked(path: Path, flag: str) -> Iterator[None]:
             if err.errno in READ_ONLY:
                 raise not_writable(path.parent, err, flag) from None
             raise
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        said = _take(fd, path, said)
         with contextlib.suppress(FileNotFoundError):
             if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
                 break
         os.close(fd)
+    record_holder(fd)
     try:
         yield
     finally:

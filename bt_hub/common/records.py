@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bt_hub.common.presets import config_dict
+from bt_hub.common.config import config_dict
 from bt_hub.common.runs import git_state, package_version
 
 SCHEMA = "bt_hub.results/4"
@@ -246,15 +246,32 @@ def record_fingerprint(record: Mapping[str, Any]) -> str | None:
 
 
 def paper_comparable(record: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The record's ``paper`` row when its data is the paper's too (folder name, test split size), else None."""
+    """The record's ``paper`` row where it applies to the record (:func:`paper_mismatch` finds no difference), else
+    None: results.md and the model card show the paper's numbers only beside such a record."""
     paper = record.get("paper")
-    dataset = record.get("dataset")
-    if not isinstance(paper, Mapping) or not isinstance(dataset, Mapping) or dataset.get("holdout"):
+    return paper if isinstance(paper, Mapping) and paper_mismatch(record) is None else None
+
+
+def paper_mismatch(record: Mapping[str, Any]) -> str | None:
+    """Why the record's ``paper`` row (its protocol's, chosen when it ran) does not apply to the record, in words:
+    the data is not the paper's (folder name, test split size, a held-out part of the training split), or the
+    labelled subset is not the paper's list (``paper.labels``, matched by the sha256 the record's ``labels`` carry);
+    None where it applies or the record follows no paper row."""
+    paper, dataset = record.get("paper"), record.get("dataset")
+    if not isinstance(paper, Mapping):
         return None
-    size = (dataset.get("test") or {}).get("size")
-    if re.sub(r"[^a-z0-9]", "", str(dataset.get("name") or "").lower()) not in paper.get("folders", ()):
-        return None
-    return paper if size is None or size == paper.get("test_size") else None
+    if not isinstance(dataset, Mapping) or dataset.get("holdout"):
+        return f"the run was not scored on {paper.get('data')}'s test split"
+    name, size = str(dataset.get("name") or ""), (dataset.get("test") or {}).get("size")
+    if re.sub(r"[^a-z0-9]", "", name.lower()) not in paper.get("folders", ()):
+        return f"the data is {name or 'unnamed'}, not {paper.get('data')}"
+    if size is not None and size != paper.get("test_size"):
+        return f"the test split has {size} images, not {paper.get('data')}'s {paper.get('test_size')}"
+    wanted, labels = paper.get("labels"), record.get("labels") or {}
+    if wanted and labels.get("published") != wanted:
+        subset = "a seeded subset" if labels.get("source") == "seeded" else f"the list {labels.get('file', 'given')}"
+        return f"the labels are {subset}, not the paper's {wanted}"
+    return None
 
 
 def _value(value: Any) -> str:

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from bt_hub.common.artifacts import record_holder, timestamp, whose
+from bt_hub.common.config import config_dict
 from bt_hub.common.files import (
     WRITTEN_BY,
     WriteError,
@@ -28,7 +30,6 @@ from bt_hub.common.files import (
     safetensors_metadata,
     write_failure,
 )
-from bt_hub.common.presets import config_dict
 
 MARKER_NAME = ".bt_hub_run"
 LOCK_NAME = ".bt_hub_run.lock"
@@ -117,11 +118,9 @@ def lock_holder(path: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def _busy(directory: Path, lock: Path, flag: str) -> str:
-    holder = read_json(lock) or {}
-    who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
     return (
-        f"{flag} {directory} is in use by another bt-hub run ({who}); wait for it to end or stop it, or choose another "
-        f"{flag}"
+        f"{flag} {directory} is in use by another bt-hub run ({whose(read_json(lock))}); wait for it to end or stop "
+        f"it, or choose another {flag}"
     )
 
 
@@ -173,7 +172,7 @@ def claim_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False
                     "created_by": "bt_hub",
                     "kind": kind,
                     "bt_hub_version": package_version(),
-                    "created": _now(),
+                    "created": timestamp(),
                     "host": socket.gethostname(),
                 },
                 f,
@@ -244,14 +243,7 @@ class RunLock:
         except BlockingIOError:
             os.close(fd)
             raise RunDirBusyError(_busy(Path(directory), self.path, flag)) from None
-        with contextlib.suppress(OSError):  # who holds it is a courtesy to the next caller; the lock is what counts
-            os.ftruncate(fd, 0)
-            os.write(
-                fd,
-                json.dumps(
-                    {"pid": os.getpid(), "host": socket.gethostname(), "started": _now(), "command": sys.argv}
-                ).encode(),
-            )
+        record_holder(fd)
         self._fd: int | None = fd
 
     def release(self) -> None:
@@ -259,10 +251,6 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -354,7 +342,7 @@ class RunDir:
         record = read_json(path)
         now = {
             "command": sys.argv,
-            "started": _now(),
+            "started": timestamp(),
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "bt_hub_version": package_version(),

@@ -1,7 +1,9 @@
-"""Datasets of ``(RGB PIL image, label)``: the embedded ``digits``, ImageFolder / ImageNet trees, synthetic."""
+"""Datasets of ``(RGB PIL image, label)``: the embedded ``digits``, ImageFolder / ImageNet trees, synthetic; and the
+fingerprint that says when one changed (what evaluation's records and caches and a resumed pretraining compare)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 import xml.etree.ElementTree as ET
@@ -14,6 +16,8 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from bt_hub.common.artifacts import stat_row
+from bt_hub.common.files import file_sha256
 from bt_hub.common.images import open_rgb, to_rgb
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -264,3 +268,58 @@ def build_dataset(
             "(expected 'digits', 'synthetic[:N]' or a path to an ImageFolder tree)"
         )
     return ImageFolderDataset(_folder_for_split(root, split), image_size=image_size, unlabelled=unlabelled)
+
+
+CONTENT_SAMPLE = 32  # files of a directory whose bytes go into its fingerprint
+
+
+def _sampled_content(paths: list[Path]) -> bytes:
+    """sha256s of ``CONTENT_SAMPLE`` evenly spaced files: two folders with the same names and sizes still differ."""
+    picks = sorted({int(i) for i in np.linspace(0, len(paths) - 1, min(len(paths), CONTENT_SAMPLE))}) if paths else []
+    return "".join(file_sha256(paths[i]) for i in picks).encode()
+
+
+def dataset_fingerprint(dataset_or_path: Dataset | str | os.PathLike, *, content: bool = True) -> str:
+    """A sha256 that changes when the images, their order or their labels change.
+
+    Files: their stat rows (relative path, size, mtime, ctime: any write to a file moves its ctime, see
+    :mod:`bt_hub.common.artifacts`) and labels, plus the bytes of 32 evenly spaced files unless ``content`` is False
+    (pretraining's checkpoint: a store reads each image once, and no fingerprint reads one again); in-memory sets:
+    the array and labels; other datasets: every item's pixels and label.
+    """
+    h = hashlib.sha256()
+    if isinstance(dataset_or_path, (str, os.PathLike)):
+        spec = str(dataset_or_path)
+        root = Path(spec).expanduser()
+        if not root.is_dir():
+            h.update(spec.encode())
+            return h.hexdigest()
+        files = []
+        for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+            dirnames.sort()
+            for name in sorted(filenames):
+                p = Path(dirpath) / name
+                files.append(p)
+                h.update(f"{stat_row(p, root)};".encode())
+        h.update(_sampled_content(files) if content else b"")
+        return h.hexdigest()
+    dataset = dataset_or_path
+    samples = getattr(dataset, "samples", None)
+    images = getattr(dataset, "images", None)
+    if samples is not None:
+        root = Path(getattr(dataset, "root", "/"))
+        h.update(f"{root.name}/;".encode())
+        for path, label in samples:
+            p = Path(path)
+            h.update(f"{stat_row(p, root if p.is_relative_to(root) else Path(p.anchor))}:{label!r};".encode())
+        h.update(_sampled_content([Path(s[0]) for s in samples]) if content else b"")
+    elif isinstance(images, np.ndarray):
+        h.update(f"{images.shape}:{images.dtype};".encode())
+        h.update(np.ascontiguousarray(images).tobytes())
+        h.update(repr(list(getattr(dataset, "targets", []))).encode())
+    else:
+        for i in range(len(dataset)):
+            image, label = dataset[i][:2]
+            h.update(np.asarray(image).tobytes())
+            h.update(f":{label!r};".encode())
+    return h.hexdigest()

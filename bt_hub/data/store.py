@@ -20,9 +20,11 @@ On disk (``<directory>/<slot>/``, one slot per list of files and view):
   the sha256 of the bytes the worker decoded (no sampling), the view, and the size and sha256 of ``pixels.u8`` and
   ``index.npy``.
 
-Checks: the key is the sha256 of the view and of every file's stat row (name, size, mtime, ctime) and label,
-taken with ``stat`` (:mod:`bt_hub.common.artifacts` says which changes a stat row sees). A whole store whose key is
-this one is read without a lock and without writing (read-only storage serves). One whose rows differ for the same
+Checks: the key is the key of the store's inputs (``inputs_key("decoded store", ...)`` of :mod:`bt_hub.common.reuse`):
+the view and every file's stat row (name, size, mtime, ctime) and label, taken with ``stat``
+(:mod:`bt_hub.common.artifacts` says which changes a stat row sees). The slot, the folder a store is kept in, is
+named after the names, labels and view alone, so a changed file finds its stale store there. A whole store whose key
+is this one is read without a lock and without writing (read-only storage serves). One whose rows differ for the same
 names and labels has each moved file hashed again: same bytes (a ``chmod``), it is used and its manifest brought up
 to date; other bytes, it is stale: not used, a warning names the first file that changed, and the store is decoded
 again. ``pixels.u8`` and ``index.npy`` are checked against their recorded sizes and sha256 on every open, as the
@@ -70,6 +72,7 @@ from bt_hub.common.artifacts import (
 )
 from bt_hub.common.files import FULL, WriteError, atomic_write, atomic_write_json, write_failure
 from bt_hub.common.progress import announce, progress
+from bt_hub.common.reuse import inputs_key
 from bt_hub.common.signals import ignore_group_signals
 from bt_hub.data.decode import PackedItems, collate_packed, decode_on_cpu, read_encoded
 from bt_hub.method.transforms import DeviceEvalTransform
@@ -294,7 +297,8 @@ def open_store(
         index = np.asarray([item[:4] for item in sink.items], dtype=np.int64)
         return DecodedImages(pixels, index, targets, classes, view, "in memory")
     name = content_key(STORE_FORMAT, view.describe(), [[f[0], f[4]] for f in files], str(root))[:24]
-    slot = _Slot(Path(directory) / name, content_key(STORE_FORMAT, view.describe(), files), root, files, view)
+    key = inputs_key("decoded store", {"files": files, "view": view.describe()})
+    slot = _Slot(Path(directory) / name, key, root, files, view)
     found = slot.read("exact")  # no lock and no write: a whole store on read-only storage serves
     if found is None:
         try:

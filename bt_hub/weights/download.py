@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import os
 import re
@@ -20,6 +19,7 @@ from tqdm import tqdm
 
 from bt_hub.common.artifacts import READ_ONLY, locked, not_writable
 from bt_hub.common.files import CheckpointError, WriteError, atomic_write_text, file_sha256, read_file
+from bt_hub.common.reuse import inputs_key
 
 TIMEOUT_ENV = "BT_HUB_DOWNLOAD_TIMEOUT"
 RETRIES_ENV = "BT_HUB_DOWNLOAD_RETRIES"
@@ -37,12 +37,14 @@ class _Retryable(Exception):
     """An attempt failed in a way another attempt may not (timeout, dropped connection, 5xx, short body)."""
 
 
-def cache_path(url: str, file_name: str | None = None) -> Path:
-    """Where ``url`` is (or will be) cached: ``<hub dir>/checkpoints/bt_hub/<sha256(url)[:16]>/<file name>``."""
+def cache_path(url: str, file_name: str | None = None, sha256: str | None = None) -> Path:
+    """Where ``url`` is (or will be) cached: ``<hub dir>/checkpoints/bt_hub/<key>/<file name>``, the key that of its
+    inputs, the URL and the sha256 it must have where one is registered (``inputs_key`` of
+    :mod:`bt_hub.common.reuse`): a new registered sha256 for the same URL is a new entry."""
     name = file_name or os.path.basename(urlparse(url).path)
     if not name or name in (".", ".."):
         raise ValueError(f"URL {url} names no file; pass file_name")
-    key = hashlib.sha256(url.encode("utf-8")).hexdigest()[:16]
+    key = inputs_key("download", {"url": url, "sha256": sha256.lower() if sha256 else None})[:16]
     return Path(torch.hub.get_dir()) / "checkpoints" / "bt_hub" / key / name
 
 
@@ -156,7 +158,7 @@ def download_unchecked(
     retries: int | None = None,
 ) -> tuple[Path, bool]:
     """``download`` without hashing a cached file, and whether it was downloaded (and verified) now."""
-    target = cache_path(url, file_name)
+    target = cache_path(url, file_name, sha256)
     if target.is_file():
         return target, False
     seconds = _setting(TIMEOUT_ENV, timeout, DEFAULT_TIMEOUT_S)

@@ -124,7 +124,7 @@ class BarlowTwinsWeights(torchvision.models.WeightsEnum):
 
     def cache_path(self) -> Path:
         """Where the download cache keeps the file (under ``$TORCH_HOME``)."""
-        return cache_path(self.url, self.value.file_name)
+        return cache_path(self.url, self.value.file_name, self.sha256)
 
     def get_state_dict(self, progress: bool = True, *, allow_non_finite: bool = False) -> dict[str, torch.Tensor]:
         """The backbone state dict (torchvision names, no ``fc``), downloaded and verified once."""

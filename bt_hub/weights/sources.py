@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from bt_hub.common.artifacts import whose
 from bt_hub.common.files import CheckpointError, file_sha256
 from bt_hub.common.runs import lock_holder, run_kind
 from bt_hub.method.model import ARCHITECTURES
-from bt_hub.train.kept import kept_weights
+from bt_hub.train.run_folder import kept_weights
 from bt_hub.weights.download import DownloadError, at_commit, check_cached, download_unchecked, hf_download
 from bt_hub.weights.registry import BarlowTwinsWeights, Weights, find_weights, list_weights
 
@@ -166,5 +167,4 @@ def live_run(run_dir: Path) -> str | None:
         for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8", errors="replace").splitlines():
             with contextlib.suppress(ValueError, TypeError, AttributeError):
                 steps = max(steps, int(json.loads(line).get("step", 0)))
-    who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
-    return f"still live ({who}): {steps} steps so far, {len(kept_steps(run_dir))} kept"
+    return f"still live ({whose(holder, command=False)}): {steps} steps so far, {len(kept_steps(run_dir))} kept"
