@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bt_hub import cli
-from bt_hub.common.presets import from_preset
+from bt_hub.common.config import from_preset
 from bt_hub.data.datasets import ArrayImageDataset
 from bt_hub.eval.compare_config import Column, CompareConfig
 from bt_hub.eval.comparison import Source, compare, compare_and_write
@@ -61,7 +61,9 @@ def _compare(config: CompareConfig, seeds=(0, 1)) -> tuple[Comparison, dict[str,
 
 
 def _config(**values) -> CompareConfig:
-    return from_preset(CompareConfig, weights=["planted"], knn_k=5, linear_epochs=5, batch_size=32, out=None, **values)
+    return from_preset(
+        CompareConfig, weights=["planted"], knn={"k": [5]}, linear={"epochs": 5}, batch_size=32, out=None, **values
+    )
 
 
 def test_label_budgets_score_knn_and_linear_on_semis_subsets_the_same_for_every_row():
@@ -179,8 +181,7 @@ def test_fine_tuning_cells_carry_per_image_results_too(small_stem_weights):
         fractions=[10],
         baselines=["random-init"],
         seeds=1,
-        semi_epochs=1,
-        finetune_steps=2,
+        semi={"epochs": 1, "min_steps": 2},
         data="synthetic:100",
         image_size=8,
         out=None,
