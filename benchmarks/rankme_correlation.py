@@ -1,7 +1,7 @@
 """How far RankMe can choose a checkpoint on the digits: its Spearman correlation with kNN and with linear top-1,
 across recipe variants and across the kept steps of one run, per pretraining seed (issue 48); never the test split.
 
-    python benchmarks/rankme_correlation.py --out runs/rankme_study     # docs/evaluation.md's table (~90 min)
+    python benchmarks/rankme_correlation.py --out runs/rankme_study  # docs/evaluation.md's table (45 min, 2 busy cores)
     python benchmarks/rankme_correlation.py --out /tmp/check --seeds 1 --epochs 2 --curve-points 3   # that it runs
 
 For each pretraining seed s (0, 1, ...) and each recipe (the ``digits`` preset of ``bt-hub pretrain`` at
@@ -184,10 +184,16 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="the study's folder: new, empty, or a study's own (continued)")
     parser.add_argument("--seeds", type=int, default=3, help="pretraining seeds 0, 1, ...")
     parser.add_argument("--batch-size", type=int, default=256, help="pretraining batch (the digits preset's)")
-    parser.add_argument("--epochs", type=int, default=4, help="pretraining epochs (the digits preset's: 40)")
+    parser.add_argument("--epochs", type=int, default=15, help="pretraining epochs (the digits preset's: 40)")
     parser.add_argument("--curve-points", type=int, default=5, help="kept steps of the default recipe (the demo's: 5)")
     parser.add_argument("--holdout", type=float, default=0.2, help="held-out share of each seed's training split")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of every command")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of every command (on 2 cores shared with other jobs, 2 threads ran a pretraining step "
+        "7x slower than 1)",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     if out.is_dir() and any(out.iterdir()) and not (out / "seed0").is_dir():
