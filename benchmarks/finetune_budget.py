@@ -5,7 +5,7 @@ part of the digits' training split (never the test split).
     python benchmarks/finetune_budget.py --weights RUN --epochs 30 100 200 --seeds 2
 
 For each `--epochs` E, `bt-hub eval compare --protocols semi --fractions 10 --baselines supervised
---holdout 0.2 --finetune-steps 0` fine-tunes the given weights and trains the same network from
+--holdout 0.2 --semi.min-steps 0` fine-tunes the given weights and trains the same network from
 scratch on 10% of the labels of the other 80% (115 digits, 4 steps of 32 per epoch) for E
 epochs, and scores both on the held-out 20%. The table gives
 validation top-1 (mean ± std over the seeds) and the wall time, so the budget can be chosen
@@ -44,8 +44,8 @@ def main() -> None:
         tick = time.perf_counter()
         if not (out / "results.json").exists():
             command = ["eval", "compare", "--weights", args.weights, "--protocols", "semi", "--fractions", "10"]
-            command += ["--baselines", "supervised", "--semi-epochs", str(epochs), "--supervised-epochs", str(epochs)]
-            command += ["--finetune-steps", "0"]  # the epochs as given
+            command += ["--baselines", "supervised", "--semi.epochs", str(epochs), "--supervised-epochs", str(epochs)]
+            command += ["--semi.min-steps", "0"]  # the epochs as given
             command += ["--data", "digits", "--holdout", "0.2", "--image-size", str(args.image_size)]
             command += ["--seeds", str(args.seeds), "--out", str(out), "--overwrite", "--threads", str(args.threads)]
             subprocess.run([*CLI, *command], check=True)

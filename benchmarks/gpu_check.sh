@@ -72,7 +72,7 @@ if [[ "$DRY" == 1 ]]; then
     STRETCH_TRAIN=200 STRETCH_VAL=40 STRETCH_BUDGET=120
     STRETCH_PRETRAIN="--batch-size 32 --projector 64-64 --epochs 1 --warmup-epochs 0 --keep-every 3"
     PROFILED=40  # seconds rows 4 and 5 get beside their BUDGET: the steps they profile after the timed ones
-    ALL_ARCH=resnet18 ALL_PX=32 ALL_TRAIN=60 ALL_VAL=20 ALL_WORKERS=1 ALL_EPOCHS="--linear-epochs 10 --semi-epochs 1"
+    ALL_ARCH=resnet18 ALL_PX=32 ALL_TRAIN=60 ALL_VAL=20 ALL_WORKERS=1 ALL_EPOCHS="--linear.epochs 10 --semi.epochs 1"
     BUDGET=(60 90 40 60 60 150 90)
     export TORCH_COMPILE_DISABLE=1  # Inductor's C++ build of ResNet-18 alone outlasts the dry run on 2 cores
 else
@@ -92,7 +92,7 @@ else
     STRETCH_TRAIN=60000 STRETCH_VAL=10000 STRETCH_PRETRAIN="--epochs 100 --keep-every 2340" STRETCH_BUDGET=560
     PROFILED=15  # ~10 s of profiled steps, and row 5's 2 more timed steps
     # eval all: the paper presets, one label fraction, fine-tuning's 800-step floor at batch 64
-    ALL_ARCH=resnet50 ALL_PX=224 ALL_TRAIN=500 ALL_VAL=100 ALL_WORKERS=8 ALL_EPOCHS="--fractions 10 --semi-batch-size 64"
+    ALL_ARCH=resnet50 ALL_PX=224 ALL_TRAIN=500 ALL_VAL=100 ALL_WORKERS=8 ALL_EPOCHS="--fractions 10 --semi.batch-size 64"
     BUDGET=(120 100 45 70 200 120 60)  # H200: the CUDA tests outgrew 70 s; compiles 108 + 71 s; eval all 18 s
 fi
 if [[ "$PARSE" == 1 ]]; then

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from bt_hub.common.presets import from_preset
+from bt_hub.common.config import from_preset
 from bt_hub.eval.protocols import get_protocol
 from bt_hub.eval.runner import run_protocol
 

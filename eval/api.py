@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bt_hub.common.config import from_preset
 from bt_hub.common.optional import require
-from bt_hub.common.presets import from_preset
 from bt_hub.common.records import Record, setting
 from bt_hub.eval.compare_config import CompareConfig
 from bt_hub.eval.comparison import compare_and_write

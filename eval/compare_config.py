@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from bt_hub.common.config import REQUIRED, child, option, out_field
+from bt_hub.common.config import REQUIRED, child, option, out_field, overrides
 from bt_hub.common.files import read_json
-from bt_hub.common.presets import overrides, shown
+from bt_hub.common.presets import shown
 from bt_hub.eval.config import EvalConfig, EvalWarning
 from bt_hub.eval.knn import KnnConfig
 from bt_hub.eval.linear import LinearConfig
@@ -85,17 +85,21 @@ class CompareConfig(EvalConfig):
         "--keep-every), drawn against the baselines' bands in curve.png",
     )
     fractions: list[int] = option([1, 10], "label percentages of semi")
-    knn: KnnConfig = child("the kNN column (bt-hub eval knn)", flat={"knn_k": ["k"]}, k=[20])
+    knn: KnnConfig = child(
+        "the kNN column (bt-hub eval knn); k is 20 here, not eval knn's 20 200: a column is one number, the first "
+        "k's top-1",
+        k=[20],
+    )
     linear: LinearConfig = child(
         "the linear column, and the probe of a row that has no network to train (pixels) in a column that trains "
         "one: the grid probe (bt-hub eval linear --search grid)",
-        flat={n: n for n in ("lr_grid", "weight_decay_grid", "val_fraction")} | {"linear_epochs": "epochs"},
         sets=("search",),
         search="grid",
     )
     semi: SemiSupervisedConfig = child(
-        "the semi columns (bt-hub eval semi), one per --fractions, and the recipe of the supervised row",
-        flat={"semi_preset": "preset", "semi_epochs": "epochs", "finetune_steps": "min_steps"},
+        "the semi columns (bt-hub eval semi), one per --fractions, and the recipe of the supervised row; preset small "
+        "and at least 800 steps here, not eval semi's paper and 0: the paper's 20 epochs on a small folder are a few "
+        "steps, at which training from scratch is at chance",
         sets=("fraction", "subset_file"),
         preset="small",
         min_steps=800,

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from bt_hub.common.presets import children
+from bt_hub.common.config import children
 from bt_hub.common.progress import note, progress
 from bt_hub.eval.compare_config import SUPERVISED, Column, CompareConfig, WeightsRow, per_fraction, weights_rows
 from bt_hub.eval.comparison_report import Comparison, describe_settings, render_markdown, seed_varies, write_comparison
@@ -100,8 +100,9 @@ def cell_protocol(settings: CompareConfig, source: Source, column: Column) -> tu
     if source.supervised:
         values |= SUPERVISED | {"epochs": settings.supervised_epochs}
     protocol = get_protocol(name)
-    config = getattr(settings, name) if name in children(CompareConfig) else None
-    return protocol, replace(config or settings.passed_down(protocol.config_class, {}), **values)
+    if name in children(CompareConfig):  # the child built when compare was, each cell its values replaced
+        return protocol, replace(getattr(settings, name), **values)
+    return protocol, settings.passed_down(protocol.config_class, values)
 
 
 def compare(

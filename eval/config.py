@@ -208,9 +208,10 @@ def schedule_warnings(config: Any) -> list[str]:
     idle = [m for m in config.milestones if m >= config.epochs]
     if not idle:
         return []
+    milestones = config.flag("milestones")
     return [
-        f"--milestones {' '.join(map(str, idle))} never fire in {config.epochs} epochs, so the LR never drops there: "
-        "lower --milestones or use --schedule cosine"
+        f"{milestones} {' '.join(map(str, idle))} never fire in {config.epochs} epochs, so the LR never drops there: "
+        f"lower {milestones} or use {config.flag('schedule')} cosine"
     ]
 
 

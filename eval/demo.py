@@ -24,15 +24,15 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bt_hub.common.config import RunConfig, child, option, out_field
+from bt_hub.common.config import RunConfig, child, config_dict, from_preset, option, out_field
 from bt_hub.common.files import atomic_write_json, atomic_write_text, read_json
-from bt_hub.common.presets import config_dict, from_preset, preset_values
+from bt_hub.common.presets import preset_values
 from bt_hub.common.progress import announce
 from bt_hub.common.records import SCHEMA
 from bt_hub.common.reuse import changed_input
@@ -52,8 +52,8 @@ DIGITS = preset_values(PretrainConfig, "digits")
 # Scoring the curve takes about 6% of the pretraining's time (the default 2 runs on a 2-core AVX-512 EPYC, bf16: 14 s
 # after 262 s).
 SCORING_SHARE = 0.06
-_PRETRAINING_FLAGS = ("epochs", "max_steps", "batch_size", "lr_weights", "crop_scale_min", "image_size", "backbone")
-_PRETRAINING_FLAGS += ("small_image_stem", "projector", "lambd", "warmup_epochs")
+# what the demo's kNN and linear columns take from their children: the settings compare passes on, not its own
+_SET_BY_COMPARE = tuple(f.name for f in fields(CompareConfig))
 
 
 @dataclass
@@ -69,7 +69,6 @@ class DemoConfig(RunConfig):
     pretrain: PretrainConfig = child(
         "the pretraining runs: bt-hub pretrain --preset digits on the 1,437 training digits, their biases' LR "
         "scaled with --lr-weights",
-        flat={name: name for name in _PRETRAINING_FLAGS} | {"arch": "backbone"},
         sets=("data", "keep_every", "lr_biases", "resume"),
         preset="digits",
         checkpoint_every=0,
@@ -80,11 +79,14 @@ class DemoConfig(RunConfig):
         "--seed + i, so every cell is mean ± std over pretraining runs",
     )
     curve_points: int = option(5, "kept steps of the learning curve, log-spaced from the first epoch's end")
-    knn: KnnConfig = child("the kNN column of bt-hub eval compare", flat={"knn_k": ["k"]}, k=[20])
+    knn: KnnConfig = child(
+        "the kNN column of bt-hub eval compare; k is 20, as there: a column is one number, the first k's top-1",
+        sets=_SET_BY_COMPARE,
+        k=[20],
+    )
     linear: LinearConfig = child(
         "the linear column of bt-hub eval compare: the grid probe on cached features",
-        flat={"linear_epochs": "epochs"},
-        sets=("search",),
+        sets=(*_SET_BY_COMPARE, "search"),
         search="grid",
     )
 

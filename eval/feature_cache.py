@@ -12,7 +12,6 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -27,7 +26,7 @@ from bt_hub.common.artifacts import (
     not_writable,
     recorded_segments,
 )
-from bt_hub.common.files import atomic_write
+from bt_hub.common.files import atomic_write, atomic_write_json
 from bt_hub.common.reuse import inputs_key
 from bt_hub.eval.config import EvalWarning
 
@@ -119,7 +118,8 @@ class Extraction:
     """
 
     def __init__(self, cache: FeatureCache, key: str, global_batch: int, dtype: np.dtype, n: int) -> None:
-        self.features_path, self.labels_path, _ = cache.paths(key)
+        self.cache, self.key = cache, key
+        self.features_path, self.labels_path, self.meta_path = cache.paths(key)
         self.dtype, self.n = np.dtype(dtype), n
         partial = self.features_path.with_name(self.features_path.name + ".partial")
         self.parts = Segments(partial, content_key(key, global_batch, str(self.dtype)))
@@ -151,9 +151,10 @@ class Extraction:
                 rows, since = 0, time.monotonic()
         self.parts.commit()
 
-    def finish(self) -> dict[str, dict[str, Any]]:
-        """Rename the whole features file into place beside its labels; their names, bytes, sha256, shapes and
-        dtypes, for the meta file that the caller writes last."""
+    def finish(self, **settings: str) -> None:
+        """Rename the whole features file into place beside its labels, then write the meta file, last: the key, what
+        the features were computed from (the cache's fingerprints and ``settings``: transform, pool, dtype,
+        precision), and the files' names, bytes, sha256, shapes and dtypes that :func:`cache_problem` checks."""
         self.parts.close()
         labels = np.asarray(self.parts.items, dtype=np.int64)
         buffer = io.BytesIO()
@@ -162,10 +163,13 @@ class Extraction:
         os.replace(self.parts.path, self.features_path)
         self.parts.record.unlink(missing_ok=True)
         features = np.load(self.features_path, mmap_mode="r", allow_pickle=False)
-        return {
+        files = {
             name: {**file_entry(path), "shape": list(array.shape), "dtype": str(array.dtype)}
             for name, path, array in (("features", self.features_path, features), ("labels", self.labels_path, labels))
         }
+        cache = self.cache
+        inputs = {"weights": cache.weights, "model": cache.model, "dataset": cache.dataset, **settings}
+        atomic_write_json(self.meta_path, {"key": self.key, **inputs, "num_samples": self.n, "files": files})
 
 
 def kept_features(directory: str | os.PathLike, since: float) -> tuple[list[int], list[int]]:

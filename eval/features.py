@@ -52,7 +52,6 @@ from bt_hub.common.distributed import (
     is_distributed,
     is_main_process,
 )
-from bt_hub.common.files import atomic_write_json
 from bt_hub.common.progress import progress
 from bt_hub.common.signals import ignore_group_signals
 from bt_hub.data.datasets import to_uint8_tensor
@@ -376,22 +375,7 @@ def extract_with_source(
         first = int(broadcast_object(extraction.resume() if is_main_process() else 0))  # rows a cut run kept
         if is_main_process():
             extraction.extend(batches(first))
-            files = extraction.finish()
-            atomic_write_json(
-                meta_path,
-                {
-                    "key": key,
-                    "weights": cache.weights,
-                    "model": cache.model,
-                    "dataset": cache.dataset,
-                    "transform": description,
-                    "pool": pool,
-                    "dtype": dtype,
-                    "precision": precision,
-                    "num_samples": len(dataset),
-                    "files": files,
-                },
-            )
+            extraction.finish(transform=description, pool=pool, dtype=dtype, precision=precision)
         else:
             for _ in batches(first):  # the other ranks take part in every gather, then read rank 0's file
                 pass

@@ -178,12 +178,13 @@ class KnnConfig(EvalConfig):
         self.require_positive("query_batch", "train_chunk")
 
 
-def effective_k(requested: list[int], train_size: int) -> tuple[list[int], list[str]]:
-    """The numbers of neighbours a run can use (each at most ``train_size``), deduplicated, and a warning per cut."""
+def effective_k(requested: list[int], train_size: int, flag: str = "--k") -> tuple[list[int], list[str]]:
+    """The numbers of neighbours a run can use (each at most ``train_size``), deduplicated, and a warning per cut
+    naming the ``flag`` that asked for them."""
     used = list(dict.fromkeys(min(k, train_size) for k in requested))
     cut = [k for k in requested if k > train_size]
     messages = [
-        f"--k {' '.join(map(str, cut))} exceeds the {train_size} training images: scored with k={train_size} "
+        f"{flag} {' '.join(map(str, cut))} exceeds the {train_size} training images: scored with k={train_size} "
         f"(reported as top1_k{train_size})"
     ]
     return used, messages if cut else []
@@ -205,7 +206,7 @@ def score_cell(cell: Cell, config: KnnConfig, seed: int) -> Scored:
     num_classes = max(len(cell.splits.classes), int(max(train_y.max(), test_y.max())) + 1)
     if not is_main_process():
         return Scored({})
-    used, warned = effective_k(config.k, len(train_y))
+    used, warned = effective_k(config.k, len(train_y), config.flag("k"))
     for message in warned:
         warnings.warn(message, EvalWarning, stacklevel=2)
     backend = resolve_backend(config.backend, cell.device)

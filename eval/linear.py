@@ -10,9 +10,9 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from bt_hub.common.config import option
+from bt_hub.common.config import option, overrides
 from bt_hub.common.distributed import distributed_data_parallel, is_main_process
-from bt_hub.common.presets import overrides, shown
+from bt_hub.common.presets import shown
 from bt_hub.common.runs import RunDir
 from bt_hub.eval.classifier import evaluate_loader, loop_precision, make_classifier, make_loader, train_classifier
 from bt_hub.eval.config import EvalConfig, warn_about_settings
@@ -123,8 +123,9 @@ class LinearConfig(EvalConfig):
     )
     cached: bool = option(
         False,
-        "fast mode: train the same classifier on cached test-transform features (no augmentation, no "
-        "backbone pass per epoch); results say 'cached features, no augmentation'",
+        "fast mode of the fixed recipe: train its classifier on cached test-transform features (no augmentation, "
+        "no backbone pass per epoch); results say 'cached features, no augmentation'. The grid search trains on "
+        "cached features whatever this says",
     )
 
     search: Literal["auto", "grid", "fixed"] = option(

@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from bt_hub.common.artifacts import READ_ONLY, not_writable
+from bt_hub.common.config import config_dict, overrides
 from bt_hub.common.distributed import broadcast_object, is_main_process, process_group
 from bt_hub.common.files import WriteError, atomic_write_json, remove_stale_temp_files
-from bt_hub.common.presets import config_dict, overrides
 from bt_hub.common.progress import announce
 from bt_hub.common.records import SCHEMA, Record, make_record
 from bt_hub.common.reuse import changed_input

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from bt_hub.common.config import child, option
-from bt_hub.common.presets import children, shown
+from bt_hub.common.config import child, children, option
+from bt_hub.common.presets import shown
 from bt_hub.common.records import SCHEMA
 from bt_hub.eval.config import EvalConfig
 from bt_hub.eval.knn import KnnConfig
@@ -34,10 +34,10 @@ class SuiteConfig(EvalConfig):
     }
 
     preset: str = option("paper", "the protocols' presets, by name; --linear.preset / --semi.preset override them")
-    knn: KnnConfig = child("the kNN run (bt-hub eval knn)", flat={"knn_k": "k"})
+    knn: KnnConfig = child("the kNN run (bt-hub eval knn)")
     linear: LinearConfig = child(
-        "the linear probe's run (bt-hub eval linear), on cached features unless --full-linear",
-        flat={"linear_preset": "preset", "linear_epochs": "epochs", "full_linear": "not cached"},
+        "the linear probe's run (bt-hub eval linear), on cached features here, not eval linear's paper loop: every "
+        "protocol of eval all reads one feature cache (--no-linear.cached: the paper's loop)",
         cached=True,
     )
     fractions: list[int] = option(
@@ -46,7 +46,6 @@ class SuiteConfig(EvalConfig):
     semi: SemiSupervisedConfig = child(
         "the semi-supervised runs (bt-hub eval semi), one per --fractions; --batch-size is the feature extraction's "
         "batch, --semi.batch-size theirs",
-        flat={"semi_preset": "preset", "semi_epochs": "epochs", "semi_batch_size": "batch_size"},
         sets=("fraction", "subset_file"),
         own=("batch_size",),
     )
@@ -88,24 +87,25 @@ class SuiteConfig(EvalConfig):
 
 
 def _runs(config: SuiteConfig) -> Iterator[tuple[Protocol, Any]]:
-    """Each run of ``eval all`` in table order, its protocol and config, in its own folder ``OUT/<name>``: its child
-    (kNN, linear; semi once per ``--fractions``, on SimCLR's list from ``--subset-dir`` where given), VOC07 on
-    ``--voc07-devkit`` where given, any other protocol with its defaults; each on the shared flags it reads."""
+    """Each run of ``eval all`` in its own folder ``OUT/<name>``, its protocol and config: its children (a child on a
+    share of the labels once per ``--fractions``, on SimCLR's list from ``--subset-dir`` where given), then every other
+    protocol of the table on its defaults and the shared flags it reads (one on a dataset of its own where a flag
+    gives that dataset: VOC07's ``--voc07-devkit``)."""
 
     def out(name: str) -> dict[str, Any]:
         return {"out": str(Path(config.out) / name) if config.out is not None else None}
 
+    for name in children(SuiteConfig):
+        for pct in config.fractions if hasattr(getattr(config, name), "fraction") else [0]:  # a share of the labels
+            listed = config.subset_dir and {"subset_file": f"{Path(config.subset_dir) / f'{pct}percent.txt'}"}
+            labels = ({"fraction": None, **listed} if listed else {"fraction": pct}) if pct else {}
+            folder = f"{name}_{pct}percent" if pct else name
+            yield get_protocol(name), dataclasses.replace(getattr(config, name), **out(folder), **labels)
     for protocol in map(get_protocol, list_protocols()):
-        if protocol.name == "semi":
-            for pct in config.fractions:
-                listed = config.subset_dir and {"subset_file": f"{Path(config.subset_dir) / f'{pct}percent.txt'}"}
-                labels = {"fraction": None, **listed} if listed else {"fraction": pct}
-                yield protocol, dataclasses.replace(config.semi, **out(f"semi_{pct}percent"), **labels)
-        elif protocol.name in children(SuiteConfig):
-            yield protocol, dataclasses.replace(getattr(config, protocol.name), **out(protocol.name))
-        elif not protocol.dataset or protocol.name == "voc07-svm" and config.voc07_devkit:
-            voc07 = {"data": config.voc07_devkit} if protocol.name == "voc07-svm" else {}
-            yield protocol, config.passed_down(protocol.config_class, voc07 | out(protocol.name.replace("-", "_")))
+        data = {"voc07-svm": config.voc07_devkit}.get(protocol.name)  # the dataset of its own, where given
+        if protocol.name not in children(SuiteConfig) and (data or not protocol.dataset):
+            values = {"data": data} if data else {}
+            yield protocol, config.passed_down(protocol.config_class, values | out(protocol.name.replace("-", "_")))
 
 
 def run_suite(config: SuiteConfig) -> dict[str, Any]:

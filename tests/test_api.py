@@ -39,7 +39,13 @@ def test_evaluate_with_out_writes_the_same_record_as_the_cli(small_stem_weights,
 def test_compare_rows_have_mean_std_per_column_and_the_card_never_takes_a_baseline(small_stem_weights, tmp_path):
     # guards: export --results <compare>/results.json published the pixel and random-init rows as the model's own
     result = bt_hub.eval.compare(
-        small_stem_weights, baselines=["pixels"], protocols=["knn"], seeds=2, knn_k=5, out=tmp_path / "cmp", **SMALL
+        small_stem_weights,
+        baselines=["pixels"],
+        protocols=["knn"],
+        seeds=2,
+        knn={"k": [5]},
+        out=tmp_path / "cmp",
+        **SMALL,
     )
     rows = {row["representation"]: row for row in result.rows}
     assert set(rows) == {small_stem_weights.name, "pixels"} and rows["pixels"]["baseline"] is True
@@ -146,7 +152,7 @@ BAD_CALLS = [  # (function, positional arguments, keyword arguments, exception, 
     ("compare", ("W",), {"protocols": "knn"}, TypeError, "protocols must be a list of strings, got the string 'knn'"),
     ("compare", ("W",), {"seeds": "3"}, TypeError, "seeds must be an integer, got '3'"),
     ("compare", ("W",), {"seeds": 2.5}, TypeError, "seeds must be an integer, got 2.5"),
-    ("compare", ("W",), {"knn_k": [5]}, TypeError, "knn_k must be an integer, got [5]"),
+    ("compare", ("W",), {"knn": {"k": 5}}, TypeError, "knn.k must be a list of integers, got 5"),
     ("embed", ("W",), {"splits": "train"}, TypeError, "splits must be a list of strings, got the string 'train'"),
     ("embed", ("W",), {"splits": None}, TypeError, "splits must be a list of strings, got None"),
     ("embed", (None,), {}, TypeError, "weights must be a string, got None"),

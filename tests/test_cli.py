@@ -7,6 +7,7 @@ import hashlib
 import importlib
 import os
 import pkgutil
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import torch
 from cli_output import messages, one_sentence
 
 import bt_hub.eval as eval_pkg
-from bt_hub import cli
+from bt_hub import cli, cli_flags
 
 
 def _all_commands():
@@ -60,7 +61,7 @@ def test_every_subcommand_has_help_from_its_config_dataclass(path, command, caps
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     for field in dataclasses.fields(config_cls):
-        if field.init and not field.metadata.get("positional"):
+        if field.init and not field.metadata.get("positional") and field.name != "origin":  # origin: no setting
             assert "--" + field.metadata.get("flag", field.name).replace("_", "-") in out
             assert field.metadata.get("help"), f"{command.config}.{field.name} has no help text"
 
@@ -100,20 +101,20 @@ def test_add_dataclass_arguments_maps_types_presets_and_required():
         amp: bool = dataclasses.field(default=False, metadata={"help": "amp"})
         ks: list[int] = dataclasses.field(default_factory=lambda: [20, 200], metadata={"help": "ks"})
 
-    parser = cli.argparse.ArgumentParser()
-    cli.add_dataclass_arguments(parser, Demo)
-    config = cli.build_config(
+    parser = cli_flags.argparse.ArgumentParser()
+    cli_flags.add_dataclass_arguments(parser, Demo)
+    config = cli_flags.build_config(
         Demo, parser.parse_args(["--data", "x", "--preset", "fast", "--amp", "--ks", "1", "2", "--mode", "b"])
     )
     assert config == Demo(data="x", epochs=1, lr=None, mode="b", amp=True, ks=[1, 2])
-    config = cli.build_config(
+    config = cli_flags.build_config(
         Demo, parser.parse_args(["--data", "x", "--preset", "fast", "--epochs", "7", "--lr", "0.5"])
     )
     assert (config.epochs, config.lr) == (7, 0.5)
     with pytest.raises(
         ValueError, match="^the following arguments are required: --data \\(on the command line or in a"
     ):
-        cli.build_config(Demo, parser.parse_args(["--epochs", "3"]))  # --data may come from a --config file
+        cli_flags.build_config(Demo, parser.parse_args(["--epochs", "3"]))  # --data may come from a --config file
     with pytest.raises(SystemExit):
         parser.parse_args(["--data", "x", "--mode", "c"])
 
@@ -145,19 +146,45 @@ def test_every_preset_help_lists_what_the_preset_sets(path, presets, capsys):
 
 
 def test_one_preset_mechanism_builds_eval_and_pretrain_configs():
-    from bt_hub.common.presets import from_preset, overrides
+    from bt_hub.common.config import from_preset, overrides
     from bt_hub.eval.semi_supervised import SemiSupervisedConfig
     from bt_hub.train.pretrain import PretrainConfig
 
-    parser = cli.argparse.ArgumentParser()
-    cli.add_dataclass_arguments(parser, PretrainConfig)
-    config = cli.build_config(PretrainConfig, parser.parse_args(["--preset", "digits", "--epochs", "3"]))
+    parser = cli_flags.argparse.ArgumentParser()
+    cli_flags.add_dataclass_arguments(parser, PretrainConfig)
+    config = cli_flags.build_config(PretrainConfig, parser.parse_args(["--preset", "digits", "--epochs", "3"]))
     assert (config.data, config.backbone, config.epochs, config.flip) == ("digits", "resnet18", 3, False)
     semi = from_preset(SemiSupervisedConfig, "small", weights="w", lr_classifier=0.1)
     assert (semi.preset, semi.batch_size, semi.lr_classifier) == ("small", 32, 0.1)
     assert overrides(semi, ignore=SemiSupervisedConfig.RUN_FIELDS) == {"lr_classifier": {"value": 0.1, "preset": 0.05}}
     with pytest.raises(ValueError, match="--preset 'tiny' is unknown; expected one of paper, reference, small"):
         from_preset(SemiSupervisedConfig, "tiny", weights="w")
+
+
+def test_a_composite_offers_only_the_child_flags_it_passes_on_and_each_help_line_the_default_that_runs(capsys):
+    # guards: the demo's --help offered --knn.data, --knn.weights and --linear.data and ignored them; eval compare's
+    # showed no default for --baselines, --protocols or --fractions, nor any flat spelling it still reads
+    def help_text(*path: str) -> str:
+        with pytest.raises(SystemExit):
+            cli.main([*path, "--help"])
+        return " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # argparse wraps inside flag names
+
+    demo = help_text("demo")
+    assert "--knn.k" in demo and "--linear.lr-grid" in demo and "--pretrain.epochs" in demo
+    assert not re.findall(r"--(?:knn|linear)\.(?:data|weights|batch-size|image-size|device)\b", demo)
+    compare = help_text("eval", "compare")
+    for flag, default in (
+        ("--baselines", "pixels random-init"),
+        ("--protocols", "knn linear"),
+        ("--fractions", "1 10"),
+    ):
+        name = flag[2:].upper()
+        helped = compare.split(f" {flag} {name} [{name} ...] ", 1)[1]  # the help line, and those after it
+        assert helped.split("(default: ", 1)[1].startswith(f"{default})"), flag
+    assert "(default: 20 200)" in help_text("eval", "knn") and "--knn-k" not in compare
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--knn.data", "digits"])
+    assert exit_info.value.code == 2
 
 
 def test_the_cli_describes_what_a_command_returned_and_prints_nothing_for_plain_data(tmp_path):
@@ -321,8 +348,8 @@ def test_pretrain_records_the_config_file_with_its_settings_in_run_json(tmp_path
 )
 def test_every_command_takes_config(path, command):
     """``bt-hub detect --config`` was its detectron2 config (now --detection-config): --config is the YAML file."""
-    parser = cli._Parser(prog="bt-hub " + " ".join(path))
-    cli.add_dataclass_arguments(parser, getattr(importlib.import_module(command.module), command.config))
+    parser = cli_flags.Parser(prog="bt-hub " + " ".join(path))
+    cli_flags.add_dataclass_arguments(parser, getattr(importlib.import_module(command.module), command.config))
     assert [a.dest for a in parser._actions if "--config" in a.option_strings] == ["config_file"]
 
 
@@ -332,21 +359,22 @@ def test_a_config_files_values_are_read_as_yaml_1_2_and_a_preset_flag_chooses_ov
 
     config = tmp_path / "pre.yaml"
     config.write_text("compile: off\nlr_weights: 1e-3\nsmall_image_stem: true\nkeep_every: 3\nprojector: 64\n")
-    parser = cli._Parser(prog="bt-hub pretrain")
-    cli.add_dataclass_arguments(parser, PretrainConfig)
+    parser = cli_flags.Parser(prog="bt-hub pretrain")
+    cli_flags.add_dataclass_arguments(parser, PretrainConfig)
     args = ["--config", str(config), "--out", str(tmp_path / "run")]
-    built = cli.build_config(PretrainConfig, parser.parse_args(args))
+    built = cli_flags.build_config(PretrainConfig, parser.parse_args(args))
     assert (built.compile, built.lr_weights, built.small_image_stem) == ("off", 0.001, True)
     # Guards: "key keep_every of pre.yaml must be a string, got 3 (int)" for the --keep-every 3 a flag takes.
     assert (built.keep_every, built.projector) == ("3", "64")
     assert built.config_file == str(config)
     config.write_text("preset: small\nepochs: 3\n")
-    parser = cli._Parser(prog="bt-hub eval linear")
-    cli.add_dataclass_arguments(parser, LinearConfig)
+    parser = cli_flags.Parser(prog="bt-hub eval linear")
+    cli_flags.add_dataclass_arguments(parser, LinearConfig)
     flags = ["--weights", "w", "--config", str(config), "--out", str(tmp_path / "ev")]
-    from_file = cli.build_config(LinearConfig, parser.parse_args(flags))
+    from_file = cli_flags.build_config(LinearConfig, parser.parse_args(flags))
     assert (from_file.preset, from_file.epochs) == ("small", 3)
-    assert cli.build_config(LinearConfig, parser.parse_args([*flags, "--preset", "imagenet"])).preset == "imagenet"
+    chosen = cli_flags.build_config(LinearConfig, parser.parse_args([*flags, "--preset", "imagenet"]))
+    assert chosen.preset == "imagenet"
 
 
 def test_python_dash_m_bt_hub_is_the_bt_hub_command(tmp_path, capsys, monkeypatch):

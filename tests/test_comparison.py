@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_output import one_sentence
 
 from bt_hub import cli
-from bt_hub.common.presets import from_preset
+from bt_hub.common.config import from_preset
 from bt_hub.common.records import fmt_mean_std, mean_std
 from bt_hub.data.datasets import ArrayImageDataset
 from bt_hub.eval.compare_config import Column, CompareConfig, weights_rows
@@ -24,7 +25,9 @@ from bt_hub.eval.splits import Splits
 from bt_hub.method.model import build_backbone, default_init_backbone
 
 KNN, LINEAR = Column("knn"), Column("linear")
-SETTINGS = from_preset(CompareConfig, weights=["planted"], knn_k=5, linear_epochs=5, batch_size=32, out=None)
+SETTINGS = from_preset(
+    CompareConfig, weights=["planted"], knn={"k": [5]}, linear={"epochs": 5}, batch_size=32, out=None
+)
 
 
 def _planted_splits(n_train: int = 80, n_test: int = 40, classes: int = 4) -> Splits:
@@ -364,8 +367,8 @@ def test_compare_md_states_the_k_the_vote_used_when_knn_k_exceeds_the_training_i
     out = tmp_path / "k"
     flags = ["eval", "compare", "--weights", str(small_stem_weights), "--protocols", "knn", "--baselines", "pixels"]
     assert cli.main([*flags, "--data", "synthetic:60", "--image-size", "8", "--knn-k", "500", "--out", str(out)]) == 0
-    # guards: each kNN cell (a knn run) warned of the cut k again, one line per row and seed
-    assert capsys.readouterr().err.count("warning: --k 500 exceeds the") == 1
+    # guards: each kNN cell (a knn run) warned of the cut k again, one line per row and seed; and named it --k
+    assert capsys.readouterr().err.count("warning: --knn-k 500 exceeds the") == 1
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     used = {r["notes"]["neighbours_used"]["500"] for r in records}
     assert len(used) == 1 and (k := used.pop()) < 500
@@ -375,37 +378,54 @@ def test_compare_md_states_the_k_the_vote_used_when_knn_k_exceeds_the_training_i
 @pytest.mark.parametrize(
     ("protocols", "baselines", "read", "unread"),
     [
-        ("knn", "pixels", {"knn_k"}, {"lr_grid", "val_fraction", "semi_epochs", "finetune_steps", "fractions"}),
-        ("semi", "pixels", {"lr_grid", "linear_epochs", "semi_epochs", "fractions"}, {"knn_k", "supervised_epochs"}),
-        ("semi", "random-init", {"semi_epochs", "finetune_steps"}, {"lr_grid", "linear_epochs", "supervised_epochs"}),
-        ("knn", "supervised", {"semi_preset", "finetune_steps", "supervised_epochs"}, {"semi_epochs", "lr_grid"}),
+        (
+            "knn",
+            "pixels",
+            {"knn.k"},
+            {"linear.lr_grid", "linear.val_fraction", "semi.epochs", "semi.min_steps", "fractions"},
+        ),
+        (
+            "semi",
+            "pixels",
+            {"linear.lr_grid", "linear.epochs", "semi.epochs", "fractions"},
+            {"knn.k", "supervised_epochs"},
+        ),
+        (
+            "semi",
+            "random-init",
+            {"semi.epochs", "semi.min_steps"},
+            {"linear.lr_grid", "linear.epochs", "supervised_epochs"},
+        ),
+        (
+            "knn",
+            "supervised",
+            {"semi.preset", "semi.min_steps", "supervised_epochs"},
+            {"semi.epochs", "linear.lr_grid"},
+        ),
     ],
 )
 def test_a_flag_is_unused_exactly_when_no_cell_runs_the_child_config_it_sets(protocols, baselines, read, unread):
     # pixels gets the grid probe in a column that trains the network; the supervised row reads semi's recipe but
     # its own --supervised-epochs
-    values = {"knn_k": 5, "lr_grid": [0.1], "linear_epochs": 3, "val_fraction": 0.3, "semi_epochs": 2}
-    values |= {"semi_preset": "paper", "finetune_steps": 9, "supervised_epochs": 2, "fractions": [5]}
+    values = {"knn.k": [5], "linear.lr_grid": [0.1], "linear.epochs": 3, "linear.val_fraction": 0.3, "semi.epochs": 2}
+    values |= {"semi.preset": "paper", "semi.min_steps": 9, "supervised_epochs": 2, "fractions": [5]}
 
-    def refused(flag: str) -> str:
+    def refused(key: str) -> str:
+        child, _, knob = key.rpartition(".")
+        given = {child: {knob: values[key]}} if child else {key: values[key]}
         try:
             from_preset(
-                CompareConfig,
-                weights=["w.pth"],
-                protocols=[protocols],
-                baselines=[baselines],
-                out=None,
-                **{flag: values[flag]},
+                CompareConfig, weights=["w.pth"], protocols=[protocols], baselines=[baselines], out=None, **given
             )
         except ValueError as err:
             return str(err)
         return ""
 
     assert not [flag for flag in read if refused(flag)] and all(refused(flag) for flag in unread)
-    if "lr_grid" in unread:
-        assert refused("lr_grid") == (
-            "--lr-grid sets the linear column (and the pixels row of a column that trains the network), which this "
-            "run does not score; leave it out"
+    if "linear.lr_grid" in unread:
+        assert refused("linear.lr_grid") == (
+            "--linear.lr-grid sets the linear column (and the pixels row of a column that trains the network), which "
+            "this run does not score; leave it out"
         )
 
 
@@ -423,3 +443,57 @@ def test_the_report_summarises_each_cell_once_for_every_table_line_and_file_it_w
     cells = [cell[KNN] for cell in values.values()]
     differences = [[w - b for w, b in zip(values[row][KNN], values["pixels"][KNN])] for row in result.positions]
     assert sorted(seen) == sorted([*cells, *differences])  # each cell once, and each verdict's paired differences
+
+
+def test_compare_builds_its_knn_config_once_and_checks_it_once_per_cell(small_stem_weights, tmp_path, monkeypatch):
+    # guards: RunConfig.passed_down built each child twice (a trial copy to ask what it reads, then the real one)
+    from bt_hub.eval.knn import KnnConfig
+
+    checked = []
+    check = KnnConfig.__post_init__
+    monkeypatch.setattr(KnnConfig, "__post_init__", lambda config: checked.append(config.weights) or check(config))
+    argv = ["eval", "compare", "--weights", str(small_stem_weights), "--baselines", "pixels", "--protocols", "knn"]
+    argv += ["--seeds", "2", "--knn.k", "5", "--data", "synthetic:40", "--image-size", "8"]
+    assert cli.main([*argv, "--out", str(tmp_path / "o")]) == 0
+    # the child, when compare's flags are read; then each cell (row x column, for every seed), its values replaced
+    assert checked == [str(small_stem_weights), small_stem_weights.name, "pixels"]
+
+
+def test_a_childs_flag_is_named_as_typed_and_two_spellings_of_it_are_refused(small_stem_weights, tmp_path, capsys):
+    # guards: --knn-k 7 --knn.k 5 ran k = 5, and the record credited it to --knn-k
+    argv = ["eval", "compare", "--weights", str(small_stem_weights), "--out", str(tmp_path / "o")]
+    (tmp_path / "c.yaml").write_text("knn:\n  k: [0]\n")
+    for flags, said in [
+        (["--knn.k", "0"], "--knn.k must list positive integers, got [0] (list)"),
+        (["--knn-k", "0"], "--knn-k must list positive integers, got [0] (list)"),
+        (["--config", str(tmp_path / "c.yaml")], "key knn.k of c.yaml must list positive integers, got [0] (list)"),
+    ]:
+        assert cli.main([*argv, *flags]) == 2
+        assert one_sentence(capsys.readouterr().err) == f"bt-hub eval compare: error: {said}"
+    for flags in (["--knn.k", "5", "--knn-k", "7"], ["--knn-k=7", "--knn.k", "5"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([*argv, *flags])
+        assert exit_info.value.code == 2
+        typed = " and ".join(word.partition("=")[0] for word in flags if word.startswith("--"))
+        assert one_sentence(capsys.readouterr().err).startswith(
+            f"bt-hub eval compare: error: {typed} are two spellings of the setting knn.k: give it once"
+        )
+
+
+def test_a_record_credits_each_setting_it_changed_to_the_flag_or_file_that_set_it(small_stem_weights, tmp_path):
+    # guards: a knn: {k: [5]} of a --config file was credited to --knn.k, and an image size it set to --image-size
+    (tmp_path / "c.yaml").write_text("knn:\n  k: [5]\nimage_size: 8\n")
+    argv = ["eval", "compare", "--weights", str(small_stem_weights), "--baselines", "pixels", "--protocols", "knn"]
+    argv += ["--seeds", "1", "--data", "synthetic:40", "--config", str(tmp_path / "c.yaml")]
+
+    def first_record(*flags: str) -> dict:
+        out = tmp_path / str(len(flags))
+        assert cli.main([*argv, *flags, "--out", str(out)]) == 0
+        return json.loads((out / "results.jsonl").read_text().splitlines()[0])
+
+    record = first_record()
+    assert record["overrides"]["knn.k"] == {"value": [5], "preset": [20], "from": "c.yaml"}
+    assert record["settings"]["image_size_from"] == "c.yaml"
+    record = first_record("--knn-k", "3", "--knn.temperature", "0.5")  # a flag given wins over the file
+    assert record["overrides"]["knn.k"] == {"value": [3], "preset": [20], "from": "--knn-k"}
+    assert record["overrides"]["knn.temperature"] == {"value": 0.5, "preset": 0.07, "from": "--knn.temperature"}

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bt_hub import cli
+from bt_hub import cli, cli_flags
+from bt_hub.common.presets import read_config_file
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -88,6 +89,34 @@ def test_every_documented_config_file_is_read_by_its_command(doc, name, argv, te
     _parses(argv, monkeypatch, capsys)
     path, command, _ = cli._resolve(argv)
     config_class = getattr(importlib.import_module(command.module), command.config)
-    values = cli.read_config_file(config_class, str(tmp_path / name))  # unknown keys and wrong types refused here
+    values = read_config_file(config_class, str(tmp_path / name))  # unknown keys and wrong types refused here
     keys = re.findall(r"^(\w+):", text, re.M)
     assert keys and sorted(values) == sorted(keys), (keys, values)
+
+
+def _flags_typed_flat(argv: list[str]) -> dict[str, str]:
+    """The settings of a documented command line that an old flat spelling gave (cli_flags.LEGACY_FLAGS)."""
+    path, command, rest = cli._resolve(argv)
+    parser = cli_flags.Parser(prog="bt-hub " + " ".join(path))
+    cli_flags.add_dataclass_arguments(parser, getattr(importlib.import_module(command.module), command.config))
+    typed = cli_flags.parse(parser, rest)[1]
+    return {dest: flag for dest, flag in typed.items() if flag not in parser._option_string_actions}
+
+
+def test_the_docs_teach_the_nested_flags_and_name_the_flat_ones_in_one_table():
+    # guards: README.md and docs/ taught the flat flags of the commands that run others (--knn-k, --linear-epochs,
+    # --semi-preset, --semi-epochs, --full-linear: 11 times) and a nested flag once
+    assert {" ".join(argv): typed for _, argv in COMMANDS if (typed := _flags_typed_flat(argv))} == {}
+    docs = {doc.name: doc.read_text() for doc in DOCS}
+    table = re.search(r"^## The flat flags of earlier versions\n(.*?)(?=^## |\Z)", docs["evaluation.md"], re.M | re.S)
+    assert table and all(f"`{flag}`" in table.group(1) for flag in cli_flags.LEGACY_FLAGS)
+    docs["evaluation.md"] = docs["evaluation.md"].replace(table.group(1), "")
+    own = set()  # a flat spelling that is some command's own flag (eval linear --lr-grid) is no old spelling there
+    for entry in cli.commands().values():
+        for command in entry.values() if isinstance(entry, dict) else [entry]:
+            parser = cli_flags.Parser()
+            cli_flags.add_dataclass_arguments(parser, getattr(importlib.import_module(command.module), command.config))
+            own |= set(parser._option_string_actions)
+    flat = [flag for flag in cli_flags.LEGACY_FLAGS if flag not in own]
+    assert "--knn-k" in flat and "--full-linear" in flat
+    assert {(name, f) for name, text in docs.items() for f in flat if re.search(rf"{f}(?![\w.-])", text)} == set()

@@ -36,13 +36,9 @@ PREFIXES = [  # most specific first
     ("bt_hub.cli", "cli"),
     ("bt_hub.__main__", "cli"),  # python -m bt_hub
     ("bt_hub.cli_interrupted", "cli"),  # what a cut command kept
+    ("bt_hub.cli_flags", "cli"),  # a config dataclass as flags
     ("bt_hub", "method"),  # the package's __init__ re-exports the method, and nothing above it
 ]
-
-# Import cycles left to the change that owns their files, each a sorted strongly connected component. Known:
-# eval/suite.py imports `from bt_hub.eval import voc07_svm` inside a function, and bt_hub.eval's __getattr__ imports
-# api, which imports comparison, which imports suite. Empty this list when the cycle is gone.
-KNOWN_CYCLES: list[list[str]] = []
 
 
 def layer_of(module: str) -> str:
@@ -189,11 +185,10 @@ def test_a_function_level_import_from_a_package_is_an_edge_to_its_init(tmp_path)
     assert {("bt_hub.eval.made_here", "bt_hub.eval"), ("bt_hub.eval.made_here", "bt_hub.eval.knn")} <= edges
 
 
-def test_the_import_graph_has_no_cycle_but_the_known_ones():
-    # Every strongly connected component of more than one module, function-level imports included; a cycle not
-    # listed in KNOWN_CYCLES fails, and so does a listed one that is gone (then delete its entry).
+def test_the_import_graph_has_no_cycle():
+    # Every strongly connected component of more than one module, function-level imports included.
     modules = package_modules()
-    assert sorted(cycles(modules, import_edges(modules))) == sorted(KNOWN_CYCLES)
+    assert cycles(modules, import_edges(modules)) == []
 
 
 def test_no_command_stands_in_the_data_layer():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bt_hub import cli
-from bt_hub.common.presets import from_preset
+from bt_hub.common.config import from_preset
 from bt_hub.eval.classifier import lr_factor, make_classifier, make_loader, topk_correct, train_classifier
 from bt_hub.eval.heads import (
     GRID_LRS,
@@ -208,7 +208,7 @@ def test_cli_linear_full_and_cached_write_results(resnet18_weights, tmp_path):
         1,
     )
     assert (full["mode"], full["mode_description"]) == ("loop", "paper loop with augmentation")
-    assert full["overrides"]["epochs"] == {"value": 1, "preset": 100}
+    assert full["overrides"]["epochs"] == {"value": 1, "preset": 100, "from": "--epochs"}  # the flag that set it
     assert 0 <= full["metrics"]["top1"] <= full["metrics"]["top5"] <= 100
     cache = tmp_path / "cache"
     assert (

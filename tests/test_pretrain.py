@@ -394,7 +394,7 @@ def test_channels_last_auto_follows_the_resolved_precision():
 
 
 def test_keep_every_keeps_the_backbone_at_its_steps_with_the_seconds_trained_across_a_resume(tmp_path):
-    from bt_hub.train.kept import kept_weights
+    from bt_hub.train.run_folder import kept_weights
 
     out = tmp_path / "run"
     assert cli_main(["pretrain", *TINY, "--out", str(out), "--keep-every", "3", "--max-steps", "5"]) == 0
@@ -426,7 +426,7 @@ def test_kept_seconds_after_a_resume_count_the_steps_between_the_last_kept_step_
     import types
 
     import bt_hub.train.pretrain as loop
-    from bt_hub.train.kept import kept_weights
+    from bt_hub.train.run_folder import kept_weights
 
     clock = [0.0]
     monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))

@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 
 import pytest
 
-from bt_hub.common.presets import from_preset
-from bt_hub.common.presets import overrides as changed_from_preset
+from bt_hub.common.config import from_preset
+from bt_hub.common.config import overrides as changed_from_preset
 from bt_hub.common.records import SCHEMA, card_table, make_record, read_records, setting, summary_text
 from bt_hub.eval import knn, linear, semi_supervised, voc07_svm
 from bt_hub.eval.detection import detect

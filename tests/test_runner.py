@@ -12,7 +12,7 @@ import pytest
 
 import bt_hub.weights as bt_weights
 from bt_hub import cli
-from bt_hub.common.presets import from_preset
+from bt_hub.common.config import from_preset
 from bt_hub.eval import comparison, knn, runner, suite
 from bt_hub.eval.embedding import EmbedConfig
 from bt_hub.eval.linear import LinearConfig, TransferConfig
@@ -52,8 +52,8 @@ def test_eval_all_reads_and_hashes_the_weights_once_for_every_protocol(small_ste
         image_size=8,
         batch_size=16,
         fractions=[10],
-        linear_epochs=2,
-        semi_epochs=1,
+        linear={"epochs": 2},
+        semi={"epochs": 1},
         out=str(tmp_path / "all"),
     )
     summary = suite.run_suite(config)
@@ -73,8 +73,8 @@ def test_eval_all_passes_its_protocols_only_the_shared_flags_they_read(small_ste
         image_size=8,
         batch_size=16,
         fractions=[10],
-        linear_epochs=1,
-        semi_epochs=1,
+        linear={"epochs": 1},
+        semi={"epochs": 1},
         cache_dtype="float16",
         decode="workers",
         precision="bf16",
@@ -100,8 +100,8 @@ def test_eval_all_fine_tunes_on_simclrs_published_lists_from_subset_dir(small_st
         batch_size=4,
         fractions=[10],
         subset_dir=str(lists),
-        linear_epochs=1,
-        semi_epochs=1,
+        linear={"epochs": 1},
+        semi={"epochs": 1},
         precision="fp32",
         out=str(tmp_path / "all"),
     )
@@ -201,18 +201,22 @@ def test_eval_all_scores_a_folder_changed_in_place_again_saying_which_split_chan
         (SemiSupervisedConfig, {"preset": "reference", "milestones": [3]}, "--milestones"),
         (Voc07SvmConfig, {"data": "voc", "decode": "device"}, "--decode"),
         (Voc07SvmConfig, {"data": "voc", "holdout": 0.2}, "--holdout"),
-        (SuiteConfig, {"fractions": [], "semi_epochs": 2}, "--semi-epochs"),
-        (SuiteConfig, {"fractions": [], "semi_preset": "small"}, "--semi-preset"),
+        (SuiteConfig, {"fractions": [], "semi": {"epochs": 2}}, "--semi.epochs"),
+        (SuiteConfig, {"fractions": [], "semi": {"preset": "small"}}, "--semi.preset"),
         (SuiteConfig, {"out": None, "cache_dtype": "float16"}, "--cache-dtype"),
         (SuiteConfig, {"out": None, "rerun": True}, "--rerun"),
         (comparison.CompareConfig, {"protocols": ["knn"], "fractions": [5]}, "--fractions"),
-        (comparison.CompareConfig, {"protocols": ["knn"], "semi_epochs": 2}, "--semi-epochs"),
-        (comparison.CompareConfig, {"protocols": ["knn"], "lr_grid": [0.1]}, "--lr-grid"),
-        (comparison.CompareConfig, {"protocols": ["semi"], "baselines": ["random-init"], "val_fraction": 0.3}, "--val"),
-        (comparison.CompareConfig, {"protocols": ["linear"], "knn_k": 5}, "--knn-k"),
-        (comparison.CompareConfig, {"semi_preset": "paper"}, "--semi-preset"),
+        (comparison.CompareConfig, {"protocols": ["knn"], "semi": {"epochs": 2}}, "--semi.epochs"),
+        (comparison.CompareConfig, {"protocols": ["knn"], "linear": {"lr_grid": [0.1]}}, "--linear.lr-grid"),
+        (
+            comparison.CompareConfig,
+            {"protocols": ["semi"], "baselines": ["random-init"], "linear": {"val_fraction": 0.3}},
+            "--linear.val",
+        ),
+        (comparison.CompareConfig, {"protocols": ["linear"], "knn": {"k": [5]}}, "--knn.k"),
+        (comparison.CompareConfig, {"semi": {"preset": "paper"}}, "--semi.preset"),
         (comparison.CompareConfig, {"supervised_epochs": 2}, "--supervised-epochs"),
-        (comparison.CompareConfig, {"finetune_steps": 9}, "--finetune-steps"),
+        (comparison.CompareConfig, {"semi": {"min_steps": 9}}, "--semi.min-steps"),
         (EmbedConfig, {"splits": ["train"], "test_split": "test"}, "--test-split"),
         (EmbedConfig, {"out": None, "cache_dtype": "float16"}, "--cache-dtype"),
     ],
@@ -233,8 +237,8 @@ def test_a_flag_the_run_would_not_read_is_refused_naming_it(cls, flags, flag, tm
         (TransferConfig, {"cache_dir": "c"}),
         (SemiSupervisedConfig, {"schedule": "cosine", "precision": "fp32"}),
         (SuiteConfig, {"fractions": [], "preset": "small", "cache_dtype": "float16"}),
-        (comparison.CompareConfig, {"protocols": ["semi"], "baselines": ["pixels"], "lr_grid": [0.1]}),
-        (comparison.CompareConfig, {"baselines": ["supervised"], "semi_preset": "paper", "supervised_epochs": 2}),
+        (comparison.CompareConfig, {"protocols": ["semi"], "baselines": ["pixels"], "linear": {"lr_grid": [0.1]}}),
+        (comparison.CompareConfig, {"baselines": ["supervised"], "semi": {"preset": "paper"}, "supervised_epochs": 2}),
         (EmbedConfig, {"splits": ["test"], "test_split": "test", "cache_dtype": "float16"}),
     ],
 )

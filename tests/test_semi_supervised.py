@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from bt_hub import cli
-from bt_hub.common.presets import from_preset
+from bt_hub.common.config import from_preset
 from bt_hub.eval.semi_supervised import SemiSupervisedConfig, finetune
 from bt_hub.method.model import build_backbone
 

@@ -1,23 +1,32 @@
 """``RunConfig``: the settings every command that runs shares (``out``, ``overwrite``, device, seed,
-threads), and the one device check.
+threads), where each setting came from (:class:`Origin`), the configs a composite command holds (:func:`child`),
+and the one device check.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import ctypes
 import dataclasses
 import os
 import re
 import sys
+import typing
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import MISSING, dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from bt_hub.common import presets
+from bt_hub.common.presets import (
+    SettingError,
+    check_values,
+    preset_values,
+    presets_of,
+    required,
+    shown,
+    unknown_setting,
+)
 
 C = TypeVar("C")
 REQUIRED: Any = MISSING  # the default of an ``option`` the command cannot run without
@@ -79,29 +88,102 @@ def option(default: Any, help: str, **metadata: Any) -> Any:
     return field(default=default, metadata={"help": help, **metadata})
 
 
-def child(
-    help: str,
-    *,
-    flat: Mapping[str, str | list[str]] | None = None,
-    sets: Iterable[str] = (),
-    own: Iterable[str] = (),
-    **defaults: Any,
-) -> Any:
+def child(help: str, *, sets: Iterable[str] = (), own: Iterable[str] = (), **defaults: Any) -> Any:
     """A config field holding the config of a command this one runs (``eval compare``'s ``knn``, a ``KnnConfig``).
 
     Its settings are flags under its name (``--knn.k``) and a mapping under its key in a ``--config`` file
     (``knn: {k: [20]}``), except the settings named like one of this command's own (``--data``, ``--device``: this
-    command's, passed down where given) and those it ``sets`` itself. ``flat`` names the flat spellings kept as
-    aliases (``{"knn_k": "k"}``; ``["k"]``: one value of the list ``k``); ``own``, settings named like this command's
-    that are the child's (eval all's fine-tuning batch); ``defaults``, this command's defaults for it (its
+    command's, passed down where given) and those it ``sets`` itself. ``own`` names settings named like this
+    command's that are the child's (eval all's fine-tuning batch); ``defaults``, this command's defaults for it (its
     ``preset`` among them)."""
-    meta = {"flat": dict(flat or {}), "sets": tuple(sets), "own": tuple(own), "defaults": defaults}
+    meta = {"sets": tuple(sets), "own": tuple(own), "defaults": defaults}
     return field(default_factory=dict, metadata={"help": help, "child": meta})
+
+
+def children(cls: type) -> dict[str, tuple[type, Mapping[str, Any]]]:
+    """The child fields of a config class (:func:`child`): name -> (its config class, metadata)."""
+    found = [f for f in dataclasses.fields(cls) if "child" in f.metadata]
+    hints = typing.get_type_hints(cls) if found else {}
+    return {f.name: (hints[f.name], f.metadata["child"]) for f in found}
+
+
+def knobs(cls: type, name: str) -> list[str]:
+    """The settings child ``name`` of ``cls`` takes as its own flags: its fields less ``config_file``, those ``cls``
+    sets itself and those named like a field of ``cls`` but ``preset`` (unless they are the child's ``own``)."""
+    child, meta = children(cls)[name]
+    taken = {f.name for f in dataclasses.fields(cls)} - {"preset", *meta["own"]} | {"config_file", *meta["sets"]}
+    return [f.name for f in dataclasses.fields(child) if f.init and f.name not in taken]
 
 
 def out_field(default: str, help: str) -> Any:
     """The ``out`` field of a command: its default folder and what it writes there (keyword-only, as in the base)."""
     return field(default=default, kw_only=True, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a config's settings came from, kept by ``dataclasses.replace`` (a field of :class:`RunConfig`): the
+    prefix of its flags in the command holding it (``knn.``: ``--knn.k``); each setting given, by the flag as typed
+    (``--knn-k``) or by the ``--config`` file (its name, ``run.yaml``: records hold no absolute path), the last one
+    given; and the settings it inherited from the command holding it. The Python API gives none."""
+
+    prefix: str = ""
+    given: Mapping[str, str] = field(default_factory=dict)
+    inherited: frozenset[str] = frozenset()
+
+    def key(self, name: str) -> str:
+        """How a check of its type names setting ``name``: ``key knn.k of run.yaml`` where a file set it, else
+        ``knn.k``."""
+        where = self.given.get(name, "")
+        return f"key {self.prefix}{name} of {where}" if where and not where.startswith("--") else self.prefix + name
+
+    def flag(self, name: str, spelled: str | None = None) -> str:
+        """How a message names setting ``name`` (whose flag is ``--spelled``, by default ``--name``): the flag as
+        typed, its key where a file set it, else its flag under the prefix (``--knn.k``)."""
+        where = self.given.get(name, "")
+        if where:
+            return where if where.startswith("--") else self.key(name)
+        return "--" + f"{self.prefix}{spelled or name}".replace("_", "-")
+
+
+def from_preset(cls: type[C], name: str | None = None, /, **given: Any) -> C:
+    """A ``cls`` config (the Python API's): dataclass defaults, then preset ``name`` (default: the ``preset`` field's
+    default, else none: the plain defaults), then ``given``, each checked against its field's type (a child's
+    settings as a mapping, ``knn={"k": [5]}``)."""
+    given = dict(given)
+    name = given.pop("preset", name)
+    return build(cls, check_values(cls, given, literals=False), preset=name)
+
+
+def build(cls: type[C], values: Mapping[str, Any], *, preset: Any = None, origin: Origin | None = None) -> C:
+    """A ``cls`` config of ``values`` checked against their fields' types (:func:`from_preset`, a ``--config``
+    file, the flags) over preset ``preset``'s (``preset`` among ``values`` or apart), where ``origin`` says they came
+    from (for a config that keeps it: :class:`RunConfig`)."""
+    values = dict(values)
+    name = values.pop("preset", preset)
+    if name is not None and not isinstance(name, str):
+        raise SettingError(f"preset must be the name of a preset (a string), got {shown(name)}")
+    field = next((f for f in dataclasses.fields(cls) if f.name == "preset"), None)
+    if name is None and field is not None and field.default is not MISSING:
+        name = field.default  # the preset used when none is named
+    flag = "--preset" if origin is None else origin.flag("preset")
+    given = merged(preset_values(cls, name, flag) if name is not None else {}, values)
+    if name is not None and field is not None:
+        given["preset"] = name
+    config = cls(**given, **({} if origin is None else {"origin": origin}))
+    named = str if origin is None else origin.key  # what __post_init__ let through of a Literal field's values:
+    check_values(cls, {k: getattr(config, k) for k in values}, named, "only")
+    return config
+
+
+def merged(*layers: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of ``layers`` in one, each over the ones before it; a child's (a mapping) key by key."""
+    out: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            both = isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
+            out[key] = {**out[key], **value} if both else value
+    return out
 
 
 @dataclass(kw_only=True)
@@ -120,11 +202,7 @@ class RunConfig:
     config_file: str | None = option(
         None, "the YAML file of settings that --config read (recorded with them)", flag="config"
     )
-    # the settings that file set and no flag overrode (set where --config is read): given_from names the file for them
-    file_settings: ClassVar[frozenset[str]] = frozenset()
-    # setting -> the flag it was given by, where a command holding this config built it (``k`` -> ``--knn-k``), and
-    # of a child's settings in the command holding it (``knn.k``): what ``flag`` names
-    flag_names: ClassVar[Mapping[str, str]] = {}
+    origin: Origin = field(default_factory=Origin, repr=False, compare=False)  # not a setting: where they came from
 
     def __post_init__(self) -> None:
         if self.out is not None:  # None: the Python API writes no folder
@@ -139,15 +217,20 @@ class RunConfig:
             raise ValueError(f"--num-workers must be an integer from 0 to {THREADS_MAX}, got {_shown(workers)}")
 
     def given_from(self, name: str, flag: str) -> str:
-        """Where setting ``name``, given, came from: the ``--config`` file by its name (``run.yaml``: a record holds
-        no absolute path) where that file set it, else ``flag``."""
-        return os.path.basename(self.config_file) if self.config_file and name in self.file_settings else flag
+        """Where setting ``name``, given, came from: the ``--config`` file by its name where that file set it (or the
+        command holding this config had it from one), else ``flag``."""
+        where = self.origin.given.get(name, "")
+        return where if where and not where.startswith("--") else flag
 
     def flag(self, name: str) -> str:
-        """The flag of setting ``name`` as the user gave it: ``--k``; in a command holding this config, ``--knn.k``
-        or its flat alias ``--knn-k``."""
-        known = {f.name: f.metadata.get("flag", f.name) for f in dataclasses.fields(self)}
-        return self.flag_names.get(name) or "--" + known.get(name, name).replace("_", "-")
+        """The flag of setting ``name`` as the user gave it (:meth:`Origin.flag`): ``--k``; in a command holding this
+        config, ``--knn.k`` or ``--knn-k`` as typed; ``knn.k``: child ``knn``'s setting ``k``."""
+        child, _, name = name.rpartition(".")
+        if child:
+            return getattr(self, child).flag(name)
+        return self.origin.flag(
+            name, next((f.metadata.get("flag") for f in dataclasses.fields(self) if f.name == name), None)
+        )
 
     def require_positive(self, *names: str, or_zero: bool = False) -> None:
         """Refuse the first field of ``names`` set below 1 (``or_zero``: below 0) in one sentence naming its flag."""
@@ -166,19 +249,17 @@ class RunConfig:
 
     def unused_flags(self) -> dict[str, str]:
         """Setting (``name``, or ``child`` / ``child.name`` of a child's) -> why this run would not read it; such a
-        setting, when given, is refused, never ignored (:meth:`build_children`)."""
+        setting, when given, is refused, never ignored (:meth:`settle`)."""
         return {}
 
     def shared_settings(self) -> dict[str, Any]:
         """This command's settings that a config it runs takes where it has one of their name: those given (changed
         from the defaults or preset, or required, such as ``--weights``); ``out`` is each run's own."""
-        given = presets.overrides(self)
+        given = overrides(self)
         return {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.init
-            and f.name not in ("out", *presets.children(type(self)))
-            and (f.name in given or presets.required(f))
+            if f.init and f.name not in ("out", *children(type(self))) and (f.name in given or required(f))
         }
 
     def passed_down(
@@ -186,38 +267,112 @@ class RunConfig:
         cls: type[C],
         values: Mapping[str, Any],
         *,
+        child: str = "",
         own: Iterable[str] = (),
-        flag_names: Mapping[str, str] | None = None,
+        given: Mapping[str, str] | None = None,
     ) -> C:
-        """A ``cls`` config this command runs: ``values`` (``preset`` among them), then this command's
-        :meth:`shared_settings` that ``cls`` has (less ``own``: the child's own settings) and reads (not in its
-        ``unused_flags``); its checks name its settings by ``flag_names``."""
-        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-        shared = {k: v for k, v in self.shared_settings().items() if k in fields and k not in (*own, *values)}
-        required = {k: v for k, v in shared.items() if presets.required(fields[k])}
-        first = presets.build(cls, {**required, **values}, flag_names)
-        trial = copy.copy(first)
-        vars(trial).update(shared)
-        unused = trial.unused_flags()
-        return presets.build(cls, {**{k: v for k, v in shared.items() if k not in unused}, **values}, flag_names)
+        """A ``cls`` config this command runs, built once: ``values`` (``preset`` among them) over the
+        :meth:`shared_settings` it inherits (those ``cls`` has, less ``own``: its own of the same name), each with
+        where it came from; as ``child``, its flags are ``--child.*`` (``given``: where its own values came from)."""
+        fields = {f.name for f in dataclasses.fields(cls) if f.init}
+        inherited = {k: v for k, v in self.shared_settings().items() if k in fields and k not in (*own, *values)}
+        prefix = f"{child}." if child else ""
+        where = {k: v for k, v in self.origin.given.items() if k in inherited}
+        where |= {k.removeprefix(prefix): v for k, v in self.origin.given.items() if child and k.startswith(prefix)}
+        origin = Origin(prefix, {**where, **(given or {})}, frozenset(inherited))
+        return build(cls, {**inherited, **values}, origin=origin)
 
     def build_children(self) -> None:
-        """Build each child field's config (:func:`child`) from what was given for it and this command's defaults
-        and shared settings, so that its own checks run, naming its flags as given; then refuse a setting given that
-        this run would not read (:meth:`unused_flags`)."""
-        flag_names = dict(self.flag_names)
-        for name, (cls, meta) in presets.children(type(self)).items():
-            given = presets.nested(type(self), {name: getattr(self, name)})[name]
-            typed = {k: given.typed.get(k, presets.child_flag(cls, name, k)) for k in presets.knobs(type(self), name)}
+        """Build each child field's config (:func:`child`) once, from what was given for it over this command's
+        defaults for it, with the shared settings it inherits (:meth:`passed_down`); then :meth:`settle`."""
+        for name, (cls, meta) in children(type(self)).items():
+            given, where, names = getattr(self, name), {}, knobs(type(self), name)
+            if isinstance(given, cls):  # built for another command (the demo's, handed to compare): its settings
+                where = {k: v for k, v in given.origin.given.items() if k in names}
+                given = {k: getattr(given, k) for k in names}
+            for key in given:
+                if key not in names:
+                    known = {f.name: f for f in dataclasses.fields(cls) if f.name in names}
+                    raise SettingError(unknown_setting(f"{name}.{key}", known, self.origin.key, name))
             values = {**meta["defaults"], **given}
-            setattr(self, name, self.passed_down(cls, values, own=meta["own"], flag_names=typed))
-            flag_names |= {f"{name}.{k}": flag for k, flag in typed.items()}
-        self.flag_names = flag_names
-        unused = self.unused_flags()
-        for key in presets.overrides(self):
+            setattr(self, name, self.passed_down(cls, values, child=name, own=meta["own"], given=where))
+        self.settle()
+
+    def settle(self) -> None:
+        """Refuse a setting given that this run would not read (:meth:`unused_flags`), naming its flag; one inherited
+        from the command holding this config goes back to its preset's value: the run reads and records its own."""
+        unused, preset = self.unused_flags(), getattr(self, "preset", None)
+        for key in overrides(self):
             why = unused.get(key) or unused.get(key.partition(".")[0])
-            if why:
+            if why and key in self.origin.inherited:
+                setattr(self, key, baseline(type(self), preset if preset in presets_of(type(self)) else None)[key])
+            elif why:
                 raise ValueError(f"{self.flag(key)} {why}; leave it out")
+
+
+def baseline(cls: type, name: str | None) -> dict[str, Any]:
+    """Every field's value under preset ``name`` alone (fields without a default, child configs and the
+    :class:`Origin` are left out)."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            values[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            values[f.name] = f.default_factory()
+    if name is not None:
+        values.update(preset_values(cls, name))
+    return {k: v for k, v in values.items() if k not in children(cls) and k != "origin"}
+
+
+def child_defaults(cls: type, name: str, preset: str | None = None, child_preset: str | None = None) -> dict[str, Any]:
+    """What ``cls`` (under its preset ``preset``) gives its child ``name`` where nothing is given: its defaults for
+    the child and its preset's (the child's ``preset`` among them), over the child class's defaults under that
+    preset (or ``child_preset``, the one the child was given)."""
+    child, meta = children(cls)[name]
+    given = {**meta["defaults"], **(preset_values(cls, preset).get(name, {}) if preset in presets_of(cls) else {})}
+    expected = given.pop("preset", baseline(child, None).get("preset"))
+    return {**baseline(child, child_preset or expected), **given, "preset": expected}
+
+
+def overrides(config: Any, ignore: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
+    """``{field: {"value": run's value, "preset": the preset's value, "from": where it came from}}`` for every field
+    that differs; a child's settings under ``child.name`` (against this config's defaults for it, its own preset
+    apart). ``from`` is the flag as typed or the ``--config`` file (:class:`Origin`), where the config knows it.
+
+    The preset is ``config.preset`` when the config has one, else the defaults; ``ignore`` names fields
+    that say where or how a run executes rather than what it computes.
+    """
+    cls = type(config)
+    name = getattr(config, "preset", None)
+    name = name if name in presets_of(cls) else None
+    reference = baseline(cls, name)
+    compared = set(reference) - set(ignore) - {"preset"}
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls) if f.name in compared}
+    given = dict(config.origin.given) if isinstance(config, RunConfig) else {}
+    for child in (c for c in children(cls) if dataclasses.is_dataclass(getattr(config, c))):
+        settings = getattr(config, child)  # its settings against its own preset's, its preset against the expected
+        expected = child_defaults(cls, child, name, getattr(settings, "preset", None))
+        for knob in knobs(cls, child):
+            values[f"{child}.{knob}"], reference[f"{child}.{knob}"] = getattr(settings, knob), expected.get(knob)
+        given |= {f"{child}.{knob}": where for knob, where in settings.origin.given.items()}
+    changed = {k: {"value": v, "preset": reference[k]} for k, v in values.items() if not _same(v, reference[k])}
+    return {k: {**v, "from": given[k]} if k in given else v for k, v in changed.items()}
+
+
+def config_dict(config: Any) -> dict[str, Any]:
+    """A dataclass config as a plain dict, a child config as the mapping of its own settings (what ``--config``
+    reads back); a mapping or a namespace as a dict."""
+    if not dataclasses.is_dataclass(config):
+        return dict(config) if hasattr(config, "keys") else dict(vars(config))
+    cls, kids = type(config), children(type(config))
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls) if f.name != "origin"}
+    return {k: {n: getattr(v, n) for n in knobs(cls, k)} if k in kids else v for k, v in values.items()}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) == list(b)
+    return a == b
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bt_hub.common.presets import config_dict
+from bt_hub.common.config import config_dict
 from bt_hub.common.runs import git_state, package_version
 
 SCHEMA = "bt_hub.results/4"

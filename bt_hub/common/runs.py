@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from bt_hub.common.artifacts import record_holder, timestamp, whose
+from bt_hub.common.config import config_dict
 from bt_hub.common.files import (
     WRITTEN_BY,
     WriteError,
@@ -29,7 +30,6 @@ from bt_hub.common.files import (
     safetensors_metadata,
     write_failure,
 )
-from bt_hub.common.presets import config_dict
 
 MARKER_NAME = ".bt_hub_run"
 LOCK_NAME = ".bt_hub_run.lock"

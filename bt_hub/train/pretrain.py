@@ -10,7 +10,6 @@ import math
 import random
 import signal
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as nnf
 from torch import nn
 
+from bt_hub.common.config import config_dict
 from bt_hub.common.distributed import (
     barrier,
     broadcast_object,
@@ -31,9 +31,7 @@ from bt_hub.common.distributed import (
     init_distributed,
     is_main_process,
 )
-from bt_hub.common.files import atomic_write_json, read_json, write_safetensors
 from bt_hub.common.progress import progress
-from bt_hub.common.reuse import changed_input
 from bt_hub.common.runs import RunDir
 from bt_hub.common.signals import Terminated, deferred_stop
 from bt_hub.data.datasets import build_dataset, dataset_fingerprint, is_builtin
@@ -43,7 +41,6 @@ from bt_hub.data.prefetch import Prefetcher
 from bt_hub.method.loss import LossTerms
 from bt_hub.method.model import BarlowTwins
 from bt_hub.method.optim import LARS, param_groups, set_learning_rates
-from bt_hub.method.transforms import input_metadata
 from bt_hub.method.views import BatchedTwoViews
 from bt_hub.train.batches import (
     ViewDataset,
@@ -55,20 +52,22 @@ from bt_hub.train.batches import (
     view_pair,
 )
 from bt_hub.train.compile_auto import AutoCompile
-from bt_hub.train.config import RESUME_INVARIANTS, PretrainConfig
-from bt_hub.train.kept import kept_path, kept_weights, resumed_seconds
+from bt_hub.train.config import PretrainConfig
 from bt_hub.train.monitor import KnnMonitor, TensorBoardScalars, monitor_sets
 from bt_hub.train.resume import (
     CHECKPOINT_NAME,
-    load_checkpoint,
     save_checkpoint,
     set_rng_state,
     training_stopped,
 )
-
-WEIGHTS_NAME = "backbone.safetensors"
-# What a run writes beside its checkpoint (a fresh run with --overwrite removes an earlier run's copies first).
-RUN_OUTPUTS = (WEIGHTS_NAME, "config.json", "cross_correlation_start.npy", "cross_correlation_end.npy")
+from bt_hub.train.run_folder import (
+    clear_replaced_run,
+    kept_path,
+    resume_state,
+    resumed_seconds,
+    write_backbone,
+    write_weights,
+)
 
 
 class _TrainStep(nn.Module):
@@ -86,144 +85,13 @@ class _TrainStep(nn.Module):
         return terms, spread
 
 
-def _finished_run(out: Path, config: PretrainConfig) -> str | None:
-    """The final weights a finished run left in ``out`` (named with their step when config.json says it), or None."""
-    for name in (WEIGHTS_NAME, "config.json", f"{config.backbone}.pth"):
-        if (out / name).exists():
-            record = read_json(out / "config.json")
-            steps = record.get("steps") if isinstance(record, dict) else None
-            return f"{name} of step {steps}" if isinstance(steps, int) else name
-    return None
-
-
-def _resume_state(config: PretrainConfig, out: Path, data: str) -> dict[str, Any] | None:
-    """The checkpoint to continue from, or None for a fresh run (refusing to replace a run without ``--overwrite``).
-
-    A checkpoint is resumed only where its inputs are this run's (``changed_input("checkpoint", ...)`` of
-    :mod:`bt_hub.common.reuse`): its recipe (``RESUME_INVARIANTS``) and its training data, ``data`` being the
-    fingerprint of ``--data`` now (``dataset_fingerprint``: its files' stat rows and labels), so a folder changed in
-    place is refused. A checkpoint of an older bt_hub, which recorded no fingerprint, is resumed with a warning."""
-    own = out / CHECKPOINT_NAME
-    if config.resume is None or (config.resume == "auto" and not own.exists()):
-        if config.overwrite:
-            return None
-        if config.resume is None and own.exists():
-            raise ValueError(
-                f"--out {out} already holds {CHECKPOINT_NAME}; pass --resume auto to continue it, --overwrite to "
-                "replace that run with a new one, or choose another --out"
-            )
-        finished = _finished_run(out, config)
-        if finished:
-            raise ValueError(
-                f"--out {out} holds a finished run ({finished}) and no {CHECKPOINT_NAME} to continue; pass --overwrite "
-                "to replace that run with a new one, or choose a new --out"
-            )
-        return None
-    path = own if config.resume == "auto" else Path(config.resume)
-    state = load_checkpoint(path)
-    recipe = {key: state["config"].get(key) for key in RESUME_INVARIANTS}
-    if "data_fingerprint" not in state:
-        warnings.warn(
-            f"checkpoint {path} records no fingerprint of its training data (an older bt_hub wrote it), so resuming "
-            f"it cannot check that --data {config.data} still holds the images it was trained on; its next checkpoint "
-            "records them",
-            stacklevel=2,
-        )
-    recorded = {"recipe": recipe, "data": state.get("data_fingerprint", data)}
-    why = changed_input("checkpoint", recorded, {"recipe": {key: getattr(config, key) for key in recipe}, "data": data})
-    if why is not None and why.startswith("recipe"):
-        key = next(key for key, saved in recipe.items() if saved != getattr(config, key))
-        raise ValueError(
-            f"--{key.replace('_', '-')} is {getattr(config, key)!r} but checkpoint {path} was trained with "
-            f"{recipe[key]!r}"
-        )
-    if why is not None:
-        raise ValueError(
-            f"--data {config.data} is not what checkpoint {path} was trained on ({why}: an image was added, removed, "
-            "relabelled or written since); put back the images it was trained on to resume it, or start a new run "
-            "on this data (--overwrite without --resume, or another --out)"
-        )
-    return state
-
-
-def _clear_replaced_run(out: Path, config: PretrainConfig) -> None:
-    """Before a fresh run with ``--overwrite`` in a bt_hub run folder: remove what the earlier run wrote (its
-    checkpoint would be resumed, its weights would sit beside the new record); an adopted folder keeps them."""
-    record = read_json(out / "run.json")
-    if not (isinstance(record, dict) and "bt_hub_version" in record):
-        return
-    for name in (CHECKPOINT_NAME, *RUN_OUTPUTS, f"{config.backbone}.pth"):  # <arch>.pth: written by earlier versions
-        (out / name).unlink(missing_ok=True)
-    for _, _, path in kept_weights(out):
-        path.unlink()
-
-
-def write_backbone(
-    out: Path, model: BarlowTwins, config: PretrainConfig, step: int, num_samples: int, decided: dict[str, Any]
-) -> None:
-    """The final weights, once: ``backbone.safetensors`` (torchvision keys, no fc) and ``config.json``.
-
-    ``decided`` is what the run chose for itself: :class:`AutoCompile`'s record (the path the steps took,
-    ``compile: on|off``, and why) and ``precision_choice``'s (the precision, why, and on a CPU the times of both).
-    """
-    _write_weights(out / WEIGHTS_NAME, model, config, step=step)
-    atomic_write_json(
-        out / "config.json",
-        {
-            "architecture": config.backbone,
-            "feature_dim": model.backbone.feature_dim,
-            **_flags(config, "small_image_stem projector lambd image_size"),
-            "dataset": config.data,
-            "num_samples": num_samples,
-            "epochs": config.epochs,
-            "steps": step,
-            "recipe": {
-                "optimizer": "LARS",
-                **_flags(
-                    config,
-                    "batch_size lr_weights lr_biases weight_decay warmup_epochs loss_method precision views decode",
-                ),
-                **decided,
-                **_flags(config, "seed reference_grad_scale crop_scale_min flip blur"),
-            },
-            "format": "torchvision",
-        },
-    )
-
-
-def _flags(config: PretrainConfig, names: str) -> dict[str, Any]:
-    """The values of the flags ``names`` (space-separated), in that order, as config.json records them."""
-    return {name: getattr(config, name) for name in names.split()}
-
-
-def _write_weights(path: Path, model: BarlowTwins, config: PretrainConfig, **meta: Any) -> None:
-    """The backbone's weights (torchvision keys, no fc) as safetensors, carrying what evaluation needs to rebuild
-    their input (``input_metadata``: architecture, stem, image size, normalisation, the run's id) and ``meta``."""
-    state = {
-        k: v.detach().cpu().contiguous().clone()
-        for k, v in model.backbone.state_dict().items()
-        if not k.startswith("fc.")
-    }
-    started = read_json(Path(config.out) / "run.json")  # its first start's id names the run across resumes
-    meta = {
-        **input_metadata(
-            architecture=config.backbone,
-            small_image_stem=config.small_image_stem,
-            image_size=config.image_size,
-            run_id=started.get("run_id") if isinstance(started, dict) else None,
-        ),
-        **meta,
-    }
-    write_safetensors(state, path, metadata={k: str(v) for k, v in meta.items()})
-
-
 def _keep(loop: _Loop, step: int) -> None:
     """Keep this step's backbone for the learning curve (main process), with the seconds trained so far."""
     if is_main_process():
         path = kept_path(Path(loop.config.out), step)
         path.parent.mkdir(exist_ok=True)
         seconds = f"{loop.seconds:.3f}"
-        _write_weights(path, loop.model, loop.config, step=step, train_seconds=seconds, device=loop.device.type)
+        write_weights(path, loop.model, loop.config, step=step, train_seconds=seconds, device=loop.device.type)
 
 
 def pretrain(config: PretrainConfig) -> Path:
@@ -256,14 +124,14 @@ def _train(config: PretrainConfig, device: torch.device, run: RunDir) -> Path:
         decode=decoded.decode,
     )
     data = broadcast_object(dataset_fingerprint(dataset, content=False) if is_main_process() else None)
-    state = _resume_state(config, out, data)
+    state = resume_state(config, out, data)
     steps_per_epoch = len(dataset) // config.batch_size
     total_steps, warmup_steps, last_step = config.schedule_steps(len(dataset), int(state["step"]) if state else 0)
 
     model, optimizer, scaler, step = _seeded_model(config, device, state)
     step_module = _wrapped(model, config, device, world, last_step - step)  # before the probe: it sees wrapped BNs
     if state is None and config.overwrite and is_main_process():
-        _clear_replaced_run(out, config)
+        clear_replaced_run(out, config)
     facts = {**chosen, "decode_reason": decoded.reason, **decoded.decoding.described()}
     facts.update(decode_share=decoded.decoding.worker_share, decode_agreement=decoded.agreement)
     run.start(config, step, fresh=state is None and (config.resume is None or config.overwrite), facts=facts)
@@ -455,7 +323,7 @@ def _checkpoint(loop: _Loop, step: int) -> None:
             scaler=loop.scaler.state_dict(),
             step=step,
             epoch=step // loop.steps_per_epoch,
-            config=dataclasses.asdict(loop.config),
+            config=config_dict(loop.config),
             train_seconds=loop.seconds,
             data_fingerprint=loop.data,
         )

@@ -187,9 +187,30 @@ def save_hf_folder(
 # --------------------------------------------------------------------------- bt-hub export
 
 
+@dataclass(kw_only=True)
+class CardResults:
+    """The evaluation records a model card shows, of these weights and of others (``bt-hub export --format hf``,
+    ``bt-hub push``), each refused unless it is a file."""
+
+    results: list[str] = option(
+        [],
+        "evaluation results of these weights for the model card (records of other weights are refused; eval "
+        "compare's baselines are shown as baselines): results.json or results.jsonl",
+    )
+    other_results: list[str] = option(
+        [], "results of other weights, shown in the model card as theirs, never as this model's"
+    )
+
+    def __post_init__(self) -> None:
+        for flag, paths in (("--results", self.results), ("--other-results", self.other_results)):
+            for path in paths:
+                if not Path(path).is_file():
+                    raise ValueError(f"{flag} file {path} does not exist")
+
+
 @dataclass
-class ExportConfig:
-    """Flags of ``bt-hub export``."""
+class ExportConfig(CardResults):
+    """Flags of ``bt-hub export``; ``--results`` and ``--other-results`` with ``--format hf`` only."""
 
     weights: str = option(
         REQUIRED,
@@ -206,14 +227,6 @@ class ExportConfig:
         None, "architecture; by default from config.json or the keys", choices=tuple(ARCHITECTURES)
     )
     name: str | None = option(None, "hf only: the model's Hub id for the card, e.g. org/barlowtwins-r50")
-    results: list[str] = option(
-        [],
-        "hf only: evaluation results of these weights for the card (records of other weights are "
-        "refused; eval compare's baselines are shown as baselines): results.json or results.jsonl",
-    )
-    other_results: list[str] = option(
-        [], "hf only: results of other weights, shown in the card as theirs, never as this model's"
-    )
     force: bool = option(
         False, "replace an existing target (in an hf folder only the files bt_hub wrote; others are kept)"
     )
@@ -239,15 +252,7 @@ class ExportConfig:
             raise ValueError(f"--name, --results and --other-results apply to --format hf only, not {self.format}")
         if self.name is not None:
             check_repo_id("--name", self.name)
-        check_results_files(self.results, self.other_results)
-
-
-def check_results_files(results: list[str], other_results: list[str]) -> None:
-    """Refuse a ``--results`` or ``--other-results`` path that is not a file, naming the flag."""
-    for flag, paths in (("--results", results), ("--other-results", other_results)):
-        for path in paths:
-            if not Path(path).is_file():
-                raise ValueError(f"{flag} file {path} does not exist")
+        super().__post_init__()
 
 
 def check_repo_id(flag: str, repo_id: str) -> None:

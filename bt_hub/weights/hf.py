@@ -17,7 +17,7 @@ from bt_hub.common.config import REQUIRED, option
 from bt_hub.common.optional import require
 from bt_hub.method.model import BarlowTwins
 from bt_hub.weights.download import at_commit, first_line, hf_download, hub_client_errors
-from bt_hub.weights.export import check_repo_id, check_results_files, save_hf_folder, trained_config
+from bt_hub.weights.export import CardResults, check_repo_id, save_hf_folder, trained_config
 from bt_hub.weights.load import load_backbone, read_projector_state_dict
 from bt_hub.weights.sources import looks_like_path
 
@@ -175,7 +175,7 @@ def _push_error(err: BaseException, repo_id: str, endpoint: str, errors: Any) ->
 
 
 @dataclass
-class PushConfig:
+class PushConfig(CardResults):
     """Flags of ``bt-hub push``."""
 
     weights: str = option(
@@ -187,20 +187,12 @@ class PushConfig:
     private: bool = option(False, "create the repository as private")
     token: str | None = option(None, "Hub token (default: HF_TOKEN or the cached login)")
     revision: str | None = option(None, "branch to commit to (default: main)")
-    results: list[str] = option(
-        [],
-        "evaluation results of these weights for the model card (records of other weights are refused; "
-        "eval compare's baselines are shown as baselines): results.json or results.jsonl",
-    )
-    other_results: list[str] = option(
-        [], "results of other weights, shown in the card as theirs, never as this model's"
-    )
     license: str = option("apache-2.0", "license in the model card")
     commit_message: str = option("Upload Barlow Twins weights with bt_hub", "commit message")
 
     def __post_init__(self) -> None:
         check_repo_id("--repo-id", self.repo_id)
-        check_results_files(self.results, self.other_results)
+        super().__post_init__()
 
 
 def push(config: PushConfig) -> Any:

@@ -14,7 +14,7 @@ from bt_hub.common.artifacts import whose
 from bt_hub.common.files import CheckpointError, file_sha256
 from bt_hub.common.runs import lock_holder, run_kind
 from bt_hub.method.model import ARCHITECTURES
-from bt_hub.train.kept import kept_weights
+from bt_hub.train.run_folder import kept_weights
 from bt_hub.weights.download import DownloadError, at_commit, check_cached, download_unchecked, hf_download
 from bt_hub.weights.registry import BarlowTwinsWeights, Weights, find_weights, list_weights
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import statistics
 import time
@@ -274,7 +273,7 @@ def _write(
     Its ``overrides`` include every opt that changes the config, so a shortened run never reads like its
     preset; the paper's row applies only when nothing but ``EXECUTION_OVERRIDES`` changed.
     """
-    from bt_hub.common.presets import overrides
+    from bt_hub.common.config import config_dict, overrides
     from bt_hub.data.datasets import dataset_fingerprint
 
     preset = config.detection_config if config.detection_config in DetectConfig.ALIASES else yaml_path.stem
@@ -293,7 +292,7 @@ def _write(
     record = build_record(
         scored,
         hyperparameters={
-            **dataclasses.asdict(config),
+            **config_dict(config),
             "engine": engine,
             "detection_config_file": str(yaml_path),  # config_file: the --config file, if any
             "resolved_config": trials[0]["config"],
