@@ -47,11 +47,11 @@ import numpy as np
 from scipy.stats import spearmanr
 
 from bt_hub import cli
+from bt_hub.common.config import from_preset
 from bt_hub.common.files import atomic_write_json, atomic_write_text
-from bt_hub.common.presets import from_preset
 from bt_hub.common.records import mean_std
 from bt_hub.eval.demo import DIGITS, DemoConfig, curve_steps
-from bt_hub.train.kept import kept_path
+from bt_hub.train.run_folder import kept_path
 
 DEFAULT = "digits preset"
 SCORES = {"rankme": "backbone", "rankme_projector": "projector"}
@@ -200,7 +200,8 @@ def main() -> None:
         raise SystemExit(f"--out {out} holds files and no study (seed0/): choose a new or empty folder")
     out.mkdir(parents=True, exist_ok=True)
     os.chdir(out)  # every command and record names the study's files relative to --out
-    demo = from_preset(DemoConfig, None, epochs=args.epochs, batch_size=args.batch_size, curve_points=args.curve_points)
+    pretrain = {"epochs": args.epochs, "batch_size": args.batch_size}
+    demo = from_preset(DemoConfig, pretrain=pretrain, curve_points=args.curve_points)
     steps = curve_steps(demo)
     tick, load = time.perf_counter(), " ".join(f"{v:.2f}" for v in os.getloadavg())
     study: dict[str, Any] = {"benchmark": shlex.join(["python", *sys.argv]), "cpu": machine.cpu(), "points": []}
