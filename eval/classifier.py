@@ -42,10 +42,15 @@ def make_classifier(in_dim: int, num_classes: int) -> nn.Linear:
 
 def topk_correct(logits: torch.Tensor, targets: torch.Tensor, ks: Sequence[int] = (1, 5)) -> list[int]:
     """Number of samples whose target is among the top-k logits, for each k (k capped at the classes)."""
+    return topk_hits(logits, targets, ks).sum(0).tolist()
+
+
+def topk_hits(logits: torch.Tensor, targets: torch.Tensor, ks: Sequence[int] = (1, 5)) -> torch.Tensor:
+    """Per sample, whether its target is among the top-k logits, for each k: N x len(ks) booleans (k capped at the
+    classes)."""
     kmax = min(max(ks), logits.shape[1])
-    top = logits.topk(kmax, dim=1).indices
-    hits = top == targets.view(-1, 1)
-    return [int(hits[:, : min(k, kmax)].any(dim=1).sum()) for k in ks]
+    hits = logits.topk(kmax, dim=1).indices == targets.view(-1, 1)
+    return torch.stack([hits[:, : min(k, kmax)].any(dim=1) for k in ks], 1)
 
 
 def distributed_sampler_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -95,20 +100,33 @@ def loop_autocast(device: torch.device, precision: str) -> torch.dtype | None:
 
 @torch.no_grad()
 def evaluate_loader(
-    model: nn.Module, loader: DataLoader, device: torch.device, desc: str = "eval", precision: str = "fp32"
+    model: nn.Module,
+    loader: DataLoader,
+    device: torch.device,
+    desc: str = "eval",
+    precision: str = "fp32",
+    hits: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """Top-1 / top-5 accuracy (percent) of an image classifier, summed over ranks (autocast: ``loop_autocast``)."""
+    """Top-1 / top-5 accuracy (percent) of an image classifier, summed over ranks (autocast: ``loop_autocast``);
+    ``hits`` (one boolean per image of the loader's dataset, in its order): each image's top-1 hit is written there,
+    gathered from every rank."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     dtype = loop_autocast(device, precision)
+    rows = iter(list(loader.sampler) if hits is not None else [])  # the dataset's indices this rank scores, in order
+    scored = torch.zeros(len(hits) if hits is not None else 0, device=device)
     for images, labels in reported(loader, desc, unit="batch", leave=False):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             logits = model(images)
-        c1, c5 = topk_correct(logits.float(), labels)
-        totals += torch.tensor([c1, c5, len(labels)], dtype=torch.float64, device=device)
+        found = topk_hits(logits.float(), labels)
+        totals += torch.tensor([*found.sum(0).tolist(), len(labels)], dtype=torch.float64, device=device)
+        if hits is not None:
+            scored[[next(rows) for _ in labels]] = found[:, 0].float()
     # DistributedSampler pads the last shard by repeating samples; with world 1 counts are exact.
     totals = all_reduce_sum(totals)
+    if hits is not None:
+        hits.copy_(all_reduce_sum(scored).cpu() > 0)
     return {"top1": 100.0 * float(totals[0] / totals[2]), "top5": 100.0 * float(totals[1] / totals[2])}
 
 

@@ -32,21 +32,33 @@ SUPERVISED = {"lr_backbone": 0.1, "lr_classifier": 0.1, "weight_decay": 5e-4, "m
 @dataclass(frozen=True)
 class Column:
     """A column of the table: a protocol of the table (bt_hub.eval.protocols), on ``fraction`` % of the training
-    labels where the protocol has a column per ``--fractions``."""
+    labels where the protocol has a column per ``--fractions`` (semi) or per ``--label-fractions`` (kNN, linear)."""
 
     protocol: str
     fraction: int | None = None
 
     def __str__(self) -> str:
-        """The column's heading: ``kNN``, ``linear``, ``semi 10%``."""
+        """The column's heading: ``kNN``, ``linear``, ``semi 10%``, ``kNN 10%``, ``RankMe``."""
         name = get_protocol(self.protocol).heading
         return f"{name} {self.fraction}%" if self.fraction else name
 
+    @property
+    def drawn(self) -> bool:
+        """Whether its cells' labels are a seeded draw, another at each seed (a share under 100%)."""
+        return (self.fraction or 100) < 100
+
 
 def column_protocols() -> list[str]:
-    """The protocols a column can run: those on any ``--data`` that score with labels (a verdict against a baseline
-    compares accuracies; a label-free value, RankMe, is none)."""
+    """The protocols a ``--protocols`` column can run: those on any ``--data`` that score with labels (a verdict
+    against a baseline compares accuracies; a label-free value, RankMe, is none: it comes beside the frozen
+    columns, :meth:`CompareConfig.columns`)."""
     return [p for p in list_protocols(any_data=True) if not get_protocol(p).label_free]
+
+
+def frozen(protocol: str) -> bool:
+    """Whether ``protocol``'s columns score frozen features of every row (kNN, linear): those RankMe comes beside, and
+    those ``--label-fractions`` splits into one column a budget."""
+    return not (get_protocol(protocol).trains_network or per_fraction(protocol))
 
 
 def _split_list(values: Sequence[str]) -> list[str]:
@@ -71,7 +83,8 @@ class CompareConfig(EvalConfig):
     protocols: list[str] = option(
         [p for p in column_protocols() if not get_protocol(p).trains_network],  # on frozen features
         "columns, comma- or space-separated: "
-        f"{', '.join(column_protocols())} (a protocol on a share of the labels, semi: one per --fractions)",
+        f"{', '.join(column_protocols())} (a protocol on a share of the labels, semi: one per --fractions; those on "
+        "frozen features: one per --label-fractions, and RankMe of every row beside them, without a verdict)",
     )
     seeds: int = option(3, "seeds per cell (--seed, --seed + 1, ...); with --as-seeds, one per run")
     as_seeds: bool = option(
@@ -85,6 +98,11 @@ class CompareConfig(EvalConfig):
         "--keep-every), drawn against the baselines' bands in curve.png",
     )
     fractions: list[int] = option([1, 10], "label percentages of semi")
+    label_fractions: list[int] = option(
+        [100],
+        "label percentages of the frozen columns (kNN, linear): one column each, on the seeded, class-balanced "
+        "subsets semi draws (the same for every row at a seed), each with its own verdict; 100: all the labels",
+    )
     knn: KnnConfig = child(
         "the kNN column (bt-hub eval knn); k is 20 here, not eval knn's 20 200: a column is one number, the first "
         "k's top-1",
@@ -120,7 +138,8 @@ class CompareConfig(EvalConfig):
         ):
             unknown = [v for v in given if v not in known]
             if unknown or not given:
-                raise ValueError(f"{flag} must list some of {', '.join(known)}, got {shown(given)}")
+                why = "; RankMe comes beside the frozen columns unasked" if "rankme" in unknown else ""
+                raise ValueError(f"{flag} must list some of {', '.join(known)}, got {shown(given)}{why}")
         super().__post_init__()
         if self.as_seeds:
             if len(self.weights) < 2:
@@ -134,8 +153,9 @@ class CompareConfig(EvalConfig):
                 )
         if not 1 <= self.seeds <= 100:
             raise ValueError(f"--seeds must be an integer in [1, 100], got {self.seeds}")
-        if not self.fractions or any(not 0 < f <= 100 for f in self.fractions):
-            raise ValueError(f"--fractions must be percentages in (0, 100], got {shown(self.fractions)}")
+        for flag, given in (("--fractions", self.fractions), ("--label-fractions", self.label_fractions)):
+            if not given or any(not 0 < f <= 100 for f in given) or len(set(given)) < len(given):
+                raise ValueError(f"{flag} must be distinct percentages in (0, 100], got {shown(given)}")
         self.require_positive("supervised_epochs")
 
     def shared_settings(self) -> dict[str, Any]:
@@ -161,12 +181,21 @@ class CompareConfig(EvalConfig):
             unused["supervised_epochs"] = "sets --baselines supervised, which is not asked for"
         if not any(per_fraction(p) for p in self.protocols):
             unused["fractions"] = "sets the columns on a share of the labels, which --protocols leaves out"
+        if not any(frozen(p) for p in self.protocols):
+            unused["label_fractions"] = "sets the frozen columns (knn, linear), which --protocols leaves out"
         return unused
 
     def columns(self) -> list[Column]:
         """The table's columns, in ``--protocols`` order: one per ``--fractions`` for a protocol scored on a share
-        of the labels (semi), else one."""
-        return [Column(p, f) for p in self.protocols for f in (self.fractions if per_fraction(p) else [None])]
+        of the labels (semi), one per ``--label-fractions`` for one on frozen features (without a fraction where
+        that is all the labels alone: the table of before budgets), else one; then RankMe where a column is frozen."""
+        budgets = [None] if self.label_fractions == [100] else self.label_fractions
+        columns = [
+            Column(p, f)
+            for p in self.protocols
+            for f in (self.fractions if per_fraction(p) else budgets if frozen(p) else [None])
+        ]
+        return columns + [Column("rankme")] * any(frozen(p) for p in self.protocols)
 
 
 def per_fraction(protocol: str) -> bool:

@@ -6,7 +6,7 @@ Rows (weights, baselines), columns (protocols), seeds, curves and the verdict ru
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -17,12 +17,21 @@ from torch import nn
 
 from bt_hub.common.config import children
 from bt_hub.common.progress import note, progress
-from bt_hub.eval.compare_config import SUPERVISED, Column, CompareConfig, WeightsRow, per_fraction, weights_rows
+from bt_hub.eval.compare_config import (
+    SUPERVISED,
+    Column,
+    CompareConfig,
+    WeightsRow,
+    frozen,
+    per_fraction,
+    weights_rows,
+)
 from bt_hub.eval.comparison_report import Comparison, describe_settings, render_markdown, seed_varies, write_comparison
 from bt_hub.eval.features import module_fingerprint
 from bt_hub.eval.label_subsets import balanced_subset_indices
 from bt_hub.eval.protocols import Protocol, get_protocol
 from bt_hub.eval.runner import EvalRun, Scored, evaluation
+from bt_hub.eval.splits import stratified_holdout
 from bt_hub.method.model import default_init_backbone
 from bt_hub.weights.sources import live_run
 
@@ -115,10 +124,16 @@ def compare(
     settings: CompareConfig | None = None,
 ) -> Comparison:
     """Score every source in every column for every seed, each cell a protocol run (:func:`cell_protocol`): the
-    per-seed values and their records. ``features(source, network, seed)`` gives (train_x, train_y, test_x, test_y)
-    (``feature_source``)."""
+    per-seed values, their per-image results and their records. ``features(source, network, seed)`` gives (train_x,
+    train_y, test_x, test_y) (``feature_source``). RankMe's column has no cell of the supervised row (no
+    representation of its own)."""
     settings = settings or run.config
-    cells = {(s.name, c): cell_protocol(settings, s, c) for s in sources for c in columns}  # seeds: an argument
+    cells = {
+        (s.name, c): cell_protocol(settings, s, c)
+        for s in sources
+        for c in columns
+        if not (s.supervised and get_protocol(c.protocol).label_free)
+    }  # seeds: an argument
     splits = run.splits
     names = [s.name for s in sources]
     values: dict[str, dict[Column, list[float]]] = {name: {c: [] for c in columns} for name in names}
@@ -126,15 +141,12 @@ def compare(
     result.positions = {s.name: s.position for s in sources if s.position}
     result.curve_names = {s.name: s.curve for s in sources if s.position}
     result.varying = {s.name for s in sources if s.per_seed}
+    result.correct = {name: {c: [] for c in columns} for name in names}
     targets = np.asarray(splits.train.targets)
-    say = progress(None, "compare", total=len(seeds) * len(sources) * len(columns), unit="cell")
+    subsets_of = {seed: _label_subsets(cells, columns, targets, seed) for seed in seeds}  # checked before any cell
+    say = progress(None, "compare", total=len(seeds) * len(cells), unit="cell")
     for seed in seeds:
-        subsets = {c.fraction: balanced_subset_indices(targets, c.fraction, seed) for c in columns if c.fraction}
-        for p in (p for p, rows in subsets.items() if len(set(targets[rows])) == len(rows) and "pixels" in names):
-            raise ValueError(
-                f"--fractions {p} labels one image a class, too few for the pixels' grid probe to validate on; "
-                "raise --fractions or leave pixels out of --baselines"
-            )
+        subsets = subsets_of[seed]
         nets = {s.name: s.network(seed) for s in sources}
         rows_of = {
             s.name: RowCell(run, n, lambda s=s, n=n, k=seed: features(s, n, k)) for s, n in zip(sources, nets.values())
@@ -145,14 +157,15 @@ def compare(
             network_id = {"network_fingerprint": module_fingerprint(net)} if source.per_seed and source.baseline else {}
             network_id |= {"curve": source.position} if source.position else {}
             done: dict[tuple[str, int | None], Scored] = {}  # the supervised row trains once per share of labels
-            for column in columns:
+            for column in (c for c in columns if (source.name, c) in cells):
                 tick = time.perf_counter()
                 protocol, config = cells[source.name, column]
                 note(say, f"next: {column} of {source.name}, seed {seed}: {protocol.name}, {protocol.help}")
                 say.set_postfix(row=source.name, column=str(column), seed=seed)
                 key = (protocol.name, getattr(config, "fraction", column.fraction))
-                # a protocol standing in for the column's (the linear probe of a frozen row) gets its labels
-                rows = subsets.get(column.fraction) if protocol.name != column.protocol else None
+                # a protocol that draws no labelled subset itself (kNN, linear, the linear probe of a frozen row in a
+                # semi column) gets the column's
+                rows = subsets.get(column.fraction) if not per_fraction(protocol.name) else None
                 if hasattr(protocol.load(), "score_cells") and not source.supervised:
                     if (protocol.name, column) not in together:
                         peers = [s.name for s in sources if cells[s.name, column][0] == protocol and not s.supervised]
@@ -165,13 +178,44 @@ def compare(
                     scored = protocol.load().score_cell(replace(cell, labelled=rows), config, seed)
                     done[key] = replace(scored, protocol=protocol.name)
                 scored = done[key]
-                values[source.name][column].append(scored.metrics["top1"])
+                values[source.name][column].append(scored.metrics[_headline(protocol)])
+                result.correct[source.name][column].append(scored.correct)
                 result.records.append(
                     _record(run, settings, source, column, seed, scored, subsets.get(column.fraction), tick, network_id)
                 )
                 say.update(1)
     say.close()
     return result
+
+
+def _headline(protocol: Protocol) -> str:
+    """The metric a cell of ``protocol`` shows: test top-1, or RankMe for a label-free protocol."""
+    return "rankme" if protocol.label_free else "top1"
+
+
+def _label_subsets(
+    cells: Mapping[tuple[str, Column], tuple[Protocol, Any]], columns: Sequence[Column], targets: np.ndarray, seed: int
+) -> dict[int, list[int]]:
+    """The labelled training rows of each share of the labels at ``seed`` (semi's seeded class-balanced subsets),
+    each checked for the linear grid probes of the comparison that read it (:func:`check_grid_labels`)."""
+    subsets = {c.fraction: balanced_subset_indices(targets, c.fraction, seed) for c in columns if c.fraction}
+    for (row, column), (protocol, config) in cells.items():
+        rows, grid = subsets.get(column.fraction), getattr(config, "uses_grid", None)
+        if rows is not None and not per_fraction(protocol.name) and grid and grid(len(set(targets.tolist()))):
+            flag = "--fractions" if per_fraction(column.protocol) else "--label-fractions"
+            which = "pixels out of --baselines" if row == "pixels" else f"{protocol.name} out of --protocols"
+            check_grid_labels(targets[rows], config.val_fraction, seed, f"{flag} {column.fraction}", f"leave {which}")
+    return subsets
+
+
+def check_grid_labels(labels: np.ndarray, val_fraction: float, seed: int, given: str, instead: str) -> None:
+    """Refuse a share of the labels (``given``: its flag and value) that leaves the linear grid probe no validation
+    split to choose on (at most one image a class), in one sentence that says to raise it, or ``instead``."""
+    if not stratified_holdout(labels, val_fraction, seed)[1]:
+        raise ValueError(
+            f"{given} labels {len(labels)} training images, at most one a class, too few for the linear grid probe to "
+            f"choose on a validation split; raise {given.split()[0]} or {instead}"
+        )
 
 
 def _score_together(
@@ -207,11 +251,12 @@ def _record(
     labels = scored.labels
     if labels is None and column.fraction:  # a frozen row probed on the column's labels
         labels = {"fraction": column.fraction, "source": "seeded", "seed": seed, "count": len(subset or [])}
-    varies = seed_varies("supervised" if source.supervised else column.protocol)
+    budget = column.drawn and frozen(column.protocol)
+    varies = seed_varies("supervised" if source.supervised else "label budget" if budget else column.protocol)
     compared = {"row": source.name, "column": str(column), "seed_varies": varies, "protocol": scored.protocol}
     notes = {"compare": compared, **(scored.notes or {}), **network_id}
     if get_protocol(scored.protocol).deterministic:  # one network for every seed: the same vote (the card says so)
-        notes["deterministic"] = not source.per_seed
+        notes["deterministic"] = not source.per_seed and not column.drawn
     cell = replace(scored, labels=labels, notes=notes)
     return run.record(cell, weights=weights, seed=seed, config=settings, wall_time_s=time.perf_counter() - started)
 

@@ -11,9 +11,11 @@ from typing import Any
 
 from bt_hub.common.files import atomic_write_text, read_json
 from bt_hub.common.records import fmt_mean_std, mean_std, seeds_text, settings_text
-from bt_hub.eval.compare_config import Column
+from bt_hub.eval.compare_config import Column, frozen
+from bt_hub.eval.paired_test import LEVEL, RESAMPLES, paired_test
 from bt_hub.eval.protocols import get_protocol
 from bt_hub.eval.runner import EvalRun
+from bt_hub.method.rankme import MAX_IMAGES
 
 # What a seed varies in a column's cells (another protocol's: the data order), and in the supervised baseline's.
 SEED_VARIES = {
@@ -21,19 +23,25 @@ SEED_VARIES = {
     "linear": "the validation split carved from the training data, the heads' initialisation and the data order",
     "semi": "the labelled subset (seeded, class-balanced), the classifier's initialisation and the data order",
     "supervised": "the network's initialisation, the labelled subset (semi columns) and the data order",
+    "rankme": "the images scored where the training split holds more than --max-images; nothing else",
+    "label budget": "the labelled subset (seeded, class-balanced, the same for every row), besides what a seed varies "
+    "on all the labels",
 }
 RULE = (
-    "a weights row is *better* in a column when, pairing runs by seed, it beats the column's best baseline (highest "
-    "mean) in every seed and the mean of the paired differences exceeds their standard deviation; one seed gives "
-    "no verdict"
+    "a weights row is *better* (yes) than a column's best baseline (highest mean) when a paired test of the two rows' "
+    f"per-image results on the same test images says so at level {LEVEL:g}, *not* (no) when it says the baseline is "
+    "better, and gets no verdict where the test set cannot tell; the test is McNemar's exact test on the images one "
+    "row gets right and the other wrong where these are the same at every seed (one seed, a deterministic vote), "
+    f"else a paired bootstrap of the mean difference ({RESAMPLES:,} seeded resamples of the test images and the seeds)"
 )
 
 
 @dataclass(frozen=True)
 class CellSummary:
     """One cell of the table, summarised once (:attr:`Comparison.cells`) before anything renders it: its per-seed
-    values (one a seed), their mean and std, the text the table shows, and for a weights row its paired verdict against
-    each baseline of its column (``verdict``: against the best, what the table's verdict column says)."""
+    values (one a seed), their mean and std, the text the table shows, and for a weights row in a column of accuracies
+    its paired verdict against each baseline of its column (``verdict``: against the best, what the table's verdict
+    column says)."""
 
     values: list[float]
     mean: float
@@ -54,7 +62,7 @@ class Comparison:
 
     seeds: list[int]
     columns: list[Column]
-    values: dict[str, dict[Column, list[float]]]  # row -> column -> per-seed top-1
+    values: dict[str, dict[Column, list[float]]]  # row -> column -> per-seed top-1 (RankMe in its column)
     baselines: list[str]
     test_size: int
     records: list[dict[str, Any]] = field(default_factory=list)
@@ -62,11 +70,18 @@ class Comparison:
     curve_names: dict[str, str] = field(default_factory=dict)  # curve rows: the curve ('' for one run)
     varying: set[str] = field(default_factory=set)  # rows whose network differs by seed (random init, --as-seeds)
     partial: dict[str, str] = field(default_factory=dict)  # a pretraining run still live -> how far it had got
+    correct: dict[str, dict[Column, list[Any]]] = field(default_factory=dict)  # row -> column -> per seed: per image
+
+    @property
+    def accuracy_columns(self) -> list[Column]:
+        """The columns of test accuracies, which have verdicts (not RankMe's: a label-free value is no accuracy)."""
+        return [c for c in self.columns if not get_protocol(c.protocol).label_free]
 
     def _alike(self, rows: Sequence[str], column: Column, n: int) -> str:
-        """Why equal values have no spread: a deterministic protocol (the kNN vote) on fixed networks; others are
-        alike."""
-        fixed = get_protocol(column.protocol).deterministic and not any(r in self.varying for r in rows)
+        """Why equal values have no spread: a deterministic protocol (the kNN vote) on fixed networks and all the
+        labels; others are alike."""
+        fixed = get_protocol(column.protocol).deterministic and not column.drawn
+        fixed = fixed and not any(r in self.varying for r in rows)
         return "1 seed" if n == 1 else "deterministic" if fixed else f"{n} seeds alike"
 
     @cached_property
@@ -84,7 +99,7 @@ class Comparison:
                     text = f"{fmt_mean_std(values[:1])} ({self._alike([row], column, len(values))})"
                 verdicts, best = {}, None
                 scored = [b for b in self.baselines if column in cells.get(b, {})]
-                if row not in self.baselines and scored:
+                if row not in self.baselines and scored and column in self.accuracy_columns:
                     best = max(scored, key=lambda b: cells[b][column].mean)
                     behind = {b: cells[b][column].mean - mean for b in scored}
                     loses_to = {b: gap for b, gap in sorted(behind.items(), key=lambda kv: -kv[1]) if gap > 0}
@@ -94,17 +109,21 @@ class Comparison:
 
     def _paired(self, row: str, baseline: str, column: Column) -> dict[str, Any]:
         """The paired comparison of a weights row with one baseline of its column (``RULE``): the one place that
-        decides whether the row is better (``better``: True), not (False), or that its seeds cannot tell (None)."""
+        decides whether the row is better (``better``: True), not (False), or that the test set cannot tell (None;
+        also where a cell has no per-image results: ``test`` None). Seeded by the comparison's first seed."""
         diffs = [w - b for w, b in zip(self.values[row][column], self.values[baseline][column])]
         mean, std = mean_std(diffs)
-        return {
+        found = {
             "baseline": baseline,
             "alike": self._alike([row, baseline], column, len(diffs)),
             "differences": diffs,
             "mean": mean,
             "std": std,
-            "better": None if len(diffs) < 2 else all(d > 0 for d in diffs) and mean > std,
         }
+        hits = [self.correct.get(r, {}).get(column, []) for r in (row, baseline)]
+        if any(len(h) != len(diffs) or any(x is None for x in h) for h in hits):
+            return found | {"test": None, "better": None}
+        return found | paired_test(*hits, seed=self.seeds[0])
 
     def curves(self) -> dict[str, list[str]]:
         """The learning curves: curve name ('' for one run) -> its rows, by pretraining step."""
@@ -119,7 +138,7 @@ class Comparison:
         are if the last is not, or that none is; with the curve's best point."""
         lines = []
         for name, rows in self.curves().items():
-            for column in self.columns:
+            for column in self.accuracy_columns:
                 for b in (b for b in self.baselines if column in self.cells[b]):
                     points = [(r, self.cells[r][column]) for r in rows if column in self.cells[r]]
                     better = [cell.verdicts[b]["better"] for _, cell in points]
@@ -132,7 +151,7 @@ class Comparison:
                     elif yes:
                         said = f"better at step {', '.join(yes)} but not at the last step ({steps[-1]})"
                     elif all(v is None for v in better):
-                        said = f"no verdict at any step ({points[0][1].verdicts[b]['alike']})"
+                        said = "no verdict at any step"
                     else:
                         said = "better at no step"
                     top = max(range(len(points)), key=lambda i: points[i][1].mean)
@@ -195,6 +214,17 @@ def describe_settings(run: EvalRun, partial: Mapping[str, str] | None = None) ->
             f"{', '.join(f'{v:g}' for v in linear.weight_decay_grid)}, {linear.epochs} epochs, chosen on a "
             f"seeded {linear.val_fraction:g} of the training split"
         )
+    if config.label_fractions != [100] and "label_fractions" not in unused:
+        lines.append(
+            f"- label budgets of the frozen columns: {', '.join(f'{f}%' for f in config.label_fractions)} of the "
+            "training labels, semi's seeded class-balanced subsets (the same for every row at a seed); kNN's k at most "
+            "the labelled images, the linear grid chosen on a validation split of the budget's own labels"
+        )
+    if any(get_protocol(c.protocol).label_free for c in config.columns()):
+        lines.append(
+            f"- RankMe: of every row's training features (all of them up to {MAX_IMAGES:,}; no label read), without a "
+            "verdict: a label-free value is no accuracy to beat"
+        )
     if "semi" not in unused:
         lines.append(
             f"- semi: preset {semi.preset}, batch {semi.batch_size}, {semi.epochs} epochs; supervised baseline: "
@@ -229,29 +259,35 @@ def render_markdown(
         lines.append("| " + " | ".join([label, *(result.cell(row, c) for c in result.columns), said]) + " |")
     if not paired:
         return "\n".join(lines)
-    lines += ["", "## Paired by seed", "", "| weights | column | best baseline | difference per seed | mean ± std |"]
-    lines.append("|---|---|---|---|---|")
+    lines += ["", "## Paired by seed and test image", ""]
+    lines += ["| weights | column | best baseline | difference per seed | mean ± std | paired test |", "|---" * 6 + "|"]
     for row in weights_rows:
         for column in result.columns:
             v = result.verdict(row, column)
             if v:
                 diffs = ", ".join(f"{d:+.1f}" for d in v["differences"])
-                lines.append(f"| {row} | {column} | {v['baseline']} | {diffs} | {_difference(v)} |")
+                lines.append(f"| {row} | {column} | {v['baseline']} | {diffs} | {_difference(v)} | {_test(v)} |")
     one = 100.0 / max(result.test_size, 1)
     lines += [
         "",
         f"Test top-1 in percent, mean ± sample standard deviation (n - 1) over {seeds_text(len(result.seeds))} "
         f"({', '.join(map(str, result.seeds))}); per-seed values are in results.jsonl. Rule: {RULE}.",
-        f"The test split has {result.test_size} images (one image = {one:.2f} points); its sampling error is "
-        "not in the spread.",
+        f"The test split has {result.test_size} images (one image = {one:.2f} points); its sampling error is in "
+        "the paired tests, not in the spread.",
         "",
         "What a seed varies:",
         "",
         *[f"- **{name}**: {seed_varies(name)}" for name in dict.fromkeys(c.protocol for c in result.columns)],
+        *[f"- **{', '.join(budgets)}**: {seed_varies('label budget')}" for budgets in [_budgets(result)] if budgets],
         *[f"- **{name}**: {seed_varies(name)}" for name in result.baselines if name in SEED_VARIES],
         "",
     ]
     return "\n".join(lines)
+
+
+def _budgets(result: Comparison) -> list[str]:
+    """The headings of the frozen columns on a seeded share of the labels (``--label-fractions``)."""
+    return [str(c) for c in result.columns if c.drawn and frozen(c.protocol)]
 
 
 def _difference(v: dict[str, Any]) -> str:
@@ -262,14 +298,42 @@ def _difference(v: dict[str, Any]) -> str:
     return f"{v['mean']:+.1f} ± {v['std']:.1f}"
 
 
+def _test(v: dict[str, Any]) -> str:
+    """The paired test of a verdict in words: its discordant images or interval, and its p-value."""
+    if v["test"] == "McNemar":
+        b, c = v["discordant"]
+        return f"McNemar: {b} vs {c} images right in one row only, {_p(v)}"
+    if v["test"] == "bootstrap":
+        low, high = v["interval"]
+        return f"bootstrap: {1 - v['level']:.0%} interval {low:+.1f} to {high:+.1f}, {_p(v)}"
+    return "none: a cell without per-image results"
+
+
+def answers(result: Comparison, row: str) -> list[str]:
+    """A weights row's verdict in each accuracy column (each label budget) against that column's best baseline, one
+    line each: the demo's answers."""
+    return [
+        f"{c}: {result.cell(row, c)} against {v['baseline']} {result.cell(v['baseline'], c)}: {_verdict_word(v)}"
+        for c in result.accuracy_columns
+        if (v := result.verdict(row, c))
+    ]
+
+
+def _p(v: dict[str, Any]) -> str:
+    """``p = 0.031``; ``p < 0.001``."""
+    return "p < 0.001" if v["p_value"] < 0.001 else f"p = {v['p_value']:.2g}"
+
+
 def _verdict_word(v: dict[str, Any]) -> str:
-    word = {True: "yes", False: "no", None: "no verdict (1 seed)"}[v["better"]]
+    word = {True: "yes", False: "no", None: "no verdict"}[v["better"]]
+    tested = f", {_p(v)} on {v['test_images']} test images" if v["test"] else "; no per-image results"
     behind = ", ".join(f"{b} by {gap:.1f}" for b, gap in v.get("loses_to", {}).items())
-    return f"{word} ({_difference(v)} vs {v['baseline']})" + (f"; loses to {behind}" if behind else "")
+    return f"{word} ({_difference(v)} vs {v['baseline']}{tested})" + (f"; loses to {behind}" if behind else "")
 
 
 def plot(result: Comparison, path: Path) -> Path:
-    """Grouped bars with error bars (± one standard deviation over the seeds), written atomically as PNG."""
+    """Grouped bars of the accuracy columns with error bars (± one standard deviation over the seeds), written
+    atomically as PNG."""
     import matplotlib
 
     from bt_hub.common.files import save_png
@@ -278,19 +342,20 @@ def plot(result: Comparison, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    width = 0.8 / len(result.values)
+    width, columns = 0.8 / len(result.values), result.accuracy_columns
     for i, (row, cells) in enumerate(result.cells.items()):
-        xs = [j + i * width for j, c in enumerate(result.columns) if c in cells]
-        shown = [cells[c] for c in result.columns if c in cells]
+        xs = [j + i * width for j, c in enumerate(columns) if c in cells]
+        shown = [cells[c] for c in columns if c in cells]
         ax.bar(xs, [c.mean for c in shown], width, yerr=[c.std for c in shown], capsize=3, label=row)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(result.columns))], list(map(str, result.columns)))
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(columns))], list(map(str, columns)))
     ax.set(ylabel="test top-1 (%)", ylim=(0, 100), title=f"mean ± std over {seeds_text(len(result.seeds))}")
     ax.legend(fontsize=8, loc="lower right")
     return save_png(fig, path)
 
 
 def plot_curve(result: Comparison, path: Path) -> Path:
-    """Accuracy against pretraining steps (top) and seconds (bottom) per column, each baseline a band (mean ± std)."""
+    """Accuracy (RankMe on its own axis) against pretraining steps (top) and seconds (bottom) per column, each
+    baseline a band (mean ± std)."""
     import matplotlib
 
     from bt_hub.common.files import save_png
@@ -315,7 +380,8 @@ def plot_curve(result: Comparison, path: Path) -> Path:
                 )
                 if max(xs) >= 20 * max(min(xs), 1e-9):
                     ax.set_xscale("log")
-            ax.set(xlabel=f"pretraining {axis}", ylabel=f"{column} test top-1 (%)")
+            label = "of the training features" if column not in result.accuracy_columns else "test top-1 (%)"
+            ax.set(xlabel=f"pretraining {axis}", ylabel=f"{column} {label}")
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7, loc="lower right")
     fig.suptitle(f"learning curve: mean ± std over {seeds_text(len(result.seeds))}")
@@ -331,7 +397,7 @@ def table_rows(result: Comparison) -> list[dict[str, Any]]:
             cell = cells.get(column) or CellSummary([], float("nan"), float("nan"), "—")
             row |= {str(column): cell.mean, f"{column} std": cell.std, f"{column} per seed": list(cell.values)}
             if cell.verdict:
-                row[f"{column} better"] = cell.verdict["better"]
+                row |= {f"{column} better": cell.verdict["better"], f"{column} p": cell.verdict.get("p_value")}
         rows.append(row)
     return rows
 
@@ -346,7 +412,7 @@ def comparison_summary(result: Comparison, started: float) -> dict[str, Any]:
             for row, cols in result.values.items()
         },
         "verdicts": {
-            row: {str(c): result.verdict(row, c) for c in result.columns}
+            row: {str(c): result.verdict(row, c) for c in result.accuracy_columns}
             for row in result.values
             if row not in result.baselines
         },

@@ -4,13 +4,15 @@
    training digits, ``--pretrain-seeds`` times (seeds ``--seed``, ``--seed`` + 1, ...), keeping the
    backbone at ``--curve-points`` log-spaced steps (``--keep-every``).
 2. Score every kept step as ``bt-hub eval compare --over-steps --as-seeds`` does: weighted kNN and
-   the linear grid probe on the 360 held-out digits, against the raw pixels and the same network at
+   the linear grid probe on the 360 held-out digits at each ``--label-fractions`` budget (10% and 100%
+   of the training labels), and RankMe, against the raw pixels and the same network at
    torchvision's default initialisation (not the zero-initialised residual branches pretraining
    starts from). Run i is scored with evaluation seed ``--seed`` + i, so every spread is over
    pretraining runs. Fine-tuning columns are left to ``bt-hub eval compare --protocols semi``: at a
    budget where training from scratch is far above chance they take longer than the demo's minutes.
-3. Write ``report.md``, led by the curve and the step where it crosses each baseline, then the
-   last step's table with its paired verdicts, the settings and timings; the comparison itself
+3. Write ``report.md``, led by the answer at each budget (the last step's verdict against that budget's
+   best baseline), then the curve and the step where it crosses each baseline, the last step's table
+   with its paired verdicts, the settings and timings; the comparison itself
    (``compare/``: compare.md, curve.png, every per-seed record) and the first run's loss and
    cross-correlation plots.
 
@@ -39,9 +41,10 @@ from bt_hub.common.reuse import changed_input
 from bt_hub.common.runs import LOCK_NAME, MARKER_NAME, RunDir, check_run_dir, claimed_run_dir, package_version
 from bt_hub.data.datasets import build_dataset
 from bt_hub.data.precision import STEP_IMAGES, STEP_SIDE, precision_choice
-from bt_hub.eval.comparison import CompareConfig, compare_and_write
-from bt_hub.eval.comparison_report import Comparison, comparison_summary, render_markdown
+from bt_hub.eval.comparison import CompareConfig, check_grid_labels, compare_and_write
+from bt_hub.eval.comparison_report import RULE, Comparison, answers, comparison_summary, render_markdown
 from bt_hub.eval.knn import KnnConfig
+from bt_hub.eval.label_subsets import balanced_subset_indices
 from bt_hub.eval.linear import LinearConfig
 from bt_hub.eval.runner import NOT_SETTINGS
 from bt_hub.train.pretrain import PretrainConfig, pretrain
@@ -79,6 +82,11 @@ class DemoConfig(RunConfig):
         "--seed + i, so every cell is mean ± std over pretraining runs",
     )
     curve_points: int = option(5, "kept steps of the learning curve, log-spaced from the first epoch's end")
+    label_fractions: list[int] = option(
+        [10, 100],
+        "label budgets of the kNN and linear columns, percent of the training labels (bt-hub eval compare "
+        "--label-fractions): one verdict each; 1 labels one digit a class, too few for the grid's validation split",
+    )
     knn: KnnConfig = child(
         "the kNN column of bt-hub eval compare; k is 20, as there: a column is one number, the first k's top-1",
         sets=_SET_BY_COMPARE,
@@ -211,6 +219,7 @@ def compare_settings(config: DemoConfig, runs: list[Path], out: Path) -> Compare
         small_image_stem=pre.small_image_stem,
         knn=config.knn,
         linear=config.linear,
+        label_fractions=config.label_fractions,
         data="digits",
         test_split="test",
         arch=pre.backbone,
@@ -226,10 +235,11 @@ def _report(config: DemoConfig, result: Comparison, timings: dict[str, float], p
     runs = f"{n} pretraining runs, seeds {config.seed} to {config.seed + n - 1}"
     runs = f"pretraining seed {config.seed}" if n == 1 else runs
     spread = (
-        "one pretraining run, one evaluation seed: no spread and no verdict"
+        "one pretraining run, one evaluation seed: no spread over pretraining runs"
         if n == 1
         else "pretraining run i with evaluation seed i (`--as-seeds`), so every spread is over pretraining runs"
     )
+    budgets = ", ".join(f"{f}%" for f in config.label_fractions)
     last = max(result.positions, key=lambda row: result.positions[row]["step"])
     rest = render_markdown(result, title=None, rows=[last, *result.baselines])
     lines = [
@@ -239,7 +249,14 @@ def _report(config: DemoConfig, result: Comparison, timings: dict[str, float], p
         f"training digits at {pre.image_size} px ({runs}), {pre.epochs} epochs of batch {pre.batch_size}, "
         f"projector {pre.projector}, λ = {pre.lambd}, LARS base LR {pre.lr_weights}, crops of ≥ "
         f"{pre.crop_scale_min:.0%} of the area, no flip, no blur; its backbone kept at steps {steps} and scored "
-        f"on the 360 held-out digits (top-1 %) as `bt-hub eval compare --over-steps` scores: {spread}.",
+        f"on the 360 held-out digits (top-1 %) with {budgets} of the training labels as `bt-hub eval compare "
+        f"--over-steps` scores: {spread}.",
+        "",
+        f"## The answer at each label budget ({last})",
+        "",
+        *(f"- {line}" for line in answers(result, last)),
+        "",
+        f"Rule: {RULE}.",
         "",
         "## The learning curve",
         "",
@@ -256,10 +273,14 @@ def _report(config: DemoConfig, result: Comparison, timings: dict[str, float], p
         "- **random-init**: the same network at torchvision's default initialisation (residual BN weights 1), not "
         "the zero-initialised residual branches pretraining starts from; a new network per seed.",
         f"- **pixels**: the flattened {pre.image_size}x{pre.image_size} images through the same classifiers.",
-        f"- **kNN**: weighted vote of the {config.knn.k[0]} nearest training digits, cosine similarity, "
-        f"T = {config.knn.temperature:g}.",
+        f"- **kNN**: weighted vote of the {config.knn.k[0]} nearest labelled training digits (at most the labelled "
+        f"ones), cosine similarity, T = {config.knn.temperature:g}.",
         f"- **linear**: the grid probe of `bt-hub eval linear` (learning rate × weight decay, {config.linear.epochs} "
-        "epochs on cached frozen features, chosen on a validation split of the training digits).",
+        "epochs on cached frozen features, chosen on a validation split of the budget's labelled digits).",
+        "- **a label budget** (`kNN 10%`: 10% of the labels): a seeded, class-balanced subset of the training labels, "
+        "another at each seed, the same for every row; each baseline gets the same budget.",
+        "- **RankMe**: the effective rank of each row's features of the 1,437 training digits, read without a "
+        "label; no verdict.",
         "- Fine-tuning on 1% / 10% of the labels, against the same network trained from scratch, is "
         "`bt-hub eval compare --protocols semi --baselines supervised` (docs/evaluation.md).",
         "",
@@ -300,17 +321,22 @@ def _demo(config: DemoConfig, out: Path, continues: bool) -> dict[str, Any]:
     timings: dict[str, float] = {}
     tick = start = time.perf_counter()
     keep = curve_steps(config)
+    folders = [
+        out / ("pretrain" if i == 0 else f"pretrain-seed{config.seed + i}") for i in range(config.pretrain_seeds)
+    ]
+    scoring = compare_settings(config, folders, out / "compare")  # its flags checked before any pretraining
+    targets = np.asarray(build_dataset("digits", "train", image_size=config.pretrain.image_size).targets)
+    for fraction, seed in ((f, config.seed + i) for f in config.label_fractions for i in range(scoring.seeds)):
+        labelled = targets[balanced_subset_indices(targets, fraction, seed)]
+        check_grid_labels(labelled, config.linear.val_fraction, seed, f"--label-fractions {fraction}", "leave it out")
     if continues:
         announce(f"bt-hub demo: continuing the demo in {out}: each pretraining run from its checkpoint, then scoring")
     else:
         _say_how_long(config, keep[-1])
-    folders = [
-        out / ("pretrain" if i == 0 else f"pretrain-seed{config.seed + i}") for i in range(config.pretrain_seeds)
-    ]
     runs = [_pretrain(config, run, config.seed + i, keep, resume=continues) for i, run in enumerate(folders)]
     timings[f"pretraining ({config.pretrain_seeds} runs{', continued' * continues})"] = time.perf_counter() - tick
     tick = time.perf_counter()
-    result, _ = compare_and_write(compare_settings(config, runs, out / "compare"))
+    result, _ = compare_and_write(scoring)
     timings[f"evaluation ({len(keep)} steps x {config.pretrain_seeds} runs)"] = time.perf_counter() - tick
     timings["total"] = time.perf_counter() - start
     plots = [path.name for path in run_plots(runs[0], out, lambd=config.pretrain.lambd)]
@@ -324,14 +350,8 @@ def _demo(config: DemoConfig, out: Path, continues: bool) -> dict[str, Any]:
 
 
 def _summary(result: Comparison, last: str, out: Path) -> str:
-    """What the demo prints at its end: the last step's score per column against its best baseline, and where the
-    report is."""
-    cells = []
-    for column in result.columns:
-        verdict = result.verdict(last, column)
-        if verdict is not None:
-            best = verdict["baseline"]
-            cells.append(f"{column} {result.cell(last, column)} against {best} {result.cell(best, column)}")
+    """What the demo prints at its end: the last step's score and verdict in each column (each label budget) against
+    its best baseline, and where the report is."""
     step = result.positions[last]["step"]
-    report = f"wrote {out / 'report.md'} (the learning curve, the last step's table and verdicts, the timings)"
-    return f"at the last step ({step:g}): {'; '.join(cells)}\n{report}"
+    report = f"wrote {out / 'report.md'} (the answer at each label budget, the learning curve, the verdicts, timings)"
+    return "\n".join([f"at the last step ({step:g}):", *(f"  {line}" for line in answers(result, last)), report])

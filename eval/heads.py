@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from bt_hub.common.presets import shown
 from bt_hub.common.progress import progress as reported
-from bt_hub.eval.classifier import distributed_sampler_permutation, lr_factor, make_classifier, topk_correct
+from bt_hub.eval.classifier import distributed_sampler_permutation, lr_factor, make_classifier, topk_hits
 from bt_hub.eval.features import as_float32
 from bt_hub.eval.splits import indices_sha256, stratified_holdout
 
@@ -190,9 +190,14 @@ def _copy_feature_rows(features: torch.Tensor | np.ndarray, idx: torch.Tensor, o
 
 @torch.no_grad()
 def score_heads(
-    heads: LinearHeads, features: torch.Tensor | np.ndarray, labels: torch.Tensor, batch_size: int = 4096
+    heads: LinearHeads,
+    features: torch.Tensor | np.ndarray,
+    labels: torch.Tensor,
+    batch_size: int = 4096,
+    hits: torch.Tensor | None = None,
 ) -> list[dict[str, float]]:
-    """Per head: ``top1`` / ``top5`` accuracy (percent) and the mean cross-entropy ``loss`` on fixed features."""
+    """Per head: ``top1`` / ``top5`` accuracy (percent) and the mean cross-entropy ``loss`` on fixed features;
+    ``hits`` (N x heads booleans): whether each image's top-1 was right, written there."""
     k = heads.weight.shape[0]
     device = heads.weight.device
     correct, loss = torch.zeros(k, 2), torch.zeros(k, dtype=torch.float64)
@@ -201,7 +206,10 @@ def score_heads(
         idx = torch.arange(start, min(start + batch_size, n))
         logits, targets = heads.logits(_feature_rows(features, idx, device)), labels[idx].long().to(device)
         for h in range(k):
-            correct[h] += torch.tensor(topk_correct(logits[:, h], targets), dtype=torch.float)
+            found = topk_hits(logits[:, h], targets).cpu()
+            correct[h] += found.sum(0).float()
+            if hits is not None:
+                hits[idx, h] = found[:, 0]
         loss += F.cross_entropy(logits.permute(0, 2, 1), targets[:, None].expand(-1, k), reduction="none").sum(0).cpu()
     return [
         {"top1": 100.0 * float(correct[h, 0]) / n, "top5": 100.0 * float(correct[h, 1]) / n, "loss": float(loss[h]) / n}
@@ -220,7 +228,8 @@ def grid_probe(
     """The linear probe with its LR and weight decay chosen on a validation split carved from the training data.
 
     The best head on a seeded, class-stratified ``val_fraction`` (ties: lower loss, then grid order) is scored
-    on the test features; returns ``metrics``, ``chosen``, ``grid`` and ``validation``. NonFiniteLoss when all diverge.
+    on the test features; returns ``metrics``, ``correct`` (per test image, whether its top-1 was right), ``chosen``,
+    ``grid`` and ``validation``. NonFiniteLoss when all diverge.
     The keywords are :func:`grid_probes`'.
     """
     return grid_probes([train_x], train_y, [test_x], test_y, num_classes, **settings)[0]
@@ -272,10 +281,12 @@ def grid_probes(
         best = min(usable, key=lambda h: (-grid[h]["val_top1"], grid[h]["val_loss"], h))
         lr, wd = pairs[best]
         chosen = LinearHeads(heads.weight[best : best + 1], heads.bias[best : best + 1], [lr], [wd], [None])
-        test = score_heads(chosen, test_x, test_y)[0]
+        hits = torch.zeros(len(test_y), 1, dtype=torch.bool)
+        test = score_heads(chosen, test_x, test_y, hits=hits)[0]
         found.append(
             {
                 "metrics": {"top1": test["top1"], "top5": test["top5"]},
+                "correct": hits[:, 0].numpy(),
                 "chosen": {"lr": lr, "weight_decay": wd, "val_top1": grid[best]["val_top1"]},
                 "grid": grid,
                 "validation": {

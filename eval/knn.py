@@ -20,7 +20,7 @@ from bt_hub.eval.config import EvalConfig, EvalWarning
 from bt_hub.eval.features import as_float32
 from bt_hub.eval.report import Table
 from bt_hub.eval.runner import Cell, EvalRun, Scored
-from bt_hub.method.knn import knn_vote
+from bt_hub.method.knn import hit_rates, knn_hits, knn_vote
 
 # ----------------------------------------------------------------------------- search and vote
 
@@ -220,9 +220,11 @@ def score_cell(cell: Cell, config: KnnConfig, seed: int) -> Scored:
         device=cell.device,
     )
     metrics: dict[str, float] = {}
+    hits = {k: knn_hits(sims, idx, train_y, test_y, k, config.temperature, num_classes) for k in used}
     for k in used:
-        result = knn_vote(sims, idx, train_y, test_y, k, config.temperature, num_classes)
+        result = hit_rates(hits[k])
         metrics.update({f"top1_k{k}": result["top1"], f"top5_k{k}": result["top5"]})
     metrics = {"top1": metrics[f"top1_k{used[0]}"], "top5": metrics[f"top5_k{used[0]}"], **metrics}
     notes = {"neighbours_used": {str(k): min(k, len(train_y)) for k in config.k}, "backend": backend}
-    return Scored(metrics, mode="features", warnings=warned, notes=notes, table=TABLE)
+    correct = hits[used[0]][:, 0].numpy()
+    return Scored(metrics, mode="features", warnings=warned, notes=notes, table=TABLE, correct=correct)

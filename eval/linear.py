@@ -264,13 +264,18 @@ def score_cells(cells: Sequence[Cell], config: LinearConfig, seed: int) -> list[
             progress=cells[0].progress,
         )
         for i, one in zip(group, found):
-            metrics = one.pop("metrics")
-            scored[i] = _scored(config, metrics, "cached", {"search": "grid", **one}, grid=True)
+            metrics, correct = one.pop("metrics"), one.pop("correct")
+            scored[i] = _scored(config, metrics, "cached", {"search": "grid", **one}, grid=True, correct=correct)
     return [scored[i] for i in range(len(cells))]
 
 
 def _scored(
-    config: LinearConfig, metrics: dict[str, float], mode: str, notes: dict[str, Any] | None = None, grid: bool = False
+    config: LinearConfig,
+    metrics: dict[str, float],
+    mode: str,
+    notes: dict[str, Any] | None = None,
+    grid: bool = False,
+    correct: Any = None,
 ) -> Scored:
     transfer = isinstance(config, TransferConfig)
     return Scored(
@@ -280,6 +285,7 @@ def _scored(
         paper=None if grid else PAPER_ROWS.get(config.preset or ""),
         table=TRANSFER_TABLE if transfer or config.preset in ("places205", "inat18") else LINEAR_TABLE,
         notes=notes or {"search": "fixed"},
+        correct=correct,
     )
 
 

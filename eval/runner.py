@@ -48,6 +48,7 @@ class Scored:
     warnings: Sequence[str] = ()
     dataset: Mapping[str, Any] | None = None  # the splits' facts, when the protocol built its own splits
     protocol: str = ""  # the table entry's name (the runner sets it: run_protocol, run_child); embed, detect say theirs
+    correct: np.ndarray | None = None  # per test image, whether its top-1 was right (compare's verdicts; in no record)
 
 
 class Cell(typing.Protocol):

@@ -67,6 +67,7 @@ def finetune(
     device: str | torch.device = "cpu",
     desc: str = "fine-tune",
     precision: str = "fp32",
+    hits: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Fine-tune backbone + a new linear classifier on ``train_set``; return test top-1 / top-5 (percent).
 
@@ -78,6 +79,7 @@ def finetune(
         schedule, milestones, gamma: per-epoch LR (bt_hub.eval.classifier.lr_factor).
         seed: seeds the classifier init and the data order.
         precision: the resolved ``--precision``: the autocast of the loop on CUDA (``loop_autocast``).
+        hits: one boolean per test image: whether its top-1 was right, written there (``evaluate_loader``).
     """
     device = torch.device(device)
     torch.manual_seed(seed)
@@ -106,7 +108,7 @@ def finetune(
         desc=desc,
         precision=precision,
     )
-    return evaluate_loader(model, test_loader, device, desc="score test", precision=precision)
+    return evaluate_loader(model, test_loader, device, desc="score test", precision=precision, hits=hits)
 
 
 @dataclass
@@ -272,6 +274,7 @@ def score_cell(cell: Cell, config: SemiSupervisedConfig, seed: int) -> Scored:
     indices = _subset(cell, config, seed)
     epochs = max(config.epochs, math.ceil(config.min_steps / math.ceil(len(indices) / config.batch_size)))
     augment = train_transform(size, crop_scale_min=config.crop_scale_min, flip=config.flip)
+    hits = torch.zeros(len(splits.test), dtype=torch.bool)
     metrics = finetune(
         copy.deepcopy(cell.network),  # the run's weights stay as loaded for the protocols after this one
         len(splits.classes),
@@ -285,6 +288,7 @@ def score_cell(cell: Cell, config: SemiSupervisedConfig, seed: int) -> Scored:
         device=cell.device,
         desc=f"fine-tune ({config.preset}, {len(indices)} labels)",
         precision=cell.settings.precision,
+        hits=hits,
     )
     labels = _labels(config, indices, len(splits.train), seed)
     notes = {"loop_precision": loop_precision(cell.device, cell.settings.precision), "epochs": epochs}
@@ -296,4 +300,5 @@ def score_cell(cell: Cell, config: SemiSupervisedConfig, seed: int) -> Scored:
         table=TABLE,
         labels=labels,
         notes=notes,
+        correct=hits.numpy(),
     )

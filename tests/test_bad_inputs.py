@@ -468,6 +468,12 @@ def _cases() -> list[Case]:
         Case("demo", "knn-k 0", (*demo, "--knn-k", "0"), ("--knn-k",)),
         Case("demo", "image-size 1", (*demo, "--image-size", "1"), ("--image-size", "below 2 px")),
         Case("demo", "image-size 100000", (*demo, "--image-size", "100000"), ("--image-size", "2048 px")),
+        Case(
+            "demo",
+            "label-fractions 1: one digit a class for the grid",
+            (*demo, "--label-fractions", "1"),
+            ("--label-fractions 1",),
+        ),
         Case("demo", "out is a user folder", demo, ("--out", "--overwrite"), write("demo/report.md", "my report")),
         Case("demo", "out holds a pretraining run", demo, ("--out",), run_with(at="demo/pretrain")),
         Case("demo", "out holds a demo of other settings", demo, ("other settings", "--overwrite"), demo_run),
@@ -727,6 +733,26 @@ def _cases() -> list[Case]:
             (*compare, "--protocols", "semi", "--fractions", "1", "--baselines", "pixels"),
             ("--fractions 1", "--baselines"),
             weights,
+        ),
+        Case(
+            "eval compare",
+            "label-fractions 1 of 144 digits a class for the linear grid",
+            (*compare, "--label-fractions", "1"),
+            ("--label-fractions 1", "--protocols"),
+            weights,
+        ),
+        Case(
+            "eval compare", "label-fractions 0", (*compare, "--label-fractions", "0"), ("--label-fractions",), weights
+        ),
+        Case(
+            "eval compare",
+            "label-fractions without a frozen column",
+            (*compare, "--protocols", "semi", "--label-fractions", "10"),
+            ("--label-fractions",),
+            weights,
+        ),
+        Case(
+            "eval compare", "protocols rankme", (*compare, "--protocols", "rankme"), ("--protocols", "RankMe"), weights
         ),
         Case("eval compare", "unknown protocol", (*compare, "--protocols", "svm"), ("svm",), weights),
         Case(

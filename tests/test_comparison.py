@@ -82,22 +82,77 @@ def test_identical_features_are_never_better_than_the_baseline():
     result = _compare({"pretrained": 1.0, "same": 1.0}, baselines={"same"})
     for column in (KNN, LINEAR):
         verdict = result.verdict("pretrained", column)
-        assert verdict["differences"] == [0.0, 0.0, 0.0] and verdict["better"] is False
+        assert verdict["differences"] == [0.0, 0.0, 0.0] and verdict["better"] is None
+        assert verdict["test"] == "McNemar" and verdict["discordant"] == [0, 0] and verdict["p_value"] == 1.0
     # guards: a difference without spread read "+0.0 ± 0.0", as if measured to be exactly certain
-    assert "linear: no (+0.0 (3 seeds alike) vs same)" in render_markdown(result)
+    assert "linear: no verdict (+0.0 (3 seeds alike) vs same, p = 1 on 40 test images)" in render_markdown(result)
     assert "± 0.0" not in render_markdown(result)
 
 
-def test_the_verdict_pairs_seeds_and_needs_every_seed_ahead_and_a_mean_above_the_spread():
-    def verdict(ours, theirs):
-        values = {"w": {LINEAR: ours}, "b": {LINEAR: theirs}, "c": {LINEAR: [0.0] * len(ours)}}
-        return Comparison(list(range(len(ours))), [LINEAR], values, ["b", "c"], 100).verdict("w", LINEAR)
+def _scored(right: dict[str, list[int]], images: int, column: Column = KNN) -> Comparison:
+    """A comparison of one column from each row's images right per seed: row r at seed s gets the first
+    ``right[r][s]`` of ``images`` test images right (so two rows' discordant images all favour the one ahead)."""
+    seeds = len(next(iter(right.values())))
+    values = {row: {column: [100.0 * n / images for n in counts]} for row, counts in right.items()}
+    result = Comparison(
+        list(range(seeds)), [column], values, [r for r in right if r in ("pixels", "random-init")], images
+    )
+    result.correct = {row: {column: [np.arange(images) < n for n in counts]} for row, counts in right.items()}
+    return result
 
-    assert verdict([80.0, 82.0, 81.0], [70.0, 71.0, 69.0])["better"] is True
-    assert verdict([80.0, 60.0, 81.0], [70.0, 71.0, 69.0])["better"] is False  # one seed behind
-    assert verdict([71.0, 80.0, 70.5], [70.0, 70.0, 70.0])["better"] is False  # differences 1, 10, 0.5: mean < std
-    assert verdict([90.0], [10.0])["better"] is None  # one seed: no verdict
-    assert verdict([80.0, 82.0, 81.0], [70.0, 71.0, 69.0])["baseline"] == "b"  # the best baseline by its mean
+
+def test_a_verdict_is_mcnemars_exact_test_on_one_seed_and_a_one_image_difference_on_60_images_is_no_verdict():
+    # guards: a deterministic kNN row one image ahead of the pixels on 60 test images read "yes (+1.7 (deterministic)
+    # vs pixels)": the test set's own sampling error was in no verdict (issue 48, item 5)
+    from scipy.stats import binomtest
+
+    one_image = _scored({"w": [31], "pixels": [30]}, 60).verdict("w", KNN)
+    assert one_image["better"] is None and one_image["test_images"] == 60 and one_image["p_value"] == 1.0
+    assert "kNN: no verdict (+1.7 (1 seed) vs pixels, p = 1 on 60 test images)" in render_markdown(
+        _scored({"w": [31], "pixels": [30]}, 60)
+    )
+    for ours, theirs, better in ((40, 30, True), (30, 40, False), (35, 30, None), (36, 30, True)):
+        verdict = _scored({"w": [ours], "pixels": [theirs]}, 60).verdict("w", KNN)
+        discordant = abs(ours - theirs)
+        expected = binomtest(discordant if ours > theirs else 0, discordant, 0.5).pvalue
+        assert verdict["test"] == "McNemar" and verdict["p_value"] == pytest.approx(expected, rel=1e-12)
+        assert verdict["better"] is better, (ours, theirs)
+    # the same paired results at every seed (a deterministic vote) are one comparison, not three
+    three = _scored({"w": [40, 40, 40], "pixels": [30, 30, 30]}, 60).verdict("w", KNN)
+    assert three["test"] == "McNemar" and three["p_value"] == pytest.approx(binomtest(10, 10).pvalue, rel=1e-12)
+
+
+def test_mcnemars_p_value_is_the_exact_two_sided_binomial_test_of_the_discordant_images():
+    # guards: a p-value summed in floating point overflows or loses the tail on large test sets
+    from scipy.stats import binomtest
+
+    from bt_hub.eval.paired_test import mcnemar_p
+
+    for b, c in ((0, 0), (1, 0), (6, 0), (10, 3), (3, 10), (7, 7), (100, 70), (4000, 3800), (30000, 29000)):
+        assert mcnemar_p(b, c) == pytest.approx(binomtest(b, b + c, 0.5).pvalue if b + c else 1.0, rel=1e-9)
+    assert mcnemar_p(5, 0) == 2 * 0.5**5  # direct: 2 P(X = 0) for X ~ Binomial(5, 1/2)
+
+
+def test_rows_that_vary_by_seed_get_a_seeded_paired_bootstrap_over_test_images_and_seeds():
+    # guards: a spread over seeds alone (better in every seed, mean above the std) ignored the test set's size
+    ahead = _scored({"w": [50, 52, 51], "pixels": [40, 41, 39], "random-init": [0, 0, 0]}, 100)
+    verdict = ahead.verdict("w", KNN)
+    assert verdict["baseline"] == "pixels" and verdict["test"] == "bootstrap" and verdict["test_images"] == 100
+    low, high = verdict["interval"]
+    assert low > 0 and low < verdict["mean"] < high and verdict["p_value"] < 0.05 and verdict["better"] is True
+    assert verdict == _scored({"w": [50, 52, 51], "pixels": [40, 41, 39], "random-init": [0, 0, 0]}, 100).verdict(
+        "w", KNN
+    )  # seeded: the same interval and p-value every time
+    # ahead in every seed by 1-2 images of 100 (the old rule's yes: mean 1.3 above std 0.6) is within the test set's
+    # sampling error
+    close = _scored({"w": [41, 43, 40], "pixels": [40, 41, 39], "random-init": [0, 0, 0]}, 100).verdict("w", KNN)
+    assert close["better"] is None and close["interval"][0] <= 0 < close["interval"][1]
+    behind = _scored({"w": [20, 25, 30], "pixels": [40, 41, 39], "random-init": [0, 0, 0]}, 100).verdict("w", KNN)
+    assert behind["better"] is False and behind["interval"][1] < 0
+    # a cell without per-image results (a protocol that gives none) has no test and no verdict
+    values = {"w": {KNN: [90.0, 91.0]}, "b": {KNN: [10.0, 11.0]}}
+    untested = Comparison([0, 1], [KNN], values, ["b"], 100).verdict("w", KNN)
+    assert untested["test"] is None and untested["better"] is None
 
 
 def test_random_init_is_torchvisions_default_initialisation_of_the_same_network():
@@ -119,9 +174,9 @@ def test_cli_compare_prints_mean_std_that_match_the_per_seed_records(small_stem_
     args += ["--linear-epochs", "3", "--batch-size", "32", "--knn-k", "5", "--out", str(out)]
     assert cli.main(args) == 0
     printed = capsys.readouterr().out
-    assert "| representation | kNN | linear | better than the best baseline? |" in printed and " ± " in printed
+    assert "| representation | kNN | linear | RankMe | better than the best baseline? |" in printed and " ± " in printed
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert len(records) == 3 * 2 * 2  # rows x columns x seeds
+    assert len(records) == 3 * 3 * 2  # rows x columns (RankMe beside kNN and linear) x seeds
     table = (out / "compare.md").read_text()
     for row in (small_stem_weights.name, "pixels", "random-init"):
         cells = []
@@ -138,9 +193,11 @@ def test_cli_compare_prints_mean_std_that_match_the_per_seed_records(small_stem_
         assert f"| {' | '.join(cells)} |" in table
     assert {r["seed"] for r in records} == {0, 1} and (out / "compare.png").stat().st_size > 0
     results_md = (out / "results.md").read_text()
-    assert results_md.count("| 2 seeds |") == 6 and "| k=5 Top-1 |" in results_md  # one row per row and protocol
+    assert results_md.count("| 2 seeds |") == 9 and "| k=5 Top-1 |" in results_md  # one row per row and protocol
     summary = json.loads((out / "results.json").read_text())
-    assert summary["verdicts"][small_stem_weights.name]["linear"]["baseline"] in ("pixels", "random-init")
+    verdicts = summary["verdicts"][small_stem_weights.name]
+    assert list(verdicts) == ["kNN", "linear"] and verdicts["linear"]["baseline"] in ("pixels", "random-init")
+    assert verdicts["kNN"]["test_images"] == 12 and 0 < verdicts["kNN"]["p_value"] <= 1  # synthetic:60 holds out 12
 
 
 @pytest.mark.parametrize(
@@ -188,7 +245,7 @@ def test_a_learning_curve_over_pretraining_runs_as_seeds_pairs_run_i_with_seed_i
     flags += ["--data", "synthetic:60", "--image-size", "8", "--knn-k", "5", "--out", str(out)]
     assert cli.main(flags) == 0
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    kept = {(r["notes"]["compare"]["row"], r["seed"]): r for r in records}
+    kept = {(r["notes"]["compare"]["row"], r["seed"]): r for r in records if r["protocol"] == "knn"}
     assert {row for row, _ in kept} == {"step 1", "step 2", "step 4", "pixels", "random-init"}
     for step in (1, 2, 4):
         for seed, run in enumerate(runs):  # run i is scored with evaluation seed i, and its record names its weights
@@ -227,7 +284,7 @@ def test_a_curve_whose_linear_cells_are_scored_together_records_what_each_cell_s
     together_of = linear.score_cells  # each cell on its own, as score_cell scores it
     monkeypatch.setattr(linear, "score_cells", lambda cells, *args: [together_of([c], *args)[0] for c in cells])
     alone = records(tmp_path / "alone")
-    assert together == alone and len(together) == 2 * 5 * 2
+    assert together == alone and len(together) == 2 * 5 * 3  # seeds x rows x columns (kNN, linear, RankMe)
     assert {row for row, *_ in together} == {"step 1", "step 2", "step 4", "pixels", "random-init"}
 
 
@@ -266,18 +323,11 @@ def test_a_curve_over_a_run_still_pretraining_says_it_is_live_how_far_it_got_and
 
 
 def test_crossings_name_the_step_from_which_every_step_of_a_curve_is_better_than_each_baseline():
-    values = {
-        "step 10": {KNN: [50.0, 52.0]},
-        "step 20": {KNN: [81.0, 83.0]},  # better than random-init, then not again
-        "step 40": {KNN: [70.0, 72.0]},
-        "step 80": {KNN: [90.0, 92.0]},
-        "pixels": {KNN: [95.0, 95.0]},
-        "random-init": {KNN: [74.0, 76.0]},
-    }
-    result = Comparison([0, 1], [KNN], values, ["pixels", "random-init"], 100)
+    right = {"step 10": [50, 52], "step 20": [81, 83], "step 40": [70, 72], "step 80": [90, 92]}
+    result = _scored({**right, "pixels": [95, 95], "random-init": [74, 76]}, 100)  # step 20 better, then not again
     result.positions = {f"step {s}": {"step": s, "seconds": s / 10} for s in (10, 20, 40, 80)}
     result.varying = {"step 10", "random-init"}
-    values["step 10"][LINEAR] = [60.0, 60.0]
+    result.values["step 10"][LINEAR] = [60.0, 60.0]
     result.columns.append(LINEAR)
     assert result.cell("step 10", KNN) == "51.0 ± 1.4" and result.cell("pixels", KNN) == "95.0 (deterministic)"
     assert result.cell("step 10", LINEAR) == "60.0 (2 seeds alike)"  # two runs that scored alike are no vote
@@ -286,37 +336,33 @@ def test_crossings_name_the_step_from_which_every_step_of_a_curve_is_better_than
         "kNN vs pixels (95.0 (deterministic)): better at no step; best 91.0 at step 80",
         "kNN vs random-init (75.0 ± 1.4): better from step 80 (8 s of pretraining) on",
     ]
-    one_seed = Comparison([0], [KNN], {r: {KNN: v[KNN][:1]} for r, v in values.items()}, ["pixels", "random-init"], 100)
+    one_seed = _scored({row: counts[:1] for row, counts in {**right, "pixels": [95], "random-init": [74]}.items()}, 100)
     one_seed.positions = result.positions
-    assert (
-        one_seed.crossings()[1]
-        == "kNN vs random-init (74.0 (1 seed)): no verdict at any step (1 seed); best 90.0 at step 80"
-    )
+    assert one_seed.crossings()[1] == "kNN vs random-init (74.0 (1 seed)): better from step 80 (8 s of pretraining) on"
+    one_seed.correct = {}  # cells without per-image results
+    del one_seed.cells  # summarised again
+    assert one_seed.crossings()[1] == "kNN vs random-init (74.0 (1 seed)): no verdict at any step; best 90.0 at step 80"
 
 
 def test_the_curves_summary_says_what_its_tables_verdicts_say_at_every_step():
     # guards: compare.md's summary read "kNN vs pixels (38.3 (deterministic)): never above its band; best 48.3 at step
     # 10" while the table below it marked step 10 "kNN: yes (+10.0 vs pixels)" (issue 46, case 10)
-    values = {
-        "step 5": {KNN: [30.0, 31.0]},
-        "step 10": {KNN: [48.0, 48.6]},
-        "step 20": {KNN: [37.0, 38.0]},
-        "pixels": {KNN: [38.3, 38.3]},
-        "random-init": {KNN: [20.0, 22.0]},
-    }
-    result = Comparison([0, 1], [KNN], values, ["pixels", "random-init"], 60)
+    right = {"step 5": [18, 19], "step 10": [29, 30], "step 20": [22, 23], "pixels": [23, 23], "random-init": [12, 13]}
+    result = _scored(right, 60)
     result.positions = {f"step {s}": {"step": s, "seconds": s} for s in (5, 10, 20)}
     result.varying = {"random-init"}
     md = render_markdown(result)
     table = {
         cells[0]: cells[-1] for cells in (line.strip("| ").split(" | ") for line in md.splitlines()) if len(cells) == 3
     }
-    assert table["step 10"] == "kNN: yes (+10.0 ± 0.4 vs pixels)" and table["step 20"].startswith("kNN: no ")
+    p = result.verdict("step 10", KNN)["p_value"]
+    assert table["step 10"] == f"kNN: yes (+10.8 ± 1.2 vs pixels, p = {p:.2g} on 60 test images)" and p < 0.05
+    assert table["step 20"].startswith("kNN: no verdict (-0.8 ± 1.2 vs pixels, p = ")
     lines = result.crossings()
     assert lines[0] == (
-        "kNN vs pixels (38.3 (deterministic)): better at step 10 but not at the last step (20); best 48.3 at step 10"
+        "kNN vs pixels (38.3 (deterministic)): better at step 10 but not at the last step (20); best 49.2 at step 10"
     )
-    assert lines[1] == "kNN vs random-init (21.0 ± 1.4): better from step 5 (5 s of pretraining) on"
+    assert lines[1] == "kNN vs random-init (20.8 ± 1.2): better from step 5 (5 s of pretraining) on"
     assert all(f"- {line}" in md for line in lines)
     # against the best baseline the line lists exactly the steps the table's verdict column calls better
     assert [r for r in result.positions if table[r].startswith("kNN: yes")] == ["step 10"]
@@ -383,7 +429,7 @@ def test_compare_md_states_the_k_the_vote_used_when_knn_k_exceeds_the_training_i
     # guards: each kNN cell (a knn run) warned of the cut k again, one line per row and seed; and named it --k
     assert capsys.readouterr().err.count("warning: --knn-k 500 exceeds the") == 1
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    used = {r["notes"]["neighbours_used"]["500"] for r in records}
+    used = {r["notes"]["neighbours_used"]["500"] for r in records if r["protocol"] == "knn"}
     assert len(used) == 1 and (k := used.pop()) < 500
     assert f"- kNN: k = {k} (--knn-k 500 is more than the {k} training images)" in (out / "compare.md").read_text()
 

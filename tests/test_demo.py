@@ -34,6 +34,7 @@ SHORT = [
 ]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ROWS = ("step 10", "pixels", "random-init")
+COLUMNS = ("kNN 10%", "kNN 100%", "linear 10%", "linear 100%")  # the default label budgets, 10% and 100%
 
 
 @pytest.fixture(scope="module")
@@ -51,29 +52,33 @@ def test_the_demo_ends_with_its_headline_and_the_path_of_its_report(short_demo):
     """Guards: bt-hub demo ended silently, with no word of its result or of where report.md is."""
     printed = (short_demo.parent / "printed.txt").read_text().splitlines()
     assert printed[-1].startswith(f"wrote {short_demo / 'report.md'} (")
-    assert printed[-2].startswith("at the last step (10): kNN ") and " against " in printed[-2]
-    assert "linear " in printed[-2]
+    assert printed[-6] == "at the last step (10):"
+    for line, column in zip(printed[-5:-1], COLUMNS, strict=True):  # one verdict a budget, with its test
+        assert line.startswith(f"  {column}: ") and " against " in line and " on 360 test images)" in line
 
 
 def _per_seed(out: Path) -> dict[tuple[str, str], list[float]]:
-    """(row, column) -> top-1 of each seed, in seed order, from the comparison's per-seed records."""
+    """(row, column) -> top-1 (RankMe in its column) of each seed, in seed order, from the comparison's per-seed
+    records."""
     cells: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for line in (out / "compare" / "results.jsonl").read_text().splitlines():
         record = json.loads(line)
         where = record["notes"]["compare"]
-        cells.setdefault((where["row"], where["column"]), []).append((record["seed"], record["metrics"]["top1"]))
+        value = record["metrics"].get("top1", record["metrics"].get("rankme"))
+        cells.setdefault((where["row"], where["column"]), []).append((record["seed"], value))
     return {cell: [v for _, v in sorted(values)] for cell, values in cells.items()}
 
 
 def test_shortened_demo_leads_with_the_curve_over_pretraining_runs_and_writes_the_plots(short_demo):
     report = (short_demo / "report.md").read_text()
+    assert report.index("## The answer at each label budget (step 10)") < report.index("## The learning curve")
     assert report.index("## The learning curve") < report.index("## At the last step (step 10)")
     assert "![curve](compare/curve.png)" in report and (short_demo / "compare" / "curve.png").stat().st_size > 5_000
     for name in ("loss.png", "cross_correlation.png"):
         assert (short_demo / name).read_bytes().startswith(PNG_MAGIC) and f"![{name}]({name})" in report
     results = json.loads((short_demo / "results.json").read_text())
     assert results["seeds"] == [0, 1] and results["last_step"] == "step 10"
-    assert len(results["curve"]["crossings"]) == 4  # kNN and linear, each against pixels and random-init
+    assert len(results["curve"]["crossings"]) == 8  # kNN and linear at 2 budgets, each against pixels and random-init
     assert all(f"- {line}" in report for line in results["curve"]["crossings"])
     for run in ("pretrain", "pretrain-seed1"):  # two pretraining runs, each keeping steps 5 and 10
         assert sorted(p.name for p in (short_demo / run / "kept").iterdir()) == [
@@ -87,28 +92,45 @@ def test_shortened_demo_leads_with_the_curve_over_pretraining_runs_and_writes_th
     assert len(fingerprints) == 2  # run i, scored with seed i
 
 
+def test_the_demo_answers_at_each_label_budget_with_the_verdicts_it_records(short_demo):
+    # guards: the demo answered at full labels only, where the raw pixels are strongest (issue 48, item 4)
+    results = json.loads((short_demo / "results.json").read_text())
+    verdicts = results["verdicts"]["step 10"]
+    assert list(verdicts) == [*COLUMNS]
+    report = (short_demo / "report.md").read_text()
+    section = report[report.index("## The answer at each label budget") : report.index("## The learning curve")]
+    answers = [line for line in section.splitlines() if line.startswith("- ")]
+    for line, column in zip(answers, COLUMNS, strict=True):
+        verdict = verdicts[column]
+        word = {True: "yes", False: "no", None: "no verdict"}[verdict["better"]]
+        assert verdict["test_images"] == 360 and 0 < verdict["p_value"] <= 1 and verdict["baseline"] in ROWS[1:]
+        assert line.startswith(f"- {column}: ") and f": {word} (" in line and f"vs {verdict['baseline']}, p " in line
+    assert "Rule: " in section and "level 0.05" in section
+
+
 def test_every_cell_of_the_report_is_the_mean_and_std_of_its_per_seed_records(short_demo):
     per_seed = _per_seed(short_demo)
     rows = {}
     for line in (short_demo / "report.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 4 and cells[0].removesuffix(" (baseline)") in ROWS:
-            rows[cells[0].removesuffix(" (baseline)")] = cells[1:3]
+        if len(cells) == 7 and cells[0].removesuffix(" (baseline)") in ROWS:
+            rows[cells[0].removesuffix(" (baseline)")] = cells[1:6]
     assert set(rows) == set(ROWS)
     for row, cells in rows.items():
-        for column, cell in zip(("kNN", "linear"), cells):
+        for column, cell in zip((*COLUMNS, "RankMe"), cells, strict=True):
             values = per_seed[(row, column)]
             assert len(values) == 2, (row, column)
             same = len(set(values)) == 1  # a cell without spread says why instead of "± 0.0"
-            why = "deterministic" if (row, column) == ("pixels", "kNN") else "2 seeds alike"  # runs that scored alike
+            # the kNN vote of the pixels on all the labels is the same at every seed; runs that scored alike are not
+            why = "deterministic" if (row, column) == ("pixels", "kNN 100%") else "2 seeds alike"
             assert cell == (f"{fmt_mean_std(values[:1])} ({why})" if same else fmt_mean_std(values))
 
 
 def test_the_random_init_row_is_not_degenerate_on_the_digits(short_demo):
     # Guards: the random-init baseline was the zero-initialised residual network (18.3 linear on the digits).
     per_seed = _per_seed(short_demo)
-    assert min(per_seed[("random-init", "linear")]) >= 80.0
-    assert min(per_seed[("random-init", "kNN")]) >= 80.0
+    assert min(per_seed[("random-init", "linear 100%")]) >= 80.0
+    assert min(per_seed[("random-init", "kNN 100%")]) >= 80.0
 
 
 def test_bt_hub_eval_compare_reproduces_the_demos_per_seed_values(short_demo, tmp_path):
@@ -116,10 +138,10 @@ def test_bt_hub_eval_compare_reproduces_the_demos_per_seed_values(short_demo, tm
     argv = ["eval", "compare", "--weights", str(short_demo / "pretrain"), str(short_demo / "pretrain-seed1")]
     argv += ["--as-seeds", "--over-steps", "--baselines", "pixels,random-init", "--protocols", "knn,linear"]
     argv += ["--linear-epochs", "10", "--data", "digits", "--image-size", "8", "--test-split", "test"]
-    assert cli.main([*argv, "--out", str(tmp_path / "compare")]) == 0
+    assert cli.main([*argv, "--label-fractions", "10", "100", "--out", str(tmp_path / "compare")]) == 0
     table = json.loads((tmp_path / "compare" / "results.json").read_text())["table"]
     for row in ("step 5", *ROWS):
-        for column in ("kNN", "linear"):
+        for column in (*COLUMNS, "RankMe"):
             assert table[row][column]["per_seed"] == demo[row][column]["per_seed"], (row, column)
 
 

@@ -491,19 +491,19 @@ def test_a_kill_as_the_cache_is_completed_leaves_no_part_files_after_the_rerun(
 ):
     # guards: killed after the cache's files were in place but before its meta file, the parts stayed for good
     # beside a cache that the rerun made again
-    import bt_hub.eval.features as features
+    import bt_hub.eval.feature_cache as feature_cache
     from bt_hub.eval.knn import KnnConfig
     from bt_hub.eval.runner import evaluation
 
     config = KnnConfig(weights=str(small_stem_weights), data="synthetic:40", image_size=8, batch_size=8, out=None)
     config.cache_dir = str(tmp_path)
-    write = features.atomic_write_json
+    write = feature_cache.atomic_write_json
 
-    def killed(*args):
-        monkeypatch.setattr(features, "atomic_write_json", write)
+    def killed(*args):  # the meta file, which Extraction.finish writes last
+        monkeypatch.setattr(feature_cache, "atomic_write_json", write)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(features, "atomic_write_json", killed)
+    monkeypatch.setattr(feature_cache, "atomic_write_json", killed)
     with evaluation(config) as run, pytest.raises(KeyboardInterrupt):
         run.features("train")
     with evaluation(config) as run:

@@ -82,7 +82,8 @@ def test_a_registered_protocol_is_a_cli_command_an_api_choice_a_suite_run_and_a_
     compare = ["eval", "compare", *weights, *SMALL, "--protocols", "centroid,knn", "--baselines", "pixels"]
     assert cli.main([*compare, "--seeds", "1", "--out", str(tmp_path / "cmp")]) == 0
     summary = json.loads((tmp_path / "cmp" / "results.json").read_text())
-    assert list(summary["table"]["pixels"]) == ["centroid", "kNN"]
+    assert list(summary["table"]["pixels"]) == ["RankMe", "centroid", "kNN"]  # RankMe beside the frozen columns
+    assert list(summary["verdicts"][small_stem_weights.name]) == ["centroid", "kNN"]  # a verdict per accuracy column
     cells = [r for r in summary["results"] if r["protocol"] == "centroid"]
     assert [c["notes"]["compare"]["row"] for c in cells] == [small_stem_weights.name, "pixels"]
     assert cells[0]["metrics"] == record["metrics"]  # a compare cell is the protocol's own run

@@ -29,6 +29,20 @@ def knn_vote(
     num_classes: int,
 ) -> dict[str, float]:
     """Top-1 / top-5 (percent) of the exp(sim / T)-weighted vote of the first ``k`` neighbours, in float64 (DINO)."""
+    return hit_rates(knn_hits(similarities, indices, train_labels, test_labels, k, temperature, num_classes))
+
+
+def knn_hits(
+    similarities: torch.Tensor,
+    indices: torch.Tensor,
+    train_labels: torch.Tensor,
+    test_labels: torch.Tensor,
+    k: int,
+    temperature: float,
+    num_classes: int,
+) -> torch.Tensor:
+    """Per test image, whether its label is the vote's first, second, ... choice (N x min(5, k, C) booleans, at most
+    one True a row): :func:`knn_vote`'s vote, image by image."""
     if k > similarities.shape[1]:
         raise ValueError(f"k={k} exceeds the {similarities.shape[1]} neighbours searched")
     if not (math.isfinite(temperature) and temperature > 0):
@@ -40,8 +54,9 @@ def knn_vote(
     weights = ((sims - sims.max(dim=1, keepdim=True).values) / temperature).exp()
     votes = torch.zeros(len(neighbours), num_classes, dtype=torch.float64).scatter_add_(1, neighbours, weights)
     predictions = votes.argsort(dim=1, descending=True, stable=True)
-    correct = predictions.eq(test_labels.view(-1, 1))
-    top1 = correct[:, :1].sum().item()
-    top5 = correct[:, : min(5, k, num_classes)].sum().item()
-    total = len(test_labels)
-    return {"top1": 100.0 * top1 / total, "top5": 100.0 * top5 / total}
+    return predictions[:, : min(5, k, num_classes)].eq(test_labels.view(-1, 1))
+
+
+def hit_rates(hits: torch.Tensor) -> dict[str, float]:
+    """Top-1 / top-5 (percent) of :func:`knn_hits`' per-image choices."""
+    return {"top1": 100.0 * hits[:, :1].sum().item() / len(hits), "top5": 100.0 * hits.sum().item() / len(hits)}
