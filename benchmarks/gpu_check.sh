@@ -158,8 +158,8 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"
 # ---------------------------------------------------------------------------- 1. CUDA tests
 if [[ "$PARSE" == 1 ]]; then
     echo "pytest -m gpu: not run in a parse check (tests/test_gpu_scripts.py parses the CUDA tests' command lines)"
-else
-    step "pytest -m gpu" "${BUDGET[0]}" "$OUT/pytest_gpu.txt" "$PY" -m pytest -m gpu -q -p no:cacheprovider
+else  # -o addopts=: in this process, without pyproject's -n 2 (pytest-xdist is not installed here; one GPU)
+    step "pytest -m gpu" "${BUDGET[0]}" "$OUT/pytest_gpu.txt" "$PY" -m pytest -o addopts= -m gpu -q -p no:cacheprovider
 fi
 
 # ---------------------------------------------------------------------------- 2. evaluation throughput

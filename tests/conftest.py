@@ -55,10 +55,18 @@ def _ctrl_c_as_a_terminal_gives_it():
 
 @pytest.fixture(scope="session", autouse=True)
 def _two_torch_threads():
-    """Two torch threads for every test: the machines running the suite have few cores, shared with other jobs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
+    """Two torch threads in all for every test: the machines running the suite have few cores, shared with other
+    jobs. Under pytest-xdist (``-n 2``, pyproject.toml's addopts) each worker and the processes its tests start get
+    one: two threads a worker would put four on two cores, and torch's OpenMP threads spin at every barrier waiting
+    for a thread the kernel has put aside (a 10-step pretraining took 127 s of CPU on two loaded cores, 10 s on
+    one)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    before, threads = torch.get_num_threads(), max(1, 2 // workers)
+    torch.set_num_threads(threads)
+    with pytest.MonkeyPatch.context() as patch:
+        if workers > 1:
+            patch.setenv("OMP_NUM_THREADS", str(threads))
+        yield
     torch.set_num_threads(before)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -216,19 +218,28 @@ def test_cli_compare_rejects_bad_flags_in_one_line(small_stem_weights, tmp_path,
     assert message in err and len(err.splitlines()) == 1
 
 
-def _kept_run(out: Path, seed: int) -> Path:
-    """A tiny pretraining run that kept its weights at steps 1, 2 and 4."""
-    flags = ["pretrain", "--data", "synthetic:40", "--arch", "resnet18", "--small-image-stem", "--image-size", "8"]
-    flags += ["--projector", "32-32", "--batch-size", "8", "--epochs", "1", "--warmup-epochs", "0", "--max-steps", "4"]
-    flags += ["--keep-every", "log", "--probe-max-dim", "0", "--seed", str(seed), "--out", str(out)]
-    assert cli.main(flags) == 0
-    return out
+@pytest.fixture(scope="module")
+def kept_run(tmp_path_factory) -> Callable[[int], Path]:
+    """Factory: a tiny pretraining run of ``seed`` that kept its weights at steps 1, 2 and 4, made once a module;
+    tests only read it (one that changes it copies it first)."""
+    made: dict[int, Path] = {}
+
+    def run(seed: int) -> Path:
+        if seed not in made:
+            made[seed] = out = tmp_path_factory.mktemp("kept") / f"run{seed}"
+            flags = ["pretrain", "--data", "synthetic:40", "--arch", "resnet18", "--small-image-stem"]
+            flags += ["--image-size", "8", "--projector", "32-32", "--batch-size", "8", "--epochs", "1"]
+            flags += ["--warmup-epochs", "0", "--max-steps", "4", "--keep-every", "log", "--probe-max-dim", "0"]
+            assert cli.main([*flags, "--seed", str(seed), "--out", str(out)]) == 0
+        return made[seed]
+
+    return run
 
 
-def test_a_learning_curve_over_pretraining_runs_as_seeds_pairs_run_i_with_seed_i(tmp_path, capsys):
+def test_a_learning_curve_over_pretraining_runs_as_seeds_pairs_run_i_with_seed_i(tmp_path, capsys, kept_run):
     from bt_hub.common.files import file_sha256
 
-    runs = [_kept_run(tmp_path / f"run{s}", s) for s in (0, 1)]
+    runs = [kept_run(s) for s in (0, 1)]
     out = tmp_path / "curve"
     flags = ["eval", "compare", "--weights", *map(str, runs), "--as-seeds", "--over-steps", "--protocols", "knn"]
     flags += ["--data", "synthetic:60", "--image-size", "8", "--knn-k", "5", "--out", str(out)]
@@ -255,10 +266,12 @@ def test_a_learning_curve_over_pretraining_runs_as_seeds_pairs_run_i_with_seed_i
     assert all(" vs pixels " in c or " vs random-init " in c for c in summary["curve"]["crossings"])
 
 
-def test_a_curve_whose_linear_cells_are_scored_together_records_what_each_cell_scores_alone(tmp_path, monkeypatch):
+def test_a_curve_whose_linear_cells_are_scored_together_records_what_each_cell_scores_alone(
+    tmp_path, monkeypatch, kept_run
+):
     from bt_hub.eval import linear
 
-    run = _kept_run(tmp_path / "run", 0)
+    run = kept_run(0)
     flags = ["eval", "compare", "--weights", str(run), "--over-steps", "--protocols", "knn", "linear", "--seeds", "2"]
     flags += ["--data", "synthetic:60", "--image-size", "8", "--knn-k", "5", "--linear-epochs", "4"]
 
@@ -276,7 +289,7 @@ def test_a_curve_whose_linear_cells_are_scored_together_records_what_each_cell_s
 
 
 def test_a_curve_over_a_run_still_pretraining_says_it_is_live_how_far_it_got_and_that_the_curve_is_partial(
-    tmp_path, capsys
+    tmp_path, capsys, kept_run
 ):
     # Guards: --over-steps on a run still pretraining said "pretraining unknown (no bt_hub run config)" and
     # nothing marked its curve partial (exit 0).
@@ -284,7 +297,7 @@ def test_a_curve_over_a_run_still_pretraining_says_it_is_live_how_far_it_got_and
 
     from bt_hub.common.runs import RunLock
 
-    run = _kept_run(tmp_path / "run", 0)
+    run = Path(shutil.copytree(kept_run(0), tmp_path / "run"))
     for name in ("config.json", "backbone.safetensors"):  # what the run writes only at its end
         (run / name).unlink()
     out = tmp_path / "curve"

@@ -287,6 +287,21 @@ def _sigterm_after(
     return subprocess.CompletedProcess(proc.args, proc.returncode, "", err)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Callable[..., Path]:
+    """Factory: the uninterrupted run of ``DIGITS`` and ``extra`` flags, run once a module (the SIGTERM and SIGINT
+    cases share theirs) and only read."""
+    made: dict[tuple[str, ...], Path] = {}
+
+    def run(*extra: str) -> Path:
+        if extra not in made:
+            made[extra] = tmp_path_factory.mktemp("uninterrupted") / "run"
+            _run(_cmd(made[extra], *DIGITS, *extra))
+        return made[extra]
+
+    return run
+
+
 @pytest.mark.parametrize(
     "extra,group,signum",
     [
@@ -296,7 +311,7 @@ def _sigterm_after(
     ],
 )
 def test_sigterm_checkpoints_the_step_it_is_on_says_so_and_resume_auto_ends_bit_identical(
-    tmp_path, extra, group, signum
+    tmp_path, uninterrupted, extra, group, signum
 ):
     # Guards: SIGTERM (a scheduler's preemption) ended pretraining with exit code 143, no line and nothing saved,
     # losing every step since the last --checkpoint-every. Sent to the process group (timeout, scancel), it killed
@@ -304,7 +319,7 @@ def test_sigterm_checkpoints_the_step_it_is_on_says_so_and_resume_auto_ends_bit_
     # checkpoint. SIGUSR1, the warning Slurm's --signal=USR1@T sends every process of a job ahead of its time limit,
     # ended the run on the spot (its default action), with no checkpoint and no line. Ctrl-C (SIGINT, which LSF's
     # bkill sends first) kept only the last checkpoint, losing the steps since.
-    _run(_cmd(tmp_path / "uninterrupted", *DIGITS, *extra))
+    expected = uninterrupted(*extra)
     out = tmp_path / "run"
     done = _sigterm_after(out, 3, *extra, group=group, signum=signum)
     assert done.returncode == 128 + signum, done.stderr[-3000:]  # 130 for SIGINT
@@ -318,7 +333,7 @@ def test_sigterm_checkpoints_the_step_it_is_on_says_so_and_resume_auto_ends_bit_
     assert line.startswith(f"bt-hub pretrain: {how}; the last checkpoint {checkpoint} (step {stopped}) is kept; ")
     assert line.endswith("--resume auto")
     _run(_cmd(out, *DIGITS, *extra, "--resume", "auto"))
-    _assert_identical_runs(tmp_path / "uninterrupted", out, steps)
+    _assert_identical_runs(expected, out, steps)
 
 
 @pytest.mark.ddp
