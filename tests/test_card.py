@@ -329,8 +329,10 @@ def test_a_compare_card_names_the_pixels_baseline_keeps_task_names_short_and_say
         )
         == 0
     )
-    (entry,) = _index(folder)
+    entry, rankme = _index(folder)  # compare scores RankMe beside every frozen column
     assert entry["task"]["name"] == "knn [resnet18, 3x3 small-image stem, 8 px] (frozen features, no training)"
+    # guards: a RankMe result (scored on the training split) was published as a result on the test split ("val")
+    assert rankme["metrics"][0]["type"] == "rankme" and rankme["dataset"]["split"] == "train"
     assert entry["metrics"][0]["name"] == "Top-1 (deterministic: one value over 2 seeds)"
     card = _card(folder)
     assert "pixels ()" not in card and "pixels (baseline):" in card

@@ -110,7 +110,8 @@ def model_index(rows: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
         first = group[0]
         dataset = first.get("dataset")
         info = dataset if isinstance(dataset, Mapping) else {"name": display_path(dataset)}
-        split = (info.get("test") or {}).get("split")
+        scored = (first.get("notes") or {}).get("split")  # the one split a label-free protocol scores (RankMe)
+        split = (info.get(scored if scored in ("train", "test") else "test") or {}).get("split")
         metrics = []
         for metric in dict.fromkeys(m for r in group for m in r.get("metrics") or {}):
             values = [r["metrics"][metric] for r in group if metric in (r.get("metrics") or {})]
