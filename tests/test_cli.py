@@ -85,6 +85,7 @@ def test_every_protocol_module_in_eval_has_a_subcommand():
         "bt_hub.eval.average_precision",
         "bt_hub.eval.svm_grid",  # voc07-svm's grid, kept free of torch for its worker processes
         "bt_hub.eval.compare_config",  # eval compare's flags; the command is bt_hub.eval.comparison
+        "bt_hub.eval.paired_test",  # the test behind eval compare's verdicts
         "bt_hub.eval.protocols",  # the protocol table the eval group is built from
     }
     assert protocols <= routed, f"eval modules without a bt-hub subcommand: {sorted(protocols - routed)}"
