@@ -5,12 +5,12 @@ that take the command's config as an argument, from the parsed flags on: an inst
 class of a child whose flags the command line gives (``--knn.k``'s owner, ``KnnConfig``, under ``eval compare``); an
 object holding one as ``.config``, such as the ``EvalRun``; or, before there is a config, the parsed flags or a
 mapping of settings that carries such a child's flag (``knn.k``, or ``knn: {k: ...}``). ``--to FUNCTION`` ends the
-path at the first call of that function, the last stop (where a knob ends: ``--to knn_vote`` for ``--knn.k``). A
+path at the first call of that function, the last stop (where a knob ends: ``--to knn_hits`` for ``--knn.k``). A
 *module visit* is a stretch of that list in one module: reading the path top to bottom, each visit is one more file
 to open. Prints the path, the visits and the modules.
 
     python benchmarks/config_path.py eval knn --weights RUN --data digits --out /tmp/knn
-    python benchmarks/config_path.py --to knn_vote eval compare --weights RUN --knn.k 5 --out /tmp/compare
+    python benchmarks/config_path.py --to knn_hits eval compare --weights RUN --knn.k 5 --out /tmp/compare
 """
 
 from __future__ import annotations
