@@ -25,11 +25,11 @@ from bt_hub.common.records import SCHEMA, Record, make_record
 from bt_hub.common.reuse import changed_input
 from bt_hub.common.runs import claim_run_dir, claimed_run_dir
 from bt_hub.data.store import DecodedImages, StoreView, fits_auto, open_store, store_device
+from bt_hub.eval.config import LoadedWeights, Settings, decode_settings, load_weights, resolve_settings
 from bt_hub.eval.feature_cache import FeatureCache
 from bt_hub.eval.features import Pool, architecture_fingerprint, extract_with_source
 from bt_hub.eval.protocols import Protocol
 from bt_hub.eval.report import PaperRow, Table, append_results, check_history, load_results
-from bt_hub.eval.settings import LoadedWeights, Settings, decode_settings, load_weights, resolve_settings
 from bt_hub.eval.splits import Splits, load_splits
 from bt_hub.method.transforms import DeviceEvalTransform, eval_transforms
 

@@ -71,7 +71,6 @@ def test_every_protocol_module_in_eval_has_a_subcommand():
     protocols = {"bt_hub.eval." + m.name for m in pkgutil.iter_modules(eval_pkg.__path__) if not m.ispkg}
     protocols -= {  # the runner, the Python API and what protocols share
         "bt_hub.eval.runner",
-        "bt_hub.eval.settings",
         "bt_hub.eval.api",
         "bt_hub.eval.heads",
         "bt_hub.eval.config",

@@ -15,10 +15,10 @@ from bt_hub.data.datasets import ArrayImageDataset
 from bt_hub.eval.compare_config import Column, CompareConfig
 from bt_hub.eval.comparison import Source, compare, compare_and_write
 from bt_hub.eval.comparison_report import Comparison, plot_curve
+from bt_hub.eval.config import Settings
 from bt_hub.eval.knn import knn_classify
 from bt_hub.eval.label_subsets import subset_indices
 from bt_hub.eval.runner import EvalRun
-from bt_hub.eval.settings import Settings
 from bt_hub.eval.splits import Splits
 
 KNN, RANKME = Column("knn"), Column("rankme")

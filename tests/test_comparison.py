@@ -20,9 +20,8 @@ from bt_hub.data.datasets import ArrayImageDataset
 from bt_hub.eval.compare_config import Column, CompareConfig, weights_rows
 from bt_hub.eval.comparison import Source, compare
 from bt_hub.eval.comparison_report import Comparison, render_markdown
-from bt_hub.eval.config import EvalWarning
+from bt_hub.eval.config import EvalWarning, Settings
 from bt_hub.eval.runner import EvalRun
-from bt_hub.eval.settings import Settings
 from bt_hub.eval.splits import Splits
 from bt_hub.method.model import build_backbone, default_init_backbone
 

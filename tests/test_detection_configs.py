@@ -322,8 +322,8 @@ def test_interrupted_make_detection_data_leaves_out_untouched_and_a_rerun_clears
 
 @pytest.mark.parametrize("shortened", [True, False], ids=["shortened-run", "execution-opts-only"])
 def test_detection_record_lists_every_override_and_the_table_marks_a_run_that_is_not_its_preset(shortened, tmp_path):
+    from bt_hub.eval.config import LoadedWeights
     from bt_hub.eval.detection.detect import DetectConfig, _write
-    from bt_hub.eval.settings import LoadedWeights
 
     weights, data = tmp_path / "r50.pth", tmp_path / "VOCdevkit"  # the paper's data, by its folder name
     weights.write_bytes(b"weights")

@@ -19,11 +19,11 @@ from detection_settings import DETECTRON2_FAST as FAST  # noqa: E402
 from detectron2.checkpoint import DetectionCheckpointer  # noqa: E402
 from detectron2.modeling import build_model  # noqa: E402
 
+from bt_hub.eval.config import load_weights  # noqa: E402
 from bt_hub.eval.detection.config import CONFIGS, build_cfg, load_settings, resolve_config  # noqa: E402
 from bt_hub.eval.detection.detect import prepare_weights  # noqa: E402
 from bt_hub.eval.detection.detectron2_engine.trainer import run_trial, unloaded_parameters  # noqa: E402
 from bt_hub.eval.detection.synthetic import write_coco, write_voc  # noqa: E402
-from bt_hub.eval.settings import load_weights  # noqa: E402
 
 pytestmark = [pytest.mark.detectron2, pytest.mark.usefixtures("one_thread")]
 

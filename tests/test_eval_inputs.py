@@ -56,7 +56,7 @@ def test_eval_scores_at_the_image_size_the_weights_were_pretrained_at(run_folder
 
 
 def test_weights_without_a_config_json_are_scored_at_the_default_size_and_say_so(run_folder, tmp_path):
-    from bt_hub.eval.settings import eval_image_size
+    from bt_hub.eval.config import eval_image_size
     from bt_hub.weights import load_backbone
 
     assert eval_image_size(None, None, None, str(run_folder)) == (224, "default")

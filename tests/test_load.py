@@ -262,7 +262,7 @@ def test_weights_replaced_while_loading_are_fingerprinted_by_the_bytes_that_were
     import hashlib
 
     import bt_hub.weights.formats
-    from bt_hub.eval.settings import load_weights
+    from bt_hub.eval.config import load_weights
 
     path = tmp_path / "weights.pth"
     loaded = resnet18_file.read_bytes()

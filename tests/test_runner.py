@@ -14,11 +14,11 @@ import bt_hub.weights as bt_weights
 from bt_hub import cli
 from bt_hub.common.config import from_preset
 from bt_hub.eval import comparison, knn, runner, suite
+from bt_hub.eval.config import load_weights
 from bt_hub.eval.embedding import EmbedConfig
 from bt_hub.eval.linear import LinearConfig, TransferConfig
 from bt_hub.eval.protocols import get_protocol
 from bt_hub.eval.semi_supervised import SemiSupervisedConfig
-from bt_hub.eval.settings import load_weights
 from bt_hub.eval.suite import SuiteConfig
 from bt_hub.eval.voc07_svm import Voc07SvmConfig
 

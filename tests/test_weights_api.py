@@ -107,8 +107,8 @@ def test_eval_and_detect_with_a_registered_name_read_the_listed_cache_path_offli
     assert cli.main(argv) == 0, capsys.readouterr().err
     result = json.loads((out / "results.json").read_text())
     assert result["weights"] == {"name": "barlowtwins-in1k", "fingerprint": file_sha256(path)}
+    from bt_hub.eval.config import load_weights
     from bt_hub.eval.detection.detect import prepare_weights  # bt-hub detect's converter goes through the same resolve
-    from bt_hub.eval.settings import load_weights
 
     pkl, tensors = prepare_weights(load_weights("barlowtwins-in1k"), tmp_path / "detect")
     assert Path(pkl) == tmp_path / "detect" / "weights.pkl" and "res5.2.conv3.norm.running_var" in tensors

@@ -13,10 +13,10 @@ from typing import Any, ClassVar, Literal
 from bt_hub.common.config import REQUIRED, RunConfig, option, out_field
 from bt_hub.common.optional import require
 from bt_hub.common.runs import check_run_dir, claimed_run_dir
+from bt_hub.eval.config import LoadedWeights, load_weights
 from bt_hub.eval.detection.config import CONFIGS, build_cfg, load_settings, opts_overrides, resolve_config
 from bt_hub.eval.report import DETECTION_METRICS, PaperRow, Table
 from bt_hub.eval.runner import Scored, build_record, write_records
-from bt_hub.eval.settings import LoadedWeights, load_weights
 
 __all__ = ["DetectConfig", "aggregate_trials", "main", "prepare_weights", "resolve_engine"]
 
