@@ -51,18 +51,18 @@ def check_device(device: str) -> None:
         )
 
 
-def check_seed(seed: int, flag: str = "--seed") -> None:
+def check_seed(seed: int) -> None:
     """Refuse a seed that is not an integer from 0 to 2**32 - 1 (the range every seeded library accepts)."""
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
-        raise ValueError(f"{flag} must be an integer from 0 to {SEED_MAX}, got {shown(seed)}")
+        raise ValueError(f"--seed must be an integer from 0 to {SEED_MAX}, got {shown(seed)}")
 
 
-def check_out(out: str, flag: str = "--out") -> None:
+def check_out(out: str) -> None:
     """Refuse an output folder that is empty (the working directory) or holds a NUL byte (no file system takes it)."""
     if not str(out).strip():
-        raise ValueError(f"{flag} must name a directory, got an empty string")
+        raise ValueError("--out must name a directory, got an empty string")
     if "\0" in str(out):
-        raise ValueError(f"{flag} must be a path without NUL bytes, got {str(out)!r}")
+        raise ValueError(f"--out must be a path without NUL bytes, got {str(out)!r}")
 
 
 def check_image_size(size: int | None, command: str, flag: str = "--image-size") -> None:
