@@ -178,7 +178,7 @@ class KnnConfig(EvalConfig):
         self.require_positive("query_batch", "train_chunk")
 
 
-def effective_k(requested: list[int], train_size: int, flag: str = "--k") -> tuple[list[int], list[str]]:
+def effective_k(requested: list[int], train_size: int, flag: str) -> tuple[list[int], list[str]]:
     """The numbers of neighbours a run can use (each at most ``train_size``), deduplicated, and a warning per cut
     naming the ``flag`` that asked for them."""
     used = list(dict.fromkeys(min(k, train_size) for k in requested))
