@@ -422,16 +422,16 @@ def comparison_summary(result: Comparison, started: float) -> dict[str, Any]:
     return summary
 
 
-def write_comparison(run: EvalRun, result: Comparison, title: str = "Did pretraining help?") -> str:
+def write_comparison(run: EvalRun, result: Comparison) -> str:
     """compare.md, compare.png and the records (results.json / .jsonl / .md) in the run's folder; the table."""
     settings = describe_settings(run, result.partial)
     out = run.out
     written = [
-        atomic_write_text(out / "compare.md", render_markdown(result, title, settings)),
+        atomic_write_text(out / "compare.md", render_markdown(result, settings=settings)),
         plot(result, out / "compare.png"),
     ]
     written += [plot_curve(result, out / "curve.png")] if result.positions else []
     run.write(result.records, comparison_summary(result, run.started))
     written += [out / name for name in ("results.json", "results.jsonl", "results.md")]
-    table = render_markdown(result, title, settings, paired=False)
+    table = render_markdown(result, settings=settings, paired=False)
     return table + "\n\n" + "\n".join(f"wrote {p}" for p in written)
