@@ -34,7 +34,7 @@ import numpy as np
 
 from bt_hub.common.config import RunConfig, child, config_dict, from_preset, option, out_field
 from bt_hub.common.files import atomic_write_json, atomic_write_text, read_json
-from bt_hub.common.presets import preset_values
+from bt_hub.common.presets import first_few, preset_values
 from bt_hub.common.progress import announce
 from bt_hub.common.records import SCHEMA
 from bt_hub.common.reuse import changed_input
@@ -122,7 +122,7 @@ def _claimed_out(config: DemoConfig) -> Iterator[tuple[Path, bool]]:
     held = sorted(p.name for p in out.iterdir() if p.name not in (MARKER_NAME, LOCK_NAME)) if out.is_dir() else []
     continues = bool(held) and not config.overwrite and _continues(config, out)
     if held and not (config.overwrite or continues):
-        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        shown = first_few(held, 4)
         raise ValueError(
             f"--out {out} already holds {shown} and the demo writes only into a new or empty folder (or continues "
             "its own run there); choose a new --out, or pass --overwrite to replace the demo's files there (run.json, "
