@@ -40,11 +40,6 @@ def make_classifier(in_dim: int, num_classes: int) -> nn.Linear:
     return fc
 
 
-def topk_correct(logits: torch.Tensor, targets: torch.Tensor, ks: Sequence[int] = (1, 5)) -> list[int]:
-    """Number of samples whose target is among the top-k logits, for each k (k capped at the classes)."""
-    return topk_hits(logits, targets, ks).sum(0).tolist()
-
-
 def topk_hits(logits: torch.Tensor, targets: torch.Tensor, ks: Sequence[int] = (1, 5)) -> torch.Tensor:
     """Per sample, whether its target is among the top-k logits, for each k: N x len(ks) booleans (k capped at the
     classes)."""

@@ -334,13 +334,9 @@ def _verdict_word(v: dict[str, Any]) -> str:
 def plot(result: Comparison, path: Path) -> Path:
     """Grouped bars of the accuracy columns with error bars (± one standard deviation over the seeds), written
     atomically as PNG."""
-    import matplotlib
+    from bt_hub.common.files import pyplot, save_png
 
-    from bt_hub.common.files import save_png
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     width, columns = 0.8 / len(result.values), result.accuracy_columns
     for i, (row, cells) in enumerate(result.cells.items()):
@@ -356,13 +352,9 @@ def plot(result: Comparison, path: Path) -> Path:
 def plot_curve(result: Comparison, path: Path) -> Path:
     """Accuracy (RankMe on its own axis) against pretraining steps (top) and seconds (bottom) per column, each
     baseline a band (mean ± std)."""
-    import matplotlib
+    from bt_hub.common.files import pyplot, save_png
 
-    from bt_hub.common.files import save_png
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     cols = len(result.columns)
     fig, axes = plt.subplots(2, cols, figsize=(4.2 * cols, 6.4), squeeze=False)
     for j, column in enumerate(result.columns):
@@ -430,16 +422,16 @@ def comparison_summary(result: Comparison, started: float) -> dict[str, Any]:
     return summary
 
 
-def write_comparison(run: EvalRun, result: Comparison, title: str = "Did pretraining help?") -> str:
+def write_comparison(run: EvalRun, result: Comparison) -> str:
     """compare.md, compare.png and the records (results.json / .jsonl / .md) in the run's folder; the table."""
     settings = describe_settings(run, result.partial)
     out = run.out
     written = [
-        atomic_write_text(out / "compare.md", render_markdown(result, title, settings)),
+        atomic_write_text(out / "compare.md", render_markdown(result, settings=settings)),
         plot(result, out / "compare.png"),
     ]
     written += [plot_curve(result, out / "curve.png")] if result.positions else []
     run.write(result.records, comparison_summary(result, run.started))
     written += [out / name for name in ("results.json", "results.jsonl", "results.md")]
-    table = render_markdown(result, title, settings, paired=False)
+    table = render_markdown(result, settings=settings, paired=False)
     return table + "\n\n" + "\n".join(f"wrote {p}" for p in written)

@@ -34,7 +34,7 @@ import numpy as np
 
 from bt_hub.common.config import RunConfig, child, config_dict, from_preset, option, out_field
 from bt_hub.common.files import atomic_write_json, atomic_write_text, read_json
-from bt_hub.common.presets import preset_values
+from bt_hub.common.presets import first_few, preset_values
 from bt_hub.common.progress import announce
 from bt_hub.common.records import SCHEMA
 from bt_hub.common.reuse import changed_input
@@ -122,7 +122,7 @@ def _claimed_out(config: DemoConfig) -> Iterator[tuple[Path, bool]]:
     held = sorted(p.name for p in out.iterdir() if p.name not in (MARKER_NAME, LOCK_NAME)) if out.is_dir() else []
     continues = bool(held) and not config.overwrite and _continues(config, out)
     if held and not (config.overwrite or continues):
-        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        shown = first_few(held, 4)
         raise ValueError(
             f"--out {out} already holds {shown} and the demo writes only into a new or empty folder (or continues "
             "its own run there); choose a new --out, or pass --overwrite to replace the demo's files there (run.json, "
@@ -227,7 +227,7 @@ def compare_settings(config: DemoConfig, runs: list[Path], out: Path) -> Compare
     )
 
 
-def _report(config: DemoConfig, result: Comparison, timings: dict[str, float], plots: list[str]) -> str:
+def _report(config: DemoConfig, result: Comparison, last: str, timings: dict[str, float], plots: list[str]) -> str:
     pre = config.pretrain
     stem = " (3x3 stem)" if pre.small_image_stem else ""
     steps = ", ".join(f"{p['step']:g}" for p in sorted(result.positions.values(), key=lambda p: p["step"]))
@@ -240,7 +240,6 @@ def _report(config: DemoConfig, result: Comparison, timings: dict[str, float], p
         else "pretraining run i with evaluation seed i (`--as-seeds`), so every spread is over pretraining runs"
     )
     budgets = ", ".join(f"{f}%" for f in config.label_fractions)
-    last = max(result.positions, key=lambda row: result.positions[row]["step"])
     rest = render_markdown(result, title=None, rows=[last, *result.baselines])
     lines = [
         "# When does pretraining pay? Barlow Twins on the digits",
@@ -340,8 +339,8 @@ def _demo(config: DemoConfig, out: Path, continues: bool) -> dict[str, Any]:
     timings[f"evaluation ({len(keep)} steps x {config.pretrain_seeds} runs)"] = time.perf_counter() - tick
     timings["total"] = time.perf_counter() - start
     plots = [path.name for path in run_plots(runs[0], out, lambd=config.pretrain.lambd)]
-    atomic_write_text(out / "report.md", _report(config, result, timings, plots))
     last = max(result.positions, key=lambda row: result.positions[row]["step"])
+    atomic_write_text(out / "report.md", _report(config, result, last, timings, plots))
     extra = {"last_step": last, "seeds": result.seeds, "timings_s": timings, "config": config_dict(config)}
     results = {"schema": SCHEMA, **comparison_summary(result, start), **extra}  # compare's results.json, and the demo's
     atomic_write_json(out / "results.json", results)

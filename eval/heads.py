@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +11,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bt_hub.common.presets import shown
 from bt_hub.common.progress import progress as reported
 from bt_hub.eval.classifier import distributed_sampler_permutation, lr_factor, make_classifier, topk_hits
 from bt_hub.eval.features import as_float32
@@ -320,28 +319,3 @@ def _grid_rows(
             }
         )
     return grid
-
-
-def check_probe_settings(
-    *,
-    epochs: int,
-    lrs: dict[str, Sequence[float]],
-    weight_decays: dict[str, Sequence[float]],
-    momentum: float = 0.9,
-    val_fraction: float = 0.2,
-    named: Callable[[str], str] = lambda name: "--" + name.replace("_", "-"),
-) -> None:
-    """Refuse linear-probe settings outside their working ranges, in one sentence naming the flag (``named(name)``;
-    ``lrs`` and ``weight_decays`` are keyed by theirs)."""
-    if not 1 <= epochs <= MAX_EPOCHS:
-        raise ValueError(f"{named('epochs')} must be an integer in [1, {MAX_EPOCHS}], got {epochs}")
-    for flag, values in lrs.items():
-        if not values or any(not 0 < v <= MAX_LR for v in values):
-            raise ValueError(f"{flag} must be in (0, {MAX_LR:g}], got {shown(values)}")
-    for flag, values in weight_decays.items():
-        if not values or any(not 0 <= v < 1 for v in values):
-            raise ValueError(f"{flag} must be in [0, 1), got {shown(values)}")
-    if not 0 <= momentum < 1:
-        raise ValueError(f"{named('momentum')} must be in [0, 1), got {momentum:g}")
-    if not 0 < val_fraction <= 0.5:
-        raise ValueError(f"{named('val_fraction')} must be in (0, 0.5], got {val_fraction:g}")

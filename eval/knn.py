@@ -20,7 +20,7 @@ from bt_hub.eval.config import EvalConfig, EvalWarning
 from bt_hub.eval.features import as_float32
 from bt_hub.eval.report import Table
 from bt_hub.eval.runner import Cell, EvalRun, Scored
-from bt_hub.method.knn import hit_rates, knn_hits, knn_vote
+from bt_hub.method.knn import hit_rates, knn_hits
 
 # ----------------------------------------------------------------------------- search and vote
 
@@ -131,7 +131,7 @@ def knn_classify(
         backend=backend,
         device=device,
     )
-    return knn_vote(sims, idx, train_labels, test_labels, k, temperature, num_classes)
+    return hit_rates(knn_hits(sims, idx, train_labels, test_labels, k, temperature, num_classes))
 
 
 # ----------------------------------------------------------------------------- bt-hub eval knn
@@ -178,7 +178,7 @@ class KnnConfig(EvalConfig):
         self.require_positive("query_batch", "train_chunk")
 
 
-def effective_k(requested: list[int], train_size: int, flag: str = "--k") -> tuple[list[int], list[str]]:
+def effective_k(requested: list[int], train_size: int, flag: str) -> tuple[list[int], list[str]]:
     """The numbers of neighbours a run can use (each at most ``train_size``), deduplicated, and a warning per cut
     naming the ``flag`` that asked for them."""
     used = list(dict.fromkeys(min(k, train_size) for k in requested))

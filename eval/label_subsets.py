@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from bt_hub.common.files import file_sha256
+from bt_hub.common.presets import first_few
 
 # The lists google-research/simclr publishes under imagenet_subsets/ (Apache 2.0).
 PUBLISHED_SUBSETS: dict[str, str] = {
@@ -100,11 +101,9 @@ def indices_from_list(dataset: object, subset: SubsetList) -> list[int]:
         )
     missing = [n for n in subset.names if os.path.basename(n) not in position]
     if missing:
-        shown = ", ".join(missing[:SHOWN_MISSING])
-        more = f" and {len(missing) - SHOWN_MISSING} more" if len(missing) > SHOWN_MISSING else ""
         raise ValueError(
             f"subset file {subset.path} names {len(missing)} of its {len(subset.names)} files "
-            f"that are not in the dataset: {shown}{more}"
+            f"that are not in the dataset: {first_few(missing, SHOWN_MISSING)}"
         )
     return sorted({position[os.path.basename(n)] for n in subset.names})
 

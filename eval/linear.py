@@ -20,8 +20,9 @@ from bt_hub.eval.features import TransformedDataset, train_transform
 from bt_hub.eval.heads import (
     GRID_LRS,
     GRID_WEIGHT_DECAYS,
+    MAX_EPOCHS,
+    MAX_LR,
     NonFiniteLoss,
-    check_probe_settings,
     grid_probes,
     score_heads,
     train_heads,
@@ -143,18 +144,19 @@ class LinearConfig(EvalConfig):
     def __post_init__(self) -> None:
         self._use_every_flag()  # the search is settled first: which flags the run reads depends on it
         super().__post_init__()
-        flag = self.flag
-        check_probe_settings(
-            epochs=self.epochs,
-            lrs={flag("lr"): [self.lr], flag("lr_grid"): self.lr_grid},
-            weight_decays={
-                flag("weight_decay"): [self.weight_decay],
-                flag("weight_decay_grid"): self.weight_decay_grid,
-            },
-            momentum=self.momentum,
-            val_fraction=self.val_fraction,
-            named=flag,
-        )
+        flag = self.flag  # each probe setting in its working range, in one sentence naming the flag as typed
+        if not 1 <= self.epochs <= MAX_EPOCHS:
+            raise ValueError(f"{flag('epochs')} must be an integer in [1, {MAX_EPOCHS}], got {self.epochs}")
+        for name, values in (("lr", [self.lr]), ("lr_grid", self.lr_grid)):
+            if not values or any(not 0 < v <= MAX_LR for v in values):
+                raise ValueError(f"{flag(name)} must be in (0, {MAX_LR:g}], got {shown(values)}")
+        for name, values in (("weight_decay", [self.weight_decay]), ("weight_decay_grid", self.weight_decay_grid)):
+            if not values or any(not 0 <= v < 1 for v in values):
+                raise ValueError(f"{flag(name)} must be in [0, 1), got {shown(values)}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"{flag('momentum')} must be in [0, 1), got {self.momentum:g}")
+        if not 0 < self.val_fraction <= 0.5:
+            raise ValueError(f"{flag('val_fraction')} must be in (0, 0.5], got {self.val_fraction:g}")
         self.require_fraction("gamma")
         if sorted(self.milestones) != list(self.milestones) or any(m <= 0 for m in self.milestones):
             raise ValueError(f"{flag('milestones')} must be increasing positive epochs, got {shown(self.milestones)}")

@@ -26,7 +26,7 @@ from bt_hub.eval.knn import knn_classify, knn_search
 from bt_hub.eval.linear import FrozenBackboneClassifier
 from bt_hub.eval.rankme import RankmeConfig, score_cell
 from bt_hub.eval.svm_grid import evaluate_svms, l2_normalize, svm_grid
-from bt_hub.method.knn import knn_vote
+from bt_hub.method.knn import hit_rates, knn_hits
 from bt_hub.method.model import BarlowTwins, build_projector
 from bt_hub.method.optim import LARS, param_groups, set_learning_rates
 
@@ -60,7 +60,7 @@ def _predictions(sims, idx, train_y, k, temperature, classes):
             next(
                 c
                 for c in range(classes)
-                if knn_vote(*query, train_y, torch.tensor([c]), k, temperature, classes)["top1"]
+                if hit_rates(knn_hits(*query, train_y, torch.tensor([c]), k, temperature, classes))["top1"]
             )
         )
     return found

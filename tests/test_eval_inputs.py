@@ -18,7 +18,7 @@ from bt_hub.data.datasets import ArrayImageDataset, dataset_fingerprint
 from bt_hub.eval.config import EvalWarning
 from bt_hub.eval.feature_cache import FeatureCache, cache_problem
 from bt_hub.eval.features import extract_features
-from bt_hub.method.knn import knn_vote
+from bt_hub.method.knn import hit_rates, knn_hits
 
 
 def _run(argv: list[str], out: Path) -> dict:
@@ -251,11 +251,11 @@ def test_a_tiny_temperature_is_the_nearest_neighbours_vote_not_overflow():
     sims = torch.rand(50, 10, generator=g).sort(dim=1, descending=True).values
     idx = torch.randint(0, 40, (50, 10), generator=g)
     train_y, test_y = torch.randint(0, 4, (40,), generator=g), torch.randint(0, 4, (50,), generator=g)
-    nearest = knn_vote(sims, idx, train_y, test_y, 1, 0.07, 4)
-    assert knn_vote(sims, idx, train_y, test_y, 10, 1e-30, 4)["top1"] == nearest["top1"]
+    nearest = hit_rates(knn_hits(sims, idx, train_y, test_y, 1, 0.07, 4))
+    assert hit_rates(knn_hits(sims, idx, train_y, test_y, 10, 1e-30, 4))["top1"] == nearest["top1"]
     votes = torch.nn.functional.one_hot(train_y[idx], 4).sum(1).double() + torch.arange(4) * -1e-3  # ties: low class
     majority = 100.0 * (votes.argmax(1) == test_y).double().mean().item()
-    assert knn_vote(sims, idx, train_y, test_y, 10, 1e30, 4)["top1"] == pytest.approx(majority)
+    assert hit_rates(knn_hits(sims, idx, train_y, test_y, 10, 1e30, 4))["top1"] == pytest.approx(majority)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "inf", "nan"])

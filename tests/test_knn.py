@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from bt_hub import cli
-from bt_hub.eval.knn import knn_classify, knn_search, knn_vote, resolve_backend
+from bt_hub.eval.knn import knn_classify, knn_search, resolve_backend
+from bt_hub.method.knn import hit_rates, knn_hits
 
 
 def brute_force_knn(train_x, train_y, test_x, test_y, k, temperature, num_classes):
@@ -81,8 +82,8 @@ def test_vote_weights_are_exp_similarity_over_temperature():
     sims = torch.tensor([[0.9, 0.5, 0.5]])
     idx = torch.tensor([[0, 1, 2]])
     train_y = torch.tensor([1, 0, 0])
-    assert knn_vote(sims, idx, train_y, torch.tensor([1]), 3, 0.07, 2)["top1"] == 100.0
-    assert knn_vote(sims, idx, train_y, torch.tensor([1]), 3, 100.0, 2)["top1"] == 0.0
+    assert hit_rates(knn_hits(sims, idx, train_y, torch.tensor([1]), 3, 0.07, 2))["top1"] == 100.0
+    assert hit_rates(knn_hits(sims, idx, train_y, torch.tensor([1]), 3, 100.0, 2))["top1"] == 0.0
 
 
 def test_k_larger_than_the_training_set_is_rejected():

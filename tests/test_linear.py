@@ -12,7 +12,7 @@ import torch
 
 from bt_hub import cli
 from bt_hub.common.config import from_preset
-from bt_hub.eval.classifier import lr_factor, make_classifier, make_loader, topk_correct, train_classifier
+from bt_hub.eval.classifier import lr_factor, make_classifier, make_loader, topk_hits, train_classifier
 from bt_hub.eval.heads import (
     GRID_LRS,
     GRID_WEIGHT_DECAYS,
@@ -93,8 +93,8 @@ def test_classifier_init_is_normal_0_01_with_zero_bias():
 
 def test_topk_counts_targets_among_the_best_logits():
     logits = torch.tensor([[0.1, 0.9, 0.0], [0.8, 0.1, 0.05], [0.2, 0.3, 0.5]])
-    assert topk_correct(logits, torch.tensor([1, 1, 0]), ks=(1, 2)) == [1, 2]
-    assert topk_correct(logits, torch.tensor([1, 1, 0]), ks=(1, 5)) == [1, 3]
+    assert topk_hits(logits, torch.tensor([1, 1, 0]), ks=(1, 2)).sum(0).tolist() == [1, 2]
+    assert topk_hits(logits, torch.tensor([1, 1, 0]), ks=(1, 5)).sum(0).tolist() == [1, 3]
 
 
 def _separable(n_per_class: int, num_classes: int, dim: int, seed: int):

@@ -19,7 +19,7 @@ from bt_hub.cli import main as cli_main
 from bt_hub.common.progress import LineProgress, progress
 from bt_hub.common.reuse import inputs_key
 from bt_hub.data.datasets import ImageFolderDataset
-from bt_hub.method.knn import knn_vote, nearest_neighbours
+from bt_hub.method.knn import knn_hits, nearest_neighbours
 from bt_hub.method.rankme import rankme
 from bt_hub.method.transforms import normalize
 from bt_hub.train.monitor import KnnMonitor, monitor_sets
@@ -137,9 +137,9 @@ def test_monitor_queries_are_held_out_images_and_its_vote_is_the_eval_knn_vote()
     assert bank.shape == (100, 3, 8, 8) and bank.dtype == torch.uint8 and queries.shape == (25, 3, 8, 8)
     train = {tuple(x.flatten().tolist()) for x in bank}
     assert not train & {tuple(x.flatten().tolist()) for x in queries}
-    from bt_hub.eval.knn import knn_vote as eval_vote
+    from bt_hub.eval.knn import knn_hits as eval_hits
 
-    assert eval_vote is knn_vote
+    assert eval_hits is knn_hits
     identity = KnnMonitor(bank, bank_labels, bank[:20], bank_labels[:20])
     scores = identity(torch.nn.Flatten(), "cpu")
     assert scores["knn_top1"] == 100.0  # each query finds itself first

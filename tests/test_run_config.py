@@ -80,15 +80,15 @@ def test_check_device_accepts_cpu():
 @pytest.mark.parametrize(
     "field,value,message",
     [
-        ("seed", -1, "--seed must be an integer from 0 to 4294967295, got -1"),
+        ("seed", -1, "--seed must be an integer from 0 to 4294967295, got -1 (int)"),
         (
             "seed",
             12345678901234567890123,
-            "--seed must be an integer from 0 to 4294967295, got 12345678901234567890123",
+            "--seed must be an integer from 0 to 4294967295, got 12345678901234567890123 (int)",
         ),
-        ("seed", 2**32, "--seed must be an integer from 0 to 4294967295, got 4294967296"),
-        ("threads", 100000, "--threads must be an integer from 0 (torch's default) to 1024, got 100000"),
-        ("threads", -1, "--threads must be an integer from 0 (torch's default) to 1024, got -1"),
+        ("seed", 2**32, "--seed must be an integer from 0 to 4294967295, got 4294967296 (int)"),
+        ("threads", 100000, "--threads must be an integer from 0 (torch's default) to 1024, got 100000 (int)"),
+        ("threads", -1, "--threads must be an integer from 0 (torch's default) to 1024, got -1 (int)"),
         ("out", "", "--out must name a directory, got an empty string"),
         ("out", "runs/a\0b", "--out must be a path without NUL bytes, got 'runs/a\\x00b'"),
     ],

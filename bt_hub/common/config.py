@@ -51,18 +51,18 @@ def check_device(device: str) -> None:
         )
 
 
-def check_seed(seed: int, flag: str = "--seed") -> None:
+def check_seed(seed: int) -> None:
     """Refuse a seed that is not an integer from 0 to 2**32 - 1 (the range every seeded library accepts)."""
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
-        raise ValueError(f"{flag} must be an integer from 0 to {SEED_MAX}, got {_shown(seed)}")
+        raise ValueError(f"--seed must be an integer from 0 to {SEED_MAX}, got {shown(seed)}")
 
 
-def check_out(out: str, flag: str = "--out") -> None:
+def check_out(out: str) -> None:
     """Refuse an output folder that is empty (the working directory) or holds a NUL byte (no file system takes it)."""
     if not str(out).strip():
-        raise ValueError(f"{flag} must name a directory, got an empty string")
+        raise ValueError("--out must name a directory, got an empty string")
     if "\0" in str(out):
-        raise ValueError(f"{flag} must be a path without NUL bytes, got {str(out)!r}")
+        raise ValueError(f"--out must be a path without NUL bytes, got {str(out)!r}")
 
 
 def check_image_size(size: int | None, command: str, flag: str = "--image-size") -> None:
@@ -72,11 +72,6 @@ def check_image_size(size: int | None, command: str, flag: str = "--image-size")
         raise ValueError(
             f"{flag} {size} is {bound} bt-hub {command} accepts (the paper uses 224); choose another {flag}"
         )
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return f"{text[:12]}...{text[-6:]} ({len(text)} characters)" if len(text) > 30 else text
 
 
 def option(default: Any, help: str, **metadata: Any) -> Any:
@@ -211,10 +206,10 @@ class RunConfig:
         check_seed(self.seed)
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or not 0 <= self.threads <= THREADS_MAX:
             raise ValueError(
-                f"--threads must be an integer from 0 (torch's default) to {THREADS_MAX}, got {_shown(self.threads)}"
+                f"--threads must be an integer from 0 (torch's default) to {THREADS_MAX}, got {shown(self.threads)}"
             )
         if not 0 <= (workers := getattr(self, "num_workers", 0)) <= THREADS_MAX:  # each one a forked process
-            raise ValueError(f"--num-workers must be an integer from 0 to {THREADS_MAX}, got {_shown(workers)}")
+            raise ValueError(f"--num-workers must be an integer from 0 to {THREADS_MAX}, got {shown(workers)}")
 
     def given_from(self, name: str, flag: str) -> str:
         """Where setting ``name``, given, came from: the ``--config`` file by its name where that file set it (or the

@@ -183,8 +183,18 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
     return atomic_write(path, lambda f: torch.save(obj, f))
 
 
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the headless Agg backend, imported when a figure is drawn (not with bt_hub)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def save_png(fig: Any, path: str | os.PathLike) -> Path:
-    """Write a matplotlib figure as PNG atomically and close it (its maker chose the headless backend)."""
+    """Write a matplotlib figure (drawn with :func:`pyplot`) as PNG atomically and close it."""
     import matplotlib.pyplot as plt
 
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))

@@ -12,7 +12,7 @@ import re
 import reprlib
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +220,11 @@ def shown(value: Any) -> str:
     if isinstance(value, (list, tuple, set, frozenset, dict)) and len(value) > reprlib.aRepr.maxlist:
         kind = f"{kind} of {len(value)} items"
     return f"{reprlib.repr(value)} ({kind})"
+
+
+def first_few(names: Sequence[str], most: int) -> str:
+    """The first ``most`` of ``names`` and how many more, for a message: ``a, b, c and 4 more``."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def describe_presets(cls: type) -> str:

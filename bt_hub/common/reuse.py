@@ -58,10 +58,7 @@ def changed_input(kind: str, recorded: Mapping[str, Any] | None, current: Mappin
             return f"{name} not recorded"
         was, now = _canonical(recorded[name]), _canonical(current[name])
         if was != now:
-            keys = sorted(k for k in {*was, *now} if was.get(k) != now.get(k)) if _both_mappings(was, now) else []
+            both = isinstance(was, dict) and isinstance(now, dict)
+            keys = sorted(k for k in {*was, *now} if was.get(k) != now.get(k)) if both else []
             return f"{name} changed" + (f" ({', '.join(keys[:3])}{', ...' * (len(keys) > 3)})" if keys else "")
     return None
-
-
-def _both_mappings(a: Any, b: Any) -> bool:
-    return isinstance(a, dict) and isinstance(b, dict)

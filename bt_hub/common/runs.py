@@ -117,14 +117,14 @@ def lock_holder(path: str | os.PathLike) -> dict[str, Any] | None:
     return None
 
 
-def _busy(directory: Path, lock: Path, flag: str) -> str:
+def _busy(directory: Path, lock: Path) -> str:
     return (
-        f"{flag} {directory} is in use by another bt-hub run ({whose(read_json(lock))}); wait for it to end or stop "
-        f"it, or choose another {flag}"
+        f"--out {directory} is in use by another bt-hub run ({whose(read_json(lock))}); wait for it to end or stop "
+        "it, or choose another --out"
     )
 
 
-def check_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False, flag: str = "--out") -> Path:
+def check_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False) -> Path:
     """Refuse, before any heavy work, an output directory a run of ``kind`` must not write into.
 
     ValueError for a file, a non-empty folder without bt_hub's marker (unless ``overwrite``) or of another
@@ -134,30 +134,28 @@ def check_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False
     for ancestor in (path, *path.parents):
         if ancestor.exists() and not ancestor.is_dir():
             where = "is an existing file" if ancestor == path else f"lies under {ancestor}, which is a file"
-            raise ValueError(
-                f"{flag} {path} {where}; expected a directory for the run's outputs: choose another {flag}"
-            )
+            raise ValueError(f"--out {path} {where}; expected a directory for the run's outputs: choose another --out")
         if ancestor.exists():
             break
     if not overwrite and path.is_dir() and any(path.iterdir()) and not owned_by_bt_hub(path):
         raise ValueError(
-            f"{flag} {path} is not empty and was not created by bt-hub (it has no {MARKER_NAME}); "
-            f"choose another {flag}, or pass --overwrite to write into it anyway (files of the same names are replaced)"
+            f"--out {path} is not empty and was not created by bt-hub (it has no {MARKER_NAME}); "
+            f"choose another --out, or pass --overwrite to write into it anyway (files of the same names are replaced)"
         )
     if path.is_dir():
         if (found := run_kind(path)) not in (None, kind):
             raise ValueError(
-                f"{flag} {path} holds a bt-hub {found} run, and bt-hub {kind} does not write into a folder of another "
-                f"kind of run; choose another {flag}"
+                f"--out {path} holds a bt-hub {found} run, and bt-hub {kind} does not write into a folder of another "
+                "kind of run; choose another --out"
             )
         if lock_holder(path) is not None:  # a live run holds its lock
-            raise RunDirBusyError(_busy(path, path / LOCK_NAME, flag))
+            raise RunDirBusyError(_busy(path, path / LOCK_NAME))
     return path
 
 
-def claim_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False, flag: str = "--out") -> Path:
+def claim_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False) -> Path:
     """``check_run_dir``, then create the directory and its marker (idempotent) and remove stale temp files."""
-    path = check_run_dir(path, kind=kind, overwrite=overwrite, flag=flag)
+    path = check_run_dir(path, kind=kind, overwrite=overwrite)
     marker = path / MARKER_NAME
     if _regular_file(marker):
         if run_kind(path) is None:  # a folder of an earlier bt_hub: from now on it says its kind
@@ -180,7 +178,7 @@ def claim_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False
     except FileExistsError:
         pass
     except OSError as err:
-        raise WriteError(f"could not create {flag} {path}: {err.strerror or err}; choose a writable {flag}") from err
+        raise WriteError(f"could not create --out {path}: {err.strerror or err}; choose a writable --out") from err
     remove_stale_temp_files(path)
     return path
 
@@ -199,18 +197,16 @@ def release_claim(path: str | os.PathLike, *, created: bool) -> None:
 
 
 @contextlib.contextmanager
-def claimed_run_dir(
-    path: str | os.PathLike, *, kind: str, overwrite: bool = False, flag: str = "--out"
-) -> Iterator[Path]:
+def claimed_run_dir(path: str | os.PathLike, *, kind: str, overwrite: bool = False) -> Iterator[Path]:
     """:func:`claim_run_dir` for the length of a command, holding the folder's :class:`RunLock` all along (a
     second command into it fails at once, naming this one); if the command fails, a claim it made is taken back
     (:func:`release_claim`), so a failed command leaves no folder holding only bt_hub's marker."""
     path = Path(path)
     created, claimed = not os.path.lexists(path), not os.path.lexists(path / MARKER_NAME)
     new_lock = not os.path.lexists(path / LOCK_NAME)
-    claim_run_dir(path, kind=kind, overwrite=overwrite, flag=flag)
+    claim_run_dir(path, kind=kind, overwrite=overwrite)
     main = os.environ.get("RANK", "0") == "0"  # the main process claims and locks it (torchrun sets RANK)
-    lock = RunLock(path, flag) if main else None  # refused here, the claim is the live holder's: nothing taken back
+    lock = RunLock(path) if main else None  # refused here, the claim is the live holder's: nothing taken back
     try:
         yield path
     except BaseException:
@@ -227,7 +223,7 @@ def claimed_run_dir(
 class RunLock:
     """An advisory ``flock`` on ``<dir>/.bt_hub_run.lock`` holding this process's pid and host."""
 
-    def __init__(self, directory: str | os.PathLike, flag: str = "--out") -> None:
+    def __init__(self, directory: str | os.PathLike) -> None:
         self.path = Path(directory) / LOCK_NAME
         try:
             fd = open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
@@ -235,14 +231,14 @@ class RunLock:
             raise
         except OSError as err:  # a read-only file system or folder
             raise WriteError(
-                f"{flag} {directory} is not writable ({err.strerror or err}: could not open its {LOCK_NAME}); "
-                f"choose a writable {flag}"
+                f"--out {directory} is not writable ({err.strerror or err}: could not open its {LOCK_NAME}); "
+                "choose a writable --out"
             ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise RunDirBusyError(_busy(Path(directory), self.path, flag)) from None
+            raise RunDirBusyError(_busy(Path(directory), self.path)) from None
         record_holder(fd)
         self._fd: int | None = fd
 

@@ -77,7 +77,6 @@ from bt_hub.common.signals import ignore_group_signals
 from bt_hub.data.decode import PackedItems, collate_packed, decode_on_cpu, read_encoded
 from bt_hub.method.transforms import DeviceEvalTransform
 
-STORE_MODES = ("auto", "off", "disk", "device")
 STORE_FORMAT = 2  # 2: stat rows with ctime, partial builds in verified segments
 AUTO_MAX_BYTES = 64 * 2**30  # auto makes no store larger than this (nor than half the free disk)
 DEVICE_SHARE = 0.3  # auto keeps a store in GPU memory when it takes at most this share of the free memory

@@ -19,19 +19,6 @@ def nearest_neighbours(bank: torch.Tensor, queries: torch.Tensor, k: int) -> tup
     return sims.topk(k, dim=1)
 
 
-def knn_vote(
-    similarities: torch.Tensor,
-    indices: torch.Tensor,
-    train_labels: torch.Tensor,
-    test_labels: torch.Tensor,
-    k: int,
-    temperature: float,
-    num_classes: int,
-) -> dict[str, float]:
-    """Top-1 / top-5 (percent) of the exp(sim / T)-weighted vote of the first ``k`` neighbours, in float64 (DINO)."""
-    return hit_rates(knn_hits(similarities, indices, train_labels, test_labels, k, temperature, num_classes))
-
-
 def knn_hits(
     similarities: torch.Tensor,
     indices: torch.Tensor,
@@ -41,8 +28,9 @@ def knn_hits(
     temperature: float,
     num_classes: int,
 ) -> torch.Tensor:
-    """Per test image, whether its label is the vote's first, second, ... choice (N x min(5, k, C) booleans, at most
-    one True a row): :func:`knn_vote`'s vote, image by image."""
+    """Per test image, whether its label is the first, second, ... choice of the exp(sim / T)-weighted vote of its
+    first ``k`` neighbours, in float64 (DINO): N x min(5, k, C) booleans, at most one True a row
+    (:func:`hit_rates` sums them into top-1 / top-5)."""
     if k > similarities.shape[1]:
         raise ValueError(f"k={k} exceeds the {similarities.shape[1]} neighbours searched")
     if not (math.isfinite(temperature) and temperature > 0):

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from bt_hub.common.optional import require
 from bt_hub.common.signals import ignore_group_signals
 from bt_hub.data.datasets import ImageFolderDataset, build_dataset, is_builtin, to_uint8_tensor
-from bt_hub.method.knn import knn_vote, nearest_neighbours
+from bt_hub.method.knn import hit_rates, knn_hits, nearest_neighbours
 from bt_hub.method.model import default_init_backbone
 from bt_hub.method.rankme import rankme
 from bt_hub.method.transforms import normalize
@@ -128,10 +128,10 @@ class KnnMonitor:
             backbone.train(was_training)
         k = min(MONITOR_K, len(bank))
         sims, idx = nearest_neighbours(bank, queries, k)
-        top1 = knn_vote(
+        vote = knn_hits(
             sims.cpu(), idx.cpu(), self.bank_labels, self.query_labels, k, MONITOR_TEMPERATURE, self.num_classes
-        )["top1"]
-        return {"knn_top1": top1, "rankme": rankme(bank)}
+        )
+        return {"knn_top1": hit_rates(vote)["top1"], "rankme": rankme(bank)}
 
     def baselines(
         self, arch: str, small_image_stem: bool, seed: int, device: torch.device | str, amp_dtype: torch.dtype | None

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from bt_hub.common.config import OVERWRITE_HELP, REQUIRED, option
-from bt_hub.common.files import read_json, save_png
+from bt_hub.common.files import pyplot, read_json, save_png
 from bt_hub.common.runs import claimed_run_dir, read_jsonl, run_kind
 from bt_hub.method.loss import LAMBD
 
@@ -30,15 +30,6 @@ class ReportConfig:
     )
     out: str | None = option(None, "where the PNG files go (default: RUN_DIR/report)")
     overwrite: bool = option(False, OVERWRITE_HELP)
-
-
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -70,7 +61,7 @@ def read_cross_correlation(path: Path) -> np.ndarray:
 
 def plot_losses(rows: Sequence[dict[str, Any]], lambd: float) -> Any:
     """The loss, its on-diagonal part Σ(1 − C_ii)² and its off-diagonal part λ Σ C_ij², per logged step (log scale)."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = [r for r in rows if "loss" in r]
     steps = [r["step"] for r in rows]
     point = {"marker": "o"} if len(rows) == 1 else {}  # one logged step (a run shorter than --log-every): no line
@@ -90,7 +81,7 @@ def off_diagonal_mean(c: np.ndarray) -> float:
 
 def plot_cross_correlations(matrices: dict[str, np.ndarray]) -> Any:
     """Cross-correlation matrices side by side (-1 blue .. 1 red), titled with their diagonal and off-diagonal means."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(matrices), figsize=(4.2 * len(matrices), 3.8), squeeze=False)
     for ax, (when, c) in zip(axes[0], matrices.items()):
         im = ax.imshow(c, cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
@@ -104,7 +95,7 @@ def plot_cross_correlations(matrices: dict[str, np.ndarray]) -> Any:
 
 def plot_knn(rows: Sequence[dict[str, Any]]) -> Any:
     """The online kNN monitor's top-1 per step, beside the same vote on raw pixels and a random-init network."""
-    plt = _pyplot()
+    plt = pyplot()
     points = [(r["step"], r["knn_top1"]) for r in rows if "knn_top1" in r]
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.plot([s for s, _ in points], [v for _, v in points], marker="o", color="tab:green", label="backbone")

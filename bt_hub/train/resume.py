@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from bt_hub.common.files import CheckpointError, atomic_torch_save, non_finite_tensors, read_file
+from bt_hub.common.presets import first_few
 
 CHECKPOINT_NAME = "checkpoint.pth"
 
@@ -101,10 +102,6 @@ def _count(names: list[str]) -> str:
     return f"{len(names)} tensor{'s' if len(names) > 1 else ''}"
 
 
-def _shown(names: list[str]) -> str:
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
 def _non_finite_state(state: dict[str, Any]) -> list[str]:
     """The NaN/inf tensors of a checkpoint's model and optimiser state."""
     return non_finite_tensors({"model": state.get("model", {}), "optimizer": state.get("optimizer", {})})
@@ -125,7 +122,7 @@ def training_stopped(checkpoint: str | os.PathLike, step: int, what: str) -> str
             kept = f"{checkpoint} is kept but could not be read back"
         else:
             if bad:
-                kept = f"{checkpoint} (step {kept_step}) is kept but holds NaN or inf ({_shown(bad)})"
+                kept = f"{checkpoint} (step {kept_step}) is kept but holds NaN or inf ({first_few(bad, 3)})"
                 advice = "it cannot be resumed, so start again with --overwrite or a new --out"
             else:
                 kept = f"the last good checkpoint {checkpoint} (step {kept_step}, every tensor finite) is kept"
@@ -142,7 +139,7 @@ def save_checkpoint(path: str | os.PathLike, **state: Any) -> Path:
             training_stopped(
                 path,
                 int(state.get("step", -1)),
-                f"{_count(bad)} of the training state became NaN or inf ({_shown(bad)})",
+                f"{_count(bad)} of the training state became NaN or inf ({first_few(bad, 3)})",
             )
         )
     return atomic_torch_save({**state, "rng": rng_state()}, path)
@@ -160,7 +157,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     bad = _non_finite_state(state)
     if bad:
         raise CheckpointError(
-            f"checkpoint {path} holds NaN or inf in {_count(bad)} ({_shown(bad)}), "
+            f"checkpoint {path} holds NaN or inf in {_count(bad)} ({first_few(bad, 3)}), "
             "so it cannot be resumed; resume from an intact copy, or start again with --overwrite or a new --out"
         )
     return state

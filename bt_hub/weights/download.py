@@ -227,9 +227,8 @@ def _fetch(url: str, partial: Path, timeout: float, progress: bool) -> None:
     except urllib.error.HTTPError as err:
         if err.code >= 500 or err.code in (408, 429):
             raise _Retryable(f"HTTP {err.code} {err.reason}") from None
-        raise DownloadError(
-            f"download of {url} failed: HTTP {err.code} {err.reason}; {_fixes(url, _final(partial))}"
-        ) from None
+        target = partial.parent.parent / partial.name  # partial is <target's folder>/.partial-*/<target's name>
+        raise DownloadError(f"download of {url} failed: HTTP {err.code} {err.reason}; {_fixes(url, target)}") from None
     except (TimeoutError, ConnectionError, http.client.HTTPException, urllib.error.URLError, OSError) as err:
         raise _Retryable(_describe(err, timeout)) from None
     if expected is not None and size != int(expected):
@@ -244,10 +243,6 @@ def _describe(err: BaseException, timeout: float) -> str:
         return f"the connection closed after {len(inner.partial)} bytes of the body"
     text = str(getattr(inner, "strerror", None) or inner).strip() or type(inner).__name__
     return f"{type(inner).__name__}: {text}"
-
-
-def _final(partial: Path) -> Path:
-    return partial.parent.parent / partial.name
 
 
 def _verify(partial: Path, url: str, target: Path, sha256: str | None) -> None:
