@@ -34,6 +34,8 @@ LIBRARY = (str(ROOT / "bt_hub"), str(ROOT / "eval"))
 def config_classes(argv: list[str]) -> tuple[type, ...]:
     """The config class of ``bt-hub ARGV`` and those of the children whose flags ARGV gives (``--knn.k``: knn's)."""
     _, command, _ = cli._resolve(argv)
+    if not isinstance(command, cli.Command):
+        raise SystemExit(f"{' '.join(argv) or '(nothing)'} names no bt-hub command; see --help")
     config_class = getattr(importlib.import_module(command.module), command.config)
     hints, given = typing.get_type_hints(config_class), {child for child, _ in child_flags(argv)}
     children = [f.name for f in dataclasses.fields(config_class) if "child" in f.metadata and f.name in given]
@@ -88,6 +90,8 @@ def main() -> None:
     """Print the path of ``bt-hub ARGV``'s config (``--to FUNCTION``: up to that function), its module visits and
     its modules."""
     argv = sys.argv[1:]
+    if not argv or argv[0] in ("-h", "--help"):
+        raise SystemExit(__doc__)
     to = argv[1] if argv[:1] == ["--to"] else None
     path = follow(argv[2:] if to else argv, to)
     visits = [m for i, (m, _) in enumerate(path) if i == 0 or path[i - 1][0] != m]
