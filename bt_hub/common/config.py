@@ -126,18 +126,21 @@ class Origin:
     given: Mapping[str, str] = field(default_factory=dict)
     inherited: frozenset[str] = frozenset()
 
+    def file(self, name: str) -> str:
+        """The ``--config`` file that set setting ``name`` (its name), else ``""``."""
+        where = self.given.get(name, "")
+        return "" if where.startswith("--") else where
+
     def key(self, name: str) -> str:
         """How a check of its type names setting ``name``: ``key knn.k of run.yaml`` where a file set it, else
         ``knn.k``."""
-        where = self.given.get(name, "")
-        return f"key {self.prefix}{name} of {where}" if where and not where.startswith("--") else self.prefix + name
+        return f"key {self.prefix}{name} of {self.file(name)}" if self.file(name) else self.prefix + name
 
     def flag(self, name: str, spelled: str | None = None) -> str:
         """How a message names setting ``name`` (whose flag is ``--spelled``, by default ``--name``): the flag as
         typed, its key where a file set it, else its flag under the prefix (``--knn.k``)."""
-        where = self.given.get(name, "")
-        if where:
-            return where if where.startswith("--") else self.key(name)
+        if name in self.given:
+            return self.key(name) if self.file(name) else self.given[name]
         return "--" + f"{self.prefix}{spelled or name}".replace("_", "-")
 
 
@@ -214,8 +217,7 @@ class RunConfig:
     def given_from(self, name: str, flag: str) -> str:
         """Where setting ``name``, given, came from: the ``--config`` file by its name where that file set it (or the
         command holding this config had it from one), else ``flag``."""
-        where = self.origin.given.get(name, "")
-        return where if where and not where.startswith("--") else flag
+        return self.origin.file(name) or flag
 
     def flag(self, name: str) -> str:
         """The flag of setting ``name`` as the user gave it (:meth:`Origin.flag`): ``--k``; in a command holding this
